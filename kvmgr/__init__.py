@@ -1,0 +1,67 @@
+"""kvmgr: a KV-cache offload manager for custom LLM serving loops.
+
+Offers:
+    OffloadManager      the asyncio facade: lookup, swap_out, swap_in, preempt, resume, step
+    ManagerConfig       its settings (frozen attrs)
+    StepContext, StepHook, HookReport      per-step hooks
+    SwapResult, StepReport, DirectionReport, ManagerStatistics   what it reports
+    Tier                GPU or CPU, in block tables
+    errors              KVMgrError and its subclasses, re-exported here
+
+Kernels and their hooks (Triton) live in ``kvmgr.kernels``; the user testing kit in
+``kvmgr.testing``. Neither is imported here, so ``import kvmgr`` needs no Triton.
+"""
+
+from __future__ import annotations
+
+from kvmgr.config import ManagerConfig
+from kvmgr.errors import (
+    BlockStateError,
+    ClosedError,
+    ConfigError,
+    DoubleFreeError,
+    GeometryError,
+    HazardError,
+    InvalidBlockError,
+    InvalidKeyError,
+    KVMgrError,
+    PoolExhaustedError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownKeyError,
+    UnknownRequestError,
+)
+from kvmgr.hooks import HookReport, StepContext, StepHook
+from kvmgr.manager import OffloadManager
+from kvmgr.pool.block_table import Tier
+from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockStateError",
+    "ClosedError",
+    "ConfigError",
+    "DirectionReport",
+    "DoubleFreeError",
+    "GeometryError",
+    "HazardError",
+    "HookReport",
+    "InvalidBlockError",
+    "InvalidKeyError",
+    "KVMgrError",
+    "ManagerConfig",
+    "ManagerStatistics",
+    "OffloadManager",
+    "PoolExhaustedError",
+    "StepContext",
+    "StepHook",
+    "StepReport",
+    "SwapResult",
+    "Tier",
+    "TransferError",
+    "TransferTimeoutError",
+    "UnknownKeyError",
+    "UnknownRequestError",
+    "__version__",
+]

@@ -1,0 +1,101 @@
+"""Configuration: frozen, validated attrs classes.
+
+Offers:
+    ManagerConfig   settings of an ``OffloadManager``
+
+Configs are never mutated: derive a variant with ``attrs.evolve(config, field=value)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+from kvmgr.errors import ConfigError
+
+__all__ = ["ENGINES", "FLUSH_MODES", "ManagerConfig"]
+
+#: Engine names accepted by ``ManagerConfig.engine``; "auto" picks per device (see manager).
+ENGINES = ("auto", "host", "cuda", "kernel")
+#: "step": ``step()`` flushes; "tick": everything queued in one event-loop tick is flushed.
+FLUSH_MODES = ("step", "tick")
+#: What a store that cannot make room does: fail at once, or wait (bounded) for room.
+BACKPRESSURE_MODES = ("fail", "wait")
+
+
+def _policy_name(instance: Any, attribute: Any, value: str) -> None:
+    from kvmgr.policy import POLICIES
+
+    if value not in POLICIES:
+        raise ConfigError(f"unknown policy {value!r}; supported: {', '.join(sorted(POLICIES))}")
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"{attribute.name}: expected one of {choices}, got {value!r}")
+
+    return check
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{attribute.name}: expected an int >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ManagerConfig:
+    """Settings of an ``OffloadManager``.
+
+    Attributes:
+        num_cpu_blocks: blocks in the CPU tier (each holds one page of every KV tensor).
+        policy: eviction policy of the CPU tier: ``"lru"`` or ``"arc"``.
+        engine: ``"host"`` (CPU tensors, real copies on a worker thread), ``"cuda"`` (batched
+            driver copy), ``"kernel"`` (SM copy kernel) or ``"auto"`` (host without CUDA tensors,
+            else the per-batch choice between DMA and kernel).
+        flush: ``"step"`` (``step()`` flushes the queue) or ``"tick"`` (each event-loop tick).
+        manage_gpu_blocks: the manager owns an allocator over all GPU blocks for the
+            request-level API (``allocate``, ``resume``).
+        merge: merge adjacent pages into one descriptor.
+        max_descriptors: descriptor cap per submitted chunk; ``None`` = the engine's default.
+        backpressure: a store that cannot make room ``"fail"``s with ``PoolExhaustedError`` or
+            ``"wait"``s up to ``store_wait_s`` seconds for blocks to become evictable.
+        store_wait_s: bound of the wait, seconds.
+        allow_pageable: CUDA engines may fall back (logged) to pageable host memory when
+            registration fails, instead of raising.
+    """
+
+    num_cpu_blocks: int = attrs.field(validator=_positive)
+    policy: str = attrs.field(default="lru", validator=_policy_name)
+    engine: str = attrs.field(default="auto", validator=_one_of(ENGINES))
+    flush: str = attrs.field(default="step", validator=_one_of(FLUSH_MODES))
+    manage_gpu_blocks: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    merge: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    max_descriptors: int | None = attrs.field(default=None, validator=v.optional(_positive))
+    backpressure: str = attrs.field(default="fail", validator=_one_of(BACKPRESSURE_MODES))
+    store_wait_s: float = attrs.field(default=1.0)
+    allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
+
+    @store_wait_s.validator
+    def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"store_wait_s: expected seconds >= 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ManagerConfig:
+        """Build from parsed input (JSON, CLI); unknown keys are an error.
+
+        Raises:
+            ConfigError: an unknown key or an invalid value.
+        """
+        known = {a.name for a in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from None

@@ -1,0 +1,106 @@
+"""The kvmgr exception hierarchy: one small class per failure mode, all under ``KVMgrError``.
+
+Every error raised for bad input is raised before any state changes, so catching it leaves the
+manager exactly as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlockStateError",
+    "ClosedError",
+    "ConfigError",
+    "DoubleFreeError",
+    "GeometryError",
+    "HazardError",
+    "InvalidBlockError",
+    "InvalidKeyError",
+    "KVMgrError",
+    "PoolExhaustedError",
+    "TransferError",
+    "TransferTimeoutError",
+    "UnknownKeyError",
+    "UnknownRequestError",
+]
+
+
+class KVMgrError(Exception):
+    """Base class of every error kvmgr raises on purpose."""
+
+
+class ConfigError(KVMgrError, ValueError):
+    """A configuration value or combination of values is invalid."""
+
+
+class GeometryError(KVMgrError, ValueError):
+    """KV tensors have shapes, dtypes, devices or layouts kvmgr cannot manage."""
+
+
+class InvalidBlockError(KVMgrError, ValueError):
+    """A block id is out of range, duplicated, or does not belong to this pool."""
+
+
+class DoubleFreeError(InvalidBlockError):
+    """A block id was freed while it was already free."""
+
+
+class InvalidKeyError(KVMgrError, ValueError):
+    """A key is not ``bytes``, or keys repeat where they must be distinct, or counts differ."""
+
+
+class UnknownKeyError(KVMgrError, KeyError):
+    """A key is not in the prefix index."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown key"
+
+
+class BlockStateError(KVMgrError, RuntimeError):
+    """A block is in the wrong state for the operation (for example a PENDING key swapped in)."""
+
+
+class UnknownRequestError(KVMgrError, KeyError):
+    """A request id has no block table."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class PoolExhaustedError(KVMgrError, RuntimeError):
+    """Not enough free or evictable blocks; nothing was changed.
+
+    Attributes:
+        needed: blocks the operation asked for.
+        available: blocks that were free or evictable at the time.
+        reason: short machine-readable reason (``"cpu_full"``, ``"gpu_full"``, ...).
+    """
+
+    def __init__(self, message: str, *, needed: int, available: int, reason: str) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+        self.reason = reason
+
+
+class HazardError(KVMgrError, RuntimeError):
+    """A transfer batch would read and write one block, or write one destination twice."""
+
+
+class TransferError(KVMgrError, RuntimeError):
+    """A copy failed; the blocks it was filling are not readable.
+
+    Attributes:
+        fail_index: index of the failing descriptor when the driver reports it, else ``None``.
+    """
+
+    def __init__(self, message: str, *, fail_index: int | None = None) -> None:
+        super().__init__(message)
+        self.fail_index = fail_index
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """An await passed its deadline; the copy itself may still be running and stays fenced."""
+
+
+class ClosedError(KVMgrError, RuntimeError):
+    """The manager or engine is closed, or closed while the operation was pending."""

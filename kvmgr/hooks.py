@@ -1,0 +1,80 @@
+"""Per-step hooks: what runs on the compute stream once per scheduler step.
+
+Offers:
+    StepContext   what the scheduler knows about the step (host arrays, device tensors, stream)
+    StepHook      the protocol a hook implements
+    HookReport    what a hook reports back (launches, skips, free-form counters)
+
+``OffloadManager.step(ctx)`` runs the registered hooks in order, then flushes the queued
+transfers, so a store issued in the same step sees what the hooks wrote. Built-in hooks wrapping
+kernels live next to their kernels (``kvmgr.kernels``) and are re-exported by ``kvmgr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+__all__ = ["HookReport", "StepContext", "StepHook"]
+
+
+@attrs.frozen(kw_only=True)
+class StepContext:
+    """What one scheduler step knows, passed to every hook.
+
+    Attributes:
+        step: step number, counted by the caller (the manager fills in its own if ``None``).
+        num_computed_tokens: host int array ``[num_reqs]``: tokens of each request already in
+            the KV cache before this step, or ``None`` when unknown.
+        query_start_loc: host int array ``[num_reqs + 1]``: cumulative new-token offsets of the
+            step (request ``r`` computes tokens ``query_start_loc[r]:query_start_loc[r+1]``), or
+            ``None`` when unknown.
+        tensors: device tensors by name (``"slot_mapping"``, ``"kv_c"``, ...), as the hooks
+            that use them document.
+        stream: the compute stream (a ``torch.cuda.Stream``), or ``None`` for the current one.
+        is_capturing: True while the step is being captured into a CUDA graph: hooks must not
+            read device data on the host nor skip launches based on host state that changes
+            between replays.
+    """
+
+    step: int | None = None
+    num_computed_tokens: np.ndarray | None = None
+    query_start_loc: np.ndarray | None = None
+    tensors: Mapping[str, Any] = attrs.field(factory=dict)
+    stream: Any = None
+    is_capturing: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class HookReport:
+    """What one hook did in one step.
+
+    Attributes:
+        name: the hook's name.
+        launches: kernel launches issued.
+        skips: launches skipped by a host-side gate.
+        host_s: host seconds spent in the hook (wall clock, not device time).
+        extra: hook-specific counters.
+    """
+
+    name: str
+    launches: int = 0
+    skips: int = 0
+    host_s: float = 0.0
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@runtime_checkable
+class StepHook(Protocol):
+    """A kernel (or any work) that runs once per scheduler step on the compute stream.
+
+    ``__call__`` must only enqueue work (no host synchronisation), return how many launches it
+    issued and skipped, and be safe under CUDA-graph capture when ``ctx.is_capturing``.
+    """
+
+    name: str
+
+    def __call__(self, ctx: StepContext) -> HookReport: ...

@@ -1,0 +1,192 @@
+"""Transfer plans: flat numpy arrays of (src address, dst address, bytes) for one batch.
+
+Offers:
+    Direction       ``D2H`` (GPU -> CPU, a store) or ``H2D`` (CPU -> GPU, a load)
+    TransferPlan    one batch's descriptors plus the counts the step report needs
+    build_plan      block id pairs + layouts -> merged descriptors, without a loop per page
+    check_hazards   reject a batch that writes one destination twice
+
+Copies inside one batch run in no order (DESIGN.md, transfer rule 5), so a plan may reorder its
+pages freely: ``build_plan`` sorts pairs by source block and merges runs of consecutive source and
+destination blocks into one descriptor per tensor (rule 6). Engines split plans above their
+descriptor cap with ``TransferPlan.split``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+
+from kvmgr.errors import GeometryError, HazardError, InvalidBlockError
+from kvmgr.pool.layout import KVLayout
+
+__all__ = ["Direction", "TransferPlan", "build_plan", "check_hazards"]
+
+
+class Direction(enum.Enum):
+    """Copy direction."""
+
+    D2H = "d2h"  #: GPU -> CPU: a store (swap-out)
+    H2D = "h2d"  #: CPU -> GPU: a load (swap-in)
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@attrs.frozen(eq=False)
+class TransferPlan:
+    """The descriptors of one batch in one direction.
+
+    Attributes:
+        direction: D2H or H2D.
+        src_addrs: int64 ``[num_descriptors]``: source addresses.
+        dst_addrs: int64 ``[num_descriptors]``: destination addresses.
+        sizes: int64 ``[num_descriptors]``: bytes of each copy.
+        num_blocks: block pairs in the batch (before multiplying by tensors).
+        num_pages: pages (block pairs x tensors), i.e. descriptors before merging.
+    """
+
+    direction: Direction
+    src_addrs: np.ndarray = _EMPTY
+    dst_addrs: np.ndarray = _EMPTY
+    sizes: np.ndarray = _EMPTY
+    num_blocks: int = 0
+    num_pages: int = 0
+
+    @property
+    def num_descriptors(self) -> int:
+        """Descriptors after merging."""
+        return len(self.sizes)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the batch moves."""
+        return int(self.sizes.sum())
+
+    def split(self, max_descriptors: int) -> list[TransferPlan]:
+        """Cut the plan into consecutive chunks of at most ``max_descriptors`` descriptors.
+
+        Block and page counts are attributed to the first chunk so sums stay exact.
+
+        Raises:
+            ValueError: ``max_descriptors < 1``.
+        """
+        if max_descriptors < 1:
+            raise ValueError(f"expected max_descriptors >= 1, got {max_descriptors}")
+        if self.num_descriptors <= max_descriptors:
+            return [self]
+        cuts = range(0, self.num_descriptors, max_descriptors)
+        return [
+            TransferPlan(
+                self.direction,
+                self.src_addrs[c : c + max_descriptors],
+                self.dst_addrs[c : c + max_descriptors],
+                self.sizes[c : c + max_descriptors],
+                num_blocks=self.num_blocks if c == 0 else 0,
+                num_pages=self.num_pages if c == 0 else 0,
+            )
+            for c in cuts
+        ]
+
+
+def check_hazards(dst_block_ids: np.ndarray) -> None:
+    """Reject a batch that writes one destination block twice (DESIGN.md, transfer rule 5).
+
+    A batch always reads one tier and writes the other, so a read and a write of one block cannot
+    share a batch; the manager orders batches that touch a block both ways.
+
+    Raises:
+        HazardError: a destination block id occurs more than once (the first one is named).
+    """
+    ids = np.asarray(dst_block_ids, dtype=np.int64)
+    uniq, counts = np.unique(ids, return_counts=True)
+    if len(uniq) != len(ids):
+        raise HazardError(
+            f"destination block {int(uniq[counts > 1][0])} is written twice in one batch"
+        )
+
+
+def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise InvalidBlockError(f"{name} block id {bad} out of range [0, {num_blocks})")
+
+
+def build_plan(
+    direction: Direction,
+    src: KVLayout,
+    dst: KVLayout,
+    src_block_ids: np.ndarray,
+    dst_block_ids: np.ndarray,
+    *,
+    merge: bool = True,
+) -> TransferPlan:
+    """Build the descriptors that copy block ``src_block_ids[i]`` to ``dst_block_ids[i]``.
+
+    Every tensor's page of each block is copied. With ``merge``, pairs are sorted by source block
+    and each run of consecutive source and destination blocks becomes one descriptor per tensor,
+    for tensors that are dense on both sides (block stride == page bytes).
+
+    Args:
+        direction: recorded on the plan; the engine uses it to pick streams and ordering.
+        src, dst: layouts of the source and destination tier, with equal page bytes per tensor.
+        src_block_ids, dst_block_ids: int ``[n]`` block ids, same length.
+        merge: merge adjacent pages (DESIGN.md, transfer rule 6).
+
+    Returns:
+        A plan with ``n * num_tensors`` pages and at most as many descriptors, tensor-major.
+
+    Raises:
+        GeometryError: the layouts differ in tensor count or page bytes.
+        InvalidBlockError: lengths differ or an id is out of range.
+        HazardError: a destination block repeats.
+    """
+    if src.num_tensors != dst.num_tensors or not np.array_equal(src.page_bytes, dst.page_bytes):
+        raise GeometryError(
+            f"expected equal page bytes per tensor, got {src.page_bytes.tolist()} and "
+            f"{dst.page_bytes.tolist()}"
+        )
+    s = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    d = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    if len(s) != len(d):
+        raise InvalidBlockError(
+            f"expected as many destination as source blocks, got {len(d)} and {len(s)}"
+        )
+    _check_ids("source", s, src.num_blocks)
+    _check_ids("destination", d, dst.num_blocks)
+    check_hazards(d)
+    n = len(s)
+    if n == 0:
+        return TransferPlan(direction)
+    lengths = np.ones(n, dtype=np.int64)
+    run_s, run_d = s, d
+    if merge and n > 1:
+        order = np.argsort(s, kind="stable")
+        s, d = s[order], d[order]
+        starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(d) != 1)])
+        lengths = np.diff(np.r_[starts, n])
+        run_s, run_d = s[starts], d[starts]
+    dense = src.is_dense & dst.is_dense
+    parts = []
+    if dense.any():  # one descriptor per run in dense tensors
+        parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
+    if not dense.all():  # one descriptor per page elsewhere
+        parts.append(_descriptors(src, dst, ~dense, s, d, np.ones(n, dtype=np.int64)))
+    srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
+    return TransferPlan(direction, srcs, dsts, sizes, num_blocks=n, num_pages=n * src.num_tensors)
+
+
+def _descriptors(
+    src: KVLayout,
+    dst: KVLayout,
+    tensors: np.ndarray,
+    s: np.ndarray,
+    d: np.ndarray,
+    runs: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    src_addrs = src.base_addrs[tensors, None] + s[None, :] * src.block_strides[tensors, None]
+    dst_addrs = dst.base_addrs[tensors, None] + d[None, :] * dst.block_strides[tensors, None]
+    sizes = src.page_bytes[tensors, None] * runs[None, :]
+    return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes.reshape(-1)
