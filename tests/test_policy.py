@@ -1,0 +1,298 @@
+"""Policies: shared behaviour, exact orders, ARC adaptation and ghosts, a stateful model."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TypeVar
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvmgr.errors import BlockStateError, ConfigError, UnknownKeyError
+from kvmgr.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+
+a, b, c, d, e, f, g, h, i = (bytes([ch]) * 3 for ch in b"abcdefghi")
+P = TypeVar("P", bound=EvictionPolicy)
+ANY = lambda key: True  # noqa: E731  (can_evict / is_ready accepting every key)
+
+
+def _fill(policy: P, *keys: bytes) -> P:
+    """Insert ``keys`` in order and return the policy."""
+    for key in keys:
+        policy.insert(key)
+    return policy
+
+
+def _resident(policy: EvictionPolicy) -> list[bytes]:
+    """Tracked keys: LRU order for LRU, T1 then T2 for ARC."""
+    if isinstance(policy, ARCPolicy):
+        return policy.t1 + policy.t2
+    return policy.ordered_keys()  # type: ignore[attr-defined, no-any-return]
+
+
+def _snapshot(policy: EvictionPolicy) -> object:
+    if isinstance(policy, ARCPolicy):
+        return (policy.t1, policy.t2, policy.b1, policy.b2, policy.target)
+    return _resident(policy)
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
+    return make_policy(request.param, 8)
+
+
+def test_touch_walks_in_reverse_first_key_most_recent(policy: EvictionPolicy) -> None:
+    assert isinstance(policy, EvictionPolicy) and type(policy) is POLICIES[policy.name]
+    _fill(policy, a, b, c, d)
+    # touch [c, a] plus an untracked key: a, then c become most recent; x is ignored
+    policy.touch([c, a, b"x"])
+    assert len(policy) == 4 and b"x" not in policy
+    # both policies now evict the untouched b, d first, then a, and c last
+    assert policy.evict(4, ANY) == [b, d, a, c] and len(policy) == 0
+
+
+def test_evict_is_atomic(policy: EvictionPolicy) -> None:
+    _fill(policy, a, b, c, d, e)
+    before = _snapshot(policy)
+    evictable = {b, e}
+    # 3 victims wanted, only 2 evictable: None and nothing changed
+    assert policy.evict(3, lambda key: key in evictable) is None
+    assert _snapshot(policy) == before and len(policy) == 5
+    # 2 wanted: exactly the evictable ones, oldest first
+    assert policy.evict(2, lambda key: key in evictable) == [b, e]
+    assert _resident(policy) == [a, c, d]
+
+
+def test_protected_and_pinned_keys_are_skipped(policy: EvictionPolicy) -> None:
+    _fill(policy, a, b, c, d, e)
+    asked: list[bytes] = []
+
+    def can_evict(key: bytes) -> bool:
+        asked.append(key)
+        return key != b
+
+    # n = 0: nothing asked, nothing evicted
+    assert policy.evict(0, can_evict) == [] and asked == []
+    # a protected (given as a list), b pinned: both skipped; protected keys are not even asked
+    assert policy.evict(2, can_evict, protected=[a]) == [c, d]
+    assert asked == [b, c, d]
+    # left: protected a, pinned b, and e: two victims cannot be found
+    assert policy.evict(2, can_evict, protected={a}) is None
+    assert _resident(policy) == [a, b, e]
+
+
+def test_remove_and_bad_input(policy: EvictionPolicy) -> None:
+    _fill(policy, a, b, c)
+    policy.remove(b)
+    assert b not in policy and _resident(policy) == [a, c]
+    before = _snapshot(policy)
+    with pytest.raises(UnknownKeyError, match="not tracked"):
+        policy.remove(b)
+    with pytest.raises(BlockStateError, match="already tracked"):
+        policy.insert(a)
+    with pytest.raises(ValueError, match="expected >= 0, got -1"):
+        policy.evict(-1, ANY)
+    assert _snapshot(policy) == before
+
+
+def test_unknown_policy_name_lists_supported() -> None:
+    with pytest.raises(ConfigError, match=r"policy 'lfu'; supported: 'arc', 'lru'$"):
+        make_policy("lfu", 4)
+    for capacity in (0, -3, True, 2.0):
+        with pytest.raises(ConfigError, match="policy capacity"):
+            make_policy("lru", capacity)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="expected > 0, got 0"):
+        ARCPolicy(0)
+
+
+def test_arc_pending_key_stays_in_t1() -> None:
+    arc = _fill(ARCPolicy(4), a, b, c)
+    # a is still PENDING, b is READY: b is promoted, a only moves to T1's MRU end
+    arc.touch([a, b], is_ready=lambda key: key != a)
+    assert (arc.t1, arc.t2) == ([c, a], [b])
+    # a's store completed: the next hit promotes it
+    arc.touch([a], is_ready=ANY)
+    assert (arc.t1, arc.t2) == ([c], [b, a])
+    # without is_ready every key counts as READY; T2 hits refresh
+    arc.touch([c, b])
+    assert (arc.t1, arc.t2) == ([], [a, b, c])
+
+
+def test_arc_adaptation_grows_shrinks_and_floors() -> None:
+    arc = _fill(ARCPolicy(8), a, b, c, d)
+    # hit b, c, d: T2 = [d, c, b] (b most recent), T1 = [a]
+    arc.touch([b, c, d])
+    # p = 0: T1 first, then T2 from its LRU end
+    assert arc.evict(4, ANY) == [a, d, c, b]
+    assert (arc.b1, arc.b2) == ([a], [d, c, b])
+    # store a again (B1 hit): p grows by |B2|/|B1| = 3; a goes to T2
+    arc.insert(a)
+    assert arc.target == 3 and arc.t2 == [a] and arc.b1 == []
+    _fill(arc, e, f, g, h, i)
+    # |T1| = 5 > 3: e, f; then |T1| = 3 is not > 3 but a (T2) is pinned: fall back to T1
+    assert arc.evict(5, lambda key: key != a) == [e, f, g, h, i]
+    assert (arc.b1, arc.b2) == ([e, f, g, h, i], [d, c, b])
+    # store d (B2 hit): p shrinks by |B1|/|B2| = 5/3
+    arc.insert(d)
+    assert arc.target == pytest.approx(3 - 5 / 3) and arc.t2 == [a, d]
+    # store c (B2 hit): shrink by 5/2, floored at 0
+    arc.insert(c)
+    assert arc.target == 0 and arc.b2 == [b]
+
+
+def test_arc_target_is_capped_and_prefers_t2_below_target() -> None:
+    arc = _fill(ARCPolicy(4), a, b, c, d)
+    arc.touch([a, b, c])  # T2 = [c, b, a], T1 = [d]
+    assert arc.evict(4, ANY) == [d, c, b, a]
+    # B1 hit with |B2|/|B1| = 3: p = 3
+    arc.insert(d)
+    _fill(arc, e, f, g)
+    # |T1| = 3 is not > 3: T2's d goes first, then T1 (T2 exhausted)
+    assert arc.evict(3, ANY) == [d, e, f]
+    assert (arc.b1, arc.b2) == ([e, f], [c, b, a, d])
+    # B1 hit with |B2|/|B1| = 2: 3 + 2 capped at capacity 4
+    arc.insert(e)
+    assert arc.target == 4
+    # B2 hit with |B1|/|B2| = 1/4: shrink by the minimum step 1
+    arc.insert(c)
+    assert arc.target == 3 and (arc.t1, arc.t2) == ([g], [e, c])
+
+
+def test_arc_evict_tracks_t1_shrinking_as_it_picks() -> None:
+    arc = _fill(ARCPolicy(8), a, b)
+    arc.touch([b])  # T1 = [a], T2 = [b]
+    assert arc.evict(1, ANY) == [a]
+    # B1 hit with B2 empty: minimum step, p = 1; T2 = [b, a]
+    arc.insert(a)
+    assert arc.target == 1 and arc.t2 == [b, a]
+    _fill(arc, c, d, e)
+    # |T1| = 3 > 1: c; 2 > 1: d; then 1 is not > 1: T2 from its LRU end, e stays
+    assert arc.evict(4, ANY) == [c, d, b, a]
+    assert (arc.t1, arc.b1, arc.b2) == ([e], [c, d], [b, a])
+
+
+def test_arc_ghost_bounds() -> None:
+    arc = _fill(ARCPolicy(3), a, b, c)
+    # evict a from T1: B1 = [a]; |T1| + |B1| = 3
+    assert arc.evict(1, ANY) == [a] and arc.b1 == [a]
+    # store d: |T1| + |B1| would be 4 > 3, so the LRU ghost a is dropped
+    arc.insert(d)
+    assert arc.t1 == [b, c, d] and arc.b1 == []
+    # promote all (T2 = [d, c, b]), evict them into B2, then 3 more: B2 keeps the newest 3
+    arc.touch([b, c, d])
+    assert arc.evict(3, ANY) == [d, c, b]
+    _fill(arc, e, f, g)
+    arc.touch([e, f, g])
+    assert arc.evict(3, ANY) == [g, f, e]
+    assert arc.b2 == [g, f, e] and len(arc) == 0
+    # fill B1 too: 6 ghosts, the directory (resident + ghosts) is at 2 * capacity
+    _fill(arc, a, b, c)
+    assert arc.evict(3, ANY) == [a, b, c]
+    assert (arc.b1, arc.b2) == ([a, b, c], [g, f, e])
+    # B1 hit moves a to T2 (directory still 6); a new key d makes it 7: B2's LRU g goes
+    arc.insert(a)
+    arc.insert(d)
+    assert (arc.t1, arc.t2, arc.b1, arc.b2) == ([d], [a], [b, c], [f, e])
+
+
+KEYS = [bytes([k]) * 2 for k in range(12)]
+CAPACITY = 5
+key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Drives a policy like the manager does and checks it against a model of resident keys."""
+
+    policy_name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = make_policy(self.policy_name, CAPACITY)
+        self.model: OrderedDict[bytes, None] = OrderedDict()  # LRU order for LRU; a set for ARC
+        self.pending: set[bytes] = set()
+
+    @precondition(lambda self: len(self.model) < CAPACITY)
+    @rule(key=st.sampled_from(KEYS), is_pending=st.booleans())
+    def insert(self, key: bytes, is_pending: bool) -> None:
+        if key in self.model:
+            with pytest.raises(BlockStateError):
+                self.policy.insert(key)
+            return
+        self.policy.insert(key)
+        self.model[key] = None
+        if is_pending:
+            self.pending.add(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def complete_store(self, key: bytes) -> None:
+        self.pending.discard(key)
+
+    @rule(keys=key_lists)
+    def touch(self, keys: list[bytes]) -> None:
+        arc = self.policy if isinstance(self.policy, ARCPolicy) else None
+        held = {k for k in arc.t1 if k in self.pending and k in keys} if arc else set()
+        self.policy.touch(keys, is_ready=lambda key: key not in self.pending)
+        for key in reversed(keys):
+            if key in self.model:
+                self.model.move_to_end(key)
+        if arc is not None:  # PENDING keys stay in T1; READY touched keys are all in T2
+            assert held <= set(arc.t1)
+            assert {k for k in keys if k in self.model and k not in self.pending} <= set(arc.t2)
+
+    @rule(key=st.sampled_from(KEYS))
+    def remove(self, key: bytes) -> None:
+        if key in self.model:
+            self.policy.remove(key)
+            del self.model[key]
+            self.pending.discard(key)
+            return
+        before = _snapshot(self.policy)
+        with pytest.raises(UnknownKeyError):
+            self.policy.remove(key)
+        assert _snapshot(self.policy) == before
+
+    @rule(n=st.integers(0, CAPACITY + 1), pinned=key_lists, protected=key_lists)
+    def evict(self, n: int, pinned: list[bytes], protected: list[bytes]) -> None:
+        def can_evict(key: bytes) -> bool:
+            assert key in self.model, "asked about an untracked key"
+            return key not in self.pending and key not in pinned
+
+        eligible = [k for k in self.model if can_evict(k) and k not in protected]
+        before = _snapshot(self.policy)
+        victims = self.policy.evict(n, can_evict, protected)
+        if len(eligible) < n:
+            assert victims is None and _snapshot(self.policy) == before
+            return
+        assert victims is not None and len(set(victims)) == n and set(victims) <= set(eligible)
+        if isinstance(self.policy, LRUPolicy):
+            assert victims == eligible[:n]
+        for key in victims:
+            del self.model[key]
+
+    @invariant()
+    def resident_keys_match_model_and_ghosts_are_bounded(self) -> None:
+        resident = _resident(self.policy)
+        assert len(resident) == len(self.policy) == len(self.model)
+        assert set(resident) == set(self.model)
+        if isinstance(self.policy, LRUPolicy):
+            assert resident == list(self.model)
+            return
+        arc = self.policy
+        assert isinstance(arc, ARCPolicy)
+        t1, t2, b1, b2 = set(arc.t1), set(arc.t2), set(arc.b1), set(arc.b2)
+        assert not (b1 & b2) and not ((b1 | b2) & (t1 | t2))
+        assert len(t1) + len(b1) <= CAPACITY and len(b2) <= CAPACITY
+        assert len(t1) + len(t2) + len(b1) + len(b2) <= 2 * CAPACITY
+        assert 0 <= arc.target <= CAPACITY
+
+
+class ARCMachine(PolicyMachine):
+    policy_name = "arc"
+
+
+TestLRUStateful = PolicyMachine.TestCase
+TestARCStateful = ARCMachine.TestCase
+for _case in (TestLRUStateful, TestARCStateful):
+    _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
