@@ -1,0 +1,417 @@
+"""DeepSeek-V4 c128 KV compressor: state write, windowed compression, host-side boundary gate.
+
+Offers:
+    c128_state_write         every token writes ``[kv | score + ape[pos % 128]]`` (fp32) into a
+                             paged state cache (Triton)
+    c128_compress            every boundary token (``(pos + 1) % 128 == 0``) pools its request's
+                             last 128 state rows into one compressed entry (Triton)
+    c128_boundary            host gate: does any request of the step complete a 128-token window
+    c128_entry_bytes         bytes of one compressed entry (584 for head dim 512)
+
+Torch references of both kernels, the unpacker and a RoPE table builder are in
+:mod:`kvmgr.kernels.c128_ref`; the step hook is in :mod:`kvmgr.kernels.c128_hook`.
+
+Compression of one boundary token at position ``pos`` of request ``r``:
+
+1. gather the state rows of positions ``pos-127 .. pos`` through ``state_block_table[r]``
+   (position ``p`` lives in block ``state_block_table[r, p // S]``, row ``p % S``, where ``S``
+   is the state block size);
+2. per channel ``c``: ``pooled[c] = sum_i softmax_i(score[i, c]) * kv[i, c]`` over the 128 rows;
+3. RMSNorm in fp32: ``y = pooled * rsqrt(mean(pooled**2) + eps) * norm_weight``;
+4. interleaved-pair RoPE on the last 64 dims (pairs ``(2i, 2i+1)``) at rotation position
+   ``(pos // 128) * 128``, reading ``cos_sin_cache[rotation position]``;
+5. quantize and store at the token's compressed slot (slot < 0: skipped).
+
+Compressed entry layout (one token; ``D = head_dim``, ``G = D // 64``, of which ``G - 1`` NoPE
+groups of 64 dims; the column shows D = 512)::
+
+    bytes [0, D-64)        [0, 448)     NoPE dims 0..D-65 as FP8 e4m3fn; group g = dims
+                                        64g .. 64g+63, stored as fp8(clamp(x * 2**-e_g, -448, 448))
+    bytes [D-64, D+64)     [448, 576)   RoPE dims D-64..D-1 as bf16, little-endian, in dim order
+    bytes [D+64, D+63+G)   [576, 583)   one UE8M0 byte per NoPE group: e_g + 127
+    byte  D+63+G           583          zero pad
+    total D + 64 + G                    584 bytes
+
+``e_g = ceil(log2(max(amax_g, 1e-4) / 448))`` with ``amax_g`` the group's largest ``|x|``, so the
+dequantized value is ``fp8 * 2**e_g``. Entries are rows of a contiguous uint8 cache
+``[num_blocks, block_size, entry_bytes]``; compressed slot ``s`` is block ``s // block_size``,
+row ``s % block_size``.
+
+Kernel inputs, per candidate token ``i`` (any subset of the step's tokens; under CUDA-graph
+capture pass all of them): ``positions[i]`` (absolute position), ``req_indices[i]`` (its row of
+``state_block_table``) and ``compressed_slot_mapping[i]``. The compress kernel skips, on the
+device, tokens that are not at a boundary or have a negative slot, so one launch over every
+token of a step is always correct; the host gate only decides whether launching can be skipped.
+
+Without Triton this module still imports (the gate and layout helpers work) and the launchers
+raise ``ImportError``; ``import kvmgr`` must import it lazily only if it wants to stay
+Triton-free at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmgr.errors import GeometryError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+
+__all__ = [
+    "C128_RATIO",
+    "C128_ROPE_DIM",
+    "c128_boundary",
+    "c128_compress",
+    "c128_entry_bytes",
+    "c128_state_write",
+]
+
+C128_RATIO = 128
+C128_ROPE_DIM = 64
+_GROUP = 64  # dims per FP8 scale group (the kernel spells out 64, 448 and the 1e-4 floor)
+_WINDOW_CHUNK = 8  # state rows the compress kernel pools per loop iteration
+
+
+def _jit(fn: Callable[..., None]) -> Any:
+    """``triton.jit`` where Triton is installed; the plain function otherwise (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _state_write_kernel(  # type: ignore[no-untyped-def]
+    kv_ptr, score_ptr, ape_ptr, pos_ptr, slot_ptr, state_ptr,
+    stride_kv, stride_score, stride_state_block, stride_state_row,
+    STATE_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RATIO: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    # 1. padding tokens (slot < 0) write nothing
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    offs = tl.arange(0, HEAD_DIM)
+    # 2. the row: kv as fp32, score plus the learned position bias of pos % RATIO
+    kv = tl.load(kv_ptr + tok * stride_kv + offs).to(tl.float32)
+    score = tl.load(score_ptr + tok * stride_score + offs).to(tl.float32)
+    ape = tl.load(ape_ptr + (pos % RATIO) * HEAD_DIM + offs)
+    row = (
+        state_ptr
+        + (slot // STATE_BLOCK_SIZE) * stride_state_block
+        + (slot % STATE_BLOCK_SIZE) * stride_state_row
+    )
+    tl.store(row + offs, kv)
+    tl.store(row + HEAD_DIM + offs, score + ape)
+
+
+@_jit
+def _compress_kernel(  # type: ignore[no-untyped-def]
+    state_ptr, table_ptr, req_ptr, pos_ptr, slot_ptr, weight_ptr, cos_sin_ptr, out_ptr,
+    stride_state_block, stride_state_row, stride_table, stride_cos_sin, eps,
+    STATE_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+    RATIO: tl.constexpr, WINDOW_CHUNK: tl.constexpr, ENTRY_BYTES: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    # 1. only boundary tokens with a real slot compress; everything else leaves at once
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    if (pos + 1) % RATIO != 0:
+        return
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    req = tl.load(req_ptr + tok).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_w = tl.arange(0, WINDOW_CHUNK)
+    # 2. online per-channel softmax pooling over the window, WINDOW_CHUNK rows at a time
+    run_max = tl.full([HEAD_DIM], float("-inf"), tl.float32)
+    run_sum = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for w0 in range(0, RATIO, WINDOW_CHUNK):
+        p = pos - (RATIO - 1) + w0 + offs_w
+        blk = tl.load(table_ptr + req * stride_table + p // STATE_BLOCK_SIZE).to(tl.int64)
+        rows = state_ptr + blk * stride_state_block + (p % STATE_BLOCK_SIZE) * stride_state_row
+        kv = tl.load(rows[:, None] + offs_d[None, :])
+        score = tl.load(rows[:, None] + HEAD_DIM + offs_d[None, :])
+        new_max = tl.maximum(run_max, tl.max(score, axis=0))
+        alpha = tl.exp(run_max - new_max)
+        weight = tl.exp(score - new_max[None, :])
+        run_sum = run_sum * alpha + tl.sum(weight, axis=0)
+        acc = acc * alpha + tl.sum(weight * kv, axis=0)
+        run_max = new_max
+    pooled = acc / run_sum
+    # 3. RMSNorm in fp32 with the learned weight
+    inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / HEAD_DIM + eps)
+    y = pooled * inv_rms * tl.load(weight_ptr + offs_d).to(tl.float32)
+    # 4. interleaved-pair RoPE on the last ROPE_DIM dims; NoPE pairs get cos 1, sin 0
+    even, odd = tl.split(tl.reshape(y, [HEAD_DIM // 2, 2]))
+    pair = tl.arange(0, HEAD_DIM // 2) - (HEAD_DIM - ROPE_DIM) // 2
+    is_rope = pair >= 0
+    cs_row = cos_sin_ptr + (pos // RATIO) * RATIO * stride_cos_sin
+    cos = tl.load(cs_row + pair, mask=is_rope, other=1.0)
+    sin = tl.load(cs_row + ROPE_DIM // 2 + pair, mask=is_rope, other=0.0)
+    y = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [HEAD_DIM])
+    # 5. UE8M0 exponent per 64-dim group, exact from the fp32 bits of amax:
+    #    amax = m * 2**E, m in [1, 2): ceil(log2(amax / 448)) = E - 8 + (m > 1.75)
+    groups = tl.reshape(y, [HEAD_DIM // 64, 64])
+    amax = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-4)
+    bits = amax.to(tl.int32, bitcast=True)
+    expo = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    inv_scale = ((127 - expo) << 23).to(tl.float32, bitcast=True)
+    q = tl.clamp(groups * inv_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    # 6. store: FP8 NoPE groups, bf16 RoPE tail, scale bytes with the RoPE group's byte zero
+    entry = out_ptr + slot * ENTRY_BYTES
+    offs_g = tl.arange(0, HEAD_DIM // 64)
+    is_nope = offs_g < (HEAD_DIM - ROPE_DIM) // 64
+    grid = offs_g[:, None] * 64 + tl.arange(0, 64)[None, :]
+    tl.store(entry + grid, q.to(tl.uint8, bitcast=True), mask=is_nope[:, None])
+    rope_ptr = (entry + HEAD_DIM - ROPE_DIM).to(tl.pointer_type(tl.bfloat16))
+    rope_offs = offs_d - (HEAD_DIM - ROPE_DIM)
+    tl.store(rope_ptr + rope_offs, y.to(tl.bfloat16), mask=rope_offs >= 0)
+    scale_bytes = tl.where(is_nope, expo + 127, 0).to(tl.uint8)
+    tl.store(entry + HEAD_DIM + ROPE_DIM + offs_g, scale_bytes)
+
+
+def c128_entry_bytes(head_dim: int = 512) -> int:
+    """Bytes of one compressed entry: ``head_dim + 64 + head_dim // 64`` (584 for 512).
+
+    Raises:
+        GeometryError: ``head_dim`` is not a power of two >= 128.
+    """
+    if head_dim < 128 or head_dim & (head_dim - 1):
+        raise GeometryError(f"head_dim: expected a power of two >= 128, got {head_dim}")
+    return head_dim + C128_ROPE_DIM + head_dim // _GROUP
+
+
+_INDEX = (torch.int32, torch.int64)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fail(name: str, expected: str, got: object) -> GeometryError:
+    return GeometryError(f"{name}: expected {expected}, got {got}")
+
+
+def _check(
+    t: object, name: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None, *, contiguous: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Check type, sizes (``None``: any), dtype, device and unit last stride; return ``t``."""
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != len(shape) or any(
+        s not in (None, n) for s, n in zip(shape, t.shape, strict=False)
+    ):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise _fail(name, f"shape {want}", list(t.shape))
+    if t.dtype not in dtypes:
+        raise _fail(name, "dtype in " + "/".join(str(d) for d in dtypes), t.dtype)
+    if device is not None and t.device != device:
+        raise _fail(name, f"device {device}", t.device)
+    if contiguous and not t.is_contiguous():
+        raise _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+    if t.numel() and t.stride(-1) != 1:
+        raise _fail(name, "unit last stride", f"strides {t.stride()}")
+    return t
+
+
+def _no_launch() -> None:
+    """The launch of an empty step: nothing to do."""
+
+
+class _Layer:
+    """One compressor layer's per-layer tensors, checked once; builds checked launches.
+
+    Every method validates its per-step tensors and returns the launch without issuing it, so
+    a caller can check everything a step needs before launching anything. Tensors left ``None``
+    are not checked and must not be needed by the launches asked for.
+    """
+
+    def __init__(
+        self, state_cache: object, *, ape: object = None, norm_weight: object = None,
+        cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
+    ) -> None:  # fmt: skip
+        if triton is None:
+            raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
+        dims: tuple[int, ...] = tuple(getattr(state_cache, "shape", ()))
+        if len(dims) != 3:
+            raise _fail("state_cache", "shape [num_state_blocks, S, 2D]", list(dims))
+        self.block_size, self.head_dim = dims[1], dims[2] // 2
+        self.entry_bytes = c128_entry_bytes(self.head_dim)
+        d = self.head_dim
+        self.state_cache = _check(state_cache, "state_cache", (None, None, 2 * d),
+                                  (torch.float32,), None)  # fmt: skip
+        self.device = self.state_cache.device
+        dev, f32 = self.device, (torch.float32,)
+        if ape is not None:
+            self.ape = _check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
+        if norm_weight is not None:
+            self.norm_weight = _check(norm_weight, "norm_weight", (d,), _FLOAT, dev,
+                                      contiguous=True)  # fmt: skip
+        if cos_sin_cache is not None:
+            self.cos_sin_cache = _check(cos_sin_cache, "cos_sin_cache", (None, C128_ROPE_DIM),
+                                        f32, dev, contiguous=True)  # fmt: skip
+        if compressed_cache is not None:
+            self.compressed_cache = _check(compressed_cache, "compressed_cache",
+                                           (None, None, self.entry_bytes), (torch.uint8,), dev,
+                                           contiguous=True)  # fmt: skip
+        if not (isinstance(eps, float | int) and eps > 0):
+            raise _fail("eps", "a float > 0", eps)
+        self.eps = float(eps)
+
+    def _tokens(self, positions: object, **index_tensors: object) -> int:
+        """Check ``positions [T]`` and the ``[T]`` int index tensors beside it; return ``T``."""
+        num_tokens = _check(positions, "positions", (None,), _INDEX, self.device).shape[0]
+        for name, t in index_tensors.items():
+            _check(t, name, (num_tokens,), _INDEX, self.device)
+        return num_tokens
+
+    def state_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> Callable[[], None]:  # fmt: skip
+        """Check the step tensors of :func:`c128_state_write`; return its launch."""
+        num_tokens = self._tokens(positions, state_slot_mapping=state_slot_mapping)
+        kv = _check(kv, "kv", (num_tokens, self.head_dim), _FLOAT, self.device)
+        score = _check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), self.device)
+        if num_tokens == 0:
+            return _no_launch
+        state = self.state_cache
+        return functools.partial(
+            _state_write_kernel[(num_tokens,)],
+            kv, score, self.ape, positions, state_slot_mapping, state,
+            kv.stride(0), score.stride(0), state.stride(0), state.stride(1),
+            STATE_BLOCK_SIZE=self.block_size, HEAD_DIM=self.head_dim, RATIO=C128_RATIO,
+        )  # fmt: skip
+
+    def compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> Callable[[], None]:  # fmt: skip
+        """Check the step tensors of :func:`c128_compress`; return its launch."""
+        table = _check(state_block_table, "state_block_table", (None, None), _INDEX, self.device)
+        num_tokens = self._tokens(positions, req_indices=req_indices,
+                                  compressed_slot_mapping=compressed_slot_mapping)  # fmt: skip
+        if num_tokens == 0:
+            return _no_launch
+        state, cos_sin = self.state_cache, self.cos_sin_cache
+        return functools.partial(
+            _compress_kernel[(num_tokens,)],
+            state, table, req_indices, positions, compressed_slot_mapping, self.norm_weight,
+            cos_sin, self.compressed_cache,
+            state.stride(0), state.stride(1), table.stride(0), cos_sin.stride(0), self.eps,
+            STATE_BLOCK_SIZE=self.block_size, HEAD_DIM=self.head_dim, ROPE_DIM=C128_ROPE_DIM,
+            RATIO=C128_RATIO, WINDOW_CHUNK=_WINDOW_CHUNK, ENTRY_BYTES=self.entry_bytes,
+            num_warps=4,
+        )  # fmt: skip
+
+
+def c128_state_write(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    state_slot_mapping: torch.Tensor,
+    state_cache: torch.Tensor,
+) -> None:
+    """Write every token's state row ``[kv | score + ape[pos % 128]]`` (fp32) into the cache.
+
+    Args:
+        kv: ``[T, D]`` fp32/bf16/fp16, unit last stride (rows may be strided).
+        score: ``[T, D]``, same dtype as ``kv``, unit last stride.
+        ape: ``[128, D]`` fp32 contiguous, the learned position bias.
+        positions: ``[T]`` int32/int64, absolute position of each token (>= 0).
+        state_slot_mapping: ``[T]`` int32/int64; slot ``s`` is block ``s // S``, row ``s % S``;
+            ``s < 0`` marks padding, which writes nothing.
+        state_cache: ``[num_state_blocks, S, 2D]`` fp32, unit last stride; mutated in place.
+
+    Raises:
+        GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        ImportError: Triton is not installed.
+    """
+    _Layer(state_cache, ape=ape).state_write(kv, score, positions, state_slot_mapping)()
+
+
+def c128_compress(
+    state_cache: torch.Tensor,
+    state_block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    compressed_slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    compressed_cache: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+) -> None:
+    """Compress the 128-row window of every boundary token into its compressed slot.
+
+    Tokens whose position is not a boundary (``(pos + 1) % 128 != 0``) or whose compressed slot
+    is negative write nothing, so one launch over all tokens of a step is correct.
+
+    Args:
+        state_cache: ``[num_state_blocks, S, 2D]`` fp32, filled by :func:`c128_state_write`
+            for every position of each boundary token's window.
+        state_block_table: ``[num_reqs, max_state_blocks]`` int32/int64, unit last stride; entry
+            ``[r, p // S]`` is the state block holding position ``p`` of request ``r``.
+        req_indices: ``[T]`` int32/int64, each token's row of ``state_block_table``.
+        positions: ``[T]`` int32/int64, absolute positions (>= 0).
+        compressed_slot_mapping: ``[T]`` int32/int64; ``s < 0`` skips the token.
+        norm_weight: ``[D]`` fp32/bf16/fp16 RMSNorm weight, contiguous.
+        cos_sin_cache: ``[max_positions, 64]`` fp32, contiguous: 32 cos then 32 sin per
+            position; must cover ``(pos // 128) * 128`` of every boundary token (the device
+            does not check).
+        compressed_cache: ``[num_blocks, block_size, D + 64 + D // 64]`` uint8 contiguous;
+            mutated in place at boundary slots only (layout in the module docstring).
+        eps: RMSNorm epsilon (> 0).
+
+    Raises:
+        GeometryError: a tensor has the wrong type, shape, dtype, device or layout, or
+            ``eps <= 0``.
+        ImportError: Triton is not installed.
+    """
+    layer = _Layer(state_cache, norm_weight=norm_weight, cos_sin_cache=cos_sin_cache,
+                   compressed_cache=compressed_cache, eps=eps)  # fmt: skip
+    layer.compress(state_block_table, req_indices, positions, compressed_slot_mapping)()
+
+
+def c128_boundary(
+    num_computed_tokens: np.ndarray | None, query_start_loc: np.ndarray | None
+) -> bool | None:
+    """Whether some request completes a 128-token window in this step (host only, no device).
+
+    Request ``r`` computes positions ``start .. start + qlen - 1`` with
+    ``start = num_computed_tokens[r]`` and ``qlen = query_start_loc[r+1] - query_start_loc[r]``;
+    it crosses a boundary iff ``start % 128 + qlen >= 128``.
+
+    Args:
+        num_computed_tokens: host int array ``[num_reqs]`` (>= 0), or ``None`` when unknown.
+        query_start_loc: host int array ``[num_reqs + 1]``, non-decreasing, or ``None``.
+
+    Returns:
+        True or False; ``None`` when either input is ``None`` (callers must then not skip).
+
+    Raises:
+        GeometryError: the arrays are not 1-D integer host arrays of matching lengths, or a
+            count is negative.
+    """
+    if num_computed_tokens is None or query_start_loc is None:
+        return None
+    start = _host_ints(num_computed_tokens, "num_computed_tokens")
+    loc = _host_ints(query_start_loc, "query_start_loc")
+    if loc.shape[0] != start.shape[0] + 1:
+        raise _fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
+    qlen = loc[1:] - loc[:-1]
+    if start.size and (start.min() < 0 or qlen.min() < 0):
+        raise _fail("num_computed_tokens / query_start_loc steps", "values >= 0",
+                    (start.tolist(), qlen.tolist()))  # fmt: skip
+    return bool(np.any(start % C128_RATIO + qlen >= C128_RATIO))
+
+
+def _host_ints(a: object, name: str) -> np.ndarray:
+    if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+        raise _fail(name, "a host array", f"a tensor on {a.device}")
+    arr = np.asarray(a)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise _fail(name, "a 1-D integer array", f"{arr.ndim}-D {arr.dtype}")
+    return arr.astype(np.int64, copy=False)

@@ -1,0 +1,155 @@
+"""The c128 compressor as a step hook: always write state, compress only when a window completes.
+
+Offers:
+    C128CompressorHook   a :class:`kvmgr.hooks.StepHook` running the two c128 kernels of one
+                         compressor layer once per scheduler step
+
+Per step the hook launches :func:`~kvmgr.kernels.c128.c128_state_write`, then
+:func:`~kvmgr.kernels.c128.c128_compress` unless the host gate
+:func:`~kvmgr.kernels.c128.c128_boundary` answers exactly ``False`` and the step is not being
+captured into a CUDA graph. Under capture both kernels are always recorded: the graph is replayed
+for later steps whose boundaries the capture cannot know, and the compress kernel skips
+non-boundary tokens on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from kvmgr.errors import GeometryError
+from kvmgr.hooks import HookReport, StepContext
+from kvmgr.kernels.c128 import _Layer, c128_boundary
+
+__all__ = ["C128CompressorHook"]
+
+_STEP_TENSORS = (
+    "positions",
+    "c128.state_slot_mapping",
+    "c128.state_block_table",
+    "c128.req_indices",
+    "c128.slot_mapping",
+)
+
+
+class C128CompressorHook:
+    """One DeepSeek-V4 c128 compressor layer, run once per step by ``OffloadManager.step``.
+
+    The hook owns the layer's persistent tensors (caches and learned weights) and reads the
+    step's tensors from ``ctx.tensors`` (``T`` = tokens of the step, ``R`` = requests):
+
+    ====================================  ===============================================
+    ``"positions"``                       ``[T]`` int32/int64, absolute token positions
+    ``"c128.state_slot_mapping"``         ``[T]`` int, state slot per token (< 0: padding)
+    ``"c128.state_block_table"``          ``[R, W]`` int, state blocks per request
+    ``"c128.req_indices"``                ``[T]`` int, each token's row of the block table
+    ``"c128.slot_mapping"``               ``[T]`` int, compressed slot per token (< 0: skip)
+    ``f"{name}.kv"``, ``f"{name}.score"``  ``[T, D]`` this layer's projections
+    ====================================  ===============================================
+
+    The first five are shared by every c128 layer of the model; ``kv``/``score`` are keyed by
+    the hook's ``name`` so that several layers (hooks) can run in one step. The gate reads
+    ``ctx.num_computed_tokens`` and ``ctx.query_start_loc`` (host arrays).
+
+    Attributes:
+        name: the hook's name (also the key prefix of its ``kv``/``score`` tensors).
+        gated: whether the host gate may skip the compress launch (``False`` gives the ungated
+            baseline that always launches both kernels).
+        state_cache: the layer's state cache (mutated in place every step).
+        compressed_cache: the layer's compressed cache (mutated at boundary slots).
+        num_steps: steps run so far (total).
+        num_launches: kernel launches issued so far (total, both kernels).
+        num_skips: compress launches skipped by the gate so far (total).
+    """
+
+    def __init__(
+        self,
+        *,
+        state_cache: torch.Tensor,
+        compressed_cache: torch.Tensor,
+        ape: torch.Tensor,
+        norm_weight: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        eps: float = 1e-6,
+        name: str = "c128",
+        gated: bool = True,
+    ) -> None:
+        """Check and keep one layer's tensors; each step then checks only its own tensors.
+
+        Args:
+            state_cache: ``[num_state_blocks, S, 2D]`` fp32 state cache (mutated each step).
+            compressed_cache: ``[num_blocks, block_size, D + 64 + D // 64]`` uint8 (mutated at
+                boundary steps).
+            ape: ``[128, D]`` fp32 learned position bias of the scores.
+            norm_weight: ``[D]`` RMSNorm weight.
+            cos_sin_cache: ``[max_positions, 64]`` fp32 RoPE table (32 cos, 32 sin).
+            eps: RMSNorm epsilon (> 0).
+            name: hook name and tensor-key prefix.
+            gated: ``False`` disables the host gate (baseline for benchmarks).
+
+        Raises:
+            GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,
+                or ``eps <= 0``.
+            ImportError: Triton is not installed.
+        """
+        self._layer = _Layer(state_cache, ape=ape, norm_weight=norm_weight,
+                             cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
+                             eps=eps)  # fmt: skip
+        self.name = name
+        self.gated = gated
+        self.state_cache = state_cache
+        self.compressed_cache = compressed_cache
+        self.num_steps = 0
+        self.num_launches = 0
+        self.num_skips = 0
+
+    def __call__(self, ctx: StepContext) -> HookReport:
+        """Enqueue this step's state write and, unless gated off, its compression.
+
+        Returns:
+            A report with ``launches`` (2; 1 when gated off; 0 for an empty step), ``skips``
+            (0 or 1) and ``extra`` holding
+            ``boundary`` (the gate's answer, ``None`` when not asked) and ``num_tokens``.
+
+        Raises:
+            GeometryError: a step tensor is missing or malformed (nothing was launched). The
+                compress inputs are only checked when the compress launch is issued.
+        """
+        start_s = time.perf_counter()
+        missing = [k for k in (*_STEP_TENSORS, f"{self.name}.kv", f"{self.name}.score")
+                   if k not in ctx.tensors]  # fmt: skip
+        if missing:
+            raise GeometryError(f"ctx.tensors: expected keys {missing}, got {sorted(ctx.tensors)}")
+        t = ctx.tensors
+        boundary = None
+        if self.gated and not ctx.is_capturing:
+            boundary = c128_boundary(ctx.num_computed_tokens, ctx.query_start_loc)
+        skip = boundary is False
+        # validate everything that will launch before launching anything
+        write = self._layer.state_write(t[f"{self.name}.kv"], t[f"{self.name}.score"],
+                                        t["positions"], t["c128.state_slot_mapping"])  # fmt: skip
+        compress = None
+        if not skip:
+            compress = self._layer.compress(t["c128.state_block_table"], t["c128.req_indices"],
+                                            t["positions"], t["c128.slot_mapping"])  # fmt: skip
+        on_stream = (
+            contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
+        )
+        with on_stream:
+            write()
+            if compress is not None:
+                compress()
+        num_tokens = int(t["positions"].shape[0])
+        launches = 0 if num_tokens == 0 else 1 + (compress is not None)
+        self.num_steps += 1
+        self.num_launches += launches
+        self.num_skips += int(skip)
+        return HookReport(
+            name=self.name,
+            launches=launches,
+            skips=int(skip),
+            host_s=time.perf_counter() - start_s,
+            extra={"boundary": boundary, "num_tokens": num_tokens},
+        )

@@ -1,0 +1,404 @@
+"""c128 compressor: the host gate, both kernels against their torch references, and the hook.
+
+Kernels run under the Triton interpreter on CPU (``conftest.py`` routes its FP8 conversion
+through torch) and natively on the GPU (``gpu`` tests, larger shapes and CUDA-graph capture).
+Every cache starts filled with random bytes/values that stand for earlier steps; whatever a
+kernel must not touch is compared against that poison exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmgr.errors import GeometryError
+from kvmgr.hooks import StepContext, StepHook
+from kvmgr.kernels.c128 import (
+    c128_boundary,
+    c128_compress,
+    c128_entry_bytes,
+    c128_state_write,
+)
+from kvmgr.kernels.c128_hook import C128CompressorHook
+from kvmgr.kernels.c128_ref import (
+    c128_compress_ref,
+    c128_state_write_ref,
+    c128_unpack,
+    rope_cos_sin_cache,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- scenario ------------------------------------------------------------------------------
+
+
+class Step:
+    """One scheduler step of several requests over random, scattered state blocks.
+
+    ``reqs`` lists ``(num_computed_tokens, num_new_tokens)``. State blocks of a request are a
+    random permutation, so a window spans non-adjacent blocks. Every token (boundary or not)
+    gets a distinct compressed slot; ``num_pad`` padding tokens at boundary positions carry
+    slot -1 in both mappings and are spread through the batch.
+    """
+
+    def __init__(self, seed, reqs, *, head_dim=512, block_size=8, num_pad=0,
+                 dtype=torch.bfloat16, table_width=None):  # fmt: skip
+        gen = torch.Generator().manual_seed(seed)
+        self.reqs, self.head_dim, self.block_size = reqs, head_dim, block_size
+        width = table_width or max(math.ceil((s + q) / block_size) for s, q in reqs) + 1
+        num_blocks = width * len(reqs) + 5
+        self.state_block_table = torch.randperm(num_blocks, generator=gen)[: width * len(reqs)]
+        self.state_block_table = self.state_block_table.view(len(reqs), width).to(torch.int32)
+        self.state_cache = torch.randn(num_blocks, block_size, 2 * head_dim, generator=gen)
+        positions, req_indices = [], []
+        for r, (start, qlen) in enumerate(reqs):
+            positions += range(start, start + qlen)
+            req_indices += [r] * qlen
+        pos, req = torch.tensor(positions), torch.tensor(req_indices, dtype=torch.int32)
+        state_slots = self.state_block_table[req.long(), pos // block_size].long() * block_size
+        state_slots += pos % block_size
+        pad_at = torch.randint(0, len(positions) + 1, (num_pad,), generator=gen).sort().values
+        for i, at in enumerate(pad_at.tolist()):  # padding tokens sit at boundary positions
+            at += i
+            pos = torch.cat([pos[:at], torch.tensor([127 + 128 * i]), pos[at:]])
+            req = torch.cat([req[:at], torch.tensor([0], dtype=torch.int32), req[at:]])
+            state_slots = torch.cat([state_slots[:at], torch.tensor([-1]), state_slots[at:]])
+        num_tokens = pos.shape[0]
+        entry_bytes = c128_entry_bytes(head_dim)
+        self.compressed_cache = torch.randint(
+            0, 256, (num_tokens // 4 + 2, 4, entry_bytes), generator=gen, dtype=torch.uint8
+        )
+        self.slot_mapping = torch.randperm(num_tokens + 3, generator=gen)[:num_tokens]
+        self.slot_mapping[state_slots < 0] = -1
+        self.positions, self.req_indices = pos, req
+        self.state_slot_mapping = state_slots.to(torch.int32)
+        self.kv = torch.randn(num_tokens, head_dim, generator=gen).to(dtype)
+        self.score = (3 * torch.randn(num_tokens, head_dim, generator=gen)).to(dtype)
+        self.ape = torch.randn(128, head_dim, generator=gen)
+        self.norm_weight = 0.5 + torch.rand(head_dim, generator=gen)
+        self.cos_sin_cache = rope_cos_sin_cache(max(s + q for s, q in reqs) + 128 * num_pad + 1)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(DEV))
+
+    def boundary_slots(self) -> torch.Tensor:
+        """Compressed slots the step must write."""
+        hit = ((self.positions + 1) % 128 == 0) & (self.slot_mapping >= 0)
+        return self.slot_mapping[hit]
+
+    def write_args(self, state_cache):
+        return (self.kv, self.score, self.ape, self.positions, self.state_slot_mapping, state_cache)
+
+    def compress_args(self, state_cache, compressed_cache):
+        return (state_cache, self.state_block_table, self.req_indices, self.positions,
+                self.slot_mapping, self.norm_weight, self.cos_sin_cache, compressed_cache)  # fmt: skip
+
+    def context(self, name="c128", **kw) -> StepContext:
+        starts = np.array([s for s, _ in self.reqs])
+        loc = np.concatenate([[0], np.cumsum([q for _, q in self.reqs])])
+        tensors = {"positions": self.positions, "c128.state_slot_mapping": self.state_slot_mapping,
+                   "c128.state_block_table": self.state_block_table,
+                   "c128.req_indices": self.req_indices, "c128.slot_mapping": self.slot_mapping,
+                   f"{name}.kv": self.kv, f"{name}.score": self.score}  # fmt: skip
+        kw = {"num_computed_tokens": starts, "query_start_loc": loc, **kw}
+        return StepContext(tensors=tensors, **kw)
+
+
+def run_kernels(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    state, comp = step.state_cache.clone(), step.compressed_cache.clone()
+    c128_state_write(*step.write_args(state))
+    c128_compress(*step.compress_args(state, comp))
+    return state, comp
+
+
+def run_refs(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    state, comp = step.state_cache.clone(), step.compressed_cache.clone()
+    c128_state_write_ref(*step.write_args(state))
+    c128_compress_ref(*step.compress_args(state, comp))
+    return state, comp
+
+
+def assert_entries_match(out: torch.Tensor, ref: torch.Tensor, poison: torch.Tensor, slots):
+    """Written slots: scales exact, NoPE within one FP8 step, RoPE within one bf16 step.
+
+    Every other slot keeps its poison byte for byte.
+    """
+    entry_bytes = out.shape[-1]
+    out, ref, poison = (t.view(-1, entry_bytes).cpu() for t in (out, ref, poison))
+    slots = slots.long().cpu()
+    untouched = torch.ones(out.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(out[untouched], poison[untouched])
+    assert slots.numel() > 0
+    got, want = out[slots], ref[slots]
+    nope, rope, exps = c128_unpack(got)
+    nope_ref, rope_ref, exps_ref = c128_unpack(want)
+    assert torch.equal(exps, exps_ref)
+    assert torch.equal(got[:, -1], torch.zeros_like(got[:, -1]))  # the pad byte
+    scale = torch.exp2(exps.double()).float().repeat_interleave(64, dim=-1)
+    assert ((nope - nope_ref).abs() <= nope_ref.abs() / 8 + scale * 2**-9).all()
+    nope_bytes = nope.shape[-1]
+    assert (got[:, :nope_bytes] == want[:, :nope_bytes]).float().mean() >= 0.99
+    assert ((rope - rope_ref).abs() <= rope_ref.abs() * 2**-7 * 1.001).all()
+    assert rope.abs().min() > 0 and nope.abs().max() > 0  # real data, not zeros
+
+
+# --- gate ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("starts", "loc", "expected"),
+    [
+        ([0], [0, 127], False),
+        ([0], [0, 128], True),
+        ([127], [0, 1], True),
+        ([128], [0, 127], False),
+        ([1, 255], [0, 1, 2], True),
+        ([5, 126, 300], [0, 7, 8, 40], False),
+        ([], [0], False),
+    ],
+)
+def test_gate_table(starts, loc, expected):
+    assert c128_boundary(np.array(starts, dtype=np.int64), np.array(loc)) is expected
+
+
+def test_gate_unknown_counts_give_none():
+    assert c128_boundary(None, np.array([0, 1])) is None
+    assert c128_boundary(np.array([127]), None) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 400)), max_size=8))
+def test_gate_matches_brute_force(reqs):
+    starts = np.array([s for s, _ in reqs], dtype=np.int32)
+    loc = np.concatenate([[0], np.cumsum([q for _, q in reqs])]).astype(np.int64)
+    brute = any((p + 1) % 128 == 0 for s, q in reqs for p in range(s, s + q))
+    assert c128_boundary(starts, loc) is brute
+
+
+@pytest.mark.parametrize(
+    ("starts", "loc", "match"),
+    [
+        ([0, 1], [0, 1], "query_start_loc: expected length 3, got 2"),
+        ([3], [0, 2.5], "query_start_loc: expected a 1-D integer array"),
+        ([-1], [0, 1], "values >= 0"),
+        ([4], [3, 1], "values >= 0"),
+        ([[1]], [0, 1], "num_computed_tokens: expected a 1-D integer array, got 2-D"),
+    ],
+)
+def test_gate_rejects_bad_metadata(starts, loc, match):
+    with pytest.raises(GeometryError, match=match):
+        c128_boundary(np.array(starts), np.array(loc))
+
+
+# --- kernels vs references -----------------------------------------------------------------
+
+SCENARIOS = {
+    # several requests, prefill crossing two boundaries, decodes at 126/127/128, a window
+    # whose first 100 rows come from earlier steps, padding tokens in between
+    "mixed": dict(reqs=[(0, 300), (126, 1), (127, 1), (128, 1), (100, 40)], num_pad=2),
+    "decode_at_127_and_255": dict(reqs=[(127, 1), (255, 1), (40, 1)], num_pad=1),
+    "fp32_inputs_block_16": dict(reqs=[(250, 9), (3, 125)], block_size=16, dtype=torch.float32),
+    "small_head_dim": dict(reqs=[(60, 70), (383, 2)], head_dim=128, num_pad=1),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_kernels_match_reference(name):
+    step = Step(7, **SCENARIOS[name])
+    state, comp = run_kernels(step)
+    state_ref, comp_ref = run_refs(step)
+    # the state write is exact fp32 arithmetic; padding rows keep their poison
+    assert torch.equal(state, state_ref)
+    assert not torch.equal(state, step.state_cache)
+    assert_entries_match(comp, comp_ref, step.compressed_cache, step.boundary_slots())
+
+
+def test_layout_bytes_at_documented_offsets():
+    step = Step(3, [(127, 1)])
+    _, comp = run_kernels(step)
+    entry = comp.view(-1, 584)[step.slot_mapping[0]].cpu()
+    nope = entry[:448].view(torch.float8_e4m3fn).float().view(7, 64)
+    exps = entry[576:583].int() - 127
+    rope = entry[448:576].view(torch.bfloat16).float()
+    # every group's scale is the smallest power of two that fits its amax into +-448
+    amax = (nope * torch.exp2(exps.float())[:, None]).abs().amax(dim=1)
+    assert (amax <= 448 * torch.exp2(exps.float())).all()
+    assert (nope.abs().amax(dim=1) >= 224).all()
+    assert entry[583] == 0
+    _, rope_u, exps_u = c128_unpack(entry)
+    assert torch.equal(rope_u, rope) and torch.equal(exps_u, exps)
+
+
+def test_zero_window_uses_the_amax_floor():
+    # a request whose whole window holds kv = 0: NoPE pools to 0, the scale floors at 1e-4
+    step = Step(5, [(127, 1), (255, 1)])
+    rows = step.state_block_table[0].long()
+    step.state_cache[rows, :, : step.head_dim] = 0.0
+    step.kv[0] = 0.0
+    _, comp = run_kernels(step)
+    entries = comp.view(-1, 584)[step.slot_mapping].cpu()
+    floor_byte = 127 + math.ceil(math.log2(1e-4 / 448))
+    assert entries[0, 576:583].tolist() == [floor_byte] * 7
+    assert (entries[0, :576] == 0).all()
+    assert (entries[1, 576:583] != floor_byte).all()
+
+
+def test_launchers_reject_bad_tensors():
+    step = Step(1, [(120, 8)])
+    state = step.state_cache.clone()
+    args = list(step.write_args(state))
+    with pytest.raises(GeometryError, match=r"kv: expected shape \[8, 512\], got \[8, 256\]"):
+        c128_state_write(args[0][:, :256], *args[1:])
+    with pytest.raises(
+        GeometryError,
+        match=re.escape("positions: expected dtype in torch.int32/torch.int64, got torch.float32"),
+    ):
+        c128_state_write(*args[:3], args[3].float(), *args[4:])
+    with pytest.raises(
+        GeometryError,
+        match=re.escape("state_cache: expected dtype in torch.float32, got torch.float16"),
+    ):
+        c128_state_write(*args[:5], state.half())
+    comp_args = list(step.compress_args(state, step.compressed_cache.clone()))
+    with pytest.raises(GeometryError, match=r"compressed_cache: expected shape \[\*, \*, 584\]"):
+        c128_compress(*comp_args[:7], comp_args[7][..., :580])
+    with pytest.raises(GeometryError, match=re.escape("eps: expected a float > 0, got 0.0")):
+        c128_compress(*comp_args, eps=0.0)
+    assert torch.equal(state, step.state_cache)  # nothing ran
+
+
+# --- hook ----------------------------------------------------------------------------------
+
+
+def make_hook(step: Step, **kw) -> C128CompressorHook:
+    return C128CompressorHook(
+        state_cache=step.state_cache.clone(), compressed_cache=step.compressed_cache.clone(),
+        ape=step.ape, norm_weight=step.norm_weight, cos_sin_cache=step.cos_sin_cache, **kw,
+    )  # fmt: skip
+
+
+def test_hook_skips_compress_only_when_gate_is_false():
+    non_boundary = Step(11, [(126 - 10, 10), (3, 1)])
+    hook = make_hook(non_boundary)
+    assert isinstance(hook, StepHook)
+    # 1. gate False, eager: state write only, compressed cache untouched
+    report = hook(non_boundary.context())
+    assert (report.launches, report.skips, report.extra["boundary"]) == (1, 1, False)
+    assert torch.equal(hook.compressed_cache, non_boundary.compressed_cache)
+    assert not torch.equal(hook.state_cache, non_boundary.state_cache)
+    # 2. counts unknown: never skip
+    report = hook(non_boundary.context(num_computed_tokens=None))
+    assert (report.launches, report.skips, report.extra["boundary"]) == (2, 0, None)
+    # 3. under capture: always launch; the kernel skips the non-boundary tokens itself
+    report = hook(non_boundary.context(is_capturing=True))
+    assert (report.launches, report.skips) == (2, 0)
+    assert torch.equal(hook.compressed_cache, non_boundary.compressed_cache)
+    # 4. ungated baseline always launches both kernels
+    ungated = make_hook(non_boundary, gated=False)
+    assert (ungated(non_boundary.context()).launches, ungated.num_skips) == (2, 0)
+    assert (hook.num_steps, hook.num_launches, hook.num_skips) == (3, 5, 1)
+
+
+def test_hook_carries_state_across_steps():
+    # step 1: request 0 prefills 0..99, request 1 decodes at 126 (no boundary)
+    # step 2: request 0 computes 100..139 (its window started in step 1), request 1 is at 127
+    first = Step(21, [(0, 100), (126, 1)], num_pad=1, table_width=20)
+    second = Step(22, [(100, 40), (127, 1)], table_width=20)
+    for name in ("state_block_table", "state_cache", "compressed_cache", "ape", "norm_weight"):
+        setattr(second, name, getattr(first, name))
+    rows = second.state_block_table[second.req_indices.long(), second.positions // 8].long()
+    second.state_slot_mapping = (rows * 8 + second.positions % 8).to(torch.int32)
+    second.slot_mapping = torch.arange(second.positions.shape[0], device=DEV) + 1
+    hook = make_hook(first)
+    reports = [hook(first.context()), hook(second.context())]
+    assert [(r.launches, r.skips) for r in reports] == [(1, 1), (2, 0)]
+    state_ref, comp_ref = first.state_cache.clone(), first.compressed_cache.clone()
+    c128_state_write_ref(*first.write_args(state_ref))
+    c128_state_write_ref(*second.write_args(state_ref))
+    c128_compress_ref(*second.compress_args(state_ref, comp_ref))
+    assert torch.equal(hook.state_cache, state_ref)
+    assert_entries_match(hook.compressed_cache, comp_ref, first.compressed_cache,
+                         second.boundary_slots())  # fmt: skip
+
+
+def test_hook_missing_tensor_launches_nothing():
+    step = Step(4, [(127, 1)])
+    hook = make_hook(step, name="layer7")
+    with pytest.raises(GeometryError, match=r"expected keys \['layer7.kv', 'layer7.score'\]"):
+        hook(step.context())
+    assert torch.equal(hook.state_cache, step.state_cache)
+    assert hook.num_steps == 0
+    report = hook(step.context(name="layer7"))
+    assert (report.name, report.launches) == ("layer7", 2)
+
+
+# --- GPU: larger shapes and CUDA graphs ----------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_gpu_large_batch_matches_reference(block_size):
+    rng = np.random.default_rng(block_size)
+    reqs = [(int(s), int(q)) for s, q in zip(rng.integers(0, 2000, 48), rng.integers(1, 3, 48))]
+    reqs += [(0, 1024), (1000, 700), (127 * 5, 1)]
+    step = Step(31, reqs, block_size=block_size, num_pad=5)
+    state, comp = run_kernels(step)
+    state_ref, comp_ref = run_refs(step)
+    assert torch.equal(state, state_ref)
+    assert_entries_match(comp, comp_ref, step.compressed_cache, step.boundary_slots())
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_replays_boundary_and_non_boundary_steps():
+    step = Step(41, [(126, 1), (300, 1), (64, 1)])
+    hook = make_hook(step)
+    ctx = step.context(is_capturing=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    hook(step.context(stream=stream, num_computed_tokens=None))  # compile both, off capture
+    torch.cuda.current_stream().wait_stream(stream)
+    hook.state_cache.copy_(step.state_cache)
+    hook.compressed_cache.copy_(step.compressed_cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        report = hook(ctx)
+    assert (report.launches, report.skips) == (2, 0)
+    # replay 1: positions 126/300/64: no boundary, nothing compressed
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(hook.compressed_cache, step.compressed_cache)
+    state_ref = step.state_cache.clone()
+    c128_state_write_ref(*step.write_args(state_ref))
+    assert torch.equal(hook.state_cache, state_ref)
+    # replay 2: the same static buffers advanced by one token: request 0 reaches 127
+    step.positions += 1
+    rows = step.state_block_table[step.req_indices.long(), step.positions // 8].long()
+    step.state_slot_mapping.copy_((rows * 8 + step.positions % 8).to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    comp_ref = step.compressed_cache.clone()
+    c128_state_write_ref(*step.write_args(state_ref))
+    c128_compress_ref(*step.compress_args(state_ref, comp_ref))
+    assert torch.equal(hook.state_cache, state_ref)
+    assert_entries_match(hook.compressed_cache, comp_ref, step.compressed_cache,
+                         step.boundary_slots())  # fmt: skip
+
+
+def test_bench_without_cuda_exits_2(capsys, monkeypatch):
+    import argparse
+
+    from kvmgr.bench import c128 as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--prefill", "1", "128"])) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
