@@ -38,13 +38,35 @@ from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapRe
 
 __version__ = "0.1.0"
 
+#: Kernel entry points re-exported lazily, so ``import kvmgr`` never imports Triton.
+_LAZY = {
+    "GroupedMLAInsertHook": "kvmgr.kernels.hooks_mla",
+    "grouped_mla_insert": "kvmgr.kernels.mla_insert",
+    "per_layer_mla_insert": "kvmgr.kernels.mla_insert",
+    "mla_insert_reference": "kvmgr.kernels.mla_insert",
+    "C128CompressorHook": "kvmgr.kernels.c128_hook",
+    "c128_boundary": "kvmgr.kernels.c128",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmgr' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
     "BlockStateError",
+    "C128CompressorHook",
     "ClosedError",
     "ConfigError",
     "DirectionReport",
     "DoubleFreeError",
     "GeometryError",
+    "GroupedMLAInsertHook",
     "HazardError",
     "HookReport",
     "InvalidBlockError",
@@ -64,4 +86,8 @@ __all__ = [
     "UnknownKeyError",
     "UnknownRequestError",
     "__version__",
+    "c128_boundary",
+    "grouped_mla_insert",
+    "mla_insert_reference",
+    "per_layer_mla_insert",
 ]

@@ -79,5 +79,7 @@ def _interpreter_fp8_via_torch() -> Iterator[None]:
         yield
         return
     with pytest.MonkeyPatch.context() as patcher:
-        patcher.setattr(interpreter, "_convert_float", _torch_fp8_convert(interpreter._convert_float))
+        patcher.setattr(
+            interpreter, "_convert_float", _torch_fp8_convert(interpreter._convert_float)
+        )
         yield

@@ -1,0 +1,322 @@
+"""``kvmgr bench mla-insert``: per-layer vs grouped MLA cache insert on one CUDA GPU.
+
+Offers:
+    add_arguments   adds this benchmark's options to an ``argparse`` parser
+    run             runs it, prints a table (and writes JSON with ``--json``); returns an exit code
+
+Bytes moved by one insert of T tokens into L layers (padding-free steps)::
+
+    bytes = L * T * (R + P) * (input_itemsize + cache_itemsize)    # rows read + rows written
+          + T * 8                                                  # the shared int64 slot_mapping
+
+(the FP8 scales and the pointer table, at most 12 bytes per layer, are left out). Achieved GB/s
+is ``bytes / time`` and is compared with the HBM copy peak measured in the same run: a
+device-to-device copy of 1 GiB, counting bytes read plus bytes written. Each variant is timed
+after a warm-up with CUDA events (median of ``--reps``), over up to 16 rotating input sets so that
+mid-size steps do not run from L2; "eager" includes the host's launch cost, "graph" replays one
+CUDA graph holding one insert per set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+_MAX_SETS = 16  # the pointer-table memo must hold every set captured in one graph
+_TARGET_SPEEDUP, _TARGET_SPEEDUP_MAX_T = 6.0, 512
+_TARGET_PEAK_FRACTION, _TARGET_PEAK_T = 0.75, 16384
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``mla-insert`` options to ``parser``."""
+    default_tokens = ",".join(str(2**i) for i in range(15))
+    parser.add_argument("--tokens", default=default_tokens, help="comma-separated token counts T")
+    parser.add_argument("--layers", type=int, default=5, help="layers L (default 5)")
+    parser.add_argument("--rank", type=int, default=512, help="kv_lora_rank R (default 512)")
+    parser.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim P (default 64)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--kv-cache-dtypes", default="fp8_e4m3,auto", help="comma-separated")
+    parser.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph")
+    parser.add_argument("--reps", type=int, default=25, help="timed repetitions (median)")
+    parser.add_argument(
+        "--rotate-mib", type=int, default=256, help="input footprint to rotate over"
+    )
+    parser.add_argument(
+        "--tune", action="store_true", help="also sweep tile sizes at the largest T"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 on success, 2 when no CUDA GPU (or Triton) is available."""
+    if not torch.cuda.is_available():
+        print("kvmgr bench mla-insert: needs a CUDA GPU, and torch sees none.", file=sys.stderr)
+        return 2
+    try:
+        from kvmgr.kernels import mla_insert
+    except ImportError as exc:  # Triton missing
+        print(f"kvmgr bench mla-insert: cannot load the kernels ({exc}).", file=sys.stderr)
+        return 2
+    tokens = [int(t) for t in args.tokens.split(",")]
+    kv_cache_dtypes = args.kv_cache_dtypes.split(",")
+    modes = args.modes.split(",")
+    peak_gbps = _copy_peak_gbps(args.reps)
+    variants = {
+        "per_layer": mla_insert.per_layer_mla_insert,
+        "grouped": mla_insert.grouped_mla_insert,
+    }
+    rows = []
+    for kv_cache_dtype in kv_cache_dtypes:
+        for num_tokens in tokens:
+            sets = _make_sets(args, kv_cache_dtype, num_tokens)
+            for mode in modes:
+                time_us = {
+                    name: _time_us(fn, sets, mode, args.reps) for name, fn in variants.items()
+                }
+                gbps = sets[0]["bytes"] / (time_us["grouped"] * 1e-6) / 1e9
+                rows.append(
+                    {
+                        "kv_cache_dtype": kv_cache_dtype,
+                        "mode": mode,
+                        "tokens": num_tokens,
+                        "per_layer_us": time_us["per_layer"],
+                        "grouped_us": time_us["grouped"],
+                        "speedup": time_us["per_layer"] / time_us["grouped"],
+                        "bytes": sets[0]["bytes"],
+                        "grouped_gbps": gbps,
+                        "peak_fraction": gbps / peak_gbps,
+                    }
+                )
+            del sets
+    tuning = _tune(args, mla_insert.grouped_mla_insert, max(tokens), peak_gbps) if args.tune else []
+    targets = _targets(rows)
+    _print(args, peak_gbps, rows, targets, tuning)
+    if args.json:
+        result = {"meta": _meta(args), "hbm_copy_peak_gbps": peak_gbps, "rows": rows}
+        result.update(targets=targets, tuning=tuning)
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2, default=str)
+    return 0
+
+
+def _make_sets(
+    args: argparse.Namespace, kv_cache_dtype: str, num_tokens: int
+) -> list[dict[str, Any]]:
+    """Rotating input sets: random non-zero inputs, shuffled blocks filled in token order."""
+    dtype = getattr(torch, args.dtype)
+    cache_dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(
+        kv_cache_dtype, dtype
+    )
+    layers, rank, rope, block = args.layers, args.rank, args.rope_dim, args.block_size
+    width = rank + rope
+    num_bytes = (
+        layers * num_tokens * width * (dtype.itemsize + cache_dtype.itemsize) + num_tokens * 8
+    )
+    num_sets = max(1, min(_MAX_SETS, math.ceil(args.rotate_mib * 2**20 / num_bytes)))
+    num_blocks = math.ceil(num_tokens / block)
+    cpu_gen = torch.Generator().manual_seed(args.seed + num_tokens)
+    gpu_gen = torch.Generator(device="cuda").manual_seed(args.seed + num_tokens)
+    sets = []
+    for _ in range(num_sets):
+        both = torch.randn(layers, num_tokens, width, device="cuda", generator=gpu_gen) * 4 + 0.5
+        order = torch.randperm(num_blocks, generator=cpu_gen)
+        token_ids = torch.arange(num_tokens)
+        slots = (order[token_ids // block] * block + token_ids % block).cuda()
+        scales = None
+        if kv_cache_dtype != "auto":
+            scales = torch.rand(layers, device="cuda", generator=gpu_gen) * 0.1 + 0.01
+        sets.append(
+            {
+                "kv_c": both[..., :rank].to(dtype).contiguous(),
+                "k_pe": both[..., rank:].to(dtype).contiguous(),
+                "caches": [
+                    torch.empty(num_blocks, block, width, device="cuda", dtype=cache_dtype)
+                    for _ in range(layers)
+                ],
+                "slots": slots,
+                "kwargs": {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales},
+                "bytes": num_bytes,
+            }
+        )
+        del both
+    return sets
+
+
+def _time_us(
+    fn: Callable[..., None], sets: list[dict[str, Any]], mode: str, reps: int, **tuning: Any
+) -> float:
+    """Median microseconds per insert, each repetition covering every set once."""
+
+    def run_all() -> None:
+        for s in sets:
+            fn(s["kv_c"], s["k_pe"], s["caches"], s["slots"], **s["kwargs"], **tuning)
+
+    run_all()  # compile and build pointer tables, outside any capture
+    launch = run_all
+    if mode == "graph":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+        launch = graph.replay
+    elif mode != "eager":
+        raise ValueError(f"mode: expected 'eager' or 'graph', got {mode!r}")
+    return _median_ms(launch, reps) * 1e3 / len(sets)
+
+
+def _median_ms(launch: Callable[[], object], reps: int) -> float:
+    launch()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]  # type: ignore[no-untyped-call]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]  # type: ignore[no-untyped-call]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        launch()
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)))
+
+
+def _copy_peak_gbps(reps: int) -> float:
+    """HBM peak: a 1 GiB device-to-device copy, bytes read + written per second."""
+    src = torch.ones(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (_median_ms(lambda: dst.copy_(src), reps) * 1e-3) / 1e9
+
+
+def _tune(
+    args: argparse.Namespace, grouped: Callable[..., None], num_tokens: int, peak_gbps: float
+) -> list[dict[str, Any]]:
+    """Grouped kernel at ``num_tokens`` (first kv_cache_dtype, graph mode) over tile choices."""
+    sets = _make_sets(args, args.kv_cache_dtypes.split(",")[0], num_tokens)
+    results = []
+    for block_tokens in (1, 2, 4, 8, 16):
+        for num_warps in (2, 4, 8):
+            us = _time_us(
+                grouped, sets, "graph", args.reps, block_tokens=block_tokens, num_warps=num_warps
+            )
+            gbps = sets[0]["bytes"] / (us * 1e-6) / 1e9
+            results.append(
+                {
+                    "block_tokens": block_tokens,
+                    "num_warps": num_warps,
+                    "us": us,
+                    "peak_fraction": gbps / peak_gbps,
+                }
+            )
+    return results
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, per (kv_cache_dtype, mode): speedup for small T, peak for T=16384."""
+    out = []
+    for key in sorted({(r["kv_cache_dtype"], r["mode"]) for r in rows}):
+        mine = [r for r in rows if (r["kv_cache_dtype"], r["mode"]) == key]
+        small = [r["speedup"] for r in mine if r["tokens"] <= _TARGET_SPEEDUP_MAX_T]
+        if small:
+            got = min(small)
+            out.append(
+                {
+                    "kv_cache_dtype": key[0],
+                    "mode": key[1],
+                    "target": f"speedup >= {_TARGET_SPEEDUP} for T <= {_TARGET_SPEEDUP_MAX_T}",
+                    "got": f"min {got:.2f}x",
+                    "met": got >= _TARGET_SPEEDUP,
+                }
+            )
+        big = [r["peak_fraction"] for r in mine if r["tokens"] == _TARGET_PEAK_T]
+        if big:
+            out.append(
+                {
+                    "kv_cache_dtype": key[0],
+                    "mode": key[1],
+                    "target": f">= {_TARGET_PEAK_FRACTION:.0%} of HBM peak at T = {_TARGET_PEAK_T}",
+                    "got": f"{big[0]:.1%}",
+                    "met": big[0] >= _TARGET_PEAK_FRACTION,
+                }
+            )
+    return out
+
+
+def _meta(args: argparse.Namespace) -> dict[str, Any]:
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
+    }
+
+
+def _print(
+    args: argparse.Namespace,
+    peak_gbps: float,
+    rows: list[dict[str, Any]],
+    targets: list[dict[str, Any]],
+    tuning: list[dict[str, Any]],
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    title = f"MLA insert, L={args.layers} R={args.rank} P={args.rope_dim} block={args.block_size} {args.dtype}; HBM copy peak {peak_gbps:,.0f} GB/s"
+    table = Table(title=title)
+    for column in (
+        "kv dtype",
+        "mode",
+        "T",
+        "per-layer µs",
+        "grouped µs",
+        "speedup",
+        "grouped GB/s",
+        "% peak",
+    ):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            r["kv_cache_dtype"],
+            r["mode"],
+            str(r["tokens"]),
+            f"{r['per_layer_us']:.1f}",
+            f"{r['grouped_us']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['grouped_gbps']:,.0f}",
+            f"{r['peak_fraction']:.1%}",
+        )
+    console.print(table)
+    checks = Table(title="Targets")
+    for column in ("kv dtype", "mode", "target", "got", "met"):
+        checks.add_column(column)
+    for t in targets:
+        checks.add_row(
+            t["kv_cache_dtype"], t["mode"], t["target"], t["got"], "yes" if t["met"] else "NO"
+        )
+    console.print(checks)
+    if tuning:
+        tune = Table(
+            title=f"Grouped tile sweep at T={max(int(t) for t in args.tokens.split(','))} (graph)"
+        )
+        for column in ("block_tokens", "num_warps", "µs", "% peak"):
+            tune.add_column(column, justify="right")
+        for t in tuning:
+            tune.add_row(
+                str(t["block_tokens"]),
+                str(t["num_warps"]),
+                f"{t['us']:.1f}",
+                f"{t['peak_fraction']:.1%}",
+            )
+        console.print(tune)

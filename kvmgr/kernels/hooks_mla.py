@@ -1,0 +1,139 @@
+"""The grouped MLA cache insert as a step hook.
+
+Offers:
+    GroupedMLAInsertHook   inserts a step's latent KV into all layers' caches from ``manager.step()``
+
+Importing this module does not import Triton; constructing a hook does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvmgr.errors import ConfigError, GeometryError
+from kvmgr.hooks import HookReport, StepContext
+
+__all__ = ["GroupedMLAInsertHook"]
+
+_TENSOR_NAMES = ("kv_c", "k_pe", "slot_mapping")
+
+
+class GroupedMLAInsertHook:
+    """Run the grouped MLA insert once per step on the compute stream (a :class:`StepHook`).
+
+    Each step reads from ``ctx.tensors``:
+
+    - ``"kv_c"``: ``[L, T, R]`` latent KV of the step's tokens (bfloat16/float16/float32),
+    - ``"k_pe"``: ``[L, T, P]`` their RoPE keys,
+    - ``"slot_mapping"``: int64 ``[T]`` or ``[L, T]`` cache slots, < 0 for padding,
+
+    and writes them into the caches given at construction, exactly as
+    :func:`kvmgr.kernels.mla_insert.grouped_mla_insert` (same semantics and dtypes). The caches
+    are validated and their pointer table built here, once; each step only checks the step's
+    tensors. Caches of unequal geometry fall back to one launch per layer. A step of zero tokens
+    launches nothing. Safe under CUDA-graph capture (no host reads of device data) unless
+    ``check_slots``; build the hook, and run one step eagerly to compile, before capturing.
+
+    Parameters
+    ----------
+    caches : sequence of torch.Tensor
+        L caches ``[num_blocks, block_size, R + P]``, mutated in place by every step.
+    kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
+        As in ``grouped_mla_insert``.
+    kv_scales : torch.Tensor or None
+        float32 ``[L]`` on the caches' device for FP8 (read on the device at every step, so it
+        may be updated in place), ``None`` for ``auto``.
+    name : str
+        The name reported in :class:`HookReport`.
+    check_slots : bool
+        Reject slots past the capacity at each step (one device->host sync per step).
+
+    Raises
+    ------
+    ConfigError
+        Bad ``kv_cache_dtype`` / ``kv_scales`` combination, or construction under graph capture.
+    GeometryError
+        Caches of mixed width, dtype or device, or ``kv_scales`` of the wrong dtype, shape or device.
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[torch.Tensor],
+        *,
+        kv_cache_dtype: str = "auto",
+        kv_scales: torch.Tensor | None = None,
+        name: str = "mla_insert",
+        check_slots: bool = False,
+    ) -> None:
+        from kvmgr.kernels import mla_insert
+
+        caches = tuple(caches)
+        mla_insert._check_dtype_and_scales(kv_cache_dtype, kv_scales)
+        mla_insert._check_caches(caches, kv_cache_dtype)
+        if kv_scales is not None and (
+            kv_scales.dtype != torch.float32
+            or kv_scales.shape != (len(caches),)
+            or kv_scales.device != caches[0].device
+        ):
+            got = (kv_scales.dtype, tuple(kv_scales.shape), kv_scales.device)
+            want = (torch.float32, (len(caches),), caches[0].device)
+            raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
+        self.name = name
+        self._kernels: Any = mla_insert
+        self._caches = caches
+        self._kv_cache_dtype = kv_cache_dtype
+        self._kv_scales = kv_scales
+        self._check_slots = check_slots
+        self._is_grouped = mla_insert._is_uniform(caches)
+        self._table: torch.Tensor | None = None
+        if self._is_grouped:
+            ptrs = tuple(cache.data_ptr() for cache in caches)
+            self._table = mla_insert._pointer_table(caches[0].device, ptrs)
+
+    @property
+    def is_grouped(self) -> bool:
+        """True when one launch covers all layers; False for the per-layer fallback."""
+        return self._is_grouped
+
+    def __call__(self, ctx: StepContext) -> HookReport:
+        """Enqueue the insert of ``ctx.tensors`` on ``ctx.stream`` (or the current stream).
+
+        Raises
+        ------
+        ConfigError
+            A tensor named above is missing from ``ctx.tensors``, or ``check_slots`` under capture.
+        GeometryError
+            The step's tensors do not match the caches (see ``grouped_mla_insert``).
+        InvalidBlockError
+            ``check_slots`` and a slot is past the capacity.
+        """
+        start_s = time.perf_counter()
+        missing = [name for name in _TENSOR_NAMES if name not in ctx.tensors]
+        if missing:
+            raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}")
+        kv_c, k_pe = ctx.tensors["kv_c"], ctx.tensors["k_pe"]
+        kernels, caches = self._kernels, self._caches
+        dtype, scales = self._kv_cache_dtype, self._kv_scales
+        step = kernels._check_step(
+            kv_c, k_pe, ctx.tensors["slot_mapping"], scales, dtype, caches, for_kernel=True
+        )
+        if self._check_slots:
+            kernels._check_slots(step, caches)
+        stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
+        with stream:
+            if self._is_grouped:
+                kernels._launch_grouped(step, kv_c, k_pe, caches, scales, dtype, table=self._table)
+            else:
+                kernels._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
+        num_launches = 0 if step.num_tokens == 0 else (1 if self._is_grouped else len(caches))
+        return HookReport(
+            name=self.name,
+            launches=num_launches,
+            host_s=time.perf_counter() - start_s,
+            extra={"num_tokens": step.num_tokens, "grouped": self._is_grouped},
+        )

@@ -1,0 +1,483 @@
+"""Grouped / per-layer MLA cache insert against the torch reference.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest, which also routes the
+interpreter's float -> FP8 conversion through torch), so FP8 results are compared byte for byte.
+Caches start as random bytes ("poison"): rows the step does not map must keep them exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmgr.bench import mla_insert as bench
+from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
+from kvmgr.hooks import StepContext, StepHook
+from kvmgr.kernels import mla_insert as mla_insert_module
+from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+from kvmgr.kernels.mla_insert import (
+    grouped_mla_insert,
+    mla_insert_reference,
+    per_layer_mla_insert,
+)
+
+KERNELS = {"grouped": grouped_mla_insert, "per_layer": per_layer_mla_insert}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(
+    seed: int, num_layers: int, num_tokens: int, rank: int, rope_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random non-zero kv_c, k_pe; about 1 value in 8 is tiny (FP8 subnormal range)."""
+    gen = torch.Generator().manual_seed(seed)
+    both = torch.randn(num_layers, num_tokens, rank + rope_dim, generator=gen) * 8
+    tiny = torch.rand(both.shape, generator=gen) < 0.125
+    both = torch.where(tiny, both * 1e-3, both).to(dtype).to(DEVICE)
+    return both[..., :rank].contiguous(), both[..., rank:].contiguous()
+
+
+def _caches(
+    seed: int, num_layers: int, num_blocks: int, block_size: int, width: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Caches filled with random bytes (the poison)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, width * dtype.itemsize)
+    return [
+        torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEVICE).view(dtype)
+        for _ in range(num_layers)
+    ]
+
+
+def _slots(seed: int, num_tokens: int, capacity: int, num_padding: int) -> torch.Tensor:
+    """Distinct random slots with ``num_padding`` of them replaced by -1."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(capacity, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:num_padding]] = -1
+    return slots.to(DEVICE)
+
+
+def _scales(seed: int, num_layers: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(num_layers, generator=gen) * 0.5 + 0.02).to(DEVICE)
+
+
+def _same_bytes(left: Sequence[torch.Tensor], right: Sequence[torch.Tensor]) -> bool:
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(left, right, strict=True))  # fmt: skip
+
+
+def _run_both(
+    kernel: Callable[..., None],
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    caches: list[torch.Tensor],
+    slots: torch.Tensor,
+    **kwargs: object,
+) -> list[torch.Tensor]:
+    """Run ``kernel`` on ``caches`` and the reference on clones; return the reference's caches."""
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+    kernel(kv_c, k_pe, caches, slots, **kwargs)
+    return expected
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_kernel_matches_reference_byte_for_byte(
+    kernel: Callable[..., None], dtype: torch.dtype, kv_cache_dtype: str
+) -> None:
+    # Irregular sizes: R and P not powers of two, T not a multiple of any tile.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 21, 40, 12, 9, 4
+    kv_c, k_pe = _inputs(1, num_layers, num_tokens, rank, rope_dim, dtype)
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, dtype)
+    caches = _caches(2, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
+    slots = _slots(3, num_tokens, num_blocks * block_size, num_padding=4)
+    scales = None if kv_cache_dtype == "auto" else _scales(4, num_layers)
+    expected = _run_both(
+        kernel, kv_c, k_pe, caches, slots, kv_cache_dtype=kv_cache_dtype, kv_scales=scales
+    )
+    assert _same_bytes(caches, expected)
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+def test_valid_slots_written_and_everything_else_keeps_its_poison(
+    kernel: Callable[..., None],
+) -> None:
+    # Checked without the reference: each mapped row holds its token, every other byte is poison.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 2, 17, 24, 8, 7, 3
+    kv_c, k_pe = _inputs(5, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    caches = _caches(6, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
+    poison = [cache.clone() for cache in caches]
+    slots = _slots(7, num_tokens, num_blocks * block_size, num_padding=5)
+    kernel(kv_c, k_pe, caches, slots)
+    for layer in range(num_layers):
+        flat, before = caches[layer].reshape(-1, rank + rope_dim), poison[layer].reshape(-1, rank + rope_dim)  # fmt: skip
+        written = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+        for token, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                row = torch.cat([kv_c[layer, token], k_pe[layer, token]])
+                assert torch.equal(flat[slot].view(torch.int16), row.view(torch.int16))
+                written[slot] = True
+        assert int(written.sum()) == num_tokens - 5
+        assert torch.equal(flat[~written].view(torch.int16), before[~written].view(torch.int16))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_rounds_to_nearest_even_and_saturates(kv_cache_dtype: str) -> None:
+    # Scale 1: ties (17 -> 16 in e4m3), subnormals, overflow (saturates to +-max), plain values.
+    fp8 = FP8_DTYPES[kv_cache_dtype]
+    edges = [17.0, 19.0, -17.0, 2.0**-9, 3 * 2.0**-10, 2.0**-17, 500.0, -1e9, 1e9, 0.3, 100.0, 2.5]
+    rank, rope_dim = 12, 4
+    row = torch.tensor(edges + [1.0] * (rank + rope_dim - len(edges)), dtype=torch.float32)
+    kv_c, k_pe = row[:rank].reshape(1, 1, rank).to(DEVICE), row[rank:].reshape(1, 1, rope_dim).to(DEVICE)  # fmt: skip
+    caches = _caches(8, 1, 2, 2, rank + rope_dim, fp8)
+    slots = torch.tensor([3], device=DEVICE)
+    scales = torch.ones(1, device=DEVICE)
+    grouped_mla_insert(kv_c, k_pe, caches, slots, kv_cache_dtype=kv_cache_dtype, kv_scales=scales)
+    limit = torch.finfo(fp8).max
+    want = row.clamp(-limit, limit).to(fp8).view(torch.uint8)
+    assert torch.equal(caches[0][1, 1].view(torch.uint8).cpu(), want)
+    if kv_cache_dtype == "fp8_e4m3":  # independent of torch: 17 is a tie between 16 and 18
+        assert caches[0][1, 1, 0].view(torch.uint8).item() == 0x58  # 16.0
+        assert caches[0][1, 1, 8].view(torch.uint8).item() == 0x7E  # saturated +448
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+def test_per_layer_slot_mapping_and_stride0_expand(kernel: Callable[..., None]) -> None:
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 11, 16, 8, 5, 4
+    kv_c, k_pe = _inputs(9, num_layers, num_tokens, rank, rope_dim, torch.float16)
+    # [L, T]: every layer has its own slots.
+    per_layer = torch.stack([_slots(10 + i, num_tokens, num_blocks * block_size, 2) for i in range(num_layers)])  # fmt: skip
+    caches = _caches(11, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    scales = _scales(12, num_layers)
+    kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": scales}
+    expected = _run_both(kernel, kv_c, k_pe, caches, per_layer, **kwargs)
+    assert _same_bytes(caches, expected)
+    # A stride-0 expand of a shared [T] mapping gives what the shared mapping gives.
+    shared = per_layer[0]
+    expanded_caches = _caches(13, num_layers, num_blocks, block_size, rank + rope_dim, torch.uint8)
+    shared_caches = [cache.clone() for cache in expanded_caches]
+    kernel(kv_c, k_pe, expanded_caches, shared.expand(num_layers, -1), **kwargs)
+    kernel(kv_c, k_pe, shared_caches, shared, **kwargs)
+    assert _same_bytes(expanded_caches, shared_caches)
+    assert not _same_bytes(expanded_caches, _caches(13, num_layers, num_blocks, block_size, rank + rope_dim, torch.uint8))  # fmt: skip
+
+
+def test_strided_inputs_and_caches() -> None:
+    # kv_c / k_pe as slices of one fused projection, caches as views with padded rows.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 2, 9, 32, 16, 4, 4
+    gen = torch.Generator().manual_seed(14)
+    fused = (torch.randn(num_layers, num_tokens, rank + rope_dim + 8, generator=gen) + 3).to(DEVICE)
+    kv_c, k_pe = fused[..., :rank], fused[..., rank + 8 :]
+    wide = _caches(15, num_layers, num_blocks, block_size, rank + rope_dim + 16, torch.float32)
+    caches = [cache[..., : rank + rope_dim] for cache in wide]
+    slots = _slots(16, num_tokens, num_blocks * block_size, 2)
+    expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(caches, expected, strict=True))  # fmt: skip
+    assert torch.equal(wide[0][..., rank + rope_dim :], _caches(15, num_layers, num_blocks, block_size, rank + rope_dim + 16, torch.float32)[0][..., rank + rope_dim :])  # fmt: skip
+
+
+def test_grouped_equals_per_layer_and_per_layer_takes_unequal_caches() -> None:
+    num_layers, num_tokens, rank, rope_dim = 3, 13, 16, 8
+    kv_c, k_pe = _inputs(17, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(18, num_tokens, 16, 3)
+    grouped = _caches(19, num_layers, 4, 4, rank + rope_dim, torch.float8_e5m2)
+    per_layer = [cache.clone() for cache in grouped]
+    kwargs = {"kv_cache_dtype": "fp8_e5m2", "kv_scales": _scales(20, num_layers)}
+    grouped_mla_insert(kv_c, k_pe, grouped, slots, **kwargs)
+    per_layer_mla_insert(kv_c, k_pe, per_layer, slots, **kwargs)
+    assert _same_bytes(grouped, per_layer)
+    # Layers with different num_blocks / block_size: grouped refuses, per-layer matches the reference.
+    mixed = [_caches(21 + i, 1, 4 + 4 * i, 4 // (i + 1), rank + rope_dim, torch.float8_e5m2)[0] for i in range(num_layers)]  # fmt: skip
+    with pytest.raises(GeometryError, match="expected equal shapes"):
+        grouped_mla_insert(kv_c, k_pe, mixed, slots, **kwargs)
+    expected = _run_both(per_layer_mla_insert, kv_c, k_pe, mixed, slots, **kwargs)
+    assert _same_bytes(mixed, expected)
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+def test_out_of_range_slots_are_skipped_or_rejected(kernel: Callable[..., None]) -> None:
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 2, 6, 8, 8, 2, 4
+    kv_c, k_pe = _inputs(25, num_layers, num_tokens, rank, rope_dim, torch.float32)
+    slots = torch.tensor([0, 8, 3, -1, 100, 7], device=DEVICE)  # capacity 8: 8 and 100 are out
+    caches = _caches(26, num_layers, num_blocks, block_size, rank + rope_dim, torch.float32)
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(InvalidBlockError, match=r"expected slots < 8.*got 100"):
+        kernel(kv_c, k_pe, caches, slots, check_slots=True)
+    assert _same_bytes(caches, before)  # nothing launched
+    expected = _run_both(kernel, kv_c, k_pe, caches, slots)
+    assert _same_bytes(caches, expected)
+    assert not _same_bytes(caches, before)
+
+
+def test_empty_step_writes_nothing() -> None:
+    kv_c, k_pe = _inputs(27, 2, 0, 8, 8, torch.bfloat16)
+    caches = _caches(28, 2, 2, 2, 16, torch.bfloat16)
+    before = [cache.clone() for cache in caches]
+    grouped_mla_insert(kv_c, k_pe, caches, torch.empty(0, dtype=torch.int64, device=DEVICE), check_slots=True)  # fmt: skip
+    assert _same_bytes(caches, before)
+
+
+def _bad_args(case: str) -> tuple[type[Exception], dict[str, object]]:
+    """Arguments that break exactly one rule, and the error they must raise."""
+    kv_c, k_pe = _inputs(29, 2, 5, 8, 8, torch.bfloat16)
+    caches = _caches(30, 2, 2, 4, 16, torch.float8_e4m3fn)
+    args: dict[str, object] = {
+        "kv_c": kv_c, "k_pe": k_pe, "caches": caches, "slot_mapping": _slots(31, 5, 8, 1),
+        "kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(32, 2),
+    }  # fmt: skip
+    error: type[Exception] = GeometryError
+    if case == "unknown kv_cache_dtype":
+        error, args["kv_cache_dtype"] = ConfigError, "fp8"
+    elif case == "fp8 without scales":
+        error, args["kv_scales"] = ConfigError, None
+    elif case == "scales with auto":
+        error, args["kv_cache_dtype"] = ConfigError, "auto"
+    elif case == "int32 slots":
+        args["slot_mapping"] = _slots(31, 5, 8, 1).to(torch.int32)
+    elif case == "slots of wrong length":
+        args["slot_mapping"] = _slots(31, 4, 8, 1)
+    elif case == "k_pe token count":
+        args["k_pe"] = k_pe[:, :4]
+    elif case == "mixed input dtypes":
+        args["k_pe"] = k_pe.half()
+    elif case == "cache width":
+        args["caches"] = _caches(30, 2, 2, 4, 15, torch.float8_e4m3fn)
+    elif case == "cache dtype":
+        args["caches"] = _caches(30, 2, 2, 4, 16, torch.float8_e5m2)
+    elif case == "one cache per layer":
+        args["caches"] = caches[:1]
+    elif case == "scales shape":
+        args["kv_scales"] = _scales(32, 3)
+    elif case == "non-contiguous rows":
+        args["kv_c"] = kv_c.transpose(1, 2).contiguous().transpose(1, 2)
+    elif case == "misaligned cache":
+        raw = torch.zeros(2 * 4 * 16 + 1, dtype=torch.uint8, device=DEVICE)
+        args["caches"] = [caches[0], raw[1:].view(2, 4, 16)]
+    return error, args
+
+
+BAD_CASES = [
+    "unknown kv_cache_dtype", "fp8 without scales", "scales with auto", "int32 slots",
+    "slots of wrong length", "k_pe token count", "mixed input dtypes", "cache width",
+    "cache dtype", "one cache per layer", "scales shape", "non-contiguous rows", "misaligned cache",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_validation_raises_typed_errors_before_writing(case: str) -> None:
+    error, args = _bad_args(case)
+    caches = args["caches"]
+    assert isinstance(caches, list)
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(error, match="expected"):
+        grouped_mla_insert(**args)  # type: ignore[arg-type]
+    assert _same_bytes(caches, before)
+    if case != "misaligned cache":  # the per-layer path accepts any alignment
+        with pytest.raises(error, match="expected"):
+            per_layer_mla_insert(**args)  # type: ignore[arg-type]
+
+
+def test_hook_inserts_from_step_context() -> None:
+    num_layers, num_tokens, rank, rope_dim = 2, 10, 16, 8
+    kv_c, k_pe = _inputs(33, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots, scales = _slots(34, num_tokens, 12, 2), _scales(35, num_layers)
+    caches = _caches(36, num_layers, 3, 4, rank + rope_dim, torch.float8_e4m3fn)
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    hook = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    assert isinstance(hook, StepHook) and hook.is_grouped
+    ctx = StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots})
+    report = hook(ctx)
+    assert (report.name, report.launches, report.extra["num_tokens"]) == ("mla_insert", 1, 10)
+    assert _same_bytes(caches, expected)
+    with pytest.raises(ConfigError, match="missing \\['k_pe'\\]"):
+        hook(StepContext(tensors={"kv_c": kv_c, "slot_mapping": slots}))
+
+
+def test_hook_falls_back_to_per_layer_and_validates_at_construction() -> None:
+    num_layers, num_tokens, rank, rope_dim = 3, 7, 8, 8
+    kv_c, k_pe = _inputs(37, num_layers, num_tokens, rank, rope_dim, torch.float16)
+    slots = _slots(38, num_tokens, 8, 1)
+    caches = [_caches(39 + i, 1, 2 + i, 4, rank + rope_dim, torch.float16)[0] for i in range(num_layers)]  # fmt: skip
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots)
+    hook = GroupedMLAInsertHook(caches, name="insert")
+    assert not hook.is_grouped
+    report = hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+    assert (report.name, report.launches) == ("insert", num_layers)
+    assert _same_bytes(caches, expected)
+    with pytest.raises(ConfigError, match="expected float32"):
+        GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(GeometryError, match="expected"):
+        GroupedMLAInsertHook([caches[0], caches[1].float()])
+
+
+@pytest.mark.parametrize(("block_tokens", "num_warps"), [(2, None), (8, 4), (16, 2)])
+def test_tile_overrides_cover_tails(block_tokens: int, num_warps: int | None) -> None:
+    # T = 19 is not a multiple of any tile: the last tile is partial in every layer.
+    num_layers, num_tokens, rank, rope_dim = 2, 19, 24, 8
+    kv_c, k_pe = _inputs(45, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(46, num_tokens, 24, 3)
+    for kernel in KERNELS.values():
+        caches = _caches(47, num_layers, 6, 4, rank + rope_dim, torch.float8_e4m3fn)
+        kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(48, num_layers)}
+        expected = [cache.clone() for cache in caches]
+        mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+        kernel(kv_c, k_pe, caches, slots, block_tokens=block_tokens, num_warps=num_warps, **kwargs)
+        assert _same_bytes(caches, expected)
+    with pytest.raises(ConfigError, match="expected a power of two"):
+        grouped_mla_insert(kv_c, k_pe, caches, slots, block_tokens=3, **kwargs)
+
+
+# ---------------------------------------------------------------- GPU (skipped without CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_layers", [5, 61])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_gpu_deepseek_geometry(num_layers: int, block_size: int, kv_cache_dtype: str) -> None:
+    # R = kv_lora_rank 512, P = qk_rope_head_dim 64; T irregular; [L, T] slots for L = 5.
+    rank, rope_dim, num_tokens = 512, 64, 1237
+    num_blocks = (2 * num_tokens) // block_size + 3
+    kv_c, k_pe = _inputs(50, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    if num_layers == 5:
+        slots = torch.stack([_slots(51 + i, num_tokens, num_blocks * block_size, 100) for i in range(num_layers)])  # fmt: skip
+    else:
+        slots = _slots(51, num_tokens, num_blocks * block_size, 100)
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    scales = None if kv_cache_dtype == "auto" else _scales(60, num_layers)
+    for kernel in KERNELS.values():
+        caches = _caches(61, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
+        kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
+        expected = _run_both(kernel, kv_c, k_pe, caches, slots, **kwargs)
+        torch.cuda.synchronize()
+        assert _same_bytes(caches, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_gpu_large_step_uses_big_tiles(kv_cache_dtype: str) -> None:
+    # 16391 tokens x 5 layers picks 8-token tiles, with a partial last tile.
+    num_layers, num_tokens, rank, rope_dim, block_size = 5, 16391, 512, 64, 64
+    num_blocks = num_tokens // block_size + 9
+    kv_c, k_pe = _inputs(62, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(63, num_tokens, num_blocks * block_size, 37)
+    scales = None if kv_cache_dtype == "auto" else _scales(64, num_layers)
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    for kernel in KERNELS.values():
+        caches = _caches(65, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
+        kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
+        expected = _run_both(kernel, kv_c, k_pe, caches, slots, **kwargs)
+        torch.cuda.synchronize()
+        assert _same_bytes(caches, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["grouped", "per_layer", "hook"])
+def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 5, 300, 512, 64, 40, 16
+    width = rank + rope_dim
+    # Forget tables of earlier tests: freed caches' addresses may come back for `fresh` below.
+    mla_insert_module._pointer_table.cache_clear()
+    # Static buffers the graph reads; each replay gets new contents.
+    kv_c, k_pe = _inputs(70, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(71, num_tokens, num_blocks * block_size, 20)
+    scales = _scales(72, num_layers)
+    caches = _caches(73, num_layers, num_blocks, block_size, width, torch.float8_e4m3fn)
+    kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": scales}
+    hook = GroupedMLAInsertHook(caches, **kwargs)  # type: ignore[arg-type]
+    tensors = {"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}
+
+    def step(capturing: bool = False) -> None:
+        if variant == "hook":
+            assert hook(StepContext(tensors=tensors, is_capturing=capturing)).launches == 1
+        else:
+            KERNELS[variant](kv_c, k_pe, caches, slots, **kwargs)
+
+    # Warm up (compile, build the pointer table) on a side stream, as torch recommends.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    fresh = _caches(74, num_layers, num_blocks, block_size, width, torch.float8_e4m3fn)
+    with torch.cuda.graph(graph):
+        with pytest.raises(ConfigError, match="capture"):  # reads device data on the host
+            grouped_mla_insert(kv_c, k_pe, caches, slots, check_slots=True, **kwargs)
+        with pytest.raises(ConfigError, match="before CUDA-graph capture"):  # no table yet
+            grouped_mla_insert(kv_c, k_pe, fresh, slots, **kwargs)
+        step(capturing=True)
+    for replay in range(3):
+        new_kv_c, new_k_pe = _inputs(80 + replay, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)  # fmt: skip
+        kv_c.copy_(new_kv_c)
+        k_pe.copy_(new_k_pe)
+        slots.copy_(_slots(90 + replay, num_tokens, num_blocks * block_size, 20 + replay))
+        scales.copy_(_scales(95 + replay, num_layers))
+        poison = _caches(
+            100 + replay, num_layers, num_blocks, block_size, width, torch.float8_e4m3fn
+        )
+        for cache, fill in zip(caches, poison, strict=True):
+            cache.view(torch.uint8).copy_(fill.view(torch.uint8))
+        expected = [cache.clone() for cache in caches]
+        mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bytes(caches, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_hook_runs_on_the_given_stream() -> None:
+    num_layers, num_tokens, rank, rope_dim = 5, 64, 512, 64
+    kv_c, k_pe = _inputs(110, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(111, num_tokens, 128, 4)
+    caches = _caches(112, num_layers, 8, 16, rank + rope_dim, torch.bfloat16)
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    hook = GroupedMLAInsertHook(caches)
+    hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}, stream=stream))
+    stream.synchronize()
+    assert _same_bytes(caches, expected)
+
+
+def test_hook_module_imports_without_triton() -> None:
+    # kvmgr may re-export the hook: importing it must not pull in Triton.
+    code = "import sys, kvmgr.kernels.hooks_mla; sys.exit('triton' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_bench_without_cuda_fails_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_bench_args("--tokens", "1,16")) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "mla.json"
+    args = _bench_args("--tokens", "1,300", "--reps", "3", "--rotate-mib", "8", "--json", str(out))
+    assert bench.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["hbm_copy_peak_gbps"] > 100
+    assert len(result["rows"]) == 2 * 2 * 2  # kv dtypes x token counts x modes
+    assert all(row["grouped_us"] > 0 and row["per_layer_us"] > 0 for row in result["rows"])
