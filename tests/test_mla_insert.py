@@ -20,7 +20,7 @@ import torch
 from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels import mla_insert as mla_insert_module
+from kvmgr.kernels import _mla_launch
 from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
 from kvmgr.kernels.mla_insert import (
     grouped_mla_insert,
@@ -339,6 +339,108 @@ def test_tile_overrides_cover_tails(block_tokens: int, num_warps: int | None) ->
         grouped_mla_insert(kv_c, k_pe, caches, slots, block_tokens=3, **kwargs)
 
 
+def test_tile_heuristic_follows_the_h200_sweep() -> None:
+    # T x L rows -> (tokens per program, warps); 2 warps up to 4-token tiles (see _launch_config).
+    launch_config = _mla_launch._launch_config
+    assert launch_config(5 * 16384, None, None) == (4, 2)  # 78% of the HBM peak on the H200
+    assert launch_config(5 * 4096, None, None) == (2, 2)
+    assert launch_config(5 * 512, None, None) == (1, 2)
+    assert launch_config(5 * 16384, 8, None) == (8, 4)
+    assert launch_config(5 * 16384, 16, None) == (16, 8)
+    assert launch_config(7, None, 4) == (1, 4)
+
+
+def test_one_compiled_kernel_serves_every_step_size() -> None:
+    # The grouped kernel takes no value-specialized runtime argument, so steps of any T (same
+    # tile) share one memoized launch; each step must still match the reference exactly.
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(120, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(121, num_layers)}
+    _mla_launch._compiled_grouped.cache_clear()
+    for step, num_tokens in enumerate([5, 1, 16, 11, 2]):
+        kv_c, k_pe = _inputs(122 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+        slots = _slots(130 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
+        if step % 2:  # [L, T] on odd steps
+            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
+        expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
+        assert _same_bytes(caches, expected)
+    assert _mla_launch._compiled_grouped.cache_info().currsize == 1
+
+
+def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
+    # kv_c starting one element into its storage: IO_ALIGNED must be off (a wrong hint would
+    # fault or corrupt on the GPU); the result must still be exact.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 2, 7, 16, 8, 4, 4
+    kv_c, k_pe = _inputs(140, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    storage = torch.empty(kv_c.numel() + 1, dtype=kv_c.dtype, device=DEVICE)
+    shifted = storage[1:].view(kv_c.shape)
+    shifted.copy_(kv_c)
+    assert shifted.data_ptr() % 16 != 0
+    caches = _caches(141, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
+    slots = _slots(142, num_tokens, num_blocks * block_size, 2)
+    expected = _run_both(grouped_mla_insert, shifted, k_pe, caches, slots)
+    assert _same_bytes(caches, expected)
+    # The launch key says IO_ALIGNED for the aligned copy only.
+    plan = _mla_launch._grouped_plan(caches, "auto")
+    for inputs, is_aligned in ((shifted, False), (kv_c, True)):
+        step = _mla_launch._check_step(inputs, k_pe, slots, None, "auto", plan.meta, for_kernel=True)  # fmt: skip
+        assert _mla_launch._launch_spec(plan, step, inputs, k_pe, 1, 2)[-1] is is_aligned
+
+
+def test_plan_held_for_graphs_outlives_the_eager_memo() -> None:
+    # A graph replays its pointer table long after capture; the held plan must survive the
+    # eager memo forgetting it (32 newer cache sets, here a clear) and keep the same table.
+    caches = _caches(200, 3, 5, 4, 20, torch.float16)
+    key = _mla_launch._clean_key(caches, "auto")
+    assert key is not None
+    held = _mla_launch._plan_held_for_graphs(*key)
+    try:
+        table_before = held.table.clone()
+        _mla_launch._plan_for.cache_clear()
+        _mla_launch._pointer_table.cache_clear()
+        assert _mla_launch._plan_held_for_graphs(*key) is held
+        assert _mla_launch._plan_for(*key).table is not held.table  # the eager memo rebuilt one
+        assert torch.equal(held.table, table_before)
+        assert held.table.tolist() == [cache.data_ptr() for cache in caches]
+    finally:
+        _mla_launch._plan_held_for_graphs.cache_clear()
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_grouped_plan_holds_plans_used_under_capture(
+    monkeypatch: pytest.MonkeyPatch, capturing: bool
+) -> None:
+    # Only a CUDA plan looked up while the stream captures goes to the held memo (the GPU test
+    # below replays such a graph); CPU caches are pretended to live on cuda:0 here.
+    caches = _caches(201, 2, 3, 4, 20, torch.float16)
+    key = _mla_launch._clean_key(caches, "auto")
+    assert key is not None
+    cuda_key = (key[0], 0, *key[2:])
+    calls: list[str] = []
+    monkeypatch.setattr(_mla_launch, "_clean_key", lambda *_: cuda_key)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(_mla_launch, "_plan_for", lambda *k: calls.append("eager") or k)
+    monkeypatch.setattr(_mla_launch, "_plan_held_for_graphs", lambda *k: calls.append("held") or k)
+    assert _mla_launch._grouped_plan(caches, "auto") == cuda_key
+    assert calls == (["held"] if capturing else ["eager"])
+
+
+def test_hook_without_per_step_checks_inserts_the_same() -> None:
+    num_layers, num_tokens, rank, rope_dim = 2, 9, 16, 8
+    kv_c, k_pe = _inputs(150, num_layers, num_tokens, rank, rope_dim, torch.float16)
+    slots, scales = _slots(151, num_tokens, 12, 2), _scales(152, num_layers)
+    caches = _caches(153, num_layers, 3, 4, rank + rope_dim, torch.uint8)
+    kwargs = {"kv_cache_dtype": "fp8_e5m2", "kv_scales": scales}
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+    checked = GroupedMLAInsertHook(caches, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="expected"):  # a step of the wrong width
+        checked(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe[..., :4], "slot_mapping": slots}))  # fmt: skip
+    hook = GroupedMLAInsertHook(caches, validate=False, **kwargs)  # type: ignore[arg-type]
+    report = hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+    assert report.launches == 1 and _same_bytes(caches, expected)
+
+
 # ---------------------------------------------------------------- GPU (skipped without CUDA)
 
 
@@ -368,7 +470,7 @@ def test_gpu_deepseek_geometry(num_layers: int, block_size: int, kv_cache_dtype:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_gpu_large_step_uses_big_tiles(kv_cache_dtype: str) -> None:
-    # 16391 tokens x 5 layers picks 8-token tiles, with a partial last tile.
+    # 16391 tokens x 5 layers picks 4-token tiles, with a partial last tile.
     num_layers, num_tokens, rank, rope_dim, block_size = 5, 16391, 512, 64, 64
     num_blocks = num_tokens // block_size + 9
     kv_c, k_pe = _inputs(62, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
@@ -384,12 +486,50 @@ def test_gpu_large_step_uses_big_tiles(kv_cache_dtype: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_gpu_direct_launch_is_exact_across_step_sizes_and_layouts(kv_cache_dtype: str) -> None:
+    # The grouped path launches Triton's CompiledKernel directly, memoized per launch spec: one
+    # compile must serve every T, and a misaligned or strided step must get its own exact kernel.
+    num_layers, rank, rope_dim, num_blocks, block_size = 5, 512, 64, 160, 16
+    width, capacity = rank + rope_dim, num_blocks * block_size
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    caches = _caches(160, num_layers, num_blocks, block_size, width, cache_dtype)
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": None}
+    if kv_cache_dtype != "auto":
+        kwargs["kv_scales"] = _scales(161, num_layers)
+    for step, num_tokens in enumerate([1, 2, 17, 300, 1237, 2]):
+        kv_c, k_pe = _inputs(162 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+        if step == 2:  # kv_c one element into its storage: no alignment hint
+            storage = torch.empty(kv_c.numel() + 1, dtype=kv_c.dtype, device=DEVICE)
+            kv_c = storage[1:].view(kv_c.shape).copy_(kv_c)
+        if step == 5:  # slices of one fused projection, padded rows
+            fused = torch.cat([kv_c, torch.ones_like(k_pe[..., :8]), k_pe], dim=-1)
+            kv_c, k_pe = fused[..., :rank], fused[..., rank + 8 :]
+        slots = _slots(170 + step, num_tokens, capacity, num_tokens // 5)
+        if step % 2:  # [L, T] on odd steps
+            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
+        expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
+        torch.cuda.synchronize()
+        assert _same_bytes(caches, expected), f"step {step}, T = {num_tokens}"
+    plan = _mla_launch._grouped_plan(caches, kv_cache_dtype)
+    kv_c, k_pe = _inputs(180, num_layers, 3, rank, rope_dim, torch.bfloat16)
+    step_info = _mla_launch._check_step(
+        kv_c, k_pe, _slots(181, 3, capacity, 0), kwargs["kv_scales"], kv_cache_dtype, plan.meta,
+        for_kernel=True,
+    )  # fmt: skip
+    spec = _mla_launch._launch_spec(plan, step_info, kv_c, k_pe, 1, 2)
+    assert _mla_launch._compiled_grouped(spec).kernel is not None  # the direct launch ran
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["grouped", "per_layer", "hook"])
 def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 5, 300, 512, 64, 40, 16
     width = rank + rope_dim
     # Forget tables of earlier tests: freed caches' addresses may come back for `fresh` below.
-    mla_insert_module._pointer_table.cache_clear()
+    _mla_launch._pointer_table.cache_clear()
+    _mla_launch._plan_for.cache_clear()
+    _mla_launch._plan_held_for_graphs.cache_clear()
     # Static buffers the graph reads; each replay gets new contents.
     kv_c, k_pe = _inputs(70, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots = _slots(71, num_tokens, num_blocks * block_size, 20)
@@ -438,6 +578,53 @@ def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
+    # A graph captured through grouped_mla_insert reads its pointer table at every replay. The
+    # eager memo drops the table after 32 newer cache sets; the capture must keep it alive.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 40, 512, 64, 8, 16
+    width, capacity = rank + rope_dim, num_blocks * block_size
+    for memo in (_mla_launch._pointer_table, _mla_launch._plan_for, _mla_launch._plan_held_for_graphs):  # fmt: skip
+        memo.cache_clear()
+    kv_c, k_pe = _inputs(210, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(211, num_tokens, capacity, 4)
+    caches = _caches(212, num_layers, num_blocks, block_size, width, torch.bfloat16)
+    # 1. Eager call (compile, table) on a side stream, then capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        grouped_mla_insert(kv_c, k_pe, caches, slots)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_mla_insert(kv_c, k_pe, caches, slots)
+    # 2. The eager memo forgets these caches (as 32 newer cache sets would make it do).
+    _mla_launch._plan_for.cache_clear()
+    _mla_launch._pointer_table.cache_clear()
+    # 3. Tables pointing at a decoy cache take any freed table memory on the same stream, so a
+    #    freed table would send the replay's writes to the decoy instead of faulting.
+    decoy = _caches(213, 1, num_blocks, block_size, width, torch.bfloat16)[0]
+    decoy_before = decoy.clone()
+    with torch.cuda.stream(side):
+        decoy_tables = [
+            torch.full((num_layers,), decoy.data_ptr(), dtype=torch.int64, device=DEVICE)
+            for _ in range(512)
+        ]
+    torch.cuda.synchronize()
+    # 4. Replay with new inputs: the real caches get the rows, the decoy stays as it was.
+    new_kv_c, new_k_pe = _inputs(214, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    kv_c.copy_(new_kv_c)
+    k_pe.copy_(new_k_pe)
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bytes(caches, expected)
+    assert torch.equal(decoy.view(torch.uint8), decoy_before.view(torch.uint8))
+    del decoy_tables
+    _mla_launch._plan_held_for_graphs.cache_clear()
+
+
+@pytest.mark.gpu
 def test_gpu_hook_runs_on_the_given_stream() -> None:
     num_layers, num_tokens, rank, rope_dim = 5, 64, 512, 64
     kv_c, k_pe = _inputs(110, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
@@ -481,3 +668,6 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
     assert result["hbm_copy_peak_gbps"] > 100
     assert len(result["rows"]) == 2 * 2 * 2  # kv dtypes x token counts x modes
     assert all(row["grouped_us"] > 0 and row["per_layer_us"] > 0 for row in result["rows"])
+    hosts = ("per_layer_host_us", "grouped_host_us", "hook_unchecked_host_us")
+    for row in result["rows"]:  # host timings for eager rows only
+        assert all((row[key] is None) == (row["mode"] == "graph") for key in hosts)

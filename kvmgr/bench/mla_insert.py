@@ -12,19 +12,29 @@ Bytes moved by one insert of T tokens into L layers (padding-free steps)::
 (the FP8 scales and the pointer table, at most 12 bytes per layer, are left out). Achieved GB/s
 is ``bytes / time`` and is compared with the HBM copy peak measured in the same run: a
 device-to-device copy of 1 GiB, counting bytes read plus bytes written. Each variant is timed
-after a warm-up with CUDA events (median of ``--reps``), over up to 16 rotating input sets so that
-mid-size steps do not run from L2; "eager" includes the host's launch cost, "graph" replays one
-CUDA graph holding one insert per set.
+after a warm-up with CUDA events (median of ``--reps`` samples), over up to 16 rotating input
+sets so that mid-size steps do not run from L2; every sample covers at least 16 inserts, back to
+back. "eager" includes the host's launch cost, "graph" replays one CUDA graph holding a sample's
+inserts.
+
+Host columns (eager only): wall-clock host microseconds per insert call, timed with
+``perf_counter`` from an idle GPU (synchronised before each sample, so nothing waits on the GPU):
+checks, Triton dispatch and the driver's enqueue. ``per-layer`` is L ordinary Triton launches
+after one check of all inputs; ``grouped`` is the public function (all checks, one launch);
+``hook unchecked`` is :class:`GroupedMLAInsertHook` with ``validate=False`` (caches checked at
+construction, nothing per step): the launch alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +43,12 @@ import torch
 __all__ = ["add_arguments", "run"]
 
 _MAX_SETS = 16  # the pointer-table memo must hold every set captured in one graph
+_MIN_INSERTS_PER_SAMPLE = 16
+_HOST_CAPTION = (
+    "host µs: CPU wall time per insert call from an idle GPU (checks + dispatch + enqueue). "
+    "per-layer: one check, L ordinary Triton launches; grouped: the public function, all checks, "
+    "one launch; launch-only: GroupedMLAInsertHook(validate=False)."
+)
 _TARGET_SPEEDUP, _TARGET_SPEEDUP_MAX_T = 6.0, 512
 _TARGET_PEAK_FRACTION, _TARGET_PEAK_T = 0.75, 16384
 
@@ -53,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rotate-mib", type=int, default=256, help="input footprint to rotate over"
     )
     parser.add_argument(
-        "--tune", action="store_true", help="also sweep tile sizes at the largest T"
+        "--tune", action="store_true", help="also sweep tile sizes at the largest T (graph)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
@@ -81,10 +97,13 @@ def run(args: argparse.Namespace) -> int:
     for kv_cache_dtype in kv_cache_dtypes:
         for num_tokens in tokens:
             sets = _make_sets(args, kv_cache_dtype, num_tokens)
+            calls = {name: _calls(fn, sets) for name, fn in variants.items()}
+            calls["hook_unchecked"] = _hook_calls(sets)
             for mode in modes:
-                time_us = {
-                    name: _time_us(fn, sets, mode, args.reps) for name, fn in variants.items()
-                }
+                time_us = {name: _time_us(calls[name], mode, args.reps) for name in variants}
+                host_us: dict[str, float | None] = dict.fromkeys(calls)  # none for graphs
+                if mode == "eager":
+                    host_us = {name: _host_us(c, args.reps) for name, c in calls.items()}
                 gbps = sets[0]["bytes"] / (time_us["grouped"] * 1e-6) / 1e9
                 rows.append(
                     {
@@ -94,12 +113,13 @@ def run(args: argparse.Namespace) -> int:
                         "per_layer_us": time_us["per_layer"],
                         "grouped_us": time_us["grouped"],
                         "speedup": time_us["per_layer"] / time_us["grouped"],
+                        **{f"{name}_host_us": us for name, us in host_us.items()},
                         "bytes": sets[0]["bytes"],
                         "grouped_gbps": gbps,
                         "peak_fraction": gbps / peak_gbps,
                     }
                 )
-            del sets
+            del sets, calls
     tuning = _tune(args, mla_insert.grouped_mla_insert, max(tokens), peak_gbps) if args.tune else []
     targets = _targets(rows)
     _print(args, peak_gbps, rows, targets, tuning)
@@ -154,25 +174,68 @@ def _make_sets(
     return sets
 
 
-def _time_us(
-    fn: Callable[..., None], sets: list[dict[str, Any]], mode: str, reps: int, **tuning: Any
-) -> float:
-    """Median microseconds per insert, each repetition covering every set once."""
+def _calls(fn: Callable[..., None], sets: list[dict[str, Any]], **tuning: Any) -> list[Any]:
+    """One zero-argument insert per set, arguments bound up front."""
+    return [
+        functools.partial(
+            fn, s["kv_c"], s["k_pe"], s["caches"], s["slots"], **s["kwargs"], **tuning
+        )
+        for s in sets
+    ]
 
-    def run_all() -> None:
-        for s in sets:
-            fn(s["kv_c"], s["k_pe"], s["caches"], s["slots"], **s["kwargs"], **tuning)
 
-    run_all()  # compile and build pointer tables, outside any capture
-    launch = run_all
+def _hook_calls(sets: list[dict[str, Any]]) -> list[Any]:
+    """One ``GroupedMLAInsertHook(validate=False)`` call per set, its context built up front."""
+    from kvmgr.hooks import StepContext
+    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+
+    calls = []
+    for s in sets:
+        hook = GroupedMLAInsertHook(s["caches"], validate=False, **s["kwargs"])
+        tensors = {"kv_c": s["kv_c"], "k_pe": s["k_pe"], "slot_mapping": s["slots"]}
+        calls.append(functools.partial(hook, StepContext(tensors=tensors)))
+    return calls
+
+
+def _sample(calls: list[Any]) -> tuple[Callable[[], None], int]:
+    """A sample (the sets' inserts, repeated until there are at least 16) and its insert count."""
+    repeats = max(1, -(-_MIN_INSERTS_PER_SAMPLE // len(calls)))
+
+    def run_sample() -> None:
+        for _ in range(repeats):
+            for call in calls:
+                call()
+
+    return run_sample, repeats * len(calls)
+
+
+def _time_us(calls: list[Any], mode: str, reps: int) -> float:
+    """Median device-side microseconds per insert (CUDA events around each sample)."""
+    run_sample, num_inserts = _sample(calls)
+    run_sample()  # compile and build pointer tables, outside any capture
+    launch = run_sample
     if mode == "graph":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run_all()
+            run_sample()
         launch = graph.replay
     elif mode != "eager":
         raise ValueError(f"mode: expected 'eager' or 'graph', got {mode!r}")
-    return _median_ms(launch, reps) * 1e3 / len(sets)
+    return _median_ms(launch, reps) * 1e3 / num_inserts
+
+
+def _host_us(calls: list[Any], reps: int) -> float:
+    """Median host microseconds per insert call, each sample started from an idle GPU."""
+    run_sample, num_inserts = _sample(calls)
+    run_sample()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start_s = time.perf_counter()
+        run_sample()
+        samples.append(time.perf_counter() - start_s)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6 / num_inserts
 
 
 def _median_ms(launch: Callable[[], object], reps: int) -> float:
@@ -198,23 +261,24 @@ def _copy_peak_gbps(reps: int) -> float:
 def _tune(
     args: argparse.Namespace, grouped: Callable[..., None], num_tokens: int, peak_gbps: float
 ) -> list[dict[str, Any]]:
-    """Grouped kernel at ``num_tokens`` (first kv_cache_dtype, graph mode) over tile choices."""
-    sets = _make_sets(args, args.kv_cache_dtypes.split(",")[0], num_tokens)
+    """Grouped kernel at ``num_tokens`` (every kv_cache_dtype, graph mode) over tile choices."""
     results = []
-    for block_tokens in (1, 2, 4, 8, 16):
-        for num_warps in (2, 4, 8):
-            us = _time_us(
-                grouped, sets, "graph", args.reps, block_tokens=block_tokens, num_warps=num_warps
-            )
-            gbps = sets[0]["bytes"] / (us * 1e-6) / 1e9
-            results.append(
-                {
-                    "block_tokens": block_tokens,
-                    "num_warps": num_warps,
-                    "us": us,
-                    "peak_fraction": gbps / peak_gbps,
-                }
-            )
+    for kv_cache_dtype in args.kv_cache_dtypes.split(","):
+        sets = _make_sets(args, kv_cache_dtype, num_tokens)
+        for block_tokens in (1, 2, 4, 8, 16):
+            for num_warps in (2, 4, 8):
+                tiles = {"block_tokens": block_tokens, "num_warps": num_warps}
+                us = _time_us(_calls(grouped, sets, **tiles), "graph", args.reps)
+                gbps = sets[0]["bytes"] / (us * 1e-6) / 1e9
+                results.append(
+                    {
+                        "kv_cache_dtype": kv_cache_dtype,
+                        **tiles,
+                        "us": us,
+                        "peak_fraction": gbps / peak_gbps,
+                    }
+                )
+        del sets
     return results
 
 
@@ -272,9 +336,9 @@ def _print(
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=150)  # not 80 when piped: keep every column readable
     title = f"MLA insert, L={args.layers} R={args.rank} P={args.rope_dim} block={args.block_size} {args.dtype}; HBM copy peak {peak_gbps:,.0f} GB/s"
-    table = Table(title=title)
+    table = Table(title=title, caption=_HOST_CAPTION)
     for column in (
         "kv dtype",
         "mode",
@@ -282,11 +346,15 @@ def _print(
         "per-layer µs",
         "grouped µs",
         "speedup",
+        "host per-layer µs",
+        "host grouped µs",
+        "host launch-only µs",
         "grouped GB/s",
         "% peak",
     ):
         table.add_column(column, justify="right")
     for r in rows:
+        hosts = (r["per_layer_host_us"], r["grouped_host_us"], r["hook_unchecked_host_us"])
         table.add_row(
             r["kv_cache_dtype"],
             r["mode"],
@@ -294,6 +362,7 @@ def _print(
             f"{r['per_layer_us']:.1f}",
             f"{r['grouped_us']:.1f}",
             f"{r['speedup']:.2f}x",
+            *("-" if us is None else f"{us:.1f}" for us in hosts),
             f"{r['grouped_gbps']:,.0f}",
             f"{r['peak_fraction']:.1%}",
         )
@@ -310,10 +379,11 @@ def _print(
         tune = Table(
             title=f"Grouped tile sweep at T={max(int(t) for t in args.tokens.split(','))} (graph)"
         )
-        for column in ("block_tokens", "num_warps", "µs", "% peak"):
+        for column in ("kv dtype", "block_tokens", "num_warps", "µs", "% peak"):
             tune.add_column(column, justify="right")
         for t in tuning:
             tune.add_row(
+                t["kv_cache_dtype"],
                 str(t["block_tokens"]),
                 str(t["num_warps"]),
                 f"{t['us']:.1f}",

@@ -35,9 +35,10 @@ class GroupedMLAInsertHook:
     and writes them into the caches given at construction, exactly as
     :func:`kvmgr.kernels.mla_insert.grouped_mla_insert` (same semantics and dtypes). The caches
     are validated and their pointer table built here, once; each step only checks the step's
-    tensors. Caches of unequal geometry fall back to one launch per layer. A step of zero tokens
-    launches nothing. Safe under CUDA-graph capture (no host reads of device data) unless
-    ``check_slots``; build the hook, and run one step eagerly to compile, before capturing.
+    tensors (attribute reads, no torch ops), or nothing with ``validate=False``. Caches of unequal
+    geometry fall back to one launch per layer. A step of zero tokens launches nothing. Safe under
+    CUDA-graph capture (no host reads of device data) unless ``check_slots``; build the hook, and
+    run one step eagerly to compile, before capturing.
 
     Parameters
     ----------
@@ -52,6 +53,10 @@ class GroupedMLAInsertHook:
         The name reported in :class:`HookReport`.
     check_slots : bool
         Reject slots past the capacity at each step (one device->host sync per step).
+    validate : bool
+        Check each step's tensors against the caches (about 2 us of host time). ``False`` skips
+        those checks, for loops that build the tensors themselves: a tensor of the wrong shape,
+        dtype, device or layout is then read or written out of bounds instead of raising.
 
     Raises
     ------
@@ -69,12 +74,13 @@ class GroupedMLAInsertHook:
         kv_scales: torch.Tensor | None = None,
         name: str = "mla_insert",
         check_slots: bool = False,
+        validate: bool = True,
     ) -> None:
-        from kvmgr.kernels import mla_insert
+        from kvmgr.kernels import _mla_launch, mla_insert
 
         caches = tuple(caches)
-        mla_insert._check_dtype_and_scales(kv_cache_dtype, kv_scales)
-        mla_insert._check_caches(caches, kv_cache_dtype)
+        _mla_launch._check_dtype_and_scales(kv_cache_dtype, kv_scales)
+        meta = _mla_launch._check_caches(caches, kv_cache_dtype)
         if kv_scales is not None and (
             kv_scales.dtype != torch.float32
             or kv_scales.shape != (len(caches),)
@@ -85,15 +91,16 @@ class GroupedMLAInsertHook:
             raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
         self.name = name
         self._kernels: Any = mla_insert
+        self._host: Any = _mla_launch
         self._caches = caches
         self._kv_cache_dtype = kv_cache_dtype
         self._kv_scales = kv_scales
         self._check_slots = check_slots
-        self._is_grouped = mla_insert._is_uniform(caches)
-        self._table: torch.Tensor | None = None
-        if self._is_grouped:
-            ptrs = tuple(cache.data_ptr() for cache in caches)
-            self._table = mla_insert._pointer_table(caches[0].device, ptrs)
+        self._validate = validate
+        self._meta = meta
+        self._is_grouped = _mla_launch._is_uniform(caches)
+        # The hook holds its plan, so a captured graph's pointer table lives as long as the hook.
+        self._plan = _mla_launch._grouped_plan(caches, kv_cache_dtype) if self._is_grouped else None
 
     @property
     def is_grouped(self) -> bool:
@@ -117,19 +124,21 @@ class GroupedMLAInsertHook:
         if missing:
             raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}")
         kv_c, k_pe = ctx.tensors["kv_c"], ctx.tensors["k_pe"]
-        kernels, caches = self._kernels, self._caches
+        host, caches = self._host, self._caches
         dtype, scales = self._kv_cache_dtype, self._kv_scales
-        step = kernels._check_step(
-            kv_c, k_pe, ctx.tensors["slot_mapping"], scales, dtype, caches, for_kernel=True
-        )
+        slots = ctx.tensors["slot_mapping"]
+        if self._validate:
+            step = host._check_step(kv_c, k_pe, slots, scales, dtype, self._meta, for_kernel=True)
+        else:
+            step = host._unchecked_step(kv_c, k_pe, slots, scales, dtype)
         if self._check_slots:
-            kernels._check_slots(step, caches)
+            host._check_slots(step, caches)
         stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
         with stream:
-            if self._is_grouped:
-                kernels._launch_grouped(step, kv_c, k_pe, caches, scales, dtype, table=self._table)
+            if self._plan is not None:
+                self._kernels._launch_grouped(self._plan, step, kv_c, k_pe, scales)
             else:
-                kernels._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
+                self._kernels._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
         num_launches = 0 if step.num_tokens == 0 else (1 if self._is_grouped else len(caches))
         return HookReport(
             name=self.name,

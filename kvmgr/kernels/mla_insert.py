@@ -16,27 +16,43 @@ input dtype and rows are copied exactly; with FP8 each value is stored as
 e5m2). Both launchers only enqueue work (no host reads of device data unless ``check_slots``), so
 they can be captured into a CUDA graph once the kernel has been compiled and the pointer table
 built by one eager call with the same caches.
+
+The host side (input checks, the memoized launch plans with their device pointer tables, and the
+memoized direct launch of the grouped kernel, which keeps its per-step host cost low) lives in
+:mod:`kvmgr.kernels._mla_launch`; this module holds the kernels, their launchers and the reference.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
+from kvmgr.kernels._mla_launch import (
+    _FP8_FORMATS,
+    _GROUPED_RUNTIME_ARGS,
+    KV_CACHE_DTYPES,
+    _check_caches,
+    _check_dtype_and_scales,
+    _check_slots,
+    _check_step,
+    _compiled_grouped,
+    _grouped_plan,
+    _launch_config,
+    _launch_spec,
+    _layer_slots,
+    _Plan,
+    _pow2,
+    _Step,
+)
 
 __all__ = ["KV_CACHE_DTYPES", "grouped_mla_insert", "mla_insert_reference", "per_layer_mla_insert"]
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-
 
 @triton.jit
-def _quantize(x, scale, OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr):
+def _quantize(x, scale, OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr):  # type: ignore[no-untyped-def]
     # FP8: divide in fp32 with IEEE rounding (plain `/` is approximate on NVIDIA), saturate
     # (NaN stays NaN), then convert with round-to-nearest-even. auto: an exact copy.
     if FP8_MAX > 0:
@@ -46,7 +62,7 @@ def _quantize(x, scale, OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _insert_tile(
+def _insert_tile(  # type: ignore[no-untyped-def]
     kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, scale, tile, num_tokens, capacity,
     stride_kv_t, stride_pe_t, stride_slot_t, stride_cache_b, stride_cache_s,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -58,56 +74,65 @@ def _insert_tile(
     # flight per program while small steps still spread over many SMs.
     # 1. The tile's tokens and slots; tokens past the end read as padding (-1).
     tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    slots = tl.load(
-        slot_ptr + tokens.to(tl.int64) * stride_slot_t, mask=tokens < num_tokens, other=-1
-    )
-    # 2. Padding and out-of-range slots write nothing (the mask is a [BLOCK_T, 1] tensor, never a
-    #    scalar: Triton 3.9's interpreter rejects tensor & scalar masks).
+    in_step = tokens < num_tokens
+    slots = tl.load(slot_ptr + tokens.to(tl.int64) * stride_slot_t, mask=in_step, other=-1)
+    # 2. Padding and out-of-range slots write nothing (the masks are [BLOCK_T, 1] tensors, never
+    #    scalars: Triton 3.9's interpreter rejects tensor & scalar masks).
     valid = ((slots >= 0) & (slots < capacity))[:, None]
+    in_step = in_step[:, None]
     slots = tl.where(slots >= 0, slots, 0)
     # 3. Destination row of each token: block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE.
     rows = ((slots // BLOCK_SIZE) * stride_cache_b + (slots % BLOCK_SIZE) * stride_cache_s)[:, None]
     src = tokens.to(tl.int64)[:, None]
     out_dtype = cache_ptr.dtype.element_ty
-    # 4. kv_c -> columns [0, R).
+    # 4. kv_c -> columns [0, R). The loads are masked by the token bound only, not by the slots,
+    #    so they overlap the slot load (small steps are latency-bound); the stores use the slots.
     offs_r = tl.arange(0, BLOCK_R)[None, :]
-    mask_r = valid & (offs_r < R)
-    x = tl.load(kv_c_ptr + src * stride_kv_t + offs_r, mask=mask_r, eviction_policy="evict_first")
-    tl.store(cache_ptr + rows + offs_r, _quantize(x, scale, out_dtype, FP8_MAX), mask=mask_r)
+    in_r = offs_r < R
+    x = tl.load(kv_c_ptr + src * stride_kv_t + offs_r, mask=in_step & in_r, eviction_policy="evict_first")  # fmt: skip
+    tl.store(cache_ptr + rows + offs_r, _quantize(x, scale, out_dtype, FP8_MAX), mask=valid & in_r)
     # 5. k_pe -> columns [R, R + P).
     offs_p = tl.arange(0, BLOCK_P)[None, :]
-    mask_p = valid & (offs_p < P)
-    x = tl.load(k_pe_ptr + src * stride_pe_t + offs_p, mask=mask_p, eviction_policy="evict_first")
-    tl.store(cache_ptr + rows + R + offs_p, _quantize(x, scale, out_dtype, FP8_MAX), mask=mask_p)
+    in_p = offs_p < P
+    x = tl.load(k_pe_ptr + src * stride_pe_t + offs_p, mask=in_step & in_p, eviction_policy="evict_first")  # fmt: skip
+    tl.store(cache_ptr + rows + R + offs_p, _quantize(x, scale, out_dtype, FP8_MAX), mask=valid & in_p)  # fmt: skip
 
 
-@triton.jit
-def _grouped_insert_kernel(
-    kv_c_ptr, k_pe_ptr, cache_table_ptr, slot_ptr, scale_ptr, num_tokens, capacity,
-    stride_kv_l, stride_kv_t, stride_pe_l, stride_pe_t, stride_slot_l, stride_slot_t,
-    stride_scale, stride_cache_b, stride_cache_s,
-    CACHE_DTYPE: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+@triton.jit(do_not_specialize=_GROUPED_RUNTIME_ARGS)
+def _grouped_insert_kernel(  # type: ignore[no-untyped-def]
+    kv_c_ptr, k_pe_ptr, cache_table_ptr, slot_ptr, scale_ptr, num_tokens,
+    stride_kv_l, stride_pe_l, stride_slot_l,
+    STRIDE_KV_T: tl.constexpr, STRIDE_PE_T: tl.constexpr, STRIDE_SLOT_T: tl.constexpr,
+    STRIDE_SCALE: tl.constexpr, CAPACITY: tl.constexpr, STRIDE_CACHE_B: tl.constexpr,
+    STRIDE_CACHE_S: tl.constexpr, CACHE_DTYPE: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP8_MAX: tl.constexpr, IO_ALIGNED: tl.constexpr,
 ):  # fmt: skip
+    # Runtime arguments are only what changes with the step's size, none specialized, so every
+    # step size shares one compiled kernel. Row strides and the caches' geometry are constexprs
+    # (fixed per model); IO_ALIGNED restores the alignment facts specialization would have given.
     # Grid (token tiles, layers): consecutive programs read consecutive rows of one layer.
     tile = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
+    kv_c_ptr += layer * stride_kv_l
+    k_pe_ptr += layer * stride_pe_l
+    if IO_ALIGNED:  # checked on the host: every layer's first kv_c and k_pe row is 16-byte aligned
+        kv_c_ptr = tl.multiple_of(kv_c_ptr, 16)
+        k_pe_ptr = tl.multiple_of(k_pe_ptr, 16)
     # The layer's cache base from the device pointer table; every base is 16-byte aligned
     # (checked on the host), which lets the stores vectorize.
     cache_ptr = tl.load(cache_table_ptr + layer).to(tl.pointer_type(CACHE_DTYPE))
     cache_ptr = tl.multiple_of(cache_ptr, 16)
-    scale = tl.load(scale_ptr + layer * stride_scale) if FP8_MAX > 0 else 1.0
+    scale = tl.load(scale_ptr + layer * STRIDE_SCALE) if FP8_MAX > 0 else 1.0
     _insert_tile(
-        kv_c_ptr + layer * stride_kv_l, k_pe_ptr + layer * stride_pe_l, cache_ptr,
-        slot_ptr + layer * stride_slot_l, scale, tile, num_tokens, capacity,
-        stride_kv_t, stride_pe_t, stride_slot_t, stride_cache_b, stride_cache_s,
+        kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr + layer * stride_slot_l, scale, tile, num_tokens,
+        CAPACITY, STRIDE_KV_T, STRIDE_PE_T, STRIDE_SLOT_T, STRIDE_CACHE_B, STRIDE_CACHE_S,
         R, P, BLOCK_R, BLOCK_P, BLOCK_SIZE, BLOCK_T, FP8_MAX,
     )  # fmt: skip
 
 
 @triton.jit
-def _layer_insert_kernel(
+def _layer_insert_kernel(  # type: ignore[no-untyped-def]
     kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, scale_ptr, num_tokens, capacity,
     stride_kv_t, stride_pe_t, stride_slot_t, stride_cache_b, stride_cache_s,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -122,192 +147,29 @@ def _layer_insert_kernel(
     )  # fmt: skip
 
 
-_INPUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-_FP8_FORMATS = {  # name -> (torch cache dtype, Triton cache dtype, largest finite value)
-    "fp8_e4m3": (torch.float8_e4m3fn, tl.float8e4nv, 448.0),
-    "fp8_e5m2": (torch.float8_e5m2, tl.float8e5, 57344.0),
-}
-
-
-class _Step(NamedTuple):
-    """A validated step: ``slots`` is ``[L, T]`` (a stride-0 view when shared)."""
-
-    num_layers: int
-    num_tokens: int
-    rank: int  # R
-    rope_dim: int  # P
-    slots: torch.Tensor
-    fp8_max: float  # 0.0 for "auto"
-
-
-def _fail(what: str, expected: object, got: object) -> GeometryError:
-    return GeometryError(f"{what}: expected {expected}, got {got}")
-
-
-def _check_dtype_and_scales(kv_cache_dtype: str, kv_scales: torch.Tensor | None) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(
-            f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
-        )
-    if kv_cache_dtype != "auto" and kv_scales is None:
-        raise ConfigError(f"kv_scales: expected float32 [L] for {kv_cache_dtype!r}, got None")
-    if kv_cache_dtype == "auto" and kv_scales is not None:
-        raise ConfigError("kv_scales: expected None for kv_cache_dtype='auto', got a tensor")
-
-
-def _check_caches(caches: Sequence[torch.Tensor], kv_cache_dtype: str) -> None:
-    """Per-cache checks (any geometry): rank, one width, dtype, contiguous rows, one device."""
-    if len(caches) == 0:
-        raise _fail("caches", "one cache per layer", "none")
-    fp8 = _FP8_FORMATS.get(kv_cache_dtype)
-    first = caches[0]
-    allowed = (first.dtype,) if fp8 is None else (fp8[0], torch.uint8)
-    if fp8 is None and first.dtype not in _INPUT_DTYPES:
-        raise _fail("caches[0].dtype for 'auto'", "bfloat16, float16 or float32", first.dtype)
-    for layer, cache in enumerate(caches):
-        if cache.dim() != 3 or cache.shape[2] != first.shape[-1]:
-            got = tuple(cache.shape)
-            raise _fail(
-                f"caches[{layer}].shape", f"[num_blocks, block_size, {first.shape[-1]}]", got
-            )
-        if cache.dtype not in allowed or cache.stride(2) != 1 or cache.device != first.device:
-            want = f"({' or '.join(map(str, allowed))}, 1, {first.device})"
-            found = (cache.dtype, cache.stride(2), cache.device)
-            raise _fail(f"caches[{layer}] (dtype, stride(2), device)", want, found)
-
-
-def _is_uniform(caches: Sequence[torch.Tensor]) -> bool:
-    """Equal shapes and strides, and every base 16-byte aligned: what the grouped kernel needs."""
-    shape, strides = caches[0].shape, caches[0].stride()
-    return all(
-        c.shape == shape and c.stride() == strides and c.data_ptr() % 16 == 0 for c in caches
-    )
-
-
-def _check_step(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scales: torch.Tensor | None,
-    kv_cache_dtype: str,
-    caches: Sequence[torch.Tensor],
-    *,
-    for_kernel: bool,
-) -> _Step:
-    """Per-step checks of the inputs against the (already checked) caches."""
-    shapes = (tuple(kv_c.shape), tuple(k_pe.shape))
-    if len(shapes[0]) != 3 or len(shapes[1]) != 3 or shapes[0][:2] != shapes[1][:2]:
-        raise _fail("kv_c, k_pe shapes", "[L, T, R] and [L, T, P]", shapes)
-    (num_layers, num_tokens, rank), rope_dim = shapes[0], shapes[1][2]
-    dtype, device, first = kv_c.dtype, kv_c.device, caches[0]
-    if dtype not in _INPUT_DTYPES or k_pe.dtype != dtype:
-        raise _fail("kv_c, k_pe dtypes", "both bfloat16, float16 or float32", (dtype, k_pe.dtype))
-    if kv_cache_dtype == "auto" and dtype != first.dtype:
-        raise _fail("kv_c.dtype for 'auto'", f"the caches' {first.dtype}", dtype)
-    if kv_c.stride(2) != 1 or k_pe.stride(2) != 1 or rank == 0 or rope_dim == 0:
-        raise _fail("kv_c, k_pe last dims", "contiguous and non-empty", (kv_c.stride(), k_pe.stride()))  # fmt: skip
-    if for_kernel and device.type != "cuda" and not _is_interpreted():
-        raise _fail("kv_c.device", "cuda (cpu needs TRITON_INTERPRET=1)", device)
-    if k_pe.device != device or first.device != device or slot_mapping.device != device:
-        raise _fail("k_pe, caches, slot_mapping devices", device, (k_pe.device, first.device, slot_mapping.device))  # fmt: skip
-    if len(caches) != num_layers or first.shape[2] != rank + rope_dim:
-        found = f"{len(caches)} of width {first.shape[2]}"
-        raise _fail("caches", f"{num_layers} of width R + P = {rank + rope_dim}", found)
-    slots = slot_mapping.expand(num_layers, -1) if slot_mapping.dim() == 1 else slot_mapping
-    if slot_mapping.dtype != torch.int64 or tuple(slots.shape) != (num_layers, num_tokens):
-        want = f"int64 [{num_tokens}] or [{num_layers}, {num_tokens}]"
-        raise _fail("slot_mapping", want, f"{slot_mapping.dtype} {list(slot_mapping.shape)}")
-    if kv_scales is not None:
-        scales_meta = (kv_scales.dtype, tuple(kv_scales.shape), kv_scales.device)
-        if scales_meta != (torch.float32, (num_layers,), device):
-            raise _fail("kv_scales (dtype, shape, device)", (torch.float32, (num_layers,), device), scales_meta)  # fmt: skip
-    fp8_max = _FP8_FORMATS[kv_cache_dtype][2] if kv_cache_dtype != "auto" else 0.0
-    return _Step(num_layers, num_tokens, rank, rope_dim, slots, fp8_max)
-
-
-def _pow2(n: int) -> int:
-    """Smallest power of two >= n (a plain int; ``triton.next_power_of_2`` costs more)."""
-    return 1 << (n - 1).bit_length()
-
-
-def _is_interpreted() -> bool:
-    return type(_grouped_insert_kernel).__name__ == "InterpretedFunction"
-
-
-def _check_slots(step: _Step, caches: Sequence[torch.Tensor]) -> None:
-    """Reject slots past each layer's capacity: one reduction and ONE device->host sync."""
-    if step.slots.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ConfigError("check_slots: expected False under CUDA-graph capture, got True")
-    if step.num_tokens == 0:
-        return
-    highest = step.slots.amax(dim=1).tolist()
-    for layer, (slot, cache) in enumerate(zip(highest, caches, strict=True)):
-        if slot >= cache.shape[0] * cache.shape[1]:
-            raise InvalidBlockError(
-                f"slot_mapping for layer {layer}: expected slots < {cache.shape[0] * cache.shape[1]}"
-                f" (num_blocks {cache.shape[0]} x block_size {cache.shape[1]}), got {slot}"
-            )
-
-
-def _launch_config(
-    num_rows: int, block_tokens: int | None, num_warps: int | None
-) -> tuple[int, int]:
-    """(tokens per program, warps): the tile grows only while >= 8192 programs remain."""
-    if block_tokens is not None and block_tokens not in (1, 2, 4, 8, 16, 32, 64):
-        raise ConfigError(f"block_tokens: expected a power of two in [1, 64], got {block_tokens}")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-        raise ConfigError(f"num_warps: expected 1, 2, 4, 8 or 16, got {num_warps}")
-    tile = 1
-    while tile < 8 and num_rows // (2 * tile) >= 8192:
-        tile *= 2
-    tile = block_tokens or tile
-    return tile, num_warps or max(2, min(8, tile))
-
-
-@functools.lru_cache(maxsize=32)
-def _pointer_table(device: torch.device, data_ptrs: tuple[int, ...]) -> torch.Tensor:
-    """int64 ``[L]`` device tensor of cache base addresses; a pure function of its key, memoized.
-
-    Raises:
-        ConfigError: the first call for these caches happens under CUDA-graph capture.
-    """
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ConfigError(
-            "pointer table: expected one eager call with these caches before CUDA-graph capture, "
-            "got the first call while capturing"
-        )
-    # A blocking copy: the table is complete before any stream can read it.
-    return torch.tensor(data_ptrs, dtype=torch.int64).to(device)
-
-
 def _launch_grouped(
+    plan: _Plan,
     step: _Step,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
-    caches: Sequence[torch.Tensor],
     kv_scales: torch.Tensor | None,
-    kv_cache_dtype: str,
     block_tokens: int | None = None,
     num_warps: int | None = None,
-    table: torch.Tensor | None = None,
 ) -> None:
-    """One launch over (token tiles, layers); caches must be uniform (``_is_uniform``)."""
+    """One launch over (token tiles, layers) on the current stream of the current device."""
     if step.num_tokens == 0:
         return
-    if table is None:
-        table = _pointer_table(kv_c.device, tuple(cache.data_ptr() for cache in caches))
-    first, slots = caches[0], step.slots
-    fp8 = _FP8_FORMATS.get(kv_cache_dtype)
     tile, warps = _launch_config(step.num_tokens * step.num_layers, block_tokens, num_warps)
-    _grouped_insert_kernel[(-(-step.num_tokens // tile), step.num_layers)](
-        kv_c, k_pe, table, slots, kv_scales, step.num_tokens, first.shape[0] * first.shape[1],
-        kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1), slots.stride(0),
-        slots.stride(1), 0 if kv_scales is None else kv_scales.stride(0), first.stride(0),
-        first.stride(1), CACHE_DTYPE=_INPUT_DTYPES[kv_c.dtype] if fp8 is None else fp8[1],
-        R=step.rank, P=step.rope_dim, BLOCK_R=_pow2(step.rank),
-        BLOCK_P=_pow2(step.rope_dim), BLOCK_SIZE=first.shape[1], BLOCK_T=tile,
-        FP8_MAX=step.fp8_max, num_warps=warps,
+    launch = _compiled_grouped(_launch_spec(plan, step, kv_c, k_pe, tile, warps))
+    grid = (-(-step.num_tokens // tile), step.num_layers, 1)
+    args = (
+        kv_c, k_pe, plan.table, step.slot_mapping, kv_scales, step.num_tokens,
+        step.kv_strides[0], step.pe_strides[0], step.slot_strides[0],
     )  # fmt: skip
+    if launch.kernel is None:  # the interpreter
+        _grouped_insert_kernel[grid](*args, **launch.constexprs, num_warps=warps)
+    else:  # CompiledKernel[grid](*all arguments): what JITFunction.run does after specializing
+        launch.kernel[grid](*args, *launch.constexpr_values)
 
 
 def _launch_per_layer(
@@ -320,7 +182,7 @@ def _launch_per_layer(
     block_tokens: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """L launches of the single-layer kernel; caches may differ in geometry."""
+    """L ordinary launches of the single-layer kernel; caches may differ in geometry."""
     if step.num_tokens == 0:
         return
     fp8 = _FP8_FORMATS.get(kv_cache_dtype)
@@ -330,9 +192,9 @@ def _launch_per_layer(
         if fp8 is not None and cache.dtype != fp8[0]:  # a uint8 cache: store through an FP8 view
             cache = cache.view(fp8[0])
         _layer_insert_kernel[grid](
-            kv_c[layer], k_pe[layer], cache, step.slots[layer],
+            kv_c[layer], k_pe[layer], cache, _layer_slots(step, layer),
             None if kv_scales is None else kv_scales[layer], step.num_tokens,
-            cache.shape[0] * cache.shape[1], kv_c.stride(1), k_pe.stride(1), step.slots.stride(1),
+            cache.shape[0] * cache.shape[1], step.kv_strides[1], step.pe_strides[1], step.slot_strides[1],
             cache.stride(0), cache.stride(1), R=step.rank, P=step.rope_dim,
             BLOCK_R=_pow2(step.rank), BLOCK_P=_pow2(step.rope_dim),
             BLOCK_SIZE=cache.shape[1], BLOCK_T=tile, FP8_MAX=step.fp8_max, num_warps=warps,
@@ -354,8 +216,12 @@ def grouped_mla_insert(
     """Insert a step's rows into the paged caches of all L layers with ONE kernel launch.
 
     The caches' base addresses reach the kernel as an int64 device table, built on the first call
-    for a set of caches and reused (memoized by their ``data_ptr()``s): make that first call
-    outside CUDA-graph capture. Only enqueues work on the current stream.
+    for a set of caches and reused (memoized with their geometry by their ``data_ptr()``s): make
+    that first call outside CUDA-graph capture. A table used under capture is then kept for the
+    life of the process, so the graph may replay after any number of newer cache sets. One
+    compiled kernel serves every step size of a tile size, launched without Triton's per-call
+    specialization (see :mod:`kvmgr.kernels._mla_launch`); host cost about 13 us plus the driver
+    launch for L = 5. Only enqueues work on the current stream.
 
     Parameters
     ----------
@@ -391,14 +257,11 @@ def grouped_mla_insert(
         ``check_slots=True`` and a slot is past the capacity.
     """
     _check_dtype_and_scales(kv_cache_dtype, kv_scales)
-    _check_caches(caches, kv_cache_dtype)
-    step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, caches, for_kernel=True)
-    if not _is_uniform(caches):
-        got = [(tuple(c.shape), c.stride(), c.data_ptr() % 16) for c in caches]
-        raise _fail("caches (shape, strides, data_ptr % 16)", "equal shapes and strides, 0", got)
+    plan = _grouped_plan(caches, kv_cache_dtype)
+    step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, plan.meta, for_kernel=True)  # fmt: skip
     if check_slots:
         _check_slots(step, caches)
-    _launch_grouped(step, kv_c, k_pe, caches, kv_scales, kv_cache_dtype, block_tokens, num_warps)
+    _launch_grouped(plan, step, kv_c, k_pe, kv_scales, block_tokens, num_warps)
 
 
 def per_layer_mla_insert(
@@ -425,8 +288,8 @@ def per_layer_mla_insert(
         As :func:`grouped_mla_insert`, except that unequal cache geometry is accepted.
     """
     _check_dtype_and_scales(kv_cache_dtype, kv_scales)
-    _check_caches(caches, kv_cache_dtype)
-    step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, caches, for_kernel=True)
+    meta = _check_caches(caches, kv_cache_dtype)
+    step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, meta, for_kernel=True)
     if check_slots:
         _check_slots(step, caches)
     _launch_per_layer(step, kv_c, k_pe, caches, kv_scales, kv_cache_dtype, block_tokens, num_warps)
@@ -453,12 +316,12 @@ def mla_insert_reference(
         As :func:`per_layer_mla_insert`.
     """
     _check_dtype_and_scales(kv_cache_dtype, kv_scales)
-    _check_caches(caches, kv_cache_dtype)
-    step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, caches, for_kernel=False)  # fmt: skip
+    meta = _check_caches(caches, kv_cache_dtype)
+    step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, meta, for_kernel=False)
     fp8 = _FP8_FORMATS.get(kv_cache_dtype)
     for layer, cache in enumerate(caches):
         block_size = cache.shape[1]
-        slots = step.slots[layer]
+        slots = _layer_slots(step, layer)
         keep = (slots >= 0) & (slots < cache.shape[0] * block_size)
         rows, target = torch.cat([kv_c[layer][keep], k_pe[layer][keep]], dim=-1), cache
         if kv_scales is not None and fp8 is not None:
