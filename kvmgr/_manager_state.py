@@ -13,7 +13,6 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from kvmgr._queue import Op
@@ -63,6 +62,7 @@ class ManagerState(abc.ABC):
         self._counts: Counter[str] = Counter()
         self._rejected: Counter[str] = Counter()
         self._device_s = {Direction.D2H: 0.0, Direction.H2D: 0.0}
+        self._block_bytes = gpu_layout.block_bytes
 
     @abc.abstractmethod
     def _new_future(self) -> asyncio.Future[Any]: ...
@@ -72,15 +72,15 @@ class ManagerState(abc.ABC):
 
     # ------------------------------------------------------------------ validation
 
-    def _gpu_ids(self, block_ids: Sequence[int]) -> np.ndarray:
+    def _gpu_ids(self, block_ids: Sequence[int]) -> list[int]:
         ids = _as_int_list(block_ids, "gpu")
         n = self.gpu_layout.num_blocks
-        for b in ids:
-            if not 0 <= b < n:
-                raise InvalidBlockError(f"gpu block id {b} out of range [0, {n})")
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(b for b in ids if not 0 <= b < n)
+            raise InvalidBlockError(f"gpu block id {bad} out of range [0, {n})")
         if len(set(ids)) != len(ids):
             raise InvalidBlockError(f"duplicate gpu block ids in {ids}")
-        return np.asarray(ids, dtype=np.int64)
+        return ids
 
     @staticmethod
     def _keys(keys: Sequence[bytes], *, distinct: bool) -> list[bytes]:
@@ -136,7 +136,10 @@ class ManagerState(abc.ABC):
         keys = self._keys(keys, distinct=False)
         hits = self.index.lookup(keys)
         self.policy.touch(keys[:hits], self.index.is_ready)
-        self._counts.update(lookups=1, lookup_keys=len(keys), lookup_hits=hits)
+        counts = self._counts
+        counts["lookups"] += 1
+        counts["lookup_keys"] += len(keys)
+        counts["lookup_hits"] += hits
         return hits
 
     def swap_out(self, gpu_block_ids: Sequence[int], keys: Sequence[bytes]) -> asyncio.Future[Any]:
@@ -170,10 +173,11 @@ class ManagerState(abc.ABC):
         for key, block_id in zip(new_keys, cpu):
             self.index.add_pending(key, block_id)
             self.policy.insert(key)
-        self._counts.update(stores_queued=len(new_keys), stores_skipped=len(keys) - len(new_keys))
+        self._counts["stores_queued"] += len(new_keys)
+        self._counts["stores_skipped"] += len(keys) - len(new_keys)
         result = SwapResult(
             num_blocks=len(new_keys),
-            num_bytes=len(new_keys) * self.gpu_layout.block_bytes,
+            num_bytes=len(new_keys) * self._block_bytes,
             num_skipped=len(keys) - len(new_keys),
             block_ids=tuple(cpu),
         )
@@ -191,9 +195,8 @@ class ManagerState(abc.ABC):
             self.cpu_blocks.free(cpu)
             self._counts["stores_failed"] += len(new_keys)
 
-        return self._queue_op(
-            Direction.D2H, gpu[fresh], np.asarray(cpu, np.int64), future, on_success, on_failure
-        )
+        src = gpu if len(fresh) == len(gpu) else [gpu[i] for i in fresh]
+        return self._queue_op(Direction.D2H, src, cpu, future, on_success, on_failure)
 
     def swap_in(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> asyncio.Future[Any]:
         """Queue a load of READY keys into GPU blocks (``keys[i]`` into ``gpu_block_ids[i]``).
@@ -223,13 +226,13 @@ class ManagerState(abc.ABC):
                     f"key {key.hex()[:16]}... is still pending; it cannot be loaded"
                 )
         future = self._new_future()
-        cpu = np.asarray([self.index.add_reader(key) for key in keys], dtype=np.int64)
+        cpu = [self.index.add_reader(key) for key in keys]
         self.policy.touch(keys, self.index.is_ready)
         self._counts["loads_queued"] += len(keys)
         result = SwapResult(
             num_blocks=len(keys),
-            num_bytes=len(keys) * self.gpu_layout.block_bytes,
-            block_ids=tuple(gpu.tolist()),
+            num_bytes=len(keys) * self._block_bytes,
+            block_ids=tuple(gpu),
         )
 
         def on_success() -> SwapResult:
@@ -248,8 +251,8 @@ class ManagerState(abc.ABC):
     def _queue_op(
         self,
         direction: Direction,
-        src: np.ndarray,
-        dst: np.ndarray,
+        src: list[int],
+        dst: list[int],
         future: asyncio.Future[Any],
         on_success: Callable[[], Any],
         on_failure: Callable[[BaseException], None],
@@ -292,7 +295,7 @@ class ManagerState(abc.ABC):
             raise ConfigError("append_blocks() needs manage_gpu_blocks=False; use allocate()")
         table = self._resident_table(req_id, owned=False)
         ids = self._gpu_ids(list(table.block_ids) + list(gpu_block_ids))[len(table.block_ids) :]
-        table.block_ids.extend(ids.tolist())
+        table.block_ids.extend(ids)
         table.gpu_owned = False
         self._tables[req_id] = table
 
@@ -343,7 +346,7 @@ class ManagerState(abc.ABC):
             self._counts["stores_completed"] += len(gpu)
             return SwapResult(
                 num_blocks=len(gpu),
-                num_bytes=len(gpu) * self.gpu_layout.block_bytes,
+                num_bytes=len(gpu) * self._block_bytes,
                 block_ids=tuple(gpu),
             )
 
@@ -354,8 +357,8 @@ class ManagerState(abc.ABC):
 
         return self._queue_op(
             Direction.D2H,
-            np.asarray(gpu, np.int64),
-            np.asarray(cpu, np.int64),
+            gpu,
+            cpu,
             future,
             on_success,
             on_failure,
@@ -389,7 +392,7 @@ class ManagerState(abc.ABC):
         else:
             if gpu_block_ids is None or len(gpu_block_ids) != len(cpu):
                 raise InvalidBlockError(f"expected {len(cpu)} caller-owned gpu block ids")
-            gpu = self._gpu_ids(gpu_block_ids).tolist()
+            gpu = self._gpu_ids(gpu_block_ids)
             future = self._new_future()
         table.moving = True
         self._counts["loads_queued"] += len(cpu)
@@ -400,7 +403,7 @@ class ManagerState(abc.ABC):
             self._counts["loads_completed"] += len(cpu)
             return SwapResult(
                 num_blocks=len(cpu),
-                num_bytes=len(cpu) * self.gpu_layout.block_bytes,
+                num_bytes=len(cpu) * self._block_bytes,
                 block_ids=tuple(gpu),
             )
 
@@ -412,8 +415,8 @@ class ManagerState(abc.ABC):
 
         return self._queue_op(
             Direction.H2D,
-            np.asarray(cpu, np.int64),
-            np.asarray(gpu, np.int64),
+            cpu,
+            gpu,
             future,
             on_success,
             on_failure,

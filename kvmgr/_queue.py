@@ -33,37 +33,52 @@ class Op:
     """
 
     direction: Direction
-    src_ids: np.ndarray
-    dst_ids: np.ndarray
+    src_ids: list[int]
+    dst_ids: list[int]
     future: asyncio.Future[Any]
     on_success: Callable[[], Any]
     on_failure: Callable[[BaseException], None]
 
     @property
-    def gpu_ids(self) -> np.ndarray:
+    def gpu_ids(self) -> list[int]:
         return self.src_ids if self.direction is Direction.D2H else self.dst_ids
+
+
+@attrs.define(eq=False)
+class Lane:
+    """One direction of a generation: its ops and their block pairs, flattened in order."""
+
+    ops: list[Op] = attrs.field(factory=list)
+    src_ids: list[int] = attrs.field(factory=list)
+    dst_ids: list[int] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
 class Generation:
     """Operations that can share one plan per direction."""
 
-    ops: dict[Direction, list[Op]] = attrs.field(
-        factory=lambda: {Direction.D2H: [], Direction.H2D: []}
+    lanes: dict[Direction, Lane] = attrs.field(
+        factory=lambda: {Direction.D2H: Lane(), Direction.H2D: Lane()}
     )
     gpu_read: set[int] = attrs.field(factory=set)
     gpu_written: set[int] = attrs.field(factory=set)
 
     def conflicts(self, op: Op) -> bool:
-        ids = set(op.gpu_ids.tolist())
-        if op.direction is Direction.D2H:
-            return not ids.isdisjoint(self.gpu_written)
-        return not (ids.isdisjoint(self.gpu_read) and ids.isdisjoint(self.gpu_written))
+        if op.direction is Direction.D2H:  # a store reads: only earlier writes conflict
+            return bool(self.gpu_written) and not self.gpu_written.isdisjoint(op.gpu_ids)
+        if not (self.gpu_read or self.gpu_written):
+            return False
+        return not (
+            self.gpu_read.isdisjoint(op.gpu_ids) and self.gpu_written.isdisjoint(op.gpu_ids)
+        )
 
     def add(self, op: Op) -> None:
-        self.ops[op.direction].append(op)
+        lane = self.lanes[op.direction]
+        lane.ops.append(op)
+        lane.src_ids.extend(op.src_ids)
+        lane.dst_ids.extend(op.dst_ids)
         target = self.gpu_read if op.direction is Direction.D2H else self.gpu_written
-        target.update(op.gpu_ids.tolist())
+        target.update(op.gpu_ids)
 
 
 @attrs.define(eq=False)
@@ -84,7 +99,7 @@ class SwapQueue:
         self.in_flight: list[Batch] = []
 
     def __len__(self) -> int:
-        return sum(len(ops) for g in self.generations for ops in g.ops.values())
+        return sum(len(lane.ops) for g in self.generations for lane in g.lanes.values())
 
     def add(self, op: Op) -> None:
         newest = self.generations[-1]
@@ -109,12 +124,10 @@ class SwapQueue:
         ]
 
 
-def direction_report(ops: list[Op], plan: TransferPlan | None) -> DirectionReport:
+def direction_report(num_ops: int, plan: TransferPlan) -> DirectionReport:
     """Counts of one direction's plan for the step report."""
-    if plan is None:
-        return DirectionReport()
     return DirectionReport(
-        swaps=len(ops),
+        swaps=num_ops,
         blocks=plan.num_blocks,
         pages=plan.num_pages,
         descriptors=plan.num_descriptors,

@@ -27,7 +27,7 @@ BENCHES = {
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
-    "info": ("kvmgr.transfer.info_cli", "report GPU, driver, CUDA, cuda-python, batch-copy ABI"),
+    "info": ("kvmgr._info_cli", "report GPU, driver, CUDA, cuda-python, batch-copy ABI"),
     "demo": ("kvmgr._demo", "store, look up and load a few blocks on the host engine"),
 }
 

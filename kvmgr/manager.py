@@ -127,8 +127,8 @@ class OffloadManager(ManagerState):
             return
         self._closed = True
         for generation in self._queue.take():
-            for ops in generation.ops.values():
-                for op in ops:
+            for lane in generation.lanes.values():
+                for op in lane.ops:
                     self._settle(op, ClosedError("manager closed before the swap was submitted"))
         self.engine.close(timeout_s)
         for batch in list(self._queue.in_flight):
@@ -267,26 +267,21 @@ class OffloadManager(ManagerState):
     def _flush(self) -> tuple[DirectionReport, DirectionReport]:
         reports = {Direction.D2H: DirectionReport(), Direction.H2D: DirectionReport()}
         for generation in self._queue.take():
-            for direction, ops in generation.ops.items():
-                if not ops:
+            for direction, lane in generation.lanes.items():
+                if not lane.ops:
                     continue
-                plan = self._plan(direction, ops)
-                batch = _queue.Batch(direction, ops, np.concatenate([op.gpu_ids for op in ops]))
-                self._submit(batch, plan)
+                src = np.array(lane.src_ids, dtype=np.int64)
+                dst = np.array(lane.dst_ids, dtype=np.int64)
+                if direction is Direction.D2H:
+                    layouts, gpu_ids = (self.gpu_layout, self.cpu_pool.layout), src
+                else:
+                    layouts, gpu_ids = (self.cpu_pool.layout, self.gpu_layout), dst
+                plan = build_plan(direction, *layouts, src, dst, merge=self.config.merge)
+                self._submit(_queue.Batch(direction, lane.ops, gpu_ids), plan)
                 reports[direction] = _queue.add_reports(
-                    reports[direction], _queue.direction_report(ops, plan)
+                    reports[direction], _queue.direction_report(len(lane.ops), plan)
                 )
         return reports[Direction.D2H], reports[Direction.H2D]
-
-    def _plan(self, direction: Direction, ops: list[_queue.Op]) -> TransferPlan:
-        src_layout, dst_layout = (
-            (self.gpu_layout, self.cpu_pool.layout)
-            if direction is Direction.D2H
-            else (self.cpu_pool.layout, self.gpu_layout)
-        )
-        src = np.concatenate([op.src_ids for op in ops])
-        dst = np.concatenate([op.dst_ids for op in ops])
-        return build_plan(direction, src_layout, dst_layout, src, dst, merge=self.config.merge)
 
     def _submit(self, batch: _queue.Batch, plan: TransferPlan) -> None:
         fences = self._queue.fences(batch)

@@ -108,6 +108,13 @@ def check_hazards(dst_block_ids: np.ndarray) -> None:
         )
 
 
+def _int_ids(name: str, ids: object) -> np.ndarray:
+    array = np.asarray(ids).reshape(-1)
+    if array.size and array.dtype.kind not in "iu":
+        raise InvalidBlockError(f"{name} block ids: expected integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
 def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
@@ -148,8 +155,7 @@ def build_plan(
             f"expected equal page bytes per tensor, got {src.page_bytes.tolist()} and "
             f"{dst.page_bytes.tolist()}"
         )
-    s = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    d = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    s, d = _int_ids("source", src_block_ids), _int_ids("destination", dst_block_ids)
     if len(s) != len(d):
         raise InvalidBlockError(
             f"expected as many destination as source blocks, got {len(d)} and {len(s)}"

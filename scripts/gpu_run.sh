@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One scripted GPU session on the lent H200: environment, GPU tests, benchmarks.
+# Usage (on the device, from the repo root): bash scripts/gpu_run.sh SECTION...
+#   sections: env kernels transfer manager bench-kernels bench-transfer sim
+# Logs and JSON go to $OUT (or ./out); each step has its own time limit and never stops the rest.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date -u +%T))"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  tail -n "${TAIL:-15}" "$OUT/$name.log"; echo "=== $name rc=$rc"
+}
+for section in "$@"; do
+  case $section in
+    env)
+      step env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -iE "cuda|pytest|numpy|attrs|anyio|rich|hypothesis"' ;;
+    kernels)
+      step pytest_kernels 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py ;;
+    transfer)
+      TAIL=60 step smoke_transfer 120 python3 scripts/gpu_smoke_transfer.py
+      TAIL=40 step pytest_transfer 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda_engine.py tests/test_copy_kernel.py ;;
+    manager)
+      step pytest_all 480 python3 -m pytest -q -p no:cacheprovider ;;
+    bench-kernels)
+      TAIL=40 step bench_mla 300 python3 -m kvmgr.cli bench mla-insert --tune --json "$OUT/mla_insert.json"
+      TAIL=40 step bench_c128 240 python3 -m kvmgr.cli bench c128 --json "$OUT/c128.json" ;;
+    bench-transfer)
+      TAIL=70 step bench_swap 300 python3 -m kvmgr.cli bench swap --json "$OUT/swap.json"
+      TAIL=60 step bench_swap_kernel 300 python3 -m kvmgr.cli bench swap-kernel --json "$OUT/swap_kernel.json" ;;
+    info)
+      step info 60 python3 -m kvmgr.cli info ;;
+    *) echo "unknown section $section" ;;
+  esac
+done
