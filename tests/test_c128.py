@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -175,12 +176,32 @@ def test_gate_unknown_counts_give_none():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 400)), max_size=8))
-def test_gate_matches_brute_force(reqs):
-    starts = np.array([s for s, _ in reqs], dtype=np.int32)
+@given(
+    st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 400)), max_size=80),
+    st.sampled_from(["int32", "int64", "uint32", "torch", "list"]),
+)
+def test_gate_matches_brute_force(reqs, kind):
+    # up to 32 requests the gate scans Python ints, above that it uses numpy; inputs that are
+    # not int32/int64 numpy arrays take the converting path: every path gives the same answer
+    starts = np.array([s for s, _ in reqs], dtype=np.int64)
     loc = np.concatenate([[0], np.cumsum([q for _, q in reqs])]).astype(np.int64)
+    convert = {"int32": lambda a: a.astype(np.int32), "int64": lambda a: a,
+               "uint32": lambda a: a.astype(np.uint32), "torch": torch.from_numpy,
+               "list": lambda a: a.tolist()}[kind]  # fmt: skip
     brute = any((p + 1) % 128 == 0 for s, q in reqs for p in range(s, s + q))
-    assert c128_boundary(starts, loc) is brute
+    assert c128_boundary(convert(starts), convert(loc)) is brute
+
+
+@pytest.mark.parametrize("num_reqs", [3, 40])  # the scan and the numpy path
+def test_gate_rejects_negative_counts_on_both_paths(num_reqs):
+    starts = np.full(num_reqs, 5, dtype=np.int64)
+    loc = np.arange(num_reqs + 1, dtype=np.int64)
+    loc[-1] = loc[-2] - 1  # the last request has qlen -1
+    with pytest.raises(GeometryError, match="values >= 0"):
+        c128_boundary(starts, loc)
+    starts[1], loc[-1] = -128, loc[-2] + 1  # a negative start; -128 % 128 == 0 hides nothing
+    with pytest.raises(GeometryError, match="values >= 0"):
+        c128_boundary(starts, loc)
 
 
 @pytest.mark.parametrize(
@@ -340,6 +361,168 @@ def test_hook_missing_tensor_launches_nothing():
     assert (report.name, report.launches) == ("layer7", 2)
 
 
+class RecordingKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` records instead of running."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, args, kw))
+
+
+def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
+    # the per-step host path is attribute reads, the gate and the launches: a step that
+    # dispatched any aten op (tensor creation, .item(), arithmetic, .to()) would cost several
+    # microseconds per op and could synchronize with the device
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvmgr.kernels import c128 as kernels
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    write, compress = RecordingKernel(), RecordingKernel()
+    monkeypatch.setattr(kernels, "_state_write_kernel", write)
+    monkeypatch.setattr(kernels, "_compress_kernel", compress)
+    non_boundary, boundary = Step(51, [(126, 1), (300, 1)]), Step(52, [(127, 1), (300, 1)])
+    gated, ungated = make_hook(non_boundary), make_hook(non_boundary, gated=False)
+    contexts = [non_boundary.context(), boundary.context()]
+    with CountOps() as counter:
+        reports = [hook(ctx) for ctx in contexts for hook in (gated, ungated)]
+    assert counter.ops == []
+    assert [(r.launches, r.skips) for r in reports] == [(1, 1), (2, 0), (2, 0), (2, 0)]
+    assert len(write.launches) == 4 and len(compress.launches) == 3
+    grid, args, kw = compress.launches[1]  # the gated hook at the boundary step
+    assert grid == (2,) and args[3] is boundary.positions and kw["num_warps"] == 4
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "match"),
+    [
+        ("c128.kv", lambda t: t[:, :256], r"kv: expected shape \[2, 512\], got \[2, 256\]"),
+        ("c128.score", lambda t: t.half(), "score: expected dtype in torch.bfloat16"),
+        ("positions", lambda t: t.float(), "positions: expected dtype in"),
+        ("positions", lambda t: t[:, None], r"positions: expected shape \[\*\]"),
+        ("c128.state_slot_mapping", lambda t: t[:1], r"state_slot_mapping: expected shape \[2\]"),
+        ("c128.state_slot_mapping", lambda t: t.numpy(), "expected a torch.Tensor, got ndarray"),
+        ("c128.req_indices", lambda t: t.repeat(2)[::2], "req_indices: expected unit last stride"),
+        ("c128.slot_mapping", lambda t: t[:1], r"compressed_slot_mapping: expected shape \[2\]"),
+        ("c128.state_block_table", lambda t: t.t(), "state_block_table: expected unit last"),
+        ("c128.state_block_table", lambda t: t[0], r"state_block_table: expected shape \[\*, \*\]"),
+    ],
+)
+def test_hook_rejects_malformed_step_tensors_before_launching(key, bad, match):
+    step = Step(61, [(127, 1), (20, 1)])
+    hook = make_hook(step)
+    tensors = dict(step.context().tensors)
+    tensors[key] = bad(tensors[key].cpu() if key == "c128.state_slot_mapping" else tensors[key])
+    ctx = StepContext(num_computed_tokens=np.array([127, 20]), query_start_loc=np.array([0, 1, 2]),
+                      tensors=tensors)  # fmt: skip
+    with pytest.raises(GeometryError, match=match):
+        hook(ctx)
+    assert torch.equal(hook.state_cache, step.state_cache)
+    assert hook.num_steps == 0
+
+
+def test_gated_skip_does_not_check_compress_inputs():
+    # documented: compress inputs are only checked when the compress launch is issued
+    step = Step(62, [(126, 1)])
+    hook = make_hook(step)
+    ctx = step.context()
+    tensors = {**ctx.tensors, "c128.req_indices": step.req_indices.float()}
+    report = hook(StepContext(num_computed_tokens=ctx.num_computed_tokens,
+                              query_start_loc=ctx.query_start_loc, tensors=tensors))  # fmt: skip
+    assert (report.launches, report.skips) == (1, 1)
+    with pytest.raises(GeometryError, match="req_indices: expected dtype"):
+        make_hook(step, gated=False)(StepContext(tensors=tensors))
+
+
+class FakeCompiled:
+    """A compiled kernel as ``_Launcher`` uses it; ``run`` logs, or raises when ``fail``."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        if self.fail:
+            raise TypeError("launcher signature differs")
+        self.log.append(("direct", g0, args))
+
+
+class FakeJit:
+    """A ``@triton.jit`` function: ``run`` compiles (returns a compiled kernel) and launches."""
+
+    def __init__(self, fail=False):
+        self.log, self.fail = [], fail
+
+    def run(self, *args, grid, warmup, **options):
+        self.log.append(("jit", grid[0], args))
+        return FakeCompiled(self.log, self.fail)
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.log.append(("jit", grid[0], args))
+
+
+def test_direct_launcher_relaunches_through_jit_for_each_new_guard(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvmgr.kernels import c128 as kernels
+
+    monkeypatch.setattr(kernels, "_is_jit", lambda kernel: True)
+    kernel, device = FakeJit(), [0]
+    launcher = kernels._Launcher(kernel, direct=True)
+    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    launcher._runtime = (lambda: device[0], lambda dev: f"stream{dev}", hooks)
+    aligned = torch.arange(8, dtype=torch.int32)
+    shifted = torch.arange(9, dtype=torch.int32)[1:]  # 4 bytes past a 16-byte boundary
+    steps = [  # (per-step args, expected path)
+        ((aligned, 16), "jit"), ((aligned, 16), "direct"),
+        ((shifted, 16), "jit"), ((shifted, 16), "direct"),  # alignment is part of the guard
+        ((aligned.long(), 16), "jit"),  # so is the dtype
+        ((aligned, 17), "jit"), ((aligned, 17), "direct"),  # an int is its own guard
+        ((aligned, 1), "jit"), ((aligned, 16), "direct"),  # (Triton specializes 1 and 16k)
+    ]  # fmt: skip
+    for step_args, _ in steps:
+        launcher(5, step_args, (*step_args, "CONST"))
+    device[0] = 1  # a kernel compiled for device 0 is not launched on device 1
+    launcher(5, (aligned, 16), (aligned, 16, "CONST"))
+    assert [path for path, _, _ in kernel.log] == [path for _, path in steps] + ["jit"]
+    assert all(g == 5 and args[-1] == "CONST" for _, g, args in kernel.log)
+    assert launcher.direct
+
+
+def test_direct_launcher_falls_back_to_jit_for_good():
+    from types import SimpleNamespace
+
+    from kvmgr.kernels import c128 as kernels
+
+    # 1. not a JIT function (the interpreter): never direct
+    assert not kernels._Launcher(object(), direct=True).direct
+    # 2. the compiled kernel refuses the call: relaunch through the JIT, then stay there
+    kernel = FakeJit(fail=True)
+    launcher = kernels._Launcher(kernel, direct=True)
+    launcher.direct = True  # _is_jit said no to the fake
+    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    launcher._runtime = (lambda: 0, lambda dev: None, hooks)
+    aligned = torch.arange(8, dtype=torch.int32)
+    for _ in range(3):
+        launcher(2, (aligned,), (aligned,))
+    assert [path for path, _, _ in kernel.log] == ["jit", "jit", "jit"]
+    assert not launcher.direct
+
+
 # --- GPU: larger shapes and CUDA graphs ----------------------------------------------------
 
 
@@ -357,9 +540,10 @@ def test_gpu_large_batch_matches_reference(block_size):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_replays_boundary_and_non_boundary_steps():
+@pytest.mark.parametrize("direct_launch", [False, True])
+def test_gpu_graph_capture_replays_boundary_and_non_boundary_steps(direct_launch):
     step = Step(41, [(126, 1), (300, 1), (64, 1)])
-    hook = make_hook(step)
+    hook = make_hook(step, direct_launch=direct_launch)
     ctx = step.context(is_capturing=True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -392,6 +576,44 @@ def test_gpu_graph_capture_replays_boundary_and_non_boundary_steps():
                          step.boundary_slots())  # fmt: skip
 
 
+def _offset_copy(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``t`` starting ``offset`` elements into a fresh buffer (unaligned for odd offsets)."""
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    out = buf[offset:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_matches_reference_across_guards():
+    # the direct launcher keys compiled kernels by dtype and 16-byte alignment of the step
+    # tensors: alternate them and check every launch against the reference; each variant runs
+    # twice from the poisoned caches (first call: through Triton's dispatcher, second: direct)
+    step = Step(71, [(0, 300), (127, 1), (40, 1)], num_pad=1)
+    hook = make_hook(step, gated=False, direct_launch=True)
+    base = {name: getattr(step, name) for name in ("kv", "score", "positions", "slot_mapping")}
+    variants = [
+        {},
+        {"kv": _offset_copy(base["kv"], 1), "score": _offset_copy(base["score"], 3)},
+        {"kv": base["kv"].float(), "score": base["score"].float()},
+        {"positions": _offset_copy(base["positions"], 1)},
+        {},
+    ]
+    for variant in variants:
+        for name, value in {**base, **variant}.items():
+            setattr(step, name, value)
+        for _ in range(2):
+            hook.state_cache.copy_(step.state_cache)
+            hook.compressed_cache.copy_(step.compressed_cache)
+            hook(step.context())
+        torch.cuda.synchronize()
+        state_ref, comp_ref = run_refs(step)
+        assert torch.equal(hook.state_cache, state_ref)
+        assert_entries_match(hook.compressed_cache, comp_ref, step.compressed_cache,
+                             step.boundary_slots())  # fmt: skip
+    assert hook._layer._write.direct and hook._layer._compress.direct  # never fell back
+
+
 def test_bench_without_cuda_exits_2(capsys, monkeypatch):
     import argparse
 
@@ -402,3 +624,74 @@ def test_bench_without_cuda_exits_2(capsys, monkeypatch):
     bench.add_arguments(parser)
     assert bench.run(parser.parse_args(["--prefill", "1", "128"])) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+class FakeEvent:
+    """``torch.cuda.Event`` stand-in for the CPU dry run: host clock instead of device time."""
+
+    def __init__(self, enable_timing=False):
+        self.t = 0.0
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class FakeGraph:
+    """``_capture`` stand-in: replaying runs the captured launches ``times`` times, eagerly."""
+
+    def __init__(self, launches, times=1):
+        self.launches, self.times = launches, times
+
+    def replay(self):
+        for _ in range(self.times):
+            self.launches()
+
+
+def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
+    # every path of `kvmgr bench c128` with the CUDA timing and capture replaced by host
+    # stand-ins and the kernels under the interpreter: the GPU run must not be the first run
+    import argparse
+    import json
+
+    from kvmgr.bench import c128 as bench
+
+    monkeypatch.setattr(bench, "_DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_capture", FakeGraph)
+    monkeypatch.setattr(bench, "_info", lambda: {"gpu": "none (CPU dry run)"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "c128.json"
+    argv = ["--batch", "1", "3", "--prefill", "1", "130", "--steps", "1", "--repeats", "1",
+            "--warmup", "0", "--graph-steps", "2", "--json", str(out)]  # fmt: skip
+    assert bench.run(parser.parse_args(argv)) == 0
+    result = json.loads(out.read_text())
+    assert result["output_matches_reference"] is True
+    # 2 batches x 2 steps x (2 eager JIT + 2 eager direct + 2 one-step + 2 two-step graphs)
+    assert len(result["decode"]) == 32
+    launches = {(r["batch"], r["step"], r["mode"], r["gated"]): r["launches"]
+                for r in result["decode"]}  # fmt: skip
+    assert launches[(3, "non-boundary", "eager", True)] == 1
+    assert launches[(3, "boundary", "eager", True)] == 2
+    targets = {(r["batch"], r["mode"], r["per_replay"]): r["target"] for r in result["ratios"]}
+    assert targets == {(1, "eager", 1): 3.0, (1, "eager direct", 1): 3.0, (1, "graph", 1): None,
+                       (1, "graph", 2): 1.8, (3, "eager", 1): None, (3, "eager direct", 1): None,
+                       (3, "graph", 1): None, (3, "graph", 2): None}  # fmt: skip
+    parts = {r["part"]: r for r in result["host_breakdown"]}
+    assert len(parts) == 12 and parts["gate: c128_boundary"]["host_us"] > 0
+    # the interpreter has no compiled kernels: the direct launcher falls back to the JIT launch
+    assert parts["launch: compress, direct"]["note"] == "fell back to the Triton JIT launch"
+    assert [r["boundaries"] for r in result["prefill"]] == [0, 1]
+    printed = capsys.readouterr().out
+    assert (
+        "Targets apply to batch" in printed
+        and "boundary outputs match the reference: True" in printed
+    )

@@ -3,30 +3,40 @@
 Offers:
     add_arguments, run      the CLI entry points
 
-Cases (head dim 512, state block size 8, bf16 ``kv``/``score``, random non-zero data):
+Cases (head dim 512, state block size 8, bf16 ``kv``/``score``, random non-zero data), for each
+``--batch`` B (one decode token per request):
 
-- **non-boundary decode step** (``--batch`` requests, one token each at position 126):
-  eager ``C128CompressorHook`` gated (state write only) vs ungated (state write + compress), and
-  the same under CUDA graphs, where "gated" is a graph captured for a step known to be
-  non-boundary (the state write alone) and "ungated" also holds the compress launch.
-- **boundary decode step** (position 127): both variants launch both kernels.
-- **prefill** of 1..1024 tokens of one request from position 0: device time of each kernel.
+- **non-boundary decode step**: B = 1 at position 126; B > 1 at random positions in [0, 512)
+  that complete no window. Eager ``C128CompressorHook`` gated (state write only) vs ungated
+  (state write + compress), launching through Triton's dispatcher ("eager") and with
+  ``direct_launch`` ("eager direct"). Under CUDA graphs "gated" is a graph captured for a step
+  known to be non-boundary (the state write alone) and "ungated" also holds the compress launch.
+- **boundary decode step**: the same with request 0 on a boundary (127 for B = 1).
+- **host breakdown** (B = 1, host us per call): the gate, the step checks, each launch through
+  the dispatcher and direct, a tiny torch op, and whole hook steps.
+- **prefill** of 1..1024 tokens of one request from position 0.
 
-Eager steps are launch-bound: each timed run issues ``--steps`` steps back to back between two
-CUDA events, so the device span is the issue rate; graph steps replay a captured graph the same
-way. Kernel rows use ``triton.testing.do_bench`` (median device time). Every figure is the median
-of ``--repeats`` runs after ``--warmup``. Bytes: state write ``T * (2*D*2 + D*4 + 2*D*4)``
-(bf16 in, ape, fp32 row out); compress ``B * (128 * 2*D*4 + 584)`` for ``B`` boundary tokens;
+Timing. Eager steps are launch-bound: a timed run issues ``--steps`` steps back to back between
+two CUDA events, so the device span is the issue rate. Graph rows come in two forms: one step per
+graph ("1/replay": the replay is bound by the graph launch, ~4 us on the H200, and hides the
+kernels) and ``--graph-steps`` N steps captured in one graph, the way a serving graph holds every
+layer ("N/replay": the device span of a replay divided by N is the step's device time). Prefill
+kernel times are device times the same way (N launches in one graph). Every figure is the median
+of ``--repeats`` runs after ``--warmup``. Bytes: state write ``T * (2*D*2 + D*4 + 2*D*4)`` (bf16
+in, ape, fp32 row out); compress ``B * (128 * 2*D*4 + 584)`` for ``B`` boundary tokens;
 GB/s = bytes / device seconds / 1e9.
 
-Targets (the upstream change this follows): gated non-boundary step >= 3x faster than ungated
-eager (51.7 us -> 17.0 us), >= 1.8x under CUDA graphs (6.15 us -> 3.36 us).
+Targets (the upstream change this follows) apply to the B = 1 non-boundary rows only: gated
+>= 3x faster than ungated eager, both launch paths (51.7 us -> 17.0 us), and >= 1.8x under CUDA
+graphs, read from the N/replay rows (6.15 us -> 3.36 us). With random positions a B-request decode step completes no
+window with probability (127/128)**B, printed beside the table: 99% for B = 1, 37% for B = 128.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -37,7 +47,7 @@ import numpy as np
 import torch
 
 from kvmgr.hooks import StepContext
-from kvmgr.kernels.c128 import c128_compress, c128_entry_bytes, c128_state_write
+from kvmgr.kernels.c128 import c128_boundary, c128_compress, c128_entry_bytes, c128_state_write
 from kvmgr.kernels.c128_hook import C128CompressorHook
 from kvmgr.kernels.c128_ref import c128_compress_ref, c128_unpack, rope_cos_sin_cache
 
@@ -45,14 +55,18 @@ __all__ = ["add_arguments", "run"]
 
 _D = 512
 _STATE_BLOCK = 8
-_TARGETS = {"eager": 3.0, "graph": 1.8}
+_DEVICE = "cuda"  # the CPU dry-run test points this at "cpu"
+_TARGETS = {"eager": 3.0, "graph": 1.8}  # ungated / gated, non-boundary step, batch 1
+_TARGET_BATCH = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmgr bench c128``."""
-    parser.add_argument("--batch", type=int, default=1, help="requests in the decode steps")
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 128],
+                        help="requests per decode step (one set of rows per value)")  # fmt: skip
     parser.add_argument("--prefill", nargs="+", type=int, default=[1, 16, 64, 128, 256, 512, 1024])
-    parser.add_argument("--steps", type=int, default=200, help="steps per timed run")
+    parser.add_argument("--graph-steps", type=int, default=32, help="steps captured per graph")
+    parser.add_argument("--steps", type=int, default=200, help="steps (replays) per timed run")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs (median)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -62,17 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print tables; write ``--json``. Returns the exit status.
 
-    0: ran and the boundary output matched the reference; 1: mismatch; 2: no CUDA GPU.
+    0: ran and the boundary outputs matched the reference; 1: mismatch; 2: no CUDA GPU.
     """
     if not torch.cuda.is_available():
         print("kvmgr bench c128 needs a CUDA GPU (none found); nothing was measured")
         return 2
-    gen = torch.Generator().manual_seed(args.seed)
-    result: dict[str, Any] = {"info": _info(), "args": vars(args).copy()}
-    ok = _check_boundary_step(gen, args.batch)
+    gen, rng = torch.Generator().manual_seed(args.seed), np.random.default_rng(args.seed)
+    result: dict[str, Any] = {
+        "info": _info(),
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
+    }
+    ok = all(_check_boundary_step(gen, rng, batch) for batch in args.batch)
     result["output_matches_reference"] = ok
-    result["decode"] = _decode_rows(gen, args)
+    result["decode"] = [row for b in args.batch for row in _decode_rows(gen, rng, b, args)]
     result["ratios"] = _ratios(result["decode"])
+    result["host_breakdown"] = _host_breakdown(gen, args)
     result["prefill"] = [_prefill_row(gen, n, args) for n in args.prefill]
     _print_tables(result)
     if args.json:
@@ -84,10 +102,7 @@ def run(args: argparse.Namespace) -> int:
 class _Case:
     """One layer and one step: ``starts[r]`` computed tokens, ``qlens[r]`` new ones."""
 
-    def __init__(
-        self, gen: torch.Generator, starts: list[int], qlens: list[int], device: str = "cuda"
-    ) -> None:
-        dev = torch.device(device)
+    def __init__(self, gen: torch.Generator, starts: list[int], qlens: list[int]) -> None:
         width = max(s + q for s, q in zip(starts, qlens, strict=True)) // _STATE_BLOCK + 1
         num_reqs, num_tokens = len(starts), sum(qlens)
         table = torch.randperm(num_reqs * width, generator=gen).view(num_reqs, width)
@@ -95,7 +110,7 @@ class _Case:
         req = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(qlens))
         state_slots = table[req, pos // _STATE_BLOCK] * _STATE_BLOCK + pos % _STATE_BLOCK
         comp_blocks = num_tokens // 64 + 1
-        self.layer = {
+        layer = {
             "state_cache": torch.randn(num_reqs * width, _STATE_BLOCK, 2 * _D, generator=gen),
             "compressed_cache": torch.randint(
                 0, 256, (comp_blocks, 64, c128_entry_bytes(_D)), generator=gen, dtype=torch.uint8
@@ -104,7 +119,6 @@ class _Case:
             "norm_weight": 0.5 + torch.rand(_D, generator=gen),
             "cos_sin_cache": rope_cos_sin_cache(int(pos.max()) + 1),
         }
-        self.layer = {k: v.to(dev) for k, v in self.layer.items()}
         tensors = {
             "positions": pos,
             "c128.state_slot_mapping": state_slots.to(torch.int32),
@@ -114,25 +128,22 @@ class _Case:
             "c128.kv": torch.randn(num_tokens, _D, generator=gen).bfloat16(),
             "c128.score": (3 * torch.randn(num_tokens, _D, generator=gen)).bfloat16(),
         }
-        self.tensors = {k: v.to(dev) for k, v in tensors.items()}
+        self.layer = {k: v.to(_DEVICE) for k, v in layer.items()}
+        self.tensors = {k: v.to(_DEVICE) for k, v in tensors.items()}
         self.starts = np.array(starts, dtype=np.int64)
         self.query_start_loc = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int64)
 
-    def context(self, **kw: Any) -> StepContext:
+    def context(self) -> StepContext:
         return StepContext(num_computed_tokens=self.starts, query_start_loc=self.query_start_loc,
-                           tensors=self.tensors, **kw)  # fmt: skip
+                           tensors=self.tensors)  # fmt: skip
 
-    def hook(self, *, gated: bool) -> C128CompressorHook:
+    def hook(self, *, gated: bool, direct: bool = False) -> C128CompressorHook:
         lay = self.layer
         return C128CompressorHook(
             state_cache=lay["state_cache"], compressed_cache=lay["compressed_cache"],
             ape=lay["ape"], norm_weight=lay["norm_weight"], cos_sin_cache=lay["cos_sin_cache"],
-            gated=gated,
+            gated=gated, direct_launch=direct,
         )  # fmt: skip
-
-    def write_and_compress(self) -> None:
-        self.write()
-        self.compress()
 
     def write(self) -> None:
         t = self.tensors
@@ -142,6 +153,10 @@ class _Case:
     def compress(self) -> None:
         c128_compress(*self.compress_args(self.layer["compressed_cache"]))
 
+    def write_and_compress(self) -> None:
+        self.write()
+        self.compress()
+
     def compress_args(self, compressed_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, lay = self.tensors, self.layer
         return (lay["state_cache"], t["c128.state_block_table"], t["c128.req_indices"],
@@ -149,8 +164,27 @@ class _Case:
                 lay["cos_sin_cache"], compressed_cache)  # fmt: skip
 
 
-def _time_steps(step: Callable[[], object], args: argparse.Namespace) -> tuple[float, float]:
-    """Median per-step (device us, host us) over runs of ``args.steps`` back-to-back steps."""
+def _decode_starts(rng: np.random.Generator, batch: int, *, boundary: bool) -> list[int]:
+    """Positions of a decode step (one token per request); only request 0 may be at a boundary."""
+    if batch == 1:
+        return [127 if boundary else 126]
+    pos = rng.integers(0, 512, batch)
+    pos = np.where((pos + 1) % 128 == 0, pos - 1, pos)
+    if boundary:
+        pos[0] = pos[0] // 128 * 128 + 127
+    return [int(p) for p in pos]
+
+
+def _decode_case(
+    gen: torch.Generator, rng: np.random.Generator, batch: int, boundary: bool
+) -> _Case:
+    return _Case(gen, _decode_starts(rng, batch, boundary=boundary), [1] * batch)
+
+
+def _time_steps(
+    step: Callable[[], object], args: argparse.Namespace, per_call: int = 1
+) -> tuple[float, float]:
+    """Median (device us, host us) per step; each call of ``step`` runs ``per_call`` steps."""
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     device_us, host_us = [], []
@@ -164,13 +198,13 @@ def _time_steps(step: Callable[[], object], args: argparse.Namespace) -> tuple[f
         end.record()
         end.synchronize()
         if i >= args.warmup:
-            device_us.append(start.elapsed_time(end) * 1e3 / args.steps)
-            host_us.append((t1 - t0) * 1e6 / args.steps)
+            device_us.append(start.elapsed_time(end) * 1e3 / (args.steps * per_call))
+            host_us.append((t1 - t0) * 1e6 / (args.steps * per_call))
     return statistics.median(device_us), statistics.median(host_us)
 
 
-def _capture(launches: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """Warm ``launches`` up on a side stream, then capture them into a graph."""
+def _capture(launches: Callable[[], None], times: int = 1) -> Any:
+    """Warm ``launches`` up on a side stream, then capture it ``times`` times into one graph."""
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -178,49 +212,109 @@ def _capture(launches: Callable[[], None]) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launches()
+        for _ in range(times):
+            launches()
     return graph
 
 
-def _decode_rows(gen: torch.Generator, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _decode_rows(
+    gen: torch.Generator, rng: np.random.Generator, batch: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     rows = []
-    for position, label in ((126, "non-boundary"), (127, "boundary")):
-        case = _Case(gen, [position] * args.batch, [1] * args.batch)
-        for gated in (True, False):
-            hook, ctx = case.hook(gated=gated), case.context()
-            report = hook(ctx)
+    for label in ("non-boundary", "boundary"):
+        case = _decode_case(gen, rng, batch, label == "boundary")
+        base = {"batch": batch, "step": label}
+        for mode, gated in itertools.product(("eager", "eager direct"), (True, False)):
+            hook, ctx = case.hook(gated=gated, direct=mode == "eager direct"), case.context()
+            launches = hook(ctx).launches
             device_us, host_us = _time_steps(functools.partial(hook, ctx), args)
-            rows.append({"step": label, "mode": "eager", "gated": gated, "launches": report.launches,
-                         "device_us": device_us, "host_us": host_us})  # fmt: skip
-        for gated in (True, False):
-            skips_compress = gated and label == "non-boundary"
-            launches = case.write if skips_compress else case.write_and_compress
-            graph = _capture(launches)
-            device_us, host_us = _time_steps(graph.replay, args)
-            rows.append({"step": label, "mode": "graph", "gated": gated,
-                         "launches": 1 if skips_compress else 2,
-                         "device_us": device_us, "host_us": host_us})  # fmt: skip
+            rows.append({**base, "mode": mode, "per_replay": 1, "gated": gated,
+                         "launches": launches, "device_us": device_us, "host_us": host_us})  # fmt: skip
+        for per_replay in sorted({1, args.graph_steps}):
+            for gated in (True, False):
+                skips = gated and label == "non-boundary"
+                graph = _capture(case.write if skips else case.write_and_compress, per_replay)
+                device_us, host_us = _time_steps(graph.replay, args, per_replay)
+                rows.append({**base, "mode": "graph", "per_replay": per_replay, "gated": gated,
+                             "launches": 1 if skips else 2, "device_us": device_us,
+                             "host_us": host_us})  # fmt: skip
     return rows
 
 
 def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ungated / gated step time of the non-boundary step, per mode, against the targets."""
+    """Ungated / gated non-boundary step per (batch, mode, steps per replay), with targets."""
+    pairs: dict[tuple[int, str, int], dict[bool, float]] = {}
+    for r in rows:
+        if r["step"] == "non-boundary":
+            key = (r["batch"], r["mode"], r["per_replay"])
+            pairs.setdefault(key, {})[r["gated"]] = r["device_us"]
     out = []
-    for mode, target in _TARGETS.items():
-        time_us = {r["gated"]: r["device_us"] for r in rows
-                   if r["mode"] == mode and r["step"] == "non-boundary"}  # fmt: skip
+    for (batch, mode, per_replay), time_us in pairs.items():
+        is_target_row = batch == _TARGET_BATCH and (mode != "graph" or per_replay > 1)
+        target = _TARGETS[mode.split()[0]] if is_target_row else None
         ratio = time_us[False] / time_us[True]
-        out.append({"mode": mode, "gated_us": time_us[True], "ungated_us": time_us[False],
-                    "speedup": ratio, "target": target, "met": ratio >= target})  # fmt: skip
+        out.append({"batch": batch, "mode": mode, "per_replay": per_replay,
+                    "gated_us": time_us[True], "ungated_us": time_us[False], "speedup": ratio,
+                    "target": target, "met": None if target is None else ratio >= target,
+                    "p_no_boundary": (127 / 128) ** batch})  # fmt: skip
     return out
 
 
-def _prefill_row(gen: torch.Generator, num_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    import triton.testing
+def _host_us(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """Median host us per call of ``fn`` over runs of ``args.steps`` calls (device not waited)."""
+    runs = []
+    for i in range(args.warmup + args.repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            fn()
+        if i >= args.warmup:
+            runs.append((time.perf_counter() - t0) * 1e6 / args.steps)
+    torch.cuda.synchronize()
+    return float(statistics.median(runs))
 
-    case = _Case(gen, [0], [num_tokens])
-    write_us = triton.testing.do_bench(case.write, warmup=25, rep=100, return_mode="median") * 1e3
-    comp_us = triton.testing.do_bench(case.compress, warmup=25, rep=100, return_mode="median") * 1e3
+
+def _host_breakdown(gen: torch.Generator, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Where a batch-1 decode step's host time goes (the eager rows are host-bound)."""
+    case = _Case(gen, [126], [1])
+    t, ctx = case.tensors, case.context()
+    hooks = {(g, d): case.hook(gated=g, direct=d) for g in (True, False) for d in (False, True)}
+    jit, direct = hooks[True, False]._layer, hooks[True, True]._layer
+    write = (t["c128.kv"], t["c128.score"], t["positions"], t["c128.state_slot_mapping"])
+    comp = (t["c128.state_block_table"], t["c128.req_indices"], t["positions"],
+            t["c128.slot_mapping"])  # fmt: skip
+    tiny = torch.zeros(4, device=_DEVICE)
+    parts: list[tuple[str, Callable[[], object]]] = [
+        ("gate: c128_boundary", functools.partial(c128_boundary, case.starts, case.query_start_loc)),
+        ("step checks: state write", functools.partial(jit.check_write, *write)),
+        ("step checks: compress", functools.partial(jit.check_compress, *comp)),
+        ("launch: state write, Triton JIT", functools.partial(jit.launch_write, 1, *write)),
+        ("launch: compress, Triton JIT", functools.partial(jit.launch_compress, 1, *comp)),
+        ("launch: state write, direct", functools.partial(direct.launch_write, 1, *write)),
+        ("launch: compress, direct", functools.partial(direct.launch_compress, 1, *comp)),
+        ("tiny torch op (add_)", functools.partial(tiny.add_, 1)),
+    ]  # fmt: skip
+    for (gated, is_direct), hook in hooks.items():
+        name = f"hook step, {'gated' if gated else 'ungated'}, {'direct' if is_direct else 'JIT'}"
+        parts.append((name, functools.partial(hook, ctx)))
+    rows: list[dict[str, Any]] = [
+        {"part": name, "host_us": _host_us(fn, args)} for name, fn in parts
+    ]
+    for row in rows:  # measured first: a direct launcher decides on its first launches
+        is_direct = "direct" in row["part"] and "launch" in row["part"]
+        row["note"] = _direct_note(direct) if is_direct else ""
+    return rows
+
+
+def _direct_note(layer: Any) -> str:
+    active = layer._write.direct and layer._compress.direct
+    return "direct" if active else "fell back to the Triton JIT launch"
+
+
+def _prefill_row(gen: torch.Generator, num_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
+    case, reps = _Case(gen, [0], [num_tokens]), args.graph_steps
+    write_us, _ = _time_steps(_capture(case.write, reps).replay, args, reps)
+    comp_us, _ = _time_steps(_capture(case.compress, reps).replay, args, reps)
     boundaries = num_tokens // 128
     write_bytes = num_tokens * (2 * _D * 2 + _D * 4 + 2 * _D * 4)
     comp_bytes = boundaries * (128 * 2 * _D * 4 + c128_entry_bytes(_D))
@@ -231,20 +325,41 @@ def _prefill_row(gen: torch.Generator, num_tokens: int, args: argparse.Namespace
             "compress_gbps": comp_bytes / comp_us / 1e3, "eager_step_us": step_us}  # fmt: skip
 
 
-def _check_boundary_step(gen: torch.Generator, batch: int) -> bool:
-    """Run one boundary step through the hook and compare with the reference."""
-    case = _Case(gen, [127] * batch, [1] * batch)
-    expected = case.layer["compressed_cache"].clone()
+def _check_boundary_step(gen: torch.Generator, rng: np.random.Generator, batch: int) -> bool:
+    """One boundary step through the launchers, then through a direct-launch hook, vs the reference.
+
+    The hook runs twice from the same poisoned caches: its first call compiles through Triton's
+    dispatcher, the second launches directly, and that second result is compared.
+    """
+    case = _decode_case(gen, rng, batch, True)
+    state, comp = case.layer["state_cache"], case.layer["compressed_cache"]
+    state_poison, comp_poison = state.clone(), comp.clone()
+    expected = comp.clone()
     case.write()
     c128_compress_ref(*case.compress_args(expected))
     case.compress()
-    slots = case.tensors["c128.slot_mapping"].long()
-    got = case.layer["compressed_cache"].view(-1, c128_entry_bytes(_D))[slots]
-    want = expected.view(-1, c128_entry_bytes(_D))[slots]
-    nope, rope, exps = c128_unpack(got)
-    nope_ref, rope_ref, exps_ref = c128_unpack(want)
+    pos, slots = case.tensors["positions"], case.tensors["c128.slot_mapping"].long()
+    slots = slots[(pos + 1) % 128 == 0]
+    ok = _entries_match(comp, expected, slots)
+    hook = case.hook(gated=True, direct=True)
+    for _ in range(2):
+        state.copy_(state_poison)
+        comp.copy_(comp_poison)
+        hook(case.context())
+    return ok and _entries_match(comp, expected, slots)
+
+
+def _entries_match(out: torch.Tensor, ref: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Boundary slots match within FP8/bf16 rounding (scales exactly); all others are unchanged."""
+    got, want = (t.view(-1, c128_entry_bytes(_D)) for t in (out, ref))
+    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
+    untouched[slots] = False
+    nope, rope, exps = c128_unpack(got[slots])
+    nope_ref, rope_ref, exps_ref = c128_unpack(want[slots])
     return bool(
-        torch.equal(exps, exps_ref)
+        slots.numel() > 0
+        and torch.equal(got[untouched], want[untouched])
+        and torch.equal(exps, exps_ref)
         and torch.allclose(nope, nope_ref, rtol=0.13, atol=1e-3)
         and torch.allclose(rope, rope_ref, rtol=2**-7, atol=1e-6)
     )
@@ -266,31 +381,50 @@ def _info() -> dict[str, object]:
 
 def _print_tables(result: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(", ".join(f"{k}: {v}" for k, v in result["info"].items()))
-    table = Table(title="c128 decode step (per step, median)")
-    for col in ("step", "mode", "gated", "launches", "device us", "host us"):
-        table.add_column(col, justify="right")
-    for r in result["decode"]:
-        table.add_row(r["step"], r["mode"], str(r["gated"]), str(r["launches"]),
-                      f"{r['device_us']:.2f}", f"{r['host_us']:.2f}")  # fmt: skip
-    console.print(table)
-    table = Table(title="non-boundary step: ungated / gated")
-    for col in ("mode", "gated us", "ungated us", "speedup", "target", "met"):
-        table.add_column(col, justify="right")
+    cols = ["batch", "step", "mode", "steps/replay", "gated", "launches", "device us", "host us"]
+    keys = ["batch", "step", "mode", "per_replay", "gated", "launches", "device_us", "host_us"]
+    rows = [[r[k] for k in keys] for r in result["decode"]]
+    console.print(_table("c128 decode step (per step, median)", cols, rows))
+    cols = ["batch", "mode", "steps/replay", "gated us", "ungated us", "speedup", "target", "met",
+            "P(no boundary)"]  # fmt: skip
+    rows = []
     for r in result["ratios"]:
-        table.add_row(r["mode"], f"{r['gated_us']:.2f}", f"{r['ungated_us']:.2f}",
-                      f"{r['speedup']:.2f}x", f">= {r['target']}x", "yes" if r["met"] else "NO")  # fmt: skip
-    console.print(table)
-    table = Table(title="prefill from position 0 (kernel device time, median)")
-    for col in ("tokens", "boundaries", "write us", "write GB/s", "compress us", "compress GB/s",
-                "eager hook step us"):  # fmt: skip
+        target = "-" if r["target"] is None else f">= {r['target']}x"
+        met = {None: "-", True: "yes", False: "NO"}[r["met"]]
+        rows.append([r["batch"], r["mode"], r["per_replay"], r["gated_us"], r["ungated_us"],
+                     f"{r['speedup']:.2f}x", target, met, f"{r['p_no_boundary']:.0%}"])  # fmt: skip
+    console.print(_table("non-boundary step: ungated / gated device time", cols, rows))
+    console.print(
+        f"Targets apply to batch {_TARGET_BATCH}: eager, and graph with several steps per replay"
+        " (device time per step); one step per replay is bound by the graph launch itself."
+        " P(no boundary) = (127/128)**batch for random positions."
+    )
+    rows = [[r["part"], r["host_us"], r["note"]] for r in result["host_breakdown"]]
+    console.print(_table("host breakdown, batch-1 decode step", ["part", "host us", "note"], rows))
+    cols = ["tokens", "boundaries", "write us", "write GB/s", "compress us", "compress GB/s",
+            "eager hook step us"]  # fmt: skip
+    keys = ["tokens", "boundaries", "write_us", "write_gbps", "compress_us", "compress_gbps",
+            "eager_step_us"]  # fmt: skip
+    rows = [[r[k] for k in keys] for r in result["prefill"]]
+    console.print(_table("prefill from position 0 (kernel device time in a graph)", cols, rows))
+    console.print(f"boundary outputs match the reference: {result['output_matches_reference']}")
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col, justify="right")
-    for r in result["prefill"]:
-        table.add_row(str(r["tokens"]), str(r["boundaries"]), f"{r['write_us']:.2f}",
-                      f"{r['write_gbps']:.1f}", f"{r['compress_us']:.2f}",
-                      f"{r['compress_gbps']:.1f}", f"{r['eager_step_us']:.2f}")  # fmt: skip
-    console.print(table)
-    console.print(f"boundary output matches the reference: {result['output_matches_reference']}")
+    for row in rows:
+        table.add_row(*(_cell(v) for v in row))
+    return table
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -50,9 +50,9 @@ Triton-free at import time.
 
 from __future__ import annotations
 
-import functools
+import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -81,12 +81,16 @@ _GROUP = 64  # dims per FP8 scale group (the kernel spells out 64, 448 and the 1
 _WINDOW_CHUNK = 8  # state rows the compress kernel pools per loop iteration
 
 
-def _jit(fn: Callable[..., None]) -> Any:
-    """``triton.jit`` where Triton is installed; the plain function otherwise (never launched)."""
-    return triton.jit(fn) if triton is not None else fn
+def _jit(**options: Any) -> Callable[[Callable[..., None]], Any]:
+    """``triton.jit(**options)`` where Triton is installed; the plain function otherwise."""
+
+    def wrap(fn: Callable[..., None]) -> Any:
+        return triton.jit(fn, **options) if triton is not None else fn
+
+    return wrap
 
 
-@_jit
+@_jit()
 def _state_write_kernel(  # type: ignore[no-untyped-def]
     kv_ptr, score_ptr, ape_ptr, pos_ptr, slot_ptr, state_ptr,
     stride_kv, stride_score, stride_state_block, stride_state_row,
@@ -112,10 +116,11 @@ def _state_write_kernel(  # type: ignore[no-untyped-def]
     tl.store(row + HEAD_DIM + offs, score + ape)
 
 
-@_jit
+# the table's row stride varies with the step's widest request: never recompile for it
+@_jit(do_not_specialize=["stride_table"])
 def _compress_kernel(  # type: ignore[no-untyped-def]
     state_ptr, table_ptr, req_ptr, pos_ptr, slot_ptr, weight_ptr, cos_sin_ptr, out_ptr,
-    stride_state_block, stride_state_row, stride_table, stride_cos_sin, eps,
+    stride_state_block, stride_state_row, stride_table, eps,
     STATE_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     RATIO: tl.constexpr, WINDOW_CHUNK: tl.constexpr, ENTRY_BYTES: tl.constexpr,
 ):  # fmt: skip
@@ -154,7 +159,7 @@ def _compress_kernel(  # type: ignore[no-untyped-def]
     even, odd = tl.split(tl.reshape(y, [HEAD_DIM // 2, 2]))
     pair = tl.arange(0, HEAD_DIM // 2) - (HEAD_DIM - ROPE_DIM) // 2
     is_rope = pair >= 0
-    cs_row = cos_sin_ptr + (pos // RATIO) * RATIO * stride_cos_sin
+    cs_row = cos_sin_ptr + (pos // RATIO) * RATIO * ROPE_DIM  # rows are contiguous [cos | sin]
     cos = tl.load(cs_row + pair, mask=is_rope, other=1.0)
     sin = tl.load(cs_row + ROPE_DIM // 2 + pair, mask=is_rope, other=0.0)
     y = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [HEAD_DIM])
@@ -221,21 +226,122 @@ def _check(
     return t
 
 
-def _no_launch() -> None:
-    """The launch of an empty step: nothing to do."""
+def _is_index(t: object, num_tokens: int, device: torch.device) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` passes ``_check(t, name, (num_tokens,), _INDEX, device)``; no allocation."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == (num_tokens,)
+        and t.dtype in _INDEX
+        and t.device == device
+        and (num_tokens == 0 or t.stride(0) == 1)
+    )
+
+
+def _is_rows(
+    t: object, num_tokens: int, width: int, dtypes: tuple[torch.dtype, ...], device: torch.device
+) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` passes ``_check(t, name, (num_tokens, width), dtypes, device)``."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == (num_tokens, width)
+        and t.dtype in dtypes
+        and t.device == device
+        and (num_tokens == 0 or t.stride(1) == 1)
+    )
+
+
+class _Launcher:
+    """Launch one ``@triton.jit`` kernel, optionally past Triton's per-call dispatcher.
+
+    ``kernel[grid](...)`` re-derives the kernel's specialization from every argument on every
+    call, a large share of the launch's host time. With ``direct=True`` each compiled
+    kernel is kept under a guard and launched with ``CompiledKernel.run``. The guard holds the
+    current device and, for the arguments that change between steps, each tensor's dtype and
+    16-byte alignment and each int's value: at least everything Triton specializes on (the
+    layer's own tensors and constants never change). A guard not
+    seen yet goes through ``kernel.run``, which compiles or finds the kernel and returns it.
+    Where that gives no compiled kernel (the interpreter) or ``CompiledKernel.run`` raises, the
+    launcher falls back to the JIT launch for good; both c128 kernels are idempotent, so the
+    relaunch after a failed direct launch is safe.
+    """
+
+    def __init__(self, kernel: Any, *, direct: bool, **options: Any) -> None:
+        self.kernel, self.options = kernel, options
+        self.direct = direct and _is_jit(kernel)
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._runtime: tuple[Any, ...] | None = None  # (get_device, get_stream, knobs), lazily
+
+    def __call__(self, num_programs: int, step_args: tuple[Any, ...], args: tuple[Any, ...]) -> None:  # fmt: skip
+        """Launch ``num_programs`` programs of the kernel on the current stream.
+
+        ``args`` holds every parameter in order, constexprs included; ``step_args`` those of
+        them that change between steps.
+        """
+        if self.direct and self._runtime is None:
+            self._runtime = _direct_runtime()
+            self.direct = self._runtime is not None
+        if not self.direct:
+            self.kernel[(num_programs,)](*args, **self.options)
+            return
+        get_device, get_stream, hooks = self._runtime  # type: ignore[misc]
+        device = get_device()
+        key = (device, *map(_guard, step_args))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel.run(*args, grid=(num_programs,), warmup=False, **self.options)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                self._compiled[key] = compiled
+            else:
+                self.direct = False
+            return
+        try:
+            stream = get_stream(device)
+            meta = compiled.launch_metadata((num_programs, 1, 1), stream, *args)
+            compiled.run(num_programs, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                         meta, hooks.launch_enter_hook, hooks.launch_exit_hook, *args)  # fmt: skip
+        except Exception:
+            self.direct = False
+            self.kernel[(num_programs,)](*args, **self.options)
+
+
+def _direct_runtime() -> tuple[Any, ...] | None:
+    """``(get_current_device, get_current_stream, launch hooks)`` of this Triton, or None."""
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        active = driver.active
+        return active.get_current_device, active.get_current_stream, knobs.runtime
+    except Exception:  # another Triton API or no driver: the JIT launch still works
+        return None
+
+
+def _is_jit(kernel: object) -> bool:
+    return triton is not None and isinstance(kernel, triton.runtime.jit.JITFunction)
+
+
+def _guard(arg: Any) -> Any:
+    """What Triton may specialize a per-step argument on, or more: an int is its own guard."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    return arg
 
 
 class _Layer:
-    """One compressor layer's per-layer tensors, checked once; builds checked launches.
+    """One compressor layer's tensors, checked once; per-step checks and launches.
 
-    Every method validates its per-step tensors and returns the launch without issuing it, so
-    a caller can check everything a step needs before launching anything. Tensors left ``None``
-    are not checked and must not be needed by the launches asked for.
+    ``check_*`` validate a step's tensors with attribute reads only (no tensor is created, no
+    device is touched, nothing is re-derived from the layer) and return the token count; only
+    when a check fails is the slow path run that names the offending tensor. ``launch_*``
+    enqueue a kernel without checking, so a caller checks everything a step needs first.
+    Tensors left ``None`` are not checked and must not be needed by the launches asked for.
+    ``direct_launch`` launches through :class:`_Launcher`'s direct path.
     """
 
     def __init__(
         self, state_cache: object, *, ape: object = None, norm_weight: object = None,
         cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
+        direct_launch: bool = False,
     ) -> None:  # fmt: skip
         if triton is None:
             raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
@@ -248,6 +354,7 @@ class _Layer:
         self.state_cache = _check(state_cache, "state_cache", (None, None, 2 * d),
                                   (torch.float32,), None)  # fmt: skip
         self.device = self.state_cache.device
+        self.state_strides = (self.state_cache.stride(0), self.state_cache.stride(1))
         dev, f32 = self.device, (torch.float32,)
         if ape is not None:
             self.ape = _check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
@@ -264,46 +371,83 @@ class _Layer:
         if not (isinstance(eps, float | int) and eps > 0):
             raise _fail("eps", "a float > 0", eps)
         self.eps = float(eps)
+        self._write = _Launcher(_state_write_kernel, direct=direct_launch)
+        self._compress = _Launcher(_compress_kernel, direct=direct_launch, num_warps=4)
 
-    def _tokens(self, positions: object, **index_tensors: object) -> int:
-        """Check ``positions [T]`` and the ``[T]`` int index tensors beside it; return ``T``."""
+    def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
+        """Validate the step tensors of :func:`c128_state_write`; return ``T``.
+
+        Raises:
+            GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        """
+        dev, num_tokens = self.device, _num_tokens(positions)
+        if not (
+            _is_index(positions, num_tokens, dev)
+            and _is_index(state_slot_mapping, num_tokens, dev)
+            and _is_rows(kv, num_tokens, self.head_dim, _FLOAT, dev)
+            and _is_rows(score, num_tokens, self.head_dim, (kv.dtype,), dev)
+        ):
+            self._tokens(positions, state_slot_mapping=state_slot_mapping)
+            kv = _check(kv, "kv", (num_tokens, self.head_dim), _FLOAT, dev)
+            _check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), dev)
+        return num_tokens
+
+    def check_compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> int:  # fmt: skip
+        """Validate the step tensors of :func:`c128_compress`; return ``T``.
+
+        Raises:
+            GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        """
+        dev, num_tokens = self.device, _num_tokens(positions)
+        table = state_block_table
+        if not (
+            isinstance(table, torch.Tensor)
+            and table.dim() == 2
+            and table.dtype in _INDEX
+            and table.device == dev
+            and (table.numel() == 0 or table.stride(1) == 1)
+            and _is_index(positions, num_tokens, dev)
+            and _is_index(req_indices, num_tokens, dev)
+            and _is_index(compressed_slot_mapping, num_tokens, dev)
+        ):
+            _check(table, "state_block_table", (None, None), _INDEX, dev)
+            self._tokens(positions, req_indices=req_indices,
+                         compressed_slot_mapping=compressed_slot_mapping)  # fmt: skip
+        return num_tokens
+
+    def _tokens(self, positions: object, **index_tensors: object) -> None:
+        """Slow path: raise for the first malformed ``[T]`` index tensor."""
         num_tokens = _check(positions, "positions", (None,), _INDEX, self.device).shape[0]
         for name, t in index_tensors.items():
             _check(t, name, (num_tokens,), _INDEX, self.device)
-        return num_tokens
 
-    def state_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> Callable[[], None]:  # fmt: skip
-        """Check the step tensors of :func:`c128_state_write`; return its launch."""
-        num_tokens = self._tokens(positions, state_slot_mapping=state_slot_mapping)
-        kv = _check(kv, "kv", (num_tokens, self.head_dim), _FLOAT, self.device)
-        score = _check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), self.device)
-        if num_tokens == 0:
-            return _no_launch
-        state = self.state_cache
-        return functools.partial(
-            _state_write_kernel[(num_tokens,)],
-            kv, score, self.ape, positions, state_slot_mapping, state,
-            kv.stride(0), score.stride(0), state.stride(0), state.stride(1),
-            STATE_BLOCK_SIZE=self.block_size, HEAD_DIM=self.head_dim, RATIO=C128_RATIO,
-        )  # fmt: skip
+    def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Enqueue the state write of ``num_tokens`` checked tokens on the current stream."""
+        if num_tokens:
+            strides = (kv.stride(0), score.stride(0))
+            self._write(num_tokens, (kv, score, positions, state_slot_mapping, *strides), (
+                kv, score, self.ape, positions, state_slot_mapping, self.state_cache, *strides,
+                *self.state_strides, self.block_size, self.head_dim, C128_RATIO,
+            ))  # fmt: skip
 
-    def compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> Callable[[], None]:  # fmt: skip
-        """Check the step tensors of :func:`c128_compress`; return its launch."""
-        table = _check(state_block_table, "state_block_table", (None, None), _INDEX, self.device)
-        num_tokens = self._tokens(positions, req_indices=req_indices,
-                                  compressed_slot_mapping=compressed_slot_mapping)  # fmt: skip
-        if num_tokens == 0:
-            return _no_launch
-        state, cos_sin = self.state_cache, self.cos_sin_cache
-        return functools.partial(
-            _compress_kernel[(num_tokens,)],
-            state, table, req_indices, positions, compressed_slot_mapping, self.norm_weight,
-            cos_sin, self.compressed_cache,
-            state.stride(0), state.stride(1), table.stride(0), cos_sin.stride(0), self.eps,
-            STATE_BLOCK_SIZE=self.block_size, HEAD_DIM=self.head_dim, ROPE_DIM=C128_ROPE_DIM,
-            RATIO=C128_RATIO, WINDOW_CHUNK=_WINDOW_CHUNK, ENTRY_BYTES=self.entry_bytes,
-            num_warps=4,
-        )  # fmt: skip
+    def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Enqueue the compression of ``num_tokens`` checked candidate tokens."""
+        if num_tokens:
+            step = (state_block_table, req_indices, positions, compressed_slot_mapping)
+            table_stride = state_block_table.stride(0)
+            self._compress(num_tokens, (*step, table_stride), (
+                self.state_cache, *step, self.norm_weight, self.cos_sin_cache,
+                self.compressed_cache, *self.state_strides, table_stride, self.eps,
+                self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, _WINDOW_CHUNK,
+                self.entry_bytes,
+            ))  # fmt: skip
+
+
+def _num_tokens(positions: object) -> int:
+    """``T`` from a 1-D ``positions`` tensor; -1 (fails every check) for anything else."""
+    if isinstance(positions, torch.Tensor) and positions.dim() == 1:
+        return positions.size(0)
+    return -1
 
 
 def c128_state_write(
@@ -329,7 +473,9 @@ def c128_state_write(
         GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
         ImportError: Triton is not installed.
     """
-    _Layer(state_cache, ape=ape).state_write(kv, score, positions, state_slot_mapping)()
+    layer = _Layer(state_cache, ape=ape)
+    num_tokens = layer.check_write(kv, score, positions, state_slot_mapping)
+    layer.launch_write(num_tokens, kv, score, positions, state_slot_mapping)
 
 
 def c128_compress(
@@ -372,7 +518,8 @@ def c128_compress(
     """
     layer = _Layer(state_cache, norm_weight=norm_weight, cos_sin_cache=cos_sin_cache,
                    compressed_cache=compressed_cache, eps=eps)  # fmt: skip
-    layer.compress(state_block_table, req_indices, positions, compressed_slot_mapping)()
+    args = (state_block_table, req_indices, positions, compressed_slot_mapping)
+    layer.launch_compress(layer.check_compress(*args), *args)
 
 
 def c128_boundary(
@@ -383,6 +530,10 @@ def c128_boundary(
     Request ``r`` computes positions ``start .. start + qlen - 1`` with
     ``start = num_computed_tokens[r]`` and ``qlen = query_start_loc[r+1] - query_start_loc[r]``;
     it crosses a boundary iff ``start % 128 + qlen >= 128``.
+
+    Cost: no allocation beyond two small lists for up to 32 requests (a Python scan), a few
+    numpy operations above that; arrays that are not 1-D signed-integer numpy arrays are
+    converted first (slower, same answer).
 
     Args:
         num_computed_tokens: host int array ``[num_reqs]`` (>= 0), or ``None`` when unknown.
@@ -397,21 +548,54 @@ def c128_boundary(
     """
     if num_computed_tokens is None or query_start_loc is None:
         return None
-    start = _host_ints(num_computed_tokens, "num_computed_tokens")
-    loc = _host_ints(query_start_loc, "query_start_loc")
-    if loc.shape[0] != start.shape[0] + 1:
-        raise _fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
+    start, loc = num_computed_tokens, query_start_loc
+    if not (
+        type(start) is np.ndarray
+        and type(loc) is np.ndarray
+        and start.ndim == 1
+        and loc.ndim == 1
+        and start.dtype.kind == "i"
+        and loc.dtype.kind == "i"
+        and start.itemsize >= 4  # int32/int64: no overflow in the sums below
+        and loc.itemsize >= 4
+        and loc.shape[0] == start.shape[0] + 1
+    ):
+        start = _host_ints(num_computed_tokens, "num_computed_tokens")
+        loc = _host_ints(query_start_loc, "query_start_loc")
+        if loc.shape[0] != start.shape[0] + 1:
+            raise _fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
+    if start.shape[0] <= _GATE_SCAN_MAX:
+        return _crosses_scan(start.tolist(), loc.tolist())
     qlen = loc[1:] - loc[:-1]
-    if start.size and (start.min() < 0 or qlen.min() < 0):
-        raise _fail("num_computed_tokens / query_start_loc steps", "values >= 0",
-                    (start.tolist(), qlen.tolist()))  # fmt: skip
-    return bool(np.any(start % C128_RATIO + qlen >= C128_RATIO))
+    if (start | qlen).min() < 0:  # the sign bit of either
+        raise _bad_counts(start.tolist(), qlen.tolist())
+    return bool(((start & (C128_RATIO - 1)) + qlen).max() >= C128_RATIO)
+
+
+_GATE_SCAN_MAX = 32  # up to this many requests a Python scan beats numpy's per-call cost
+
+
+def _crosses_scan(starts: list[int], locs: list[int]) -> bool:
+    """The gate over Python ints; checks every request before answering."""
+    crosses, prev = False, locs[0]
+    for start, end in zip(starts, locs[1:], strict=True):
+        qlen, prev = end - prev, end
+        if start < 0 or qlen < 0:
+            raise _bad_counts(starts, [b - a for a, b in itertools.pairwise(locs)])
+        crosses = crosses or start % C128_RATIO + qlen >= C128_RATIO
+    return crosses
+
+
+def _bad_counts(starts: list[int], qlens: list[int]) -> GeometryError:
+    return _fail("num_computed_tokens / query_start_loc steps", "values >= 0", (starts, qlens))
 
 
 def _host_ints(a: object, name: str) -> np.ndarray:
     if isinstance(a, torch.Tensor) and a.device.type != "cpu":
         raise _fail(name, "a host array", f"a tensor on {a.device}")
     arr = np.asarray(a)
+    if arr.ndim == 1 and arr.size == 0:  # np.asarray([]) is float64
+        return arr.astype(np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise _fail(name, "a 1-D integer array", f"{arr.ndim}-D {arr.dtype}")
     return arr.astype(np.int64, copy=False)

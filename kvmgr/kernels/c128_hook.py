@@ -14,7 +14,6 @@ non-boundary tokens on the device.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -25,7 +24,7 @@ from kvmgr.kernels.c128 import _Layer, c128_boundary
 
 __all__ = ["C128CompressorHook"]
 
-_STEP_TENSORS = (
+_STEP_TENSORS = (  # the order __call__ unpacks them in
     "positions",
     "c128.state_slot_mapping",
     "c128.state_block_table",
@@ -75,6 +74,7 @@ class C128CompressorHook:
         eps: float = 1e-6,
         name: str = "c128",
         gated: bool = True,
+        direct_launch: bool = False,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
 
@@ -88,6 +88,10 @@ class C128CompressorHook:
             eps: RMSNorm epsilon (> 0).
             name: hook name and tensor-key prefix.
             gated: ``False`` disables the host gate (baseline for benchmarks).
+            direct_launch: launch each compiled kernel with ``CompiledKernel.run`` instead of
+                Triton's per-call dispatcher once it has been compiled for the step's argument
+                dtypes and alignments (less host time per launch; relies on Triton internals
+                and falls back to the dispatcher where they differ). Off by default.
 
         Raises:
             GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,
@@ -96,7 +100,7 @@ class C128CompressorHook:
         """
         self._layer = _Layer(state_cache, ape=ape, norm_weight=norm_weight,
                              cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
-                             eps=eps)  # fmt: skip
+                             eps=eps, direct_launch=direct_launch)  # fmt: skip
         self.name = name
         self.gated = gated
         self.state_cache = state_cache
@@ -104,9 +108,14 @@ class C128CompressorHook:
         self.num_steps = 0
         self.num_launches = 0
         self.num_skips = 0
+        self._keys = (*_STEP_TENSORS, f"{name}.kv", f"{name}.score")
 
     def __call__(self, ctx: StepContext) -> HookReport:
         """Enqueue this step's state write and, unless gated off, its compression.
+
+        The host work per step is O(1) in the layer (its tensors were checked at
+        construction): key lookups, attribute reads of the step tensors, the gate (a scan of
+        ``num_reqs`` ints) and the launches; no tensor is created and the device is not read.
 
         Returns:
             A report with ``launches`` (2; 1 when gated off; 0 for an empty step), ``skips``
@@ -114,38 +123,36 @@ class C128CompressorHook:
             ``boundary`` (the gate's answer, ``None`` when not asked) and ``num_tokens``.
 
         Raises:
-            GeometryError: a step tensor is missing or malformed (nothing was launched). The
-                compress inputs are only checked when the compress launch is issued.
+            GeometryError: a step tensor is missing or malformed, or the gate's metadata is
+                malformed (nothing was launched). The compress inputs are only checked when
+                the compress launch is issued.
         """
         start_s = time.perf_counter()
-        missing = [k for k in (*_STEP_TENSORS, f"{self.name}.kv", f"{self.name}.score")
-                   if k not in ctx.tensors]  # fmt: skip
-        if missing:
-            raise GeometryError(f"ctx.tensors: expected keys {missing}, got {sorted(ctx.tensors)}")
-        t = ctx.tensors
+        try:
+            pos, state_slots, table, req, slots, kv, score = map(ctx.tensors.__getitem__,
+                                                                 self._keys)  # fmt: skip
+        except KeyError:
+            missing = [k for k in self._keys if k not in ctx.tensors]
+            got = sorted(ctx.tensors)
+            raise GeometryError(f"ctx.tensors: expected keys {missing}, got {got}") from None
         boundary = None
         if self.gated and not ctx.is_capturing:
             boundary = c128_boundary(ctx.num_computed_tokens, ctx.query_start_loc)
         skip = boundary is False
         # validate everything that will launch before launching anything
-        write = self._layer.state_write(t[f"{self.name}.kv"], t[f"{self.name}.score"],
-                                        t["positions"], t["c128.state_slot_mapping"])  # fmt: skip
-        compress = None
+        layer = self._layer
+        num_tokens = layer.check_write(kv, score, pos, state_slots)
         if not skip:
-            compress = self._layer.compress(t["c128.state_block_table"], t["c128.req_indices"],
-                                            t["positions"], t["c128.slot_mapping"])  # fmt: skip
-        on_stream = (
-            contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
-        )
-        with on_stream:
-            write()
-            if compress is not None:
-                compress()
-        num_tokens = int(t["positions"].shape[0])
-        launches = 0 if num_tokens == 0 else 1 + (compress is not None)
+            layer.check_compress(table, req, pos, slots)
+        if ctx.stream is None:
+            self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
+        else:
+            with torch.cuda.stream(ctx.stream):
+                self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
+        launches = 0 if num_tokens == 0 else 1 + (not skip)
         self.num_steps += 1
         self.num_launches += launches
-        self.num_skips += int(skip)
+        self.num_skips += skip
         return HookReport(
             name=self.name,
             launches=launches,
@@ -153,3 +160,9 @@ class C128CompressorHook:
             host_s=time.perf_counter() - start_s,
             extra={"boundary": boundary, "num_tokens": num_tokens},
         )
+
+    def _launch(self, num_tokens: int, skip: bool, *tensors: torch.Tensor) -> None:
+        kv, score, pos, state_slots, table, req, slots = tensors
+        self._layer.launch_write(num_tokens, kv, score, pos, state_slots)
+        if not skip:
+            self._layer.launch_compress(num_tokens, table, req, pos, slots)
