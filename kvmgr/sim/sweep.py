@@ -1,0 +1,186 @@
+"""Capacity sweeps: hit ratio against CPU-tier capacity, per eviction policy, with a plot.
+
+Offers:
+    DEFAULT_SWEEP_TOKENS  the CPU capacities of ``kvmgr simulate --sweep`` without a list
+    sweep_configs         the run configurations of a sweep (policy-major order)
+    run_sweep             run them, in worker processes when ``jobs > 1``
+    sweep_table           the rich table of a sweep
+    plot_sweep            the PNG: hit ratio (GPU + CPU, CPU part dashed) vs capacity
+
+Runs are independent and deterministic, so running them in parallel changes nothing but the
+wall time. Worker processes are spawned (not forked), so no thread of the parent is copied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+from rich.table import Table
+
+from kvmgr.sim.loop import SimConfig, simulate
+from kvmgr.sim.report import SimReport
+from kvmgr.sim.trace import TraceRequest
+
+__all__ = ["DEFAULT_SWEEP_TOKENS", "plot_sweep", "run_sweep", "sweep_configs", "sweep_table"]
+
+#: CPU capacities (tokens) of the default sweep: 1M to 100M, with the paper's 3M and 50M.
+DEFAULT_SWEEP_TOKENS = (
+    1_000_000,
+    3_000_000,
+    6_000_000,
+    12_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+)
+
+
+def sweep_configs(
+    base: SimConfig, cpu_tokens: Sequence[int], policies: Sequence[str]
+) -> list[SimConfig]:
+    """One config per (policy, capacity), policy-major, everything else as in ``base``."""
+    return [attrs.evolve(base, policy=p, cpu_tokens=c) for p in policies for c in cpu_tokens]
+
+
+def _run_one(config: SimConfig, requests: Sequence[TraceRequest]) -> SimReport:
+    return simulate(config, requests)
+
+
+def run_sweep(
+    configs: Sequence[SimConfig],
+    requests: Sequence[TraceRequest],
+    *,
+    jobs: int = 1,
+    on_done: Callable[[int, SimReport], None] | None = None,
+) -> list[SimReport]:
+    """Run every config over ``requests``; reports come back in the order of ``configs``.
+
+    Args:
+        configs: the runs.
+        requests: the trace.
+        jobs: worker processes (1: run here, one after the other).
+        on_done: called with (index, report) as each run finishes.
+
+    Raises:
+        ValueError: ``jobs`` < 1.
+        Whatever a run raises (``ConfigError``, ``TransferError``).
+    """
+    if jobs < 1:
+        raise ValueError(f"expected jobs >= 1, got {jobs}")
+    reports: list[SimReport | None] = [None] * len(configs)
+    if jobs == 1:
+        for i, config in enumerate(configs):
+            reports[i] = _run_one(config, requests)
+            if on_done is not None:
+                on_done(i, reports[i])  # type: ignore[arg-type]
+    else:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            futures = {pool.submit(_run_one, c, list(requests)): i for i, c in enumerate(configs)}
+            for future in concurrent.futures.as_completed(futures):
+                i = futures[future]
+                reports[i] = future.result()
+                if on_done is not None:
+                    on_done(i, reports[i])  # type: ignore[arg-type]
+    return [r for r in reports if r is not None]
+
+
+def _tokens(n: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
+def sweep_table(reports: Sequence[SimReport], title: str = "capacity sweep") -> Table:
+    """Hit ratios per (policy, CPU capacity)."""
+    table = Table(title=title, title_justify="left")
+    for name in (
+        "policy",
+        "CPU tokens",
+        "hit",
+        "GPU hit",
+        "CPU hit",
+        "CPU evictions",
+        "GiB D2H",
+        "GiB H2D",
+    ):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for r in reports:
+        s = r.settings
+        table.add_row(
+            s["policy"],
+            _tokens(s["cpu_blocks"] * s["block_size"]),
+            f"{r.hit_ratio:.2%}",
+            f"{r.gpu_hit_ratio:.2%}",
+            f"{r.cpu_hit_ratio:.2%}",
+            _tokens(r.cpu_evictions),
+            f"{r.d2h['bytes'] / 2**30:.2f}",
+            f"{r.h2d['bytes'] / 2**30:.2f}",
+        )
+    if reports:
+        table.caption = f"trace reuse ceiling (infinite cache): {reports[0].ceiling_ratio:.2%}"
+    return table
+
+
+def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) -> Path:
+    """Write a PNG of hit ratio vs CPU capacity (log scale), one line per policy, the CPU-hit
+    part dashed, the trace's reuse ceiling as a horizontal line. Needs matplotlib.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install kvmgr[plot]``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    policies = list(dict.fromkeys(r.settings["policy"] for r in reports))
+    for n, policy in enumerate(policies):
+        runs = sorted(
+            (r for r in reports if r.settings["policy"] == policy),
+            key=lambda r: r.settings["cpu_blocks"],
+        )
+        xs = [r.settings["cpu_blocks"] * r.settings["block_size"] / 1e6 for r in runs]
+        color = f"C{n}"
+        ax.plot(
+            xs,
+            [100 * r.hit_ratio for r in runs],
+            "o-",
+            color=color,
+            label=f"{policy}: GPU + CPU hits",
+        )
+        ax.plot(
+            xs,
+            [100 * r.cpu_hit_ratio for r in runs],
+            "s--",
+            color=color,
+            alpha=0.6,
+            label=f"{policy}: CPU hits",
+        )
+    if reports:
+        ceiling = 100 * reports[0].ceiling_ratio
+        ax.axhline(
+            ceiling, color="grey", linestyle=":", label=f"trace reuse ceiling {ceiling:.1f}%"
+        )
+        gpu = reports[0].settings["gpu_blocks"] * reports[0].settings["block_size"]
+        ax.set_xlabel(f"CPU tier capacity (million tokens; GPU cache {gpu / 1e6:.1f}M tokens)")
+    ax.set_xscale("log")
+    ticks = sorted({r.settings["cpu_blocks"] * r.settings["block_size"] / 1e6 for r in reports})
+    ax.set_xticks(ticks, [_tokens(t * 1e6) for t in ticks])
+    ax.minorticks_off()
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
