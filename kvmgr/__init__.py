@@ -22,6 +22,7 @@ from kvmgr.errors import (
     DoubleFreeError,
     GeometryError,
     HazardError,
+    InvalidArgumentError,
     InvalidBlockError,
     InvalidKeyError,
     KVMgrError,
@@ -45,7 +46,7 @@ _LAZY = {
     "per_layer_mla_insert": "kvmgr.kernels.mla_insert",
     "mla_insert_reference": "kvmgr.kernels.mla_insert",
     "C128CompressorHook": "kvmgr.kernels.c128_hook",
-    "c128_boundary": "kvmgr.kernels.c128",
+    "c128_boundary": "kvmgr.kernels.c128_gate",
 }
 
 
@@ -69,6 +70,7 @@ __all__ = [
     "GroupedMLAInsertHook",
     "HazardError",
     "HookReport",
+    "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidKeyError",
     "KVMgrError",

@@ -13,13 +13,16 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from kvmgr._queue import Op
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     BlockStateError,
+    ClosedError,
     ConfigError,
+    InvalidArgumentError,
     InvalidBlockError,
     InvalidKeyError,
     PoolExhaustedError,
@@ -63,6 +66,7 @@ class ManagerState(abc.ABC):
         self._rejected: Counter[str] = Counter()
         self._device_s = {Direction.D2H: 0.0, Direction.H2D: 0.0}
         self._block_bytes = gpu_layout.block_bytes
+        self._closed = False
 
     @abc.abstractmethod
     def _new_future(self) -> asyncio.Future[Any]: ...
@@ -93,7 +97,22 @@ class ManagerState(abc.ABC):
             raise InvalidKeyError("keys of one store must be distinct")
         return list(keys)
 
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise ClosedError("the manager is closed")
+
+    @staticmethod
+    def _check_req_id(req_id: object) -> None:
+        try:
+            hash(req_id)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"expected a hashable request id, got {type(req_id).__name__}"
+            ) from None
+
     def _table(self, req_id: Hashable) -> BlockTable:
+        self._check_not_closed()
+        self._check_req_id(req_id)
         table = self._tables.get(req_id)
         if table is None:
             raise UnknownRequestError(f"request {req_id!r} has no block table")
@@ -132,7 +151,9 @@ class ManagerState(abc.ABC):
 
         Raises:
             InvalidKeyError: ``keys`` is not a sequence of bytes.
+            ClosedError: the manager is closed.
         """
+        self._check_not_closed()
         keys = self._keys(keys, distinct=False)
         hits = self.index.lookup(keys)
         self.policy.touch(keys[:hits], self.index.is_ready)
@@ -276,6 +297,8 @@ class ManagerState(abc.ABC):
         """
         if self.gpu_blocks is None:
             raise ConfigError("allocate() needs manage_gpu_blocks=True; use append_blocks()")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise InvalidArgumentError(f"expected an int number of blocks, got {num_blocks!r}")
         table = self._resident_table(req_id, owned=True)
         ids = self.gpu_blocks.allocate(num_blocks)
         table.block_ids.extend(ids)
@@ -293,13 +316,16 @@ class ManagerState(abc.ABC):
         """
         if self.gpu_blocks is not None:
             raise ConfigError("append_blocks() needs manage_gpu_blocks=False; use allocate()")
+        new_ids = _as_int_list(gpu_block_ids, "gpu")
         table = self._resident_table(req_id, owned=False)
-        ids = self._gpu_ids(list(table.block_ids) + list(gpu_block_ids))[len(table.block_ids) :]
+        ids = self._gpu_ids(list(table.block_ids) + new_ids)[len(table.block_ids) :]
         table.block_ids.extend(ids)
         table.gpu_owned = False
         self._tables[req_id] = table
 
     def _resident_table(self, req_id: Hashable, *, owned: bool) -> BlockTable:
+        self._check_not_closed()
+        self._check_req_id(req_id)
         table = self._tables.get(req_id) or BlockTable(req_id)
         if table.moving or table.tier is not Tier.GPU:
             raise BlockStateError(f"request {req_id!r} is swapped out or moving")
@@ -390,7 +416,7 @@ class ManagerState(abc.ABC):
             future = self._new_future()
             gpu = self.gpu_blocks.allocate(len(cpu))
         else:
-            if gpu_block_ids is None or len(gpu_block_ids) != len(cpu):
+            if gpu_block_ids is None or len(_as_int_list(gpu_block_ids, "gpu")) != len(cpu):
                 raise InvalidBlockError(f"expected {len(cpu)} caller-owned gpu block ids")
             gpu = self._gpu_ids(gpu_block_ids)
             future = self._new_future()

@@ -29,13 +29,13 @@ BACKPRESSURE_MODES = ("fail", "wait")
 def _policy_name(instance: Any, attribute: Any, value: str) -> None:
     from kvmgr.policy import POLICIES
 
-    if value not in POLICIES:
+    if not isinstance(value, str) or value not in POLICIES:
         raise ConfigError(f"unknown policy {value!r}; supported: {', '.join(sorted(POLICIES))}")
 
 
 def _one_of(choices: tuple[str, ...]) -> Any:
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in choices:
+        if not isinstance(value, str) or value not in choices:
             raise ConfigError(f"{attribute.name}: expected one of {choices}, got {value!r}")
 
     return check
@@ -81,7 +81,7 @@ class ManagerConfig:
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:
-        if not isinstance(value, (int, float)) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ConfigError(f"store_wait_s: expected seconds >= 0, got {value!r}")
 
     @classmethod

@@ -13,6 +13,7 @@ __all__ = [
     "DoubleFreeError",
     "GeometryError",
     "HazardError",
+    "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidKeyError",
     "KVMgrError",
@@ -34,6 +35,10 @@ class ConfigError(KVMgrError, ValueError):
 
 class GeometryError(KVMgrError, ValueError):
     """KV tensors have shapes, dtypes, devices or layouts kvmgr cannot manage."""
+
+
+class InvalidArgumentError(KVMgrError, ValueError):
+    """An argument has the wrong type or value (a count, a request id, a step context)."""
 
 
 class InvalidBlockError(KVMgrError, ValueError):

@@ -30,6 +30,7 @@ from kvmgr.errors import (
     ClosedError,
     ConfigError,
     GeometryError,
+    InvalidArgumentError,
     PoolExhaustedError,
     TransferError,
     TransferTimeoutError,
@@ -91,7 +92,6 @@ class OffloadManager(ManagerState):
         self._tick_scheduled = False
         self._completed: list[Any] = []
         self._step = 0
-        self._closed = False
         self._room_waiters: list[asyncio.Future[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -245,6 +245,8 @@ class OffloadManager(ManagerState):
             Whatever a hook raises (the queue is left untouched then).
         """
         self._check_open()
+        if ctx is not None and not isinstance(ctx, StepContext):
+            raise InvalidArgumentError(f"expected a StepContext or None, got {type(ctx).__name__}")
         start = time.perf_counter()
         self._step += 1
         if ctx is None:
