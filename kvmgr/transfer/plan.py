@@ -180,7 +180,10 @@ def build_plan(
         parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
     if not dense.all():  # one descriptor per page elsewhere
         parts.append(_descriptors(src, dst, ~dense, s, d, np.ones(n, dtype=np.int64)))
-    srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
+    if len(parts) == 1:
+        srcs, dsts, sizes = parts[0]
+    else:
+        srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
     return TransferPlan(direction, srcs, dsts, sizes, num_blocks=n, num_pages=n * src.num_tensors)
 
 
@@ -192,7 +195,9 @@ def _descriptors(
     d: np.ndarray,
     runs: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    src_addrs = src.base_addrs[tensors, None] + s[None, :] * src.block_strides[tensors, None]
-    dst_addrs = dst.base_addrs[tensors, None] + d[None, :] * dst.block_strides[tensors, None]
-    sizes = src.page_bytes[tensors, None] * runs[None, :]
+    src_addrs = np.multiply.outer(src.block_strides[tensors], s)
+    src_addrs += src.base_addrs[tensors, None]
+    dst_addrs = np.multiply.outer(dst.block_strides[tensors], d)
+    dst_addrs += dst.base_addrs[tensors, None]
+    sizes = np.multiply.outer(src.page_bytes[tensors], runs)
     return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes.reshape(-1)
