@@ -1,0 +1,451 @@
+"""``kvmgr bench swap``: batched driver copy vs a per-page loop vs the pinned peak, one process.
+
+Offers:
+    add_arguments, run      the CLI entry points
+    GEOMETRIES              benchmark KV geometries (tensors x page bytes)
+    CopyCase, Variant       what a copy variant receives and returns
+    CasePool                a geometry's GPU tensors and registered host region, drawing cases
+    default_variants        ``loop``, ``batch_ctypes``, ``batch_lists``
+    time_issue, verify      the timing and checking helpers ``kvmgr bench swap-kernel`` shares
+
+Bytes per case: ``num_blocks x num_tensors x page_bytes``; GB/s = bytes / device seconds / 1e9,
+device seconds from CUDA events around the issue (so host issue time counts when it dominates),
+median of ``--repeats`` after ``--warmup`` runs. Block ids are random and never adjacent, so each
+page is one descriptor and merging cannot hide the per-descriptor cost. Every variant's result is
+checked against the source before timing (destination pages poisoned first).
+
+Other engines add columns through ``kvmgr.transfer.kernel_engine.bench_variants()`` (if that
+module exists): a ``{name: Variant}`` dict merged after the defaults.
+
+``step()`` host time: ``--step-swaps`` one-block stores of the Qwen geometry (48 x 4 KiB) queued,
+then one ``OffloadManager.step()`` timed, per engine (``--step-engines``) and for consecutive GPU
+ids (merged into 48 descriptors) and scattered ones (one descriptor per page). Medians of
+``--repeats`` steps, each column on its own: ``host`` = ``StepReport.host_s``; ``engine`` = the
+engine's ``submit`` (``statistics().submit_s``), of which ``issue`` = the driver calls or the
+kernel's table staging and launch (``issue_s``); ``manager`` = host - engine (hooks, queue,
+planning, reports); ``plan`` = ``build_plan`` alone on the step's ids, timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer._driver import CopyDriver, access_order
+from kvmgr.transfer.pinned import PinnedHostBuffer
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
+
+__all__ = [
+    "GEOMETRIES",
+    "CasePool",
+    "CopyCase",
+    "Variant",
+    "add_arguments",
+    "default_variants",
+    "run",
+    "time_issue",
+    "verify",
+]
+
+#: name -> (label, num_tensors, page_bytes)
+GEOMETRIES: dict[str, tuple[str, int, int]] = {
+    "qwen": ("Qwen2.5-0.5B", 48, 4096),
+    "llama": ("Llama-3-8B", 64, 32768),
+    "mla": ("DeepSeek MLA", 61, 64 * 656),
+}
+_PEAK_BYTES = 1 << 30
+_STEP_ENGINES = ("cuda", "kernel", "auto")
+_STEP_TARGET_US = 300.0
+
+
+@attrs.frozen(eq=False)
+class CopyCase:
+    """One benchmark case: copy ``plan`` (``src_ids[i] -> dst_ids[i]``) on ``stream``.
+
+    Attributes:
+        geometry, direction, num_blocks: what is copied.
+        plan: merged descriptors (one per page here: ids are never adjacent).
+        src, dst: source and destination tensors, each ``uint8 [pool_blocks, page_bytes]``.
+        src_ids, dst_ids: int64 ``[num_blocks]``.
+        stream: the stream the variant must enqueue on.
+        driver: resolved driver entry points.
+    """
+
+    geometry: str
+    direction: Direction
+    num_blocks: int
+    plan: TransferPlan
+    src: list[torch.Tensor]
+    dst: list[torch.Tensor]
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    stream: torch.cuda.Stream
+    driver: CopyDriver
+
+
+#: Prepares a case once (untimed) and returns the timed call that enqueues its copy on the stream.
+Variant = Callable[[CopyCase], Callable[[], None]]
+
+
+def default_variants() -> dict[str, Variant]:
+    """The per-page loop and both call paths of the batched copy."""
+
+    def loop(case: CopyCase) -> Callable[[], None]:
+        p = case.plan
+        return functools.partial(
+            case.driver.loop, p.dst_addrs, p.src_addrs, p.sizes, case.stream.cuda_stream
+        )
+
+    def batch(call: str) -> Variant:
+        def prepare(case: CopyCase) -> Callable[[], None]:
+            p, order = case.plan, access_order(case.direction)
+            fn = case.driver.batch_ctypes if call == "ctypes" else case.driver.batch_lists
+            return functools.partial(
+                fn, p.dst_addrs, p.src_addrs, p.sizes, case.stream.cuda_stream, order
+            )
+
+        return prepare
+
+    return {"loop": loop, "batch_ctypes": batch("ctypes"), "batch_lists": batch("lists")}
+
+
+def _all_variants() -> dict[str, Variant]:
+    variants = default_variants()
+    try:
+        from kvmgr.transfer import kernel_engine
+    except Exception as exc:  # optional columns: say why they are missing, keep going
+        print(f"(no kernel columns: {type(exc).__name__}: {exc})")
+        return variants
+    extra = getattr(kernel_engine, "bench_variants", None)
+    if extra is not None:
+        variants.update(extra())
+    return variants
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvmgr bench swap``."""
+    parser.add_argument(
+        "--geometries", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES)
+    )
+    parser.add_argument("--blocks", nargs="+", type=int, default=[64, 512])
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per variant (median)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=None, help="subset of columns")
+    parser.add_argument("--step-swaps", type=int, default=512, help="0 skips the step() timing")
+    parser.add_argument(
+        "--step-engines", nargs="+", choices=_STEP_ENGINES, default=list(_STEP_ENGINES)
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print tables; write ``--json``. Returns the exit status."""
+    if not torch.cuda.is_available():
+        print("kvmgr bench swap needs a CUDA GPU")
+        return 2
+    from kvmgr.transfer.info import collect_info
+
+    rng = np.random.default_rng(args.seed)
+    driver = CopyDriver()
+    stream = torch.cuda.Stream()
+    variants = _all_variants()
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants}
+    result: dict[str, Any] = {"info": collect_info(probe_pinned=False)}
+    result["peak"] = _peaks(driver, stream, args)
+    peak_gbps = {r["direction"]: r["gbps"] for r in result["peak"] if r["memory"] == "registered"}
+    result["copies"] = []
+    for key in args.geometries:
+        with CasePool(key, max(args.blocks), driver) as pool:
+            for blocks in args.blocks:
+                for direction in Direction:
+                    case = pool.case(direction, blocks, rng)
+                    peak = peak_gbps.get(direction.value)
+                    result["copies"] += _case_rows(case, variants, peak, args)
+    result["step"] = _step_rows(args) if args.step_swaps > 0 else []
+    _print_tables(result)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
+    return 0 if all(r["ok"] for r in result["copies"]) else 1
+
+
+def time_issue(
+    issue: Callable[[], None], stream: torch.cuda.Stream, args: argparse.Namespace
+) -> tuple[float, float]:
+    """Median (device us, host us) of ``issue`` on ``stream`` over ``args.repeats`` runs after
+    ``args.warmup``; device time is between events recorded before and after the issue."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device_us, host_us = [], []
+    for i in range(args.warmup + args.repeats):
+        start.record(stream)
+        t0 = time.perf_counter()
+        issue()
+        t1 = time.perf_counter()
+        end.record(stream)
+        end.synchronize()
+        if i >= args.warmup:
+            device_us.append(start.elapsed_time(end) * 1e3)
+            host_us.append((t1 - t0) * 1e6)
+    return statistics.median(device_us), statistics.median(host_us)
+
+
+def _peaks(
+    driver: CopyDriver, stream: torch.cuda.Stream, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    gpu = torch.empty(_PEAK_BYTES, dtype=torch.uint8, device="cuda")
+    registered = PinnedHostBuffer(_PEAK_BYTES)
+    hostalloc = torch.empty(_PEAK_BYTES, dtype=torch.uint8, pin_memory=True)
+    rows = []
+    try:
+        for memory, host in (("registered", registered.tensor), ("cudaHostAlloc", hostalloc)):
+            for direction in Direction:
+                src, dst = (gpu, host) if direction is Direction.D2H else (host, gpu)
+                dsts, srcs, sizes = (
+                    np.array([p], dtype=np.int64)
+                    for p in (dst.data_ptr(), src.data_ptr(), _PEAK_BYTES)
+                )
+                issue = functools.partial(driver.loop, dsts, srcs, sizes, stream.cuda_stream)
+                device_us, _ = time_issue(issue, stream, args)
+                rows.append(
+                    {
+                        "memory": memory,
+                        "direction": direction.value,
+                        "bytes": _PEAK_BYTES,
+                        "us": device_us,
+                        "gbps": _PEAK_BYTES / device_us / 1e3,
+                    }
+                )
+    finally:
+        registered.close()
+    return rows
+
+
+class CasePool:
+    """GPU tensors and one registered host region of a geometry, ``2 * max_blocks + 1`` blocks
+    each, random bytes on both sides; ``case()`` draws scattered (never adjacent) block ids."""
+
+    def __init__(self, key: str, max_blocks: int, driver: CopyDriver) -> None:
+        self.label, num_tensors, page = GEOMETRIES[key]
+        self.size = 2 * max_blocks + 1
+        self.gpu = [
+            torch.randint(0, 256, (self.size, page), dtype=torch.uint8, device="cuda")
+            for _ in range(num_tensors)
+        ]
+        self.buffer = PinnedHostBuffer(num_tensors * self.size * page)
+        self.host = list(self.buffer.tensor.view(num_tensors, self.size, page).unbind(0))
+        for h in self.host:
+            h.copy_(torch.randint(0, 256, (self.size, page), dtype=torch.uint8, device="cuda"))
+        self.layouts = {
+            "gpu": KVLayout.from_tensors(self.gpu),
+            "host": KVLayout.from_tensors(self.host),
+        }
+        self.stream, self.driver = torch.cuda.Stream(), driver
+
+    def case(self, direction: Direction, blocks: int, rng: np.random.Generator) -> CopyCase:
+        """``blocks`` random even block ids on each side (apart: one descriptor per page)."""
+        ids = [2 * rng.choice(self.size // 2, blocks, replace=False) for _ in range(2)]
+        src, dst = ("gpu", "host") if direction is Direction.D2H else ("host", "gpu")
+        plan = build_plan(direction, self.layouts[src], self.layouts[dst], ids[0], ids[1])
+        tensors = {"gpu": self.gpu, "host": self.host}
+        return CopyCase(self.label, direction, blocks, plan, tensors[src], tensors[dst], ids[0],
+                        ids[1], self.stream, self.driver)  # fmt: skip
+
+    def __enter__(self) -> CasePool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.cuda.synchronize()
+        self.buffer.close()
+
+
+def _case_rows(
+    case: CopyCase, variants: dict[str, Variant], peak_gbps: float | None, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    rows, loop_us = [], None
+    num_bytes = case.plan.num_bytes
+    for poison, (name, variant) in enumerate(variants.items()):
+        issue = variant(case)
+        ok = verify(case, issue, 0x5A + poison)
+        device_us, host_us = time_issue(issue, case.stream, args)
+        loop_us = device_us if name == "loop" else loop_us
+        gbps = num_bytes / device_us / 1e3
+        rows.append(
+            {
+                "geometry": case.geometry,
+                "direction": case.direction.value,
+                "blocks": case.num_blocks,
+                "pages": case.plan.num_pages,
+                "descriptors": case.plan.num_descriptors,
+                "bytes": num_bytes,
+                "variant": name,
+                "us": device_us,
+                "host_us": host_us,
+                "gbps": gbps,
+                "x_loop": None if loop_us is None else loop_us / device_us,
+                "pct_peak": None if not peak_gbps else 100 * gbps / peak_gbps,
+                "ok": ok,
+            }
+        )
+    return rows
+
+
+def verify(case: CopyCase, issue: Callable[[], None], poison: int) -> bool:
+    """Poison the destination pages, copy once, compare with the source pages."""
+    dst_ids = torch.from_numpy(case.dst_ids)
+    src_ids = torch.from_numpy(case.src_ids)
+    for t in case.dst:
+        t[dst_ids.to(t.device)] = poison
+    torch.cuda.synchronize()
+    issue()
+    case.stream.synchronize()
+    return all(
+        torch.equal(s[src_ids.to(s.device)].cuda(), d[dst_ids.to(d.device)].cuda())
+        for s, d in zip(case.src, case.dst)
+    )
+
+
+def _step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``step()`` host time per engine and id pattern (module docstring); a failing engine
+    (no Triton, say) becomes a row with its error, the others still run."""
+    rows = []
+    for engine in args.step_engines:
+        for scattered in (False, True):
+            ids = "scattered" if scattered else "consecutive"
+            try:
+                rows.append(asyncio.run(_step_case(args, engine, scattered)))
+            except Exception as exc:
+                rows.append({"engine": engine, "ids": ids, "error": f"{type(exc).__name__}: {exc}"})
+    return rows
+
+
+async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> dict[str, Any]:
+    from kvmgr import ManagerConfig, OffloadManager
+
+    _, num_tensors, page_bytes = GEOMETRIES["qwen"]
+    swaps = args.step_swaps
+    gpu_kv = [
+        torch.randint(0, 256, (2 * swaps + 1, page_bytes), dtype=torch.uint8, device="cuda")
+        for _ in range(num_tensors)
+    ]
+    config = ManagerConfig(num_cpu_blocks=8 * swaps, engine=engine, manage_gpu_blocks=False)
+    rng = np.random.default_rng(args.seed)
+    gpu_ids = 2 * rng.permutation(swaps) if scattered else np.arange(swaps)
+    samples: dict[str, list[float]] = {}
+    async with OffloadManager(gpu_kv, config) as mgr:
+        for r in range(args.warmup + args.repeats):
+            futures = [
+                mgr.swap_out([int(g)], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(gpu_ids)
+            ]
+            before = mgr.engine.statistics()
+            t0 = time.perf_counter()
+            report = await mgr.step()
+            wall_s = time.perf_counter() - t0
+            after = mgr.engine.statistics()
+            results = await asyncio.gather(*futures)
+            if r < args.warmup:
+                continue
+            engine_s = _delta(before, after, "submit_s")
+            cpu_ids = np.concatenate([res.block_ids for res in results])
+            step = {
+                "host_us": report.host_s,
+                "manager_us": report.host_s - engine_s,
+                "plan_us": _plan_s(mgr, gpu_ids, cpu_ids),
+                "engine_us": engine_s,
+                "issue_us": _delta(before, after, "issue_s"),
+                "wall_us": wall_s,
+            }
+            for key, seconds in step.items():
+                samples.setdefault(key, []).append(seconds * 1e6)
+    return {
+        "engine": engine,
+        "ids": "scattered" if scattered else "consecutive",
+        "swaps": swaps,
+        "tensors": num_tensors,
+        "pages": swaps * num_tensors,
+        "descriptors": report.d2h.descriptors,
+        "path": _step_path(before, after),
+        **{key: statistics.median(values) for key, values in samples.items()},
+        "target_us": _STEP_TARGET_US,
+    }
+
+
+def _delta(before: Any, after: Any, field: str) -> float:
+    return float(getattr(after, field, 0.0) - getattr(before, field, 0.0))
+
+
+def _step_path(before: Any, after: Any) -> str:
+    """The path of the last step's batch, from the engine's counters."""
+    if _delta(before, after, "kernel_batches") > 0:
+        return "kernel"
+    if _delta(before, after, "loop_fallbacks") > 0:
+        return "loop"
+    return "batch" if after.path in ("kernel", "auto") else str(after.path)
+
+
+def _plan_s(mgr: Any, gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> float:
+    """Median seconds of ``build_plan`` for the step's store, timed apart from the manager."""
+    layouts = (mgr.gpu_layout, mgr.cpu_pool.layout)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        build_plan(Direction.D2H, *layouts, gpu_ids, cpu_ids, merge=mgr.config.merge)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    def table(title: str, header: str, rows: list[list[str]]) -> Table:
+        out = Table(title=title)
+        for column in header.split(","):
+            out.add_column(column, justify="right")
+        for row in rows:
+            out.add_row(*row)
+        return out
+
+    peak = [
+        [r["memory"], r["direction"], fmt(r["us"] / 1e3, ".2f"), fmt(r["gbps"], ".1f")]
+        for r in result["peak"]
+    ]
+    copies = [
+        [r["geometry"], r["direction"], str(r["blocks"]), str(r["descriptors"]),
+         fmt(r["bytes"] / 2**20, ".1f"), r["variant"], fmt(r["us"], ".0f"),
+         fmt(r["host_us"], ".0f"), fmt(r["gbps"], ".1f"), fmt(r["x_loop"], ".2f"),
+         fmt(r["pct_peak"], ".0f"), "ok" if r["ok"] else "[red]WRONG[/red]"]
+        for r in result["copies"]
+    ]  # fmt: skip
+    keys = ("host_us", "manager_us", "plan_us", "engine_us", "issue_us", "wall_us", "target_us")
+    step = [
+        [r["engine"], r["ids"], str(r["swaps"]), str(r["pages"]), str(r["descriptors"]),
+         r["path"], *(fmt(r[k], ".0f") for k in keys)]
+        if "error" not in r else [r["engine"], r["ids"], f"[red]{r['error']}[/red]"] + [""] * 10
+        for r in result["step"]
+    ]  # fmt: skip
+    console = Console(width=170)  # not wrapped when the output is a log file
+    console.print(table("pinned copy peak (1 GiB, one cuMemcpyAsync)", "memory,direction,ms,GB/s",
+                        peak))  # fmt: skip
+    console.print(table("page copies (scattered block ids; x loop = loop us / variant us)",
+                        "geometry,dir,blocks,descs,MiB,variant,us,host us,GB/s,x loop,% peak,ok",
+                        copies))  # fmt: skip
+    console.print(table(
+        "OffloadManager.step() host us, 48 x 4 KiB one-block stores (medians; manager = host - "
+        "engine; plan = build_plan alone; issue = driver calls or kernel staging + launch)",
+        "engine,ids,swaps,pages,descs,path,host,manager,plan,engine,issue,wall,target", step))  # fmt: skip

@@ -1,0 +1,276 @@
+"""The per-batch cost model behind ``engine="auto"``: DMA batch or copy kernel.
+
+Offers:
+    Calibration     the model's constants (frozen; ``from_json`` / ``fit`` to recalibrate)
+    choose_path     ``"batch"`` or ``"kernel"`` for a batch's descriptor and byte counts
+
+A batch of ``n`` descriptors and ``B`` bytes in direction ``d`` is modelled, in microseconds, as::
+
+    batch(n, B)  = batch_launch_us  + n * batch_<d>_us_per_descriptor + B / (1e3 * batch_<d>_gbps)
+    kernel(n, B) = kernel_launch_us + n * kernel_us_per_descriptor    + B / (1e3 * kernel_<d>_gbps)
+
+and the kernel is chosen when ``kernel * kernel_margin < batch``. The DMA batch's per-descriptor
+cost depends on the direction: on the H200 with registered host memory, ``cuMemcpyBatchAsync``
+spends ~0.6 us per 4 KiB descriptor out of the GPU and ~1.5 us into it.
+
+The defaults were fitted to the H200 runs of ``kvmgr bench swap`` and ``kvmgr bench swap-kernel``
+(2026-11-29; docs/copy-kernel.md says how, and how to recalibrate). Everything here is pure: no
+device access.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvmgr.errors import ConfigError
+from kvmgr.transfer.plan import Direction
+
+__all__ = ["Calibration", "choose_path"]
+
+_positive = attrs.validators.gt(0.0)
+_non_negative = attrs.validators.ge(0.0)
+#: Field of the older, direction-blind model; ``from_dict`` maps it onto both directions.
+_LEGACY_PER_DESCRIPTOR = "batch_us_per_descriptor"
+#: DMA per-descriptor costs are fitted on rows with descriptors up to this size where there are
+#: any: the per-descriptor term decides small descriptors; bandwidth decides large ones.
+_SMALL_DESCRIPTOR_BYTES = 8192
+
+
+@attrs.frozen(kw_only=True)
+class Calibration:
+    """Constants of the per-batch cost model (module docstring); defaults: H200, 2026-11-29.
+
+    Attributes:
+        batch_launch_us: fixed cost of a driver batch (the call, its events). 10 us: an estimate;
+            the benchmarks' scattered batches (>= 3,072 descriptors) cannot resolve it.
+        batch_h2d_us_per_descriptor / batch_d2h_us_per_descriptor: DMA cost per descriptor
+            beyond the bytes, 1.47 / 0.60 us (4 KiB pages; the driver call holds the caller's
+            thread for most of it; larger pages cost ~0.3-1.0 us per descriptor either way).
+        batch_h2d_gbps / batch_d2h_gbps: DMA bandwidth of one 1 GiB copy with registered host
+            memory, 55.4 / 55.1 GB/s.
+        kernel_launch_us: table building, staging, upload and launch, as the device sees them
+            (the events bracket the host's issue). 110 us.
+        kernel_us_per_descriptor: per-descriptor cost not hidden behind the copy. 0.003 us.
+        kernel_h2d_gbps / kernel_d2h_gbps: copy-kernel bandwidth over mapped host memory with the
+            default 32 programs, 49.4 / 50.8 GB/s.
+        kernel_margin: factor by which the kernel must win; DMA leaves the SMs to compute, so it
+            keeps close calls. 1.1 (not fitted).
+
+    Raises:
+        ConfigError: a direction's ``batch_*_us_per_descriptor`` is below ``kernel_margin *
+            kernel_us_per_descriptor`` (the choice would stop being monotone in the count).
+        ValueError: a value is out of range.
+    """
+
+    batch_launch_us: float = attrs.field(default=10.0, validator=_non_negative)
+    batch_h2d_us_per_descriptor: float = attrs.field(default=1.47, validator=_non_negative)
+    batch_d2h_us_per_descriptor: float = attrs.field(default=0.60, validator=_non_negative)
+    batch_h2d_gbps: float = attrs.field(default=55.4, validator=_positive)
+    batch_d2h_gbps: float = attrs.field(default=55.1, validator=_positive)
+    kernel_launch_us: float = attrs.field(default=110.0, validator=_non_negative)
+    kernel_us_per_descriptor: float = attrs.field(default=0.003, validator=_non_negative)
+    kernel_h2d_gbps: float = attrs.field(default=49.4, validator=_positive)
+    kernel_d2h_gbps: float = attrs.field(default=50.8, validator=_positive)
+    kernel_margin: float = attrs.field(default=1.1, validator=attrs.validators.ge(1.0))
+
+    def __attrs_post_init__(self) -> None:
+        floor = self.kernel_margin * self.kernel_us_per_descriptor
+        for direction in Direction:
+            per_descriptor = self.batch_us_per_descriptor(direction)
+            if per_descriptor < floor:
+                raise ConfigError(
+                    f"expected batch_{direction.value}_us_per_descriptor >= kernel_margin * "
+                    f"kernel_us_per_descriptor, got {per_descriptor} < {self.kernel_margin} * "
+                    f"{self.kernel_us_per_descriptor}"
+                )
+
+    def batch_us_per_descriptor(self, direction: Direction) -> float:
+        """The DMA batch's per-descriptor microseconds in ``direction``."""
+        return _pick(direction, self.batch_h2d_us_per_descriptor, self.batch_d2h_us_per_descriptor)
+
+    def batch_us(self, num_descriptors: int, num_bytes: int, direction: Direction) -> float:
+        """Modelled microseconds of one ``cuMemcpyBatchAsync`` batch."""
+        gbps = _pick(direction, self.batch_h2d_gbps, self.batch_d2h_gbps)
+        per_descriptor = num_descriptors * self.batch_us_per_descriptor(direction)
+        return self.batch_launch_us + per_descriptor + num_bytes / (1e3 * gbps)
+
+    def kernel_us(self, num_descriptors: int, num_bytes: int, direction: Direction) -> float:
+        """Modelled microseconds of one copy-kernel batch."""
+        gbps = _pick(direction, self.kernel_h2d_gbps, self.kernel_d2h_gbps)
+        per_descriptor = num_descriptors * self.kernel_us_per_descriptor
+        return self.kernel_launch_us + per_descriptor + num_bytes / (1e3 * gbps)
+
+    def crossover_bytes(self, direction: Direction) -> float | None:
+        """Bytes per descriptor above which DMA wins large batches (launch costs ignored);
+        ``None`` if the kernel wins at every size."""
+        batch_gbps = _pick(direction, self.batch_h2d_gbps, self.batch_d2h_gbps)
+        kernel_gbps = _pick(direction, self.kernel_h2d_gbps, self.kernel_d2h_gbps)
+        us_per_byte = self.kernel_margin / (1e3 * kernel_gbps) - 1 / (1e3 * batch_gbps)
+        saved_us = (
+            self.batch_us_per_descriptor(direction)
+            - self.kernel_margin * self.kernel_us_per_descriptor
+        )
+        return saved_us / us_per_byte if us_per_byte > 0 else None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        """Build from field names to numbers; missing fields keep their defaults. The older
+        ``batch_us_per_descriptor`` sets both directions' values.
+
+        Raises:
+            ConfigError: an unknown field, a non-numeric value or an invalid combination.
+        """
+        values = dict(data)
+        if _LEGACY_PER_DESCRIPTOR in values:
+            legacy = values.pop(_LEGACY_PER_DESCRIPTOR)
+            for direction in Direction:
+                values.setdefault(f"batch_{direction.value}_us_per_descriptor", legacy)
+        names = sorted(f.name for f in attrs.fields(cls))
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown calibration fields {unknown}; expected some of {names}")
+        try:
+            return cls(**{k: float(v) for k, v in values.items()})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid calibration {dict(data)}: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> Calibration:
+        """Read a calibration from a JSON file, JSON text or parsed mapping: the fields under
+        ``"calibration"`` (``kvmgr bench swap-kernel --json``), else a fit of the ``"copies"`` rows
+        with the ``"peak"`` rows as DMA bandwidth (``kvmgr bench swap --json``, see ``fit``), else
+        the fields at the top level.
+
+        Raises:
+            ConfigError: unreadable JSON or invalid values.
+        """
+        data: Any = source
+        if not isinstance(source, Mapping):
+            text = str(source)
+            try:
+                if not text.lstrip().startswith("{"):
+                    with open(text, encoding="utf-8") as handle:
+                        text = handle.read()
+                data = json.loads(text)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ConfigError(
+                    f"could not read a calibration from {text[:80]!r}: {exc}"
+                ) from exc
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"expected a JSON object, got {type(data).__name__}")
+        if "calibration" in data:
+            return cls.from_dict(data["calibration"])
+        if "copies" in data:
+            return cls.fit(data["copies"], peak_rows=data.get("peak", ()))
+        return cls.from_dict(data)
+
+    @classmethod
+    def fit(
+        cls,
+        rows: Sequence[Mapping[str, Any]],
+        base: Calibration | None = None,
+        *,
+        peak_rows: Sequence[Mapping[str, Any]] = (),
+    ) -> Calibration:
+        """Fit the constants to measured batches.
+
+        Kernel: least squares of launch, per-descriptor and per-direction bandwidth over the
+        ``kernel`` rows. DMA: bandwidth from the ``registered`` peak rows (else ``base``'s),
+        launch from ``base``; per direction, the median over the ``batch``/``batch_ctypes`` rows of
+        ``(us - launch - bytes / bandwidth) / descriptors``, over the rows of descriptors up to
+        8 KiB where there are any (the per-descriptor term decides small descriptors). Scattered batches hold thousands of
+        descriptors, so they pin down per-descriptor costs but not launch costs.
+
+        Args:
+            rows: benchmark rows (``kvmgr bench swap`` / ``swap-kernel`` ``"copies"``) with
+                ``variant``, ``direction`` (``h2d``/``d2h``), ``descriptors``, ``bytes``, ``us``;
+                other variants are ignored.
+            base: values kept where the rows determine nothing (default model if ``None``).
+            peak_rows: ``kvmgr bench swap``'s ``"peak"`` rows (``memory``, ``direction``, ``gbps``).
+
+        Raises:
+            ConfigError: a row lacks a key, or the fitted values are invalid together.
+        """
+        values = attrs.asdict(base or cls())
+        try:
+            for peak in peak_rows:
+                if peak.get("memory") == "registered":
+                    values[f"batch_{Direction(peak['direction']).value}_gbps"] = peak["gbps"]
+            batch = [r for r in rows if r.get("variant") in ("batch", "batch_ctypes")]
+            for direction in Direction:
+                per_descriptor = _batch_per_descriptor(batch, direction, values)
+                if per_descriptor is not None:
+                    values[f"batch_{direction.value}_us_per_descriptor"] = per_descriptor
+            kernel = _fit_kernel([r for r in rows if r.get("variant") == "kernel"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"calibration rows need direction, descriptors, bytes, us: {exc!r}"
+            ) from exc
+        if kernel is not None:
+            names = ("launch_us", "us_per_descriptor", "h2d_gbps", "d2h_gbps")
+            values.update({f"kernel_{k}": v for k, v in zip(names, kernel)})
+        return cls.from_dict(values)
+
+
+def _pick(direction: Direction, h2d: float, d2h: float) -> float:
+    return h2d if direction is Direction.H2D else d2h
+
+
+def _batch_per_descriptor(
+    rows: Sequence[Mapping[str, Any]], direction: Direction, values: Mapping[str, float]
+) -> float | None:
+    gbps, launch = values[f"batch_{direction.value}_gbps"], values["batch_launch_us"]
+    rows = [r for r in rows if Direction(r["direction"]) is direction and r["descriptors"] > 0]
+    small = [r for r in rows if r["bytes"] <= _SMALL_DESCRIPTOR_BYTES * r["descriptors"]]
+    costs = [
+        (float(r["us"]) - launch - float(r["bytes"]) / (1e3 * gbps)) / float(r["descriptors"])
+        for r in small or rows
+    ]
+    return max(statistics.median(costs), 0.0) if costs else None
+
+
+def _fit_kernel(rows: Sequence[Mapping[str, Any]]) -> tuple[float, ...] | None:
+    # us = launch + per_descriptor * n + a * bytes_h2d + b * bytes_d2h; GB/s = 1e-3 / a.
+    is_h2d = np.array([Direction(r["direction"]) is Direction.H2D for r in rows], dtype=bool)
+    n, num_bytes, us = (
+        np.array([r[k] for r in rows], dtype=np.float64) for k in ("descriptors", "bytes", "us")
+    )
+    columns = [np.ones_like(n), n, np.where(is_h2d, num_bytes, 0), np.where(is_h2d, 0, num_bytes)]
+    design = np.stack(columns, axis=1) if len(rows) else np.zeros((0, 4))
+    if len(rows) < 4 or np.linalg.matrix_rank(design) < 4:
+        return None
+    launch, per_descriptor, a, b = np.linalg.lstsq(design, us, rcond=None)[0]
+    if a <= 0 or b <= 0:
+        return None
+    return max(launch, 0.0), max(per_descriptor, 0.0), 1e-3 / a, 1e-3 / b
+
+
+def choose_path(
+    num_descriptors: int,
+    num_bytes: int,
+    direction: Direction | str,
+    calib: Calibration | None = None,
+) -> str:
+    """``"kernel"`` if the copy kernel is modelled faster than the DMA batch by ``kernel_margin``,
+    else ``"batch"`` (also for an empty batch). Pure: no device access.
+
+    Raises:
+        ValueError: a negative count or an unknown direction.
+    """
+    if num_descriptors < 0 or num_bytes < 0:
+        raise ValueError(
+            f"expected counts >= 0, got {num_descriptors} descriptors, {num_bytes} bytes"
+        )
+    direction = Direction(direction)
+    if num_descriptors == 0:
+        return "batch"
+    calib = calib or Calibration()
+    kernel = calib.kernel_us(num_descriptors, num_bytes, direction) * calib.kernel_margin
+    return "kernel" if kernel < calib.batch_us(num_descriptors, num_bytes, direction) else "batch"
