@@ -35,7 +35,10 @@ for section in "$@"; do
       TAIL=40 step bench_c128 240 python3 -m kvmgr.cli bench c128 --json "$OUT/c128.json" ;;
     bench-transfer)
       TAIL=70 step bench_swap 300 python3 -m kvmgr.cli bench swap --json "$OUT/swap.json"
-      TAIL=60 step bench_swap_kernel 300 python3 -m kvmgr.cli bench swap-kernel --json "$OUT/swap_kernel.json" ;;
+      TAIL=60 step bench_swap_kernel 360 python3 -m kvmgr.cli bench swap-kernel --json "$OUT/swap_kernel.json" ;;
+    sim)
+      TAIL=10 step pytest_sim 240 python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_sim.py
+      TAIL=30 step sim_auto 200 python3 -m kvmgr.cli simulate --engine auto --limit 3000 --quiet --json "$OUT/sim_auto.json" ;;
     info)
       step info 60 python3 -m kvmgr.cli info ;;
     *) echo "unknown section $section" ;;
