@@ -444,83 +444,36 @@ def test_gated_skip_does_not_check_compress_inputs():
         make_hook(step, gated=False)(StepContext(tensors=tensors))
 
 
-class FakeCompiled:
-    """A compiled kernel as ``_Launcher`` uses it; ``run`` logs, or raises when ``fail``."""
-
-    function, packed_metadata = "function", "packed"
-
-    def __init__(self, log, fail=False):
-        self.log, self.fail = log, fail
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
-        if self.fail:
-            raise TypeError("launcher signature differs")
-        self.log.append(("direct", g0, args))
-
-
-class FakeJit:
-    """A ``@triton.jit`` function: ``run`` compiles (returns a compiled kernel) and launches."""
-
-    def __init__(self, fail=False):
-        self.log, self.fail = [], fail
-
-    def run(self, *args, grid, warmup, **options):
-        self.log.append(("jit", grid[0], args))
-        return FakeCompiled(self.log, self.fail)
-
-    def __getitem__(self, grid):
-        return lambda *args, **options: self.log.append(("jit", grid[0], args))
-
-
-def test_direct_launcher_relaunches_through_jit_for_each_new_guard(monkeypatch):
-    from types import SimpleNamespace
-
+def test_hook_launches_through_the_shared_launchers():
+    # direct launches by default, one launcher per kernel for every layer; direct_launch=False
+    # takes Triton's normal launch (under the interpreter both launch normally)
     from kvmgr.kernels import c128 as kernels
+    from kvmgr.kernels._launch import shared_launcher
 
-    monkeypatch.setattr(kernels, "_is_jit", lambda kernel: True)
-    kernel, device = FakeJit(), [0]
-    launcher = kernels._Launcher(kernel, direct=True)
-    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    launcher._runtime = (lambda: device[0], lambda dev: f"stream{dev}", hooks)
-    aligned = torch.arange(8, dtype=torch.int32)
-    shifted = torch.arange(9, dtype=torch.int32)[1:]  # 4 bytes past a 16-byte boundary
-    steps = [  # (per-step args, expected path)
-        ((aligned, 16), "jit"), ((aligned, 16), "direct"),
-        ((shifted, 16), "jit"), ((shifted, 16), "direct"),  # alignment is part of the guard
-        ((aligned.long(), 16), "jit"),  # so is the dtype
-        ((aligned, 17), "jit"), ((aligned, 17), "direct"),  # an int is its own guard
-        ((aligned, 1), "jit"), ((aligned, 16), "direct"),  # (Triton specializes 1 and 16k)
-    ]  # fmt: skip
-    for step_args, _ in steps:
-        launcher(5, step_args, (*step_args, "CONST"))
-    device[0] = 1  # a kernel compiled for device 0 is not launched on device 1
-    launcher(5, (aligned, 16), (aligned, 16, "CONST"))
-    assert [path for path, _, _ in kernel.log] == [path for _, path in steps] + ["jit"]
-    assert all(g == 5 and args[-1] == "CONST" for _, g, args in kernel.log)
-    assert launcher.direct
+    step = Step(63, [(127, 1)])
+    default, normal = make_hook(step)._layer, make_hook(step, direct_launch=False)._layer
+    assert default._write is shared_launcher(kernels._state_write_kernel, True)
+    assert default._compress is shared_launcher(kernels._compress_kernel, True)
+    assert make_hook(step)._layer._compress is default._compress
+    assert normal._write is shared_launcher(kernels._state_write_kernel, False)
+    assert not normal._write.direct and not normal._compress.direct
+    for launcher in (default._write, default._compress):
+        assert launcher.direct is (DEV == "cuda")  # never direct under the interpreter
 
 
-def test_direct_launcher_falls_back_to_jit_for_good():
-    from types import SimpleNamespace
+def test_gate_module_is_triton_free_and_reexported():
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from kvmgr.kernels import c128 as kernels
+    import kvmgr
+    from kvmgr.kernels import c128, c128_gate
 
-    # 1. not a JIT function (the interpreter): never direct
-    assert not kernels._Launcher(object(), direct=True).direct
-    # 2. the compiled kernel refuses the call: relaunch through the JIT, then stay there
-    kernel = FakeJit(fail=True)
-    launcher = kernels._Launcher(kernel, direct=True)
-    launcher.direct = True  # _is_jit said no to the fake
-    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    launcher._runtime = (lambda: 0, lambda dev: None, hooks)
-    aligned = torch.arange(8, dtype=torch.int32)
-    for _ in range(3):
-        launcher(2, (aligned,), (aligned,))
-    assert [path for path, _, _ in kernel.log] == ["jit", "jit", "jit"]
-    assert not launcher.direct
+    assert c128.c128_boundary is c128_gate.c128_boundary is kvmgr.c128_boundary
+    code = ("import sys, kvmgr; kvmgr.c128_boundary; import kvmgr.kernels.c128_gate; "
+            "sys.exit('triton' in sys.modules or 'kvmgr.kernels.c128' in sys.modules)")  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
 
 
 # --- GPU: larger shapes and CUDA graphs ----------------------------------------------------
@@ -586,9 +539,10 @@ def _offset_copy(t: torch.Tensor, offset: int) -> torch.Tensor:
 
 @pytest.mark.gpu
 def test_gpu_direct_launch_matches_reference_across_guards():
-    # the direct launcher keys compiled kernels by dtype and 16-byte alignment of the step
-    # tensors: alternate them and check every launch against the reference; each variant runs
-    # twice from the poisoned caches (first call: through Triton's dispatcher, second: direct)
+    # the direct launcher keys compiled kernels by dtype and 16-byte alignment of the tensors
+    # (among others): alternate them and check every launch against the reference; each
+    # variant runs twice from the poisoned caches (first call: a new key, compiled through
+    # Triton's warmup; second: a cache hit)
     step = Step(71, [(0, 300), (127, 1), (40, 1)], num_pad=1)
     hook = make_hook(step, gated=False, direct_launch=True)
     base = {name: getattr(step, name) for name in ("kv", "score", "positions", "slot_mapping")}
@@ -612,6 +566,7 @@ def test_gpu_direct_launch_matches_reference_across_guards():
         assert_entries_match(hook.compressed_cache, comp_ref, step.compressed_cache,
                              step.boundary_slots())  # fmt: skip
     assert hook._layer._write.direct and hook._layer._compress.direct  # never fell back
+    assert hook._layer._write.num_compiled >= 2  # bf16 and fp32 rows: two keys at least
 
 
 def test_bench_without_cuda_exits_2(capsys, monkeypatch):

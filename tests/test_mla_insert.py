@@ -8,6 +8,7 @@ Caches start as random bytes ("poison"): rows the step does not map must keep th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -16,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton.runtime.jit import JITFunction
 
 from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels import _mla_launch
+from kvmgr.kernels import _mla_launch, mla_insert
+from kvmgr.kernels._launch import DirectLauncher
 from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
 from kvmgr.kernels.mla_insert import (
     grouped_mla_insert,
@@ -350,13 +353,26 @@ def test_tile_heuristic_follows_the_h200_sweep() -> None:
     assert launch_config(7, None, 4) == (1, 4)
 
 
-def test_one_compiled_kernel_serves_every_step_size() -> None:
+def test_one_compiled_kernel_serves_every_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
     # The grouped kernel takes no value-specialized runtime argument, so steps of any T (same
-    # tile) share one memoized launch; each step must still match the reference exactly.
+    # tile) share one launch key, hence one compiled kernel; each step must still match the
+    # reference exactly. The key is computed for a JITFunction twin of the kernel (under the
+    # interpreter the kernel itself is never launched directly).
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     caches = _caches(120, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
     kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(121, num_layers)}
-    _mla_launch._compiled_grouped.cache_clear()
+    _mla_launch._grouped_constexprs.cache_clear()
+    launches: list[tuple[object, ...]] = []
+    real = mla_insert._grouped_launcher(True)
+
+    def recording(direct: bool) -> Callable[..., None]:
+        def launch(grid: tuple[int, ...], *args: object, **options: int) -> None:
+            launches.append(args)
+            real(grid, *args, **options)
+
+        return launch
+
+    monkeypatch.setattr(mla_insert, "_grouped_launcher", recording)
     for step, num_tokens in enumerate([5, 1, 16, 11, 2]):
         kv_c, k_pe = _inputs(122 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
         slots = _slots(130 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
@@ -364,7 +380,14 @@ def test_one_compiled_kernel_serves_every_step_size() -> None:
             slots = torch.stack([slots.roll(i) for i in range(num_layers)])
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
         assert _same_bytes(caches, expected)
-    assert _mla_launch._compiled_grouped.cache_info().currsize == 1
+    assert _mla_launch._grouped_constexprs.cache_info().currsize == 1
+    kernel = mla_insert._grouped_insert_kernel
+    if not isinstance(kernel, JITFunction):  # the interpreter's InterpretedFunction
+        kernel = JITFunction(kernel.fn, do_not_specialize=_mla_launch._GROUPED_RUNTIME_ARGS)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    keyer = DirectLauncher(kernel)._key
+    assert keyer is not None and len(launches) == 5
+    assert len({keyer(None, args) for args in launches}) == 1
 
 
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
@@ -384,7 +407,7 @@ def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
     plan = _mla_launch._grouped_plan(caches, "auto")
     for inputs, is_aligned in ((shifted, False), (kv_c, True)):
         step = _mla_launch._check_step(inputs, k_pe, slots, None, "auto", plan.meta, for_kernel=True)  # fmt: skip
-        assert _mla_launch._launch_spec(plan, step, inputs, k_pe, 1, 2)[-1] is is_aligned
+        assert _mla_launch._launch_spec(plan, step, inputs, k_pe, 1)[-1] is is_aligned
 
 
 def test_plan_held_for_graphs_outlives_the_eager_memo() -> None:
@@ -439,6 +462,13 @@ def test_hook_without_per_step_checks_inserts_the_same() -> None:
     hook = GroupedMLAInsertHook(caches, validate=False, **kwargs)  # type: ignore[arg-type]
     report = hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
     assert report.launches == 1 and _same_bytes(caches, expected)
+    # Triton's normal launch (direct_launch=False) writes the same bytes over fresh poison
+    normal = _caches(154, num_layers, 3, 4, rank + rope_dim, torch.uint8)
+    expected = [cache.clone() for cache in normal]
+    mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+    hook = GroupedMLAInsertHook(normal, direct_launch=False, **kwargs)  # type: ignore[arg-type]
+    hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+    assert _same_bytes(normal, expected) and not _same_bytes(normal, _caches(154, num_layers, 3, 4, rank + rope_dim, torch.uint8))  # fmt: skip
 
 
 # ---------------------------------------------------------------- GPU (skipped without CUDA)
@@ -511,14 +541,31 @@ def test_gpu_direct_launch_is_exact_across_step_sizes_and_layouts(kv_cache_dtype
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
         torch.cuda.synchronize()
         assert _same_bytes(caches, expected), f"step {step}, T = {num_tokens}"
-    plan = _mla_launch._grouped_plan(caches, kv_cache_dtype)
-    kv_c, k_pe = _inputs(180, num_layers, 3, rank, rope_dim, torch.bfloat16)
-    step_info = _mla_launch._check_step(
-        kv_c, k_pe, _slots(181, 3, capacity, 0), kwargs["kv_scales"], kv_cache_dtype, plan.meta,
-        for_kernel=True,
-    )  # fmt: skip
-    spec = _mla_launch._launch_spec(plan, step_info, kv_c, k_pe, 1, 2)
-    assert _mla_launch._compiled_grouped(spec).kernel is not None  # the direct launch ran
+    launcher = mla_insert._grouped_launcher(True)
+    assert launcher.direct and launcher.num_compiled >= 3  # aligned, misaligned, fused: 3 keys
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_gpu_direct_and_normal_launches_write_the_same_bytes(kv_cache_dtype: str) -> None:
+    # The opt-out (Triton's normal launch) and the default direct launch: same kernel, same bytes.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 5, 300, 512, 64, 32, 16
+    kv_c, k_pe = _inputs(190, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    slots = _slots(191, num_tokens, num_blocks * block_size, 30)
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": None}
+    if kv_cache_dtype != "auto":
+        kwargs["kv_scales"] = _scales(192, num_layers)
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    results = []
+    for direct_launch in (True, False, True):
+        caches = _caches(193, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
+        insert = functools.partial(grouped_mla_insert, direct_launch=direct_launch)
+        expected = _run_both(insert, kv_c, k_pe, caches, slots, **kwargs)
+        torch.cuda.synchronize()
+        assert _same_bytes(caches, expected)
+        results.append(caches)
+    assert _same_bytes(results[0], results[1]) and _same_bytes(results[1], results[2])
+    assert mla_insert._grouped_launcher(True).direct
 
 
 @pytest.mark.gpu

@@ -1,22 +1,21 @@
-"""Host side of the MLA insert kernels: input checks, launch plans, direct launches (private).
+"""Host side of the MLA insert kernels: input checks, launch plans, launch constants (private).
 
 Offers (to :mod:`kvmgr.kernels.mla_insert` and its hook):
     checks        ``_check_dtype_and_scales``, ``_check_caches``, ``_is_uniform``, ``_check_step``
                   (``_unchecked_step`` without the checks), ``_check_slots``
     plans         ``_grouped_plan``: checked, uniform caches with their device pointer table,
                   memoized by the caches' geometry and ``data_ptr()``s
-    direct launch ``_launch_config`` (tile, warps), ``_launch_spec`` and ``_compiled_grouped``:
-                  the compiled grouped kernel per launch configuration, memoized
+    launch        ``_launch_config`` (tile, warps); ``_launch_spec`` and ``_grouped_constexprs``:
+                  the grouped kernel's constexprs per launch configuration, memoized
 
 Host cost: the grouped launcher is called once per step, so its host path is kept short. The
-caches are checked in one pass, the step's tensors with plain attribute reads (no torch ops), and
-the kernel is launched through the ``CompiledKernel`` that Triton's public ``warmup`` returns,
-memoized per launch configuration, instead of through ``JITFunction.run`` (which re-derives the
-specialization of every argument on every call). That is exact because the grouped kernel takes
-no value- or alignment-specialized runtime argument: what varies with the step is passed
-unspecialized, and what the compiler needs to know (row strides, geometry, alignment) is a
-constexpr. The per-layer baseline uses Triton's ordinary launch, as a caller launching a Triton
-kernel once per layer would.
+caches are checked in one pass, the step's tensors with plain attribute reads (no torch ops), the
+constexprs come from a memo, and the kernel is launched through
+:class:`kvmgr.kernels._launch.DirectLauncher` (the compiled kernel, past ``JITFunction.run``'s
+per-call dispatch). The grouped kernel's runtime arguments are all ``do_not_specialize``, so one
+compiled kernel serves every step size; what the compiler needs to know (row strides, geometry,
+alignment) is a constexpr. The per-layer baseline uses Triton's normal launch, as a caller
+launching a Triton kernel once per layer would.
 
 Pointer tables and CUDA graphs: a captured grouped launch reads its plan's pointer table at every
 replay. The eager memo keeps the plans of the 32 most recently used cache sets; a plan used under
@@ -45,7 +44,6 @@ _GROUPED_RUNTIME_ARGS = (
     "kv_c_ptr", "k_pe_ptr", "cache_table_ptr", "slot_ptr", "scale_ptr",
     "num_tokens", "stride_kv_l", "stride_pe_l", "stride_slot_l",
 )  # fmt: skip
-_INT64_PROBE = 2**31  # a warm-up value that types the runtime ints as int64, so any value fits
 
 _INPUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FP8_FORMATS = {  # name -> (torch cache dtype, Triton cache dtype, largest finite value)
@@ -85,14 +83,6 @@ class _Step(NamedTuple):
     pe_strides: tuple[int, ...]
     scale_stride: int  # 0 without scales
     fp8_max: float  # 0.0 for "auto"
-
-
-class _Launch(NamedTuple):
-    """A compiled grouped kernel (None under the interpreter) and the constexprs it was built for."""
-
-    kernel: Any
-    constexprs: dict[str, Any]
-    constexpr_values: tuple[Any, ...]  # in the kernel's parameter order, after the runtime args
 
 
 def _fail(what: str, expected: object, got: object) -> GeometryError:
@@ -354,18 +344,16 @@ def _launch_config(
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_grouped(spec: tuple[Any, ...]) -> _Launch:
-    """The grouped kernel for one launch spec; a pure function of the spec, memoized.
+def _grouped_constexprs(spec: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The grouped kernel's constexpr values, in parameter order; a pure function of ``spec``.
 
-    ``spec`` is ``(device, input dtype, kv_cache_dtype, (capacity, block_size, cache strides),
-    R, P, (kv_c, k_pe, slot_mapping token strides, kv_scales stride), BLOCK_T, num_warps,
-    IO_ALIGNED)``: every input of the kernel's specialization, since its runtime arguments are
-    not specialized (their ints are typed int64 by the warm-up, so any value fits). The kernel
-    comes from Triton's public ``JITFunction.warmup`` (compile, or Triton's own cache, no launch).
+    ``spec`` (from :func:`_launch_spec`) is ``(input dtype, kv_cache_dtype, (capacity,
+    block_size, cache strides), R, P, (kv_c, k_pe, slot_mapping token strides, kv_scales
+    stride), BLOCK_T, IO_ALIGNED)``.
     """
     (
-        _, dtype, kv_cache_dtype, (capacity, block_size, stride_b, stride_s), rank, rope_dim,
-        (stride_kv_t, stride_pe_t, stride_slot_t, stride_scale), block_t, num_warps, is_aligned,
+        dtype, kv_cache_dtype, (capacity, block_size, stride_b, stride_s), rank, rope_dim,
+        (stride_kv_t, stride_pe_t, stride_slot_t, stride_scale), block_t, is_aligned,
     ) = spec  # fmt: skip
     from kvmgr.kernels.mla_insert import _grouped_insert_kernel
 
@@ -379,26 +367,18 @@ def _compiled_grouped(spec: tuple[Any, ...]) -> _Launch:
         "IO_ALIGNED": is_aligned,
     }  # fmt: skip
     assert list(constexprs) == _grouped_insert_kernel.arg_names[len(_GROUPED_RUNTIME_ARGS) :]
-    scales = None if fp8 is None else torch.float32
-    kernel = _grouped_insert_kernel.warmup(
-        dtype, dtype, torch.int64, torch.int64, scales, *([_INT64_PROBE] * 4),
-        grid=(1,), num_warps=num_warps, **constexprs,
-    )  # fmt: skip
-    if kernel is not None and not callable(getattr(kernel, "__getitem__", None)):
-        kernel = None  # not a CompiledKernel (another Triton): use the ordinary launch
-    return _Launch(kernel, constexprs, tuple(constexprs.values()))
+    return tuple(constexprs.values())
 
 
 def _launch_spec(
-    plan: _Plan, step: _Step, kv_c: torch.Tensor, k_pe: torch.Tensor, tile: int, warps: int
+    plan: _Plan, step: _Step, kv_c: torch.Tensor, k_pe: torch.Tensor, tile: int
 ) -> tuple[Any, ...]:
-    """The :func:`_compiled_grouped` key of one launch (its last item is IO_ALIGNED)."""
+    """The :func:`_grouped_constexprs` key of one launch (its last item is IO_ALIGNED)."""
     (stride_kv_l, stride_kv_t, _), (stride_pe_l, stride_pe_t, _) = step.kv_strides, step.pe_strides
     # IO_ALIGNED: both bases and both layer strides (in bytes) are multiples of 16.
     is_aligned = ((kv_c.data_ptr() | k_pe.data_ptr()) & 15) == 0
     is_aligned = is_aligned and ((stride_kv_l | stride_pe_l) * kv_c.itemsize) & 15 == 0
-    device = torch.cuda.current_device() if plan.meta.device >= 0 else -1
     return (
-        device, kv_c.dtype, plan.kv_cache_dtype, plan.geometry, step.rank, step.rope_dim,
-        (stride_kv_t, stride_pe_t, step.slot_strides[1], step.scale_stride), tile, warps, is_aligned,
+        kv_c.dtype, plan.kv_cache_dtype, plan.geometry, step.rank, step.rope_dim,
+        (stride_kv_t, stride_pe_t, step.slot_strides[1], step.scale_stride), tile, is_aligned,
     )  # fmt: skip

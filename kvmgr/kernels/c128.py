@@ -1,15 +1,16 @@
-"""DeepSeek-V4 c128 KV compressor: state write, windowed compression, host-side boundary gate.
+"""DeepSeek-V4 c128 KV compressor: state write and windowed compression (Triton).
 
 Offers:
     c128_state_write         every token writes ``[kv | score + ape[pos % 128]]`` (fp32) into a
                              paged state cache (Triton)
     c128_compress            every boundary token (``(pos + 1) % 128 == 0``) pools its request's
                              last 128 state rows into one compressed entry (Triton)
-    c128_boundary            host gate: does any request of the step complete a 128-token window
     c128_entry_bytes         bytes of one compressed entry (584 for head dim 512)
+    c128_boundary            the host gate, re-exported from :mod:`kvmgr.kernels.c128_gate`
 
 Torch references of both kernels, the unpacker and a RoPE table builder are in
-:mod:`kvmgr.kernels.c128_ref`; the step hook is in :mod:`kvmgr.kernels.c128_hook`.
+:mod:`kvmgr.kernels.c128_ref`; the step hook is in :mod:`kvmgr.kernels.c128_hook`. Launches go
+through :class:`kvmgr.kernels._launch.DirectLauncher` (``direct_launch=False``: Triton's own).
 
 Compression of one boundary token at position ``pos`` of request ``r``:
 
@@ -43,21 +44,20 @@ capture pass all of them): ``positions[i]`` (absolute position), ``req_indices[i
 device, tokens that are not at a boundary or have a negative slot, so one launch over every
 token of a step is always correct; the host gate only decides whether launching can be skipped.
 
-Without Triton this module still imports (the gate and layout helpers work) and the launchers
-raise ``ImportError``; ``import kvmgr`` must import it lazily only if it wants to stay
-Triton-free at import time.
+Without Triton this module still imports (the layout helpers work) and the launchers raise
+``ImportError``; the gate lives in a numpy-only module that ``import kvmgr`` exports.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
-import numpy as np
 import torch
 
 from kvmgr.errors import GeometryError
+from kvmgr.kernels._launch import shared_launcher
+from kvmgr.kernels.c128_gate import C128_RATIO, c128_boundary
 
 try:
     import triton
@@ -75,7 +75,6 @@ __all__ = [
     "c128_state_write",
 ]
 
-C128_RATIO = 128
 C128_ROPE_DIM = 64
 _GROUP = 64  # dims per FP8 scale group (the kernel spells out 64, 448 and the 1e-4 floor)
 _WINDOW_CHUNK = 8  # state rows the compress kernel pools per loop iteration
@@ -250,83 +249,6 @@ def _is_rows(
     )
 
 
-class _Launcher:
-    """Launch one ``@triton.jit`` kernel, optionally past Triton's per-call dispatcher.
-
-    ``kernel[grid](...)`` re-derives the kernel's specialization from every argument on every
-    call, a large share of the launch's host time. With ``direct=True`` each compiled
-    kernel is kept under a guard and launched with ``CompiledKernel.run``. The guard holds the
-    current device and, for the arguments that change between steps, each tensor's dtype and
-    16-byte alignment and each int's value: at least everything Triton specializes on (the
-    layer's own tensors and constants never change). A guard not
-    seen yet goes through ``kernel.run``, which compiles or finds the kernel and returns it.
-    Where that gives no compiled kernel (the interpreter) or ``CompiledKernel.run`` raises, the
-    launcher falls back to the JIT launch for good; both c128 kernels are idempotent, so the
-    relaunch after a failed direct launch is safe.
-    """
-
-    def __init__(self, kernel: Any, *, direct: bool, **options: Any) -> None:
-        self.kernel, self.options = kernel, options
-        self.direct = direct and _is_jit(kernel)
-        self._compiled: dict[tuple[Any, ...], Any] = {}
-        self._runtime: tuple[Any, ...] | None = None  # (get_device, get_stream, knobs), lazily
-
-    def __call__(self, num_programs: int, step_args: tuple[Any, ...], args: tuple[Any, ...]) -> None:  # fmt: skip
-        """Launch ``num_programs`` programs of the kernel on the current stream.
-
-        ``args`` holds every parameter in order, constexprs included; ``step_args`` those of
-        them that change between steps.
-        """
-        if self.direct and self._runtime is None:
-            self._runtime = _direct_runtime()
-            self.direct = self._runtime is not None
-        if not self.direct:
-            self.kernel[(num_programs,)](*args, **self.options)
-            return
-        get_device, get_stream, hooks = self._runtime  # type: ignore[misc]
-        device = get_device()
-        key = (device, *map(_guard, step_args))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel.run(*args, grid=(num_programs,), warmup=False, **self.options)
-            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                self._compiled[key] = compiled
-            else:
-                self.direct = False
-            return
-        try:
-            stream = get_stream(device)
-            meta = compiled.launch_metadata((num_programs, 1, 1), stream, *args)
-            compiled.run(num_programs, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                         meta, hooks.launch_enter_hook, hooks.launch_exit_hook, *args)  # fmt: skip
-        except Exception:
-            self.direct = False
-            self.kernel[(num_programs,)](*args, **self.options)
-
-
-def _direct_runtime() -> tuple[Any, ...] | None:
-    """``(get_current_device, get_current_stream, launch hooks)`` of this Triton, or None."""
-    try:
-        from triton import knobs
-        from triton.runtime import driver
-
-        active = driver.active
-        return active.get_current_device, active.get_current_stream, knobs.runtime
-    except Exception:  # another Triton API or no driver: the JIT launch still works
-        return None
-
-
-def _is_jit(kernel: object) -> bool:
-    return triton is not None and isinstance(kernel, triton.runtime.jit.JITFunction)
-
-
-def _guard(arg: Any) -> Any:
-    """What Triton may specialize a per-step argument on, or more: an int is its own guard."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    return arg
-
-
 class _Layer:
     """One compressor layer's tensors, checked once; per-step checks and launches.
 
@@ -335,13 +257,14 @@ class _Layer:
     when a check fails is the slow path run that names the offending tensor. ``launch_*``
     enqueue a kernel without checking, so a caller checks everything a step needs first.
     Tensors left ``None`` are not checked and must not be needed by the launches asked for.
-    ``direct_launch`` launches through :class:`_Launcher`'s direct path.
+    Both kernels launch through the process-wide :func:`~kvmgr.kernels._launch.shared_launcher`
+    of their kernel: direct launches, or Triton's normal launch with ``direct_launch=False``.
     """
 
     def __init__(
         self, state_cache: object, *, ape: object = None, norm_weight: object = None,
         cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
-        direct_launch: bool = False,
+        direct_launch: bool = True,
     ) -> None:  # fmt: skip
         if triton is None:
             raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
@@ -371,8 +294,8 @@ class _Layer:
         if not (isinstance(eps, float | int) and eps > 0):
             raise _fail("eps", "a float > 0", eps)
         self.eps = float(eps)
-        self._write = _Launcher(_state_write_kernel, direct=direct_launch)
-        self._compress = _Launcher(_compress_kernel, direct=direct_launch, num_warps=4)
+        self._write = shared_launcher(_state_write_kernel, direct_launch)
+        self._compress = shared_launcher(_compress_kernel, direct_launch)
 
     def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
         """Validate the step tensors of :func:`c128_state_write`; return ``T``.
@@ -424,23 +347,22 @@ class _Layer:
     def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
         """Enqueue the state write of ``num_tokens`` checked tokens on the current stream."""
         if num_tokens:
-            strides = (kv.stride(0), score.stride(0))
-            self._write(num_tokens, (kv, score, positions, state_slot_mapping, *strides), (
-                kv, score, self.ape, positions, state_slot_mapping, self.state_cache, *strides,
-                *self.state_strides, self.block_size, self.head_dim, C128_RATIO,
-            ))  # fmt: skip
+            self._write(
+                (num_tokens,), kv, score, self.ape, positions, state_slot_mapping, self.state_cache,
+                kv.stride(0), score.stride(0), *self.state_strides, self.block_size, self.head_dim,
+                C128_RATIO,
+            )  # fmt: skip
 
     def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
         """Enqueue the compression of ``num_tokens`` checked candidate tokens."""
         if num_tokens:
-            step = (state_block_table, req_indices, positions, compressed_slot_mapping)
-            table_stride = state_block_table.stride(0)
-            self._compress(num_tokens, (*step, table_stride), (
-                self.state_cache, *step, self.norm_weight, self.cos_sin_cache,
-                self.compressed_cache, *self.state_strides, table_stride, self.eps,
+            self._compress(
+                (num_tokens,), self.state_cache, state_block_table, req_indices, positions,
+                compressed_slot_mapping, self.norm_weight, self.cos_sin_cache,
+                self.compressed_cache, *self.state_strides, state_block_table.stride(0), self.eps,
                 self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, _WINDOW_CHUNK,
-                self.entry_bytes,
-            ))  # fmt: skip
+                self.entry_bytes, num_warps=4,
+            )  # fmt: skip
 
 
 def _num_tokens(positions: object) -> int:
@@ -457,6 +379,8 @@ def c128_state_write(
     positions: torch.Tensor,
     state_slot_mapping: torch.Tensor,
     state_cache: torch.Tensor,
+    *,
+    direct_launch: bool = True,
 ) -> None:
     """Write every token's state row ``[kv | score + ape[pos % 128]]`` (fp32) into the cache.
 
@@ -468,12 +392,14 @@ def c128_state_write(
         state_slot_mapping: ``[T]`` int32/int64; slot ``s`` is block ``s // S``, row ``s % S``;
             ``s < 0`` marks padding, which writes nothing.
         state_cache: ``[num_state_blocks, S, 2D]`` fp32, unit last stride; mutated in place.
+        direct_launch: launch the compiled kernel directly (:mod:`kvmgr.kernels._launch`);
+            ``False`` takes Triton's normal launch.
 
     Raises:
         GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
         ImportError: Triton is not installed.
     """
-    layer = _Layer(state_cache, ape=ape)
+    layer = _Layer(state_cache, ape=ape, direct_launch=direct_launch)
     num_tokens = layer.check_write(kv, score, positions, state_slot_mapping)
     layer.launch_write(num_tokens, kv, score, positions, state_slot_mapping)
 
@@ -489,6 +415,7 @@ def c128_compress(
     compressed_cache: torch.Tensor,
     *,
     eps: float = 1e-6,
+    direct_launch: bool = True,
 ) -> None:
     """Compress the 128-row window of every boundary token into its compressed slot.
 
@@ -510,6 +437,7 @@ def c128_compress(
         compressed_cache: ``[num_blocks, block_size, D + 64 + D // 64]`` uint8 contiguous;
             mutated in place at boundary slots only (layout in the module docstring).
         eps: RMSNorm epsilon (> 0).
+        direct_launch: as in :func:`c128_state_write`.
 
     Raises:
         GeometryError: a tensor has the wrong type, shape, dtype, device or layout, or
@@ -517,85 +445,6 @@ def c128_compress(
         ImportError: Triton is not installed.
     """
     layer = _Layer(state_cache, norm_weight=norm_weight, cos_sin_cache=cos_sin_cache,
-                   compressed_cache=compressed_cache, eps=eps)  # fmt: skip
+                   compressed_cache=compressed_cache, eps=eps, direct_launch=direct_launch)  # fmt: skip
     args = (state_block_table, req_indices, positions, compressed_slot_mapping)
     layer.launch_compress(layer.check_compress(*args), *args)
-
-
-def c128_boundary(
-    num_computed_tokens: np.ndarray | None, query_start_loc: np.ndarray | None
-) -> bool | None:
-    """Whether some request completes a 128-token window in this step (host only, no device).
-
-    Request ``r`` computes positions ``start .. start + qlen - 1`` with
-    ``start = num_computed_tokens[r]`` and ``qlen = query_start_loc[r+1] - query_start_loc[r]``;
-    it crosses a boundary iff ``start % 128 + qlen >= 128``.
-
-    Cost: no allocation beyond two small lists for up to 32 requests (a Python scan), a few
-    numpy operations above that; arrays that are not 1-D signed-integer numpy arrays are
-    converted first (slower, same answer).
-
-    Args:
-        num_computed_tokens: host int array ``[num_reqs]`` (>= 0), or ``None`` when unknown.
-        query_start_loc: host int array ``[num_reqs + 1]``, non-decreasing, or ``None``.
-
-    Returns:
-        True or False; ``None`` when either input is ``None`` (callers must then not skip).
-
-    Raises:
-        GeometryError: the arrays are not 1-D integer host arrays of matching lengths, or a
-            count is negative.
-    """
-    if num_computed_tokens is None or query_start_loc is None:
-        return None
-    start, loc = num_computed_tokens, query_start_loc
-    if not (
-        type(start) is np.ndarray
-        and type(loc) is np.ndarray
-        and start.ndim == 1
-        and loc.ndim == 1
-        and start.dtype.kind == "i"
-        and loc.dtype.kind == "i"
-        and start.itemsize >= 4  # int32/int64: no overflow in the sums below
-        and loc.itemsize >= 4
-        and loc.shape[0] == start.shape[0] + 1
-    ):
-        start = _host_ints(num_computed_tokens, "num_computed_tokens")
-        loc = _host_ints(query_start_loc, "query_start_loc")
-        if loc.shape[0] != start.shape[0] + 1:
-            raise _fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
-    if start.shape[0] <= _GATE_SCAN_MAX:
-        return _crosses_scan(start.tolist(), loc.tolist())
-    qlen = loc[1:] - loc[:-1]
-    if (start | qlen).min() < 0:  # the sign bit of either
-        raise _bad_counts(start.tolist(), qlen.tolist())
-    return bool(((start & (C128_RATIO - 1)) + qlen).max() >= C128_RATIO)
-
-
-_GATE_SCAN_MAX = 32  # up to this many requests a Python scan beats numpy's per-call cost
-
-
-def _crosses_scan(starts: list[int], locs: list[int]) -> bool:
-    """The gate over Python ints; checks every request before answering."""
-    crosses, prev = False, locs[0]
-    for start, end in zip(starts, locs[1:], strict=True):
-        qlen, prev = end - prev, end
-        if start < 0 or qlen < 0:
-            raise _bad_counts(starts, [b - a for a, b in itertools.pairwise(locs)])
-        crosses = crosses or start % C128_RATIO + qlen >= C128_RATIO
-    return crosses
-
-
-def _bad_counts(starts: list[int], qlens: list[int]) -> GeometryError:
-    return _fail("num_computed_tokens / query_start_loc steps", "values >= 0", (starts, qlens))
-
-
-def _host_ints(a: object, name: str) -> np.ndarray:
-    if isinstance(a, torch.Tensor) and a.device.type != "cpu":
-        raise _fail(name, "a host array", f"a tensor on {a.device}")
-    arr = np.asarray(a)
-    if arr.ndim == 1 and arr.size == 0:  # np.asarray([]) is float64
-        return arr.astype(np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise _fail(name, "a 1-D integer array", f"{arr.ndim}-D {arr.dtype}")
-    return arr.astype(np.int64, copy=False)

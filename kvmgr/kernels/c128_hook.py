@@ -6,7 +6,7 @@ Offers:
 
 Per step the hook launches :func:`~kvmgr.kernels.c128.c128_state_write`, then
 :func:`~kvmgr.kernels.c128.c128_compress` unless the host gate
-:func:`~kvmgr.kernels.c128.c128_boundary` answers exactly ``False`` and the step is not being
+:func:`~kvmgr.kernels.c128_gate.c128_boundary` answers exactly ``False`` and the step is not being
 captured into a CUDA graph. Under capture both kernels are always recorded: the graph is replayed
 for later steps whose boundaries the capture cannot know, and the compress kernel skips
 non-boundary tokens on the device.
@@ -20,7 +20,8 @@ import torch
 
 from kvmgr.errors import GeometryError
 from kvmgr.hooks import HookReport, StepContext
-from kvmgr.kernels.c128 import _Layer, c128_boundary
+from kvmgr.kernels.c128 import _Layer
+from kvmgr.kernels.c128_gate import c128_boundary
 
 __all__ = ["C128CompressorHook"]
 
@@ -74,7 +75,7 @@ class C128CompressorHook:
         eps: float = 1e-6,
         name: str = "c128",
         gated: bool = True,
-        direct_launch: bool = False,
+        direct_launch: bool = True,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
 
@@ -88,10 +89,10 @@ class C128CompressorHook:
             eps: RMSNorm epsilon (> 0).
             name: hook name and tensor-key prefix.
             gated: ``False`` disables the host gate (baseline for benchmarks).
-            direct_launch: launch each compiled kernel with ``CompiledKernel.run`` instead of
-                Triton's per-call dispatcher once it has been compiled for the step's argument
-                dtypes and alignments (less host time per launch; relies on Triton internals
-                and falls back to the dispatcher where they differ). Off by default.
+            direct_launch: launch the compiled kernels directly, past Triton's per-call
+                dispatch (:mod:`kvmgr.kernels._launch`: keyed by everything Triton
+                specializes on, falling back to Triton's normal launch where its internals
+                differ). ``False`` takes Triton's normal launch on every step.
 
         Raises:
             GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,

@@ -57,6 +57,9 @@ class GroupedMLAInsertHook:
         Check each step's tensors against the caches (about 2 us of host time). ``False`` skips
         those checks, for loops that build the tensors themselves: a tensor of the wrong shape,
         dtype, device or layout is then read or written out of bounds instead of raising.
+    direct_launch : bool
+        Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
+        default; see :mod:`kvmgr.kernels._launch`); ``False`` takes Triton's normal launch.
 
     Raises
     ------
@@ -75,6 +78,7 @@ class GroupedMLAInsertHook:
         name: str = "mla_insert",
         check_slots: bool = False,
         validate: bool = True,
+        direct_launch: bool = True,
     ) -> None:
         from kvmgr.kernels import _mla_launch, mla_insert
 
@@ -97,6 +101,7 @@ class GroupedMLAInsertHook:
         self._kv_scales = kv_scales
         self._check_slots = check_slots
         self._validate = validate
+        self._direct = direct_launch
         self._meta = meta
         self._is_grouped = _mla_launch._is_uniform(caches)
         # The hook holds its plan, so a captured graph's pointer table lives as long as the hook.
@@ -136,7 +141,8 @@ class GroupedMLAInsertHook:
         stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
         with stream:
             if self._plan is not None:
-                self._kernels._launch_grouped(self._plan, step, kv_c, k_pe, scales)
+                self._kernels._launch_grouped(self._plan, step, kv_c, k_pe, scales,
+                                              direct=self._direct)  # fmt: skip
             else:
                 self._kernels._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
         num_launches = 0 if step.num_tokens == 0 else (1 if self._is_grouped else len(caches))

@@ -17,19 +17,21 @@ e5m2). Both launchers only enqueue work (no host reads of device data unless ``c
 they can be captured into a CUDA graph once the kernel has been compiled and the pointer table
 built by one eager call with the same caches.
 
-The host side (input checks, the memoized launch plans with their device pointer tables, and the
-memoized direct launch of the grouped kernel, which keeps its per-step host cost low) lives in
-:mod:`kvmgr.kernels._mla_launch`; this module holds the kernels, their launchers and the reference.
+This module holds the kernels, their launchers and the reference. The host side (input checks;
+memoized plans, pointer tables and constexprs) is in :mod:`kvmgr.kernels._mla_launch`; the grouped
+kernel launches through :class:`kvmgr.kernels._launch.DirectLauncher`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from kvmgr.kernels._launch import DirectLauncher, shared_launcher
 from kvmgr.kernels._mla_launch import (
     _FP8_FORMATS,
     _GROUPED_RUNTIME_ARGS,
@@ -38,7 +40,7 @@ from kvmgr.kernels._mla_launch import (
     _check_dtype_and_scales,
     _check_slots,
     _check_step,
-    _compiled_grouped,
+    _grouped_constexprs,
     _grouped_plan,
     _launch_config,
     _launch_spec,
@@ -155,21 +157,25 @@ def _launch_grouped(
     kv_scales: torch.Tensor | None,
     block_tokens: int | None = None,
     num_warps: int | None = None,
+    *,
+    direct: bool = True,
 ) -> None:
     """One launch over (token tiles, layers) on the current stream of the current device."""
     if step.num_tokens == 0:
         return
     tile, warps = _launch_config(step.num_tokens * step.num_layers, block_tokens, num_warps)
-    launch = _compiled_grouped(_launch_spec(plan, step, kv_c, k_pe, tile, warps))
-    grid = (-(-step.num_tokens // tile), step.num_layers, 1)
-    args = (
-        kv_c, k_pe, plan.table, step.slot_mapping, kv_scales, step.num_tokens,
-        step.kv_strides[0], step.pe_strides[0], step.slot_strides[0],
+    constexprs = _grouped_constexprs(_launch_spec(plan, step, kv_c, k_pe, tile))
+    _grouped_launcher(direct)(
+        (-(-step.num_tokens // tile), step.num_layers, 1), kv_c, k_pe, plan.table,
+        step.slot_mapping, kv_scales, step.num_tokens, step.kv_strides[0], step.pe_strides[0],
+        step.slot_strides[0], *constexprs, num_warps=warps,
     )  # fmt: skip
-    if launch.kernel is None:  # the interpreter
-        _grouped_insert_kernel[grid](*args, **launch.constexprs, num_warps=warps)
-    else:  # CompiledKernel[grid](*all arguments): what JITFunction.run does after specializing
-        launch.kernel[grid](*args, *launch.constexpr_values)
+
+
+@functools.cache
+def _grouped_launcher(direct: bool) -> DirectLauncher:
+    """The grouped kernel's process-wide launcher (direct launches unless ``direct`` is False)."""
+    return shared_launcher(_grouped_insert_kernel, direct)
 
 
 def _launch_per_layer(
@@ -212,6 +218,7 @@ def grouped_mla_insert(
     check_slots: bool = False,
     block_tokens: int | None = None,
     num_warps: int | None = None,
+    direct_launch: bool = True,
 ) -> None:
     """Insert a step's rows into the paged caches of all L layers with ONE kernel launch.
 
@@ -219,9 +226,9 @@ def grouped_mla_insert(
     for a set of caches and reused (memoized with their geometry by their ``data_ptr()``s): make
     that first call outside CUDA-graph capture. A table used under capture is then kept for the
     life of the process, so the graph may replay after any number of newer cache sets. One
-    compiled kernel serves every step size of a tile size, launched without Triton's per-call
-    specialization (see :mod:`kvmgr.kernels._mla_launch`); host cost about 13 us plus the driver
-    launch for L = 5. Only enqueues work on the current stream.
+    compiled kernel serves every step size of a tile size, launched directly, past Triton's
+    per-call dispatch (see :mod:`kvmgr.kernels._launch`). Only enqueues work on the current
+    stream.
 
     Parameters
     ----------
@@ -244,6 +251,8 @@ def grouped_mla_insert(
         reduction kernel and one device->host sync; refused under graph capture.
     block_tokens, num_warps : int or None
         Tuning overrides (tokens per program, warps per program); ``None`` picks by step size.
+    direct_launch : bool
+        Launch the compiled kernel directly (the default); ``False`` takes Triton's normal launch.
 
     Raises
     ------
@@ -261,7 +270,9 @@ def grouped_mla_insert(
     step = _check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, plan.meta, for_kernel=True)  # fmt: skip
     if check_slots:
         _check_slots(step, caches)
-    _launch_grouped(plan, step, kv_c, k_pe, kv_scales, block_tokens, num_warps)
+    _launch_grouped(
+        plan, step, kv_c, k_pe, kv_scales, block_tokens, num_warps, direct=direct_launch
+    )
 
 
 def per_layer_mla_insert(
@@ -280,7 +291,9 @@ def per_layer_mla_insert(
 
     The baseline of :func:`grouped_mla_insert` and the fallback for caches whose ``num_blocks``,
     ``block_size``, strides or alignment differ between layers (their width ``R + P`` and dtype
-    may not). Parameters as :func:`grouped_mla_insert`. Only enqueues work.
+    may not). Parameters as :func:`grouped_mla_insert` (no ``direct_launch``: each layer takes
+    Triton's normal launch, as a caller launching a kernel once per layer would). Only enqueues
+    work.
 
     Raises
     ------
