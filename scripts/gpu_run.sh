@@ -24,15 +24,15 @@ for section in "$@"; do
     env)
       step env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -iE "cuda|pytest|numpy|attrs|anyio|rich|hypothesis"' ;;
     kernels)
-      step pytest_kernels 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py ;;
+      TAIL=25 step pytest_kernels 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py tests/test_launch.py ;;
     transfer)
       TAIL=60 step smoke_transfer 120 python3 scripts/gpu_smoke_transfer.py
       TAIL=40 step pytest_transfer 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda_engine.py tests/test_copy_kernel.py ;;
     manager)
       step pytest_all 480 python3 -m pytest -q -p no:cacheprovider ;;
     bench-kernels)
-      TAIL=40 step bench_mla 300 python3 -m kvmgr.cli bench mla-insert --tune --json "$OUT/mla_insert.json"
-      TAIL=40 step bench_c128 240 python3 -m kvmgr.cli bench c128 --json "$OUT/c128.json" ;;
+      TAIL=70 step bench_mla 300 python3 -m kvmgr.cli bench mla-insert --tune --json "$OUT/mla_insert.json"
+      TAIL=60 step bench_c128 240 python3 -m kvmgr.cli bench c128 --json "$OUT/c128.json" ;;
     bench-transfer)
       TAIL=70 step bench_swap 300 python3 -m kvmgr.cli bench swap --json "$OUT/swap.json"
       TAIL=60 step bench_swap_kernel 360 python3 -m kvmgr.cli bench swap-kernel --json "$OUT/swap_kernel.json" ;;
