@@ -608,6 +608,9 @@ class FakeGraph:
             self.launches()
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the dry run needs the Triton interpreter (CPU only)"
+)
 def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
     # every path of `kvmgr bench c128` with the CUDA timing and capture replaced by host
     # stand-ins and the kernels under the interpreter: the GPU run must not be the first run
