@@ -67,6 +67,10 @@ class ManagerState(abc.ABC):
         self._device_s = {Direction.D2H: 0.0, Direction.H2D: 0.0}
         self._block_bytes = gpu_layout.block_bytes
         self._closed = False
+        #: GPU block -> queued or in-flight copies that read or write it.
+        self._gpu_busy: Counter[int] = Counter()
+        #: owned GPU blocks freed while busy: returned to the pool when their copies end.
+        self._gpu_free_deferred: set[int] = set()
 
     @abc.abstractmethod
     def _new_future(self) -> asyncio.Future[Any]: ...
@@ -281,8 +285,48 @@ class ManagerState(abc.ABC):
         if len(src) == 0:  # nothing to copy: resolve now, no batch
             future.set_result(on_success())
             return future
-        self._enqueue(Op(direction, src, dst, future, on_success, on_failure))
+        gpu_ids = src if direction is Direction.D2H else dst
+        busy = self._gpu_busy
+        for block_id in gpu_ids:
+            busy[block_id] += 1
+
+        def succeeded() -> Any:
+            try:
+                return on_success()
+            finally:
+                self._release_gpu(gpu_ids)
+
+        def failed(exc: BaseException) -> None:
+            try:
+                on_failure(exc)
+            finally:
+                self._release_gpu(gpu_ids)
+
+        self._enqueue(Op(direction, src, dst, future, succeeded, failed))
         return future
+
+    def _release_gpu(self, gpu_ids: list[int]) -> None:
+        """A copy touching these GPU blocks ended: free those whose free was deferred."""
+        busy, deferred, ready = self._gpu_busy, self._gpu_free_deferred, []
+        for block_id in gpu_ids:
+            left = busy[block_id] - 1
+            if left:
+                busy[block_id] = left
+                continue
+            del busy[block_id]
+            if block_id in deferred:
+                deferred.remove(block_id)
+                ready.append(block_id)
+        if ready and self.gpu_blocks is not None:
+            self.gpu_blocks.free(ready)
+
+    def _free_gpu(self, gpu_ids: list[int]) -> None:
+        """Return owned GPU blocks; a block that a queued or in-flight copy still reads or
+        writes goes back only when that copy ends (never handed out while the DMA runs)."""
+        assert self.gpu_blocks is not None
+        now = [b for b in gpu_ids if b not in self._gpu_busy]
+        self._gpu_free_deferred.update(b for b in gpu_ids if b in self._gpu_busy)
+        self.gpu_blocks.free(now)
 
     # ------------------------------------------------------------------ request-level API
 
@@ -338,7 +382,9 @@ class ManagerState(abc.ABC):
 
         Raises:
             UnknownRequestError: no table for ``req_id``.
+            InvalidArgumentError: ``req_id`` is not hashable.
         """
+        self._check_req_id(req_id)
         table = self._tables.get(req_id)
         if table is None:
             raise UnknownRequestError(f"request {req_id!r} has no block table")
@@ -368,7 +414,7 @@ class ManagerState(abc.ABC):
         def on_success() -> SwapResult:
             table.tier, table.block_ids, table.moving = Tier.CPU, list(cpu), False
             if table.gpu_owned and self.gpu_blocks is not None:
-                self.gpu_blocks.free(gpu)
+                self._free_gpu(gpu)
             self._counts["stores_completed"] += len(gpu)
             return SwapResult(
                 num_blocks=len(gpu),
@@ -435,7 +481,7 @@ class ManagerState(abc.ABC):
 
         def on_failure(_: BaseException) -> None:
             if table.gpu_owned and self.gpu_blocks is not None:
-                self.gpu_blocks.free(gpu)
+                self._free_gpu(gpu)
             table.moving = False
             self._counts["loads_failed"] += len(cpu)
 
@@ -458,7 +504,7 @@ class ManagerState(abc.ABC):
         if table.tier is Tier.CPU:
             self.cpu_blocks.free(table.block_ids)
         elif table.gpu_owned and self.gpu_blocks is not None:
-            self.gpu_blocks.free(table.block_ids)
+            self._free_gpu(table.block_ids)
         del self._tables[req_id]
 
     # ------------------------------------------------------------------ counters
@@ -472,7 +518,6 @@ class ManagerState(abc.ABC):
 
     def _snapshot(self, **extra: int) -> ManagerStatistics:
         names = {f.name for f in attrs.fields(ManagerStatistics)}
-        states = Counter(self.index.entry(k).state for k in self.index)
         return ManagerStatistics(
             **{k: v for k, v in self._counts.items() if k in names},
             rejected=dict(self._rejected),
@@ -480,8 +525,8 @@ class ManagerState(abc.ABC):
             device_s_h2d=self._device_s[Direction.H2D],
             cpu_blocks_used=self.cpu_blocks.num_allocated,
             cpu_blocks_total=self.cpu_blocks.num_blocks,
-            cpu_keys_pending=states[BlockState.PENDING],
-            cpu_keys_ready=states[BlockState.READY],
+            cpu_keys_pending=self.index.num_pending,
+            cpu_keys_ready=len(self.index) - self.index.num_pending,
             gpu_blocks_free=None if self.gpu_blocks is None else self.gpu_blocks.num_free,
             policy=self.policy.name,
             engine=self.engine.name,

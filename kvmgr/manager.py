@@ -1,20 +1,22 @@
 """OffloadManager: the asyncio facade over the pools, the prefix index, the policy and an engine.
 
 Offers:
-    OffloadManager   lookup / swap_out / swap_in / preempt / resume / step, as DESIGN.md draws it
+    OffloadManager   lookup / swap_out / swap_in / preempt / resume / step, as docs/architecture.md draws it
 
 Swaps only queue work and return an ``asyncio.Future``; ``step()`` (or, with ``flush="tick"``,
 the end of the event-loop tick) turns the queue into one plan per direction and submits it. The
 engine reports completion from its own thread; the manager applies the bookkeeping on the loop
 thread (``call_soon_threadsafe``) and then resolves the futures, in submission order.
 
-Cancelling a task that awaits a swap cancels only that await: the copy runs to its end and the
-bookkeeping (READY states, freed blocks, block tables) completes as if nobody had cancelled.
+Cancelling a task that awaits a swap's future cancels that future, never the copy: the copy
+runs to its end and the bookkeeping (READY states, freed blocks, block tables) completes as if
+nobody had cancelled. ``wait()`` shields the future, so cancelling it leaves the future intact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Hashable, Sequence
@@ -35,7 +37,7 @@ from kvmgr.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvmgr.hooks import StepContext, StepHook
+from kvmgr.hooks import HookReport, StepContext, StepHook
 from kvmgr.pool.layout import KVLayout
 from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport
 from kvmgr.transfer import make_engine
@@ -43,6 +45,10 @@ from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 __all__ = ["OffloadManager"]
+
+#: Completed-batch results kept for the next ``StepReport`` (older ones are dropped, so a
+#: caller that never calls ``step()``, e.g. with ``flush="tick"``, does not grow memory).
+_MAX_COMPLETED = 4096
 
 
 class OffloadManager(ManagerState):
@@ -90,7 +96,9 @@ class OffloadManager(ManagerState):
         self._queue = _queue.SwapQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick_scheduled = False
-        self._completed: list[Any] = []
+        #: results of batches completed since the last step() (bounded when step() is unused)
+        self._completed: collections.deque[Any] = collections.deque(maxlen=_MAX_COMPLETED)
+        self._closing = False
         self._step = 0
         self._room_waiters: list[asyncio.Future[None]] = []
 
@@ -113,6 +121,8 @@ class OffloadManager(ManagerState):
         the copies in flight and apply their bookkeeping, then close the engine. Idempotent."""
         if self._closed:
             return
+        self._closing = True  # from here on, new swaps raise ClosedError
+        self._fail_room_waiters()
         pending = [b.handle.future for b in self._queue.in_flight if b.handle is not None]
         if pending:
             waits = [asyncio.wrap_future(f) for f in pending]
@@ -133,16 +143,19 @@ class OffloadManager(ManagerState):
         self.engine.close(timeout_s)
         for batch in list(self._queue.in_flight):
             self._complete_batch(batch)
-        for waiter in self._room_waiters:
-            if not waiter.done():
-                waiter.set_exception(ClosedError("manager closed"))
+        self._fail_room_waiters()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
-        if self._closed:
+        if self._closed or self._closing:
             raise ClosedError("the manager is closed")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
+        if loop is not self._loop:
+            if self._loop is not None and (self._queue.in_flight or len(self._queue)):
+                raise InvalidArgumentError(
+                    "the manager has swaps queued or in flight on another event loop; "
+                    "use one manager per loop"
+                )
+            self._loop = loop  # rebind: nothing pending on the old loop
         return loop
 
     # ------------------------------------------------------------------ queueing
@@ -216,6 +229,12 @@ class OffloadManager(ManagerState):
                 continue
             return await future
 
+    def _fail_room_waiters(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(ClosedError("manager closed while the store waited for room"))
+
     def _wake_room_waiters(self) -> None:
         waiters, self._room_waiters = self._room_waiters, []
         for waiter in waiters:
@@ -248,12 +267,20 @@ class OffloadManager(ManagerState):
         if ctx is not None and not isinstance(ctx, StepContext):
             raise InvalidArgumentError(f"expected a StepContext or None, got {type(ctx).__name__}")
         start = time.perf_counter()
-        self._step += 1
+        step = self._step + 1
         if ctx is None:
-            ctx = StepContext(step=self._step)
+            ctx = StepContext(step=step)
         hook_reports = tuple(hook(ctx) for hook in self._hooks)
+        for hook, hook_report in zip(self._hooks, hook_reports):
+            if not isinstance(hook_report, HookReport):
+                raise InvalidArgumentError(
+                    f"hook {getattr(hook, 'name', hook)!r} returned "
+                    f"{type(hook_report).__name__}, expected a HookReport (is it async?)"
+                )
+        self._step = step
         d2h, h2d = self._flush()
-        completed, self._completed = tuple(self._completed), []
+        completed = tuple(self._completed)
+        self._completed.clear()
         self._count_step()
         report = StepReport(
             step=self._step if ctx.step is None else ctx.step,
@@ -349,6 +376,12 @@ class OffloadManager(ManagerState):
             TransferTimeoutError: ``timeout_s`` seconds passed first.
             Whatever the swap raises (``TransferError``, ``ClosedError``, ...).
         """
+        if timeout_s is not None and not (
+            isinstance(timeout_s, (int, float)) and 0 <= timeout_s < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"expected timeout_s >= 0 seconds or None, got {timeout_s!r}"
+            )
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
@@ -367,7 +400,7 @@ class OffloadManager(ManagerState):
 
     def stream_wait_loads(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current CUDA stream) wait on the device for every load
-        in flight, without blocking the host (DESIGN.md, transfer rule 4). No-op on the host
+        in flight, without blocking the host (docs/transfer.md, rule 4). No-op on the host
         engine."""
         for batch in self._queue.in_flight:
             if batch.direction is Direction.H2D and batch.handle is not None:

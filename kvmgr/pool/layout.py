@@ -98,7 +98,7 @@ class KVLayout:
             GeometryError: empty list, unequal block counts or devices, non-contiguous blocks,
                 or a block stride smaller than the page.
         """
-        if isinstance(tensors, torch.Tensor) or len(tensors) == 0:
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence) or not tensors:
             raise GeometryError(
                 f"expected a non-empty list of KV tensors, got {type(tensors).__name__}"
             )

@@ -5,7 +5,7 @@ Offers:
     IndexEntry   the CPU block of a key, its state and its number of readers
     PrefixIndex  the map, ``lookup`` and the state transitions
 
-States (DESIGN.md, "Model"): ``PENDING`` (store copy in flight: not readable, not evictable) ->
+States (docs/architecture.md): ``PENDING`` (store copy in flight: not readable, not evictable) ->
 ``READY`` (readable; evictable when it has no reader) -> ``READY`` with ``readers = n`` (n loads
 in flight: not evictable). A failed store removes the PENDING entry.
 """
@@ -51,6 +51,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._entries: dict[bytes, IndexEntry] = {}
+        self._num_pending = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,6 +61,11 @@ class PrefixIndex:
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._entries)
+
+    @property
+    def num_pending(self) -> int:
+        """Keys whose store is in flight (O(1))."""
+        return self._num_pending
 
     def get(self, key: bytes) -> IndexEntry | None:
         """The entry of ``key``, or ``None``."""
@@ -105,6 +111,7 @@ class PrefixIndex:
         if key in self._entries:
             raise BlockStateError(f"key {key.hex()[:16]}... is already in the CPU tier")
         self._entries[key] = IndexEntry(block_id)
+        self._num_pending += 1
 
     def mark_ready(self, key: bytes) -> None:
         """The key's store completed.
@@ -116,6 +123,7 @@ class PrefixIndex:
         if found.state is not BlockState.PENDING:
             raise BlockStateError(f"key {key.hex()[:16]}... is {found.state.value}, not pending")
         found.state = BlockState.READY
+        self._num_pending -= 1
 
     def add_reader(self, key: bytes) -> int:
         """A load of the key starts; returns its block id.
@@ -147,4 +155,6 @@ class PrefixIndex:
         if found.readers:
             raise BlockStateError(f"key {key.hex()[:16]}... has {found.readers} loads in flight")
         del self._entries[key]
+        if found.state is BlockState.PENDING:
+            self._num_pending -= 1
         return found.block_id

@@ -54,6 +54,8 @@ def make_engine(name: str, device: torch.device, config: Any = None) -> Transfer
     engines = ("host", "cuda", "kernel", "auto")
     if name not in engines:
         raise ConfigError(f"unknown engine {name!r}; supported: {', '.join(engines)}")
+    if device.type not in ("cpu", "cuda"):
+        raise GeometryError(f"expected CPU or CUDA KV tensors, got device {device}")
     on_cpu = device.type == "cpu"
     if (name == "auto" and on_cpu) or name == "host":
         if not on_cpu:

@@ -43,8 +43,15 @@ class HostEngine(TransferEngine):
         self._stats = EngineStatistics(path="host")
 
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
-        """A plain CPU ``uint8 [num_bytes]`` tensor (no pinning without a GPU)."""
-        return torch.empty(num_bytes, dtype=torch.uint8)
+        """A plain CPU ``uint8 [num_bytes]`` tensor (no pinning without a GPU).
+
+        Raises:
+            TransferError: the memory could not be allocated.
+        """
+        try:
+            return torch.empty(num_bytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise TransferError(f"cannot allocate a CPU tier of {num_bytes} bytes: {exc}") from None
 
     def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
         """Queue the plan on the worker thread. See ``TransferEngine.submit``.
