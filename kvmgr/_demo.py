@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import sys
 
 import torch
 
@@ -13,27 +14,32 @@ from kvmgr.manager import OffloadManager
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=8, help="blocks to round-trip")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks to round-trip (>= 1)")
 
 
 async def _demo(num_blocks: int) -> int:
     gen = torch.Generator().manual_seed(0)
     # Two KV tensors with different page sizes: [num_gpu_blocks, block_size, head_dim].
-    gpu = [torch.randn(64, 16, 36, generator=gen), torch.randn(64, 16, 8, generator=gen)]
+    # Blocks [0, n) are stored, then loaded back into blocks [n, 2n).
+    num_gpu = 2 * num_blocks
+    gpu = [torch.randn(num_gpu, 16, 36, generator=gen), torch.randn(num_gpu, 16, 8, generator=gen)]
     keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(num_blocks)]
     async with OffloadManager(gpu, ManagerConfig(num_cpu_blocks=num_blocks)) as mgr:
         stored = mgr.swap_out(list(range(num_blocks)), keys=keys)
         await mgr.step()
         print("stored:", await stored)
         hits = mgr.lookup(keys)
-        dst = list(range(32, 32 + hits))
+        dst = list(range(num_blocks, num_blocks + hits))
         loaded = mgr.swap_in(keys[:hits], dst)
         await mgr.step()
         print("loaded:", await loaded)
-        ok = all(torch.equal(t[:hits], t[32 : 32 + hits]) for t in gpu)
+        ok = all(torch.equal(t[:hits], t[num_blocks : num_blocks + hits]) for t in gpu)
         print(f"{hits} blocks verified: {ok}")
         return 0 if ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.blocks < 1:
+        print(f"kvmgr demo: error: --blocks must be >= 1, got {args.blocks}", file=sys.stderr)
+        return 2
     return asyncio.run(_demo(args.blocks))

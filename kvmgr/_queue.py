@@ -4,7 +4,7 @@ Private. Everything queued since the last flush is kept in *generations*: one pl
 per generation. A new operation joins the newest generation unless it touches a GPU block that
 the generation already touches the other way (a load into a block a store still reads, or a
 store of a block a load still writes); then it opens a new generation, submitted after the
-previous one (DESIGN.md, transfer rule 5). Batches already submitted are fenced the same way:
+previous one (docs/transfer.md, rule 5). Batches already submitted are fenced the same way:
 a batch waits for every in-flight batch of the other direction that shares a GPU block.
 """
 

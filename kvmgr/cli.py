@@ -13,6 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvmgr import __version__
 from kvmgr.errors import KVMgrError
 
 __all__ = ["main"]
@@ -34,6 +35,7 @@ COMMANDS = {
 
 def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmgr", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvmgr {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = argv[0] if argv else None
     for name, (module, help_text) in COMMANDS.items():

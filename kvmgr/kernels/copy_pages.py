@@ -254,7 +254,7 @@ def copy_pages(
     On a CUDA device the table is written into pinned memory and copied to the device with a
     non-blocking copy on the current stream, then the kernel runs on that stream; the call returns
     without waiting. Copies run in no order: destinations must not overlap each other or any
-    source (DESIGN.md, transfer rule 5).
+    source (docs/transfer.md, rule 5).
 
     Args:
         src_addrs, dst_addrs: int ``[n]`` addresses the kernel can dereference: device memory,

@@ -274,6 +274,13 @@ def _run_sweep(
     trace: Path,
     console: Console,
 ) -> int:
+    try:  # fail before a long sweep, not after it
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            "kvmgr simulate: --sweep needs matplotlib: pip install 'kvmgr[plot]'", file=sys.stderr
+        )
+        return 2
     policies = [p.strip() for p in args.sweep_policies.split(",") if p.strip()]
     configs = sweep_configs(config, args.sweep, policies)
     with _progress(console, args.quiet) as progress:
@@ -288,11 +295,11 @@ def _run_sweep(
         f"{config.block_size}, GPU {'unbounded' if gpu is None else f'{gpu / 1e6:g}M'} "
         f"tokens, write-{config.write_policy}"
     )
-    path = plot_sweep(reports, args.plot, title=title)
-    console.print(f"plot: {path}")
-    if args.json is not None:
+    if args.json is not None:  # before the plot, so a bad --plot path loses nothing
         data = {"trace": str(trace), "runs": [r.to_dict() for r in reports]}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
+    path = plot_sweep(reports, args.plot, title=title)
+    console.print(f"plot: {path}")
     mismatches = sum(r.page_mismatches for r in reports)
     if mismatches:
         print(

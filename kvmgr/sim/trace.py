@@ -20,6 +20,7 @@ import datetime
 import gzip
 import io
 import json
+import math
 import re
 from collections.abc import Iterator
 from importlib import resources
@@ -194,7 +195,7 @@ def _number(
         raise TraceError(name, number, field, "missing")
     value = record[field]
     ok = isinstance(value, int) if integral else isinstance(value, (int, float))
-    if not ok or isinstance(value, bool) or value != value:  # NaN != NaN
+    if not ok or isinstance(value, bool) or not math.isfinite(value):
         kind = "an int" if integral else "a number"
         raise TraceError(name, number, field, f"expected {kind}, got {value!r}")
     if value < minimum:

@@ -1,4 +1,4 @@
-"""CUDA driver entry points for page copies, resolved at run time (DESIGN.md, transfer rule 1).
+"""CUDA driver entry points for page copies, resolved at run time (docs/transfer.md, rule 1).
 
 Offers:
     CopyDriver          the resolved entry points; one batched copy (two call paths) or a per-copy loop
@@ -19,7 +19,7 @@ Two call paths reach the batched copy:
 - ``"ctypes"``: the resolved function pointer called through ctypes with the plan's int64 numpy
   buffers (no Python object per page). This is the default: on the H200 it measured 2.5 ms for
   3,072 descriptors against 2.2 ms + 3.1 ms for building ``CUdeviceptr`` lists and calling the
-  cuda-python binding (DESIGN.md, "Measured reference points"); ``kvmgr bench swap`` records both.
+  cuda-python binding (BENCHMARKS.md); ``kvmgr bench swap`` records both.
 - ``"lists"``: ``cuda.bindings.driver.cuMemcpyBatchAsync`` with Python lists, kept for comparison.
 """
 

@@ -5,7 +5,7 @@ Offers:
     CudaEngineStatistics    ``EngineStatistics`` plus host memory, ABI and fallback counts
     DEFAULT_MAX_DESCRIPTORS descriptor cap per driver call
 
-Ordering (DESIGN.md, transfer rules): each direction has its own non-default copy stream (H2D at
+Ordering (docs/transfer.md): each direction has its own non-default copy stream (H2D at
 higher priority). Before a batch, its copy stream waits on an event recorded on the compute stream
 (rules 3, 4) and on the end events of ``wait_for`` batches; start and end events bracket the
 copies. Batches of one direction therefore run and complete in FIFO order. A compute stream must

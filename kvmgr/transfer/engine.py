@@ -105,7 +105,7 @@ class TransferEngine(abc.ABC):
 
     name: str = "abstract"
 
-    #: Largest number of descriptors one submitted chunk may hold (DESIGN.md, rule 6).
+    #: Largest number of descriptors one submitted chunk may hold (docs/transfer.md, rule 6).
     max_descriptors: int = 1 << 16
 
     @abc.abstractmethod

@@ -7,7 +7,7 @@ Offers:
     Calibration, choose_path    the cost model, re-exported from ``kvmgr.transfer.cost_model``
 
 Both engines subclass ``CudaBatchEngine`` and keep its ordering and completion machinery
-(DESIGN.md, transfer rules): per direction a copy stream that first waits on the compute stream
+(docs/transfer.md): per direction a copy stream that first waits on the compute stream
 and on ``wait_for`` batches, start/end events around the work, one completion thread per
 direction resolving futures in FIFO order off the event loop. Only the work between the events
 differs: instead of ``cuMemcpyBatchAsync`` the plan's descriptor table is staged in pinned memory,

@@ -6,7 +6,7 @@ Offers:
     build_plan      block id pairs + layouts -> merged descriptors, without a loop per page
     check_hazards   reject a batch that writes one destination twice
 
-Copies inside one batch run in no order (DESIGN.md, transfer rule 5), so a plan may reorder its
+Copies inside one batch run in no order (docs/transfer.md, rule 5), so a plan may reorder its
 pages freely: ``build_plan`` sorts pairs by source block and merges runs of consecutive source and
 destination blocks into one descriptor per tensor (rule 6). Engines split plans above their
 descriptor cap with ``TransferPlan.split``.
@@ -92,7 +92,7 @@ class TransferPlan:
 
 
 def check_hazards(dst_block_ids: np.ndarray) -> None:
-    """Reject a batch that writes one destination block twice (DESIGN.md, transfer rule 5).
+    """Reject a batch that writes one destination block twice (docs/transfer.md, rule 5).
 
     A batch always reads one tier and writes the other, so a read and a write of one block cannot
     share a batch; the manager orders batches that touch a block both ways.
@@ -140,7 +140,7 @@ def build_plan(
         direction: recorded on the plan; the engine uses it to pick streams and ordering.
         src, dst: layouts of the source and destination tier, with equal page bytes per tensor.
         src_block_ids, dst_block_ids: int ``[n]`` block ids, same length.
-        merge: merge adjacent pages (DESIGN.md, transfer rule 6).
+        merge: merge adjacent pages (docs/transfer.md, rule 6).
 
     Returns:
         A plan with ``n * num_tensors`` pages and at most as many descriptors, tensor-major.
