@@ -5,7 +5,7 @@ Offers:
                  as one ``[num_blocks, page_bytes]`` uint8 tensor per GPU KV tensor
 
 One region registered once, not ``pin_memory=True`` per tensor, which rounds every allocation up
-to a power of two (DESIGN.md, "Model").
+to a power of two (docs/architecture.md).
 """
 
 from __future__ import annotations
