@@ -140,10 +140,12 @@ class OffloadManager(ManagerState):
             for lane in generation.lanes.values():
                 for op in lane.ops:
                     self._settle(op, ClosedError("manager closed before the swap was submitted"))
-        self.engine.close(timeout_s)
-        for batch in list(self._queue.in_flight):
-            self._complete_batch(batch)
-        self._fail_room_waiters()
+        try:
+            self.engine.close(timeout_s)  # may raise TransferTimeoutError: copies still running
+        finally:
+            for batch in list(self._queue.in_flight):
+                self._complete_batch(batch)
+            self._fail_room_waiters()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         if self._closed or self._closing:
@@ -208,6 +210,12 @@ class OffloadManager(ManagerState):
     ) -> Any:
         loop = self._check_open()
         while True:
+            try:  # room may have appeared before this task first ran
+                future = ManagerState.swap_out(self, gpu_block_ids, keys)
+            except PoolExhaustedError:
+                pass
+            else:
+                return await future
             waiter: asyncio.Future[None] = loop.create_future()
             self._room_waiters.append(waiter)
             try:
@@ -223,11 +231,6 @@ class OffloadManager(ManagerState):
             finally:
                 if waiter in self._room_waiters:
                     self._room_waiters.remove(waiter)
-            try:
-                future = ManagerState.swap_out(self, gpu_block_ids, keys)
-            except PoolExhaustedError:
-                continue
-            return await future
 
     def _fail_room_waiters(self) -> None:
         waiters, self._room_waiters = self._room_waiters, []
@@ -320,6 +323,7 @@ class OffloadManager(ManagerState):
             error = exc if isinstance(exc, TransferError) else TransferError(str(exc))
             for op in batch.ops:
                 self._settle(op, error)
+            self._wake_room_waiters()
             return
         self._queue.in_flight.append(batch)
         loop = self._loop
@@ -338,9 +342,16 @@ class OffloadManager(ManagerState):
         assert batch.handle is not None
         future = batch.handle.future
         if not future.done():
-            error: BaseException | None = ClosedError("manager closed while the copy was in flight")
-        else:
-            error = future.exception()
+            # closed while the copy may still run: fail the awaits but keep every block fenced
+            # (no rollback: the DMA may still read or write them)
+            for op in batch.ops:
+                if not op.future.done():
+                    op.future.set_exception(
+                        ClosedError("manager closed while the copy was in flight")
+                    )
+                    op.future.exception()
+            return
+        error = future.exception()
         if error is None:
             result = future.result()
             self._completed.append(result)
