@@ -29,7 +29,8 @@ for section in "$@"; do
       TAIL=60 step smoke_transfer 120 python3 scripts/gpu_smoke_transfer.py
       TAIL=40 step pytest_transfer 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda_engine.py tests/test_copy_kernel.py ;;
     manager)
-      step pytest_all 480 python3 -m pytest -q -p no:cacheprovider ;;
+      TAIL=12 step pytest_engines 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_manager_engines.py
+      TAIL=30 step pytest_all 420 python3 -m pytest -q -rf -p no:cacheprovider -x --ignore=tests/test_manager_engines.py ;;
     bench-kernels)
       TAIL=70 step bench_mla 300 python3 -m kvmgr.cli bench mla-insert --tune --json "$OUT/mla_insert.json"
       TAIL=60 step bench_c128 240 python3 -m kvmgr.cli bench c128 --json "$OUT/c128.json" ;;
