@@ -1,0 +1,162 @@
+"""BlockAllocator: allocation order, frees, and the errors that must leave it unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
+from kvmgr.pool.allocator import BlockAllocator
+
+
+def _state(alloc: BlockAllocator) -> tuple[int, tuple[bool, ...]]:
+    """Free count and which ids are allocated: what a failed call must not change."""
+    return alloc.num_free, tuple(alloc.is_allocated(b) for b in range(alloc.num_blocks))
+
+
+def test_fresh_ids_first_in_order_then_freed_last_freed_first() -> None:
+    alloc = BlockAllocator(6, name="cpu")
+    # 1. fresh ids come out in increasing order
+    assert alloc.allocate(2) == [0, 1]
+    assert alloc.allocate(1) == [2]
+    # 2. free 1 then 0: 0 was freed last, so it is the next id reused, but only after fresh ones
+    alloc.free([1, 0])
+    assert alloc.num_free == 5
+    assert alloc.allocate(3) == [3, 4, 5]
+    # 3. fresh ids exhausted: freed ids in LIFO order
+    assert alloc.allocate(1) == [0]
+    assert alloc.allocate(1) == [1]
+    assert alloc.num_free == 0
+    assert alloc.num_allocated == 6
+
+
+def test_one_call_mixes_fresh_and_freed_ids() -> None:
+    alloc = BlockAllocator(4)
+    ids = alloc.allocate(3)  # [0, 1, 2]
+    alloc.free([ids[2], ids[0]])  # stack: 2, 0 (0 on top)
+    # 1 fresh id (3) first, then the stack top (0), then 2
+    assert alloc.allocate(3) == [3, 0, 2]
+
+
+def test_zero_allocation_is_empty_and_changes_nothing() -> None:
+    alloc = BlockAllocator(3)
+    before = _state(alloc)
+    assert alloc.allocate(0) == []
+    assert alloc.try_allocate(0) == []
+    assert _state(alloc) == before
+
+
+def test_try_allocate_returns_none_and_changes_nothing() -> None:
+    alloc = BlockAllocator(5)
+    alloc.allocate(3)
+    alloc.free([1])
+    before = _state(alloc)
+    assert alloc.try_allocate(4) is None  # 3 free
+    assert _state(alloc) == before
+    # the allocation order is intact too: fresh 3, 4, then freed 1
+    assert alloc.allocate(3) == [3, 4, 1]
+
+
+def test_allocate_raises_pool_exhausted_with_counts_and_changes_nothing() -> None:
+    alloc = BlockAllocator(4, name="gpu")
+    alloc.allocate(3)
+    before = _state(alloc)
+    with pytest.raises(PoolExhaustedError) as info:
+        alloc.allocate(2)
+    assert (info.value.needed, info.value.available, info.value.reason) == (2, 1, "gpu_full")
+    assert _state(alloc) == before
+
+
+def test_double_free_raises_and_frees_nothing() -> None:
+    alloc = BlockAllocator(4)
+    alloc.allocate(3)
+    alloc.free([1])
+    before = _state(alloc)
+    with pytest.raises(DoubleFreeError, match="1"):
+        alloc.free([1])
+    # a batch with one double free frees none of its valid ids either
+    with pytest.raises(DoubleFreeError):
+        alloc.free([0, 1])
+    assert _state(alloc) == before
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"),
+    [
+        ([4], InvalidBlockError),  # out of range (== num_blocks)
+        ([-1], InvalidBlockError),  # negative
+        ([10**12], InvalidBlockError),  # far out of range
+        ([3], InvalidBlockError),  # in range but never allocated here
+        ([0, 0], InvalidBlockError),  # duplicate in one call
+        ([0, "1"], InvalidBlockError),  # not an int
+        ([0, 1.0], InvalidBlockError),  # float, even integral
+        ([True], InvalidBlockError),  # bool is not a block id
+        (b"\x00", InvalidBlockError),  # bytes is not a sequence of ids
+        ("0", InvalidBlockError),  # neither is str
+        (7, InvalidBlockError),  # not iterable
+    ],
+)
+def test_free_rejects_bad_ids_and_changes_nothing(ids: object, error: type[Exception]) -> None:
+    alloc = BlockAllocator(4)
+    alloc.allocate(3)  # 0, 1, 2 allocated, 3 fresh
+    before = _state(alloc)
+    with pytest.raises(error):
+        alloc.free(ids)  # type: ignore[arg-type]
+    assert _state(alloc) == before
+
+
+def test_numpy_integer_ids_are_accepted() -> None:
+    alloc = BlockAllocator(4)
+    ids = alloc.allocate(2)
+    alloc.free(np.asarray(ids, dtype=np.int64))
+    assert alloc.num_free == 4
+    assert alloc.allocate(4) == [2, 3, 1, 0]
+
+
+def test_negative_count_and_bad_pool_size() -> None:
+    alloc = BlockAllocator(2)
+    with pytest.raises(InvalidBlockError):
+        alloc.try_allocate(-1)
+    with pytest.raises(InvalidBlockError):
+        alloc.allocate(-1)
+    assert alloc.num_free == 2
+    with pytest.raises(InvalidBlockError):
+        BlockAllocator(0)
+
+
+def test_check_allocated_validates_without_freeing() -> None:
+    alloc = BlockAllocator(3)
+    alloc.allocate(2)
+    assert alloc.check_allocated([1, 0]) == [1, 0]
+    assert alloc.num_free == 1
+    with pytest.raises(InvalidBlockError):
+        alloc.check_allocated([2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=40))
+def test_allocator_matches_a_reference_model(ops: list[tuple[bool, int]]) -> None:
+    """Random allocate/free sequences against a list model of the documented order."""
+    num_blocks = 8
+    alloc = BlockAllocator(num_blocks)
+    next_fresh, freed, held = 0, [], []  # the model
+    for is_alloc, n in ops:
+        if is_alloc:
+            n = min(n, num_blocks)
+            expected = None
+            if n <= num_blocks - next_fresh + len(freed):
+                k = min(n, num_blocks - next_fresh)
+                expected = list(range(next_fresh, next_fresh + k))
+                next_fresh += k
+                expected += [freed.pop() for _ in range(n - k)]
+                held += expected
+            assert alloc.try_allocate(n) == expected
+        elif held:
+            chunk = held[: n + 1]
+            held = held[n + 1 :]
+            alloc.free(chunk)
+            freed += chunk
+        assert alloc.num_free == num_blocks - next_fresh + len(freed)
+        assert sorted(b for b in range(num_blocks) if alloc.is_allocated(b)) == sorted(held)

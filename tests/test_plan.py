@@ -1,0 +1,236 @@
+"""Transfer plans: merging, non-dense tensors, hazards, splitting, and a memmove property test."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmgr.errors import GeometryError, HazardError, InvalidBlockError
+from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan, check_hazards
+
+
+def _layout(bases: list[int], pages: list[int], strides: list[int], num_blocks: int) -> KVLayout:
+    """A synthetic layout with readable addresses (nothing is copied through it)."""
+    return KVLayout(
+        base_addrs=np.array(bases, dtype=np.int64),
+        block_strides=np.array(strides, dtype=np.int64),
+        page_bytes=np.array(pages, dtype=np.int64),
+        num_blocks=num_blocks,
+        device=torch.device("cpu"),
+    )
+
+
+SRC = _layout([1000], [10], [10], 8)
+DST = _layout([5000], [10], [10], 8)
+
+
+def _arrays(plan: TransferPlan) -> tuple[list[int], list[int], list[int]]:
+    return plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.sizes.tolist()
+
+
+def test_adjacent_runs_merge_into_one_descriptor() -> None:
+    # pairs given out of order: 7->5, 3->1, 2->0, 4->2; sorted by source: 2-4 -> 0-2 is one run
+    plan = build_plan(Direction.D2H, SRC, DST, np.array([7, 3, 2, 4]), np.array([5, 1, 0, 2]))
+    assert _arrays(plan) == ([1020, 1070], [5000, 5050], [30, 10])
+    assert (plan.num_blocks, plan.num_pages, plan.num_descriptors, plan.num_bytes) == (4, 4, 2, 40)
+    assert plan.direction is Direction.D2H
+
+
+def test_consecutive_sources_with_non_consecutive_destinations_do_not_merge() -> None:
+    plan = build_plan(Direction.H2D, SRC, DST, np.array([0, 1, 2]), np.array([3, 2, 4]))
+    # 0->3 and 1->2 break the run (dst goes down); 1->2, 2->4 break it too
+    assert _arrays(plan) == ([1000, 1010, 1020], [5030, 5020, 5040], [10, 10, 10])
+
+
+def test_repeated_source_is_copied_to_each_destination() -> None:
+    # a load of one key into two GPU blocks reads one CPU block twice: legal in one batch
+    plan = build_plan(Direction.H2D, SRC, DST, np.array([3, 3, 4]), np.array([0, 1, 2]))
+    # sorted stable: 3->0, 3->1, 4->2; 3->1 and 4->2 are consecutive on both sides: merged
+    assert _arrays(plan) == ([1030, 1030], [5000, 5010], [10, 20])
+
+
+def test_merge_off_keeps_one_descriptor_per_page_in_call_order() -> None:
+    plan = build_plan(
+        Direction.D2H, SRC, DST, np.array([3, 1, 2]), np.array([4, 2, 3]), merge=False
+    )
+    assert _arrays(plan) == ([1030, 1010, 1020], [5040, 5020, 5030], [10, 10, 10])
+
+
+def test_non_dense_tensor_is_not_merged_while_dense_one_is() -> None:
+    # tensor 0 dense on both sides (page 10); tensor 1 is a K/V half: page 6, stride 12 on the GPU
+    gpu = _layout([1000, 2000], [10, 6], [10, 12], 8)
+    cpu = _layout([5000, 6000], [10, 6], [10, 6], 8)
+    plan = build_plan(Direction.D2H, gpu, cpu, np.array([1, 2, 3]), np.array([0, 1, 2]))
+    assert _arrays(plan) == (
+        [1010, 2012, 2024, 2036],
+        [5000, 6000, 6006, 6012],
+        [30, 6, 6, 6],
+    )
+    assert (plan.num_pages, plan.num_descriptors, plan.num_bytes) == (6, 4, 48)
+
+
+def test_empty_plan() -> None:
+    plan = build_plan(Direction.H2D, SRC, DST, np.array([], np.int64), np.array([], np.int64))
+    assert (plan.num_descriptors, plan.num_bytes, plan.num_blocks, plan.num_pages) == (0, 0, 0, 0)
+
+
+def test_duplicate_destination_is_a_hazard() -> None:
+    with pytest.raises(HazardError, match="destination block 2"):
+        build_plan(Direction.H2D, SRC, DST, np.array([0, 1]), np.array([2, 2]))
+    with pytest.raises(HazardError):
+        check_hazards(np.array([5, 1, 5]))
+    check_hazards(np.array([5, 1, 4]))  # distinct: fine
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "error"),
+    [
+        ([0, 1], [2], InvalidBlockError),  # lengths differ
+        ([8], [0], InvalidBlockError),  # source out of range
+        ([0], [-1], InvalidBlockError),  # destination negative
+        ([0], [8], InvalidBlockError),  # destination out of range
+    ],
+)
+def test_bad_ids(src_ids: list[int], dst_ids: list[int], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        build_plan(Direction.D2H, SRC, DST, np.array(src_ids), np.array(dst_ids))
+
+
+@pytest.mark.parametrize("ids", [np.array([0.7]), np.array([1.0]), np.array([True])])
+def test_non_integer_ids_are_rejected(ids: np.ndarray) -> None:
+    with pytest.raises(InvalidBlockError):
+        build_plan(Direction.D2H, SRC, DST, ids, np.array([1]))
+
+
+@pytest.mark.parametrize(
+    "dst",
+    [
+        _layout([5000], [12], [12], 8),  # page bytes differ
+        _layout([5000, 6000], [10, 10], [10, 10], 8),  # tensor count differs
+    ],
+)
+def test_mismatched_layouts_raise_geometry_error(dst: KVLayout) -> None:
+    with pytest.raises(GeometryError):
+        build_plan(Direction.D2H, SRC, dst, np.array([0]), np.array([0]))
+
+
+def test_split_above_the_cap_preserves_descriptors_and_totals() -> None:
+    plan = build_plan(
+        Direction.D2H, SRC, DST, np.array([0, 2, 4, 6, 1, 3, 5]), np.arange(7), merge=False
+    )
+    chunks = plan.split(3)
+    assert [c.num_descriptors for c in chunks] == [3, 3, 1]
+    for name in ("src_addrs", "dst_addrs", "sizes"):
+        joined = np.concatenate([getattr(c, name) for c in chunks])
+        assert joined.tolist() == getattr(plan, name).tolist()
+    assert sum(c.num_bytes for c in chunks) == plan.num_bytes == 70
+    assert sum(c.num_blocks for c in chunks) == plan.num_blocks == 7
+    assert sum(c.num_pages for c in chunks) == plan.num_pages == 7
+    assert all(c.direction is Direction.D2H for c in chunks)
+    assert plan.split(7) == [plan] and plan.split(100) == [plan]
+    with pytest.raises(ValueError):
+        plan.split(0)
+
+
+# ------------------------------------------------------------------ property: plan == page copies
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.untyped_storage().data_ptr()
+    return start, start + t.untyped_storage().nbytes()
+
+
+def _execute(plan: TransferPlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    """memmove every descriptor, after checking each lies inside one source/destination tensor."""
+    src_ranges = [_storage_range(t) for t in srcs]
+    dst_ranges = [_storage_range(t) for t in dsts]
+    for s, d, n in zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.sizes.tolist()):
+        assert n > 0
+        assert any(lo <= s and s + n <= hi for lo, hi in src_ranges), "source out of bounds"
+        assert any(lo <= d and d + n <= hi for lo, hi in dst_ranges), "destination out of bounds"
+        ctypes.memmove(d, s, n)
+
+
+@st.composite
+def _copy_case(
+    draw: st.DrawFn,
+) -> tuple[list[int], list[list[bool]], int, int, list[int], list[int]]:
+    num_tensors = draw(st.integers(1, 3))
+    pages = draw(st.lists(st.integers(1, 70), min_size=num_tensors, max_size=num_tensors))
+    flags = st.lists(st.booleans(), min_size=num_tensors, max_size=num_tensors)
+    split_kv = [draw(flags), draw(flags)]  # per side: which tensors are non-dense K halves
+    nb_src, nb_dst = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    n = draw(st.integers(0, min(nb_src * 2, nb_dst)))
+    dst_ids = draw(st.permutations(range(nb_dst)))[:n]
+    src_ids = draw(st.lists(st.integers(0, nb_src - 1), min_size=n, max_size=n))
+    return pages, split_kv, nb_src, nb_dst, src_ids, list(dst_ids)
+
+
+def _tensors(pages: list[int], split_kv: list[bool], nb: int, gen: torch.Generator) -> list:
+    """One uint8 tensor per page size; ``split_kv`` ones are the K half of a [nb, 2, page] cache."""
+    out = []
+    for page, split in zip(pages, split_kv):
+        full = torch.randint(
+            1, 256, (nb, 2 if split else 1, page), dtype=torch.uint8, generator=gen
+        )
+        out.append(full[:, 0])
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=_copy_case(), merge=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_plan_executed_with_memmove_equals_page_by_page_copy(
+    case: tuple[list[int], list[list[bool]], int, int, list[int], list[int]],
+    merge: bool,
+    seed: int,
+) -> None:
+    pages, split_kv, nb_src, nb_dst, src_ids, dst_ids = case
+    gen = torch.Generator().manual_seed(seed)
+    srcs = _tensors(pages, split_kv[0], nb_src, gen)
+    dsts = _tensors(pages, split_kv[1], nb_dst, gen)  # poisoned below, never zeros
+    for t in dsts:
+        t.fill_(0xA5)
+    expected = [t.clone() for t in dsts]
+    for s, d in zip(src_ids, dst_ids):
+        for e, src in zip(expected, srcs):
+            e[d] = src[s]
+    plan = build_plan(
+        Direction.D2H,
+        KVLayout.from_tensors(srcs),
+        KVLayout.from_tensors(dsts),
+        np.array(src_ids, dtype=np.int64),
+        np.array(dst_ids, dtype=np.int64),
+        merge=merge,
+    )
+    _execute(plan, srcs, dsts)
+    for got, want in zip(dsts, expected):
+        assert torch.equal(got, want)
+    n = len(src_ids)
+    assert plan.num_pages == n * len(pages) and plan.num_blocks == n
+    assert plan.num_bytes == n * sum(pages)
+    assert plan.num_descriptors <= plan.num_pages
+    if not merge:
+        assert plan.num_descriptors == plan.num_pages
+    dense = [not (a or b) for a, b in zip(*split_kv)]
+    if merge and n and not any(dense):
+        assert plan.num_descriptors == plan.num_pages  # nothing merges without dense tensors
+
+
+def test_property_cases_do_merge() -> None:
+    """Guard for the property test: a dense consecutive case really merges (descriptors < pages)."""
+    gen = torch.Generator().manual_seed(3)
+    srcs, dsts = _tensors([7, 9], [False, True], 6, gen), _tensors([7, 9], [False, False], 6, gen)
+    plan = build_plan(
+        Direction.H2D,
+        KVLayout.from_tensors(srcs),
+        KVLayout.from_tensors(dsts),
+        np.arange(4),
+        np.arange(2, 6),
+    )
+    assert (plan.num_pages, plan.num_descriptors) == (8, 1 + 4)
