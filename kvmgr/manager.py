@@ -190,7 +190,7 @@ class OffloadManager(ManagerState):
         try:
             return super().swap_out(gpu_block_ids, keys)
         except PoolExhaustedError as exc:
-            if self.config.backpressure != "wait":
+            if self.config.backpressure != "wait" or exc.needed > self.cpu_blocks.num_blocks:
                 self._rejected[exc.reason] += 1
                 raise
         loop = self._check_open()
@@ -308,7 +308,14 @@ class OffloadManager(ManagerState):
                     layouts, gpu_ids = (self.gpu_layout, self.cpu_pool.layout), src
                 else:
                     layouts, gpu_ids = (self.cpu_pool.layout, self.gpu_layout), dst
-                plan = build_plan(direction, *layouts, src, dst, merge=self.config.merge)
+                try:
+                    plan = build_plan(direction, *layouts, src, dst, merge=self.config.merge)
+                except Exception as exc:  # never orphan queued swaps: fail them, roll back
+                    error = TransferError(f"could not plan the {direction.value} batch: {exc}")
+                    for op in lane.ops:
+                        self._settle(op, error)
+                    self._wake_room_waiters()
+                    continue
                 self._submit(_queue.Batch(direction, lane.ops, gpu_ids), plan)
                 reports[direction] = _queue.add_reports(
                     reports[direction], _queue.direction_report(len(lane.ops), plan)
