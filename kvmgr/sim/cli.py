@@ -121,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="store prefix blocks when filled (through) or when evicted (evict)",
     )
     m.add_argument(
+        "--fail-rate",
+        type=float,
+        default=0.0,
+        help="fail this fraction of store batches on purpose (fault-injection soak)",
+    )
+    m.add_argument(
         "--engine",
         choices=("auto", "host", "cuda", "kernel"),
         default=d.engine,
@@ -199,6 +205,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         write_policy=args.write_policy,
         engine=args.engine,
         seed=args.seed,
+        fail_rate=args.fail_rate,
         time_scale=args.time_scale,
         max_batched_tokens=args.max_batched_tokens,
         max_seqs=args.max_seqs,

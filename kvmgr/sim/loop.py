@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import ConfigError
@@ -68,6 +69,9 @@ class SimConfig:
         watermark: fraction of GPU blocks kept available when admitting.
         step_ms / tokens_per_s / h2d_gbps: the cost model of one step (see the module).
         max_memory_bytes: refuse runs whose GPU + CPU pages would exceed this.
+        fail_rate: fraction of store batches (GPU -> CPU) that a ``kvmgr.testing.FaultyEngine``
+            fails on purpose (a soak of the failure paths; failed stores are counted and their
+            blocks recomputed later). Loads are never failed: a failed load aborts the run.
     """
 
     model: str = attrs.field(default="tiny")
@@ -86,8 +90,13 @@ class SimConfig:
     tokens_per_s: float = 60_000.0
     h2d_gbps: float = 25.0
     max_memory_bytes: int = 8 << 30
+    fail_rate: float = 0.0
 
     def __attrs_post_init__(self) -> None:
+        _check(
+            0.0 <= self.fail_rate <= 1.0,
+            f"fail_rate: expected a fraction in [0, 1], got {self.fail_rate!r}",
+        )
         _check(
             self.model in MODEL_PRESETS,
             f"model: expected one of {list(MODEL_PRESETS)}, got {self.model!r}",
@@ -184,6 +193,16 @@ async def run_simulation(
     manager_config = ManagerConfig(
         num_cpu_blocks=cpu_blocks, policy=config.policy, engine=engine_name, manage_gpu_blocks=False
     )
+    if engine is None and config.fail_rate > 0:
+        from kvmgr.testing import FaultyEngine
+        from kvmgr.transfer import Direction, make_engine
+
+        engine = FaultyEngine(
+            make_engine(engine_name, torch.device(device), manager_config),
+            fail_rate=config.fail_rate,
+            seed=config.seed,
+            fail_directions=(Direction.D2H,),
+        )
     counters = SimCounters()
     start = time.perf_counter()
     async with OffloadManager(pages.tensors, manager_config, engine=engine) as manager:
