@@ -126,6 +126,8 @@ class OffloadManager(ManagerState):
         pending = [b.handle.future for b in self._queue.in_flight if b.handle is not None]
         if pending:
             waits = [asyncio.wrap_future(f) for f in pending]
+            for wait in waits:  # outcomes go to the swaps' futures: mark these retrieved
+                wait.add_done_callback(lambda f: f.cancelled() or f.exception())
             await asyncio.wait(waits, timeout=timeout_s)
             await asyncio.sleep(0)  # let completion callbacks scheduled by the engine run
         self.close(timeout_s)
@@ -363,7 +365,7 @@ class OffloadManager(ManagerState):
             result = future.result()
             self._completed.append(result)
             self._count_batch(result)
-        elif not isinstance(error, TransferError):
+        elif not isinstance(error, (TransferError, ClosedError)):  # ClosedError: as is
             error = TransferError(f"transfer failed: {error!r}")
         for op in batch.ops:
             self._settle(op, error)

@@ -1,0 +1,445 @@
+"""The testing kit itself: FaultyEngine, VirtualClock, and check_invariants catching corruption."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from kvmgr import ClosedError, ConfigError, ManagerConfig, OffloadManager, TransferError
+from kvmgr.pool.layout import KVLayout
+from kvmgr.testing import POISON_BYTE, FaultyEngine, InvariantError, VirtualClock, check_invariants
+from kvmgr.transfer import BatchHandle, BatchResult, EngineStatistics, HostEngine, TransferEngine
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
+
+NUM_GPU, NUM_CPU = 12, 8
+
+
+def _kv(seed: int = 0) -> list[torch.Tensor]:
+    """Two irregular KV tensors (60 B dense pages; 27 B pages with a 40 B stride), random."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(NUM_GPU, 3, 5, generator=gen)
+    strided = torch.randint(0, 256, (NUM_GPU, 40), generator=gen, dtype=torch.uint8)[:, :27]
+    return [dense, strided]
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(tensor.shape[0], -1).view(torch.uint8)
+
+
+class _Tiers:
+    """A "GPU" and a "CPU" byte tier for driving an engine without a manager."""
+
+    def __init__(self, seed: int = 1) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.gpu = torch.randint(0, 256, (NUM_GPU, 33), generator=gen, dtype=torch.uint8)
+        self.cpu = torch.full((NUM_CPU, 33), 7, dtype=torch.uint8)
+        self.gpu_layout = KVLayout.from_tensors([self.gpu])
+        self.cpu_layout = KVLayout.from_tensors([self.cpu])
+
+    def plan(self, direction: Direction, gpu_ids: list[int], cpu_ids: list[int]) -> TransferPlan:
+        g, c = np.asarray(gpu_ids), np.asarray(cpu_ids)
+        if direction is Direction.D2H:
+            return build_plan(direction, self.gpu_layout, self.cpu_layout, g, c)
+        return build_plan(direction, self.cpu_layout, self.gpu_layout, c, g)
+
+
+def _wait(future: concurrent.futures.Future[object], timeout_s: float = 5.0) -> object:
+    return future.result(timeout=timeout_s)
+
+
+# ---------------------------------------------------------------------- FaultyEngine
+
+
+def test_faulty_engine_copies_fails_and_poisons_failed_stores() -> None:
+    tiers = _Tiers()
+    engine = FaultyEngine(HostEngine(), fail_batches={1})
+    try:
+        ok = engine.submit(tiers.plan(Direction.D2H, [3, 4], [0, 1]))
+        bad = engine.submit(tiers.plan(Direction.D2H, [5, 9], [2, 6]))
+        _wait(ok.future)
+        assert torch.equal(tiers.cpu[[0, 1]], tiers.gpu[[3, 4]])
+        with pytest.raises(TransferError, match="batch 1"):
+            _wait(bad.future)
+        # the failed store's copy ran, and its destination was then poisoned
+        assert (tiers.cpu[[2, 6]] == POISON_BYTE).all()
+        assert (tiers.cpu[[3, 4, 5, 7]] == 7).all()  # nothing else touched
+        assert engine.injected == {1: "fail"}
+        assert engine.statistics().batches_failed == 1
+    finally:
+        engine.close()
+
+
+def test_faulty_engine_failed_load_keeps_gpu_bytes_unpoisoned() -> None:
+    tiers = _Tiers()
+    tiers.cpu[:] = torch.arange(NUM_CPU, dtype=torch.uint8)[:, None] + 40
+    engine = FaultyEngine(HostEngine(), fail_batches={0})
+    try:
+        handle = engine.submit(tiers.plan(Direction.H2D, [2], [5]))
+        with pytest.raises(TransferError):
+            _wait(handle.future)
+        assert (tiers.gpu[2] == 45).all()  # a failed load's copy may have run
+    finally:
+        engine.close()
+
+
+def test_hang_stalls_its_direction_only_until_release() -> None:
+    tiers = _Tiers()
+    original = tiers.gpu.clone()
+    engine = FaultyEngine(HostEngine(), hang_batches={0})
+    try:
+        hung = engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+        behind = engine.submit(tiers.plan(Direction.D2H, [2], [2]))  # same stream: waits
+        other = engine.submit(tiers.plan(Direction.H2D, [7], [5]))  # other stream: runs
+        fenced = engine.submit(tiers.plan(Direction.H2D, [1], [3]), wait_for=[hung])
+        _wait(other.future)
+        time.sleep(0.05)
+        assert not hung.done() and not behind.done() and not fenced.done()
+        assert engine.waiting_batch_ids == [0, 1, 3]
+        assert (tiers.cpu[[1, 2]] == 7).all()  # copies not started: nothing written
+        assert [h.batch_id for h in engine.complete_next()] == [0]
+        _wait(behind.future)
+        _wait(fenced.future)
+        assert hung.done() and engine.waiting_batch_ids == []
+        # the fenced load overwrote GPU block 1 only after the hung store had read it
+        assert torch.equal(tiers.cpu[[1, 2]], original[[1, 2]])
+        assert (tiers.gpu[1] == 7).all() and torch.equal(tiers.gpu[7], tiers.cpu[5])
+    finally:
+        engine.close()
+
+
+def test_hold_complete_next_in_order_and_fail_on_demand() -> None:
+    tiers = _Tiers()
+    engine = FaultyEngine(HostEngine())
+    try:
+        engine.hold()
+        handles = [engine.submit(tiers.plan(Direction.D2H, [i], [i])) for i in range(3)]
+        time.sleep(0.02)
+        assert not any(h.done() for h in handles)
+        engine.complete_next(fail=True)
+        with pytest.raises(TransferError):
+            _wait(handles[0].future)
+        assert not handles[1].done()
+        assert [h.batch_id for h in engine.release()] == [1, 2]
+        for h in handles[1:]:
+            _wait(h.future)
+        later = engine.submit(tiers.plan(Direction.D2H, [5], [5]))  # release stops holding
+        _wait(later.future)
+        with pytest.raises(ValueError):
+            engine.complete_next(-1)
+    finally:
+        engine.close()
+
+
+class _InstantEngine(TransferEngine):
+    """Completes every batch inside ``submit`` (no copy): callbacks run on the caller's thread."""
+
+    name = "instant"
+
+    def __init__(self) -> None:
+        self.submitted: list[int] = []
+
+    def allocate_host(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
+        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+        result = BatchResult(
+            batch_id=len(self.submitted),
+            direction=plan.direction,
+            num_bytes=plan.num_bytes,
+            num_descriptors=plan.num_descriptors,
+            device_s=0.0,
+            path="instant",
+        )
+        self.submitted.append(result.batch_id)
+        future.set_result(result)
+        return BatchHandle(result.batch_id, plan.direction, future)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        pass
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(batches_submitted=len(self.submitted), path="instant")
+
+
+def test_release_starts_every_batch_when_completions_are_synchronous() -> None:
+    tiers = _Tiers()
+    inner = _InstantEngine()
+    engine = FaultyEngine(inner)
+    engine.hold()
+    handles = [engine.submit(tiers.plan(Direction.H2D, [i], [i])) for i in range(5)]
+    assert not any(h.done() for h in handles)
+    engine.release()
+    assert all(h.done() for h in handles) and inner.submitted == [0, 1, 2, 3, 4]
+    engine.close()
+
+
+def test_fail_rate_is_seeded() -> None:
+    def fates(seed: int) -> dict[int, str]:
+        tiers = _Tiers()
+        engine = FaultyEngine(HostEngine(), fail_rate=0.3, seed=seed)
+        try:
+            handles = [
+                engine.submit(tiers.plan(Direction.D2H, [i % 5], [i % 5])) for i in range(60)
+            ]
+            concurrent.futures.wait([h.future for h in handles], timeout=5.0)
+            assert all(h.done() for h in handles)
+            failed = {h.batch_id for h in handles if h.future.exception() is not None}
+            assert failed == set(engine.injected)
+            return engine.injected
+        finally:
+            engine.close()
+
+    first = fates(11)
+    assert first == fates(11)
+    assert first != fates(12)
+    assert 5 <= len(first) <= 35
+
+
+def test_fail_rate_can_spare_a_direction() -> None:
+    tiers = _Tiers()
+    engine = FaultyEngine(HostEngine(), fail_rate=1.0, fail_directions=(Direction.D2H,))
+    try:
+        store = engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+        load = engine.submit(tiers.plan(Direction.H2D, [2], [2]))
+        _wait(load.future)
+        with pytest.raises(TransferError):
+            _wait(store.future)
+        assert engine.injected == {0: "fail"}
+    finally:
+        engine.close()
+
+
+def test_refused_batch_and_submit_after_close() -> None:
+    tiers = _Tiers()
+    engine = FaultyEngine(HostEngine(), refuse_batches={0})
+    with pytest.raises(TransferError, match="refused"):
+        engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+    _wait(engine.submit(tiers.plan(Direction.D2H, [1], [1])).future)
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(ClosedError):
+        engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+
+
+def test_delay_then_close_joins_its_thread_and_fails_unstarted_batches() -> None:
+    tiers = _Tiers()
+    engine = FaultyEngine(HostEngine(), delay_s=0.05, hang_batches={1})
+    start = time.perf_counter()
+    delayed = engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+    hung = engine.submit(tiers.plan(Direction.H2D, [2], [2]))
+    _wait(delayed.future)
+    assert time.perf_counter() - start >= 0.05
+    assert any(t.name == "kvmgr-faulty-delay" for t in threading.enumerate())
+    engine.close(timeout_s=1.0)
+    with pytest.raises(ClosedError):
+        _wait(hung.future)
+    names = [t.name for t in threading.enumerate()]
+    assert not any(n.startswith(("kvmgr-faulty", "kvmgr-host")) for n in names), names
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"fail_rate": 1.5}, {"fail_rate": -0.1}, {"delay_s": -1.0}, {"inner": object()}]
+)
+def test_faulty_engine_rejects_bad_settings(kwargs: dict[str, object]) -> None:
+    inner = kwargs.pop("inner", None)
+    engine = HostEngine()
+    try:
+        with pytest.raises(ConfigError):
+            FaultyEngine(inner if inner is not None else engine, **kwargs)  # type: ignore[arg-type]
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------- VirtualClock
+
+
+def test_virtual_clock_fires_timers_only_when_advanced() -> None:
+    clock = VirtualClock(start_s=100.0)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        assert loop.time() == 100.0
+        sleeper = asyncio.ensure_future(asyncio.sleep(10.0))
+        never: asyncio.Future[None] = loop.create_future()
+        timed = asyncio.ensure_future(asyncio.wait_for(never, 30.0))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not sleeper.done() and not timed.done()
+        clock.advance(9.5)
+        await asyncio.sleep(0)
+        assert not sleeper.done()
+        clock.advance(0.5)
+        await sleeper
+        assert not timed.done()
+        clock.advance(20.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await timed
+
+    start = time.perf_counter()
+    clock.run(main())
+    assert time.perf_counter() - start < 2.0  # 30 virtual seconds in far less real time
+    assert clock.time() == 130.0
+    with pytest.raises(ValueError):
+        clock.advance(-1.0)
+
+
+@pytest.mark.asyncio
+async def test_virtual_clock_installs_on_a_running_loop_and_restores_it() -> None:
+    loop = asyncio.get_running_loop()
+    with VirtualClock().install(loop) as clock:
+        start = loop.time()
+        task = asyncio.ensure_future(asyncio.sleep(1000.0))
+        await asyncio.sleep(0)
+        clock.advance(1000.0)
+        await task
+        assert loop.time() == start + 1000.0
+    assert abs(loop.time() - time.monotonic()) < 1.0  # the real clock is back
+
+
+# ---------------------------------------------------------------------- check_invariants
+
+
+@pytest_asyncio.fixture
+async def scene() -> AsyncIterator[tuple[OffloadManager, FaultyEngine]]:
+    """A manager with READY keys a..c, request "r" resident on 4 GPU blocks, and a held engine."""
+    engine = FaultyEngine(HostEngine())
+    mgr = OffloadManager(_kv(), ManagerConfig(num_cpu_blocks=NUM_CPU), engine=engine)
+    async with mgr:
+        ids = mgr.allocate("r", 4)
+        store = mgr.swap_out(ids[:3], [b"a", b"b", b"c"])
+        await mgr.step()
+        await store
+        check_invariants(mgr)  # positive control: a healthy manager passes
+        engine.hold()
+        yield mgr, engine
+        engine.release()
+
+
+def _broken(mgr: OffloadManager, match: str) -> None:
+    with pytest.raises(InvariantError, match=match):
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_leaked_cpu_block(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    mgr.cpu_blocks.allocate(1)
+    _broken(mgr, "leaked")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_index_policy_drift(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    mgr.policy.remove(b"b")
+    _broken(mgr, "not in the policy")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_ready_while_store_in_flight(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    ids = mgr.block_table("r")
+    mgr.swap_out([ids[3][1]], [b"d"])
+    await mgr.step()
+    check_invariants(mgr)  # PENDING while held: fine
+    mgr.index.mark_ready(b"d")  # a manager bug: READY before the copy ended
+    _broken(mgr, "READY while a store still writes")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_pinned_key_without_load(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    mgr.index.add_reader(b"a")  # pinned for ever: never evictable
+    _broken(mgr, "1 readers, 0 loads")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_gpu_block_free_in_a_table(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    assert mgr.gpu_blocks is not None
+    mgr.gpu_blocks.free([mgr.block_table("r")[0][1]])
+    _broken(mgr, "free in the owned pool but in a block table")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_gpu_block_free_under_a_copy(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    assert mgr.gpu_blocks is not None
+    gpu = mgr.allocate("s", 1)
+    load = mgr.swap_in([b"a"], gpu)
+    await mgr.step()
+    del mgr._tables["s"]  # a manager bug: the request's block goes back mid-copy
+    mgr.gpu_blocks.free(gpu)
+    _broken(mgr, "while a queued or in-flight copy reads or writes")
+    mgr.engine.release()  # type: ignore[attr-defined]
+    await load
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_poison_served_as_ready(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    block = mgr.index.entry(b"b").block_id
+    for pages in mgr.cpu_pool.tensors:
+        pages[block] = POISON_BYTE  # what a failed store leaves behind
+    _broken(mgr, "poison")
+    check_invariants(mgr, scan_poison=False)
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_future_resolved_early(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    load = mgr.swap_in([b"c"], [mgr.block_table("r")[3][1]])
+    load.set_result(None)
+    _broken(mgr, "resolved before its copy settled")
+    await mgr.step()
+    mgr.engine.release()  # type: ignore[attr-defined]
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_missing_fence(
+    scene: tuple[OffloadManager, FaultyEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr, engine = scene
+    block = mgr.block_table("r")[3][1]
+    store = mgr.swap_out([block], [b"d"])
+    await mgr.step()
+    load = mgr.swap_in([b"a"], [block])  # must wait for the store that reads the block
+    check_invariants(mgr)
+    monkeypatch.setattr(mgr._queue, "fences", lambda batch: [])  # a manager bug
+    await mgr.step()
+    _broken(mgr, "without a wait_for fence")
+    engine.release()
+    await asyncio.gather(store, load)
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_moving_table_without_its_copy(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    mgr._tables["r"].moving = True
+    _broken(mgr, "moving")
