@@ -42,6 +42,7 @@ from kvmgr.pool.layout import KVLayout
 from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport
 from kvmgr.transfer import make_engine
 from kvmgr.transfer.engine import TransferEngine
+from kvmgr.transfer.host import HostEngine
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 __all__ = ["OffloadManager"]
@@ -87,7 +88,7 @@ class OffloadManager(ManagerState):
                 raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
         if engine is None:
             engine = make_engine(config.engine, gpu_layout.device, config)
-        elif engine.__class__.__name__ == "HostEngine" and gpu_layout.device.type != "cpu":
+        elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
             raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
         self._gpu_kv_caches = list(gpu_kv_caches)
         self.engine = engine

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from kvmgr.errors import ClosedError, TransferError
@@ -117,6 +118,4 @@ class HostEngine(TransferEngine):
 
 
 def _bump(stats: EngineStatistics, **deltas: float) -> EngineStatistics:
-    import attrs
-
     return attrs.evolve(stats, **{k: getattr(stats, k) + v for k, v in deltas.items()})
