@@ -18,6 +18,10 @@ __all__ = [
     "InvalidKeyError",
     "KVMgrError",
     "PoolExhaustedError",
+    "TierError",
+    "TierFullError",
+    "TierTimeoutError",
+    "TierUnavailableError",
     "TransferError",
     "TransferTimeoutError",
     "UnknownKeyError",
@@ -109,3 +113,26 @@ class TransferTimeoutError(TransferError, TimeoutError):
 
 class ClosedError(KVMgrError, RuntimeError):
     """The manager or engine is closed, or closed while the operation was pending."""
+
+
+class TierError(KVMgrError, RuntimeError):
+    """A lower tier (disk, shared store) failed an operation; what it was filling is not readable.
+
+    A tier error never changes the CPU tier: callers treat it as a miss and recompute.
+    """
+
+
+class TierTimeoutError(TierError):
+    """A tier operation passed its deadline; a write may still land later, a read returns nothing.
+
+    Deliberately not a subclass of the builtin ``TimeoutError``, so ``except TimeoutError`` around
+    asyncio code never swallows it by accident.
+    """
+
+
+class TierUnavailableError(TierError):
+    """The tier cannot be reached (server down, connection refused or reset, authentication)."""
+
+
+class TierFullError(TierError):
+    """The tier refused a write for lack of space (``maxmemory`` with ``noeviction``, disk full)."""
