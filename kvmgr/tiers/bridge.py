@@ -116,6 +116,9 @@ class TierBridge:
         self.namespace = namespace
         self._offload_bytes = offload_bytes
         self._counters = _Counters()
+        # reusable staging arrays (fresh memory costs a page fault per 4 KiB on every batch)
+        self._spare_rows: list[np.ndarray] = []
+        self._spare_stage: list[np.ndarray] = []
 
     def statistics(self) -> BridgeStatistics:
         """Totals since construction."""
@@ -139,16 +142,20 @@ class TierBridge:
         if not keys:
             return np.zeros(0, dtype=bool)
         stored_keys = self.namespace.stored_keys(keys)
-        rows = await self._maybe_thread(self._gather, ids, stored_keys)
+        buffer = _take(self._spare_rows, len(keys), self.namespace.blob_bytes)
+        rows = buffer[: len(keys)]
+        await self._maybe_thread(self._gather, ids, stored_keys, rows)
         try:
             result = await self.backend.put_many(stored_keys, list(rows))
         except TierError as exc:
+            # (the buffer is dropped, not reused: a timed-out write may still be reading it)
             self._counters.num_errors += 1
             self._counters.num_demote_failed += len(keys)
             _log.warning(
                 "tier %s: demote of %d blocks failed: %s", self.backend.name, len(keys), exc
             )
             return np.zeros(len(keys), dtype=bool)
+        self._spare_rows.append(buffer)
         self._counters.num_demoted += result.num_stored
         self._counters.num_demote_failed += len(keys) - result.num_stored
         self._counters.bytes_demoted += result.num_stored * self.namespace.payload_bytes
@@ -228,18 +235,28 @@ class TierBridge:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
-    def _gather(self, ids: np.ndarray, stored_keys: list[bytes]) -> np.ndarray:
-        """uint8 ``[n, blob_bytes]``: row ``i`` = header + block ``ids[i]``'s pages."""
-        rows = np.empty((len(ids), self.namespace.blob_bytes), dtype=np.uint8)
+    def _gather(self, ids: np.ndarray, stored_keys: list[bytes], rows: np.ndarray) -> None:
+        """Fill uint8 ``rows [n, blob_bytes]``: row ``i`` = header + block ``ids[i]``'s pages."""
         for t, arr in enumerate(self._arrays):
             lo, hi = HEADER_BYTES + self._offsets[t], HEADER_BYTES + self._offsets[t + 1]
             np.take(arr, ids, axis=0, out=rows[:, lo:hi], mode="clip")
         encode_rows(rows, stored_keys, self.namespace.fingerprint)
-        return rows
 
     def _scatter(self, ids: np.ndarray, payloads: list[memoryview]) -> None:
-        stage = np.empty((len(payloads), self.namespace.payload_bytes), dtype=np.uint8)
+        buffer = _take(self._spare_stage, len(payloads), self.namespace.payload_bytes)
+        stage = buffer[: len(payloads)]
         for i, payload in enumerate(payloads):
             stage[i] = np.frombuffer(payload, dtype=np.uint8)
         for t, arr in enumerate(self._arrays):
             arr[ids] = stage[:, self._offsets[t] : self._offsets[t + 1]]
+        self._spare_stage.append(buffer)
+
+
+def _take(spares: list[np.ndarray], rows: int, width: int) -> np.ndarray:
+    """A spare uint8 ``[>= rows, width]`` array from ``spares`` (removed), or a new one."""
+    for i, buf in enumerate(spares):
+        if buf.shape[0] >= rows:
+            return spares.pop(i)
+    if spares:
+        spares.pop(0)  # too small: let it go
+    return np.empty((rows, width), dtype=np.uint8)

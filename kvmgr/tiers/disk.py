@@ -63,7 +63,9 @@ __all__ = ["ALIGN_BYTES", "DiskTier"]
 
 #: slot size and direct-I/O alignment.
 ALIGN_BYTES = 4096
-_MAX_RUN_SLOTS = 64
+#: a run of consecutive slots is one pwritev/preadv of at most this many bytes; several runs go
+#: to the worker threads at once, so one run's copy overlaps another's device transfer.
+_MAX_RUN_BYTES = 4 << 20
 _INDEX_VERSION = 1
 
 
@@ -132,6 +134,8 @@ class DiskTier:
         self._doomed: set[int] = set()
         self._pending: set[bytes] = set()
         self._inflight: set[asyncio.Task[object]] = set()
+        self._max_run_slots = max(1, _MAX_RUN_BYTES // self.slot_bytes)
+        self._spare_buffers: list[mmap.mmap] = []  # aligned write staging, reused
         self._counters = TierCounters(name="disk", io_mode="direct" if is_direct else "buffered")
         self._closed = False
         if persist_index:
@@ -308,7 +312,7 @@ class DiskTier:
         runs: list[list[int]] = []
         for i in order:
             f, off = self._locate(slots[i])
-            if runs and len(runs[-1]) < _MAX_RUN_SLOTS:
+            if runs and len(runs[-1]) < self._max_run_slots:
                 pf, poff = self._locate(slots[runs[-1][-1]])
                 if pf == f and poff + self.slot_bytes == off:
                     runs[-1].append(i)
@@ -346,11 +350,12 @@ class DiskTier:
         self._counters.bytes_written += sum(v.nbytes for _s, _k, v in writes)
 
     def _pwrite_run(self, fd: int, offset: int, views: list[memoryview]) -> None:
+        buf = None
         if self.is_direct:
-            buf = mmap.mmap(-1, len(views) * self.slot_bytes)
+            buf = self._staging(len(views) * self.slot_bytes)
             for i, view in enumerate(views):
                 buf[i * self.slot_bytes : i * self.slot_bytes + view.nbytes] = view
-            buffers: list[Buffer] = [buf]
+            buffers: list[Buffer] = [memoryview(buf)[: len(views) * self.slot_bytes]]
         else:
             pad = memoryview(bytes(self.slot_bytes))
             buffers = []
@@ -360,8 +365,21 @@ class DiskTier:
                     buffers.append(pad[: self.slot_bytes - view.nbytes])
         expected = sum(memoryview(b).nbytes for b in buffers)
         written = os.pwritev(fd, buffers, offset)
+        if buf is not None:
+            buffers.clear()
+            self._spare_buffers.append(buf)
         if written != expected:
             raise OSError(errno.EIO, f"short write {written} of {expected} B")
+
+    def _staging(self, num_bytes: int) -> mmap.mmap:
+        """A page-aligned buffer of >= ``num_bytes`` (a spare one when one is big enough)."""
+        try:
+            buf = self._spare_buffers.pop()
+        except IndexError:
+            buf = None
+        if buf is None or len(buf) < num_bytes:
+            buf = mmap.mmap(-1, self._max_run_slots * self.slot_bytes)
+        return buf
 
     async def _read_and_release(
         self, reads: list[tuple[int, int, int, bytes]]
@@ -397,7 +415,10 @@ class DiskTier:
     def _pread_run(
         self, fd: int, offset: int, items: list[tuple[int, bytes]]
     ) -> list[memoryview | None]:
-        buf = mmap.mmap(-1, len(items) * self.slot_bytes)
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once, not one by one
+        buf = mmap.mmap(
+            -1, len(items) * self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+        )
         got = os.preadv(fd, [buf], offset)
         whole = memoryview(buf)
         out: list[memoryview | None] = []

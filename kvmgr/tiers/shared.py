@@ -116,6 +116,7 @@ class SharedTier:
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 1),
             max_connections=max_connections,
+            socket_read_size=1 << 20,  # blobs are 0.1-2 MiB: read them in few large chunks
             decode_responses=False,
             **extra,
         )
