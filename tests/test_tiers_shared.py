@@ -282,7 +282,10 @@ async def test_acl_credentials_never_printed(tier_server_factory, tmp_path, monk
                                              caplog, capsys) -> None:  # fmt: skip
     caplog.set_level(logging.DEBUG)
     server = tier_server_factory("--requirepass", "admin-pw", admin={"password": "admin-pw"})
-    server.command("ACL", "SETUSER", "kv", "on", f">{PASSWORD}", "~kvmgr:*", "+@all")
+    # the least-privilege user docs/tiers.md recommends
+    server.command("ACL", "SETUSER", "kv", "on", f">{PASSWORD}", "~kvmgr:*", "resetchannels",
+                   "-@all", "+get", "+mget", "+set", "+mset", "+exists", "+unlink", "+ping",
+                   "+hello")  # fmt: skip
     ns = _namespace()
     cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=15)
     host = f"127.0.0.1:{server.port}"
