@@ -7,9 +7,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import torch
 from tiers_server import random_cpu_tensors
 
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError, InvalidKeyError, TierError
+from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.tiers import PutResult, TierBridge, TierNamespace, TierStatistics
 from kvmgr.tiers.base import check_keys
 from kvmgr.tiers.blob import HEADER_BYTES, encode_rows, verify
@@ -94,23 +96,40 @@ class FakeBackend:
         return TierStatistics("fake", "memory")
 
 
+def _pool_tensors(pages: tuple[int, ...], num_blocks: int, seed: int) -> list[torch.Tensor]:
+    """HostKVPool's tensors (one region), random bytes; equal pages take the stacked path."""
+    pool = HostKVPool(pages, num_blocks, lambda n: torch.empty(n, dtype=torch.uint8))
+    gen = torch.Generator().manual_seed(seed)
+    pool.region.copy_(torch.randint(0, 256, (pool.num_bytes,), dtype=torch.uint8, generator=gen))
+    return pool.tensors
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("offload_bytes", [0, 1 << 30])
-async def test_bridge_gather_scatter_match_the_pages(offload_bytes: int) -> None:
-    cpu = random_cpu_tensors(PAGES, 40, seed=7)
+@pytest.mark.parametrize("layout", ["separate", "pool", "pool-equal-pages"])
+async def test_bridge_gather_scatter_match_the_pages(offload_bytes: int, layout: str) -> None:
+    ns = NS
+    if layout == "separate":
+        cpu = random_cpu_tensors(PAGES, 40, seed=7)
+    elif layout == "pool":
+        cpu = _pool_tensors(PAGES, 40, seed=7)
+    else:
+        ns = TierNamespace("m", (584,) * 5, ("uint8",) * 5, 16)
+        cpu = _pool_tensors(ns.page_bytes, 40, seed=7)
     backend = FakeBackend()
-    bridge = TierBridge(cpu, backend, NS, offload_bytes=offload_bytes)
+    bridge = TierBridge(cpu, backend, ns, offload_bytes=offload_bytes)
+    assert (bridge._stack is not None) == (layout == "pool-equal-pages")
     rng = np.random.default_rng(8)
     src = rng.permutation(40)[:13]
     dst = rng.permutation(np.setdiff1d(np.arange(40), src))[:13]
     keys = [b"key%d" % i for i in range(13)]
     assert (await bridge.demote(keys, src)).all()
     # each stored blob is header + the block's pages of every tensor, in tensor order
-    blob = backend.data[NS.stored_keys(keys[:1])[0]]
+    blob = backend.data[ns.stored_keys(keys[:1])[0]]
     expect = b"".join(t.numpy()[src[0]].tobytes() for t in cpu)
     assert blob[HEADER_BYTES:] == expect
     # a miss in the middle leaves its block untouched
-    del backend.data[NS.stored_keys(keys[5:6])[0]]
+    del backend.data[ns.stored_keys(keys[5:6])[0]]
     before = [t.numpy()[dst].copy() for t in cpu]
     hit = await bridge.promote(keys, dst)
     assert hit.tolist() == [i != 5 for i in range(13)]

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.tiers import DiskTier, TierBridge, TierNamespace
 
 __all__ = ["CASES", "add_arguments", "run", "run_tiers_bench"]
@@ -102,9 +103,11 @@ async def _bench_case(
     page, num_tensors = CASES[case]
     ns = TierNamespace("bench", (page,) * num_tensors, ("uint8",) * num_tensors, 16)
     batch = max(1, int(args.batch_mib * (1 << 20)) // ns.payload_bytes)
+    # the CPU tier as the manager has it: one HostKVPool region, random bytes
+    pool = HostKVPool((page,) * num_tensors, 2 * batch, lambda n: torch.empty(n, dtype=torch.uint8))
     gen = torch.Generator().manual_seed(0)
-    cpu = [torch.randint(0, 256, (2 * batch, page), dtype=torch.uint8, generator=gen)
-           for _ in range(num_tensors)]  # fmt: skip
+    pool.region.copy_(torch.randint(0, 256, (pool.num_bytes,), dtype=torch.uint8, generator=gen))
+    cpu = pool.tensors
     total_blocks = batch * (args.steps + 1)
     if tier_name == "disk":
         backend: Any = DiskTier(tmp / f"{case}.bin", slot_bytes=ns.blob_bytes,

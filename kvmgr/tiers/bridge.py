@@ -110,6 +110,7 @@ class TierBridge:
         if len({int(t.shape[0]) for t in tensors}) != 1:
             raise GeometryError("expected the same num_blocks in every cpu tensor")
         self._arrays = [t.numpy() for t in tensors]
+        self._stack = _as_stack(self._arrays)
         self._offsets = np.concatenate([[0], np.cumsum(page_bytes)]).tolist()
         self.num_blocks = int(tensors[0].shape[0])
         self.backend = backend
@@ -243,6 +244,11 @@ class TierBridge:
         encode_rows(rows, stored_keys, self.namespace.fingerprint)
 
     def _scatter(self, ids: np.ndarray, payloads: list[memoryview]) -> None:
+        if self._stack is not None:  # one copy per block, straight from the blob
+            shape = self._stack.shape[0], self._stack.shape[2]
+            for block, payload in zip(ids.tolist(), payloads):
+                self._stack[:, block, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
+            return
         buffer = _take(self._spare_stage, len(payloads), self.namespace.payload_bytes)
         stage = buffer[: len(payloads)]
         for i, payload in enumerate(payloads):
@@ -260,3 +266,24 @@ def _take(spares: list[np.ndarray], rows: int, width: int) -> np.ndarray:
     if spares:
         spares.pop(0)  # too small: let it go
     return np.empty((rows, width), dtype=np.uint8)
+
+
+def _as_stack(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """A ``[num_tensors, num_blocks, page]`` view over equally spaced, equal-page tensors.
+
+    ``HostKVPool`` lays equal-page tensors out this way (one region, aligned offsets). Element
+    ``[t, b, j]`` is byte ``j`` of block ``b`` of tensor ``t``, so the view touches nothing
+    outside the tensors even though it spans the gaps between them. ``None`` otherwise.
+    """
+    if len(arrays) < 2 or len({a.shape for a in arrays}) != 1:
+        return None
+    if any(a.strides != (a.shape[1], 1) for a in arrays):
+        return None
+    gaps = np.diff(np.array([a.ctypes.data for a in arrays], dtype=np.int64))
+    spacing = int(gaps[0])
+    if spacing <= 0 or (gaps != spacing).any():
+        return None
+    num_blocks, page = arrays[0].shape
+    return np.lib.stride_tricks.as_strided(
+        arrays[0], shape=(len(arrays), num_blocks, page), strides=(spacing, page, 1)
+    )
