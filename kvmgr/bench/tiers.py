@@ -141,7 +141,7 @@ async def _bench_case(
     is_direct = tier_name == "disk" and backend.is_direct
     await backend.aclose()
     block_bytes = ns.payload_bytes
-    rows = []
+    rows: list[dict[str, Any]] = []
     for direction, times in (("store", store_s), ("load", load_s)):
         total = sum(times)
         rows.append({

@@ -48,7 +48,9 @@ class Secret:
     def __format__(self, spec: str) -> str:
         return "***"
 
-    def __reduce__(self) -> object:  # never pickle a credential into a report or a cache
+    def __reduce__(
+        self,
+    ) -> tuple[object, ...]:  # never pickle a credential into a report or a cache
         raise TypeError("Secret cannot be pickled")
 
 

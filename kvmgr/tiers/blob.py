@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 
 import attrs
@@ -53,9 +53,19 @@ HEADER_BYTES = _PREFIX.size + 16
 _DIGEST_BYTES = 20
 
 
-def _positive_ints(_inst: object, attr: attrs.Attribute[object], value: tuple[int, ...]) -> None:
+def _positive_ints(
+    _inst: object, attr: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]
+) -> None:
     if not value or any(not isinstance(v, int) or v < 1 for v in value):
         raise ConfigError(f"{attr.name}: expected a non-empty tuple of ints >= 1, got {value!r}")
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
 
 
 @attrs.frozen
@@ -78,8 +88,8 @@ class TierNamespace:
     """
 
     model: str
-    page_bytes: tuple[int, ...] = attrs.field(converter=tuple, validator=_positive_ints)
-    dtype_names: tuple[str, ...] = attrs.field(converter=tuple)
+    page_bytes: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_ints)
+    dtype_names: tuple[str, ...] = attrs.field(converter=_str_tuple)
     block_size: int = attrs.field(validator=attrs.validators.gt(0))
     tenant_salt: bytes = attrs.field(
         default=b"", repr=False, validator=attrs.validators.instance_of(bytes)

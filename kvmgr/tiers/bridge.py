@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -125,7 +125,9 @@ class TierBridge:
         """Totals since construction."""
         return BridgeStatistics(**attrs.asdict(self._counters))
 
-    async def demote(self, keys: Sequence[bytes], cpu_block_ids: Sequence[int]) -> np.ndarray:
+    async def demote(
+        self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
+    ) -> np.ndarray:
         """Write CPU blocks ``cpu_block_ids[i]`` to the backend under ``keys[i]``.
 
         Args:
@@ -145,7 +147,7 @@ class TierBridge:
         stored_keys = self.namespace.stored_keys(keys)
         buffer = _take(self._spare_rows, len(keys), self.namespace.blob_bytes)
         rows = buffer[: len(keys)]
-        await self._maybe_thread(self._gather, ids, stored_keys, rows)
+        await self._maybe_thread(len(ids), lambda: self._gather(ids, stored_keys, rows))
         try:
             result = await self.backend.put_many(stored_keys, list(rows))
         except TierError as exc:
@@ -162,7 +164,9 @@ class TierBridge:
         self._counters.bytes_demoted += result.num_stored * self.namespace.payload_bytes
         return np.asarray(result.stored, dtype=bool)
 
-    async def promote(self, keys: Sequence[bytes], cpu_block_ids: Sequence[int]) -> np.ndarray:
+    async def promote(
+        self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
+    ) -> np.ndarray:
         """Read ``keys[i]`` from the backend into CPU block ``cpu_block_ids[i]``.
 
         Args:
@@ -202,7 +206,7 @@ class TierBridge:
             hit[i] = True
             payloads.append(payload)
         if payloads:
-            await self._maybe_thread(self._scatter, ids[hit], payloads)
+            await self._maybe_thread(len(payloads), lambda: self._scatter(ids[hit], payloads))
         self._counters.num_promoted += len(payloads)
         self._counters.num_promote_misses += len(keys) - len(payloads)
         self._counters.bytes_promoted += len(payloads) * self.namespace.payload_bytes
@@ -211,7 +215,11 @@ class TierBridge:
     # ---- internals ----------------------------------------------------------------------
 
     def _check(
-        self, keys: Sequence[bytes], cpu_block_ids: Sequence[int], *, distinct_ids: bool = False
+        self,
+        keys: Sequence[bytes],
+        cpu_block_ids: Sequence[int] | np.ndarray,
+        *,
+        distinct_ids: bool = False,
     ) -> tuple[list[bytes], np.ndarray]:
         keys = check_keys(keys)
         ids = np.asarray(cpu_block_ids)
@@ -231,10 +239,12 @@ class TierBridge:
             raise InvalidBlockError("cpu_block_ids: expected distinct ids for promote")
         return keys, ids
 
-    async def _maybe_thread(self, fn, *args):  # type: ignore[no-untyped-def]
-        if len(args[0]) * self.namespace.payload_bytes > self._offload_bytes:
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)
+    async def _maybe_thread(self, num_blocks: int, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in a worker thread when the batch is large, else inline."""
+        if num_blocks * self.namespace.payload_bytes > self._offload_bytes:
+            await asyncio.to_thread(fn)
+        else:
+            fn()
 
     def _gather(self, ids: np.ndarray, stored_keys: list[bytes], rows: np.ndarray) -> None:
         """Fill uint8 ``rows [n, blob_bytes]``: row ``i`` = header + block ``ids[i]``'s pages."""

@@ -254,33 +254,33 @@ class SharedTier:
         except TierTimeoutError as exc:
             self._count(exc, "num_timeouts")
             raise
-        except rexc.TimeoutError:
-            exc2 = TierTimeoutError(f"{what} on {self.url}: socket timeout")
-            self._count(exc2, "num_timeouts")
-            raise exc2 from None
-        except rexc.OutOfMemoryError:
-            exc2 = TierFullError(f"{what} on {self.url}: server out of memory (maxmemory)")
-            self._count(exc2, "num_full")
-            raise exc2 from None
-        except rexc.AuthenticationError:
-            exc2 = TierUnavailableError(f"{what} on {self.url}: authentication failed")
-            self._count(exc2, "num_errors")
-            self._down_until = time.monotonic() + self._backoff_s
-            raise exc2 from None
-        except (rexc.ConnectionError, OSError) as exc:
-            exc2 = TierUnavailableError(f"{what} on {self.url}: {type(exc).__name__}")
-            self._count(exc2, "num_errors")
-            self._down_until = time.monotonic() + self._backoff_s
-            raise exc2 from None
         except rexc.RedisError as exc:
-            text = str(exc).split("\n")[0][:120]
-            if text.startswith("OOM"):
-                exc2: TierError = TierFullError(f"{what} on {self.url}: {text}")
-                self._count(exc2, "num_full")
-            else:
-                exc2 = TierError(f"{what} on {self.url}: {type(exc).__name__}: {text}")
-                self._count(exc2, "num_errors")
-            raise exc2 from None
+            error, counter = self._classify(exc, what)
+        except OSError as exc:
+            error, counter = (
+                TierUnavailableError(f"{what} on {self.url}: {type(exc).__name__}"),
+                "num_errors",
+            )
+        self._count(error, counter)
+        if isinstance(error, TierUnavailableError):
+            self._down_until = time.monotonic() + self._backoff_s
+        raise error
+
+    def _classify(self, exc: rexc.RedisError, what: str) -> tuple[TierError, str]:
+        """The typed error and the counter for a client error (messages carry no secrets)."""
+        where = f"{what} on {self.url}"
+        if isinstance(exc, rexc.TimeoutError):
+            return TierTimeoutError(f"{where}: socket timeout"), "num_timeouts"
+        if isinstance(exc, rexc.OutOfMemoryError):
+            return TierFullError(f"{where}: server out of memory (maxmemory)"), "num_full"
+        if isinstance(exc, rexc.AuthenticationError):
+            return TierUnavailableError(f"{where}: authentication failed"), "num_errors"
+        if isinstance(exc, rexc.ConnectionError):
+            return TierUnavailableError(f"{where}: {type(exc).__name__}"), "num_errors"
+        text = str(exc).split("\n")[0][:120]
+        if text.startswith("OOM"):
+            return TierFullError(f"{where}: {text}"), "num_full"
+        return TierError(f"{where}: {type(exc).__name__}: {text}"), "num_errors"
 
     def _count(self, exc: TierError, counter: str) -> None:
         setattr(self._counters, counter, getattr(self._counters, counter) + 1)
