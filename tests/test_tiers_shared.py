@@ -222,8 +222,9 @@ async def test_slow_server_deadline_expires_no_hang(tier_server) -> None:
         await tier.get_many(ns.stored_keys(keys))
     assert not isinstance(info.value, TimeoutError)
     assert not (await bridge.promote(keys, [3, 4, 5])).any()
+    assert not (await bridge.demote(_keys(2, b"w"), [6, 7])).any()
     assert time.perf_counter() - start < 1.2
-    assert tier.statistics().num_timeouts == 2
+    assert tier.statistics().num_timeouts == 3
     # once the pause ends (a blocking PING returns then), calls succeed with the right bytes:
     # no reply of a cancelled call is read as the answer to a later one
     await asyncio.to_thread(tier_server.command, "PING")
@@ -332,3 +333,48 @@ def test_url_schemes_and_bad_urls() -> None:
             SharedTier(bad)
     with pytest.raises(ConfigError, match="password file"):
         SharedTier("redis://h:1/0", password_file="/nonexistent/pw")
+
+
+def _make_certs(tmp_path) -> tuple[str, str, str]:  # type: ignore[no-untyped-def]
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make test certificates")
+    ca_key, ca, key, csr, crt = (
+        str(tmp_path / n) for n in ("ca.key", "ca.crt", "s.key", "s.csr", "s.crt")
+    )
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=kvmgr-test-ca"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt,
+         "-days", "1", "-extfile", str(ext)],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True)
+    return ca, crt, key
+
+
+@pytest.mark.asyncio
+async def test_tls_round_trip(tier_server_factory, tmp_path) -> None:
+    # rediss:// to a TLS-only server (plain port off), server certificate checked against our CA
+    ca, crt, key = _make_certs(tmp_path)
+    server = tier_server_factory("--port", "0", "--tls-auth-clients", "no",
+                                 "--tls-cert-file", crt, "--tls-key-file", key,
+                                 "--tls-ca-cert-file", ca, tls=True)  # fmt: skip
+    ns = _namespace()
+    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=16)
+    tier = SharedTier(f"rediss://127.0.0.1:{server.port}/0", ssl_ca_certs=ca)
+    bridge = TierBridge(cpu, tier, ns)
+    assert (await bridge.demote(_keys(3), [0, 1, 2])).all()
+    assert (await bridge.promote(_keys(3), [3, 4, 5])).all()
+    assert _equal(_blocks(cpu, [3, 4, 5]), _blocks(cpu, [0, 1, 2]))
+    await tier.aclose()
+    # without our CA the certificate is refused: a typed error, not a hang
+    untrusted = SharedTier(f"valkeys://127.0.0.1:{server.port}/0")
+    with pytest.raises(TierUnavailableError):
+        await untrusted.get_many([b"k"])
+    await untrusted.aclose()

@@ -48,9 +48,10 @@ def _free_port() -> int:
 class TierServer:
     """One server process on 127.0.0.1:``port``; ``stop()``/``start()`` keep the port."""
 
-    def __init__(self, binary: str, workdir: Path, args: list[str]) -> None:
+    def __init__(self, binary: str, workdir: Path, args: list[str], tls: bool = False) -> None:
         self.binary = binary
         self.port = _free_port()
+        self.tls = tls
         self.workdir = workdir
         self.args = args
         self.process: subprocess.Popen[bytes] | None = None
@@ -67,6 +68,8 @@ class TierServer:
             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
             "--protected-mode", "no", "--loglevel", "warning", *self.args,
         ]  # fmt: skip
+        if self.tls:  # TLS on our port (the args turn the plain port off)
+            cmd += ["--tls-port", str(self.port)]
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.workdir
         )
@@ -107,10 +110,10 @@ def tier_server_factory(tmp_path: Path) -> Iterator[Callable[..., TierServer]]:
     binary = server_binary()
     started: list[TierServer] = []
 
-    def start(*args: str, admin: dict[str, str] | None = None) -> TierServer:
+    def start(*args: str, admin: dict[str, str] | None = None, tls: bool = False) -> TierServer:
         workdir = tmp_path / f"server{len(started)}"
         workdir.mkdir()
-        server = TierServer(binary, workdir, list(args))
+        server = TierServer(binary, workdir, list(args), tls=tls)
         if admin:
             server.admin_auth = admin
         server.start()
