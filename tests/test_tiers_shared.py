@@ -378,3 +378,15 @@ async def test_tls_round_trip(tier_server_factory, tmp_path) -> None:
     with pytest.raises(TierUnavailableError):
         await untrusted.get_many([b"k"])
     await untrusted.aclose()
+
+
+def test_missing_server_skips_locally_and_fails_in_ci(monkeypatch) -> None:
+    import tiers_server
+
+    monkeypatch.setattr(tiers_server.shutil, "which", lambda _name: None)
+    monkeypatch.delenv("KVMGR_REQUIRE_TIER_SERVER", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install -y redis-server"):
+        tiers_server.server_binary()
+    monkeypatch.setenv("KVMGR_REQUIRE_TIER_SERVER", "1")
+    with pytest.raises(pytest.fail.Exception, match="KVMGR_REQUIRE_TIER_SERVER=1"):
+        tiers_server.server_binary()
