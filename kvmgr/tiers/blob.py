@@ -24,6 +24,10 @@ rejected like a corrupted or truncated one. It is xxHash's XXH3-128 (the ``xxhas
 ~30 GB/s: it detects accidents (bit rot, truncation, torn writes), not an adversary with write
 access to the store; the trust boundary is the server's ACLs (docs/tiers.md).
 
+A blob handed to a backend may be followed by padding up to an alignment the backend asks for
+(``blob_alignment``, the disk tier's direct I/O); backends store and return only
+``blob_length`` bytes.
+
 Stored key: ``key_prefix + BLAKE2b-160(caller key, key = BLAKE2b(fingerprint, tenant salt))``.
 BLAKE2b (``hashlib``) is keyed by the tenant's namespace: tenants with equal prompts get
 unrelated stored keys, and without the salt nobody can compute a tenant's keys (so they cannot
@@ -44,7 +48,15 @@ import xxhash
 
 from kvmgr.errors import ConfigError
 
-__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "MAGIC", "TierNamespace", "encode_rows", "verify"]
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "MAGIC",
+    "TierNamespace",
+    "blob_length",
+    "encode_rows",
+    "verify",
+]
 
 MAGIC = b"KVT1"
 FORMAT_VERSION = 1
@@ -149,12 +161,13 @@ def encode_rows(rows: np.ndarray, stored_keys: Sequence[bytes], fingerprint: byt
     """Fill the header of each row of ``rows`` in place (its payload columns already written).
 
     Args:
-        rows: uint8 ``[n, HEADER_BYTES + P]``, C-contiguous; ``rows[i, HEADER_BYTES:]`` is block
+        rows: uint8 ``[n, HEADER_BYTES + P]``, each row contiguous (rows may be further apart, as
+            in a slice of a padded, aligned buffer); ``rows[i, HEADER_BYTES:]`` is block
             ``i``'s payload. Columns ``[0, HEADER_BYTES)`` are overwritten.
         stored_keys: ``n`` stored keys (the checksum binds each row to its key).
         fingerprint: 16-byte layout fingerprint.
     """
-    assert rows.dtype == np.uint8 and rows.ndim == 2 and rows.flags.c_contiguous
+    assert rows.dtype == np.uint8 and rows.ndim == 2 and rows.strides[1] == 1
     payload_bytes = rows.shape[1] - HEADER_BYTES
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, fingerprint, payload_bytes)
     rows[:, : _PREFIX.size] = np.frombuffer(prefix, np.uint8)
@@ -196,3 +209,19 @@ def verify(
     ):
         return None
     return payload
+
+
+def blob_length(value: object) -> int | None:
+    """Bytes of the blob at the start of ``value`` per its header (``HEADER_BYTES + P``).
+
+    For buffers that carry padding after the blob (aligned I/O). ``None`` when the header is not
+    a blob header or claims more bytes than ``value`` has. Does not verify the checksum.
+    """
+    view = memoryview(value).cast("B")  # type: ignore[arg-type]
+    if view.nbytes < HEADER_BYTES:
+        return None
+    magic, version, _flags, _fp, payload_bytes = _PREFIX.unpack_from(view)
+    total = HEADER_BYTES + int(payload_bytes)
+    if magic != MAGIC or version != FORMAT_VERSION or total > view.nbytes:
+        return None
+    return total

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -119,6 +120,11 @@ class TierBridge:
         self._counters = _Counters()
         # reusable staging arrays (fresh memory costs a page fault per 4 KiB on every batch)
         self._spare_rows: list[np.ndarray] = []
+        # a backend doing direct I/O asks for aligned blobs padded to its alignment, which it
+        # then writes without another copy (pwritev straight from these rows)
+        align = max(1, int(getattr(backend, "blob_alignment", 1)))
+        self._row_bytes = -(-namespace.blob_bytes // align) * align
+        self._aligned = align > 1
         self._spare_stage: list[np.ndarray] = []
 
     def statistics(self) -> BridgeStatistics:
@@ -145,11 +151,12 @@ class TierBridge:
         if not keys:
             return np.zeros(0, dtype=bool)
         stored_keys = self.namespace.stored_keys(keys)
-        buffer = _take(self._spare_rows, len(keys), self.namespace.blob_bytes)
-        rows = buffer[: len(keys)]
+        buffer = _take(self._spare_rows, len(keys), self._row_bytes, aligned=self._aligned)
+        padded = buffer[: len(keys)]
+        rows = padded[:, : self.namespace.blob_bytes]
         await self._maybe_thread(len(ids), lambda: self._gather(ids, stored_keys, rows))
         try:
-            result = await self.backend.put_many(stored_keys, list(rows))
+            result = await self.backend.put_many(stored_keys, list(padded))
         except TierError as exc:
             # (the buffer is dropped, not reused: a timed-out write may still be reading it)
             self._counters.num_errors += 1
@@ -268,13 +275,19 @@ class TierBridge:
         self._spare_stage.append(buffer)
 
 
-def _take(spares: list[np.ndarray], rows: int, width: int) -> np.ndarray:
-    """A spare uint8 ``[>= rows, width]`` array from ``spares`` (removed), or a new one."""
+def _take(spares: list[np.ndarray], rows: int, width: int, *, aligned: bool = False) -> np.ndarray:
+    """A spare uint8 ``[>= rows, width]`` array from ``spares`` (removed), or a new one.
+
+    ``aligned``: a new array starts on a page (``mmap``), so rows of a multiple-of-4 KiB width
+    are 4 KiB aligned.
+    """
     for i, buf in enumerate(spares):
         if buf.shape[0] >= rows:
             return spares.pop(i)
     if spares:
         spares.pop(0)  # too small: let it go
+    if aligned:
+        return np.frombuffer(mmap.mmap(-1, rows * width), dtype=np.uint8).reshape(rows, width)
     return np.empty((rows, width), dtype=np.uint8)
 
 

@@ -57,7 +57,7 @@ from kvmgr.tiers.base import (
     check_keys,
     with_deadline,
 )
-from kvmgr.tiers.blob import verify
+from kvmgr.tiers.blob import blob_length, verify
 
 __all__ = ["ALIGN_BYTES", "DiskTier"]
 
@@ -89,6 +89,9 @@ class DiskTier:
     """
 
     name = "disk"
+    #: blobs padded to this many bytes at 4 KiB-aligned addresses are written without a copy
+    #: (``TierBridge`` pads its rows to it); only meaningful in direct mode.
+    blob_alignment = ALIGN_BYTES
 
     def __init__(
         self,
@@ -173,7 +176,7 @@ class DiskTier:
         self._check_open()
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
-        new: list[tuple[int, bytes, memoryview]] = []
+        new: list[tuple[int, bytes, memoryview]] = []  # (position, key, view)
         for i, key in enumerate(keys):
             if key in self._index:
                 self._index.move_to_end(key)
@@ -186,8 +189,11 @@ class DiskTier:
         if len(slots) < len(new):
             self._counters.num_full += len(new) - len(slots)
             new = new[: len(slots)]
-        writes = [(slot, key, view) for slot, (_i, key, view) in zip(slots, new)]
-        self._pending.update(key for _s, key, _v in writes)
+        writes = [
+            (slot, key, view, blob_length(view) or view.nbytes)
+            for slot, (_i, key, view) in zip(slots, new)
+        ]
+        self._pending.update(w[1] for w in writes)
         task = asyncio.ensure_future(self._write_and_commit(writes))
         self._track(task)
         try:
@@ -199,7 +205,7 @@ class DiskTier:
         finally:
             self._counters.add_put_time(time.perf_counter() - start)
         stored[[i for i, _k, _v in new]] = True
-        num_bytes = sum(v.nbytes for _s, _k, v in writes)
+        num_bytes = sum(w[3] for w in writes)
         return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
@@ -320,9 +326,10 @@ class DiskTier:
             runs.append([i])
         return runs
 
-    async def _write_and_commit(self, writes: list[tuple[int, bytes, memoryview]]) -> None:
+    async def _write_and_commit(self, writes: list[tuple[int, bytes, memoryview, int]]) -> None:
+        """Write ``(slot, key, view, blob bytes)`` entries; then index them, or free the slots."""
         loop = asyncio.get_running_loop()
-        slots = [s for s, _k, _v in writes]
+        slots = [w[0] for w in writes]
         jobs = []
         for run in self._runs(slots):
             fd, offset = self._locate(slots[run[0]])
@@ -332,12 +339,12 @@ class DiskTier:
             )
         results = await asyncio.gather(*jobs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        for slot, key, view in writes:
+        for slot, key, _view, length in writes:
             self._pending.discard(key)
             if errors:
                 self._free.append(slot)
             else:
-                self._index[key] = (slot, view.nbytes)
+                self._index[key] = (slot, length)
         if errors:
             exc = errors[0]
             full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
@@ -347,15 +354,17 @@ class DiskTier:
             self._counters.last_error = message
             raise (TierFullError if full else TierError)(message)
         self._counters.num_stored += len(writes)
-        self._counters.bytes_written += sum(v.nbytes for _s, _k, v in writes)
+        self._counters.bytes_written += sum(w[3] for w in writes)
 
     def _pwrite_run(self, fd: int, offset: int, views: list[memoryview]) -> None:
         buf = None
-        if self.is_direct:
+        if self.is_direct and all(self._is_aligned_slot(v) for v in views):
+            buffers: list[Buffer] = list(views)  # vectored, straight from the caller's rows
+        elif self.is_direct:
             buf = self._staging(len(views) * self.slot_bytes)
             for i, view in enumerate(views):
                 buf[i * self.slot_bytes : i * self.slot_bytes + view.nbytes] = view
-            buffers: list[Buffer] = [memoryview(buf)[: len(views) * self.slot_bytes]]
+            buffers = [memoryview(buf)[: len(views) * self.slot_bytes]]
         else:
             pad = memoryview(bytes(self.slot_bytes))
             buffers = []
@@ -370,6 +379,12 @@ class DiskTier:
             self._spare_buffers.append(buf)
         if written != expected:
             raise OSError(errno.EIO, f"short write {written} of {expected} B")
+
+    def _is_aligned_slot(self, view: memoryview) -> bool:
+        return (
+            view.nbytes == self.slot_bytes
+            and np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN_BYTES == 0
+        )
 
     def _staging(self, num_bytes: int) -> mmap.mmap:
         """A page-aligned buffer of >= ``num_bytes`` (a spare one when one is big enough)."""
