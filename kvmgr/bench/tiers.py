@@ -155,7 +155,7 @@ async def _bench_case(
     if raw is not None:
         raw.close()
     else:
-        rps_runs.append(_server_benchmark(url, ns.blob_bytes, batch, args.steps * batch))  # type: ignore[arg-type]
+        rps_runs.append(_server_benchmark(str(url), ns.blob_bytes, batch, args.steps * batch))
     verified &= all(torch.equal(t[:batch], t[batch:]) for t in cpu)
     mode = backend.statistics().io_mode
     await backend.aclose()

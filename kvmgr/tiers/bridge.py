@@ -16,9 +16,11 @@ backend's statistics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import mmap
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -125,6 +127,12 @@ class TierBridge:
         align = max(1, int(getattr(backend, "blob_alignment", 1)))
         self._row_bytes = -(-namespace.blob_bytes // align) * align
         self._aligned = align > 1
+        # a backend without round trips (disk) takes a batch in chunks, so the bridge can
+        # overlap gathering/scattering one chunk with the I/O of another
+        chunk_bytes = getattr(backend, "chunk_bytes", None)
+        self._chunk_blocks = (
+            max(1, int(chunk_bytes) // namespace.blob_bytes) if chunk_bytes else 1 << 62
+        )
         self._spare_stage: list[np.ndarray] = []
 
     def statistics(self) -> BridgeStatistics:
@@ -148,28 +156,41 @@ class TierBridge:
             InvalidKeyError, InvalidBlockError: bad input, before anything is read.
         """
         keys, ids = self._check(keys, cpu_block_ids)
+        stored = np.zeros(len(keys), dtype=bool)
         if not keys:
-            return np.zeros(0, dtype=bool)
+            return stored
         stored_keys = self.namespace.stored_keys(keys)
-        buffer = _take(self._spare_rows, len(keys), self._row_bytes, aligned=self._aligned)
-        padded = buffer[: len(keys)]
-        rows = padded[:, : self.namespace.blob_bytes]
-        await self._maybe_thread(len(ids), lambda: self._gather(ids, stored_keys, rows))
-        try:
-            result = await self.backend.put_many(stored_keys, list(padded))
-        except TierError as exc:
-            # (the buffer is dropped, not reused: a timed-out write may still be reading it)
-            self._counters.num_errors += 1
-            self._counters.num_demote_failed += len(keys)
-            _log.warning(
-                "tier %s: demote of %d blocks failed: %s", self.backend.name, len(keys), exc
+        # gather chunk k + 1 while chunk k is being written (one chunk for round-trip backends)
+        puts = []
+        for lo in range(0, len(keys), self._chunk_blocks):
+            part = slice(lo, lo + self._chunk_blocks)
+            num = len(stored_keys[part])
+            buffer = _take(self._spare_rows, num, self._row_bytes, aligned=self._aligned)
+            padded = buffer[:num]
+            rows = padded[:, : self.namespace.blob_bytes]
+            part_ids, part_keys = ids[part], stored_keys[part]
+            await self._maybe_thread(
+                num, functools.partial(self._gather, part_ids, part_keys, rows)
             )
-            return np.zeros(len(keys), dtype=bool)
-        self._spare_rows.append(buffer)
-        self._counters.num_demoted += result.num_stored
-        self._counters.num_demote_failed += len(keys) - result.num_stored
-        self._counters.bytes_demoted += result.num_stored * self.namespace.payload_bytes
-        return np.asarray(result.stored, dtype=bool)
+            task = asyncio.ensure_future(self.backend.put_many(part_keys, list(padded)))
+            task.add_done_callback(_retrieve)
+            puts.append((part, buffer, task))
+        for part, buffer, task in puts:
+            try:
+                result = await task
+            except TierError as exc:
+                # (the buffer is dropped, not reused: a timed-out write may still be reading it)
+                self._counters.num_errors += 1
+                num = len(stored_keys[part])
+                _log.warning("tier %s: demote of %d blocks failed: %s", self.backend.name, num, exc)
+                continue
+            self._spare_rows.append(buffer)
+            stored[part] = result.stored
+        num_stored = int(stored.sum())
+        self._counters.num_demoted += num_stored
+        self._counters.num_demote_failed += len(keys) - num_stored
+        self._counters.bytes_demoted += num_stored * self.namespace.payload_bytes
+        return stored
 
     async def promote(
         self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
@@ -193,30 +214,43 @@ class TierBridge:
         if not keys:
             return hit
         stored_keys = self.namespace.stored_keys(keys)
-        try:
-            blobs = await self.backend.get_many(stored_keys)
-        except TierError as exc:
-            self._counters.num_errors += 1
-            self._counters.num_promote_misses += len(keys)
-            _log.warning(
-                "tier %s: promote of %d blocks failed: %s", self.backend.name, len(keys), exc
-            )
-            return hit
-        payloads = []
-        for i, (key, blob) in enumerate(zip(stored_keys, blobs)):
-            if blob is None:
+        # all chunks' reads start at once; chunk k is scattered while later ones are read
+        gets = []
+        for lo in range(0, len(keys), self._chunk_blocks):
+            part = slice(lo, lo + self._chunk_blocks)
+            task = asyncio.ensure_future(self.backend.get_many(stored_keys[part]))
+            task.add_done_callback(_retrieve)
+            gets.append((lo, task))
+        for lo, task in gets:
+            try:
+                blobs = await task
+            except TierError as exc:
+                self._counters.num_errors += 1
+                num = len(stored_keys[lo : lo + self._chunk_blocks])
+                _log.warning(
+                    "tier %s: promote of %d blocks failed: %s", self.backend.name, num, exc
+                )
                 continue
-            payload = verify(key, blob, self.namespace.fingerprint, checksum=False)
-            if payload is None or payload.nbytes != self.namespace.payload_bytes:
-                self._counters.num_layout_mismatch += 1
-                continue
-            hit[i] = True
-            payloads.append(payload)
-        if payloads:
-            await self._maybe_thread(len(payloads), lambda: self._scatter(ids[hit], payloads))
-        self._counters.num_promoted += len(payloads)
-        self._counters.num_promote_misses += len(keys) - len(payloads)
-        self._counters.bytes_promoted += len(payloads) * self.namespace.payload_bytes
+            positions, payloads = [], []
+            for i, blob in enumerate(blobs, start=lo):
+                if blob is None:
+                    continue
+                payload = verify(stored_keys[i], blob, self.namespace.fingerprint, checksum=False)
+                if payload is None or payload.nbytes != self.namespace.payload_bytes:
+                    self._counters.num_layout_mismatch += 1
+                    continue
+                positions.append(i)
+                payloads.append(payload)
+            if payloads:
+                part_ids = ids[positions]
+                await self._maybe_thread(
+                    len(payloads), functools.partial(self._scatter, part_ids, payloads)
+                )
+                hit[positions] = True
+        num_hits = int(hit.sum())
+        self._counters.num_promoted += num_hits
+        self._counters.num_promote_misses += len(keys) - num_hits
+        self._counters.bytes_promoted += num_hits * self.namespace.payload_bytes
         return hit
 
     # ---- internals ----------------------------------------------------------------------
@@ -273,6 +307,12 @@ class TierBridge:
         for t, arr in enumerate(self._arrays):
             arr[ids] = stage[:, self._offsets[t] : self._offsets[t + 1]]
         self._spare_stage.append(buffer)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a task's exception retrieved (a cancelled demote/promote leaves tasks behind)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _take(spares: list[np.ndarray], rows: int, width: int, *, aligned: bool = False) -> np.ndarray:

@@ -92,6 +92,9 @@ class DiskTier:
     #: blobs padded to this many bytes at 4 KiB-aligned addresses are written without a copy
     #: (``TierBridge`` pads its rows to it); only meaningful in direct mode.
     blob_alignment = ALIGN_BYTES
+    #: ``TierBridge`` hands batches over in chunks of about this many bytes, to overlap its
+    #: gather/scatter of one chunk with the I/O of the others.
+    chunk_bytes = _MAX_RUN_BYTES
 
     def __init__(
         self,
