@@ -127,11 +127,9 @@ async def _bench_case(
     # sequential I/O step by step, the server's own tool before and after the tier's run
     raw = _RawDisk(tmp / f"{case}.raw", batch * ns.blob_bytes, args.steps, backend.is_direct) \
         if tier_name == "disk" else None  # fmt: skip
-    rps_runs = (
-        []
-        if raw is not None
-        else [_server_benchmark(url, ns.blob_bytes, batch, args.steps * batch)]
-    )  # type: ignore[arg-type]
+    rps_runs: list[dict[str, float]] = []
+    if raw is None:
+        rps_runs.append(_server_benchmark(str(url), ns.blob_bytes, batch, args.steps * batch))
     store_s, load_s, raw_write_s, raw_read_s = [], [], [], []
     verified = True
     for step, keys in enumerate(batches):
