@@ -38,7 +38,7 @@ from kvmgr.errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from kvmgr.tiers._connection import ServerAddress, parse_address
+from kvmgr.tiers._connection import ServerAddress, large_reads, parse_address
 from kvmgr.tiers.base import (
     Buffer,
     PutResult,
@@ -120,6 +120,7 @@ class SharedTier:
             decode_responses=False,
             **extra,
         )
+        large_reads(self._client.connection_pool)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._deadline_s = deadline_s
         self._max_command_bytes = max_command_bytes
