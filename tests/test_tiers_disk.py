@@ -118,13 +118,13 @@ async def test_deadline_passes_then_write_lands(tmp_path) -> None:
     tier = _tier(tmp_path, deadline_s=0.05)
     cpu = random_cpu_tensors(PAGES, 4, seed=5)
     gate = threading.Event()
-    real_write = tier._pwrite_run
+    real_write = tier._write_run
 
     def slow_write(*args):  # type: ignore[no-untyped-def]
         gate.wait(5)  # a stalled device: the write waits until the test releases it
         return real_write(*args)
 
-    tier._pwrite_run = slow_write  # type: ignore[method-assign]
+    tier._write_run = slow_write  # type: ignore[method-assign]
     bridge = TierBridge(cpu, tier, NS)
     with pytest.raises(TierTimeoutError):
         await tier.put_many(NS.stored_keys(_keys(1)), [bytes(NS.blob_bytes)])

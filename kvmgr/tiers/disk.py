@@ -15,10 +15,11 @@ keys into the index; a failed write frees its slots. ``get_many`` pins the slots
 raises ``TierTimeoutError`` while its I/O finishes in the background and is committed or
 released then (a timed-out write may still become readable).
 
-Direct I/O: files open with ``O_DIRECT`` when ``direct=True`` and the filesystem accepts an
-aligned probe write (tmpfs and some overlay filesystems do not); otherwise buffered I/O.
-``statistics().io_mode`` says which. Direct I/O goes through page-aligned ``mmap`` staging
-buffers and whole slots; slot bytes are a multiple of 4 KiB.
+Direct I/O: files open with ``O_DIRECT`` when ``direct=True`` and the filesystem accepts it
+and an aligned probe read (tmpfs does not); otherwise buffered I/O. ``statistics().io_mode``
+says which. Slot bytes are a multiple of 4 KiB; slot-sized blobs at 4 KiB-aligned addresses
+(``TierBridge`` pads its rows so, see ``blob_alignment``) are written by ``pwritev`` as they
+are, others through aligned staging buffers. Files and I/O: ``kvmgr.tiers._slot_files``.
 
 Restart: ``aclose()`` saves the index beside the first file (``PATH.index``); the next
 ``DiskTier`` with the same geometry loads it and removes the file. A stale or torn entry cannot
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
-import mmap
 import os
 import time
 from collections import OrderedDict
@@ -49,6 +48,13 @@ from kvmgr.errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
+from kvmgr.tiers._slot_files import (
+    ALIGN_BYTES,
+    MAX_RUN_BYTES,
+    SlotFiles,
+    load_index,
+    save_index,
+)
 from kvmgr.tiers.base import (
     Buffer,
     PutResult,
@@ -57,16 +63,9 @@ from kvmgr.tiers.base import (
     check_keys,
     with_deadline,
 )
-from kvmgr.tiers.blob import blob_length, verify
+from kvmgr.tiers.blob import blob_length
 
 __all__ = ["ALIGN_BYTES", "DiskTier"]
-
-#: slot size and direct-I/O alignment.
-ALIGN_BYTES = 4096
-#: a run of consecutive slots is one pwritev/preadv of at most this many bytes; several runs go
-#: to the worker threads at once, so one run's copy overlaps another's device transfer.
-_MAX_RUN_BYTES = 4 << 20
-_INDEX_VERSION = 1
 
 
 class DiskTier:
@@ -94,7 +93,7 @@ class DiskTier:
     blob_alignment = ALIGN_BYTES
     #: ``TierBridge`` hands batches over in chunks of about this many bytes, to overlap its
     #: gather/scatter of one chunk with the I/O of the others.
-    chunk_bytes = _MAX_RUN_BYTES
+    chunk_bytes = MAX_RUN_BYTES
 
     def __init__(
         self,
@@ -117,22 +116,11 @@ class DiskTier:
         self._paths = [Path(path)] + [Path(f"{path}.{i}") for i in range(1, num_files)]
         self._deadline_s = deadline_s
         self._persist = persist_index
-        slots_per_file = -(-num_slots // num_files)
-        self._fds: list[int] = []
-        modes: list[bool] = []
         try:
-            for p in self._paths:
-                fd, is_direct = _open(p, slots_per_file * self.slot_bytes, direct)
-                self._fds.append(fd)
-                modes.append(is_direct)
+            self._files = SlotFiles(self._paths, self.slot_bytes, num_slots, direct)
         except OSError as exc:
-            for fd in self._fds:
-                os.close(fd)
             raise TierUnavailableError(f"disk tier {path}: {exc.strerror}") from None
-        is_direct = all(modes)
-        if any(modes) and not is_direct:
-            self._reopen_buffered()
-        self.is_direct = is_direct
+        self.is_direct = self._files.is_direct
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvmgr-disk")
         self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
@@ -140,12 +128,16 @@ class DiskTier:
         self._doomed: set[int] = set()
         self._pending: set[bytes] = set()
         self._inflight: set[asyncio.Task[object]] = set()
-        self._max_run_slots = max(1, _MAX_RUN_BYTES // self.slot_bytes)
-        self._spare_buffers: list[mmap.mmap] = []  # aligned write staging, reused
-        self._counters = TierCounters(name="disk", io_mode="direct" if is_direct else "buffered")
+        mode = "direct" if self.is_direct else "buffered"
+        self._counters = TierCounters(name="disk", io_mode=mode)
         self._closed = False
+        saved = None
         if persist_index:
-            self._load_index()
+            saved = load_index(self._index_path(), self._geometry(), num_slots, self.slot_bytes)
+        if saved:
+            self._index = saved
+            used = {slot for slot, _length in saved.values()}
+            self._free = [s for s in range(num_slots - 1, -1, -1) if s not in used]
 
     def __repr__(self) -> str:
         return (
@@ -272,10 +264,9 @@ class DiskTier:
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
         if self._persist:
-            self._save_index()
+            save_index(self._index_path(), self._geometry(), self._index)
         self._pool.shutdown(wait=True)
-        for fd in self._fds:
-            os.close(fd)
+        self._files.close()
 
     def statistics(self) -> TierStatistics:
         """Totals since construction (``io_mode`` ``"direct"`` or ``"buffered"``)."""
@@ -285,9 +276,15 @@ class DiskTier:
 
     def _reserve(self, n: int) -> list[int]:
         """Up to ``n`` slots: free ones first, then LRU victims that no read pins."""
-        if n > len(self._free):
-            victims = [k for k, (s, _l) in self._index.items() if s not in self._pins]
-            for key in victims[: n - len(self._free)]:
+        need = n - len(self._free)
+        if need > 0:  # walk from the LRU end; stop at ``need`` victims (pinned slots are skipped)
+            victims = []
+            for key, (slot, _length) in self._index.items():
+                if slot not in self._pins:
+                    victims.append(key)
+                    if len(victims) == need:
+                        break
+            for key in victims:
                 slot, _length = self._index.pop(key)
                 self._free.append(slot)
                 self._counters.num_evicted += 1
@@ -312,34 +309,15 @@ class DiskTier:
 
     # ---- I/O ------------------------------------------------------------------------------
 
-    def _locate(self, slot: int) -> tuple[int, int]:
-        return slot % len(self._fds), (slot // len(self._fds)) * self.slot_bytes
-
-    def _runs(self, slots: list[int]) -> list[list[int]]:
-        """Indices into ``slots`` grouped into runs of consecutive slots of one file."""
-        order = sorted(range(len(slots)), key=lambda i: self._locate(slots[i]))
-        runs: list[list[int]] = []
-        for i in order:
-            f, off = self._locate(slots[i])
-            if runs and len(runs[-1]) < self._max_run_slots:
-                pf, poff = self._locate(slots[runs[-1][-1]])
-                if pf == f and poff + self.slot_bytes == off:
-                    runs[-1].append(i)
-                    continue
-            runs.append([i])
-        return runs
-
     async def _write_and_commit(self, writes: list[tuple[int, bytes, memoryview, int]]) -> None:
         """Write ``(slot, key, view, blob bytes)`` entries; then index them, or free the slots."""
         loop = asyncio.get_running_loop()
         slots = [w[0] for w in writes]
         jobs = []
-        for run in self._runs(slots):
-            fd, offset = self._locate(slots[run[0]])
+        for run in self._files.runs(slots):
+            file, offset = self._files.locate(slots[run[0]])
             views = [writes[i][2] for i in run]
-            jobs.append(
-                loop.run_in_executor(self._pool, self._pwrite_run, self._fds[fd], offset, views)
-            )
+            jobs.append(loop.run_in_executor(self._pool, self._write_run, file, offset, views))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         for slot, key, _view, length in writes:
@@ -359,45 +337,9 @@ class DiskTier:
         self._counters.num_stored += len(writes)
         self._counters.bytes_written += sum(w[3] for w in writes)
 
-    def _pwrite_run(self, fd: int, offset: int, views: list[memoryview]) -> None:
-        buf = None
-        if self.is_direct and all(self._is_aligned_slot(v) for v in views):
-            buffers: list[Buffer] = list(views)  # vectored, straight from the caller's rows
-        elif self.is_direct:
-            buf = self._staging(len(views) * self.slot_bytes)
-            for i, view in enumerate(views):
-                buf[i * self.slot_bytes : i * self.slot_bytes + view.nbytes] = view
-            buffers = [memoryview(buf)[: len(views) * self.slot_bytes]]
-        else:
-            pad = memoryview(bytes(self.slot_bytes))
-            buffers = []
-            for i, view in enumerate(views):
-                buffers.append(view)
-                if i + 1 < len(views) and view.nbytes < self.slot_bytes:
-                    buffers.append(pad[: self.slot_bytes - view.nbytes])
-        expected = sum(memoryview(b).nbytes for b in buffers)
-        written = os.pwritev(fd, buffers, offset)
-        if buf is not None:
-            buffers.clear()
-            self._spare_buffers.append(buf)
-        if written != expected:
-            raise OSError(errno.EIO, f"short write {written} of {expected} B")
-
-    def _is_aligned_slot(self, view: memoryview) -> bool:
-        return (
-            view.nbytes == self.slot_bytes
-            and np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN_BYTES == 0
-        )
-
-    def _staging(self, num_bytes: int) -> mmap.mmap:
-        """A page-aligned buffer of >= ``num_bytes`` (a spare one when one is big enough)."""
-        try:
-            buf = self._spare_buffers.pop()
-        except IndexError:
-            buf = None
-        if buf is None or len(buf) < num_bytes:
-            buf = mmap.mmap(-1, self._max_run_slots * self.slot_bytes)
-        return buf
+    def _write_run(self, file: int, offset: int, views: list[memoryview]) -> None:
+        """One run's write, in a worker thread (a method, so tests can stall the device)."""
+        self._files.pwrite_run(file, offset, views)
 
     async def _read_and_release(
         self, reads: list[tuple[int, int, int, bytes]]
@@ -408,13 +350,13 @@ class DiskTier:
         num_failed = 0
         try:
             slots = [r[0] for r in reads]
-            runs = self._runs(slots)
+            runs = self._files.runs(slots)
             jobs = []
             for run in runs:
-                fd, offset = self._locate(slots[run[0]])
+                file, offset = self._files.locate(slots[run[0]])
                 items = [(reads[i][1], reads[i][3]) for i in run]
                 jobs.append(
-                    loop.run_in_executor(self._pool, self._pread_run, self._fds[fd], offset, items)
+                    loop.run_in_executor(self._pool, self._files.pread_run, file, offset, items)
                 )
             results = await asyncio.gather(*jobs, return_exceptions=True)
             for run, result in zip(runs, results):
@@ -430,22 +372,6 @@ class DiskTier:
                 self._unpin(slot)
         return out, num_failed
 
-    def _pread_run(
-        self, fd: int, offset: int, items: list[tuple[int, bytes]]
-    ) -> list[memoryview | None]:
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once, not one by one
-        buf = mmap.mmap(
-            -1, len(items) * self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
-        )
-        got = os.preadv(fd, [buf], offset)
-        whole = memoryview(buf)
-        out: list[memoryview | None] = []
-        for i, (length, key) in enumerate(items):
-            lo = i * self.slot_bytes
-            blob = whole[lo : lo + length] if lo + length <= got else None
-            out.append(blob if blob is not None and verify(key, blob) is not None else None)
-        return out
-
     # ---- files and the saved index ------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -457,62 +383,8 @@ class DiskTier:
         task.add_done_callback(self._inflight.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve, no warning
 
-    def _reopen_buffered(self) -> None:
-        for i, fd in enumerate(self._fds):
-            os.close(fd)
-            self._fds[i] = os.open(self._paths[i], os.O_RDWR)
-
     def _index_path(self) -> Path:
         return Path(f"{self._paths[0]}.index")
 
     def _geometry(self) -> list[int]:
-        return [_INDEX_VERSION, self.slot_bytes, self.num_slots, len(self._fds)]
-
-    def _save_index(self) -> None:
-        entries = [[k.hex(), s, n] for k, (s, n) in self._index.items()]
-        tmp = self._index_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps({"geometry": self._geometry(), "entries": entries}))
-        os.replace(tmp, self._index_path())
-
-    def _load_index(self) -> None:
-        path = self._index_path()
-        try:
-            saved = json.loads(path.read_text())
-            path.unlink()
-        except (OSError, ValueError):
-            return
-        if saved.get("geometry") != self._geometry():
-            return
-        used = set()
-        for key_hex, slot, length in saved["entries"]:
-            if 0 <= slot < self.num_slots and slot not in used and 0 < length <= self.slot_bytes:
-                self._index[bytes.fromhex(key_hex)] = (slot, length)
-                used.add(slot)
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
-
-
-def _open(path: Path, size: int, direct: bool) -> tuple[int, bool]:
-    """Open (creating) and preallocate ``path``; returns the fd and whether it is O_DIRECT."""
-    flags = os.O_RDWR | os.O_CREAT
-    fd = -1
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o600)
-        except OSError:
-            fd = -1
-    is_direct = fd >= 0
-    if fd < 0:
-        fd = os.open(path, flags, 0o600)
-    if os.fstat(fd).st_size < size:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError:
-            os.ftruncate(fd, size)
-    if is_direct:
-        probe = mmap.mmap(-1, ALIGN_BYTES)
-        try:
-            os.preadv(fd, [probe], 0)
-        except OSError:
-            os.close(fd)
-            return os.open(path, flags, 0o600), False
-    return fd, is_direct
+        return [self.slot_bytes, self.num_slots, len(self._paths)]
