@@ -142,14 +142,21 @@ async def test_bridge_gather_scatter_match_the_pages(offload_bytes: int, layout:
 
 
 @pytest.mark.asyncio
-async def test_bridge_errors_become_misses_and_bad_input_raises() -> None:
+async def test_bridge_errors_become_misses_and_bad_input_raises(caplog) -> None:
     cpu = random_cpu_tensors(PAGES, 4, seed=9)
     backend = FakeBackend()
     bridge = TierBridge(cpu, backend, NS)
     backend.fail = True
     assert not (await bridge.demote([b"a"], [0])).any()
     assert not (await bridge.promote([b"a"], [0])).any()
-    assert bridge.statistics().num_errors == 2
+    assert not (await bridge.promote([b"a"], [0])).any()
+    assert bridge.statistics().num_errors == 3
+    # one warning per run of failures, not one per step
+    assert [r.levelname for r in caplog.records if "failed" in r.message] == ["WARNING"]
+    backend.fail = False
+    assert (await bridge.demote([b"a"], [0])).all()
+    with pytest.raises(InvalidKeyError):
+        await bridge.demote([b"a", b"a"], [0, 1])
     for keys, ids, err in [
         ([b"a"], [4], InvalidBlockError),
         ([b"a"], [-1], InvalidBlockError),

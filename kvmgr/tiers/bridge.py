@@ -120,6 +120,7 @@ class TierBridge:
         self.namespace = namespace
         self._offload_bytes = offload_bytes
         self._counters = _Counters()
+        self._failing = False  # the last call failed (log once per run of failures)
         # reusable staging arrays (fresh memory costs a page fault per 4 KiB on every batch)
         self._spare_rows: list[np.ndarray] = []
         # a backend doing direct I/O asks for aligned blobs padded to its alignment, which it
@@ -155,7 +156,7 @@ class TierBridge:
         Raises:
             InvalidKeyError, InvalidBlockError: bad input, before anything is read.
         """
-        keys, ids = self._check(keys, cpu_block_ids)
+        keys, ids = self._check(keys, cpu_block_ids, distinct_keys=True)
         stored = np.zeros(len(keys), dtype=bool)
         if not keys:
             return stored
@@ -180,11 +181,11 @@ class TierBridge:
                 result = await task
             except TierError as exc:
                 # (the buffer is dropped, not reused: a timed-out write may still be reading it)
-                self._counters.num_errors += 1
                 num = len(stored_keys[part])
-                _log.warning("tier %s: demote of %d blocks failed: %s", self.backend.name, num, exc)
+                self._report_failure("demote", num, exc)
                 continue
             self._spare_rows.append(buffer)
+            self._failing = False
             stored[part] = result.stored
         num_stored = int(stored.sum())
         self._counters.num_demoted += num_stored
@@ -225,12 +226,10 @@ class TierBridge:
             try:
                 blobs = await task
             except TierError as exc:
-                self._counters.num_errors += 1
                 num = len(stored_keys[lo : lo + self._chunk_blocks])
-                _log.warning(
-                    "tier %s: promote of %d blocks failed: %s", self.backend.name, num, exc
-                )
+                self._report_failure("promote", num, exc)
                 continue
+            self._failing = False
             positions, payloads = [], []
             for i, blob in enumerate(blobs, start=lo):
                 if blob is None:
@@ -255,14 +254,24 @@ class TierBridge:
 
     # ---- internals ----------------------------------------------------------------------
 
+    def _report_failure(self, what: str, num_blocks: int, exc: TierError) -> None:
+        """Count a tier error; log a warning on the first of a run of failures, then debug."""
+        self._counters.num_errors += 1
+        level = logging.DEBUG if self._failing else logging.WARNING
+        self._failing = True
+        _log.log(
+            level, "tier %s: %s of %d blocks failed: %s", self.backend.name, what, num_blocks, exc
+        )
+
     def _check(
         self,
         keys: Sequence[bytes],
         cpu_block_ids: Sequence[int] | np.ndarray,
         *,
         distinct_ids: bool = False,
+        distinct_keys: bool = False,
     ) -> tuple[list[bytes], np.ndarray]:
-        keys = check_keys(keys)
+        keys = check_keys(keys, distinct=distinct_keys)
         ids = np.asarray(cpu_block_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise InvalidBlockError(f"cpu_block_ids: expected a 1-D int array, got {ids.dtype}")
