@@ -3,6 +3,7 @@ tests only; the real backends are tested in test_tiers_shared.py and test_tiers_
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -170,3 +171,20 @@ async def test_bridge_errors_become_misses_and_bad_input_raises(caplog) -> None:
         await bridge.promote([b"a", b"b"], [1, 1])
     with pytest.raises(GeometryError):
         TierBridge(random_cpu_tensors((8, 8, 8), 4, seed=1), backend, NS)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_calls_on_one_bridge() -> None:
+    # several demotes and promotes at once, all in worker threads, share the staging buffers
+    ns = TierNamespace("m", (584,) * 4, ("uint8",) * 4, 16)
+    cpu = _pool_tensors(ns.page_bytes, 64, seed=12)
+    bridge = TierBridge(cpu, FakeBackend(), ns, offload_bytes=0)
+    groups = [list(range(g * 8, g * 8 + 8)) for g in range(4)]
+    keys = [[b"g%d-%d" % (g, i) for i in range(8)] for g in range(4)]
+    stored = await asyncio.gather(*(bridge.demote(k, ids) for k, ids in zip(keys, groups)))
+    assert all(s.all() for s in stored)
+    dst = [list(range(32 + g * 8, 40 + g * 8)) for g in range(4)]
+    hits = await asyncio.gather(*(bridge.promote(k, ids) for k, ids in zip(keys, dst)))
+    assert all(h.all() for h in hits)
+    for t in cpu:
+        assert torch.equal(t[32:64], t[0:32])

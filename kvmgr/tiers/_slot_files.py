@@ -148,7 +148,10 @@ class SlotFiles:
 
     def _staging(self, num_bytes: int) -> mmap.mmap:
         """A page-aligned buffer of >= ``num_bytes`` (a spare one when one is big enough)."""
-        buf = self._spare_buffers.pop() if self._spare_buffers else None
+        try:  # (worker threads share the list: pop, never check-then-pop)
+            buf: mmap.mmap | None = self._spare_buffers.pop()
+        except IndexError:
+            buf = None
         if buf is None or len(buf) < num_bytes:
             buf = mmap.mmap(-1, max(num_bytes, self.max_run_slots * self.slot_bytes))
         return buf

@@ -19,6 +19,7 @@ import asyncio
 import functools
 import logging
 import mmap
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,6 +136,7 @@ class TierBridge:
             max(1, int(chunk_bytes) // namespace.blob_bytes) if chunk_bytes else 1 << 62
         )
         self._spare_stage: list[np.ndarray] = []
+        self._spare_lock = threading.Lock()  # worker threads of concurrent calls share the lists
 
     def statistics(self) -> BridgeStatistics:
         """Totals since construction."""
@@ -166,7 +168,9 @@ class TierBridge:
         for lo in range(0, len(keys), self._chunk_blocks):
             part = slice(lo, lo + self._chunk_blocks)
             num = len(stored_keys[part])
-            buffer = _take(self._spare_rows, num, self._row_bytes, aligned=self._aligned)
+            buffer = _take(
+                self._spare_lock, self._spare_rows, num, self._row_bytes, aligned=self._aligned
+            )
             padded = buffer[:num]
             rows = padded[:, : self.namespace.blob_bytes]
             part_ids, part_keys = ids[part], stored_keys[part]
@@ -309,7 +313,9 @@ class TierBridge:
             for block, payload in zip(ids.tolist(), payloads):
                 self._stack[:, block, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
             return
-        buffer = _take(self._spare_stage, len(payloads), self.namespace.payload_bytes)
+        buffer = _take(
+            self._spare_lock, self._spare_stage, len(payloads), self.namespace.payload_bytes
+        )
         stage = buffer[: len(payloads)]
         for i, payload in enumerate(payloads):
             stage[i] = np.frombuffer(payload, dtype=np.uint8)
@@ -324,17 +330,25 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def _take(spares: list[np.ndarray], rows: int, width: int, *, aligned: bool = False) -> np.ndarray:
+def _take(
+    lock: threading.Lock,
+    spares: list[np.ndarray],
+    rows: int,
+    width: int,
+    *,
+    aligned: bool = False,
+) -> np.ndarray:
     """A spare uint8 ``[>= rows, width]`` array from ``spares`` (removed), or a new one.
 
     ``aligned``: a new array starts on a page (``mmap``), so rows of a multiple-of-4 KiB width
     are 4 KiB aligned.
     """
-    for i, buf in enumerate(spares):
-        if buf.shape[0] >= rows:
-            return spares.pop(i)
-    if spares:
-        spares.pop(0)  # too small: let it go
+    with lock:
+        for i, buf in enumerate(spares):
+            if buf.shape[0] >= rows:
+                return spares.pop(i)
+        if spares:
+            spares.pop(0)  # too small: let it go
     if aligned:
         return np.frombuffer(mmap.mmap(-1, rows * width), dtype=np.uint8).reshape(rows, width)
     return np.empty((rows, width), dtype=np.uint8)
