@@ -390,3 +390,18 @@ def test_missing_server_skips_locally_and_fails_in_ci(monkeypatch) -> None:
     monkeypatch.setenv("KVMGR_REQUIRE_TIER_SERVER", "1")
     with pytest.raises(pytest.fail.Exception, match="KVMGR_REQUIRE_TIER_SERVER=1"):
         tiers_server.server_binary()
+
+
+@pytest.mark.asyncio
+async def test_unix_socket_round_trip(tier_server_factory, tmp_path) -> None:
+    sock = tmp_path / "kv.sock"
+    server = tier_server_factory("--unixsocket", str(sock), "--unixsocketperm", "700")
+    ns = _namespace()
+    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=17)
+    tier = SharedTier(f"unix://{sock}")
+    bridge = TierBridge(cpu, tier, ns)
+    assert (await bridge.demote(_keys(2), [0, 1])).all()
+    assert int(server.command("DBSIZE")) == 2
+    assert (await bridge.promote(_keys(2), [2, 3])).all()
+    assert _equal(_blocks(cpu, [2, 3]), _blocks(cpu, [0, 1]))
+    await tier.aclose()
