@@ -399,6 +399,7 @@ async def test_unix_socket_round_trip(tier_server_factory, tmp_path) -> None:
     ns = _namespace()
     cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=17)
     tier = SharedTier(f"unix://{sock}")
+    assert tier.url == f"unix://{sock}"
     bridge = TierBridge(cpu, tier, ns)
     assert (await bridge.demote(_keys(2), [0, 1])).all()
     assert int(server.command("DBSIZE")) == 2

@@ -122,7 +122,10 @@ def parse_address(
     netloc = f"[{host}]" if ":" in host else host
     if parts.port is not None:
         netloc += f":{parts.port}"
-    clean = urllib.parse.urlunsplit((scheme, netloc, parts.path, parts.query, ""))
+    if scheme == "unix":  # (urlunsplit would drop the "//" of a netloc-less URL)
+        clean = f"unix://{parts.path}" + (f"?{parts.query}" if parts.query else "")
+    else:
+        clean = urllib.parse.urlunsplit((scheme, netloc, parts.path, parts.query, ""))
     return ServerAddress(
         url=clean,
         is_tls=scheme == "rediss",
