@@ -297,6 +297,7 @@ async def test_acl_credentials_never_printed(tier_server_factory, tmp_path, monk
         SharedTier(f"valkey://kv:{PASSWORD}@{host}/0"),
         SharedTier(f"redis://{host}/0", username="kv", password_file=pw_file),
         SharedTier(f"redis://{host}/0", username="kv", password_env="KVMGR_TEST_PW"),
+        SharedTier(f"redis://{host}/0?username=kv&password={PASSWORD}"),
     ]
     texts = []
     for i, tier in enumerate(tiers):
@@ -328,6 +329,9 @@ def test_url_schemes_and_bad_urls() -> None:
     assert SharedTier("valkey://h:1/2").url == "redis://h:1/2"
     assert SharedTier("valkeys://u:p@h:1/0").url == "rediss://h:1/0"
     assert "p@" not in repr(SharedTier("rediss://u:p@h:1/0"))
+    in_query = SharedTier("redis://h:1/0?password=qs-Secret9&socket_keepalive=true")
+    assert "qs-Secret9" not in repr(in_query) + in_query.url
+    assert in_query.url == "redis://h:1/0?socket_keepalive=true"
     for bad in ("http://h:1", "h:1", "redis:///0"):
         with pytest.raises(ConfigError):
             SharedTier(bad)

@@ -104,10 +104,24 @@ def parse_address(
         )
     if scheme != "unix" and not parts.hostname:
         raise ConfigError("tier URL: expected a host (redis://HOST:PORT/DB)")
-    user = urllib.parse.unquote(parts.username) if parts.username else username
+    # credentials may also sit in the query (redis-py reads ?password=); take them out of the URL
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    query_creds = {k: v for k, v in query if k in ("username", "password")}
+    parts = parts._replace(
+        query=urllib.parse.urlencode([(k, v) for k, v in query if k not in query_creds])
+    )
+    url_user = (
+        urllib.parse.unquote(parts.username) if parts.username else query_creds.get("username")
+    )
+    url_password = (
+        urllib.parse.unquote(parts.password)
+        if parts.password is not None
+        else query_creds.get("password")
+    )
+    user = url_user or username
     password, source = None, None
-    if parts.password is not None:
-        password, source = Secret(urllib.parse.unquote(parts.password)), "url"
+    if url_password is not None:
+        password, source = Secret(url_password), "url"
     elif password_file is not None:
         try:
             first = Path(password_file).read_text().splitlines()
