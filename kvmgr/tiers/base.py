@@ -18,6 +18,11 @@ Semantics shared by all backends:
       (``TierTimeoutError``, ``TierUnavailableError``, ``TierFullError``) and counts it; it never
       hangs. Callers (``TierBridge``) turn errors into misses.
     - A backend may drop any key at any time (eviction): a later get is a miss.
+    - Optional hints a backend may define (``TierBridge`` reads them with ``getattr``):
+      ``blob_alignment`` (int bytes: hand blobs padded to this size at aligned addresses, for
+      direct I/O without a copy; the header's length says where the blob ends) and
+      ``chunk_bytes`` (int: take a batch in chunks of about this many bytes, so gather/scatter
+      overlaps the I/O; only for backends where a call is not a network round trip).
 """
 
 from __future__ import annotations
