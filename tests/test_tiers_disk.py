@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from tiers_server import random_cpu_tensors
 
-from kvmgr.errors import ConfigError, InvalidArgumentError, InvalidKeyError, TierTimeoutError
+from kvmgr.errors import (
+    ConfigError,
+    GeometryError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    TierTimeoutError,
+)
 from kvmgr.tiers import DiskTier, TierBackend, TierBridge, TierNamespace
 
 PAGES = (4096, 1152, 584)
@@ -152,6 +158,10 @@ async def test_bad_input_changes_nothing(tmp_path) -> None:
     assert tier.num_used == 0 and tier.statistics().num_put_batches == 0
     with pytest.raises(ConfigError):
         DiskTier(tmp_path / "x", slot_bytes=0, num_slots=1)
+    small = DiskTier(tmp_path / "small", slot_bytes=4096, num_slots=2)
+    with pytest.raises(GeometryError, match="slots"):
+        TierBridge(cpu, small, NS)
+    await small.aclose()
     await tier.aclose()
 
 

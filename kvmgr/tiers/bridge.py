@@ -84,8 +84,8 @@ class TierBridge:
         offload_bytes: batches of more payload bytes than this gather/scatter in a worker thread.
 
     Raises:
-        GeometryError: tensors not uint8 CPU 2-D, differing block counts, or page bytes that differ
-            from ``namespace.page_bytes``.
+        GeometryError: tensors not uint8 CPU 2-D, differing block counts, page bytes that differ
+            from ``namespace.page_bytes``, or backend slots (``slot_bytes``) too small for a blob.
 
     The caller keeps the CPU blocks of an in-flight ``demote`` unmodified and of an in-flight
     ``promote`` unread until the await returns (a cancelled await: a promote may still write the
@@ -113,6 +113,11 @@ class TierBridge:
             )
         if len({int(t.shape[0]) for t in tensors}) != 1:
             raise GeometryError("expected the same num_blocks in every cpu tensor")
+        slot_bytes = getattr(backend, "slot_bytes", None)
+        if isinstance(slot_bytes, int) and slot_bytes < namespace.blob_bytes:
+            raise GeometryError(
+                f"expected backend slots of >= {namespace.blob_bytes} B (one blob), got {slot_bytes}"
+            )
         self._arrays = [t.numpy() for t in tensors]
         self._stack = _as_stack(self._arrays)
         self._offsets = np.concatenate([[0], np.cumsum(page_bytes)]).tolist()
