@@ -37,7 +37,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "SharedTier":
-        from kvmgr.tiers.shared import SharedTier
-
+        try:
+            from kvmgr.tiers.shared import SharedTier
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"SharedTier needs the 'tiers' extra (pip install 'kvmgr[tiers]'): {exc}"
+            ) from exc
         return SharedTier
     raise AttributeError(f"module 'kvmgr.tiers' has no attribute {name!r}")
