@@ -60,7 +60,9 @@ class ManagerState(abc.ABC):
             BlockAllocator(gpu_layout.num_blocks, name="gpu") if config.manage_gpu_blocks else None
         )
         self.index = PrefixIndex()
-        self.policy = make_policy(config.policy, config.num_cpu_blocks)
+        self.policy = make_policy(
+            config.policy, config.num_cpu_blocks, **dict(config.policy_options)
+        )
         self._tables: dict[Hashable, BlockTable] = {}
         self._counts: Counter[str] = Counter()
         self._rejected: Counter[str] = Counter()
@@ -160,16 +162,22 @@ class ManagerState(abc.ABC):
         self._check_not_closed()
         keys = self._keys(keys, distinct=False)
         hits = self.index.lookup(keys)
-        self.policy.touch(keys[:hits], self.index.is_ready)
+        self.policy.touch(keys[:hits])
         counts = self._counts
         counts["lookups"] += 1
         counts["lookup_keys"] += len(keys)
         counts["lookup_hits"] += hits
         return hits
 
-    def swap_out(self, gpu_block_ids: Sequence[int], keys: Sequence[bytes]) -> asyncio.Future[Any]:
+    def swap_out(
+        self,
+        gpu_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None] | None = None,
+    ) -> asyncio.Future[Any]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
-        ``gpu_block_ids[i]``).
+        ``gpu_block_ids[i]``); ``parents[i]`` is the key ``keys[i]`` extends (default: all
+        ``None``, parents unknown; the v2 manager's ``store_many`` defaults to one chain).
 
         Keys already in the CPU tier (any state) are skipped. The others get CPU blocks (free
         ones first, then by evicting READY blocks without loads in flight, never a key of this
@@ -191,13 +199,19 @@ class ManagerState(abc.ABC):
             raise InvalidKeyError(
                 f"expected one key per gpu block, got {len(keys)} keys and {len(gpu)} blocks"
             )
+        if parents is None:
+            parents = [None] * len(keys)
+        elif len(parents) != len(keys):
+            raise InvalidKeyError(f"expected one parent per key, got {len(parents)}")
         future = self._new_future()
         fresh = [i for i, key in enumerate(keys) if key not in self.index]
         new_keys = [keys[i] for i in fresh]
+        if len(fresh) < len(keys):
+            self.policy.touch([key for key in keys if key in self.index])
         cpu = self._make_room(len(new_keys), keys)
         for key, block_id in zip(new_keys, cpu):
             self.index.add_pending(key, block_id)
-            self.policy.insert(key)
+        self.policy.insert(new_keys, [parents[i] for i in fresh])
         self._counts["stores_queued"] += len(new_keys)
         self._counts["stores_skipped"] += len(keys) - len(new_keys)
         result = SwapResult(
@@ -216,7 +230,7 @@ class ManagerState(abc.ABC):
         def on_failure(_: BaseException) -> None:
             for key in new_keys:  # only PENDING keys: none of them became READY
                 self.index.remove(key)
-                self.policy.remove(key)
+            self.policy.remove(new_keys)
             self.cpu_blocks.free(cpu)
             self._counts["stores_failed"] += len(new_keys)
 
@@ -252,7 +266,7 @@ class ManagerState(abc.ABC):
                 )
         future = self._new_future()
         cpu = [self.index.add_reader(key) for key in keys]
-        self.policy.touch(keys, self.index.is_ready)
+        self.policy.touch(keys)
         self._counts["loads_queued"] += len(keys)
         result = SwapResult(
             num_blocks=len(keys),

@@ -66,6 +66,8 @@ class ManagerConfig:
         store_wait_s: bound of the wait, seconds.
         allow_pageable: CUDA engines may fall back (logged) to pageable host memory when
             registration fails, instead of raising.
+        policy_options: keyword arguments for the policy's constructor
+            (``make_policy(policy, num_cpu_blocks, **policy_options)``), e.g. ``clock``.
     """
 
     num_cpu_blocks: int = attrs.field(validator=_positive)
@@ -78,6 +80,7 @@ class ManagerConfig:
     backpressure: str = attrs.field(default="fail", validator=_one_of(BACKPRESSURE_MODES))
     store_wait_s: float = attrs.field(default=1.0)
     allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=v.instance_of(Mapping))
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:

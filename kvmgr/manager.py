@@ -182,7 +182,12 @@ class OffloadManager(ManagerState):
 
     # ------------------------------------------------------------------ backpressure
 
-    def swap_out(self, gpu_block_ids: Sequence[int], keys: Sequence[bytes]) -> asyncio.Future[Any]:
+    def swap_out(
+        self,
+        gpu_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None] | None = None,
+    ) -> asyncio.Future[Any]:
         """Queue a store; see ``ManagerState.swap_out``.
 
         With ``backpressure="wait"``, a store that finds no room does not raise at once: the
@@ -191,14 +196,16 @@ class OffloadManager(ManagerState):
         with ``PoolExhaustedError(reason="timeout")``. Bad input still raises at once.
         """
         try:
-            return super().swap_out(gpu_block_ids, keys)
+            return super().swap_out(gpu_block_ids, keys, parents)
         except PoolExhaustedError as exc:
             if self.config.backpressure != "wait" or exc.needed > self.cpu_blocks.num_blocks:
                 self._rejected[exc.reason] += 1
                 raise
         loop = self._check_open()
         deadline = loop.time() + self.config.store_wait_s
-        return loop.create_task(self._swap_out_when_room(list(gpu_block_ids), list(keys), deadline))
+        return loop.create_task(
+            self._swap_out_when_room(list(gpu_block_ids), list(keys), parents, deadline)
+        )
 
     def preempt(self, req_id: Hashable) -> asyncio.Future[Any]:
         """Queue a request-level swap-out; see ``ManagerState.preempt``."""
@@ -209,12 +216,16 @@ class OffloadManager(ManagerState):
             raise
 
     async def _swap_out_when_room(
-        self, gpu_block_ids: list[int], keys: list[bytes], deadline: float
+        self,
+        gpu_block_ids: list[int],
+        keys: list[bytes],
+        parents: Sequence[bytes | None] | None,
+        deadline: float,
     ) -> Any:
         loop = self._check_open()
         while True:
             try:  # room may have appeared before this task first ran
-                future = ManagerState.swap_out(self, gpu_block_ids, keys)
+                future = ManagerState.swap_out(self, gpu_block_ids, keys, parents)
             except PoolExhaustedError:
                 pass
             else:
