@@ -86,6 +86,8 @@ class ManagerConfig:
             ``ManagerStatistics.stores_not_admitted``.
         max_events: KV events kept for ``take_events()``/``events()`` before the oldest are
             dropped; 0 records none.
+        policy_options: keyword arguments for the policy's constructor
+            (``make_policy(policy, num_cpu_blocks, **policy_options)``), e.g. ``clock``.
     """
 
     num_cpu_blocks: int = attrs.field(validator=_cpu_blocks)
@@ -100,6 +102,7 @@ class ManagerConfig:
     allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
     store_threshold: int = attrs.field(default=1, validator=_positive)
     max_events: int = attrs.field(default=4096, validator=_non_negative)
+    policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=v.instance_of(Mapping))
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:

@@ -64,11 +64,11 @@ def check_keys(keys: object, *, distinct: bool) -> list[bytes]:
     return out
 
 
-def _parents(keys: list[bytes], parents: object, first: bytes | None) -> list[bytes | None]:
-    """One parent per key: ``parents`` as given, or a chain (``keys[i]`` extends ``keys[i-1]``,
-    ``keys[0]`` extends ``first``)."""
+def _parents(keys: list[bytes], parents: object) -> list[bytes | None]:
+    """One parent per key: ``parents`` as given, or one chain (``keys[i]`` extends
+    ``keys[i-1]``, ``keys[0]`` is a root)."""
     if parents is None:
-        return [first, *keys[:-1]]
+        return [None, *keys[:-1]]
     if isinstance(parents, (bytes, str)) or not isinstance(parents, Sequence):
         raise InvalidKeyError(f"expected a sequence of parent keys, got {type(parents).__name__}")
     out = list(parents)
@@ -100,7 +100,9 @@ class Bookkeeper:
         self.block_bytes = gpu_layout.block_bytes
         self.events = EventStream(config.max_events)
         self.counters = Counters()
-        self.cpu = CpuTier(config.num_cpu_blocks, config.policy, self.events.removed)
+        self.cpu = CpuTier(
+            config.num_cpu_blocks, config.policy, self.events.removed, config.policy_options
+        )
         self.gpu = GpuBlocks(gpu_layout.num_blocks, owned=config.manage_gpu_blocks)
         self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes)
         self.cpu_pool = HostKVPool(
@@ -204,7 +206,6 @@ class Bookkeeper:
         gpu_block_ids: object,
         keys: object,
         parents: object,
-        parent: bytes | None,
         future: asyncio.Future[Any],
         *,
         batched: bool,
@@ -222,9 +223,7 @@ class Bookkeeper:
             raise InvalidKeyError(
                 f"expected one key per gpu block, got {n} keys and {len(gpu)} blocks"
             )
-        if parent is not None and type(parent) is not bytes:
-            raise InvalidKeyError(f"expected a bytes parent key or None, got {parent!r}")
-        all_parents = _parents(keys, parents, parent)
+        all_parents = _parents(keys, parents)
         cpu = self.cpu
         if n <= SMALL:
             index = cpu.index

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import array
 import enum
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,14 +53,19 @@ class CpuTier:
         num_blocks: CPU blocks.
         policy: registry name of the eviction policy.
         on_removed: called with the keys evicted, in eviction order (the KV event stream).
+        policy_options: keyword arguments of the policy's constructor.
     """
 
     def __init__(
-        self, num_blocks: int, policy: str, on_removed: Callable[[list[bytes]], None]
+        self,
+        num_blocks: int,
+        policy: str,
+        on_removed: Callable[[list[bytes]], None],
+        policy_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.pool = BlockAllocator(num_blocks, name="cpu")
-        self.policy = make_policy(policy, num_blocks)
+        self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
         self.block_key = np.full(num_blocks, None, dtype=object)
         self.state = bytearray(num_blocks)

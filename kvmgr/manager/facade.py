@@ -276,11 +276,15 @@ class OffloadManager:
         return dropped
 
     def swap_out(
-        self, gpu_block_ids: Sequence[int], keys: Sequence[bytes], *, parent: bytes | None = None
+        self,
+        gpu_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None] | None = None,
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
-        ``gpu_block_ids[i]``; ``keys[i]`` extends ``keys[i - 1]`` and ``keys[0]`` extends
-        ``parent``, which the policy uses to evict leaves before their prefix).
+        ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
+        by default ``keys[i]`` extends ``keys[i - 1]``. The policy uses the chains to evict the
+        leaves of a prefix before its root.
 
         Keys already in the CPU tier (any state) are skipped, and so are keys not admitted yet
         (``store_threshold``). The others get CPU blocks (free ones first, then by evicting
@@ -302,11 +306,9 @@ class OffloadManager:
         loop = self._check_open()
         future: asyncio.Future[SwapResult] = loop.create_future()
         try:
-            part = self._books.prepare_store(
-                gpu_block_ids, keys, None, parent, future, batched=False
-            )
+            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=False)
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, None, parent, batched=False)
+            return self._when_room(exc, gpu_block_ids, keys, parents, batched=False)
         self._enqueue(part)
         return future
 
@@ -335,11 +337,9 @@ class OffloadManager:
         loop = self._check_open()
         future: asyncio.Future[StoreResult] = loop.create_future()
         try:
-            part = self._books.prepare_store(
-                gpu_block_ids, keys, parents, None, future, batched=True
-            )
+            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, None, batched=True)
+            return self._when_room(exc, gpu_block_ids, keys, parents, batched=True)
         self._enqueue(part)
         return future
 
@@ -349,7 +349,6 @@ class OffloadManager:
         gpu_block_ids: Any,
         keys: Sequence[bytes],
         parents: Any,
-        parent: bytes | None,
         *,
         batched: bool,
     ) -> asyncio.Future[Any]:
@@ -362,9 +361,7 @@ class OffloadManager:
         deadline = loop.time() + self.config.store_wait_s
 
         def attempt(future: asyncio.Future[Any]) -> Part:
-            return self._books.prepare_store(
-                gpu_block_ids, keys, parents, parent, future, batched=batched
-            )
+            return self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
 
         return loop.create_task(
             self._room.retry(loop, attempt, self._enqueue, deadline, self.config, counters)
