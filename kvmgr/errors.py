@@ -8,8 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "BlockStateError",
-    "ClosedError",
     "ClosedBeforeCopyError",
+    "ClosedError",
     "ConfigError",
     "DoubleFreeError",
     "EventLoopError",

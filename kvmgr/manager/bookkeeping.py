@@ -101,10 +101,14 @@ class Bookkeeper:
         self.events = EventStream(config.max_events)
         self.counters = Counters()
         self.cpu = CpuTier(
-            config.num_cpu_blocks, config.policy, self.events.removed, config.policy_options
+            config.num_cpu_blocks,
+            config.policy,
+            self.events.removed,
+            config.policy_options,
+            self.counters,
         )
         self.gpu = GpuBlocks(gpu_layout.num_blocks, owned=config.manage_gpu_blocks)
-        self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes)
+        self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes, self.counters)
         self.cpu_pool = HostKVPool(
             gpu_layout.page_bytes.tolist(), config.num_cpu_blocks, allocate_host
         )
@@ -122,7 +126,11 @@ class Bookkeeper:
         """
         if type(block_ids) is list and len(block_ids) <= SMALL:
             self.gpu.check_small(block_ids, what)
-            return [int(b) for b in block_ids] if any(type(b) is not int for b in block_ids) else block_ids
+            return (
+                [int(b) for b in block_ids]
+                if any(type(b) is not int for b in block_ids)
+                else block_ids
+            )
         ids = as_id_array(block_ids, "gpu")
         self.gpu.check_array(ids, what)
         return ids
@@ -274,9 +282,7 @@ class Bookkeeper:
         else:
             cpu_list = cpu_ids.tolist()
             src_list = src if isinstance(src, list) else src.tolist()
-            result = SwapResult(
-                m, m * self.block_bytes, n - m, tuple(cpu_list), tuple(src_list)
-            )
+            result = SwapResult(m, m * self.block_bytes, n - m, tuple(cpu_list), tuple(src_list))
         if isinstance(src, list):
             return Part(Kind.STORE, future, result, src, cpu_ids.tolist(), new_keys)
         return Part(Kind.STORE, future, result, src, cpu_ids, new_keys)
@@ -355,8 +361,10 @@ class Bookkeeper:
         n = len(cpu_ids)
         self.gpu.release(gpu_ids)
         if lane.direction is Direction.D2H:
-            keys = [k for p in parts if p.keys for k in p.keys] if len(parts) > 1 else (
-                parts[0].keys or []
+            keys = (
+                [k for p in parts if p.keys for k in p.keys]
+                if len(parts) > 1
+                else (parts[0].keys or [])
             )
             if ok:
                 cpu.stores_landed(cpu_ids)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
+from kvmgr.manager.counters import Counters
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
 
@@ -54,6 +55,7 @@ class CpuTier:
         policy: registry name of the eviction policy.
         on_removed: called with the keys evicted, in eviction order (the KV event stream).
         policy_options: keyword arguments of the policy's constructor.
+        counters: where evictions are counted.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class CpuTier:
         policy: str,
         on_removed: Callable[[list[bytes]], None],
         policy_options: Mapping[str, Any] | None = None,
+        counters: Counters | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.pool = BlockAllocator(num_blocks, name="cpu")
@@ -75,6 +78,7 @@ class CpuTier:
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
         self._on_removed = on_removed
+        self.counters = counters if counters is not None else Counters()
 
     # ------------------------------------------------------------------ queries
 
@@ -118,6 +122,7 @@ class CpuTier:
                     reason="cpu_full",
                 )
             self._forget(victims)
+            self.counters.evictions += len(victims)
         ids = self.pool.take(n)
         assert ids is not None
         return ids

@@ -40,7 +40,14 @@ from kvmgr.manager.queue import Part, SwapQueue
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
 from kvmgr.pool.layout import KVLayout
-from kvmgr.reports import KVEvent, LoadResult, ManagerStatistics, StepReport, StoreResult, SwapResult
+from kvmgr.reports import (
+    KVEvent,
+    LoadResult,
+    ManagerStatistics,
+    StepReport,
+    StoreResult,
+    SwapResult,
+)
 from kvmgr.transfer import make_engine
 from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.host import HostEngine
@@ -666,4 +673,3 @@ class OffloadManager:
         for batch in self._queue.in_flight.values():
             if batch.direction is Direction.H2D:
                 self.engine.stream_wait(batch.handle, stream)
-

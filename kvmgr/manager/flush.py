@@ -115,8 +115,10 @@ class Flusher:
                 try:
                     report = self._submit(direction, lane, gpu_ids, cpu_ids)
                 except KVMgrError as exc:
-                    error = exc if isinstance(exc, TransferError) else TransferError(
-                        f"could not submit the {direction.value} batch: {exc}"
+                    error = (
+                        exc
+                        if isinstance(exc, TransferError)
+                        else TransferError(f"could not submit the {direction.value} batch: {exc}")
                     )
                     self._fail_lane(lane, gpu_ids, cpu_ids, error)
                     continue

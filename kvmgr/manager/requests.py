@@ -24,6 +24,7 @@ from kvmgr.errors import (
     PoolExhaustedError,
     UnknownRequestError,
 )
+from kvmgr.manager.counters import Counters
 from kvmgr.manager.cpu_tier import CpuState, CpuTier
 from kvmgr.manager.gpu_pool import GpuBlocks
 from kvmgr.manager.queue import Kind, Part
@@ -56,8 +57,9 @@ def check_count(num_blocks: object) -> int:
 class RequestTables:
     """Block tables of the requests, over the CPU tier and the GPU blocks."""
 
-    def __init__(self, cpu: CpuTier, gpu: GpuBlocks, block_bytes: int) -> None:
+    def __init__(self, cpu: CpuTier, gpu: GpuBlocks, block_bytes: int, counters: Counters) -> None:
         self.cpu = cpu
+        self.counters = counters
         self.gpu = gpu
         self.block_bytes = block_bytes
         self.tables: dict[Hashable, BlockTable] = {}
@@ -141,6 +143,7 @@ class RequestTables:
         cpu = self.cpu.make_room(len(gpu), ())
         self.cpu.set_state(cpu, CpuState.PREEMPTING)
         table.moving = True
+        self.counters.stores_queued += len(gpu)
         self.gpu.acquire(gpu)
         result = SwapResult(
             len(gpu), len(gpu) * self.block_bytes, 0, tuple(cpu.tolist()), tuple(table.block_ids)
@@ -194,6 +197,7 @@ class RequestTables:
             self.gpu.check_array(gpu, "resume")
         self.cpu.set_state(cpu, CpuState.RESUMING)
         table.moving = True
+        self.counters.loads_queued += len(cpu)
         self.gpu.acquire(gpu)
         result = SwapResult(
             len(cpu), len(cpu) * self.block_bytes, 0, tuple(table.block_ids), tuple(gpu.tolist())

@@ -123,7 +123,12 @@ class ManagerSnapshot:
     batches: tuple[BatchSnapshot, ...]
 
 
-_KIND_NAMES = {Kind.STORE: "store", Kind.LOAD: "load", Kind.PREEMPT: "preempt", Kind.RESUME: "resume"}
+_KIND_NAMES = {
+    Kind.STORE: "store",
+    Kind.LOAD: "load",
+    Kind.PREEMPT: "preempt",
+    Kind.RESUME: "resume",
+}
 
 
 def _ints(ids: object) -> tuple[int, ...]:
@@ -188,4 +193,3 @@ def take_snapshot(books: Bookkeeper, queue: SwapQueue) -> ManagerSnapshot:
         swaps=tuple(swaps),
         batches=tuple(batches),
     )
-
