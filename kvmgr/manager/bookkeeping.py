@@ -53,12 +53,19 @@ def check_keys(keys: object, *, distinct: bool) -> list[bytes]:
     Raises:
         InvalidKeyError: not a sequence of bytes, or repeated keys where ``distinct``.
     """
-    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+    if type(keys) is list:
+        out = keys
+    elif isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
         raise InvalidKeyError(f"expected a sequence of bytes keys, got {type(keys).__name__}")
-    out = keys if type(keys) is list else list(keys)
-    for key in out:
-        if type(key) is not bytes:
-            raise InvalidKeyError(f"expected bytes keys, got {type(key).__name__}: {key!r}")
+    else:
+        out = list(keys)
+    if len(out) > SMALL:
+        is_bytes = set(map(type, out)) == {bytes}
+    else:
+        is_bytes = all(type(key) is bytes for key in out)
+    if not is_bytes:
+        key = next(k for k in out if type(k) is not bytes)
+        raise InvalidKeyError(f"expected bytes keys, got {type(key).__name__}: {key!r}")
     if distinct and len(out) > 1 and len(set(out)) != len(out):
         raise InvalidKeyError("keys of one store must be distinct")
     return out
@@ -236,6 +243,8 @@ class Bookkeeper:
         if n <= SMALL:
             index = cpu.index
             fresh = [i for i in range(n) if keys[i] not in index]
+        elif cpu.index.keys().isdisjoint(keys):
+            fresh = list(range(n))
         else:
             fresh = np.flatnonzero(~cpu.present(keys)).tolist()
         num_present = n - len(fresh)
@@ -249,19 +258,23 @@ class Bookkeeper:
                 waiting += [keys[i] for i, ok in zip(fresh, mask.tolist()) if not ok]
                 fresh = [i for i, ok in zip(fresh, mask.tolist()) if ok]
         new_keys = [keys[i] for i in fresh] if len(fresh) != n else keys
-        cpu_ids = cpu.make_room(len(new_keys), keys)  # the last check: raises, nothing changed
-        new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
-        if new_keys:
+        m = len(new_keys)
+        small = isinstance(gpu, list)
+        # the last check: raises PoolExhaustedError with nothing changed
+        cpu_ids: list[int] | np.ndarray = (
+            cpu.make_room_small(m, keys) if small else cpu.make_room(m, keys)
+        )
+        if m:
+            new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
             cpu.add_pending(new_keys, cpu_ids, new_parents)
         if self._threshold > 1:
             self._count_sightings(new_keys, waiting)
-        if isinstance(gpu, list):
-            src: list[int] | np.ndarray = gpu if len(fresh) == n else [gpu[i] for i in fresh]
+        if small:
+            src: list[int] | np.ndarray = gpu if m == n else [gpu[i] for i in fresh]
         else:
-            src = gpu if len(fresh) == n else gpu[np.array(fresh, dtype=np.int64)]
+            src = gpu if m == n else gpu[np.array(fresh, dtype=np.int64)]
         self.gpu.acquire(src)
         counters = self.counters
-        m = len(new_keys)
         counters.stores_queued += m
         counters.stores_skipped += num_present
         counters.stores_not_admitted += n - m - num_present
@@ -279,12 +292,12 @@ class Bookkeeper:
                 cpu_block_ids=cpu_block_ids,
                 num_bytes=m * self.block_bytes,
             )
+        elif small:
+            result = SwapResult(m, m * self.block_bytes, n - m, tuple(cpu_ids), tuple(src))
         else:
-            cpu_list = cpu_ids.tolist()
-            src_list = src if isinstance(src, list) else src.tolist()
-            result = SwapResult(m, m * self.block_bytes, n - m, tuple(cpu_list), tuple(src_list))
-        if isinstance(src, list):
-            return Part(Kind.STORE, future, result, src, cpu_ids.tolist(), new_keys)
+            result = SwapResult(
+                m, m * self.block_bytes, n - m, tuple(cpu_ids.tolist()), tuple(src.tolist())
+            )
         return Part(Kind.STORE, future, result, src, cpu_ids, new_keys)
 
     # ------------------------------------------------------------------ load
