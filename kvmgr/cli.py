@@ -25,6 +25,7 @@ BENCHES = {
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
     "host": "kvmgr.bench.host",
+    "tiers": "kvmgr.bench.tiers",
 }
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {

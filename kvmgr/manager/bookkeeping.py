@@ -376,19 +376,22 @@ class Bookkeeper:
                 f"expected one gpu block per key, got {len(gpu)} blocks and {len(keys)} keys"
             )
         cpu = self.cpu
-        index, state = cpu.index, cpu.state
-        cpu_list = []
-        for key in keys:
-            block = index.get(key)
-            if block is None:
-                raise UnknownKeyError(f"key {key.hex()[:16]}... is not in the CPU tier")
-            if state[block] != _READY:
-                raise BlockStateError(
-                    f"key {key.hex()[:16]}... is still pending; it cannot be loaded"
-                )
-            cpu_list.append(block)
+        blocks = list(map(cpu.index.get, keys))
+        if None in blocks:
+            key = keys[blocks.index(None)]
+            raise UnknownKeyError(f"key {key.hex()[:16]}... is not in the CPU tier")
+        cpu_list: list[int] = blocks  # type: ignore[assignment]
+        if isinstance(gpu, list):
+            state = cpu.state
+            ready = all(state[b] == _READY for b in cpu_list)
+        else:
+            cpu_arr = np.array(cpu_list, dtype=np.int64)
+            ready = bool((cpu.state_np[cpu_arr] == _READY).all())
+        if not ready:
+            key = next(k for k, b in zip(keys, blocks) if cpu.state[b] != _READY)  # type: ignore[index]
+            raise BlockStateError(f"key {key.hex()[:16]}... is still pending; it cannot be loaded")
         n = len(keys)
-        cpu.add_readers(cpu_list)
+        cpu.add_readers(cpu_list if isinstance(gpu, list) else cpu_arr)
         if n:
             cpu.policy.touch(keys)
         self.gpu.acquire(gpu)
@@ -404,7 +407,7 @@ class Bookkeeper:
                 else SwapResult(n, n * self.block_bytes, 0, tuple(cpu_list), tuple(gpu))
             )
             return Part(Kind.LOAD, future, result, gpu, cpu_list, keys)
-        cpu_ids = np.array(cpu_list, dtype=np.int64)
+        cpu_ids = cpu_arr
         if batched:
             result = LoadResult(
                 gpu_block_ids=gpu, cpu_block_ids=cpu_ids, num_bytes=n * self.block_bytes

@@ -119,13 +119,13 @@ class GpuBlocks:
     # ------------------------------------------------------------------ busy counts
 
     def acquire(self, ids: list[int] | np.ndarray) -> None:
-        """A copy of these blocks was queued."""
+        """A copy of these (distinct, validated) blocks was queued."""
         if isinstance(ids, list):
             busy = self.busy
             for b in ids:
                 busy[b] += 1
         else:
-            np.add.at(self.busy_np, ids, 1)
+            self.busy_np[ids] += 1
 
     def release(self, ids: np.ndarray) -> None:
         """Copies of these blocks ended (one count per occurrence); DRAINING blocks whose last
