@@ -38,6 +38,14 @@ from kvmgr.hooks import HookReport, StepContext, StepHook
 from kvmgr.pool.block_table import Tier
 
 if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports torch
+    from kvmgr.kernels.c128_gate import c128_boundary
+    from kvmgr.kernels.c128_hook import C128CompressorHook
+    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+    from kvmgr.kernels.mla_insert import (
+        grouped_mla_insert,
+        mla_insert_reference,
+        per_layer_mla_insert,
+    )
     from kvmgr.manager import OffloadManager
     from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapResult
 
