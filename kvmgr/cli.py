@@ -29,6 +29,7 @@ BENCHES = {
     "swap-kernel": "kvmgr.bench.swap_kernel",
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
+    "host": "kvmgr.bench.host",
 }
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
