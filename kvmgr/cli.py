@@ -31,6 +31,8 @@ BENCHES = {
     "c128": "kvmgr.bench.c128",
     "host": "kvmgr.bench.host",
 }
+#: benchmarks that run without a GPU (every other one needs a CUDA GPU).
+CPU_BENCHES = frozenset({"host"})
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
@@ -82,8 +84,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             p.set_defaults(run=mod.run)
     bench = sub.add_parser(
         "bench",
-        help="GPU micro-benchmarks (need a CUDA GPU)",
-        description="GPU micro-benchmarks (need a CUDA GPU)",
+        help="micro-benchmarks (all but host need a CUDA GPU)",
+        description="micro-benchmarks (all but host need a CUDA GPU)",
         formatter_class=HelpFormatter,
     )
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -93,7 +95,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         if name == chosen_bench:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
-            p.set_defaults(run=_needs_cuda(f"bench {name}", mod.run))
+            run = mod.run if name in CPU_BENCHES else _needs_cuda(f"bench {name}", mod.run)
+            p.set_defaults(run=run)
     return parser
 
 

@@ -161,7 +161,7 @@ def _no_cuda() -> bool:
 
 
 @pytest.mark.skipif("not _no_cuda()", reason="a CUDA GPU is present")
-@pytest.mark.parametrize("name", list(cli.BENCHES))
+@pytest.mark.parametrize("name", sorted(set(cli.BENCHES) - cli.CPU_BENCHES))
 def test_bench_without_gpu_says_so_in_one_wording(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -172,6 +172,14 @@ def test_bench_without_gpu_says_so_in_one_wording(
     )
     assert captured.out == ""
     assert cli.cuda_missing(f"bench {name}") == captured.err.strip()
+
+
+def test_cpu_benches_skip_the_gpu_check() -> None:
+    import importlib
+
+    for name in cli.CPU_BENCHES:
+        args = _parser("bench", name).parse_args([])
+        assert args.run is importlib.import_module(cli.BENCHES[name]).run
 
 
 # ---------------------------------------------------------------- simulate: early checks
