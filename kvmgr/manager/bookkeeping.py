@@ -54,7 +54,7 @@ def check_keys(keys: object, *, distinct: bool) -> list[bytes]:
         InvalidKeyError: not a sequence of bytes, or repeated keys where ``distinct``.
     """
     if type(keys) is list:
-        out = keys
+        out = keys[:]  # the caller may reuse its list
     elif isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
         raise InvalidKeyError(f"expected a sequence of bytes keys, got {type(keys).__name__}")
     else:
@@ -120,6 +120,10 @@ class Bookkeeper:
             gpu_layout.page_bytes.tolist(), config.num_cpu_blocks, allocate_host
         )
         self._threshold = config.store_threshold
+        #: no admission control: the per-call fast path may be used
+        self._plain_admission = config.store_threshold == 1 and not hasattr(
+            self.cpu.policy, "admit"
+        )
         #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
         self._seen: dict[bytes, int] = {}
 
@@ -133,12 +137,10 @@ class Bookkeeper:
         """
         if type(block_ids) is list and len(block_ids) <= SMALL:
             self.gpu.check_small(block_ids, what)
-            return (
-                [int(b) for b in block_ids]
-                if any(type(b) is not int for b in block_ids)
-                else block_ids
-            )
+            return [int(b) for b in block_ids]  # a copy: the caller may reuse its list
         ids = as_id_array(block_ids, "gpu")
+        if ids is block_ids:
+            ids = ids.copy()  # the caller may reuse its array
         self.gpu.check_array(ids, what)
         return ids
 
@@ -231,6 +233,17 @@ class Bookkeeper:
             InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
             PoolExhaustedError: no room even after eviction; nothing changed.
         """
+        if (
+            not batched
+            and type(gpu_block_ids) is list
+            and type(keys) is list
+            and parents is None
+            and 0 < len(keys) <= SMALL
+            and self._plain_admission
+        ):
+            part = self._store_small(gpu_block_ids, keys, future)
+            if part is not None:
+                return part
         gpu = self.gpu_ids(gpu_block_ids, "store")
         keys = check_keys(keys, distinct=True)
         n = len(keys)
@@ -299,6 +312,45 @@ class Bookkeeper:
                 m, m * self.block_bytes, n - m, tuple(cpu_ids.tolist()), tuple(src.tolist())
             )
         return Part(Kind.STORE, future, result, src, cpu_ids, new_keys)
+
+    def _store_small(
+        self, gpu: list[int], keys: list[bytes], future: asyncio.Future[Any]
+    ) -> Part | None:
+        """The per-call store of a few fresh keys into free CPU blocks, in plain Python.
+
+        Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
+        to reject, a key already present, or too few free CPU blocks (eviction).
+        """
+        n = len(keys)
+        if len(gpu) != n:
+            return None
+        cpu = self.cpu
+        index, pool = cpu.index, cpu.pool
+        if pool.num_free < n or not index.keys().isdisjoint(keys):
+            return None
+        gpu_pool = self.gpu
+        num_gpu, owned, gpu_state = gpu_pool.num_blocks, gpu_pool.pool is not None, gpu_pool.state
+        for b in gpu:
+            if type(b) is not int or not 0 <= b < num_gpu or (owned and gpu_state[b] != 1):
+                return None
+        for key in keys:
+            if type(key) is not bytes:
+                return None
+        if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
+            return None
+        take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
+        cpu_ids = []
+        for key, b in zip(keys, gpu):
+            block = take_one()
+            cpu_ids.append(block)
+            index[key] = block
+            state[block] = 1  # CpuState.PENDING
+            busy[b] += 1
+        cpu.num_pending += n
+        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
+        self.counters.stores_queued += n
+        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), tuple(gpu))
+        return Part(Kind.STORE, future, result, gpu[:], cpu_ids, keys[:])
 
     # ------------------------------------------------------------------ load
 
