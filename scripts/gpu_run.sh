@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One scripted GPU session on the lent H200: environment, GPU tests, benchmarks.
 # Usage (on the device, from the repo root): bash scripts/gpu_run.sh SECTION...
-#   sections: env kernels transfer manager bench-kernels bench-transfer sim
+#   sections: env kernels transfer manager bench-kernels bench-transfer sim docs
 # Logs and JSON go to $OUT (or ./out); each step has its own time limit and never stops the rest.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -42,6 +42,8 @@ for section in "$@"; do
       TAIL=30 step sim_auto 200 python3 -m kvmgr.cli simulate --engine auto --limit 3000 --quiet --json "$OUT/sim_auto.json" ;;
     info)
       step info 60 python3 -m kvmgr.cli info ;;
+    docs)  # the doc blocks marked "needs a CUDA GPU" run here; bench's GPU check passes
+      TAIL=20 step docs_snippets 180 python3 -m pytest -q -rs -p no:cacheprovider tests/test_docs_snippets.py tests/test_cli.py ;;
     *) echo "unknown section $section" ;;
   esac
 done
