@@ -147,6 +147,8 @@ class ClosedError(KVMgrError, RuntimeError):
 
 class ClosedBeforeCopyError(ClosedError, TransferError):
     """The engine closed before this batch's copy started: nothing was copied."""
+
+
 class TierError(KVMgrError, RuntimeError):
     """A lower tier (disk, shared store) failed an operation; what it was filling is not readable.
 

@@ -124,6 +124,8 @@ class Bookkeeper:
         self._plain_admission = config.store_threshold == 1 and not hasattr(
             self.cpu.policy, "admit"
         )
+        #: called with (keys, CPU ids) of completed stores (write-through to lower tiers)
+        self.on_stored: Callable[[list[bytes], np.ndarray], None] | None = None
         #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
         self._seen: dict[bytes, int] = {}
 
@@ -418,6 +420,15 @@ class Bookkeeper:
 
     # ------------------------------------------------------------------ completion
 
+    @staticmethod
+    def _store_ids(parts: list[Part], cpu_ids: np.ndarray) -> np.ndarray:
+        """CPU ids of the lane's keyed stores, aligned with their keys in part order."""
+        if len(parts) == 1:
+            return np.asarray(parts[0].cpu_ids, dtype=np.int64)
+        return np.concatenate(
+            [np.asarray(p.cpu_ids, dtype=np.int64) for p in parts if p.kind is Kind.STORE]
+        )
+
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.
 
@@ -438,6 +449,8 @@ class Bookkeeper:
                 cpu.stores_landed(cpu_ids)
                 counters.stores_completed += n
                 self.events.stored(keys)
+                if self.on_stored is not None and keys:
+                    self.on_stored(keys, self._store_ids(parts, cpu_ids))
             else:
                 cpu.stores_failed(keys, cpu_ids)
                 counters.stores_failed += n

@@ -77,6 +77,8 @@ class CpuTier:
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
         self._on_removed = on_removed
+        #: called with (keys, CPU ids) of blocks the policy evicted, before they are reused
+        self.on_evicted: Callable[[list[bytes], np.ndarray], None] | None = None
         self.counters = counters if counters is not None else Counters()
 
     # ------------------------------------------------------------------ queries
@@ -126,8 +128,14 @@ class CpuTier:
                     available=self.pool.num_free,
                     reason="cpu_full",
                 )
+            if self.on_evicted is not None:
+                self.on_evicted(victims, self._ids_of(victims))
             self._forget(victims)
             self.counters.evictions += len(victims)
+
+    def _ids_of(self, keys: list[bytes]) -> np.ndarray:
+        get = self.index.__getitem__
+        return np.fromiter(map(get, keys), dtype=np.int64, count=len(keys))
 
     def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""

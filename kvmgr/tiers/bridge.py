@@ -28,7 +28,7 @@ from kvmgr.errors import GeometryError, InvalidBlockError, InvalidKeyError, Tier
 from kvmgr.tiers.base import TierBackend, check_keys
 from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_rows, verify
 
-__all__ = ["BridgeStatistics", "TierBridge"]
+__all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,6 +55,23 @@ class BridgeStatistics:
     num_errors: int = 0
     bytes_demoted: int = 0
     bytes_promoted: int = 0
+
+
+@attrs.frozen(eq=False)
+class StagedBlobs:
+    """Blobs gathered by ``TierBridge.stage``, not written yet.
+
+    Attributes:
+        stored_keys: the namespaced keys, one per blob.
+        buffer: the staging array (reused after a successful write).
+        padded: ``buffer``'s first rows, each a blob padded to the backend's row size.
+        rows: the same rows cut to ``blob_bytes``.
+    """
+
+    stored_keys: list[bytes]
+    buffer: np.ndarray
+    padded: np.ndarray
+    rows: np.ndarray
 
 
 @attrs.define
@@ -150,26 +167,51 @@ class TierBridge:
         keys, ids = self._check(keys, cpu_block_ids)
         if not keys:
             return np.zeros(0, dtype=bool)
-        stored_keys = self.namespace.stored_keys(keys)
-        buffer = _take(self._spare_rows, len(keys), self._row_bytes, aligned=self._aligned)
-        padded = buffer[: len(keys)]
-        rows = padded[:, : self.namespace.blob_bytes]
-        await self._maybe_thread(len(ids), lambda: self._gather(ids, stored_keys, rows))
+        staged = self._stage_rows(keys)
+        await self._maybe_thread(
+            len(ids), lambda: self._gather(ids, staged.stored_keys, staged.rows)
+        )
+        return await self.put_staged(staged)
+
+    def stage(
+        self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
+    ) -> StagedBlobs:
+        """Gather CPU blocks into blobs NOW (synchronously), for ``put_staged`` later: the
+        manager stages blocks it just evicted before anything overwrites them.
+
+        Raises:
+            InvalidKeyError, InvalidBlockError: bad input, before anything is read.
+        """
+        keys, ids = self._check(keys, cpu_block_ids)
+        staged = self._stage_rows(keys)
+        if keys:
+            self._gather(ids, staged.stored_keys, staged.rows)
+        return staged
+
+    async def put_staged(self, staged: StagedBlobs) -> np.ndarray:
+        """Write blobs gathered by ``stage``; returns bool ``[n]`` as ``demote``."""
+        n = len(staged.stored_keys)
+        if n == 0:
+            return np.zeros(0, dtype=bool)
         try:
-            result = await self.backend.put_many(stored_keys, list(padded))
+            result = await self.backend.put_many(staged.stored_keys, list(staged.padded))
         except TierError as exc:
             # (the buffer is dropped, not reused: a timed-out write may still be reading it)
             self._counters.num_errors += 1
-            self._counters.num_demote_failed += len(keys)
-            _log.warning(
-                "tier %s: demote of %d blocks failed: %s", self.backend.name, len(keys), exc
-            )
-            return np.zeros(len(keys), dtype=bool)
-        self._spare_rows.append(buffer)
+            self._counters.num_demote_failed += n
+            _log.warning("tier %s: demote of %d blocks failed: %s", self.backend.name, n, exc)
+            return np.zeros(n, dtype=bool)
+        self._spare_rows.append(staged.buffer)
         self._counters.num_demoted += result.num_stored
-        self._counters.num_demote_failed += len(keys) - result.num_stored
+        self._counters.num_demote_failed += n - result.num_stored
         self._counters.bytes_demoted += result.num_stored * self.namespace.payload_bytes
         return np.asarray(result.stored, dtype=bool)
+
+    def _stage_rows(self, keys: list[bytes]) -> StagedBlobs:
+        stored_keys = self.namespace.stored_keys(keys)
+        buffer = _take(self._spare_rows, max(1, len(keys)), self._row_bytes, aligned=self._aligned)
+        padded = buffer[: len(keys)]
+        return StagedBlobs(stored_keys, buffer, padded, padded[:, : self.namespace.blob_bytes])
 
     async def promote(
         self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
