@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmgr.errors import GeometryError
+from kvmgr.errors import GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.kernels.c128 import (
     c128_boundary,
@@ -294,6 +294,141 @@ def test_launchers_reject_bad_tensors():
     with pytest.raises(GeometryError, match=re.escape("eps: expected a float > 0, got 0.0")):
         c128_compress(*comp_args, eps=0.0)
     assert torch.equal(state, step.state_cache)  # nothing ran
+
+
+# --- bounds: out-of-range indices, poisoned margins around every tensor ----------------------
+
+
+class Fenced:
+    """A copy of ``t`` in the middle of a bigger buffer whose margins hold ``fill``.
+
+    A kernel that reads a margin picks up ``fill`` (chosen to look valid where that matters);
+    one that writes a margin breaks :meth:`intact`.
+    """
+
+    MARGIN = 256  # elements each side (a multiple of 16 bytes for every dtype used here)
+
+    def __init__(self, t: torch.Tensor, fill):
+        self.fill = fill
+        self.flat = torch.full((t.numel() + 2 * self.MARGIN,), fill, dtype=t.dtype, device=t.device)
+        self.t = self.flat[self.MARGIN : self.MARGIN + t.numel()].view(t.shape)
+        self.t.copy_(t)
+
+    def intact(self) -> bool:
+        margins = torch.cat([self.flat[: self.MARGIN], self.flat[-self.MARGIN :]])
+        return bool((margins == self.fill).all())
+
+
+def out_of_range_step() -> tuple[Step, dict[str, int]]:
+    """A step whose boundary tokens hit every out-of-range case next to valid ones.
+
+    Requests (block size 8, table width 20 = positions 0..159): r0 and r1 are valid boundary
+    tokens; r2 at 255 reaches block 31, past the row (its read would land in r3's row); r3's
+    window holds a table entry past the state cache; r4 holds a -1 entry. Extra tokens: a
+    boundary token of r0 with a compressed slot at the capacity, one whose req index is the
+    table's row count, one at a position past the RoPE table, and state slots at and past the
+    state cache's capacity.
+    """
+    step = Step(91, [(127, 1), (100, 28), (255, 1), (127, 1), (127, 1)])
+    step.state_block_table = step.state_block_table[:, :20].contiguous()
+    num_state_blocks = step.state_cache.shape[0]
+    step.state_block_table[3, 5] = num_state_blocks + 3
+    step.state_block_table[4, 9] = -1
+    capacity = step.compressed_cache.shape[0] * step.compressed_cache.shape[1]
+    state_capacity = num_state_blocks * step.block_size
+    extra = {  # name: (position, req, state slot, compressed slot)
+        "slot_at_capacity": (127, 0, 5, capacity),
+        "req_past_table": (127, 5, 6, 1),
+        "rope_past_table": (step.cos_sin_cache.shape[0] + 127, 0, state_capacity, 2),
+        "state_slot_far": (12, 0, state_capacity + 1000, 3),
+    }
+    for pos, req, state_slot, slot in extra.values():
+        step.positions = torch.cat([step.positions, torch.tensor([pos], device=DEV)])
+        step.req_indices = torch.cat([step.req_indices, torch.tensor([req], dtype=torch.int32, device=DEV)])  # fmt: skip
+        step.state_slot_mapping = torch.cat([step.state_slot_mapping, torch.tensor([state_slot], dtype=torch.int32, device=DEV)])  # fmt: skip
+        step.slot_mapping = torch.cat([step.slot_mapping, torch.tensor([slot], device=DEV)])
+        for name in ("kv", "score"):
+            row = getattr(step, name)[:1] * 0.5 + 1
+            setattr(step, name, torch.cat([getattr(step, name), row]))
+    # distinct slots for the valid tokens (the Step's permutation may repeat the new ones)
+    step.slot_mapping[:-4] = torch.arange(step.slot_mapping.shape[0] - 4, device=DEV) + 4
+    return step, {"capacity": capacity, "state_capacity": state_capacity}
+
+
+def fence_all(step: Step) -> dict[str, Fenced]:
+    """Every tensor of the step in a fenced buffer; tables' margins hold block 0 (valid)."""
+    fills = {"state_block_table": 0, "compressed_cache": 0xA5, "positions": 127,
+             "req_indices": 0, "slot_mapping": 0, "state_slot_mapping": 0}  # fmt: skip
+    fenced = {}
+    for name, value in list(vars(step).items()):
+        if isinstance(value, torch.Tensor):
+            fill = fills.get(name, 3.0)
+            fenced[name] = Fenced(value, fill)
+            setattr(step, name, fenced[name].t)
+    return fenced
+
+
+def test_out_of_range_indices_touch_nothing_outside_and_match_the_reference():
+    step, _ = out_of_range_step()
+    state_ref, comp_ref = run_refs(step)
+    fenced = fence_all(step)
+    state, comp = Fenced(step.state_cache, 5.0), Fenced(step.compressed_cache, 0x5A)
+    c128_state_write(*step.write_args(state.t))
+    c128_compress(*step.compress_args(state.t, comp.t))
+    assert torch.equal(state.t, state_ref)
+    assert all(f.intact() for f in fenced.values()) and state.intact() and comp.intact()
+    # only r0's and r1's boundary tokens compress; every other slot keeps its poison
+    written = step.boundary_slots()[:2]
+    assert assert_entries_match(comp.t, comp_ref, step.compressed_cache, written) is None
+    assert torch.equal(comp_ref.view(-1, 584)[step.slot_mapping[2:5].long()],
+                       step.compressed_cache.view(-1, 584)[step.slot_mapping[2:5].long()])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("state_slot", r"state_slot_mapping: expected slots < \d+ .*got \d+"),
+        ("slot_at_capacity", r"compressed_slot_mapping: expected slots < \d+, got \d+"),
+        ("req_past_table", r"req_indices: expected rows of the table in \[0, 2\), got 2"),
+        ("window_past_row", r"positions // S: expected block indices < the table width 20, got 31"),
+        ("entry_past_cache", r"state_block_table entries of boundary windows: expected blocks"),
+        ("rope_past_table", r"\(positions // 128\) \* 128: expected rows of cos_sin_cache"),
+    ],
+)
+def test_check_slots_raises_a_typed_error_before_launching(case, match):
+    step = Step(92, [(127, 1), (255, 1)])
+    capacity = step.compressed_cache.shape[0] * step.compressed_cache.shape[1]
+    if case == "state_slot":
+        step.state_slot_mapping[1] = step.state_cache.shape[0] * step.block_size
+    elif case == "slot_at_capacity":
+        step.slot_mapping[1] = capacity
+    elif case == "req_past_table":
+        step.req_indices[1] = 2
+    elif case == "window_past_row":
+        step.state_block_table = step.state_block_table[:, :20]
+    elif case == "entry_past_cache":
+        step.state_block_table[1, 17] = step.state_cache.shape[0]
+    else:
+        step.cos_sin_cache = step.cos_sin_cache[:100]
+    hook = make_hook(step, check_slots=True)
+    with pytest.raises(InvalidBlockError, match=match):
+        hook(step.context())
+    assert torch.equal(hook.state_cache, step.state_cache)  # nothing ran
+    assert torch.equal(hook.compressed_cache, step.compressed_cache)
+    state = step.state_cache.clone()
+    with pytest.raises(InvalidBlockError, match=match):
+        c128_state_write(*step.write_args(state), check_slots=True)
+        c128_compress(*step.compress_args(state, step.compressed_cache.clone()), check_slots=True)
+    make_hook(step)(step.context())  # without the check the same step runs (and skips)
+
+
+def test_check_slots_passes_a_valid_step():
+    step = Step(93, SCENARIOS["mixed"]["reqs"], num_pad=2)
+    hook = make_hook(step, check_slots=True)
+    hook(step.context())
+    state, comp = run_refs(step)
+    assert torch.equal(hook.state_cache, state)
+    assert_entries_match(hook.compressed_cache, comp, step.compressed_cache, step.boundary_slots())
 
 
 # --- hook ----------------------------------------------------------------------------------

@@ -222,6 +222,58 @@ def test_out_of_range_slots_are_skipped_or_rejected(kernel: Callable[..., None])
     assert not _same_bytes(caches, before)
 
 
+class _Fenced:
+    """A copy of ``t`` in the middle of a bigger buffer whose margins hold random bytes."""
+
+    MARGIN_BYTES = 512  # each side; keeps the middle 16-byte aligned
+
+    def __init__(self, t: torch.Tensor, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        nbytes = t.numel() * t.element_size()
+        raw = torch.randint(0, 256, (nbytes + 2 * self.MARGIN_BYTES,), dtype=torch.uint8, generator=gen)  # fmt: skip
+        self.raw = raw.to(t.device)
+        self.margins = self._margins().clone()
+        middle = self.raw[self.MARGIN_BYTES : self.MARGIN_BYTES + nbytes]
+        self.t = middle.view(t.dtype).view(t.shape)
+        self.t.copy_(t)
+
+    def _margins(self) -> torch.Tensor:
+        return torch.cat([self.raw[: self.MARGIN_BYTES], self.raw[-self.MARGIN_BYTES :]])
+
+    def intact(self) -> bool:
+        return torch.equal(self._margins(), self.margins)
+
+
+@pytest.mark.parametrize("kernel", [*KERNELS.values(), "hook"], ids=[*KERNELS.keys(), "hook"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_out_of_range_slots_touch_nothing_around_any_tensor(
+    kernel: Callable[..., None] | str, kv_cache_dtype: str
+) -> None:
+    # Every cache, input and the slot mapping sit inside poisoned margins; slots at and past the
+    # capacity (and -1) must leave every margin byte as it was, and the caches equal the reference.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 13, 24, 8, 3, 4
+    kv_c, k_pe = _inputs(41, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    caches = _caches(42, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
+    capacity = num_blocks * block_size
+    slots = torch.tensor([[0, capacity, 3, -1, capacity + 1, 7, 2**40, 11, 1, 5, capacity * 4, 9, -7]] * num_layers)  # fmt: skip
+    slots[1] = slots[1].roll(3)
+    scales = None if kv_cache_dtype == "auto" else _scales(43, num_layers)
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots.to(DEVICE), **kwargs)  # type: ignore[arg-type]
+    fenced = [_Fenced(t, 50 + i) for i, t in enumerate([kv_c, k_pe, slots.to(DEVICE), *caches])]
+    kv_f, pe_f, slots_f, *caches_f = (f.t for f in fenced)
+    if kernel == "hook":
+        hook = GroupedMLAInsertHook(caches_f, **kwargs)
+        hook(StepContext(tensors={"kv_c": kv_f, "k_pe": pe_f, "slot_mapping": slots_f}))
+    else:
+        assert callable(kernel)
+        kernel(kv_f, pe_f, caches_f, slots_f, **kwargs)
+    assert all(f.intact() for f in fenced)
+    assert _same_bytes(caches_f, expected)
+
+
 def test_empty_step_writes_nothing() -> None:
     kv_c, k_pe = _inputs(27, 2, 0, 8, 8, torch.bfloat16)
     caches = _caches(28, 2, 2, 2, 16, torch.bfloat16)

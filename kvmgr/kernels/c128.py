@@ -21,7 +21,7 @@ Compression of one boundary token at position ``pos`` of request ``r``:
 3. RMSNorm in fp32: ``y = pooled * rsqrt(mean(pooled**2) + eps) * norm_weight``;
 4. interleaved-pair RoPE on the last 64 dims (pairs ``(2i, 2i+1)``) at rotation position
    ``(pos // 128) * 128``, reading ``cos_sin_cache[rotation position]``;
-5. quantize and store at the token's compressed slot (slot < 0: skipped).
+5. quantize and store at the token's compressed slot.
 
 Compressed entry layout (one token; ``D = head_dim``, ``G = D // 64``, of which ``G - 1`` NoPE
 groups of 64 dims; the column shows D = 512)::
@@ -44,6 +44,13 @@ capture pass all of them): ``positions[i]`` (absolute position), ``req_indices[i
 device, tokens that are not at a boundary or have a negative slot, so one launch over every
 token of a step is always correct; the host gate only decides whether launching can be skipped.
 
+Bounds: neither kernel reads or writes outside the tensors it was given. On the device, a state
+slot or compressed slot outside ``[0, capacity)``, a negative position, a ``req_indices`` entry
+outside the table's rows, a window whose block index reaches past the table row's width, a table
+entry outside ``[0, num_state_blocks)`` and a RoPE position past the cos/sin table all make the
+token write nothing. ``check_slots=True`` (the launchers and the hook) raises
+:class:`~kvmgr.errors.InvalidBlockError` for those instead, at the cost of one device->host sync.
+
 Without Triton this module still imports (the layout helpers work) and the launchers raise
 ``ImportError``; the gate lives in a numpy-only module that ``import kvmgr`` exports.
 """
@@ -55,7 +62,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from kvmgr.errors import GeometryError
+from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.kernels._launch import shared_launcher
 from kvmgr.kernels.c128_gate import C128_RATIO, c128_boundary
 
@@ -92,15 +99,15 @@ def _jit(**options: Any) -> Callable[[Callable[..., None]], Any]:
 @_jit()
 def _state_write_kernel(  # type: ignore[no-untyped-def]
     kv_ptr, score_ptr, ape_ptr, pos_ptr, slot_ptr, state_ptr,
-    stride_kv, stride_score, stride_state_block, stride_state_row,
+    stride_kv, stride_score, stride_state_block, stride_state_row, state_capacity,
     STATE_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RATIO: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
-    # 1. padding tokens (slot < 0) write nothing
+    # 1. padding tokens (slot < 0), slots past the cache and negative positions write nothing
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
     pos = tl.load(pos_ptr + tok).to(tl.int64)
+    if (slot < 0) | (slot >= state_capacity) | (pos < 0):
+        return
     offs = tl.arange(0, HEAD_DIM)
     # 2. the row: kv as fp32, score plus the learned position bias of pos % RATIO
     kv = tl.load(kv_ptr + tok * stride_kv + offs).to(tl.float32)
@@ -115,41 +122,53 @@ def _state_write_kernel(  # type: ignore[no-untyped-def]
     tl.store(row + HEAD_DIM + offs, score + ape)
 
 
-# the table's row stride varies with the step's widest request: never recompile for it
-@_jit(do_not_specialize=["stride_table"])
+# the table's shape varies with the step's requests: never recompile for it
+@_jit(do_not_specialize=["stride_table", "num_reqs", "table_width"])
 def _compress_kernel(  # type: ignore[no-untyped-def]
     state_ptr, table_ptr, req_ptr, pos_ptr, slot_ptr, weight_ptr, cos_sin_ptr, out_ptr,
     stride_state_block, stride_state_row, stride_table, eps,
+    num_reqs, table_width, num_state_blocks, num_rope_positions, compressed_capacity,
     STATE_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     RATIO: tl.constexpr, WINDOW_CHUNK: tl.constexpr, ENTRY_BYTES: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
-    # 1. only boundary tokens with a real slot compress; everything else leaves at once
+    # 1. only boundary tokens with a real slot compress; everything else leaves at once. A token
+    #    whose slot, table row, window blocks or RoPE row lie outside the tensors it was given
+    #    is skipped too (pos >= RATIO - 1 also keeps the window's first position >= 0).
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    if (pos + 1) % RATIO != 0:
+    if ((pos + 1) % RATIO != 0) | (pos < RATIO - 1):
         return
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
     req = tl.load(req_ptr + tok).to(tl.int64)
+    bad = (slot < 0) | (slot >= compressed_capacity) | (req < 0) | (req >= num_reqs)
+    bad = bad | (pos // STATE_BLOCK_SIZE >= table_width)
+    if bad | ((pos // RATIO) * RATIO >= num_rope_positions):
+        return
     offs_d = tl.arange(0, HEAD_DIM)
     offs_w = tl.arange(0, WINDOW_CHUNK)
     # 2. online per-channel softmax pooling over the window, WINDOW_CHUNK rows at a time
     run_max = tl.full([HEAD_DIM], float("-inf"), tl.float32)
     run_sum = tl.zeros([HEAD_DIM], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
+    num_bad = 0  # window rows whose table entry is not a state block: the token is skipped
     for w0 in range(0, RATIO, WINDOW_CHUNK):
         p = pos - (RATIO - 1) + w0 + offs_w
         blk = tl.load(table_ptr + req * stride_table + p // STATE_BLOCK_SIZE).to(tl.int64)
+        is_block = (blk >= 0) & (blk < num_state_blocks)
+        num_bad += tl.sum((~is_block).to(tl.int32), axis=0)
+        blk = tl.where(is_block, blk, 0)
         rows = state_ptr + blk * stride_state_block + (p % STATE_BLOCK_SIZE) * stride_state_row
-        kv = tl.load(rows[:, None] + offs_d[None, :])
-        score = tl.load(rows[:, None] + HEAD_DIM + offs_d[None, :])
+        kv = tl.load(rows[:, None] + offs_d[None, :], mask=is_block[:, None], other=0.0)
+        score = tl.load(rows[:, None] + HEAD_DIM + offs_d[None, :], mask=is_block[:, None],
+                        other=0.0)  # fmt: skip
         new_max = tl.maximum(run_max, tl.max(score, axis=0))
         alpha = tl.exp(run_max - new_max)
         weight = tl.exp(score - new_max[None, :])
         run_sum = run_sum * alpha + tl.sum(weight, axis=0)
         acc = acc * alpha + tl.sum(weight * kv, axis=0)
         run_max = new_max
+    if num_bad > 0:
+        return
     pooled = acc / run_sum
     # 3. RMSNorm in fp32 with the learned weight
     inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / HEAD_DIM + eps)
@@ -278,6 +297,8 @@ class _Layer:
                                   (torch.float32,), None)  # fmt: skip
         self.device = self.state_cache.device
         self.state_strides = (self.state_cache.stride(0), self.state_cache.stride(1))
+        self.num_state_blocks = dims[0]
+        self.state_capacity = dims[0] * dims[1]
         dev, f32 = self.device, (torch.float32,)
         if ape is not None:
             self.ape = _check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
@@ -287,10 +308,12 @@ class _Layer:
         if cos_sin_cache is not None:
             self.cos_sin_cache = _check(cos_sin_cache, "cos_sin_cache", (None, C128_ROPE_DIM),
                                         f32, dev, contiguous=True)  # fmt: skip
+            self.num_rope_positions = self.cos_sin_cache.shape[0]
         if compressed_cache is not None:
             self.compressed_cache = _check(compressed_cache, "compressed_cache",
                                            (None, None, self.entry_bytes), (torch.uint8,), dev,
                                            contiguous=True)  # fmt: skip
+            self.compressed_capacity = compressed_cache.shape[0] * compressed_cache.shape[1]
         if not (isinstance(eps, float | int) and eps > 0):
             raise _fail("eps", "a float > 0", eps)
         self.eps = float(eps)
@@ -344,13 +367,78 @@ class _Layer:
         for name, t in index_tensors.items():
             _check(t, name, (num_tokens,), _INDEX, self.device)
 
+    def check_write_bounds(self, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Opt-in: raise for what the state write would skip (one device->host sync).
+
+        Raises:
+            ConfigError: called under CUDA-graph capture.
+            InvalidBlockError: a real slot (>= 0) is >= ``num_state_blocks * S``, or a position
+                of a real slot is negative.
+        """
+        _refuse_under_capture(positions)
+        if positions.numel() == 0:
+            return
+        slots = state_slot_mapping.long()
+        real = slots >= 0
+        worst = torch.stack([torch.where(real, slots, -1).max(),
+                             torch.where(real, positions.long(), 0).min()]).tolist()  # fmt: skip
+        if worst[0] >= self.state_capacity:
+            raise InvalidBlockError(
+                f"state_slot_mapping: expected slots < {self.state_capacity} (num_state_blocks "
+                f"{self.num_state_blocks} x S {self.block_size}), got {worst[0]}"
+            )
+        if worst[1] < 0:
+            raise InvalidBlockError(f"positions: expected values >= 0, got {worst[1]}")
+
+    def check_compress_bounds(self, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Opt-in: raise for a boundary token the compress kernel would skip (one sync).
+
+        Only tokens with a boundary position and a slot >= 0 are checked: their slot, table
+        row, the width and entries of that row over the token's window, and the RoPE row.
+
+        Raises:
+            ConfigError: called under CUDA-graph capture.
+            InvalidBlockError: one of those lies outside the tensor it indexes.
+        """
+        _refuse_under_capture(positions)
+        pos, slots = positions.long(), compressed_slot_mapping.long()
+        todo = ((pos + 1) % C128_RATIO == 0) & (slots >= 0)
+        if positions.numel() == 0 or not bool(todo.any()):
+            return
+        pos, slots, reqs = pos[todo], slots[todo], req_indices.long()[todo]
+        num_reqs, width = state_block_table.shape
+        facts = [
+            ("compressed_slot_mapping", f"slots < {self.compressed_capacity}", slots.max()),
+            ("positions at a boundary", f"values >= {C128_RATIO - 1}", pos.min()),
+            ("req_indices", f"rows of the table in [0, {num_reqs})", reqs.min()),
+            ("req_indices", f"rows of the table in [0, {num_reqs})", reqs.max()),
+            ("positions // S", f"block indices < the table width {width}",
+             pos.max() // self.block_size),
+            ("(positions // 128) * 128", f"rows of cos_sin_cache < {self.num_rope_positions}",
+             (pos.max() // C128_RATIO) * C128_RATIO),
+        ]  # fmt: skip
+        got = torch.stack([f[2] for f in facts]).tolist()
+        bad = [got[0] >= self.compressed_capacity, got[1] < C128_RATIO - 1, got[2] < 0,
+               got[3] >= num_reqs, got[4] >= width, got[5] >= self.num_rope_positions]  # fmt: skip
+        for (name, want, _), value, is_bad in zip(facts, got, bad, strict=True):
+            if is_bad:
+                raise InvalidBlockError(f"{name}: expected {want}, got {value}")
+        window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
+        blocks = state_block_table.long()[reqs[:, None], window // self.block_size]
+        low, high = torch.stack([blocks.min(), blocks.max()]).tolist()
+        if low < 0 or high >= self.num_state_blocks:
+            raise InvalidBlockError(
+                f"state_block_table entries of boundary windows: expected blocks in [0, "
+                f"{self.num_state_blocks}), got {low if low < 0 else high}"
+            )
+
     def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
         """Enqueue the state write of ``num_tokens`` checked tokens on the current stream."""
         if num_tokens:
             self._write(
                 (num_tokens,), kv, score, self.ape, positions, state_slot_mapping, self.state_cache,
-                kv.stride(0), score.stride(0), *self.state_strides, self.block_size, self.head_dim,
-                C128_RATIO,
+                kv.stride(0), score.stride(0), *self.state_strides, self.state_capacity,
+                self.block_size, self.head_dim, C128_RATIO,
             )  # fmt: skip
 
     def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
@@ -360,9 +448,15 @@ class _Layer:
                 (num_tokens,), self.state_cache, state_block_table, req_indices, positions,
                 compressed_slot_mapping, self.norm_weight, self.cos_sin_cache,
                 self.compressed_cache, *self.state_strides, state_block_table.stride(0), self.eps,
-                self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, _WINDOW_CHUNK,
+                state_block_table.shape[0], state_block_table.shape[1], self.num_state_blocks,
+                self.num_rope_positions, self.compressed_capacity, self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, _WINDOW_CHUNK,
                 self.entry_bytes, num_warps=4,
             )  # fmt: skip
+
+
+def _refuse_under_capture(t: torch.Tensor) -> None:
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ConfigError("check_slots: expected False under CUDA-graph capture, got True")
 
 
 def _num_tokens(positions: object) -> int:
@@ -380,6 +474,7 @@ def c128_state_write(
     state_slot_mapping: torch.Tensor,
     state_cache: torch.Tensor,
     *,
+    check_slots: bool = False,
     direct_launch: bool = True,
 ) -> None:
     """Write every token's state row ``[kv | score + ape[pos % 128]]`` (fp32) into the cache.
@@ -390,17 +485,24 @@ def c128_state_write(
         ape: ``[128, D]`` fp32 contiguous, the learned position bias.
         positions: ``[T]`` int32/int64, absolute position of each token (>= 0).
         state_slot_mapping: ``[T]`` int32/int64; slot ``s`` is block ``s // S``, row ``s % S``;
-            ``s < 0`` marks padding, which writes nothing.
+            ``s < 0`` marks padding, which writes nothing; so does ``s >= num_state_blocks * S``
+            (and a negative position).
         state_cache: ``[num_state_blocks, S, 2D]`` fp32, unit last stride; mutated in place.
+        check_slots: raise for slots past the cache and negative positions instead of skipping
+            them (one reduction and one device->host sync; refused under graph capture).
         direct_launch: launch the compiled kernel directly (:mod:`kvmgr.kernels._launch`);
             ``False`` takes Triton's normal launch.
 
     Raises:
         GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        InvalidBlockError: ``check_slots`` and a slot or position is out of range.
+        ConfigError: ``check_slots`` under CUDA-graph capture.
         ImportError: Triton is not installed.
     """
     layer = _Layer(state_cache, ape=ape, direct_launch=direct_launch)
     num_tokens = layer.check_write(kv, score, positions, state_slot_mapping)
+    if check_slots:
+        layer.check_write_bounds(positions, state_slot_mapping)
     layer.launch_write(num_tokens, kv, score, positions, state_slot_mapping)
 
 
@@ -415,12 +517,15 @@ def c128_compress(
     compressed_cache: torch.Tensor,
     *,
     eps: float = 1e-6,
+    check_slots: bool = False,
     direct_launch: bool = True,
 ) -> None:
     """Compress the 128-row window of every boundary token into its compressed slot.
 
     Tokens whose position is not a boundary (``(pos + 1) % 128 != 0``) or whose compressed slot
-    is negative write nothing, so one launch over all tokens of a step is correct.
+    is negative write nothing, so one launch over all tokens of a step is correct. Boundary
+    tokens whose slot, table row, window blocks or RoPE row fall outside the given tensors write
+    nothing either (never read or write out of bounds; ``check_slots`` raises instead).
 
     Args:
         state_cache: ``[num_state_blocks, S, 2D]`` fp32, filled by :func:`c128_state_write`
@@ -432,19 +537,25 @@ def c128_compress(
         compressed_slot_mapping: ``[T]`` int32/int64; ``s < 0`` skips the token.
         norm_weight: ``[D]`` fp32/bf16/fp16 RMSNorm weight, contiguous.
         cos_sin_cache: ``[max_positions, 64]`` fp32, contiguous: 32 cos then 32 sin per
-            position; must cover ``(pos // 128) * 128`` of every boundary token (the device
-            does not check).
+            position; a boundary token whose ``(pos // 128) * 128`` is past its rows is skipped.
         compressed_cache: ``[num_blocks, block_size, D + 64 + D // 64]`` uint8 contiguous;
             mutated in place at boundary slots only (layout in the module docstring).
         eps: RMSNorm epsilon (> 0).
+        check_slots: raise :class:`~kvmgr.errors.InvalidBlockError` for a boundary token that
+            the device would skip as out of range (one device->host sync; not under capture).
         direct_launch: as in :func:`c128_state_write`.
 
     Raises:
         GeometryError: a tensor has the wrong type, shape, dtype, device or layout, or
             ``eps <= 0``.
+        InvalidBlockError: ``check_slots`` and a boundary token indexes out of range.
+        ConfigError: ``check_slots`` under CUDA-graph capture.
         ImportError: Triton is not installed.
     """
     layer = _Layer(state_cache, norm_weight=norm_weight, cos_sin_cache=cos_sin_cache,
                    compressed_cache=compressed_cache, eps=eps, direct_launch=direct_launch)  # fmt: skip
     args = (state_block_table, req_indices, positions, compressed_slot_mapping)
-    layer.launch_compress(layer.check_compress(*args), *args)
+    num_tokens = layer.check_compress(*args)
+    if check_slots:
+        layer.check_compress_bounds(*args)
+    layer.launch_compress(num_tokens, *args)

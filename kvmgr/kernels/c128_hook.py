@@ -75,6 +75,7 @@ class C128CompressorHook:
         eps: float = 1e-6,
         name: str = "c128",
         gated: bool = True,
+        check_slots: bool = False,
         direct_launch: bool = True,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
@@ -89,6 +90,9 @@ class C128CompressorHook:
             eps: RMSNorm epsilon (> 0).
             name: hook name and tensor-key prefix.
             gated: ``False`` disables the host gate (baseline for benchmarks).
+            check_slots: check every step's slots, table rows and table entries against the
+                caches and raise :class:`~kvmgr.errors.InvalidBlockError` for an index the
+                device would skip (one device->host sync per kernel; not under capture).
             direct_launch: launch the compiled kernels directly, past Triton's per-call
                 dispatch (:mod:`kvmgr.kernels._launch`: keyed by everything Triton
                 specializes on, falling back to Triton's normal launch where its internals
@@ -104,6 +108,7 @@ class C128CompressorHook:
                              eps=eps, direct_launch=direct_launch)  # fmt: skip
         self.name = name
         self.gated = gated
+        self.check_slots = check_slots
         self.state_cache = state_cache
         self.compressed_cache = compressed_cache
         self.num_steps = 0
@@ -125,7 +130,10 @@ class C128CompressorHook:
 
         Raises:
             GeometryError: a step tensor is missing or malformed, or the gate's metadata is
-                malformed (nothing was launched). The compress inputs are only checked when
+                malformed (nothing was launched).
+            InvalidBlockError: ``check_slots`` and an index is out of range (nothing was
+                launched).
+            ConfigError: ``check_slots`` under CUDA-graph capture. The compress inputs are only checked when
                 the compress launch is issued.
         """
         start_s = time.perf_counter()
@@ -145,6 +153,10 @@ class C128CompressorHook:
         num_tokens = layer.check_write(kv, score, pos, state_slots)
         if not skip:
             layer.check_compress(table, req, pos, slots)
+        if self.check_slots:
+            layer.check_write_bounds(pos, state_slots)
+            if not skip:
+                layer.check_compress_bounds(table, req, pos, slots)
         if ctx.stream is None:
             self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
         else:

@@ -80,10 +80,13 @@ def c128_state_write_ref(
     state_slot_mapping: torch.Tensor,
     state_cache: torch.Tensor,
 ) -> None:
-    """Torch reference of :func:`c128_state_write` (fp32 math, same arguments and effect)."""
+    """Torch reference of :func:`c128_state_write` (fp32 math, same arguments and effect).
+
+    Slots outside ``[0, num_state_blocks * S)`` and negative positions write nothing.
+    """
     block_size = state_cache.shape[1]
     slots = state_slot_mapping.long()
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < state_cache.shape[0] * block_size) & (positions >= 0)
     bias = ape.float()[positions.long() % C128_RATIO]
     rows = torch.cat([kv.float(), score.float() + bias], dim=1)[keep]
     state_cache[slots[keep] // block_size, slots[keep] % block_size] = rows
@@ -101,17 +104,30 @@ def c128_compress_ref(
     *,
     eps: float = 1e-6,
 ) -> None:
-    """Torch reference of :func:`c128_compress` (fp64 pooling, norm and RoPE; same effect)."""
-    block_size, head_dim = state_cache.shape[1], state_cache.shape[2] // 2
+    """Torch reference of :func:`c128_compress` (fp64 pooling, norm and RoPE; same effect).
+
+    Like the kernel, a boundary token writes nothing when its slot, table row, window block
+    indices, table entries or RoPE row fall outside the tensors given.
+    """
+    num_state_blocks, block_size, head_dim = state_cache.shape[0], state_cache.shape[1], state_cache.shape[2] // 2  # fmt: skip
+    num_reqs, width = state_block_table.shape
     pos = positions.long()
-    slots = compressed_slot_mapping.long()
-    todo = ((pos + 1) % C128_RATIO == 0) & (slots >= 0)
+    slots, reqs = compressed_slot_mapping.long(), req_indices.long()
+    capacity = compressed_cache.shape[0] * compressed_cache.shape[1]
+    todo = ((pos + 1) % C128_RATIO == 0) & (pos >= C128_RATIO - 1) & (slots >= 0)
+    todo &= (slots < capacity) & (reqs >= 0) & (reqs < num_reqs) & (pos // block_size < width)
+    todo &= (pos // C128_RATIO) * C128_RATIO < cos_sin_cache.shape[0]
     if not bool(todo.any()):
         return
-    pos, slots, reqs = pos[todo], slots[todo], req_indices.long()[todo]
-    # 1. gather each window [n, 128, 2D] through the block table
+    pos, slots, reqs = pos[todo], slots[todo], reqs[todo]
+    # 1. gather each window [n, 128, 2D] through the block table; a window with an entry that
+    #    is not a state block is dropped
     window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
     blocks = state_block_table.long()[reqs[:, None], window // block_size]
+    whole = ((blocks >= 0) & (blocks < num_state_blocks)).all(dim=1)
+    if not bool(whole.any()):
+        return
+    pos, slots, window, blocks = pos[whole], slots[whole], window[whole], blocks[whole]
     rows = state_cache[blocks, window % block_size].double()
     kv, score = rows[..., :head_dim], rows[..., head_dim:]
     # 2. per-channel softmax pooling, 3. RMSNorm
