@@ -41,12 +41,12 @@ __version__ = "0.1.0"
 
 #: Kernel entry points re-exported lazily, so ``import kvmgr`` never imports Triton.
 _LAZY = {
-    "GroupedMLAInsertHook": "kvmgr.kernels.hooks_mla",
-    "grouped_mla_insert": "kvmgr.kernels.mla_insert",
-    "per_layer_mla_insert": "kvmgr.kernels.mla_insert",
-    "mla_insert_reference": "kvmgr.kernels.mla_insert",
-    "C128CompressorHook": "kvmgr.kernels.c128_hook",
-    "c128_boundary": "kvmgr.kernels.c128_gate",
+    "GroupedMLAInsertHook": "kvmgr.kernels.mla.hook",
+    "grouped_mla_insert": "kvmgr.kernels.mla.api",
+    "per_layer_mla_insert": "kvmgr.kernels.mla.api",
+    "mla_insert_reference": "kvmgr.kernels.mla.api",
+    "C128CompressorHook": "kvmgr.kernels.c128.hook",
+    "c128_boundary": "kvmgr.kernels.c128.gate",
 }
 
 

@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 
 from kvmgr.errors import GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels.c128 import (
+from kvmgr.kernels.c128.api import (
     c128_boundary,
     c128_compress,
     c128_entry_bytes,
     c128_state_write,
 )
-from kvmgr.kernels.c128_hook import C128CompressorHook
-from kvmgr.kernels.c128_ref import (
+from kvmgr.kernels.c128.hook import C128CompressorHook
+from kvmgr.kernels.c128.reference import (
     c128_compress_ref,
     c128_state_write_ref,
     c128_unpack,
@@ -512,7 +512,7 @@ def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
     # microseconds per op and could synchronize with the device
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kvmgr.kernels import c128 as kernels
+    from kvmgr.kernels.c128 import host as kernels
 
     class CountOps(TorchDispatchMode):
         def __init__(self):
@@ -524,8 +524,8 @@ def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     write, compress = RecordingKernel(), RecordingKernel()
-    monkeypatch.setattr(kernels, "_state_write_kernel", write)
-    monkeypatch.setattr(kernels, "_compress_kernel", compress)
+    monkeypatch.setattr(kernels, "state_write_kernel", write)
+    monkeypatch.setattr(kernels, "compress_kernel", compress)
     non_boundary, boundary = Step(51, [(126, 1), (300, 1)]), Step(52, [(127, 1), (300, 1)])
     gated, ungated = make_hook(non_boundary), make_hook(non_boundary, gated=False)
     contexts = [non_boundary.context(), boundary.context()]
@@ -582,15 +582,15 @@ def test_gated_skip_does_not_check_compress_inputs():
 def test_hook_launches_through_the_shared_launchers():
     # direct launches by default, one launcher per kernel for every layer; direct_launch=False
     # takes Triton's normal launch (under the interpreter both launch normally)
-    from kvmgr.kernels import c128 as kernels
-    from kvmgr.kernels._launch import shared_launcher
+    from kvmgr.kernels.c128 import kernel as kernels
+    from kvmgr.kernels.launch import shared_launcher
 
     step = Step(63, [(127, 1)])
     default, normal = make_hook(step)._layer, make_hook(step, direct_launch=False)._layer
-    assert default._write is shared_launcher(kernels._state_write_kernel, True)
-    assert default._compress is shared_launcher(kernels._compress_kernel, True)
+    assert default._write is shared_launcher(kernels.state_write_kernel, True)
+    assert default._compress is shared_launcher(kernels.compress_kernel, True)
     assert make_hook(step)._layer._compress is default._compress
-    assert normal._write is shared_launcher(kernels._state_write_kernel, False)
+    assert normal._write is shared_launcher(kernels.state_write_kernel, False)
     assert not normal._write.direct and not normal._compress.direct
     for launcher in (default._write, default._compress):
         assert launcher.direct is (DEV == "cuda")  # never direct under the interpreter
@@ -602,11 +602,12 @@ def test_gate_module_is_triton_free_and_reexported():
     from pathlib import Path
 
     import kvmgr
-    from kvmgr.kernels import c128, c128_gate
+    from kvmgr.kernels import c128
+    from kvmgr.kernels.c128 import api, gate
 
-    assert c128.c128_boundary is c128_gate.c128_boundary is kvmgr.c128_boundary
-    code = ("import sys, kvmgr; kvmgr.c128_boundary; import kvmgr.kernels.c128_gate; "
-            "sys.exit('triton' in sys.modules or 'kvmgr.kernels.c128' in sys.modules)")  # fmt: skip
+    assert c128.c128_boundary is api.c128_boundary is gate.c128_boundary is kvmgr.c128_boundary
+    code = ("import sys, kvmgr; kvmgr.c128_boundary; import kvmgr.kernels.c128.gate; "
+            "sys.exit('triton' in sys.modules or 'kvmgr.kernels.c128.kernel' in sys.modules)")  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
 

@@ -29,8 +29,8 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from kvmgr.kernels import _launch
-from kvmgr.kernels._launch import DirectLauncher
+from kvmgr.kernels import launch as _launch
+from kvmgr.kernels.launch import DirectLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -358,15 +358,18 @@ _STUB_DRIVER_RUN = textwrap.dedent(
 
     sys.path.insert(0, os.getcwd())
     from kvmgr.hooks import StepContext
-    from kvmgr.kernels import _launch, c128, mla_insert
-    from kvmgr.kernels.c128_hook import C128CompressorHook
-    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+    from kvmgr.kernels import launch as _launch
+    from kvmgr.kernels.c128 import kernel as c128_kernel
+    from kvmgr.kernels.c128.hook import C128CompressorHook
+    from kvmgr.kernels.c128.layout import c128_entry_bytes
+    from kvmgr.kernels.mla import host as mla_host
+    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
 
     gen = torch.Generator().manual_seed(0)
     D, S = 128, 8
     hook = C128CompressorHook(
         state_cache=torch.randn(8, S, 2 * D, generator=gen),
-        compressed_cache=torch.zeros(8, 4, c128.c128_entry_bytes(D), dtype=torch.uint8),
+        compressed_cache=torch.zeros(8, 4, c128_entry_bytes(D), dtype=torch.uint8),
         ape=torch.randn(128, D, generator=gen), norm_weight=torch.rand(D, generator=gen),
         cos_sin_cache=torch.rand(512, 64, generator=gen), gated=False)
     def c128_step(num_tokens):
@@ -388,8 +391,8 @@ _STUB_DRIVER_RUN = textwrap.dedent(
     for num_tokens in (1, 5, 9, 30):  # every step size: same keys after the first
         hook(c128_step(num_tokens))
         mla(mla_step(num_tokens))
-    launchers = [c128.shared_launcher(c128._state_write_kernel),
-                 c128.shared_launcher(c128._compress_kernel), mla_insert._grouped_launcher(True)]
+    launchers = [_launch.shared_launcher(c128_kernel.state_write_kernel),
+                 _launch.shared_launcher(c128_kernel.compress_kernel), mla_host.grouped_launcher(True)]
     print(json.dumps({
         "runtime": _launch._direct_runtime() is not None,
         "direct": [lau.direct for lau in launchers],

@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from kvmgr.hooks import StepContext
-from kvmgr.kernels.c128 import c128_boundary, c128_compress, c128_entry_bytes, c128_state_write
-from kvmgr.kernels.c128_hook import C128CompressorHook
-from kvmgr.kernels.c128_ref import c128_compress_ref, c128_unpack, rope_cos_sin_cache
+from kvmgr.kernels.c128.api import c128_boundary, c128_compress, c128_entry_bytes, c128_state_write
+from kvmgr.kernels.c128.hook import C128CompressorHook
+from kvmgr.kernels.c128.reference import c128_compress_ref, c128_unpack, rope_cos_sin_cache
 
 __all__ = ["add_arguments", "run"]
 

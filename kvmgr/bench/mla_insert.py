@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvmgr bench mla-insert: needs a CUDA GPU, and torch sees none.", file=sys.stderr)
         return 2
     try:
-        from kvmgr.kernels import mla_insert
+        from kvmgr.kernels.mla import api as mla_insert
     except ImportError as exc:  # Triton missing
         print(f"kvmgr bench mla-insert: cannot load the kernels ({exc}).", file=sys.stderr)
         return 2
@@ -187,7 +187,7 @@ def _calls(fn: Callable[..., None], sets: list[dict[str, Any]], **tuning: Any) -
 def _hook_calls(sets: list[dict[str, Any]]) -> list[Any]:
     """One ``GroupedMLAInsertHook(validate=False)`` call per set, its context built up front."""
     from kvmgr.hooks import StepContext
-    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
 
     calls = []
     for s in sets:

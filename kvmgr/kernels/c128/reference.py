@@ -1,4 +1,4 @@
-"""Torch references and host helpers for the c128 compressor (:mod:`kvmgr.kernels.c128`).
+"""Torch references and host helpers for the c128 compressor (:mod:`kvmgr.kernels.c128.api`; imports none of the kernels).
 
 Offers:
     c128_state_write_ref   reference of ``c128_state_write`` (fp32 math, same effect)
@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 
 from kvmgr.errors import GeometryError
-from kvmgr.kernels.c128 import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
+from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, GROUP, c128_entry_bytes
 
 __all__ = ["c128_compress_ref", "c128_state_write_ref", "c128_unpack", "rope_cos_sin_cache"]
 
-_GROUP = 64
 _FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-4
 
@@ -51,7 +50,7 @@ def c128_unpack(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     if not isinstance(entries, torch.Tensor) or entries.dtype != torch.uint8:
         got = getattr(entries, "dtype", type(entries).__name__)
         raise GeometryError(f"entries: expected a uint8 tensor, got {got}")
-    head_dim = (entries.shape[-1] - C128_ROPE_DIM) * _GROUP // (_GROUP + 1)
+    head_dim = (entries.shape[-1] - C128_ROPE_DIM) * GROUP // (GROUP + 1)
     if (
         head_dim < 128
         or head_dim & (head_dim - 1)
@@ -63,10 +62,10 @@ def c128_unpack(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
         )
     nope_dim = head_dim - C128_ROPE_DIM
     lead = entries.shape[:-1]
-    e = entries[..., head_dim + C128_ROPE_DIM : head_dim + C128_ROPE_DIM + nope_dim // _GROUP]
+    e = entries[..., head_dim + C128_ROPE_DIM : head_dim + C128_ROPE_DIM + nope_dim // GROUP]
     exponents = e.to(torch.int32) - 127
     q = entries[..., :nope_dim].contiguous().view(torch.float8_e4m3fn).float()
-    scale = torch.exp2(exponents.double()).float().repeat_interleave(_GROUP, dim=-1)
+    scale = torch.exp2(exponents.double()).float().repeat_interleave(GROUP, dim=-1)
     rope_bytes = entries[..., nope_dim : head_dim + C128_ROPE_DIM].contiguous()
     rope = rope_bytes.view(torch.bfloat16).float().reshape(*lead, C128_ROPE_DIM)
     return q * scale, rope, exponents
@@ -148,7 +147,7 @@ def c128_compress_ref(
 def _pack_ref(y: torch.Tensor) -> torch.Tensor:
     """Pack fp32 rows ``[n, D]`` into entries ``[n, D + 64 + D // 64]`` uint8."""
     n = y.shape[0]
-    nope = y[:, :-C128_ROPE_DIM].reshape(n, -1, _GROUP)
+    nope = y[:, :-C128_ROPE_DIM].reshape(n, -1, GROUP)
     amax = nope.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
     exponents = torch.ceil(torch.log2(amax.double() / _FP8_MAX)).to(torch.int32)
     scaled = nope * torch.exp2(-exponents.double()).float()[..., None]

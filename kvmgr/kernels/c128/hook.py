@@ -4,9 +4,9 @@ Offers:
     C128CompressorHook   a :class:`kvmgr.hooks.StepHook` running the two c128 kernels of one
                          compressor layer once per scheduler step
 
-Per step the hook launches :func:`~kvmgr.kernels.c128.c128_state_write`, then
-:func:`~kvmgr.kernels.c128.c128_compress` unless the host gate
-:func:`~kvmgr.kernels.c128_gate.c128_boundary` answers exactly ``False`` and the step is not being
+Per step the hook launches :func:`~kvmgr.kernels.c128.api.c128_state_write`, then
+:func:`~kvmgr.kernels.c128.api.c128_compress` unless the host gate
+:func:`~kvmgr.kernels.c128.gate.c128_boundary` answers exactly ``False`` and the step is not being
 captured into a CUDA graph. Under capture both kernels are always recorded: the graph is replayed
 for later steps whose boundaries the capture cannot know, and the compress kernel skips
 non-boundary tokens on the device.
@@ -20,8 +20,8 @@ import torch
 
 from kvmgr.errors import GeometryError
 from kvmgr.hooks import HookReport, StepContext
-from kvmgr.kernels.c128 import _Layer
-from kvmgr.kernels.c128_gate import c128_boundary
+from kvmgr.kernels.c128.gate import c128_boundary
+from kvmgr.kernels.c128.host import Layer
 
 __all__ = ["C128CompressorHook"]
 
@@ -94,7 +94,7 @@ class C128CompressorHook:
                 caches and raise :class:`~kvmgr.errors.InvalidBlockError` for an index the
                 device would skip (one device->host sync per kernel; not under capture).
             direct_launch: launch the compiled kernels directly, past Triton's per-call
-                dispatch (:mod:`kvmgr.kernels._launch`: keyed by everything Triton
+                dispatch (:mod:`kvmgr.kernels.launch`: keyed by everything Triton
                 specializes on, falling back to Triton's normal launch where its internals
                 differ). ``False`` takes Triton's normal launch on every step.
 
@@ -103,7 +103,7 @@ class C128CompressorHook:
                 or ``eps <= 0``.
             ImportError: Triton is not installed.
         """
-        self._layer = _Layer(state_cache, ape=ape, norm_weight=norm_weight,
+        self._layer = Layer(state_cache, ape=ape, norm_weight=norm_weight,
                              cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
                              eps=eps, direct_launch=direct_launch)  # fmt: skip
         self.name = name

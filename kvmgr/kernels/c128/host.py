@@ -1,0 +1,273 @@
+"""Host side of the c128 kernels: tensor checks, bounds checks and launches (private).
+
+Offers (to :mod:`kvmgr.kernels.c128.api` and :mod:`kvmgr.kernels.c128.hook`):
+    Layer   one compressor layer's tensors, checked once; per-step checks and launches
+
+Dependencies: :mod:`~kvmgr.kernels.c128.kernel`, :mod:`~kvmgr.kernels.c128.layout` and
+:mod:`kvmgr.kernels.launch`; nothing above.
+"""
+
+from __future__ import annotations
+
+from typing import TypeGuard
+
+import torch
+
+from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
+from kvmgr.kernels.c128.kernel import HAS_TRITON, WINDOW_CHUNK, compress_kernel, state_write_kernel
+from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
+from kvmgr.kernels.launch import shared_launcher
+
+__all__ = ["Layer"]
+
+_INDEX = (torch.int32, torch.int64)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fail(name: str, expected: str, got: object) -> GeometryError:
+    return GeometryError(f"{name}: expected {expected}, got {got}")
+
+
+def _check(
+    t: object, name: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None, *, contiguous: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Check type, sizes (``None``: any), dtype, device and unit last stride; return ``t``."""
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != len(shape) or any(
+        s not in (None, n) for s, n in zip(shape, t.shape, strict=False)
+    ):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise _fail(name, f"shape {want}", list(t.shape))
+    if t.dtype not in dtypes:
+        raise _fail(name, "dtype in " + "/".join(str(d) for d in dtypes), t.dtype)
+    if device is not None and t.device != device:
+        raise _fail(name, f"device {device}", t.device)
+    if contiguous and not t.is_contiguous():
+        raise _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+    if t.numel() and t.stride(-1) != 1:
+        raise _fail(name, "unit last stride", f"strides {t.stride()}")
+    return t
+
+
+def _is_index(t: object, num_tokens: int, device: torch.device) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` passes ``_check(t, name, (num_tokens,), _INDEX, device)``; no allocation."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == (num_tokens,)
+        and t.dtype in _INDEX
+        and t.device == device
+        and (num_tokens == 0 or t.stride(0) == 1)
+    )
+
+
+def _is_rows(
+    t: object, num_tokens: int, width: int, dtypes: tuple[torch.dtype, ...], device: torch.device
+) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` passes ``_check(t, name, (num_tokens, width), dtypes, device)``."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == (num_tokens, width)
+        and t.dtype in dtypes
+        and t.device == device
+        and (num_tokens == 0 or t.stride(1) == 1)
+    )
+
+
+class Layer:
+    """One compressor layer's tensors, checked once; per-step checks and launches.
+
+    ``check_*`` validate a step's tensors with attribute reads only (no tensor is created, no
+    device is touched, nothing is re-derived from the layer) and return the token count; only
+    when a check fails is the slow path run that names the offending tensor. ``launch_*``
+    enqueue a kernel without checking, so a caller checks everything a step needs first.
+    Tensors left ``None`` are not checked and must not be needed by the launches asked for.
+    Both kernels launch through the process-wide :func:`~kvmgr.kernels.launch.shared_launcher`
+    of their kernel: direct launches, or Triton's normal launch with ``direct_launch=False``.
+    """
+
+    def __init__(
+        self, state_cache: object, *, ape: object = None, norm_weight: object = None,
+        cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
+        direct_launch: bool = True,
+    ) -> None:  # fmt: skip
+        if not HAS_TRITON:
+            raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
+        dims: tuple[int, ...] = tuple(getattr(state_cache, "shape", ()))
+        if len(dims) != 3:
+            raise _fail("state_cache", "shape [num_state_blocks, S, 2D]", list(dims))
+        self.block_size, self.head_dim = dims[1], dims[2] // 2
+        self.entry_bytes = c128_entry_bytes(self.head_dim)
+        d = self.head_dim
+        self.state_cache = _check(state_cache, "state_cache", (None, None, 2 * d),
+                                  (torch.float32,), None)  # fmt: skip
+        self.device = self.state_cache.device
+        self.state_strides = (self.state_cache.stride(0), self.state_cache.stride(1))
+        self.num_state_blocks = dims[0]
+        self.state_capacity = dims[0] * dims[1]
+        dev, f32 = self.device, (torch.float32,)
+        if ape is not None:
+            self.ape = _check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
+        if norm_weight is not None:
+            self.norm_weight = _check(norm_weight, "norm_weight", (d,), _FLOAT, dev,
+                                      contiguous=True)  # fmt: skip
+        if cos_sin_cache is not None:
+            self.cos_sin_cache = _check(cos_sin_cache, "cos_sin_cache", (None, C128_ROPE_DIM),
+                                        f32, dev, contiguous=True)  # fmt: skip
+            self.num_rope_positions = self.cos_sin_cache.shape[0]
+        if compressed_cache is not None:
+            self.compressed_cache = _check(compressed_cache, "compressed_cache",
+                                           (None, None, self.entry_bytes), (torch.uint8,), dev,
+                                           contiguous=True)  # fmt: skip
+            self.compressed_capacity = compressed_cache.shape[0] * compressed_cache.shape[1]
+        if not (isinstance(eps, float | int) and eps > 0):
+            raise _fail("eps", "a float > 0", eps)
+        self.eps = float(eps)
+        self._write = shared_launcher(state_write_kernel, direct_launch)
+        self._compress = shared_launcher(compress_kernel, direct_launch)
+
+    def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
+        """Validate the step tensors of :func:`c128_state_write`; return ``T``.
+
+        Raises:
+            GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        """
+        dev, num_tokens = self.device, _num_tokens(positions)
+        if not (
+            _is_index(positions, num_tokens, dev)
+            and _is_index(state_slot_mapping, num_tokens, dev)
+            and _is_rows(kv, num_tokens, self.head_dim, _FLOAT, dev)
+            and _is_rows(score, num_tokens, self.head_dim, (kv.dtype,), dev)
+        ):
+            self._tokens(positions, state_slot_mapping=state_slot_mapping)
+            kv = _check(kv, "kv", (num_tokens, self.head_dim), _FLOAT, dev)
+            _check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), dev)
+        return num_tokens
+
+    def check_compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> int:  # fmt: skip
+        """Validate the step tensors of :func:`c128_compress`; return ``T``.
+
+        Raises:
+            GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        """
+        dev, num_tokens = self.device, _num_tokens(positions)
+        table = state_block_table
+        if not (
+            isinstance(table, torch.Tensor)
+            and table.dim() == 2
+            and table.dtype in _INDEX
+            and table.device == dev
+            and (table.numel() == 0 or table.stride(1) == 1)
+            and _is_index(positions, num_tokens, dev)
+            and _is_index(req_indices, num_tokens, dev)
+            and _is_index(compressed_slot_mapping, num_tokens, dev)
+        ):
+            _check(table, "state_block_table", (None, None), _INDEX, dev)
+            self._tokens(positions, req_indices=req_indices,
+                         compressed_slot_mapping=compressed_slot_mapping)  # fmt: skip
+        return num_tokens
+
+    def _tokens(self, positions: object, **index_tensors: object) -> None:
+        """Slow path: raise for the first malformed ``[T]`` index tensor."""
+        num_tokens = _check(positions, "positions", (None,), _INDEX, self.device).shape[0]
+        for name, t in index_tensors.items():
+            _check(t, name, (num_tokens,), _INDEX, self.device)
+
+    def check_write_bounds(self, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Opt-in: raise for what the state write would skip (one device->host sync).
+
+        Raises:
+            ConfigError: called under CUDA-graph capture.
+            InvalidBlockError: a real slot (>= 0) is >= ``num_state_blocks * S``, or a position
+                of a real slot is negative.
+        """
+        _refuse_under_capture(positions)
+        if positions.numel() == 0:
+            return
+        slots = state_slot_mapping.long()
+        real = slots >= 0
+        worst = torch.stack([torch.where(real, slots, -1).max(),
+                             torch.where(real, positions.long(), 0).min()]).tolist()  # fmt: skip
+        if worst[0] >= self.state_capacity:
+            raise InvalidBlockError(
+                f"state_slot_mapping: expected slots < {self.state_capacity} (num_state_blocks "
+                f"{self.num_state_blocks} x S {self.block_size}), got {worst[0]}"
+            )
+        if worst[1] < 0:
+            raise InvalidBlockError(f"positions: expected values >= 0, got {worst[1]}")
+
+    def check_compress_bounds(self, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Opt-in: raise for a boundary token the compress kernel would skip (one sync).
+
+        Only tokens with a boundary position and a slot >= 0 are checked: their slot, table
+        row, the width and entries of that row over the token's window, and the RoPE row.
+
+        Raises:
+            ConfigError: called under CUDA-graph capture.
+            InvalidBlockError: one of those lies outside the tensor it indexes.
+        """
+        _refuse_under_capture(positions)
+        pos, slots = positions.long(), compressed_slot_mapping.long()
+        todo = ((pos + 1) % C128_RATIO == 0) & (slots >= 0)
+        if positions.numel() == 0 or not bool(todo.any()):
+            return
+        pos, slots, reqs = pos[todo], slots[todo], req_indices.long()[todo]
+        num_reqs, width = state_block_table.shape
+        facts = [
+            ("compressed_slot_mapping", f"slots < {self.compressed_capacity}", slots.max()),
+            ("positions at a boundary", f"values >= {C128_RATIO - 1}", pos.min()),
+            ("req_indices", f"rows of the table in [0, {num_reqs})", reqs.min()),
+            ("req_indices", f"rows of the table in [0, {num_reqs})", reqs.max()),
+            ("positions // S", f"block indices < the table width {width}",
+             pos.max() // self.block_size),
+            ("(positions // 128) * 128", f"rows of cos_sin_cache < {self.num_rope_positions}",
+             (pos.max() // C128_RATIO) * C128_RATIO),
+        ]  # fmt: skip
+        got = torch.stack([f[2] for f in facts]).tolist()
+        bad = [got[0] >= self.compressed_capacity, got[1] < C128_RATIO - 1, got[2] < 0,
+               got[3] >= num_reqs, got[4] >= width, got[5] >= self.num_rope_positions]  # fmt: skip
+        for (name, want, _), value, is_bad in zip(facts, got, bad, strict=True):
+            if is_bad:
+                raise InvalidBlockError(f"{name}: expected {want}, got {value}")
+        window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
+        blocks = state_block_table.long()[reqs[:, None], window // self.block_size]
+        low, high = torch.stack([blocks.min(), blocks.max()]).tolist()
+        if low < 0 or high >= self.num_state_blocks:
+            raise InvalidBlockError(
+                f"state_block_table entries of boundary windows: expected blocks in [0, "
+                f"{self.num_state_blocks}), got {low if low < 0 else high}"
+            )
+
+    def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Enqueue the state write of ``num_tokens`` checked tokens on the current stream."""
+        if num_tokens:
+            self._write(
+                (num_tokens,), kv, score, self.ape, positions, state_slot_mapping, self.state_cache,
+                kv.stride(0), score.stride(0), *self.state_strides, self.state_capacity,
+                self.block_size, self.head_dim, C128_RATIO,
+            )  # fmt: skip
+
+    def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Enqueue the compression of ``num_tokens`` checked candidate tokens."""
+        if num_tokens:
+            self._compress(
+                (num_tokens,), self.state_cache, state_block_table, req_indices, positions,
+                compressed_slot_mapping, self.norm_weight, self.cos_sin_cache,
+                self.compressed_cache, *self.state_strides, state_block_table.stride(0), self.eps,
+                state_block_table.shape[0], state_block_table.shape[1], self.num_state_blocks,
+                self.num_rope_positions, self.compressed_capacity, self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK,
+                self.entry_bytes, num_warps=4,
+            )  # fmt: skip
+
+
+def _refuse_under_capture(t: torch.Tensor) -> None:
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ConfigError("check_slots: expected False under CUDA-graph capture, got True")
+
+
+def _num_tokens(positions: object) -> int:
+    """``T`` from a 1-D ``positions`` tensor; -1 (fails every check) for anything else."""
+    if isinstance(positions, torch.Tensor) and positions.dim() == 1:
+        return positions.size(0)
+    return -1
