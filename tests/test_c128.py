@@ -535,7 +535,7 @@ def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
     assert [(r.launches, r.skips) for r in reports] == [(1, 1), (2, 0), (2, 0), (2, 0)]
     assert len(write.launches) == 4 and len(compress.launches) == 3
     grid, args, kw = compress.launches[1]  # the gated hook at the boundary step
-    assert grid == (2,) and args[3] is boundary.positions and kw["num_warps"] == 4
+    assert grid == (2, 1, 1) and args[3] is boundary.positions and kw["num_warps"] == 4
 
 
 @pytest.mark.parametrize(

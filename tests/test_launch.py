@@ -422,6 +422,105 @@ def test_real_triton_compile_and_launch_behind_a_stub_driver(tmp_path):
     assert result["launches"][2] == [1, 3, 1, 7]  # MLA: (token tiles, layers, 1)
 
 
+_STUB_PACKED_RUN = _STUB_DRIVER_RUN.split("gen = torch.Generator()")[0] + textwrap.dedent(
+    """
+    import ctypes
+    from kvmgr.kernels import packed_launch
+
+    calls = []
+
+    class FakeDriver:  # libcuda's three entry points: records each launch's packed arguments
+        def launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            calls.append({"function": function.value, "grid": [gx.value, gy.value, gz.value],
+                          "block": [bx.value, by.value, bz.value], "stream": stream.value,
+                          "extra": extra, "params": [snapshot(params[i]) for i in range(len(params))]})
+            return 0
+        def current_context(self):
+            return 1
+        def error_name(self, result):
+            return str(result)
+
+    packed_launch._driver = lambda: FakeDriver()
+    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 7
+
+    def snapshot(address):  # the cell as each width could read it, at the time of the launch
+        return {name: ctypes.cast(address, ctypes.POINTER(kind)).contents.value
+                for name, kind in (("f32", ctypes.c_float), ("i32", ctypes.c_int32),
+                                   ("u64", ctypes.c_uint64))}
+
+    def read(cell, expected):  # small ints are i32 cells, addresses u64 cells
+        return cell["f32" if isinstance(expected, float) else "i32" if expected < 2**20 else "u64"]
+
+    gen = torch.Generator().manual_seed(0)
+    result = {}
+    # the grouped MLA insert: 3 layers, [L, T] slots, two steps of different T
+    caches = [torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn) for _ in range(3)]
+    scales = torch.ones(3)
+    mla = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=scales, validate=False)
+    expected = []
+    for num_tokens in (5, 9):
+        kv_c = torch.randn(3, num_tokens, 64, generator=gen)
+        k_pe = torch.randn(3, num_tokens, 32, generator=gen)
+        slots = torch.arange(num_tokens).repeat(3, 1)
+        mla(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+        expected.append([kv_c.data_ptr(), k_pe.data_ptr(), mla._plan.table.data_ptr(),
+                         slots.data_ptr(), scales.data_ptr(), num_tokens, kv_c.stride(0),
+                         k_pe.stride(0), slots.stride(0), 0, 0])
+    result["mla_bound"] = mla._insert.num_bound
+    result["mla_packed"] = mla._insert._last.is_packed
+    # the c128 write (gated off: non-boundary step), then an ungated boundary step
+    D, S = 128, 8
+    layer = dict(state_cache=torch.randn(8, S, 2 * D, generator=gen),
+                 compressed_cache=torch.zeros(8, 4, c128_entry_bytes(D), dtype=torch.uint8),
+                 ape=torch.randn(128, D, generator=gen), norm_weight=torch.rand(D, generator=gen),
+                 cos_sin_cache=torch.rand(512, 64, generator=gen))
+    hook = C128CompressorHook(**layer, gated=False, eps=0.5)
+    pos = torch.arange(120, 130)
+    table = torch.arange(24, dtype=torch.int32).view(3, 8)
+    t = {"positions": pos, "c128.state_slot_mapping": pos % 64, "c128.state_block_table": table,
+         "c128.req_indices": torch.zeros(10, dtype=torch.int32), "c128.slot_mapping": torch.arange(10),
+         "c128.kv": torch.randn(10, D, generator=gen), "c128.score": torch.randn(10, D, generator=gen)}
+    hook(StepContext(tensors=t))
+    lay = hook._layer
+    expected.append([t["c128.kv"].data_ptr(), t["c128.score"].data_ptr(), lay.ape.data_ptr(),
+                     pos.data_ptr(), t["c128.state_slot_mapping"].data_ptr(),
+                     lay.state_cache.data_ptr(), D, D, 8 * 2 * D, 2 * D, 64, 0, 0])
+    expected.append([lay.state_cache.data_ptr(), table.data_ptr(), t["c128.req_indices"].data_ptr(),
+                     pos.data_ptr(), t["c128.slot_mapping"].data_ptr(), lay.norm_weight.data_ptr(),
+                     lay.cos_sin_cache.data_ptr(), lay.compressed_cache.data_ptr(), 8 * 2 * D,
+                     2 * D, 8, 0.5, 3, 8, 8, 512, 32, 0, 0])
+    result["calls"] = [{**c, "params": [read(a, e) for a, e in zip(c["params"], exp)],
+                        "num_params": len(c["params"])} for c, exp in zip(calls, expected)]
+    result["expected"] = expected
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests launch for real")
+def test_packed_arguments_match_the_compiled_kernels_behind_a_stub_driver(tmp_path):
+    # Triton compiles the real kernels (sm_90); a fake libcuda records what cuLaunchKernel gets:
+    # every packed cell holds the expected pointer or int, in the PTX .entry order, plus the two
+    # NULL scratch pointers; each step updates its pointers, T and grid in place
+    script = tmp_path / "stub_packed_run.py"
+    script.write_text(_STUB_PACKED_RUN)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mla_bound"] == 1 and result["mla_packed"] is True
+    calls, expected = result["calls"], result["expected"]
+    assert len(calls) == 4
+    for call, want in zip(calls, expected, strict=True):
+        assert call["num_params"] == len(want)
+        assert call["params"][:-1] == pytest.approx(want[:-1]) and call["params"][-1] == 0
+        assert call["stream"] == 7 and call["extra"] is None and call["function"] == 1
+    assert [c["grid"] for c in calls] == [[5, 3, 1], [9, 3, 1], [10, 1, 1], [10, 1, 1]]
+    assert calls[0]["block"] == [64, 1, 1] and calls[3]["block"] == [128, 1, 1]
+
+
 # --- GPU -------------------------------------------------------------------------------------
 
 

@@ -428,7 +428,8 @@ def test_one_compiled_kernel_serves_every_step_size(monkeypatch: pytest.MonkeyPa
         slots = _slots(130 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
         if step % 2:  # [L, T] on odd steps
             slots = torch.stack([slots.roll(i) for i in range(num_layers)])
-        expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
+        insert = functools.partial(grouped_mla_insert, packed_launch=False)  # the per-call path
+        expected = _run_both(insert, kv_c, k_pe, caches, slots, **kwargs)
         assert _same_bytes(caches, expected)
     assert host._grouped_constexprs.cache_info().currsize == 1
     kernel = mla_kernel.grouped_insert_kernel
@@ -438,6 +439,33 @@ def test_one_compiled_kernel_serves_every_step_size(monkeypatch: pytest.MonkeyPa
     keyer = DirectLauncher(kernel)._key
     assert keyer is not None and len(launches) == 5
     assert len({keyer(None, args) for args in launches}) == 1
+
+
+def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
+    # Steps of any T (same tile) share one signature per slot layout ([T] or [L, T]): bound
+    # once each, then only pointers, T, layer strides and the grid change; every step exact.
+    from kvmgr.kernels.mla.bound import GroupedInsert
+
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(150, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    scales = _scales(151, num_layers)
+    insert = GroupedInsert(host.grouped_plan(caches, "fp8_e4m3"), "fp8_e4m3")
+    for step, num_tokens in enumerate([5, 1, 16, 11, 2, 7]):
+        kv_c, k_pe = _inputs(152 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+        slots = _slots(160 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
+        if step % 2:
+            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
+        expected = [cache.clone() for cache in caches]
+        mla_insert_reference(kv_c, k_pe, expected, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
+        assert insert(kv_c, k_pe, slots, scales) == num_tokens
+        assert _same_bytes(caches, expected)
+    assert insert.num_bound == 2
+    bound = insert._last  # the last step's launch: its arguments are that step's
+    assert bound.args[0] is kv_c and bound.args[1] is k_pe and bound.args[3] is slots
+    assert bound.args[5:9] == [7, kv_c.stride(0), k_pe.stride(0), slots.stride(0)]
+    assert bound.is_packed is False  # the interpreter: Triton's launch
+    with pytest.raises(GeometryError, match="slot_mapping"):  # T disagrees: the checks run
+        insert(kv_c, k_pe, slots[:, :3], scales)
 
 
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import torch
 
+from kvmgr.kernels.c128.bounds import check_compress_bounds, check_write_bounds
 from kvmgr.kernels.c128.gate import c128_boundary
 from kvmgr.kernels.c128.host import Layer
 from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
@@ -110,7 +111,7 @@ def c128_state_write(
     layer = Layer(state_cache, ape=ape, direct_launch=direct_launch)
     num_tokens = layer.check_write(kv, score, positions, state_slot_mapping)
     if check_slots:
-        layer.check_write_bounds(positions, state_slot_mapping)
+        check_write_bounds(layer, positions, state_slot_mapping)
     layer.launch_write(num_tokens, kv, score, positions, state_slot_mapping)
 
 
@@ -165,5 +166,5 @@ def c128_compress(
     args = (state_block_table, req_indices, positions, compressed_slot_mapping)
     num_tokens = layer.check_compress(*args)
     if check_slots:
-        layer.check_compress_bounds(*args)
+        check_compress_bounds(layer, *args)
     layer.launch_compress(num_tokens, *args)

@@ -20,6 +20,7 @@ import torch
 
 from kvmgr.errors import GeometryError
 from kvmgr.hooks import HookReport, StepContext
+from kvmgr.kernels.c128.bounds import check_compress_bounds, check_write_bounds
 from kvmgr.kernels.c128.gate import c128_boundary
 from kvmgr.kernels.c128.host import Layer
 
@@ -77,6 +78,7 @@ class C128CompressorHook:
         gated: bool = True,
         check_slots: bool = False,
         direct_launch: bool = True,
+        packed_launch: bool = True,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
 
@@ -97,6 +99,10 @@ class C128CompressorHook:
                 dispatch (:mod:`kvmgr.kernels.launch`: keyed by everything Triton
                 specializes on, falling back to Triton's normal launch where its internals
                 differ). ``False`` takes Triton's normal launch on every step.
+            packed_launch: with ``direct_launch``, bind each kernel's launch once per
+                specialization and then launch it with ``cuLaunchKernel`` from packed
+                arguments updated in place (:mod:`kvmgr.kernels.packed_launch`; the default).
+                ``False`` launches through the compiled kernel's own launcher.
 
         Raises:
             GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,
@@ -105,7 +111,8 @@ class C128CompressorHook:
         """
         self._layer = Layer(state_cache, ape=ape, norm_weight=norm_weight,
                              cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
-                             eps=eps, direct_launch=direct_launch)  # fmt: skip
+                             eps=eps, direct_launch=direct_launch,
+                             packed_launch=packed_launch)  # fmt: skip
         self.name = name
         self.gated = gated
         self.check_slots = check_slots
@@ -154,14 +161,13 @@ class C128CompressorHook:
         if not skip:
             layer.check_compress(table, req, pos, slots)
         if self.check_slots:
-            layer.check_write_bounds(pos, state_slots)
+            check_write_bounds(layer, pos, state_slots)
             if not skip:
-                layer.check_compress_bounds(table, req, pos, slots)
-        if ctx.stream is None:
-            self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
-        else:
-            with torch.cuda.stream(ctx.stream):
-                self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
+                check_compress_bounds(layer, table, req, pos, slots)
+        stream = ctx.stream
+        layer.launch_write(num_tokens, kv, score, pos, state_slots, stream)
+        if not skip:
+            layer.launch_compress(num_tokens, table, req, pos, slots, stream)
         launches = 0 if num_tokens == 0 else 1 + (not skip)
         self.num_steps += 1
         self.num_launches += launches
@@ -173,9 +179,3 @@ class C128CompressorHook:
             host_s=time.perf_counter() - start_s,
             extra={"boundary": boundary, "num_tokens": num_tokens},
         )
-
-    def _launch(self, num_tokens: int, skip: bool, *tensors: torch.Tensor) -> None:
-        kv, score, pos, state_slots, table, req, slots = tensors
-        self._layer.launch_write(num_tokens, kv, score, pos, state_slots)
-        if not skip:
-            self._layer.launch_compress(num_tokens, table, req, pos, slots)

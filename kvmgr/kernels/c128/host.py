@@ -9,11 +9,11 @@ Dependencies: :mod:`~kvmgr.kernels.c128.kernel`, :mod:`~kvmgr.kernels.c128.layou
 
 from __future__ import annotations
 
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
-from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
+from kvmgr.errors import GeometryError
 from kvmgr.kernels.c128.kernel import HAS_TRITON, WINDOW_CHUNK, compress_kernel, state_write_kernel
 from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
 from kvmgr.kernels.launch import shared_launcher
@@ -90,7 +90,7 @@ class Layer:
     def __init__(
         self, state_cache: object, *, ape: object = None, norm_weight: object = None,
         cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
-        direct_launch: bool = True,
+        direct_launch: bool = True, packed_launch: bool = True,
     ) -> None:  # fmt: skip
         if not HAS_TRITON:
             raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
@@ -126,6 +126,9 @@ class Layer:
         self.eps = float(eps)
         self._write = shared_launcher(state_write_kernel, direct_launch)
         self._compress = shared_launcher(compress_kernel, direct_launch)
+        self.packed = packed_launch and direct_launch
+        self._writes: dict[tuple[object, ...], Any] = {}  # specialization -> bound launch
+        self._compresses: dict[tuple[object, ...], Any] = {}
 
     def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
         """Validate the step tensors of :func:`c128_state_write`; return ``T``.
@@ -174,96 +177,62 @@ class Layer:
         for name, t in index_tensors.items():
             _check(t, name, (num_tokens,), _INDEX, self.device)
 
-    def check_write_bounds(self, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """Opt-in: raise for what the state write would skip (one device->host sync).
+    def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+        """Enqueue the state write of ``num_tokens`` checked tokens (current stream if None).
 
-        Raises:
-            ConfigError: called under CUDA-graph capture.
-            InvalidBlockError: a real slot (>= 0) is >= ``num_state_blocks * S``, or a position
-                of a real slot is negative.
+        The launch is bound once per specialization (dtypes, pointer alignments, row-stride
+        classes) and then updated in place: pointers and row strides (:meth:`_bind_write`).
         """
-        _refuse_under_capture(positions)
-        if positions.numel() == 0:
+        if not num_tokens:
             return
-        slots = state_slot_mapping.long()
-        real = slots >= 0
-        worst = torch.stack([torch.where(real, slots, -1).max(),
-                             torch.where(real, positions.long(), 0).min()]).tolist()  # fmt: skip
-        if worst[0] >= self.state_capacity:
-            raise InvalidBlockError(
-                f"state_slot_mapping: expected slots < {self.state_capacity} (num_state_blocks "
-                f"{self.num_state_blocks} x S {self.block_size}), got {worst[0]}"
-            )
-        if worst[1] < 0:
-            raise InvalidBlockError(f"positions: expected values >= 0, got {worst[1]}")
-
-    def check_compress_bounds(self, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """Opt-in: raise for a boundary token the compress kernel would skip (one sync).
-
-        Only tokens with a boundary position and a slot >= 0 are checked: their slot, table
-        row, the width and entries of that row over the token's window, and the RoPE row.
-
-        Raises:
-            ConfigError: called under CUDA-graph capture.
-            InvalidBlockError: one of those lies outside the tensor it indexes.
-        """
-        _refuse_under_capture(positions)
-        pos, slots = positions.long(), compressed_slot_mapping.long()
-        todo = ((pos + 1) % C128_RATIO == 0) & (slots >= 0)
-        if positions.numel() == 0 or not bool(todo.any()):
-            return
-        pos, slots, reqs = pos[todo], slots[todo], req_indices.long()[todo]
-        num_reqs, width = state_block_table.shape
-        facts = [
-            ("compressed_slot_mapping", f"slots < {self.compressed_capacity}", slots.max()),
-            ("positions at a boundary", f"values >= {C128_RATIO - 1}", pos.min()),
-            ("req_indices", f"rows of the table in [0, {num_reqs})", reqs.min()),
-            ("req_indices", f"rows of the table in [0, {num_reqs})", reqs.max()),
-            ("positions // S", f"block indices < the table width {width}",
-             pos.max() // self.block_size),
-            ("(positions // 128) * 128", f"rows of cos_sin_cache < {self.num_rope_positions}",
-             (pos.max() // C128_RATIO) * C128_RATIO),
-        ]  # fmt: skip
-        got = torch.stack([f[2] for f in facts]).tolist()
-        bad = [got[0] >= self.compressed_capacity, got[1] < C128_RATIO - 1, got[2] < 0,
-               got[3] >= num_reqs, got[4] >= width, got[5] >= self.num_rope_positions]  # fmt: skip
-        for (name, want, _), value, is_bad in zip(facts, got, bad, strict=True):
-            if is_bad:
-                raise InvalidBlockError(f"{name}: expected {want}, got {value}")
-        window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
-        blocks = state_block_table.long()[reqs[:, None], window // self.block_size]
-        low, high = torch.stack([blocks.min(), blocks.max()]).tolist()
-        if low < 0 or high >= self.num_state_blocks:
-            raise InvalidBlockError(
-                f"state_block_table entries of boundary windows: expected blocks in [0, "
-                f"{self.num_state_blocks}), got {low if low < 0 else high}"
-            )
-
-    def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """Enqueue the state write of ``num_tokens`` checked tokens on the current stream."""
-        if num_tokens:
-            self._write(
-                (num_tokens,), kv, score, self.ape, positions, state_slot_mapping, self.state_cache,
-                kv.stride(0), score.stride(0), *self.state_strides, self.state_capacity,
-                self.block_size, self.head_dim, C128_RATIO,
+        stride_kv, stride_score = kv.stride(0), score.stride(0)
+        key = (kv.dtype, score.dtype, positions.dtype, state_slot_mapping.dtype,
+               (kv.data_ptr() | score.data_ptr()) & 15, positions.data_ptr() & 15,
+               state_slot_mapping.data_ptr() & 15, stride_kv == 1, stride_kv & 15,
+               stride_score == 1, stride_score & 15)  # fmt: skip
+        bound = self._writes.get(key)
+        if bound is None:
+            bound = self._writes[key] = self._write.bind(
+                (num_tokens,), kv, score, self.ape, positions, state_slot_mapping,
+                self.state_cache, stride_kv, stride_score, *self.state_strides,
+                self.state_capacity, self.block_size, self.head_dim, C128_RATIO,
+                packed=self.packed,
             )  # fmt: skip
+        bound.set_tensor(0, kv)
+        bound.set_tensor(1, score)
+        bound.set_tensor(3, positions)
+        bound.set_tensor(4, state_slot_mapping)
+        bound.set_int(6, stride_kv)
+        bound.set_int(7, stride_score)
+        bound.launch((num_tokens, 1, 1), stream)
 
-    def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """Enqueue the compression of ``num_tokens`` checked candidate tokens."""
-        if num_tokens:
-            self._compress(
-                (num_tokens,), self.state_cache, state_block_table, req_indices, positions,
+    def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+        """Enqueue the compression of ``num_tokens`` checked candidate tokens (bound as above)."""
+        if not num_tokens:
+            return
+        table = state_block_table
+        num_reqs, width = table.shape
+        key = (table.dtype, req_indices.dtype, positions.dtype, compressed_slot_mapping.dtype,
+               table.data_ptr() & 15, req_indices.data_ptr() & 15, positions.data_ptr() & 15,
+               compressed_slot_mapping.data_ptr() & 15)  # fmt: skip
+        bound = self._compresses.get(key)
+        if bound is None:
+            bound = self._compresses[key] = self._compress.bind(
+                (num_tokens,), self.state_cache, table, req_indices, positions,
                 compressed_slot_mapping, self.norm_weight, self.cos_sin_cache,
-                self.compressed_cache, *self.state_strides, state_block_table.stride(0), self.eps,
-                state_block_table.shape[0], state_block_table.shape[1], self.num_state_blocks,
-                self.num_rope_positions, self.compressed_capacity, self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK,
-                self.entry_bytes, num_warps=4,
+                self.compressed_cache, *self.state_strides, table.stride(0), self.eps, num_reqs,
+                width, self.num_state_blocks, self.num_rope_positions, self.compressed_capacity,
+                self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK,
+                self.entry_bytes, num_warps=4, packed=self.packed,
             )  # fmt: skip
-
-
-def _refuse_under_capture(t: torch.Tensor) -> None:
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ConfigError("check_slots: expected False under CUDA-graph capture, got True")
+        bound.set_tensor(1, table)
+        bound.set_tensor(2, req_indices)
+        bound.set_tensor(3, positions)
+        bound.set_tensor(4, compressed_slot_mapping)
+        bound.set_int(10, table.stride(0))
+        bound.set_int(12, num_reqs)
+        bound.set_int(13, width)
+        bound.launch((num_tokens, 1, 1), stream)
 
 
 def _num_tokens(positions: object) -> int:

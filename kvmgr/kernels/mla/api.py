@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvmgr.kernels.mla.bound import grouped_insert_for
 from kvmgr.kernels.mla.checks import (
     KV_CACHE_DTYPES,
     check_caches,
@@ -55,6 +56,7 @@ def grouped_mla_insert(
     block_tokens: int | None = None,
     num_warps: int | None = None,
     direct_launch: bool = True,
+    packed_launch: bool = True,
 ) -> None:
     """Insert a step's rows into the paged caches of all L layers with ONE kernel launch.
 
@@ -89,6 +91,11 @@ def grouped_mla_insert(
         Tuning overrides (tokens per program, warps per program); ``None`` picks by step size.
     direct_launch : bool
         Launch the compiled kernel directly (the default); ``False`` takes Triton's normal launch.
+    packed_launch : bool
+        With ``direct_launch``: check each step signature once and launch through
+        ``cuLaunchKernel`` from packed arguments (:mod:`kvmgr.kernels.mla.bound`; the default).
+        ``False`` checks every call and launches through the compiled kernel's own launcher
+        (the path before packed launches, kept as the benchmarks' baseline).
 
     Raises
     ------
@@ -103,10 +110,15 @@ def grouped_mla_insert(
     """
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     plan = grouped_plan(caches, kv_cache_dtype)
-    step = check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, plan.meta, allow_cpu=IS_INTERPRETED)  # fmt: skip
-    if check_slots:
-        check_slot_range(step, caches)
-    launch_grouped(plan, step, kv_c, k_pe, kv_scales, block_tokens, num_warps, direct=direct_launch)
+    if check_slots or not packed_launch:
+        step = check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, plan.meta, allow_cpu=IS_INTERPRETED)  # fmt: skip
+        if check_slots:
+            check_slot_range(step, caches)
+        if not packed_launch:
+            launch_grouped(plan, step, kv_c, k_pe, kv_scales, block_tokens, num_warps, direct=direct_launch)  # fmt: skip
+            return
+    insert = grouped_insert_for(plan, direct_launch, True)
+    insert(kv_c, k_pe, slot_mapping, kv_scales, block_tokens=block_tokens, num_warps=num_warps)
 
 
 def per_layer_mla_insert(

@@ -60,6 +60,11 @@ class GroupedMLAInsertHook:
     direct_launch : bool
         Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
         default; see :mod:`kvmgr.kernels.launch`); ``False`` takes Triton's normal launch.
+    packed_launch : bool
+        Check each step signature once and launch the grouped kernel with ``cuLaunchKernel``
+        from packed arguments updated in place (the default; :mod:`kvmgr.kernels.mla.bound`).
+        ``False`` checks every step and launches through the compiled kernel's launcher (the
+        path before packed launches; the benchmarks' baseline).
 
     Raises
     ------
@@ -79,8 +84,9 @@ class GroupedMLAInsertHook:
         check_slots: bool = False,
         validate: bool = True,
         direct_launch: bool = True,
+        packed_launch: bool = True,
     ) -> None:
-        from kvmgr.kernels.mla import checks, host
+        from kvmgr.kernels.mla import bound, checks, host
 
         caches = tuple(caches)
         checks.check_dtype_and_scales(kv_cache_dtype, kv_scales)
@@ -106,6 +112,9 @@ class GroupedMLAInsertHook:
         self._is_grouped = checks.is_uniform(caches)
         # The hook holds its plan, so a captured graph's pointer table lives as long as the hook.
         self._plan = host.grouped_plan(caches, kv_cache_dtype) if self._is_grouped else None
+        self._insert: Any = None  # the packed path: the hook's own bound launches
+        if self._plan is not None and packed_launch:
+            self._insert = bound.GroupedInsert(self._plan, kv_cache_dtype, direct=direct_launch)
 
     @property
     def is_grouped(self) -> bool:
@@ -125,13 +134,23 @@ class GroupedMLAInsertHook:
             ``check_slots`` and a slot is past the capacity.
         """
         start_s = time.perf_counter()
-        missing = [name for name in _TENSOR_NAMES if name not in ctx.tensors]
-        if missing:
-            raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}")
-        kv_c, k_pe = ctx.tensors["kv_c"], ctx.tensors["k_pe"]
+        tensors = ctx.tensors
+        try:
+            kv_c, k_pe, slots = tensors["kv_c"], tensors["k_pe"], tensors["slot_mapping"]
+        except KeyError:
+            missing = [name for name in _TENSOR_NAMES if name not in tensors]
+            raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}") from None  # fmt: skip
         host, checks, caches = self._host, self._checks, self._caches
         dtype, scales = self._kv_cache_dtype, self._kv_scales
-        slots = ctx.tensors["slot_mapping"]
+        if self._insert is not None and not self._check_slots:
+            num_tokens = self._insert(kv_c, k_pe, slots, scales, validate=self._validate,
+                                      stream=ctx.stream)  # fmt: skip
+            return HookReport(
+                name=self.name,
+                launches=0 if num_tokens == 0 else 1,
+                host_s=time.perf_counter() - start_s,
+                extra={"num_tokens": num_tokens, "grouped": True},
+            )
         if self._validate:
             step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
                                      allow_cpu=host.IS_INTERPRETED)  # fmt: skip
