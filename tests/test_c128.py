@@ -769,20 +769,24 @@ def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
     assert bench.run(parser.parse_args(argv)) == 0
     result = json.loads(out.read_text())
     assert result["output_matches_reference"] is True
-    # 2 batches x 2 steps x (2 eager JIT + 2 eager direct + 2 one-step + 2 two-step graphs)
-    assert len(result["decode"]) == 32
+    # 2 batches x 2 steps x (2 eager JIT + 2 direct + 2 packed + 2 one-step + 2 two-step graphs)
+    assert len(result["decode"]) == 40
     launches = {(r["batch"], r["step"], r["mode"], r["gated"]): r["launches"]
                 for r in result["decode"]}  # fmt: skip
     assert launches[(3, "non-boundary", "eager", True)] == 1
     assert launches[(3, "boundary", "eager", True)] == 2
     targets = {(r["batch"], r["mode"], r["per_replay"]): r["target"] for r in result["ratios"]}
-    assert targets == {(1, "eager", 1): 3.0, (1, "eager direct", 1): 3.0, (1, "graph", 1): None,
-                       (1, "graph", 2): 1.8, (3, "eager", 1): None, (3, "eager direct", 1): None,
-                       (3, "graph", 1): None, (3, "graph", 2): None}  # fmt: skip
+    assert targets == {(1, "eager", 1): 3.0, (1, "eager direct", 1): 3.0,
+                       (1, "eager packed", 1): 3.0, (1, "graph", 1): None, (1, "graph", 2): 1.8,
+                       (3, "eager", 1): None, (3, "eager direct", 1): None,
+                       (3, "eager packed", 1): None, (3, "graph", 1): None,
+                       (3, "graph", 2): None}  # fmt: skip
     parts = {r["part"]: r for r in result["host_breakdown"]}
-    assert len(parts) == 12 and parts["gate: c128_boundary"]["host_us"] > 0
+    assert len(parts) == 16 and parts["gate: c128_boundary"]["host_us"] > 0
     # the interpreter has no compiled kernels: the direct launcher falls back to the JIT launch
     assert parts["launch: compress, direct"]["note"] == "fell back to the Triton JIT launch"
+    assert parts["launch: compress, packed"]["note"] == "fell back to the compiled launcher"
+    assert "target <= 10 us" in parts["hook step, gated, packed"]["note"]
     assert [r["boundaries"] for r in result["prefill"]] == [0, 1]
     printed = capsys.readouterr().out
     assert (

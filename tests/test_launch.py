@@ -8,6 +8,7 @@ and the ``gpu`` tests launch for real, eagerly and inside a CUDA graph.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -567,3 +568,178 @@ def test_gpu_direct_matches_the_normal_launch_and_replays_in_a_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, x * 4.0 + 4096)
     assert launcher.direct
+
+
+# --- packed launches: argument layout and fallback selection (CPU) ---------------------------
+
+_PTX = """
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u32 k_param_1,
+	.param .f32 k_param_2,
+	.param .u64 .ptr .global .align 1 k_param_3,
+	.param .u64 .ptr .global .align 1 k_param_4
+)
+"""
+
+
+class _FakeDriver:
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+        return 0
+
+    def current_context(self):
+        return 1
+
+    def error_name(self, result):
+        return str(result)
+
+
+def _fake_compiled(**meta):
+    from types import SimpleNamespace
+
+    signature = {"x_ptr": "*fp32", "n": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+    metadata = SimpleNamespace(num_warps=4, shared=96, num_ctas=1, **meta)
+    return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=metadata,
+                           asm={"ptx": _PTX}, run=None, function=1234)  # fmt: skip
+
+
+def _fake_launcher():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kernel=SimpleNamespace(arg_names=["x_ptr", "n", "eps", "BLOCK"]))
+
+
+def test_param_types_and_ptx_sizes():
+    from kvmgr.kernels.packed_launch import param_ctypes, ptx_param_sizes
+
+    assert ptx_param_sizes(_PTX) == [8, 4, 4, 8, 8]
+    assert ptx_param_sizes("no entry here") is None
+    signature = {"a": "*bf16", "b": "i64", "c": "constexpr", "d": "u1"}
+    assert param_ctypes(signature, ["a", "b", "c", "d"]) == ["*bf16", "i64", None, "u1"]
+    assert param_ctypes(signature, ["a", "b", "d", "c"]) is None  # another order
+    assert param_ctypes({"a": "nvTmaDesc"}, ["a"]) is None  # not packed
+
+
+def test_pack_fills_cells_and_launches_through_the_driver(monkeypatch):
+    from kvmgr.kernels import packed_launch
+
+    driver = _FakeDriver()
+    monkeypatch.setattr(packed_launch, "_driver", lambda: driver)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 55, raising=False)
+    x, y = torch.empty(8), torch.empty(8)
+    knobs = SimpleKnobs()
+    bound = packed_launch.pack(_fake_launcher(), _fake_compiled(), [x, 7, 0.25, 64], {}, 0, knobs)
+    assert bound is not None and bound.is_packed
+    assert [bound.value(i) for i in range(4)] == [x.data_ptr(), 7, 0.25, None]
+    bound.set_tensor(0, y)
+    bound.set_int(1, 9)
+    bound.launch((3, 2, 1))
+    (call,) = driver.calls
+    assert call[0].value == 1234 and [c.value for c in call[1:8]] == [3, 2, 1, 128, 1, 1, 96]
+    assert call[8].value == 55 and call[10] is None
+    params = call[9]
+    assert len(params) == 5  # x, n, eps and the two NULL hidden pointers
+    read = [ctypes.cast(params[i], ctypes.POINTER(kind)).contents.value
+            for i, kind in enumerate([ctypes.c_uint64, ctypes.c_int32, ctypes.c_float,
+                                      ctypes.c_uint64, ctypes.c_uint64])]  # fmt: skip
+    assert read == [y.data_ptr(), 9, 0.25, 0, 0]
+    with pytest.raises(OverflowError):
+        bound.set_int(1, 2**31)
+    assert bound.args == [y, 2**31, 0.25, 64]  # the Python arguments follow the cells
+
+
+class SimpleKnobs:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
+@pytest.mark.parametrize(
+    "case", ["no_libcuda", "global_scratch", "profile_scratch", "clusters", "ptx_differs", "names"]
+)
+def test_pack_declines_what_it_cannot_launch(monkeypatch, case):
+    from kvmgr.kernels import packed_launch
+
+    monkeypatch.setattr(packed_launch, "_driver", lambda: None if case == "no_libcuda" else _FakeDriver())  # fmt: skip
+    meta = {"global_scratch": {"global_scratch_size": 64}, "profile_scratch": {"profile_scratch_size": 8},
+            "clusters": {"num_ctas": 2}}.get(case, {})  # fmt: skip
+    compiled, launcher = _fake_compiled(), _fake_launcher()
+    for name, value in meta.items():
+        setattr(compiled.metadata, name, value)
+    if case == "ptx_differs":
+        compiled.asm["ptx"] = _PTX.replace(".param .u32 k_param_1", ".param .u64 k_param_1")
+    if case == "names":
+        launcher.kernel.arg_names = ["n", "x_ptr", "eps", "BLOCK"]
+    assert packed_launch.pack(launcher, compiled, [torch.empty(2), 7, 0.5, 64], {}, 0, None) is None
+
+
+def test_bind_falls_back_to_triton_launches_under_the_interpreter_and_opt_out():
+    from kvmgr.kernels.packed_launch import TritonLaunch
+
+    recorded = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: recorded.append((grid, args, kw))
+
+    launcher = DirectLauncher(Kernel())  # not a JITFunction: never direct, never packed
+    bound = launcher.bind((4,), torch.empty(2), 3, num_warps=2)
+    assert type(bound) is TritonLaunch and not bound.is_packed
+    bound.set_int(1, 5)
+    bound.launch((6, 1, 1))
+    assert (
+        recorded[0][0] == (6, 1, 1)
+        and recorded[0][1][1] == 5
+        and recorded[0][2] == {"num_warps": 2}
+    )
+    # a JITFunction under the interpreter (conftest) is not packed either
+    kernel = JITFunction(_body, do_not_specialize=["m"])
+    bound = DirectLauncher(kernel).bind((1,), torch.empty(2), 1, 1, 1.0, True, 16)
+    assert type(bound) is TritonLaunch
+    assert (
+        type(DirectLauncher(kernel).bind((1,), torch.empty(2), 1, 1, 1.0, True, 16, packed=False))
+        is TritonLaunch
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_packed_launches_are_on_exact_on_streams_and_in_graphs():
+    # on the NVIDIA machine packing must succeed (a silent fallback would void the benchmarks);
+    # updated cells give the new step's result, on the given stream and under capture (n is
+    # not specialized, so any value stays within the compiled specialization)
+    launcher = DirectLauncher(triton.jit(_scale_kernel.fn, do_not_specialize=["n"]))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x, out = torch.randn(4096, device="cuda", generator=gen), torch.empty(4096, device="cuda")
+    bound = launcher.bind((16,), x, out, 4096, 2.0, 256, num_warps=4)
+    assert bound.is_packed, "packing fell back on the GPU"
+    for n in (4096, 1000, 17):
+        y = torch.randn(n, device="cuda", generator=gen)
+        res = torch.full((n,), float("nan"), device="cuda")
+        bound.set_tensor(0, y)
+        bound.set_tensor(1, res)
+        bound.set_int(2, n)
+        bound.launch((triton.cdiv(n, 256), 1, 1))
+        torch.cuda.synchronize()
+        assert torch.equal(res, y * 2.0 + n)
+    side = torch.cuda.Stream()
+    bound.set_tensor(0, x)
+    bound.set_tensor(1, out)
+    bound.set_int(2, 4096)
+    side.wait_stream(torch.cuda.current_stream())
+    bound.launch((16, 1, 1), side)
+    side.synchronize()
+    assert torch.equal(out, x * 2.0 + 4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bound.launch((16, 1, 1))
+    bound.set_int(2, 1)  # changing a cell after capture leaves the captured launch as it was
+    for seed in (10, 11):
+        x.copy_(torch.randn(4096, device="cuda", generator=gen.manual_seed(seed)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x * 2.0 + 4096)

@@ -793,6 +793,7 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
     assert result["hbm_copy_peak_gbps"] > 100
     assert len(result["rows"]) == 2 * 2 * 2  # kv dtypes x token counts x modes
     assert all(row["grouped_us"] > 0 and row["per_layer_us"] > 0 for row in result["rows"])
-    hosts = ("per_layer_host_us", "grouped_host_us", "hook_unchecked_host_us")
+    hosts = ("per_layer_host_us", "grouped_host_us", "grouped_old_host_us", "hook_host_us",
+             "hook_old_host_us", "hook_unchecked_host_us")  # fmt: skip
     for row in result["rows"]:  # host timings for eager rows only
         assert all((row[key] is None) == (row["mode"] == "graph") for key in hosts)

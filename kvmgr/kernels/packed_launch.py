@@ -18,9 +18,10 @@ Here a step updates a few ctypes cells (its pointers, ``T``, the grid) and makes
 constexpr (including ints equal to 1 and ``None``, which Triton turns into constants; the
 compiled signature says which), else one ctypes cell of the signature's type (``*T`` -> u64
 address, ``i32`` -> int32, ``fp32`` -> float, ...). Triton 3.5+ appends two hidden pointers to
-every kernel, a global and a profile scratch buffer: they are passed NULL, and a kernel that
-needs either (``global_scratch_size`` or ``profile_scratch_size`` > 0) is not packed. The layout
-is checked once against the kernel's PTX ``.entry`` parameters (count and sizes); any
+every kernel, a global and a profile scratch buffer (one, the global, before 3.5): they are
+passed NULL, and a kernel that needs either (``global_scratch_size`` or
+``profile_scratch_size`` > 0) is not packed. The layout is checked once against the kernel's
+PTX ``.entry`` parameters (sizes, then one or two 8-byte hidden pointers); any
 difference, an unknown type, ``num_ctas != 1``, PDL or cooperative launches, and a missing
 ``libcuda`` give None, and the caller keeps the :class:`TritonLaunch`.
 
@@ -60,7 +61,7 @@ _CTYPES: dict[str, Any] = {
     "i64": ctypes.c_int64, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
     "fp64": ctypes.c_double,
 }  # fmt: skip
-_NUM_SCRATCH = 2  # global scratch, profile scratch (Triton >= 3.5)
+_NUM_HIDDEN = (1, 2)  # hidden pointers Triton appends: global scratch (+ profile scratch, 3.5+)
 _PTX_ENTRY = re.compile(r"\.entry\s+[\w$]+\s*\(([^)]*)\)")
 _PTX_PARAM = re.compile(r"\.param\s+\.[a-z]+?(\d+)\b")
 
@@ -107,7 +108,7 @@ class PackedLaunch(TritonLaunch):
 
     def __init__(
         self, launcher: Any, args: Sequence[Any], options: dict[str, int], types: Sequence[str | None],
-        function: int, num_warps: int, shared: int, device: int, driver: _Driver, knobs: Any,
+        num_hidden: int, function: int, num_warps: int, shared: int, device: int, driver: _Driver, knobs: Any,
     ) -> None:  # fmt: skip
         super().__init__(launcher, args, options)
         self.device = device
@@ -119,7 +120,7 @@ class PackedLaunch(TritonLaunch):
                 cell = ctypes.c_uint64(_address(value)) if ty[0] == "*" else _CTYPES[ty](value)
                 keep.append(cell)
             self._cells.append(cell)
-        keep += [ctypes.c_uint64(0) for _ in range(_NUM_SCRATCH)]  # NULL scratch pointers
+        keep += [ctypes.c_uint64(0) for _ in range(num_hidden)]  # NULL scratch pointers
         self._keep = keep
         self.params = (ctypes.c_void_p * len(keep))(*(ctypes.addressof(c) for c in keep))
         self._grid = (ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(1))
@@ -143,9 +144,10 @@ class PackedLaunch(TritonLaunch):
         """Int argument ``index`` becomes ``value``; ``OverflowError`` if its cell cannot hold it."""
         self.args[index] = value
         cell = self._cells[index]
-        cell.value = value
-        if cell.value != value:
-            raise OverflowError(f"argument {index}: {value} does not fit {type(cell).__name__}")
+        if cell is not None:  # None: a constexpr under this specialization (equal by the key)
+            cell.value = value
+            if cell.value != value:
+                raise OverflowError(f"argument {index}: {value} does not fit {type(cell).__name__}")
 
     def value(self, index: int) -> Any:
         """The packed value of argument ``index`` (an int or float; None for a constexpr)."""
@@ -207,11 +209,15 @@ def pack(
         if types is None or len(types) != len(args):
             return None
         sizes = [8 if ty[0] == "*" else ctypes.sizeof(_CTYPES[ty]) for ty in types if ty]
-        if ptx_param_sizes(compiled.asm["ptx"]) != [*sizes, *[8] * _NUM_SCRATCH]:
+        entry = ptx_param_sizes(compiled.asm["ptx"])
+        num_hidden = -1 if entry is None else len(entry) - len(sizes)
+        if entry is None or entry[: len(sizes)] != sizes or num_hidden not in _NUM_HIDDEN:
+            return None
+        if entry[len(sizes) :] != [8] * num_hidden:
             return None
         _ = compiled.run  # loads the module: sets compiled.function
-        return PackedLaunch(launcher, args, options, types, compiled.function, meta.num_warps,
-                            meta.shared, device, driver, knobs)  # fmt: skip
+        return PackedLaunch(launcher, args, options, types, num_hidden, compiled.function,
+                            meta.num_warps, meta.shared, device, driver, knobs)  # fmt: skip
     except Exception:  # Triton internals differ from these: keep the normal launch
         return None
 
