@@ -782,7 +782,7 @@ def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
                        (3, "eager packed", 1): None, (3, "graph", 1): None,
                        (3, "graph", 2): None}  # fmt: skip
     parts = {r["part"]: r for r in result["host_breakdown"]}
-    assert len(parts) == 16 and parts["gate: c128_boundary"]["host_us"] > 0
+    assert len(parts) == 17 and parts["gate: c128_boundary"]["host_us"] > 0
     # the interpreter has no compiled kernels: the direct launcher falls back to the JIT launch
     assert parts["launch: compress, direct"]["note"] == "fell back to the Triton JIT launch"
     assert parts["launch: compress, packed"]["note"] == "fell back to the compiled launcher"

@@ -302,13 +302,14 @@ def _host_breakdown(gen: torch.Generator, args: argparse.Namespace) -> list[dict
     parts: list[tuple[str, Callable[[], object]]] = [
         ("gate: c128_boundary", functools.partial(c128_boundary, case.starts, case.query_start_loc)),
         ("step checks: state write", functools.partial(jit.check_write, *write)),
+        ("cached step checks + args: state write, packed", functools.partial(packed.prepare_write, *write)),
         ("step checks: compress", functools.partial(jit.check_compress, *comp)),
-        ("launch: state write, Triton JIT", functools.partial(jit.launch_write, 1, *write)),
-        ("launch: compress, Triton JIT", functools.partial(jit.launch_compress, 1, *comp)),
-        ("launch: state write, direct", functools.partial(direct.launch_write, 1, *write)),
-        ("launch: compress, direct", functools.partial(direct.launch_compress, 1, *comp)),
-        ("launch: state write, packed", functools.partial(packed.launch_write, 1, *write)),
-        ("launch: compress, packed", functools.partial(packed.launch_compress, 1, *comp)),
+        ("launch: state write, Triton JIT", functools.partial(jit.launch_write, *write)),
+        ("launch: compress, Triton JIT", functools.partial(jit.launch_compress, *comp)),
+        ("launch: state write, direct", functools.partial(direct.launch_write, *write)),
+        ("launch: compress, direct", functools.partial(direct.launch_compress, *comp)),
+        ("launch: state write, packed", functools.partial(packed.launch_write, *write)),
+        ("launch: compress, packed", functools.partial(packed.launch_compress, *comp)),
         ("tiny torch op (add_)", functools.partial(tiny.add_, 1)),
     ]  # fmt: skip
     for (gated, mode), hook in hooks.items():

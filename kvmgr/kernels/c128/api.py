@@ -109,10 +109,11 @@ def c128_state_write(
         ImportError: Triton is not installed.
     """
     layer = Layer(state_cache, ape=ape, direct_launch=direct_launch)
-    num_tokens = layer.check_write(kv, score, positions, state_slot_mapping)
+    bound, num_tokens = layer.prepare_write(kv, score, positions, state_slot_mapping)
     if check_slots:
         check_write_bounds(layer, positions, state_slot_mapping)
-    layer.launch_write(num_tokens, kv, score, positions, state_slot_mapping)
+    if num_tokens:
+        bound.launch((num_tokens, 1, 1))
 
 
 def c128_compress(
@@ -164,7 +165,8 @@ def c128_compress(
     layer = Layer(state_cache, norm_weight=norm_weight, cos_sin_cache=cos_sin_cache,
                    compressed_cache=compressed_cache, eps=eps, direct_launch=direct_launch)  # fmt: skip
     args = (state_block_table, req_indices, positions, compressed_slot_mapping)
-    num_tokens = layer.check_compress(*args)
+    bound, num_tokens = layer.prepare_compress(*args)
     if check_slots:
         check_compress_bounds(layer, *args)
-    layer.launch_compress(num_tokens, *args)
+    if num_tokens:
+        bound.launch((num_tokens, 1, 1))

@@ -157,17 +157,17 @@ class C128CompressorHook:
         skip = boundary is False
         # validate everything that will launch before launching anything
         layer = self._layer
-        num_tokens = layer.check_write(kv, score, pos, state_slots)
+        write, num_tokens = layer.prepare_write(kv, score, pos, state_slots)
         if not skip:
-            layer.check_compress(table, req, pos, slots)
+            compress, _ = layer.prepare_compress(table, req, pos, slots)
         if self.check_slots:
             check_write_bounds(layer, pos, state_slots)
             if not skip:
                 check_compress_bounds(layer, table, req, pos, slots)
-        stream = ctx.stream
-        layer.launch_write(num_tokens, kv, score, pos, state_slots, stream)
-        if not skip:
-            layer.launch_compress(num_tokens, table, req, pos, slots, stream)
+        if num_tokens:
+            write.launch((num_tokens, 1, 1), ctx.stream)
+            if not skip:
+                compress.launch((num_tokens, 1, 1), ctx.stream)
         launches = 0 if num_tokens == 0 else 1 + (not skip)
         self.num_steps += 1
         self.num_launches += launches

@@ -129,6 +129,10 @@ class Layer:
         self.packed = packed_launch and direct_launch
         self._writes: dict[tuple[object, ...], Any] = {}  # specialization -> bound launch
         self._compresses: dict[tuple[object, ...], Any] = {}
+        # the last step's tensors, their pointers and T, and its bound launch: a step that
+        # passes the very same tensor objects (persistent buffers) skips even the signature
+        self._last_write: tuple[Any, ...] | None = None
+        self._last_compress: tuple[Any, ...] | None = None
 
     def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
         """Validate the step tensors of :func:`c128_state_write`; return ``T``.
@@ -177,62 +181,130 @@ class Layer:
         for name, t in index_tensors.items():
             _check(t, name, (num_tokens,), _INDEX, self.device)
 
-    def launch_write(self, num_tokens: int, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
-        """Enqueue the state write of ``num_tokens`` checked tokens (current stream if None).
+    def prepare_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> tuple[Any, int]:  # fmt: skip
+        """The state write's bound launch with this step's arguments set, and ``T``.
 
-        The launch is bound once per specialization (dtypes, pointer alignments, row-stride
-        classes) and then updated in place: pointers and row strides (:meth:`_bind_write`).
+        Checks (:meth:`check_write`) run once per step signature: ranks, the sizes other than
+        ``T``, dtypes, devices, strides (``T`` excluded) and pointer alignments; a repeated
+        signature only compares ``T`` across the tensors, and a step that passes the same tensor
+        objects as the last one (with the same ``data_ptr()``s and ``T``; in-place metadata
+        changes such as ``set_`` between steps are not seen) skips even that. The launch is bound per signature
+        (:meth:`~kvmgr.kernels.launch.DirectLauncher.bind`). Nothing is enqueued; ``(None, 0)``
+        for an empty step.
+
+        Raises:
+            GeometryError: as :meth:`check_write`.
         """
-        if not num_tokens:
-            return
-        stride_kv, stride_score = kv.stride(0), score.stride(0)
-        key = (kv.dtype, score.dtype, positions.dtype, state_slot_mapping.dtype,
-               (kv.data_ptr() | score.data_ptr()) & 15, positions.data_ptr() & 15,
-               state_slot_mapping.data_ptr() & 15, stride_kv == 1, stride_kv & 15,
-               stride_score == 1, stride_score & 15)  # fmt: skip
-        bound = self._writes.get(key)
+        last = self._last_write  # the same tensor objects as the last step: nothing to redo
+        if (
+            last is not None and kv is last[0] and score is last[1] and positions is last[2]
+            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),  # type: ignore[attr-defined]
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])  # type: ignore[attr-defined]
+        ):  # fmt: skip
+            return last[5], last[4][-1]
+        try:
+            kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # type: ignore[attr-defined]  # fmt: skip
+            kvt, sct = kv.stride(), score.stride()  # type: ignore[attr-defined]
+            num_tokens = ps[0]
+            key = (
+                len(ps), positions.dtype, positions.get_device(), positions.stride(0),  # type: ignore[attr-defined]
+                len(ss), state_slot_mapping.dtype, state_slot_mapping.get_device(),  # type: ignore[attr-defined]
+                state_slot_mapping.stride(0), len(kvs), kvs[1], kvt[1], kv.dtype,  # type: ignore[attr-defined]
+                kv.get_device(), len(scs), scs[1], sct[1], score.dtype, score.get_device(),  # type: ignore[attr-defined]
+                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15,
+                kv.data_ptr() & 15 == 0, score.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
+                positions.data_ptr() & 15 == 0, state_slot_mapping.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
+            )  # fmt: skip
+            same = num_tokens > 0 and kvs[0] == num_tokens == scs[0] == ss[0]
+        except (AttributeError, IndexError, TypeError):  # not tensors of the expected ranks
+            key, same = None, False
+        bound = self._writes.get(key) if same else None
         if bound is None:
+            num_tokens = self.check_write(kv, score, positions, state_slot_mapping)
+            if num_tokens == 0:
+                return None, 0
             bound = self._writes[key] = self._write.bind(
                 (num_tokens,), kv, score, self.ape, positions, state_slot_mapping,
-                self.state_cache, stride_kv, stride_score, *self.state_strides,
-                self.state_capacity, self.block_size, self.head_dim, C128_RATIO,
-                packed=self.packed,
+                self.state_cache, kvt[0], sct[0], *self.state_strides, self.state_capacity,
+                self.block_size, self.head_dim, C128_RATIO, packed=self.packed,
             )  # fmt: skip
         bound.set_tensor(0, kv)
         bound.set_tensor(1, score)
         bound.set_tensor(3, positions)
         bound.set_tensor(4, state_slot_mapping)
-        bound.set_int(6, stride_kv)
-        bound.set_int(7, stride_score)
-        bound.launch((num_tokens, 1, 1), stream)
+        bound.set_int(6, kvt[0])
+        bound.set_int(7, sct[0])
+        seen = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # type: ignore[attr-defined]  # fmt: skip
+        self._last_write = (kv, score, positions, state_slot_mapping, seen, bound)
+        return bound, num_tokens
 
-    def launch_compress(self, num_tokens: int, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
-        """Enqueue the compression of ``num_tokens`` checked candidate tokens (bound as above)."""
-        if not num_tokens:
-            return
-        table = state_block_table
-        num_reqs, width = table.shape
-        key = (table.dtype, req_indices.dtype, positions.dtype, compressed_slot_mapping.dtype,
-               table.data_ptr() & 15, req_indices.data_ptr() & 15, positions.data_ptr() & 15,
-               compressed_slot_mapping.data_ptr() & 15)  # fmt: skip
-        bound = self._compresses.get(key)
+    def prepare_compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> tuple[Any, int]:  # fmt: skip
+        """The compress kernel's bound launch with this step's arguments set, and ``T``.
+
+        As :meth:`prepare_write`; the table's row count, width and row stride are runtime
+        arguments, not part of the signature (an empty table is checked every time).
+
+        Raises:
+            GeometryError: as :meth:`check_compress`.
+        """
+        table, req, pos, slots = state_block_table, req_indices, positions, compressed_slot_mapping
+        last = self._last_compress
+        if (
+            last is not None and table is last[0] and req is last[1] and pos is last[2]
+            and slots is last[3] and last[4] == (table.data_ptr(), req.data_ptr(),  # type: ignore[attr-defined]
+            pos.data_ptr(), slots.data_ptr(), table.shape, pos.shape[0])  # type: ignore[attr-defined]
+        ):  # fmt: skip
+            return last[5], last[4][-1]
+        try:
+            tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape  # type: ignore[attr-defined]  # fmt: skip
+            num_tokens, (num_reqs, width) = ps[0], tsh
+            key = (
+                table.dtype, table.get_device(), ts[1], len(ps), pos.dtype, pos.get_device(),  # type: ignore[attr-defined]
+                pos.stride(0), len(rs), req.dtype, req.get_device(), req.stride(0), len(ss),  # type: ignore[attr-defined]
+                slots.dtype, slots.get_device(), slots.stride(0), table.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
+                req.data_ptr() & 15 == 0, pos.data_ptr() & 15 == 0, slots.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
+            )  # fmt: skip
+            same = num_tokens > 0 and num_reqs * width > 0 and rs[0] == num_tokens == ss[0]
+        except (AttributeError, IndexError, TypeError, ValueError):  # not of the expected ranks
+            key, same = None, False
+        bound = self._compresses.get(key) if same else None
         if bound is None:
+            num_tokens = self.check_compress(table, req, pos, slots)
+            if num_tokens == 0:
+                return None, 0
+            num_reqs, width = table.shape  # type: ignore[attr-defined]
             bound = self._compresses[key] = self._compress.bind(
-                (num_tokens,), self.state_cache, table, req_indices, positions,
-                compressed_slot_mapping, self.norm_weight, self.cos_sin_cache,
-                self.compressed_cache, *self.state_strides, table.stride(0), self.eps, num_reqs,
-                width, self.num_state_blocks, self.num_rope_positions, self.compressed_capacity,
-                self.block_size, self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK,
-                self.entry_bytes, num_warps=4, packed=self.packed,
+                (num_tokens,), self.state_cache, table, req, pos, slots, self.norm_weight,
+                self.cos_sin_cache, self.compressed_cache, *self.state_strides,
+                table.stride(0), self.eps, num_reqs, width, self.num_state_blocks,  # type: ignore[attr-defined]
+                self.num_rope_positions, self.compressed_capacity, self.block_size,
+                self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK, self.entry_bytes,
+                num_warps=4, packed=self.packed,
             )  # fmt: skip
         bound.set_tensor(1, table)
-        bound.set_tensor(2, req_indices)
-        bound.set_tensor(3, positions)
-        bound.set_tensor(4, compressed_slot_mapping)
-        bound.set_int(10, table.stride(0))
+        bound.set_tensor(2, req)
+        bound.set_tensor(3, pos)
+        bound.set_tensor(4, slots)
+        bound.set_int(10, table.stride(0))  # type: ignore[attr-defined]
         bound.set_int(12, num_reqs)
         bound.set_int(13, width)
-        bound.launch((num_tokens, 1, 1), stream)
+        seen = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # type: ignore[attr-defined]  # fmt: skip
+        self._last_compress = (table, req, pos, slots, seen, bound)
+        return bound, num_tokens
+
+    def launch_write(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip
+        """Check (cached) and enqueue the state write on ``stream`` (current if None); ``T``."""
+        bound, num_tokens = self.prepare_write(kv, score, positions, state_slot_mapping)
+        if num_tokens:
+            bound.launch((num_tokens, 1, 1), stream)
+        return num_tokens
+
+    def launch_compress(self, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip
+        """Check (cached) and enqueue the compression of every candidate token; ``T``."""
+        bound, num_tokens = self.prepare_compress(state_block_table, req_indices, positions, compressed_slot_mapping)  # fmt: skip
+        if num_tokens:
+            bound.launch((num_tokens, 1, 1), stream)
+        return num_tokens
 
 
 def _num_tokens(positions: object) -> int:
