@@ -38,14 +38,14 @@ from kvmgr.hooks import HookReport, StepContext, StepHook
 from kvmgr.pool.block_table import Tier
 
 if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports torch
-    from kvmgr.kernels.c128_gate import c128_boundary
-    from kvmgr.kernels.c128_hook import C128CompressorHook
-    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
-    from kvmgr.kernels.mla_insert import (
+    from kvmgr.kernels.c128.gate import c128_boundary
+    from kvmgr.kernels.c128.hook import C128CompressorHook
+    from kvmgr.kernels.mla.api import (
         grouped_mla_insert,
         mla_insert_reference,
         per_layer_mla_insert,
     )
+    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
     from kvmgr.manager import OffloadManager
     from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapResult
 
@@ -59,12 +59,12 @@ _LAZY = {
     "ManagerStatistics": "kvmgr.reports",
     "StepReport": "kvmgr.reports",
     "SwapResult": "kvmgr.reports",
-    "GroupedMLAInsertHook": "kvmgr.kernels.hooks_mla",
-    "grouped_mla_insert": "kvmgr.kernels.mla_insert",
-    "per_layer_mla_insert": "kvmgr.kernels.mla_insert",
-    "mla_insert_reference": "kvmgr.kernels.mla_insert",
-    "C128CompressorHook": "kvmgr.kernels.c128_hook",
-    "c128_boundary": "kvmgr.kernels.c128_gate",
+    "GroupedMLAInsertHook": "kvmgr.kernels.mla.hook",
+    "grouped_mla_insert": "kvmgr.kernels.mla.api",
+    "per_layer_mla_insert": "kvmgr.kernels.mla.api",
+    "mla_insert_reference": "kvmgr.kernels.mla.api",
+    "C128CompressorHook": "kvmgr.kernels.c128.hook",
+    "c128_boundary": "kvmgr.kernels.c128.gate",
 }
 
 
