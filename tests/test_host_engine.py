@@ -204,9 +204,8 @@ def test_an_edited_plan_is_copied_from_its_descriptors(engine: HostEngine) -> No
     rng = np.random.default_rng(3)
     src, dst = _strided_pair(3, 64)
     ids = rng.choice(64, 40, replace=False)
-    plan = build_plan(
-        Direction.D2H, KVLayout.from_tensors(src), KVLayout.from_tensors(dst), ids, ids
-    )
+    layouts = KVLayout.from_tensors(src), KVLayout.from_tensors(dst)
+    plan = build_plan(Direction.D2H, *layouts, ids, ids, merge=False)  # a descriptor per page
     short = attrs.evolve(plan, sizes=plan.sizes - 8)
     assert plan.matching_blocks() is not None and short.matching_blocks() is None
     engine.submit(short).future.result(timeout=10)
