@@ -12,7 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
@@ -30,7 +34,9 @@ async def _case(swaps: int, repeats: int, scattered: bool) -> dict[str, float]:
     async with OffloadManager(kv, config) as mgr:
         for r in range(repeats + 3):
             t0 = time.perf_counter()
-            futures = [mgr.swap_out([int(g)], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(ids)]
+            futures = [
+                mgr.swap_out([int(g)], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(ids)
+            ]
             report = await mgr.step()
             await asyncio.gather(*futures)
             if r >= 3:
