@@ -847,3 +847,38 @@ def test_gpu_auto_uses_dma_for_large_runs_and_the_kernel_for_small_pages() -> No
         assert (stats.kernel_batches, stats.dma_batches, stats.batches_failed) == (1, 1, 0)
     finally:
         engine.close()
+
+
+def test_the_cost_model_charges_the_compute_a_copy_slows() -> None:
+    calib = Calibration()
+    for direction in Direction:
+        n, num_bytes = 24_576, 24_576 * 4096
+        kernel_us = calib.kernel_us(n, num_bytes, direction)
+        # the kernel pays ~5% of its copy time in slowed compute, the DMA batch ~0.3%
+        assert 1.05 * kernel_us < calib.kernel_step_us(n, num_bytes, direction) < 1.06 * kernel_us
+        batch_us = calib.batch_us(n, num_bytes, direction)
+        assert calib.batch_step_us(n, num_bytes, direction) == pytest.approx(1.003 * batch_us)
+    # a costly kernel (32 programs D2H: 58%) loses mid-sized batches it would win on copy time
+    greedy = Calibration(kernel_d2h_slowdown=0.58)
+    assert (
+        kernel_or_batch(300, 300 * 4096, Direction.D2H, Calibration(compute_overlap=0)) == "kernel"
+    )
+    assert kernel_or_batch(300, 300 * 4096, Direction.D2H, greedy) == "batch"
+    with pytest.raises(ValueError):
+        Calibration(compute_overlap=1.5)
+
+
+def test_table_slots_come_in_size_classes_and_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "new_table_slot", _cpu_slot)
+    slots = kernel.TableSlots(torch.device("cpu"))
+    small, large = slots.take(10), slots.take(5000)
+    assert (small.capacity, large.capacity, slots.num_allocated) == (4096, 8192, 2)
+    slots.give(small)
+    assert slots.take(4096) is small and slots.num_allocated == 2
+    assert slots.take(100) is not small and slots.num_allocated == 3  # small is taken
+
+
+def test_engines_registry_names_the_engines() -> None:
+    from kvmgr.transfer import ENGINES
+
+    assert list(ENGINES) == ["host", "cuda", "kernel", "auto"]
