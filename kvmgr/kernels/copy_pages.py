@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from kvmgr.errors import GeometryError, TransferError
-from kvmgr.kernels._launch import shared_launcher
+from kvmgr.kernels.launch import shared_launcher
 
 try:
     import triton
