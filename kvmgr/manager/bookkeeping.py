@@ -294,10 +294,14 @@ class Bookkeeper:
         counters.stores_skipped += num_present
         counters.stores_not_admitted += n - m - num_present
         if batched:
-            stored = np.zeros(n, dtype=bool)
-            stored[fresh] = True
-            cpu_block_ids = np.full(n, -1, dtype=np.int64)
-            cpu_block_ids[fresh] = cpu_ids
+            if m == n:  # the common case: every key stored
+                stored = np.ones(n, dtype=bool)
+                cpu_block_ids = np.asarray(cpu_ids, dtype=np.int64)
+            else:
+                stored = np.zeros(n, dtype=bool)
+                stored[fresh] = True
+                cpu_block_ids = np.full(n, -1, dtype=np.int64)
+                cpu_block_ids[fresh] = cpu_ids
             present = ~stored
             if waiting:
                 present &= cpu.present(keys)
