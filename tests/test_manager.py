@@ -395,10 +395,10 @@ async def test_touch_order_via_lookup_decides_eviction() -> None:
         # 2. lookup(K0): K1 K2 K0; lookup([K2, K1]) walks in reverse, K2 ends most recent: K0 K1 K2
         assert mgr.lookup([K[0]]) == 1
         assert mgr.lookup([K[2], K[1]]) == 2
-        assert mgr.policy.ordered_keys() == [K[0], K[1], K[2]]  # type: ignore[attr-defined]
+        assert mgr.policy.ordered_keys() == [K[0], K[1], K[2]]
         # 3. only the hits are touched: lookup([K1, K7, K0]) stops at K7, K0 is not touched
         assert mgr.lookup([K[1], K[7], K[0]]) == 1
-        assert mgr.policy.ordered_keys() == [K[0], K[2], K[1]]  # type: ignore[attr-defined]
+        assert mgr.policy.ordered_keys() == [K[0], K[2], K[1]]
         # 4. K3 evicts K0 and takes block 0; K4 then evicts K2 and takes block 2
         s3 = mgr.swap_out([3], [K[3]])
         assert K[0] not in _keys(mgr) and _entry(mgr, K[3]).cpu_block_id == 0
