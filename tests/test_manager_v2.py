@@ -870,3 +870,26 @@ async def test_null_engine_close_resolves_what_it_holds() -> None:
     assert (await st).num_blocks == 1
     assert mgr.snapshot().keys[K[0]].state is CpuState.READY
     check_invariants(mgr)
+
+
+def _refuses_huge_allocations() -> bool:
+    """Whether this kernel refuses (rather than lazily grants) a 1 TiB allocation."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            mode = f.read().strip()
+        with open("/proc/meminfo") as f:
+            kib = sum(
+                int(line.split()[1]) for line in f if line.startswith(("MemTotal", "SwapTotal"))
+            )
+    except OSError:
+        return False
+    return mode in ("0", "2") and kib * 1024 < 1 << 39
+
+
+@pytest.mark.skipif(not _refuses_huge_allocations(), reason="the kernel may overcommit 1 TiB")
+def test_a_cpu_tier_whose_bookkeeping_cannot_be_allocated_raises_host_memory_error() -> None:
+    # 2**40 blocks (the most ManagerConfig accepts): the CPU tier's per-block arrays alone
+    # cannot be allocated; a typed error, not a bare MemoryError from numpy or bytearray
+    cfg = ManagerConfig(num_cpu_blocks=1 << 40, engine="host")
+    with pytest.raises(HostMemoryError, match=str(1 << 40)):
+        OffloadManager([torch.randn(4, 64)], cfg)
