@@ -715,6 +715,27 @@ def test_a_swap_outside_a_running_loop_raises_event_loop_error() -> None:
         mgr.close()
 
 
+def test_a_swap_on_another_loop_while_work_is_queued_raises_event_loop_error() -> None:
+    mgr = OffloadManager(_kv(seed=28), _cfg())
+
+    async def first() -> asyncio.Future[SwapResult]:
+        mgr.allocate("r", 2)
+        return mgr.swap_out([0], [K[0]])  # queued on this loop, never stepped
+
+    async def second() -> None:
+        before = mgr.snapshot()
+        with pytest.raises(EventLoopError, match="another event loop"):
+            mgr.swap_out([1], [K[1]])
+        assert mgr.snapshot() == before
+
+    try:
+        queued = asyncio.run(first())
+        asyncio.run(second())
+    finally:
+        mgr.close()
+    assert isinstance(queued.exception(), ClosedError)
+
+
 @pytest.mark.asyncio
 async def test_wait_rejects_what_is_not_a_future_or_a_timeout() -> None:
     async with OffloadManager(_kv(seed=22), _cfg()) as mgr:
@@ -789,6 +810,27 @@ async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
             await st  # the swap fails with the bug itself
         assert mgr.snapshot().keys == {}  # rolled back
         check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_statistics_histograms_count_every_batch() -> None:
+    async with OffloadManager(_kv(seed=29), _cfg()) as mgr:
+        _hold(mgr)
+        stats = mgr.statistics()
+        assert stats.batch_blocks is not None and stats.batch_blocks.num == 0
+        st = mgr.store_many(np.arange(5), K[:5])  # one batch of 5 blocks
+        await mgr.step()
+        await st
+        ld = mgr.swap_in([K[0]], [9])  # one batch of 1 block
+        await mgr.step()
+        await ld
+        stats = mgr.statistics()
+        blocks, latency = stats.batch_blocks, stats.completion_s
+        assert blocks is not None and latency is not None
+        assert (blocks.num, blocks.total) == (2, 6.0)
+        assert len(blocks.counts) == len(blocks.bounds) + 1
+        assert blocks.counts[0] == 1 and blocks.counts[2] == 1  # <= 1 and in (4, 16]
+        assert latency.num == 2 and latency.total > 0
 
 
 # ====================================================================== 8. NullEngine
