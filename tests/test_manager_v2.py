@@ -420,6 +420,27 @@ async def test_store_many_passes_parents_to_the_policy() -> None:
     assert await _evicted_after_touching_the_last([None] * 4) == [K[2]]
 
 
+@pytest.mark.asyncio
+async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
+    # policy protocol v2: a store of [A, B, C, D] (one chain by default) must not leave A,
+    # the prefix every lookup needs, as the first victim
+    async with OffloadManager(_kv(seed=30), _cfg(num_cpu_blocks=4)) as mgr:
+        _hold(mgr)
+        st = mgr.swap_out([0, 1, 2, 3], K[:4])
+        await mgr.step()
+        await st
+        mgr.take_events()
+        for n, key in enumerate((K[10], K[11]), start=1):
+            extra = mgr.swap_out([4 + n], [key])
+            await mgr.step()
+            await extra
+            assert (
+                mgr.peek(K[:4]) == 4 - n
+            )  # the ready prefix shrinks from its end (peek: no touch)
+        assert [e.keys for e in mgr.take_events() if e.kind == "removed"] == [(K[3],), (K[2],)]
+        check_invariants(mgr)
+
+
 # ====================================================================== 4. peek, touch, invalidate, clear
 
 
