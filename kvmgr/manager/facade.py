@@ -112,12 +112,12 @@ class OffloadManager:
             raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
         try:
             self._books = Bookkeeper(config, gpu_layout, engine.allocate_host)
-        except TransferError as exc:
+        except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
             engine.close(0)
             num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
             raise HostMemoryError(
                 f"could not allocate the CPU tier: num_cpu_blocks={config.num_cpu_blocks} x "
-                f"{gpu_layout.block_bytes} B = {num_bytes} B ({exc})",
+                f"{gpu_layout.block_bytes} B = {num_bytes} B ({exc or type(exc).__name__})",
                 num_bytes=num_bytes,
             ) from exc
         self.config = config
