@@ -330,6 +330,9 @@ class Bookkeeper:
         n = len(keys)
         if len(gpu) != n:
             return None
+        for key in keys:
+            if type(key) is not bytes:
+                return None
         cpu = self.cpu
         index, pool = cpu.index, cpu.pool
         if pool.num_free < n or not index.keys().isdisjoint(keys):
@@ -338,9 +341,6 @@ class Bookkeeper:
         num_gpu, owned, gpu_state = gpu_pool.num_blocks, gpu_pool.pool is not None, gpu_pool.state
         for b in gpu:
             if type(b) is not int or not 0 <= b < num_gpu or (owned and gpu_state[b] != 1):
-                return None
-        for key in keys:
-            if type(key) is not bytes:
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
             return None

@@ -91,6 +91,8 @@ class GpuBlocks:
     def _distinct(self, ids: np.ndarray) -> bool:
         """Whether ``ids`` (in range) are distinct: write each id's position into a scratch
         array and read it back (a repeated id keeps only its last position); O(n), no sort."""
+        if len(ids) > self.num_blocks:
+            return False
         positions = self._positions[: len(ids)]
         scratch = self._scratch
         scratch[ids] = positions
