@@ -1,0 +1,403 @@
+"""The serving loop: continuous batching, chunked prefill, prefix reuse and preemption via kvmgr.
+
+Offers:
+    EngineConfig   block size, token budget, batch cap, whether the CPU tier is used
+    Request        one request: prompt, outputs, timings
+    EngineStats    what one run did (tokens computed, hits, preemptions, kvmgr host time)
+    Engine         ``await engine.run(requests)``
+    block_keys     chained block hashes of token ids (the keys kvmgr indexes)
+
+One iteration of ``Engine.run``: poll the futures of loads, preempts and resumes; schedule
+(running requests first, then resumes, then admissions, within ``token_budget`` tokens); run
+the model once over the batch; sample greedily; queue stores of the prompt blocks that became
+full; then ``await mgr.step(ctx)``, which submits every swap queued in the iteration as one
+batch per direction. kvmgr owns the GPU blocks (``manage_gpu_blocks=True``): every block comes
+from ``mgr.allocate(req, n)``, and a block freed while a copy still reads it returns to the pool
+only when that copy ends. See README.md for the reasoning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from examples.engine.model import PagedDecoder, StepBatch
+from kvmgr import OffloadManager, PoolExhaustedError, StepContext
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "Request", "block_keys"]
+
+WAITING, LOADING, RUNNING, PREEMPTING, PREEMPTED, RESUMING, FINISHED = [
+    "waiting",
+    "loading",
+    "running",
+    "preempting",
+    "preempted",
+    "resuming",
+    "finished",
+]
+
+
+def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
+    """One key per full block: ``blake2b(parent_key + int64 token bytes)``, 16 bytes, so a key
+    names the whole prefix up to its block (equal keys mean equal prefixes)."""
+    keys, parent = [], b""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size : (i + 1) * block_size].tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler settings.
+
+    Attributes:
+        block_size: tokens per KV block (dim 1 of the KV tensors).
+        token_budget: new tokens computed per step, over all requests (chunked prefill).
+        max_num_seqs: requests admitted at once (loading, running or preempted).
+        offload: use kvmgr's CPU tier (prefix loads, stores, preempt/resume). False: no CPU
+            tier; preemption frees the blocks and recomputes (the baseline).
+        realtime: honour ``Request.arrival_s`` (seconds after the run starts).
+    """
+
+    block_size: int = 16
+    token_budget: int = 512
+    max_num_seqs: int = 64
+    offload: bool = True
+    realtime: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request. ``output`` holds the greedy tokens; ``first_logits`` the float32 logits
+    ``[vocab]`` that produced ``output[0]``; times are seconds after the run started."""
+
+    req_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_s: float = 0.0
+    output: list[int] = dataclasses.field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    state: str = WAITING
+    num_computed: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_stored: int = 0
+    pending: Any = None  # the future of a load, preempt or resume in flight
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals of one run; ``*_s`` are wall-clock seconds."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    stores_rejected: int = 0
+    kvmgr_host_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class Engine:
+    """Serves requests on ``model`` with ``kv_caches`` managed by ``mgr`` (which must own the
+    GPU blocks, ``ManagerConfig(manage_gpu_blocks=True)``, over these very tensors).
+
+    ``on_step(mgr)`` runs after every ``mgr.step`` (tests call ``check_invariants`` there).
+    """
+
+    def __init__(
+        self,
+        model: PagedDecoder,
+        kv_caches: list[torch.Tensor],
+        mgr: OffloadManager,
+        config: EngineConfig,
+        on_step: Callable[[OffloadManager], None] | None = None,
+    ) -> None:
+        self.model, self.kv_caches, self.mgr, self.config = model, kv_caches, mgr, config
+        self.device = kv_caches[0].device
+        self.on_step = on_step
+        self.stats = EngineStats()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: list[Request] = []  # admission order; victims come from the tail
+        self._stores: set[asyncio.Future[Any]] = set()  # store futures not yet resolved
+        self._t0 = 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, requests: list[Request]) -> EngineStats:
+        """Serve ``requests`` to completion; returns the run's statistics."""
+        arrivals = collections.deque(sorted(requests, key=lambda r: r.arrival_s))
+        for req in arrivals:
+            req.keys = block_keys(req.prompt, self.config.block_size)
+        self._t0 = time.perf_counter()
+        while arrivals or self.waiting or self.active:
+            now = self._now()
+            while arrivals and (not self.config.realtime or arrivals[0].arrival_s <= now):
+                self.waiting.append(arrivals.popleft())
+            self._poll()
+            scheduled = self._schedule()
+            ctx = self._execute(scheduled) if scheduled else StepContext()
+            start = time.perf_counter()
+            await self.mgr.step(ctx)
+            self.stats.kvmgr_host_s += time.perf_counter() - start
+            self.stats.steps += 1
+            if self.on_step is not None:
+                self.on_step(self.mgr)
+            if not scheduled:
+                await self._idle(arrivals)
+        if self._stores:  # drain: the stores of the last steps land before we report
+            await asyncio.wait(list(self._stores))
+        self.stats.wall_s = time.perf_counter() - self._t0
+        return self.stats
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    async def _idle(self, arrivals: collections.deque[Request]) -> None:
+        """Nothing ran: wait for a copy to land, or for the next arrival."""
+        futures = [r.pending for r in self.active if r.pending is not None]
+        futures += self._stores  # a finished request's blocks return when its stores land
+        if futures:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+        elif arrivals and not self.waiting:
+            await asyncio.sleep(max(0.0, arrivals[0].arrival_s - self._now()))
+        elif not self.active and self.waiting:
+            raise RuntimeError("a waiting request cannot be admitted: too few GPU blocks")
+
+    def _poll(self) -> None:
+        """Apply the loads, preempts and resumes whose futures resolved."""
+        for req in list(self.active):
+            fut = req.pending
+            if fut is None or not fut.done():
+                continue
+            req.pending = None
+            if fut.exception() is not None:  # a failed copy: the KV is lost, recompute
+                self._recompute(req)
+            elif req.state == LOADING:
+                req.state, req.num_computed = RUNNING, len(req.block_ids) * self.config.block_size
+            elif req.state == PREEMPTING:
+                req.state, req.block_ids = PREEMPTED, []
+            elif req.state == RESUMING:
+                req.state = RUNNING
+                req.block_ids = [block_id for _, block_id in self.mgr.block_table(req.req_id)]
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """Pick ``(request, new_tokens)`` pairs for this step; decodes first."""
+        budget, chosen, pressed = self.config.token_budget, [], False
+        for req in list(self.active):
+            if req.state != RUNNING or budget == 0:
+                continue
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if self._grow(req, n, chosen, may_preempt=True):
+                chosen.append((req, n))
+                budget -= n
+            else:
+                pressed = True
+        if not pressed:
+            for req in self.active:  # resume preempted requests before admitting new ones
+                if req.state == PREEMPTED and not self._resume(req):
+                    pressed = True
+                    break
+        while (
+            not pressed and budget and self.waiting and len(self.active) < self.config.max_num_seqs
+        ):
+            req = self.waiting.popleft()
+            if self._admit(req):
+                self.active.append(req)
+                if req.state == RUNNING:
+                    n = min(len(req.tokens) - req.num_computed, budget)
+                    chosen.append((req, n))
+                    budget -= n
+            else:
+                self.waiting.appendleft(req)
+                pressed = True
+        chosen.sort(key=lambda rn: rn[1] != 1)  # one-token queries first: the decode path
+        return chosen
+
+    def _admit(self, req: Request) -> bool:
+        """Start a request if its blocks are free (admission never preempts): load its cached
+        prefix from the CPU tier, or allocate and compute."""
+        bs, mgr = self.config.block_size, self.mgr
+        reusable = (len(req.tokens) - 1) // bs  # keep one token to compute: it gives the logits
+        hits = 0
+        if self.config.offload and reusable and req.num_computed == 0:
+            hits = self._timed(mgr.lookup, req.keys[:reusable])
+        if hits:
+            try:
+                req.block_ids = self._timed(mgr.allocate, req.req_id, hits)
+            except PoolExhaustedError:
+                return False
+            req.pending = self._timed(mgr.swap_in, req.keys[:hits], req.block_ids)
+            req.state, req.num_stored = LOADING, hits
+            self.stats.hit_tokens += hits * bs
+            return True
+        req.state = RUNNING
+        n = min(len(req.tokens) - req.num_computed, self.config.token_budget)
+        if self._grow(req, n, [], may_preempt=False):
+            return True
+        req.state = WAITING
+        return False
+
+    def _grow(
+        self, req: Request, n: int, chosen: list[tuple[Request, int]], *, may_preempt: bool
+    ) -> bool:
+        """Give ``req`` the blocks for ``n`` more tokens; under pressure, preempt the latest
+        admitted running requests not chosen this step. False: not this step."""
+        bs = self.config.block_size
+        need = -(-(req.num_computed + n) // bs) - len(req.block_ids)
+        while need > 0:
+            try:
+                req.block_ids += self._timed(self.mgr.allocate, req.req_id, need)
+                return True
+            except PoolExhaustedError:
+                if not may_preempt:
+                    return False
+            freeing = sum(len(r.block_ids) for r in self.active if r.state == PREEMPTING)
+            if freeing >= need:
+                return False  # blocks come back when the preempts in flight have landed
+            taken = {id(r) for r, _ in chosen}
+            victims = [
+                r
+                for r in self.active
+                if r.state == RUNNING and r is not req and id(r) not in taken and r.block_ids
+            ]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.stats.preemptions += 1
+        if self.config.offload:
+            try:
+                req.pending = self._timed(self.mgr.preempt, req.req_id)
+                req.state = PREEMPTING
+                return
+            except PoolExhaustedError:  # CPU tier full of pinned blocks: recompute instead
+                pass
+        self._recompute(req)
+
+    def _recompute(self, req: Request) -> None:
+        """Drop the request's KV; it re-enters the queue and recomputes its tokens."""
+        self.stats.recompute_preemptions += 1
+        self._timed(self.mgr.free, req.req_id)
+        req.state, req.block_ids, req.num_computed, req.pending = WAITING, [], 0, None
+        req.num_stored = 0
+        if req in self.active:
+            self.active.remove(req)
+        self.waiting.appendleft(req)
+
+    def _resume(self, req: Request) -> bool:
+        try:
+            req.pending = self._timed(self.mgr.resume, req.req_id)
+        except PoolExhaustedError:
+            return False
+        req.state = RESUMING
+        return True
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.stats.kvmgr_host_s += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ execution
+
+    def _execute(self, chosen: list[tuple[Request, int]]) -> StepContext:
+        """Run the model over the chosen requests, sample, queue stores; the step's context."""
+        bs, dev = self.config.block_size, self.device
+        ids, positions, slots, qsl, ctx_lens, sample_rows = [], [], [], [0], [], []
+        computed = np.array([r.num_computed for r, _ in chosen], dtype=np.int64)
+        for req, n in chosen:
+            pos = np.arange(req.num_computed, req.num_computed + n)
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            ids.extend(req.tokens[req.num_computed : req.num_computed + n])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + n)
+            ctx_lens.append(req.num_computed + n)
+            if req.num_computed + n == len(req.tokens):
+                sample_rows.append(qsl[-1] - 1)
+        width = max(len(r.block_ids) for r, _ in chosen)
+        tables = np.zeros((len(chosen), width), dtype=np.int64)
+        for i, (req, _) in enumerate(chosen):
+            tables[i, : len(req.block_ids)] = req.block_ids
+        batch = StepBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=qsl,
+            context_lens=ctx_lens,
+            block_tables=torch.from_numpy(tables).to(dev),
+            num_decodes=sum(1 for _, n in chosen if n == 1),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+        )
+        logits = self.model(batch, self.kv_caches)
+        next_tokens = logits.argmax(dim=-1).tolist()  # greedy; syncs with the device
+        row = 0
+        for req, n in chosen:
+            is_decode = n == 1 and bool(req.output) and req.num_computed + 1 == len(req.tokens)
+            req.num_computed += n
+            if is_decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += n
+            if req.num_computed == len(req.tokens):
+                self._sample(req, next_tokens[row], logits[row])
+                row += 1
+            self._store(req)
+            if len(req.output) >= req.max_new_tokens:
+                req.state, req.finish_s = FINISHED, self._now()
+                self._timed(self.mgr.free, req.req_id)
+        self.active = [r for r in self.active if r.state != FINISHED]
+        return StepContext(
+            num_computed_tokens=computed,
+            query_start_loc=np.asarray(qsl, dtype=np.int64),
+            tensors={"slot_mapping": batch.slot_mapping},
+            stream=torch.cuda.current_stream(dev) if dev.type == "cuda" else None,
+        )
+
+    def _sample(self, req: Request, token: int, logits: torch.Tensor) -> None:
+        if not req.output:
+            req.first_logits = logits.detach().cpu().clone()
+            req.first_token_s = self._now()
+        req.output.append(token)
+
+    def _store(self, req: Request) -> None:
+        """Queue a store of the prompt blocks that became full (never written again)."""
+        if not self.config.offload:
+            return
+        full = min(req.num_computed, len(req.prompt)) // self.config.block_size
+        if full <= req.num_stored:
+            return
+        lo, req.num_stored = req.num_stored, full
+        try:
+            fut = self._timed(self.mgr.swap_out, req.block_ids[lo:full], req.keys[lo:full])
+        except PoolExhaustedError:  # every CPU block pinned or pending: skip this store
+            self.stats.stores_rejected += 1
+            return
+        if not fut.done():
+            self._stores.add(fut)
+            fut.add_done_callback(self._stores.discard)
