@@ -24,7 +24,7 @@ from kvmgr import ManagerConfig, OffloadManager  # noqa: E402
 from kvmgr.testing import check_invariants  # noqa: E402
 
 BLOCK_SIZE = 4
-MAX_NEW_TOKENS = 10
+MAX_NEW_TOKENS = 14
 LOGITS_ATOL = 1e-4
 
 
@@ -76,7 +76,7 @@ def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch
 
 
 async def _serve(model: PagedDecoder, prompts: list[list[int]], *, offload: bool):
-    kv = new_kv_caches(model.config, 36, BLOCK_SIZE, torch.float32, "cpu")
+    kv = new_kv_caches(model.config, 32, BLOCK_SIZE, torch.float32, "cpu")
     for t in kv:  # poison: a block read before it was written shows up as NaN
         t.fill_(float("nan"))
     config = ManagerConfig(num_cpu_blocks=160 if offload else 1, engine="host")
@@ -85,7 +85,7 @@ async def _serve(model: PagedDecoder, prompts: list[list[int]], *, offload: bool
             model,
             kv,
             mgr,
-            EngineConfig(block_size=BLOCK_SIZE, token_budget=16, max_num_seqs=3, offload=offload),
+            EngineConfig(block_size=BLOCK_SIZE, token_budget=16, max_num_seqs=4, offload=offload),
             on_step=check_invariants,
         )
         requests = [Request(i, p, MAX_NEW_TOKENS) for i, p in enumerate(prompts)]

@@ -193,7 +193,7 @@ class Engine:
             if fut.exception() is not None:  # a failed copy: the KV is lost, recompute
                 self._recompute(req)
             elif req.state == LOADING:
-                req.state, req.num_computed = RUNNING, len(req.block_ids) * self.config.block_size
+                req.state, req.num_computed = RUNNING, req.num_stored * self.config.block_size
             elif req.state == PREEMPTING:
                 req.state, req.block_ids = PREEMPTED, []
             elif req.state == RESUMING:
@@ -223,7 +223,7 @@ class Engine:
             not pressed and budget and self.waiting and len(self.active) < self.config.max_num_seqs
         ):
             req = self.waiting.popleft()
-            if self._admit(req):
+            if self._admit(req, budget):
                 self.active.append(req)
                 if req.state == RUNNING:
                     n = min(len(req.tokens) - req.num_computed, budget)
@@ -235,29 +235,31 @@ class Engine:
         chosen.sort(key=lambda rn: rn[1] != 1)  # one-token queries first: the decode path
         return chosen
 
-    def _admit(self, req: Request) -> bool:
-        """Start a request if its blocks are free (admission never preempts): load its cached
-        prefix from the CPU tier, or allocate and compute."""
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Start a request if its first chunk's blocks are free with one block of headroom per
+        admitted request (admission never preempts): allocate, then load the cached prefix from
+        the CPU tier into the first blocks (LOADING) or compute from scratch (RUNNING)."""
         bs, mgr = self.config.block_size, self.mgr
         reusable = (len(req.tokens) - 1) // bs  # keep one token to compute: it gives the logits
         hits = 0
-        if self.config.offload and reusable and req.num_computed == 0:
+        if self.config.offload and reusable:
             hits = self._timed(mgr.lookup, req.keys[:reusable])
-        if hits:
-            try:
-                req.block_ids = self._timed(mgr.allocate, req.req_id, hits)
-            except PoolExhaustedError:
-                return False
-            req.pending = self._timed(mgr.swap_in, req.keys[:hits], req.block_ids)
-            req.state, req.num_stored = LOADING, hits
-            self.stats.hit_tokens += hits * bs
+        n = min(len(req.tokens) - hits * bs, budget)
+        need = -(-(hits * bs + n) // bs)
+        free = self._timed(mgr.statistics).gpu_blocks_free
+        if free - need < len(self.active):
+            return False
+        try:
+            req.block_ids = self._timed(mgr.allocate, req.req_id, need)
+        except PoolExhaustedError:
+            return False
+        if not hits:
+            req.state = RUNNING
             return True
-        req.state = RUNNING
-        n = min(len(req.tokens) - req.num_computed, self.config.token_budget)
-        if self._grow(req, n, [], may_preempt=False):
-            return True
-        req.state = WAITING
-        return False
+        req.pending = self._timed(mgr.swap_in, req.keys[:hits], req.block_ids[:hits])
+        req.state, req.num_stored = LOADING, hits
+        self.stats.hit_tokens += hits * bs
+        return True
 
     def _grow(
         self, req: Request, n: int, chosen: list[tuple[Request, int]], *, may_preempt: bool
