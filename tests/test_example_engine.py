@@ -9,19 +9,17 @@ generated token must match HF's within 1e-4 (float32; the sums run in a differen
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed: pip install -e '.[engine]'"
-)
-
-from examples.engine.engine import Engine, EngineConfig, Request, block_keys  # noqa: E402
-from examples.engine.model import PagedDecoder, new_kv_caches  # noqa: E402
-from kvmgr import ManagerConfig, OffloadManager  # noqa: E402
-from kvmgr.testing import check_invariants  # noqa: E402
+from examples.engine import bench
+from examples.engine.engine import Engine, EngineConfig, Request, block_keys
+from examples.engine.model import PagedDecoder, new_kv_caches
+from kvmgr import ManagerConfig, OffloadManager
+from kvmgr.testing import check_invariants
 
 BLOCK_SIZE = 4
 MAX_NEW_TOKENS = 14
@@ -29,6 +27,9 @@ LOGITS_ATOL = 1e-4
 
 
 def _hf_model(kind: str) -> torch.nn.Module:
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[engine]'"
+    )
     common = dict(
         vocab_size=211,
         hidden_size=64,
@@ -125,3 +126,14 @@ def test_block_keys_chain_prefixes() -> None:
     assert len(a) == 2 and len(b) == 2  # partial blocks have no key
     assert a[0] == b[0] and a[1] != b[1]  # same first block, different second
     assert c[0] != a[0] and c[1] != a[1]  # a key names its whole prefix
+
+
+def test_bench_tiny_runs_and_reuses_prefixes(tmp_path) -> None:
+    out = tmp_path / "engine.json"
+    assert bench.main(["--tiny", "--requests", "16", "--json", str(out)]) == 0
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"recompute", "auto"}  # no "cuda" without a GPU
+    base, auto = results["recompute"], results["auto"]
+    assert base["requests"] == auto["requests"] == 16
+    assert base["hit_tokens"] == 0 and auto["hit_tokens"] > 0
+    assert auto["prefill_tokens"] < base["prefill_tokens"]

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke run)")
     p.add_argument("--requests", type=int, default=None, help="requests from the trace")
     p.add_argument("--start", type=int, default=0, help="first trace line used")
-    p.add_argument("--max-prompt-blocks", type=int, default=4, help="trace blocks per prompt")
+    p.add_argument("--max-prompt-blocks", type=int, default=3, help="trace blocks per prompt")
     p.add_argument("--trace-block-tokens", type=int, default=None, help="tokens per hash id")
     p.add_argument("--max-output", type=int, default=None, help="output tokens cap")
     p.add_argument("--rate", type=float, default=None, help="arrivals, requests/s")
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "gpu_kv_gib": 0.25 / 1024,
         "cpu_kv_gib": 2 / 1024,
     }
-    full = {"requests": 160, "trace_block_tokens": 512, "max_output": 16, "rate": 20.0,
+    full = {"requests": 200, "trace_block_tokens": 512, "max_output": 16, "rate": 24.0,
             "token_budget": 2048, "gpu_kv_gib": 4.0, "cpu_kv_gib": 8.0}  # fmt: skip
     for name, value in (tiny if args.tiny else full).items():
         if getattr(args, name) is None:

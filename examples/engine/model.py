@@ -190,10 +190,12 @@ class _Attention(nn.Module):
             keys = _gather(k_cache, b.block_tables[r : r + 1, :nb], ctx, groups)
             vals = _gather(v_cache, b.block_tables[r : r + 1, :nb], ctx, groups)
             qr = q[lo:hi].transpose(0, 1)[None]  # [1, H, qlen, hd]
-            # causal with an offset: new token i (position ctx - qlen + i) sees keys 0..that
-            mask = torch.ones(hi - lo, ctx, dtype=torch.bool, device=x.device)
-            mask = mask.tril(diagonal=ctx - (hi - lo))
-            o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=mask)
+            if ctx == hi - lo:  # no past: plain causal (lets SDPA pick a flash kernel)
+                o = F.scaled_dot_product_attention(qr, keys, vals, is_causal=True)
+            else:  # causal with an offset: new token i (position ctx - qlen + i) sees 0..that
+                mask = torch.ones(hi - lo, ctx, dtype=torch.bool, device=x.device)
+                mask = mask.tril(diagonal=ctx - (hi - lo))
+                o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=mask)
             out[lo:hi] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(t, -1))
 
