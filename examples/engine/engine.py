@@ -103,10 +103,10 @@ class Engine:
         futures += self._stores  # a finished request's blocks return when its stores land
         if futures:
             await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-        elif arrivals and not self.waiting:
+        elif arrivals:
             await asyncio.sleep(max(0.0, arrivals[0].arrival_s - self._now()))
-        elif not self.active and self.waiting:
-            raise RuntimeError("a waiting request cannot be admitted: too few GPU blocks")
+        else:  # nothing in flight, nothing to come, nothing ran: it never would
+            raise RuntimeError("no request can make progress: too few GPU blocks for one request")
 
     def _poll(self) -> None:
         """Apply the loads, preempts and resumes whose futures resolved."""
