@@ -64,6 +64,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # admission order; victims come from the tail
         self._stores: set[asyncio.Future[Any]] = set()  # store futures not yet resolved
+        self._loads: list[tuple[Request, int]] = []  # admitted this step: (request, hit blocks)
         self._t0 = 0.0
 
     # ------------------------------------------------------------------ the loop
@@ -157,8 +158,20 @@ class Engine:
             else:
                 self.waiting.appendleft(req)
                 pressed = True
+        self._load_prefixes()
         chosen.sort(key=lambda rn: rn[1] != 1)  # one-token queries first: the decode path
         return chosen
+
+    def _load_prefixes(self) -> None:
+        """One ``load_many`` for every prefix hit admitted this step (one future for all)."""
+        if not self._loads:
+            return
+        keys = [key for req, hits in self._loads for key in req.keys[:hits]]
+        ids = [block for req, hits in self._loads for block in req.block_ids[:hits]]
+        future = self._timed(self.mgr.load_many, keys, np.asarray(ids, dtype=np.int64))
+        for req, _ in self._loads:
+            req.pending = future
+        self._loads = []
 
     def _admit(self, req: Request, budget: int) -> bool:
         """Start a request if its first chunk's blocks are free with one block of headroom per
@@ -181,7 +194,7 @@ class Engine:
         if not hits:
             req.state = RUNNING
             return True
-        req.pending = self._timed(mgr.swap_in, req.keys[:hits], req.block_ids[:hits])
+        self._loads.append((req, hits))  # queued as one load_many after scheduling
         req.state, req.num_stored = LOADING, hits
         self.stats.hit_tokens += hits * bs
         return True
@@ -243,10 +256,11 @@ class Engine:
         req.state = RESUMING
         return True
 
-    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call a kvmgr method, adding its host time to ``stats.kvmgr_host_s``."""
         start = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             self.stats.kvmgr_host_s += time.perf_counter() - start
 
@@ -294,9 +308,11 @@ class Engine:
             if req.num_computed == len(req.tokens):
                 self._sample(req, next_tokens[row], logits[row])
                 row += 1
-            self._store(req)
             if len(req.output) >= req.max_new_tokens:
                 req.state, req.finish_s = FINISHED, self._now()
+        self._store_full_blocks([req for req, _ in chosen])
+        for req, _ in chosen:  # after the store: a request's blocks must be held to be named
+            if req.state == FINISHED:
                 self._timed(self.mgr.free, req.req_id)
         self.active = [r for r in self.active if r.state != FINISHED]
         return StepContext(
@@ -312,17 +328,32 @@ class Engine:
             req.first_token_s = self._now()
         req.output.append(token)
 
-    def _store(self, req: Request) -> None:
-        """Queue a store of the prompt blocks that became full (never written again)."""
+    def _store_full_blocks(self, reqs: list[Request]) -> None:
+        """Queue ONE ``store_many`` of the prompt blocks that became full this step, over all
+        requests (a full block is never written again, so nothing waits for the future)."""
         if not self.config.offload:
             return
-        full = min(req.num_computed, len(req.prompt)) // self.config.block_size
-        if full <= req.num_stored:
+        ids: list[int] = []
+        keys: list[bytes] = []
+        parents: list[bytes | None] = []
+        seen: set[bytes] = set()  # requests sharing a prefix in one step: store each key once
+        for req in reqs:
+            full = min(req.num_computed, len(req.prompt)) // self.config.block_size
+            for i in range(req.num_stored, full):
+                if req.keys[i] in seen:
+                    continue
+                seen.add(req.keys[i])
+                ids.append(req.block_ids[i])
+                keys.append(req.keys[i])
+                parents.append(req.keys[i - 1] if i else None)
+            req.num_stored = max(req.num_stored, full)
+        if not keys:
             return
-        lo, req.num_stored = req.num_stored, full
         try:
-            fut = self._timed(self.mgr.swap_out, req.block_ids[lo:full], req.keys[lo:full])
-        except PoolExhaustedError:  # every CPU block pinned or pending: skip this store
+            fut = self._timed(
+                self.mgr.store_many, np.asarray(ids, dtype=np.int64), keys, parents=parents
+            )
+        except PoolExhaustedError:  # every CPU block pinned or pending: skip these stores
             self.stats.stores_rejected += 1
             return
         if not fut.done():
