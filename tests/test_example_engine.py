@@ -9,6 +9,7 @@ generated token must match HF's within 1e-4 (float32; the sums run in a differen
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -76,11 +77,14 @@ def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch
     return out[0, len(prompt) :].tolist(), logits
 
 
-async def _serve(model: PagedDecoder, prompts: list[list[int]], *, offload: bool):
-    kv = new_kv_caches(model.config, 32, BLOCK_SIZE, torch.float32, "cpu")
+async def _serve(
+    model: PagedDecoder, prompts: list[list[int]], *, offload: bool, engine_name: str = "host"
+):
+    device = next(model.parameters()).device
+    kv = new_kv_caches(model.config, 32, BLOCK_SIZE, torch.float32, device)
     for t in kv:  # poison: a block read before it was written shows up as NaN
         t.fill_(float("nan"))
-    config = ManagerConfig(num_cpu_blocks=160 if offload else 1, engine="host")
+    config = ManagerConfig(num_cpu_blocks=160 if offload else 1, engine=engine_name)
     async with OffloadManager(kv, config) as mgr:
         engine = Engine(
             model,
@@ -95,20 +99,19 @@ async def _serve(model: PagedDecoder, prompts: list[list[int]], *, offload: bool
         return requests, stats, mgr.statistics()
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-async def test_engine_is_token_exact_with_preemption_and_cpu_hits(kind: str) -> None:
+def test_engine_is_token_exact_with_preemption_and_cpu_hits(kind: str) -> None:
     hf = _hf_model(kind)
     model = PagedDecoder.from_hf(hf, dtype=torch.float32, device="cpu")
     prompts = _prompts()
 
-    served, stats, mgr_stats = await _serve(model, prompts, offload=True)
+    served, stats, mgr_stats = asyncio.run(_serve(model, prompts, offload=True))
     # the scenario did what it is meant to exercise
     assert stats.preemptions >= 1 and stats.recompute_preemptions == 0, stats
     assert mgr_stats.loads_completed > 0 and stats.hit_tokens > 0, (stats, mgr_stats)
     assert mgr_stats.lookup_hits > 0 and mgr_stats.stores_completed > 0, mgr_stats
 
-    baseline, base_stats, _ = await _serve(model, prompts, offload=False)
+    baseline, base_stats, _ = asyncio.run(_serve(model, prompts, offload=False))
     assert base_stats.hit_tokens == 0
     for req, base, prompt in zip(served, baseline, prompts):
         tokens, logits = _reference(hf, prompt)
@@ -137,3 +140,23 @@ def test_bench_tiny_runs_and_reuses_prefixes(tmp_path) -> None:
     assert base["requests"] == auto["requests"] == 16
     assert base["hit_tokens"] == 0 and auto["hit_tokens"] > 0
     assert auto["prefill_tokens"] < base["prefill_tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine_name", ["auto", "cuda", "kernel"])
+def test_engine_on_cuda_equals_its_run_without_offload(engine_name: str) -> None:
+    # the same scenario on the GPU (no transformers needed): a random float32 model, the KV
+    # moved by the real copy engines; outputs must equal the run that never offloads
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    config = bench.TINY
+    model = PagedDecoder.random(config, seed=3, dtype=torch.float32, device="cuda", std=0.2)
+    prompts = [[t % config.vocab_size for t in p] for p in _prompts()]
+    served, stats, mgr_stats = asyncio.run(
+        _serve(model, prompts, offload=True, engine_name=engine_name)
+    )
+    assert stats.preemptions >= 1 and mgr_stats.loads_completed > 0, (stats, mgr_stats)
+    baseline, _, _ = asyncio.run(_serve(model, prompts, offload=False, engine_name=engine_name))
+    for req, base in zip(served, baseline):
+        assert req.output == base.output, f"request {req.req_id}"
+        torch.testing.assert_close(req.first_logits, base.first_logits, atol=LOGITS_ATOL, rtol=0)
