@@ -174,15 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu_blocks = int(args.cpu_kv_gib * 2**30 // block_bytes)
     kv = new_kv_caches(mconf, gpu_blocks, args.block_size, dtype, device)
     variants = [v for v in args.variants.split(",") if cuda or v != "cuda"]
-    results = []
-    for name in variants:
-        start = time.perf_counter()
-        results.append(asyncio.run(run_variant(name, model, kv, args, cpu_blocks)))
-        print(f"{name}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "kvmgr": __version__,
         "model": "llama3-8b-shaped random bf16" if cuda else "tiny random fp32",
         "gpu_blocks": gpu_blocks,
@@ -190,10 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "args": vars(args),
     }
+    results: list[dict[str, Any]] = []
+    for name in variants:
+        start = time.perf_counter()
+        results.append(asyncio.run(run_variant(name, model, kv, args, cpu_blocks)))
+        print(
+            f"{name}: done in {time.perf_counter() - start:.1f} s: {results[-1]}", file=sys.stderr
+        )
+        if args.json:  # after every variant, so that a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=2)
     print_table(results, meta)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
     return 0
 
 

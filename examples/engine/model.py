@@ -113,6 +113,9 @@ class StepBatch:
         num_decodes: the first ``num_decodes`` requests have exactly one new token.
         sample_rows: int64 ``[S]``: token indices whose logits are wanted (end of a prompt or
             a decode step).
+        decode_valid, prefill_masks: attention masks, built once per step by ``prepare``
+            (bool ``[D, max_context]``; per prefill request ``[qlen, context]`` or ``None`` for
+            a chunk without a past, which is plain causal).
     """
 
     input_ids: torch.Tensor
@@ -123,6 +126,24 @@ class StepBatch:
     block_tables: torch.Tensor
     num_decodes: int
     sample_rows: torch.Tensor
+    decode_valid: torch.Tensor | None = None
+    prefill_masks: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+
+    def prepare(self) -> None:
+        """Build the masks that every layer shares."""
+        dev, d = self.input_ids.device, self.num_decodes
+        if d:
+            ctx = max(self.context_lens[:d])
+            lens = torch.tensor(self.context_lens[:d], device=dev)
+            self.decode_valid = torch.arange(ctx, device=dev) < lens[:, None]
+        self.prefill_masks = []
+        for r in range(d, len(self.context_lens)):
+            qlen, ctx = self.query_start_loc[r + 1] - self.query_start_loc[r], self.context_lens[r]
+            if ctx == qlen:
+                self.prefill_masks.append(None)
+            else:  # causal with an offset: new token i (position ctx - qlen + i) sees 0..that
+                mask = torch.ones(qlen, ctx, dtype=torch.bool, device=dev)
+                self.prefill_masks.append(mask.tril(diagonal=ctx - qlen))
 
 
 class _RMSNorm(nn.Module):
@@ -175,10 +196,10 @@ class _Attention(nn.Module):
         groups = c.num_heads // c.num_kv_heads
         d = b.num_decodes
         if d:
-            ctx = max(b.context_lens[:d])
+            valid = b.decode_valid  # [D, L]
+            assert valid is not None, "call batch.prepare() first"
+            ctx = valid.shape[1]
             nb = -(-ctx // block_size)
-            lens = torch.tensor(b.context_lens[:d], device=x.device)
-            valid = torch.arange(ctx, device=x.device) < lens[:, None]  # [D, L]
             keys = _gather(k_cache, b.block_tables[:d, :nb], ctx, groups, valid)  # [D, H, L, hd]
             vals = _gather(v_cache, b.block_tables[:d, :nb], ctx, groups, valid)
             mask = valid[:, None, None, :]
@@ -190,11 +211,10 @@ class _Attention(nn.Module):
             keys = _gather(k_cache, b.block_tables[r : r + 1, :nb], ctx, groups)
             vals = _gather(v_cache, b.block_tables[r : r + 1, :nb], ctx, groups)
             qr = q[lo:hi].transpose(0, 1)[None]  # [1, H, qlen, hd]
-            if ctx == hi - lo:  # no past: plain causal (lets SDPA pick a flash kernel)
+            mask = b.prefill_masks[r - d]
+            if mask is None:  # no past: plain causal (lets SDPA pick a flash kernel)
                 o = F.scaled_dot_product_attention(qr, keys, vals, is_causal=True)
-            else:  # causal with an offset: new token i (position ctx - qlen + i) sees 0..that
-                mask = torch.ones(hi - lo, ctx, dtype=torch.bool, device=x.device)
-                mask = mask.tril(diagonal=ctx - (hi - lo))
+            else:
                 o = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=mask)
             out[lo:hi] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(t, -1))
@@ -298,6 +318,7 @@ class PagedDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, b: StepBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        b.prepare()
         x = self.model.embed_tokens(b.input_ids)
         freqs = b.positions[:, None].float() * self.inv_freq  # LlamaRotaryEmbedding's math
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
