@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One scripted GPU session on the lent H200: environment, GPU tests, benchmarks.
 # Usage (on the device, from the repo root): bash scripts/gpu_run.sh SECTION...
-#   sections: env kernels transfer manager bench-kernels bench-transfer sim docs
+#   sections: env kernels transfer manager bench-kernels bench-transfer sim docs engine
 # Logs and JSON go to $OUT (or ./out); each step has its own time limit and never stops the rest.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -43,6 +43,9 @@ for section in "$@"; do
     sim)
       TAIL=10 step pytest_sim 240 python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_sim.py
       TAIL=30 step sim_auto 200 python3 -m kvmgr.cli simulate --engine auto --limit 3000 --quiet --json "$OUT/sim_auto.json" ;;
+    engine)  # examples/engine: GPU equality test, then end to end recompute vs auto vs cuda (< 5 min)
+      TAIL=8 step pytest_engine 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_example_engine.py
+      TAIL=25 step engine_bench 240 python3 -m examples.engine.bench --json "$OUT/engine.json" ;;
     info)
       step info 60 python3 -m kvmgr.cli info ;;
     docs)  # the doc blocks marked "needs a CUDA GPU" run here; bench's GPU check passes
