@@ -247,7 +247,7 @@ class Bookkeeper:
             if part is not None:
                 return part
         gpu = self.gpu_ids(gpu_block_ids, "store")
-        keys = check_keys(keys, distinct=True)
+        keys = check_keys(keys, distinct=not batched)
         n = len(keys)
         if n != len(gpu):
             raise InvalidKeyError(
@@ -262,6 +262,11 @@ class Bookkeeper:
             fresh = list(range(n))
         else:
             fresh = np.flatnonzero(~cpu.present(keys)).tolist()
+        if batched and n > 1 and len(set(keys)) != n:  # repeats: the first occurrence only
+            first = {}
+            for i in fresh:
+                first.setdefault(keys[i], i)
+            fresh = sorted(first.values())
         num_present = n - len(fresh)
         waiting: list[bytes] = []
         if self._threshold > 1 and fresh:

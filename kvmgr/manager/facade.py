@@ -369,8 +369,10 @@ class OffloadManager:
         """Queue one store of many requests' blocks: ONE future, array results.
 
         Args:
-            gpu_block_ids: int ``[n]`` (numpy array or list): GPU blocks to store.
-            keys: ``n`` distinct ``bytes`` keys; ``keys[i]`` names ``gpu_block_ids[i]``.
+            gpu_block_ids: int ``[n]`` (numpy array or list): distinct GPU blocks to store.
+            keys: ``n`` ``bytes`` keys; ``keys[i]`` names ``gpu_block_ids[i]``. A key repeated
+                in the call (two requests that filled the same prefix block in one step) is
+                stored once, from its first occurrence; the others count as present.
             parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
                 Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
 
@@ -609,7 +611,9 @@ class OffloadManager:
         last step as one plan per direction (more only when a hazard forces ordered batches).
 
         Args:
-            ctx: what the scheduler knows about the step; ``None`` = an empty context.
+            ctx: what the scheduler knows about the step; ``None`` = an empty context. When
+                ``ctx.stream`` is set, the batches are submitted with it as the current stream,
+                so stores wait for the work queued on it so far (docs/transfer.md, rules 3-4).
 
         Returns:
             The step report: batches submitted, hooks, batches completed since the last step,
@@ -630,7 +634,11 @@ class OffloadManager:
         hook_reports = tuple(hook(ctx) for hook in self._hooks)
         self._flusher.check_hook_reports(self._hooks, hook_reports)
         self._step = step
-        d2h, h2d = self._flusher.flush()
+        if ctx.stream is not None:  # fence the copies on the loop's compute stream
+            with torch.cuda.stream(ctx.stream):
+                d2h, h2d = self._flusher.flush()
+        else:
+            d2h, h2d = self._flusher.flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
         report = StepReport(
