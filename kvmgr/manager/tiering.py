@@ -30,6 +30,10 @@ from kvmgr.tiers.bridge import StagedBlobs, TierBridge
 
 __all__ = ["LowerTiers", "default_namespace"]
 
+#: Background writes running at once per lower tier, and waiting behind them.
+MAX_WRITES_IN_FLIGHT = 4
+MAX_WRITE_BACKLOG = 64
+
 
 def default_namespace(
     books: Bookkeeper, dtype_names: Sequence[str], block_size: int
@@ -66,6 +70,10 @@ class LowerTiers:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.num_fetch_hits = 0
         self.num_fetch_misses = 0
+        #: background writes waiting or running, per bridge (bounded: see ``_spawn``)
+        self._backlog = [0] * len(self.bridges)
+        self._slots = [asyncio.Semaphore(MAX_WRITES_IN_FLIGHT) for _ in self.bridges]
+        self.num_writes_dropped = 0
 
     # ------------------------------------------------------------------ demotion
 
@@ -93,13 +101,26 @@ class LowerTiers:
             self._spawn(bridge, bridge.stage(keys, ids), keys)
 
     def _spawn(self, bridge: TierBridge, staged: StagedBlobs, keys: list[bytes]) -> None:
+        """Write in the background: at most ``MAX_WRITES_IN_FLIGHT`` writes run per tier and
+        at most ``MAX_WRITE_BACKLOG`` wait; past that a write is dropped (counted), so a slow
+        tier costs hits, never host memory or the loop's progress."""
+        i = self.bridges.index(bridge)
+        if self._backlog[i] >= MAX_WRITE_BACKLOG:
+            self.num_writes_dropped += len(keys)
+            return
+        self._backlog[i] += 1
         loop = self.loop or asyncio.get_running_loop()
-        task = loop.create_task(self._put(bridge, staged, keys))
+        task = loop.create_task(self._put(i, staged, keys))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _put(self, bridge: TierBridge, staged: StagedBlobs, keys: list[bytes]) -> None:
-        stored = await bridge.put_staged(staged)
+    async def _put(self, i: int, staged: StagedBlobs, keys: list[bytes]) -> None:
+        bridge = self.bridges[i]
+        try:
+            async with self._slots[i]:
+                stored = await bridge.put_staged(staged)
+        finally:
+            self._backlog[i] -= 1
         done = [k for k, ok in zip(keys, stored.tolist()) if ok]
         self.books.events.emit("stored", done, bridge.backend.name)
 

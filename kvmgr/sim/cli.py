@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvmgr.errors import KVMgrError
 from kvmgr.sim.loop import SimConfig, simulate
+from kvmgr.sim.multi_cli import add_multi_arguments, run_multi, wants_multi
 from kvmgr.sim.presets import MODEL_PRESETS
 from kvmgr.sim.report import render_report
 from kvmgr.sim.scheduler import WRITE_POLICIES
@@ -208,6 +209,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sweep runs in parallel processes",
     )
 
+    add_multi_arguments(parser)
+
 
 def _config(args: argparse.Namespace) -> SimConfig:
     bs = args.block_size
@@ -252,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         requests = load_trace(trace, limit=args.limit)
         if args.sweep is not None:
             return _run_sweep(args, config, requests, trace, console)
+        if wants_multi(args):
+            return run_multi(args, config, requests, trace, console)
         return _run_single(args, config, requests, trace, console)
     except (KVMgrError, ValueError, OSError) as exc:  # bad input: one line, no traceback
         print(f"kvmgr simulate: error: {exc}", file=sys.stderr)
