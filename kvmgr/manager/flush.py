@@ -63,7 +63,8 @@ class Flusher:
         self.before_submit: Callable[[], None] = lambda: None
         self._completed: collections.deque[BatchResult] = collections.deque(maxlen=MAX_COMPLETED)
         self._tensors = tensors
-        self._where = [(t.data_ptr(), tuple(t.shape)) for t in tensors]
+        self._ptrs = [t.data_ptr() for t in tensors]
+        self._shapes = [t.shape for t in tensors]
         cpu_layout = books.cpu_pool.layout
         self._layouts = {
             Direction.D2H: (books.gpu_layout, cpu_layout),
@@ -87,7 +88,12 @@ class Flusher:
         return completed
 
     def _moved_tensor(self) -> str | None:
-        for i, (tensor, (ptr, shape)) in enumerate(zip(self._tensors, self._where)):
+        tensors = self._tensors
+        if [t.data_ptr() for t in tensors] == self._ptrs and [
+            t.shape for t in tensors
+        ] == self._shapes:
+            return None
+        for i, (tensor, ptr, shape) in enumerate(zip(tensors, self._ptrs, self._shapes)):
             if tensor.data_ptr() != ptr or tensor.shape != shape:
                 return (
                     f"KV tensor {i} moved or changed shape after the manager was built "
