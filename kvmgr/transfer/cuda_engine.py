@@ -446,8 +446,8 @@ def _warmup(engine: CudaEngine, kernel: KernelCopy) -> None:
         src = torch.arange(16, dtype=torch.uint8, device=engine.device)
         dst = torch.zeros(16, dtype=torch.uint8, device=engine.device)
         torch.cuda.current_stream(engine.device).synchronize()
-        addrs = (np.array([v], dtype=np.int64) for v in (src.data_ptr(), dst.data_ptr(), 16))
-        plan = TransferPlan(Direction.D2H, *addrs)
+        row = np.array([src.data_ptr(), dst.data_ptr(), 16], dtype=np.int64)
+        plan = TransferPlan(Direction.D2H, row[0:1], row[1:2], row[2:3])
         issued = kernel.issue(plan, stream)
         stream.synchronize()
         if issued.release is not None:

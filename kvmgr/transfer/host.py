@@ -165,7 +165,7 @@ class HostEngine(TransferEngine):
             address, stride, page, blocks = key
             span = (blocks - 1) * stride + page
             memory = (ctypes.c_uint8 * span).from_address(address)
-            flat = np.frombuffer(memory, dtype=np.uint8)
+            flat = np.frombuffer(memoryview(memory).cast("B"), dtype=np.uint8)
             view = np.lib.stride_tricks.as_strided(flat, (blocks, page), (stride, 1))
             self._views[key] = view
         return view
