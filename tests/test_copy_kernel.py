@@ -882,3 +882,18 @@ def test_engines_registry_names_the_engines() -> None:
     from kvmgr.transfer import ENGINES
 
     assert list(ENGINES) == ["host", "cuda", "kernel", "auto"]
+
+
+def test_calibration_fit_takes_the_slowdowns_from_interference_rows() -> None:
+    rows = [
+        {"variant": "kernel", "direction": "d2h", "slowdown_pct": 5.2},
+        {"variant": "kernel", "direction": "h2d", "slowdown_pct": 5.6},
+        {"variant": "kernel@32", "direction": "d2h", "slowdown_pct": 58.1},  # not the default cap
+        {"variant": "batch", "direction": "d2h", "slowdown_pct": 0.4},
+        {"variant": "batch", "direction": "h2d", "slowdown_pct": -0.2},  # noise: counts as 0
+    ]
+    calib = Calibration.fit([], interference_rows=rows)
+    assert (calib.kernel_d2h_slowdown, calib.kernel_h2d_slowdown) == pytest.approx((0.052, 0.056))
+    assert calib.batch_slowdown == pytest.approx(0.002)
+    with pytest.raises(ConfigError, match="slowdown_pct"):
+        Calibration.fit([], interference_rows=[{"variant": "kernel", "direction": "d2h"}])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -213,3 +214,13 @@ def test_an_edited_plan_is_copied_from_its_descriptors(engine: HostEngine) -> No
     for s, d in zip(src, dst):
         assert torch.equal(d[index, :-8], s[index, :-8])
         assert bool((d[index, -8:] == 0xA5).all())
+
+
+def test_a_plan_over_device_tensors_is_refused_before_any_copy(engine: HostEngine) -> None:
+    gpu, cpu = _pair(seed=4)
+    layout = KVLayout.from_tensors(gpu)
+    on_device = attrs.evolve(layout, device=torch.device("cuda", 0))  # as a CUDA cache would be
+    plan = build_plan(Direction.D2H, on_device, KVLayout.from_tensors(cpu), [0], [1])
+    with pytest.raises(GeometryError, match="CPU tensors"):
+        engine.submit(plan)
+    assert engine.statistics().batches_submitted == 0

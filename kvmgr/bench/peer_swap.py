@@ -238,9 +238,12 @@ def _case_row(
     row["contiguous"] = _median_us(_contiguous(case), repeats, warmup)
     reference = None
     if op is not None:
-        baseline = _baseline(case, pool, op)
-        reference = _output(case, baseline)
-        row["baseline"] = _median_us(baseline, repeats, warmup)
+        try:
+            baseline = _baseline(case, pool, op)
+            reference = _output(case, baseline)
+            row["baseline"] = _median_us(baseline, repeats, warmup)
+        except Exception as exc:  # keep kvmgr's columns
+            result["errors"].append(f"{case.geometry} {row['direction']} baseline: {exc!r}")
     for name in engines:
         try:
             engine = make_engine(name, torch.device("cuda"))

@@ -24,7 +24,7 @@ with the copies running (what a serving step that overlaps its offload takes). R
 before its gate opened.
 
 ``--json`` writes the rows plus ``"calibration"``: the cost model fitted to this run's batch and
-kernel rows (``Calibration.fit``; DMA bandwidth stays at the defaults' 1 GiB peak, which
+kernel rows and its interference slowdowns (``Calibration.fit``; DMA bandwidth stays at the defaults' 1 GiB peak, which
 ``kvmgr bench swap`` measures), which ``Calibration.from_json`` reads back.
 """
 
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                         result["errors"].append(f"interference {direction.value}: {exc!r}")
     result["targets"] = _targets(result["copies"])
     try:
-        result["calibration"] = attrs.asdict(Calibration.fit(result["copies"], calib))
+        fitted = Calibration.fit(result["copies"], calib, interference_rows=result["interference"])
+        result["calibration"] = attrs.asdict(fitted)
     except ConfigError as exc:
         result["errors"].append(f"calibration fit: {exc}")
     _print(result)

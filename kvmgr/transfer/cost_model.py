@@ -218,6 +218,7 @@ class Calibration:
         base: Calibration | None = None,
         *,
         peak_rows: Sequence[Mapping[str, Any]] = (),
+        interference_rows: Sequence[Mapping[str, Any]] = (),
     ) -> Calibration:
         """Fit the constants to measured batches.
 
@@ -234,6 +235,10 @@ class Calibration:
                 other variants are ignored.
             base: values kept where the rows determine nothing (default model if ``None``).
             peak_rows: ``kvmgr bench swap``'s ``"peak"`` rows (``memory``, ``direction``, ``gbps``).
+            interference_rows: ``kvmgr bench swap-kernel``'s ``"interference"`` rows (``variant``,
+                ``direction``, ``slowdown_pct``): the ``kernel`` rows set
+                ``kernel_<d>_slowdown``, the ``batch`` rows' mean sets ``batch_slowdown``
+                (negative medians, noise, count as 0).
 
         Raises:
             ConfigError: a row lacks a key, or the fitted values are invalid together.
@@ -249,9 +254,19 @@ class Calibration:
                 if per_descriptor is not None:
                     values[f"batch_{direction.value}_us_per_descriptor"] = per_descriptor
             kernel = _fit_kernel([r for r in rows if r.get("variant") == "kernel"])
+            batch_slowdowns = []
+            for row in interference_rows:
+                slowdown = max(float(row["slowdown_pct"]) / 100.0, 0.0)
+                if row["variant"] == "kernel":
+                    values[f"kernel_{Direction(row['direction']).value}_slowdown"] = slowdown
+                elif row["variant"] == "batch":
+                    batch_slowdowns.append(slowdown)
+            if batch_slowdowns:
+                values["batch_slowdown"] = statistics.fmean(batch_slowdowns)
         except (KeyError, ValueError, TypeError) as exc:
             raise ConfigError(
-                f"calibration rows need direction, descriptors, bytes, us: {exc!r}"
+                f"calibration rows need direction, descriptors, bytes, us (interference rows: "
+                f"variant, direction, slowdown_pct): {exc!r}"
             ) from exc
         if kernel is not None:
             names = ("launch_us", "us_per_descriptor", "h2d_gbps", "d2h_gbps")

@@ -329,8 +329,8 @@ class CopyDriver:
             TransferError: the driver refused the copy.
         """
         if self._loop_fn is None:
-            self.loop(*(np.array([v], dtype=np.int64) for v in (dst, src, num_bytes)),
-                      stream_handle)  # fmt: skip
+            one = np.array([dst, src, num_bytes], dtype=np.int64)
+            self.loop(one[0:1], one[1:2], one[2:3], stream_handle)
             return
         code = self._loop_fn(dst, src, num_bytes, stream_handle)
         if code != 0:

@@ -33,7 +33,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.errors import ClosedError, TransferError
+from kvmgr.errors import ClosedError, GeometryError, TransferError
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
 from kvmgr.transfer.plan import BlockPairs, Direction, TransferPlan
@@ -86,9 +86,17 @@ class HostEngine(TransferEngine):
 
         Raises:
             ClosedError: the engine is closed.
+            GeometryError: the plan was built over tensors that are not on the CPU (the host
+                engine would dereference device addresses).
         """
         if self._closed:
             raise ClosedError("host engine is closed")
+        pairs = plan.blocks
+        if pairs is not None and {pairs.src.device.type, pairs.dst.device.type} != {"cpu"}:
+            raise GeometryError(
+                f"the host engine copies between CPU tensors, got a plan from "
+                f"{pairs.src.device} to {pairs.dst.device}"
+            )
         del wait_for  # FIFO on one thread: earlier batches have already run
         batch_id = self._next_batch_id
         self._next_batch_id += 1
@@ -165,7 +173,7 @@ class HostEngine(TransferEngine):
             address, stride, page, blocks = key
             span = (blocks - 1) * stride + page
             memory = (ctypes.c_uint8 * span).from_address(address)
-            flat = np.frombuffer(memory, dtype=np.uint8)
+            flat = np.frombuffer(memoryview(memory).cast("B"), dtype=np.uint8)
             view = np.lib.stride_tricks.as_strided(flat, (blocks, page), (stride, 1))
             self._views[key] = view
         return view

@@ -204,7 +204,7 @@ def build_plan(
     n = len(s)
     if n == 0:
         return TransferPlan(direction)
-    lengths = np.ones(n, dtype=np.int64)
+    lengths: np.ndarray | None = None  # None: one page per descriptor
     run_s, run_d = s, d
     if merge and n > 1:
         step_s = np.diff(s)
@@ -217,15 +217,20 @@ def build_plan(
             lengths = np.array([n], dtype=np.int64)
             run_s, run_d = s[:1], d[:1]
         else:
-            starts = np.flatnonzero(np.r_[True, breaks])
-            lengths = np.diff(np.r_[starts, n])
-            run_s, run_d = s[starts], d[starts]
+            starts = np.flatnonzero(breaks)
+            starts += 1
+            bounds = np.concatenate(((0,), starts, (n,)))
+            lengths = np.diff(bounds)
+            run_s, run_d = s[bounds[:-1]], d[bounds[:-1]]
     dense = src.is_dense & dst.is_dense
-    parts = []
-    if dense.any():  # one descriptor per run in dense tensors
-        parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
-    if not dense.all():  # one descriptor per page elsewhere
-        parts.append(_descriptors(src, dst, ~dense, s, d, np.ones(n, dtype=np.int64)))
+    if dense.all():  # the common case: every tensor dense, one descriptor per run
+        parts = [_descriptors(src, dst, None, run_s, run_d, lengths)]
+    else:
+        parts = []
+        if dense.any():  # one descriptor per run in dense tensors
+            parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
+        # one descriptor per page elsewhere
+        parts.append(_descriptors(src, dst, ~dense, s, d, None))
     if len(parts) == 1:
         srcs, dsts, sizes = parts[0]
     else:
@@ -238,14 +243,20 @@ def build_plan(
 def _descriptors(
     src: KVLayout,
     dst: KVLayout,
-    tensors: np.ndarray,
+    tensors: np.ndarray | None,
     s: np.ndarray,
     d: np.ndarray,
-    runs: np.ndarray,
+    runs: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    src_addrs = np.multiply.outer(src.block_strides[tensors], s)
-    src_addrs += src.base_addrs[tensors, None]
-    dst_addrs = np.multiply.outer(dst.block_strides[tensors], d)
-    dst_addrs += dst.base_addrs[tensors, None]
-    sizes = np.multiply.outer(src.page_bytes[tensors], runs)
-    return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes.reshape(-1)
+    """Tensor-major descriptors of the given tensors (``None``: all) for blocks ``s -> d``, each
+    ``runs[i]`` pages long (``None``: one page each)."""
+    pick = slice(None) if tensors is None else tensors
+    src_addrs = np.multiply.outer(src.block_strides[pick], s)
+    src_addrs += src.base_addrs[pick, None]
+    dst_addrs = np.multiply.outer(dst.block_strides[pick], d)
+    dst_addrs += dst.base_addrs[pick, None]
+    if runs is None:
+        sizes = np.repeat(src.page_bytes[pick], len(s))
+    else:
+        sizes = np.multiply.outer(src.page_bytes[pick], runs).reshape(-1)
+    return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes
