@@ -16,10 +16,7 @@ from attrs import validators as v
 
 from kvmgr.errors import ConfigError
 
-__all__ = ["ENGINES", "FLUSH_MODES", "ManagerConfig"]
-
-#: Engine names accepted by ``ManagerConfig.engine``; "auto" picks per device (see manager).
-ENGINES = ("auto", "host", "cuda", "kernel")
+__all__ = ["FLUSH_MODES", "ManagerConfig"]
 #: "step": ``step()`` flushes; "tick": everything queued in one event-loop tick is flushed.
 FLUSH_MODES = ("step", "tick")
 #: What a store that cannot make room does: fail at once, or wait (bounded) for room.
@@ -31,6 +28,13 @@ def _policy_name(instance: Any, attribute: Any, value: str) -> None:
 
     if not isinstance(value, str) or value not in POLICIES:
         raise ConfigError(f"unknown policy {value!r}; supported: {', '.join(sorted(POLICIES))}")
+
+
+def _engine_name(instance: Any, attribute: Any, value: str) -> None:
+    from kvmgr.transfer import ENGINES  # the one registry of engines (imports torch: lazily)
+
+    if not isinstance(value, str) or value not in ENGINES:
+        raise ConfigError(f"engine: expected one of {sorted(ENGINES)}, got {value!r}")
 
 
 def _one_of(choices: tuple[str, ...]) -> Any:
@@ -96,7 +100,7 @@ class ManagerConfig:
 
     num_cpu_blocks: int = attrs.field(validator=_cpu_blocks)
     policy: str = attrs.field(default="lru", validator=_policy_name)
-    engine: str = attrs.field(default="auto", validator=_one_of(ENGINES))
+    engine: str = attrs.field(default="auto", validator=_engine_name)
     flush: str = attrs.field(default="step", validator=_one_of(FLUSH_MODES))
     manage_gpu_blocks: bool = attrs.field(default=True, validator=v.instance_of(bool))
     merge: bool = attrs.field(default=True, validator=v.instance_of(bool))

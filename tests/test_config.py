@@ -9,8 +9,9 @@ import attrs
 import pytest
 
 from kvmgr import ConfigError, ManagerConfig
-from kvmgr.config import BACKPRESSURE_MODES, ENGINES, FLUSH_MODES
+from kvmgr.config import BACKPRESSURE_MODES, FLUSH_MODES
 from kvmgr.policy import POLICIES
+from kvmgr.transfer import ENGINES
 
 
 def test_defaults() -> None:
