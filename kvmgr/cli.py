@@ -24,6 +24,7 @@ BENCHES = {
     "swap-kernel": "kvmgr.bench.swap_kernel",
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
+    "peer-mla": "kvmgr.bench.peer_mla",
 }
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
