@@ -180,7 +180,27 @@ class GroupedInsert:
         return bound, tile
 
 
-@functools.lru_cache(maxsize=32)
 def grouped_insert_for(plan: Plan, direct: bool, packed: bool) -> GroupedInsert:
-    """The process-wide :class:`GroupedInsert` of ``plan`` (one per plan and mode)."""
-    return GroupedInsert(plan, plan.kv_cache_dtype, direct=direct, packed=packed)
+    """The process-wide :class:`GroupedInsert` of ``plan`` (one per plan object and mode)."""
+    return _grouped_insert_for(_Identity(plan), direct, packed)
+
+
+class _Identity:
+    """A memo key that compares a plan by identity (a plan holds a tensor: no ``==``)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def __hash__(self) -> int:
+        return id(self.plan)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.plan is self.plan
+
+
+@functools.lru_cache(maxsize=32)
+def _grouped_insert_for(key: _Identity, direct: bool, packed: bool) -> GroupedInsert:
+    # the memo holds the plan, so its id is not reused while the entry lives
+    return GroupedInsert(key.plan, key.plan.kv_cache_dtype, direct=direct, packed=packed)
