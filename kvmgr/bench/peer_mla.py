@@ -126,7 +126,8 @@ def run_peer_mla(args: argparse.Namespace) -> int:
     from torch.utils.cpp_extension import load_inline
 
     start_s = time.perf_counter()
-    op = load_inline(name="kvmgr_peer_mla", cpp_sources=_CPP, cuda_sources=_CUDA,
+    op = load_inline(  # type: ignore[no-untyped-call]
+        name="kvmgr_peer_mla", cpp_sources=_CPP, cuda_sources=_CUDA,
                      functions=["mla_grouped"], extra_cuda_cflags=["-O3"])  # fmt: skip
     print(f"baseline built in {time.perf_counter() - start_s:.0f} s")
     rows, all_equal = [], True
@@ -215,7 +216,7 @@ def _eager(call: Callable[[], None], args: argparse.Namespace) -> tuple[float, f
 
 def _graph(call: Callable[[], None], args: argparse.Namespace) -> float:
     """Median replay span per call of a graph holding ``args.mla_calls`` calls."""
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         call()  # warm up on the capture's stream kind
@@ -232,7 +233,7 @@ def _graph(call: Callable[[], None], args: argparse.Namespace) -> float:
         end.record()
         end.synchronize()
         spans.append(start.elapsed_time(end) * 1e3 / args.mla_calls)
-    return statistics.median(spans)
+    return float(statistics.median(spans))
 
 
 def _print(rows: list[dict[str, Any]]) -> None:

@@ -132,8 +132,8 @@ class PackedLaunch(TritonLaunch):
         self._knobs = knobs
         self._context = driver.current_context()
         self._thread = threading.get_ident()
-        self._get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-        self._get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._get_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+        self._get_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def set_tensor(self, index: int, t: torch.Tensor) -> None:
         """Pointer argument ``index`` becomes ``t.data_ptr()`` (same alignment class)."""

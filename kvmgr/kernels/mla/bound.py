@@ -98,9 +98,10 @@ class GroupedInsert:
             and kv_scales is last[3] and last[4] == (kv_c.data_ptr(), k_pe.data_ptr(),
             slot_mapping.data_ptr(), kv_c.shape[1]) and block_tokens is None and num_warps is None
         ):  # fmt: skip
-            if last[4][-1]:
+            repeated: int = last[4][-1]
+            if repeated:
                 self._last.launch(last[5], stream)
-            return last[4][-1]
+            return repeated
         try:
             ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
             kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
@@ -117,7 +118,7 @@ class GroupedInsert:
             else:
                 scales_key = (kv_scales.dtype, kv_scales.shape, kv_scales.stride(), kv_scales.get_device())  # fmt: skip
             slot_rank = len(ss)
-            key = (
+            key: tuple[Any, ...] = (
                 len(ks), num_layers, ks[2], kt[1], kt[2], kv_c.dtype, kv_c.get_device(),
                 len(ps), ps[0], ps[2], pt[1], pt[2], k_pe.dtype, k_pe.get_device(), slot_rank,
                 ss[0] if slot_rank == 2 else -1, st[-1], slot_mapping.dtype,
