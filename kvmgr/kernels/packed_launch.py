@@ -87,6 +87,10 @@ class TritonLaunch:
         """Argument ``index`` becomes ``value``."""
         self.args[index] = value
 
+    def set_tensor_at(self, index: int, t: torch.Tensor, address: int) -> None:
+        """:meth:`set_tensor` with ``t.data_ptr()`` already read by the caller (``address``)."""
+        self.args[index] = t
+
     def launch(self, grid: tuple[int, int, int], stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on ``stream`` (a torch stream), or the current stream when None."""
         if stream is None:
@@ -139,6 +143,11 @@ class PackedLaunch(TritonLaunch):
         """Pointer argument ``index`` becomes ``t.data_ptr()`` (same alignment class)."""
         self.args[index] = t
         self._cells[index].value = t.data_ptr()
+
+    def set_tensor_at(self, index: int, t: torch.Tensor, address: int) -> None:
+        """:meth:`set_tensor` with ``t.data_ptr()`` already read by the caller (``address``)."""
+        self.args[index] = t
+        self._cells[index].value = address
 
     def set_int(self, index: int, value: int) -> None:
         """Int argument ``index`` becomes ``value``; ``OverflowError`` if its cell cannot hold it."""

@@ -208,14 +208,14 @@ class Layer:
             kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
             kvt, sct = kv.stride(), score.stride()
             num_tokens = ps[0]
+            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
             key: tuple[Any, ...] | None = (
                 len(ps), positions.dtype, positions.get_device(), positions.stride(0),
                 len(ss), state_slot_mapping.dtype, state_slot_mapping.get_device(),
                 state_slot_mapping.stride(0), len(kvs), kvs[1], kvt[1], kv.dtype,
                 kv.get_device(), len(scs), scs[1], sct[1], score.dtype, score.get_device(),
-                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15,
-                kv.data_ptr() & 15 == 0, score.data_ptr() & 15 == 0,
-                positions.data_ptr() & 15 == 0, state_slot_mapping.data_ptr() & 15 == 0,
+                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15, ptrs[0] & 15 == 0,
+                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
             )  # fmt: skip
             same = num_tokens > 0 and kvs[0] == num_tokens == scs[0] == ss[0]
         except (AttributeError, IndexError, TypeError):  # not tensors of the expected ranks
@@ -232,14 +232,14 @@ class Layer:
             )  # fmt: skip
             if key is not None:
                 self._writes[key] = bound
-        bound.set_tensor(0, kv)
-        bound.set_tensor(1, score)
-        bound.set_tensor(3, positions)
-        bound.set_tensor(4, state_slot_mapping)
+            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
+        bound.set_tensor_at(0, kv, ptrs[0])
+        bound.set_tensor_at(1, score, ptrs[1])
+        bound.set_tensor_at(3, positions, ptrs[2])
+        bound.set_tensor_at(4, state_slot_mapping, ptrs[3])
         bound.set_int(6, kvt[0])
         bound.set_int(7, sct[0])
-        seen = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
-        self._last_write = (kv, score, positions, state_slot_mapping, seen, bound)
+        self._last_write = (kv, score, positions, state_slot_mapping, ptrs, bound)
         return bound, num_tokens
 
     def prepare_compress(self, state_block_table: Any, req_indices: Any, positions: Any, compressed_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
@@ -262,11 +262,12 @@ class Layer:
         try:
             tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape  # fmt: skip
             num_tokens, (num_reqs, width) = ps[0], tsh
+            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), tsh, num_tokens)  # fmt: skip
             key: tuple[Any, ...] | None = (
                 table.dtype, table.get_device(), ts[1], len(ps), pos.dtype, pos.get_device(),
                 pos.stride(0), len(rs), req.dtype, req.get_device(), req.stride(0), len(ss),
-                slots.dtype, slots.get_device(), slots.stride(0), table.data_ptr() & 15 == 0,
-                req.data_ptr() & 15 == 0, pos.data_ptr() & 15 == 0, slots.data_ptr() & 15 == 0,
+                slots.dtype, slots.get_device(), slots.stride(0), ptrs[0] & 15 == 0,
+                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
             )  # fmt: skip
             same = num_tokens > 0 and num_reqs * width > 0 and rs[0] == num_tokens == ss[0]
         except (AttributeError, IndexError, TypeError, ValueError):  # not of the expected ranks
@@ -287,15 +288,15 @@ class Layer:
             )  # fmt: skip
             if key is not None:
                 self._compresses[key] = bound
-        bound.set_tensor(1, table)
-        bound.set_tensor(2, req)
-        bound.set_tensor(3, pos)
-        bound.set_tensor(4, slots)
+            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # fmt: skip
+        bound.set_tensor_at(1, table, ptrs[0])
+        bound.set_tensor_at(2, req, ptrs[1])
+        bound.set_tensor_at(3, pos, ptrs[2])
+        bound.set_tensor_at(4, slots, ptrs[3])
         bound.set_int(10, table.stride(0))
         bound.set_int(12, num_reqs)
         bound.set_int(13, width)
-        seen = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # fmt: skip
-        self._last_compress = (table, req, pos, slots, seen, bound)
+        self._last_compress = (table, req, pos, slots, ptrs, bound)
         return bound, num_tokens
 
     def launch_write(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip

@@ -106,7 +106,8 @@ class GroupedInsert:
             ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
             kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
             num_layers, num_tokens = ks[0], ks[1]
-            is_aligned = (kv_c.data_ptr() | k_pe.data_ptr()) & 15 == 0 and (
+            ptrs = (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), num_tokens)
+            is_aligned = (ptrs[0] | ptrs[1]) & 15 == 0 and (
                 (kt[0] | pt[0]) * kv_c.itemsize
             ) & 15 == 0
             rows = num_tokens * num_layers  # the tile rule of host._launch_config, inlined
@@ -134,14 +135,15 @@ class GroupedInsert:
                                      block_tokens, num_warps)  # fmt: skip
             ks, kt, pt, ss, st = kv_c.shape, kv_c.stride(), k_pe.stride(), slot_mapping.shape, slot_mapping.stride()  # fmt: skip
             num_layers, num_tokens = ks[0], ks[1]
+            ptrs = (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), num_tokens)
         self._last_key, self._last = key, bound
         if key and kv_scales is not None and kv_scales is not self._scales:
             self._scales, self._scales_key = kv_scales, key[-1]
         if num_tokens == 0:
             return 0
-        bound.set_tensor(0, kv_c)
-        bound.set_tensor(1, k_pe)
-        bound.set_tensor(3, slot_mapping)
+        bound.set_tensor_at(0, kv_c, ptrs[0])
+        bound.set_tensor_at(1, k_pe, ptrs[1])
+        bound.set_tensor_at(3, slot_mapping, ptrs[2])
         if kv_scales is not None:
             bound.set_tensor(4, kv_scales)
         bound.set_int(5, num_tokens)
@@ -151,8 +153,7 @@ class GroupedInsert:
         grid = (-(-num_tokens // tile), num_layers, 1)
         bound.launch(grid, stream)
         if block_tokens is None and num_warps is None:
-            seen = (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), num_tokens)
-            self._last_step = (kv_c, k_pe, slot_mapping, kv_scales, seen, grid)
+            self._last_step = (kv_c, k_pe, slot_mapping, kv_scales, ptrs, grid)
         return num_tokens
 
     def _bind(
