@@ -26,10 +26,10 @@ for section in "$@"; do
     env)
       step env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -iE "cuda|pytest|numpy|attrs|anyio|rich|hypothesis"' ;;
     kernels)
-      TAIL=25 step pytest_kernels 110 python3 -m pytest -q -rf -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py tests/test_launch.py
-      TAIL=40 step bench_mla_short 45 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 10 --rotate-mib 64 --json "$OUT/mla_insert_short.json"
-      TAIL=45 step bench_c128_short 45 python3 -m kvmgr.cli bench c128 --batch 1 --prefill 1 1024 --repeats 7 --json "$OUT/c128_short.json"
-      TAIL=30 step bench_peer_mla 100 python3 -m kvmgr.cli bench peer-mla --mla-json "$OUT/peer_mla.json" ;;
+      TAIL=25 step pytest_kernels 140 python3 -m pytest -q -rf -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py tests/test_launch.py
+      TAIL=40 step bench_mla_short 40 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 10 --rotate-mib 64 --json "$OUT/mla_insert_short.json"
+      TAIL=45 step bench_c128_short 30 python3 -m kvmgr.cli bench c128 --batch 1 --prefill 1 1024 --repeats 7 --json "$OUT/c128_short.json"
+      TAIL=30 step bench_peer_mla 90 python3 -m kvmgr.cli bench peer-mla --mla-json "$OUT/peer_mla.json" ;;
     transfer)
       TAIL=60 step smoke_transfer 120 python3 scripts/gpu_smoke_transfer.py
       TAIL=40 step pytest_transfer 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda_engine.py tests/test_copy_kernel.py ;;
