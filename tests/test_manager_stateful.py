@@ -36,9 +36,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvmgr.pool.prefix_index import BlockState
 
 from kvmgr import ManagerConfig, OffloadManager, PoolExhaustedError, Tier, TransferError
-from kvmgr.pool.prefix_index import BlockState
 from kvmgr.transfer import HostEngine
 from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
 from kvmgr.transfer.plan import TransferPlan

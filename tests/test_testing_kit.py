@@ -343,7 +343,7 @@ async def test_invariants_catch_index_policy_drift(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
     mgr, _ = scene
-    mgr.policy.remove(b"b")
+    mgr.policy.remove([b"b"])
     _broken(mgr, "not in the policy")
 
 

@@ -1,57 +1,35 @@
-"""What users need to test their own serving loops against kvmgr: faults, fake time, invariants.
+"""Fault injection for tests of serving loops: an engine that lies, one that does no copy.
 
 Offers:
-    FaultyEngine      wraps any engine; fails, delays, hangs or holds chosen batches, seeded
-    VirtualClock      monotonic fake time for an asyncio loop, advanced only by the test
-    check_invariants  raises ``InvariantError`` naming every broken manager invariant
-    InvariantError    the ``AssertionError`` that ``check_invariants`` raises
-    POISON_BYTE       what ``FaultyEngine`` writes over the CPU blocks of a failed store
-
-Typical use (see docs/reliability.md)::
-
-    engine = FaultyEngine(HostEngine(), fail_batches={1}, seed=0)
-    async with OffloadManager(kv_caches, config, engine=engine) as mgr:
-        ...                       # drive the manager as the serving loop does
-        check_invariants(mgr)     # after every step of the test
+    FaultyEngine   wraps any engine; fails, delays, hangs or holds chosen batches, seeded
+    NullEngine     copies nothing; completes every batch at once, or when the test says
+    POISON_BYTE    what ``FaultyEngine`` writes over the CPU blocks of a failed store
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
 import functools
 import heapq
 import random
 import threading
 import time
-from collections.abc import Collection, Coroutine, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
-from kvmgr.errors import ClosedError, ConfigError, TransferError
-from kvmgr.pool.allocator import _ALLOCATED, BlockAllocator
+from kvmgr.errors import ClosedBeforeCopyError, ClosedError, ConfigError, TransferError
 from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
 from kvmgr.transfer.plan import Direction, TransferPlan
 
-if TYPE_CHECKING:
-    from kvmgr.manager import OffloadManager
-
-__all__ = ["POISON_BYTE", "FaultyEngine", "InvariantError", "VirtualClock", "check_invariants"]
-
-T = TypeVar("T")
+__all__ = ["POISON_BYTE", "FaultyEngine", "NullEngine"]
 
 #: Byte written over every destination page of a failed store (GPU -> CPU) after its copy ran,
 #: so a manager that treated the store as complete would serve this instead of the KV.
 POISON_BYTE = 0xA5
-
-
-class _ClosedBeforeCopy(ClosedError, TransferError):
-    """The engine closed before this batch's copy started: nothing was copied."""
 
 
 @attrs.define(eq=False)
@@ -230,7 +208,9 @@ class FaultyEngine(TransferEngine):
                 for rec in list(self._records):
                     if not rec.started:
                         batch_id = rec.handle.batch_id
-                        rec.outcome = _ClosedBeforeCopy(f"engine closed before batch {batch_id}")
+                        rec.outcome = ClosedBeforeCopyError(
+                            f"engine closed before batch {batch_id}"
+                        )
                 self._resolve_ready()
 
     def statistics(self) -> EngineStatistics:
@@ -301,6 +281,17 @@ class FaultyEngine(TransferEngine):
             return None if rec is None else rec.wait_for_ids
 
     @property
+    def unresolved_batch_ids(self) -> list[int]:
+        """Batches submitted and not resolved yet, oldest first."""
+        with self._lock:
+            return [rec.handle.batch_id for rec in self._records]
+
+    @property
+    def poisons(self) -> bool:
+        """Whether failed stores' destination pages are overwritten with ``POISON_BYTE``."""
+        return self._poison
+
+    @property
     def num_submitted(self) -> int:
         """Calls to ``submit`` so far (refused ones included)."""
         return self._next_batch_id
@@ -315,8 +306,8 @@ class FaultyEngine(TransferEngine):
             waits = [p.inner for p in rec.preds if p.inner is not None and not p.resolved]
             try:
                 rec.inner = self.inner.submit(rec.plan, wait_for=waits)
-            except Exception as exc:  # the inner engine refused: the batch fails, nothing copied
-                rec.outcome = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            except TransferError as exc:  # the inner engine refused: the batch fails
+                rec.outcome = exc
                 self._resolve_ready()
                 continue
             rec.inner.future.add_done_callback(functools.partial(self._on_copied, rec))
@@ -380,297 +371,105 @@ class FaultyEngine(TransferEngine):
                 self._wake.wait(timeout)
 
 
-class VirtualClock:
-    """Monotonic fake time for an asyncio event loop; it moves only when the test says so.
+class NullEngine(TransferEngine):
+    """A ``TransferEngine`` that copies nothing: for host-path benchmarks and for tests of the
+    bookkeeping alone.
 
-    The loop's ``time()`` is replaced by this clock, so everything built on loop timers
-    (``asyncio.sleep``, ``asyncio.wait_for``, ``OffloadManager.wait`` deadlines and the
-    ``backpressure="wait"`` bound) waits in virtual seconds: a 30 s timeout fires the moment the
-    test calls ``advance(30)``, and never before. Work done on threads (engine copies) still
-    takes real time; callbacks from threads wake the loop as usual.
-
-    Use ``clock.run(main())`` (like ``asyncio.run``) or, inside an already running loop (for
-    example a pytest-asyncio test), ``with clock.install(asyncio.get_running_loop()): ...``.
-    A test that awaits something only a later ``advance`` can finish waits forever: give the
-    test suite a global timeout.
+    Every batch completes at once (its future is resolved inside ``submit``), or, with
+    ``hold=True``, only when ``complete_next`` or ``release`` says so (in submission order).
+    ``allocate_host`` returns an uninitialised CPU tensor (no page is touched).
 
     Args:
-        start_s: initial time; ``install`` starts from the loop's current time instead, so
-            timers already scheduled keep their meaning.
+        hold: keep every batch pending until told.
     """
 
-    def __init__(self, start_s: float = 0.0) -> None:
-        self._now = float(start_s)
+    name = "null"
 
-    def time(self) -> float:
-        """Current virtual time, seconds."""
-        return self._now
+    def __init__(self, *, hold: bool = False) -> None:
+        self._hold = hold
+        self._pending: list[tuple[BatchHandle, int]] = []
+        self._next_batch_id = 0
+        self._closed = False
+        self._completed = 0
+        self._failed = 0
+        self._bytes = {Direction.D2H: 0, Direction.H2D: 0}
 
-    def advance(self, seconds: float) -> None:
-        """Move time forward; timers that became due run at the loop's next iteration.
+    def allocate_host(self, num_bytes: int) -> torch.Tensor:
+        """An uninitialised ``uint8`` CPU tensor of ``num_bytes``."""
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
+        """Resolve the batch now (or queue it when holding).
 
         Raises:
-            ValueError: ``seconds`` is negative (time is monotonic).
+            ClosedError: the engine is closed.
         """
-        if not seconds >= 0:
-            raise ValueError(f"expected seconds >= 0, got {seconds!r}")
-        self._now += seconds
+        if self._closed:
+            raise ClosedError("null engine is closed")
+        del wait_for  # batches complete in submission order, which honours every fence
+        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+        handle = BatchHandle(self._next_batch_id, plan.direction, future)
+        self._next_batch_id += 1
+        num_bytes = int(plan.sizes.sum()) if len(plan.sizes) else 0
+        if self._hold:
+            self._pending.append((handle, num_bytes))
+        else:
+            self._resolve(handle, num_bytes, fail=False)
+        return handle
 
-    def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        """A new event loop whose ``time()`` is this clock."""
-        loop = asyncio.new_event_loop()
-        loop.time = self.time  # type: ignore[method-assign]
-        return loop
-
-    @contextlib.contextmanager
-    def install(self, loop: asyncio.AbstractEventLoop) -> Iterator[VirtualClock]:
-        """Make ``loop`` (typically the running one) use this clock until the block exits.
-
-        Time continues from the loop's current time. On exit the loop's own clock is restored;
-        timers scheduled meanwhile then fire by real time again.
-        """
-        self._now = loop.time()
-        loop.time = self.time  # type: ignore[method-assign]
-        try:
-            yield self
-        finally:
-            del loop.time
-
-    def run(self, main: Coroutine[Any, Any, T]) -> T:
-        """Run ``main`` to completion on a new virtual-time loop, then close the loop (after
-        cancelling leftover tasks and shutting down async generators, like ``asyncio.run``)."""
-        loop = self.new_event_loop()
-        try:
-            return loop.run_until_complete(main)
-        finally:
-            try:
-                leftovers = asyncio.all_tasks(loop)
-                for task in leftovers:
-                    task.cancel()
-                if leftovers:
-                    gather = asyncio.gather(*leftovers, return_exceptions=True)
-                    loop.run_until_complete(gather)
-                loop.run_until_complete(loop.shutdown_asyncgens())
-            finally:
-                loop.close()
-
-
-class InvariantError(AssertionError):
-    """A manager invariant does not hold; the message lists every violation found."""
-
-
-def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> None:
-    """Check the manager's bookkeeping against itself; call it between steps of a test.
-
-    Checked (each violation is named in the error, with the offending keys or block ids):
-
-    - CPU tier: every allocated CPU block has exactly one owner (a keyed entry, a swapped-out
-      request, or a preempt in flight) and no owner holds a free block (no leak, no double use);
-    - index and policy track the same keys;
-    - a key is PENDING exactly while one queued or in-flight store writes its block, and its
-      reader count equals the loads of it queued or in flight (nothing pinned for ever);
-    - every moving block table has its preempt or resume queued or in flight;
-    - owned GPU pool: every allocated block belongs to a resident request, to a resume in
-      flight, or to a copy not yet settled; no GPU block that a queued or in-flight copy reads
-      or writes is free (it could be handed out while the DMA still uses it); no block is in two
-      tables;
-    - no swap future resolved before its copy settled (cancelled ones excepted);
-    - ``statistics()`` counts match the queue, and with a ``FaultyEngine``: every unresolved
-      batch belongs to the manager, and two unresolved batches of opposite directions that share
-      a GPU block are ordered by ``wait_for``;
-    - with a ``FaultyEngine`` and ``scan_poison``: no READY key's pages are all ``POISON_BYTE``
-      (a failed store treated as complete). Costs one read of every READY page.
-
-    Args:
-        manager: an ``OffloadManager`` (open or closed).
-        scan_poison: scan READY pages for the poison of failed stores.
-
-    Raises:
-        InvariantError: one or more invariants are broken.
-    """
-    problems: list[str] = []
-    queued, in_flight = _unsettled_ops(manager)
-    ops = queued + in_flight
-    problems += _check_keys(manager, ops)
-    problems += _check_cpu_owners(manager, ops)
-    problems += _check_gpu_pool(manager, ops)
-    for op in ops:
-        if op.future.done() and not op.future.cancelled():
-            problems.append(
-                f"a {op.direction.value} swap's future resolved before its copy settled"
+    def _resolve(self, handle: BatchHandle, num_bytes: int, *, fail: bool) -> None:
+        if fail:
+            self._failed += 1
+            handle.future.set_exception(
+                TransferError(f"null engine: batch {handle.batch_id} failed")
             )
-    stats = manager.statistics()
-    if stats.batches_in_flight != len(manager._queue.in_flight):
-        problems.append(
-            f"statistics: {stats.batches_in_flight} batches in flight, queue has "
-            f"{len(manager._queue.in_flight)}"
+            return
+        self._completed += 1
+        self._bytes[handle.direction] += num_bytes
+        handle.future.set_result(
+            BatchResult(
+                batch_id=handle.batch_id,
+                direction=handle.direction,
+                num_bytes=num_bytes,
+                num_descriptors=0,
+                device_s=None,
+                path="null",
+            )
         )
-    if stats.queued_swaps != len(queued):
-        problems.append(f"statistics: {stats.queued_swaps} queued swaps, queue has {len(queued)}")
-    if stats.cpu_blocks_used != manager.cpu_blocks.num_allocated:
-        problems.append("statistics: cpu_blocks_used differs from the allocator")
-    if isinstance(manager.engine, FaultyEngine):
-        problems += _check_engine(manager, manager.engine, scan_poison)
-    if problems:
-        raise InvariantError("kvmgr invariants broken:\n- " + "\n- ".join(problems))
 
+    def complete_next(self, n: int = 1, *, fail: bool = False) -> int:
+        """Resolve the ``n`` oldest pending batches (failed with ``TransferError`` when
+        ``fail``). Returns how many were resolved."""
+        chosen, self._pending = self._pending[:n], self._pending[n:]
+        for handle, num_bytes in chosen:
+            self._resolve(handle, num_bytes, fail=fail)
+        return len(chosen)
 
-def _short(key: bytes) -> str:
-    return key.hex()[:16]
+    def release(self) -> int:
+        """Stop holding and resolve every pending batch."""
+        self._hold = False
+        return self.complete_next(len(self._pending))
 
+    @property
+    def num_pending(self) -> int:
+        """Batches held and not resolved."""
+        return len(self._pending)
 
-def _ints(ids: Any) -> list[int]:
-    return [int(b) for b in ids]
+    def close(self, timeout_s: float | None = None) -> None:
+        """Resolve what is pending, then refuse new batches. Idempotent."""
+        del timeout_s
+        if not self._closed:
+            self.release()
+            self._closed = True
 
-
-def _allocated(pool: BlockAllocator) -> set[int]:
-    return set(np.flatnonzero(pool._state == _ALLOCATED).tolist())
-
-
-def _unsettled_ops(manager: OffloadManager) -> tuple[list[Any], list[Any]]:
-    """The manager's swaps not settled yet: (queued, in flight), in order."""
-    queue = manager._queue
-    queued = [op for g in queue.generations for lane in g.lanes.values() for op in lane.ops]
-    return queued, [op for batch in queue.in_flight for op in batch.ops]
-
-
-def _check_keys(manager: OffloadManager, ops: list[Any]) -> list[str]:
-    """Index vs policy; PENDING vs stores in flight; readers vs loads in flight."""
-    problems: list[str] = []
-    index, policy = manager.index, manager.policy
-    entries = {key: index.entry(key) for key in index}
-    missing = [_short(k) for k in entries if k not in policy]
-    if missing or len(policy) != len(entries):
-        problems.append(
-            f"index has {len(entries)} keys, policy {len(policy)}; not in the policy: {missing[:8]}"
+    def statistics(self) -> EngineStatistics:
+        """Totals since creation."""
+        return EngineStatistics(
+            batches_submitted=self._next_batch_id,
+            batches_completed=self._completed,
+            batches_failed=self._failed,
+            bytes_d2h=self._bytes[Direction.D2H],
+            bytes_h2d=self._bytes[Direction.H2D],
+            in_flight=len(self._pending),
+            path="null",
         )
-    block_to_key = {e.block_id: k for k, e in entries.items()}
-    if len(block_to_key) != len(entries):
-        problems.append("two keys share one CPU block")
-    writes: dict[int, int] = {}
-    reads: dict[int, int] = {}
-    for op in ops:
-        target, ids = (writes, op.dst_ids) if op.direction is Direction.D2H else (reads, op.src_ids)
-        for b in _ints(ids):
-            target[b] = target.get(b, 0) + 1
-    for key, entry in entries.items():
-        pending = entry.state.value == "pending"
-        n_writes, n_reads = writes.get(entry.block_id, 0), reads.get(entry.block_id, 0)
-        if pending and n_writes != 1:
-            problems.append(f"key {_short(key)} is PENDING with {n_writes} stores in flight")
-        if not pending and n_writes:
-            problems.append(f"key {_short(key)} is READY while a store still writes its block")
-        if entry.readers != n_reads:
-            problems.append(f"key {_short(key)} has {entry.readers} readers, {n_reads} loads")
-    return problems
-
-
-def _check_cpu_owners(manager: OffloadManager, ops: list[Any]) -> list[str]:
-    """Every allocated CPU block has one owner; moving tables have their op."""
-    problems: list[str] = []
-    owners: dict[int, list[str]] = {}
-    for key in manager.index:
-        owners.setdefault(manager.index.entry(key).block_id, []).append(f"key {_short(key)}")
-    keyed = set(owners)
-    moving = 0
-    for req_id, table in manager._tables.items():
-        moving += table.moving
-        if table.tier.value == "cpu":
-            for b in table.block_ids:
-                owners.setdefault(b, []).append(f"request {req_id!r}")
-    num_moves = 0
-    for op in ops:
-        ids = op.dst_ids if op.direction is Direction.D2H else op.src_ids
-        unkeyed = [b for b in _ints(ids) if b not in keyed]
-        if unkeyed and len(unkeyed) != len(ids):
-            problems.append(f"a {op.direction.value} swap mixes keyed and request CPU blocks")
-        if unkeyed:
-            num_moves += 1
-        if unkeyed and op.direction is Direction.D2H:
-            for b in unkeyed:
-                owners.setdefault(b, []).append("a preempt in flight")
-    if moving != num_moves:
-        problems.append(f"{moving} block tables are moving, {num_moves} preempts/resumes queued")
-    allocated = _allocated(manager.cpu_blocks)
-    shared = {b: who for b, who in owners.items() if len(who) > 1}
-    if shared:
-        problems.append(f"CPU blocks with several owners: {dict(list(shared.items())[:8])}")
-    leaked = sorted(allocated - set(owners))
-    if leaked:
-        problems.append(f"CPU blocks allocated with no owner (leaked): {leaked[:16]}")
-    free_owned = sorted(set(owners) - allocated)
-    if free_owned:
-        problems.append(f"CPU blocks in use but free in the allocator: {free_owned[:16]}")
-    return problems
-
-
-def _check_gpu_pool(manager: OffloadManager, ops: list[Any]) -> list[str]:
-    """Owned GPU pool: no leak, no block in two tables, no free block under a copy."""
-    pool = manager.gpu_blocks
-    if pool is None:
-        return []
-    problems: list[str] = []
-    in_tables: dict[int, object] = {}
-    for req_id, table in manager._tables.items():
-        if table.tier.value != "gpu" or not table.gpu_owned:
-            continue
-        for b in table.block_ids:
-            if b in in_tables:
-                problems.append(
-                    f"GPU block {b} is in the tables of {in_tables[b]!r} and {req_id!r}"
-                )
-            in_tables[b] = req_id
-    under_copy: set[int] = set()
-    for op in ops:
-        under_copy.update(_ints(op.gpu_ids))
-    free_in_table = sorted(b for b in in_tables if not pool.is_allocated(b))
-    if free_in_table:
-        problems.append(f"GPU blocks free in the owned pool but in a block table: {free_in_table}")
-    free_under_copy = sorted(b for b in under_copy if not pool.is_allocated(b))
-    if free_under_copy:
-        problems.append(
-            f"GPU blocks free in the owned pool while a queued or in-flight copy reads "
-            f"or writes them (could be handed out mid-copy): {free_under_copy[:16]}"
-        )
-    allocated = _allocated(pool)
-    leaked = sorted(allocated - set(in_tables) - under_copy)
-    if leaked:
-        problems.append(f"GPU blocks allocated with no request and no copy (leaked): {leaked[:16]}")
-    return problems
-
-
-def _check_engine(manager: OffloadManager, engine: FaultyEngine, scan_poison: bool) -> list[str]:
-    """Unresolved batches belong to the manager and are fenced; no poisoned READY page."""
-    problems: list[str] = []
-    batches = [(b, h.batch_id) for b in manager._queue.in_flight if (h := b.handle) is not None]
-    with engine._lock:
-        unresolved = [rec.handle.batch_id for rec in engine._records]
-    stray = sorted(set(unresolved) - {batch_id for _, batch_id in batches})
-    if stray:
-        problems.append(f"engine batches {stray} are unresolved but unknown to the manager")
-    waits = {batch_id: engine.unresolved_wait_for(batch_id) for _, batch_id in batches}
-    for i, (later, later_id) in enumerate(batches):
-        later_waits = waits[later_id]
-        if later_waits is None:
-            continue  # its copy has ended
-        for earlier, earlier_id in batches[:i]:
-            if earlier.direction is later.direction or waits[earlier_id] is None:
-                continue
-            shared = set(_ints(earlier.gpu_ids)) & set(_ints(later.gpu_ids))
-            if shared and earlier_id not in later_waits:
-                problems.append(
-                    f"batches {earlier_id} and {later_id} share GPU blocks "
-                    f"{sorted(shared)[:8]} without a wait_for fence"
-                )
-    if scan_poison and engine._poison:
-        ready = [(k, manager.index.entry(k).block_id) for k in manager.index]
-        ready = [(k, b) for k, b in ready if manager.index.is_ready(k)]
-        if ready:
-            block_ids = torch.tensor([b for _, b in ready], dtype=torch.long)
-            poisoned = torch.ones(len(ready), dtype=torch.bool)
-            for pages in manager.cpu_pool.tensors:
-                poisoned &= (pages[block_ids] == POISON_BYTE).all(dim=1)
-            bad = [_short(ready[i][0]) for i in torch.nonzero(poisoned).flatten().tolist()]
-            if bad:
-                problems.append(f"READY keys hold the poison of a failed store: {bad[:8]}")
-    return problems
