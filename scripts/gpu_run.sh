@@ -2,6 +2,8 @@
 # One scripted GPU session on the lent H200: environment, GPU tests, benchmarks.
 # Usage (on the device, from the repo root): bash scripts/gpu_run.sh SECTION...
 #   sections: env kernels transfer manager bench-kernels bench-transfer sim docs engine
+#   kernels: the kernel GPU tests, then short mla-insert / c128 benches and the peer MLA
+#   baseline (all under 5 minutes); bench-kernels: the full kernel benches
 # Logs and JSON go to $OUT (or ./out); each step has its own time limit and never stops the rest.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,7 +26,10 @@ for section in "$@"; do
     env)
       step env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -iE "cuda|pytest|numpy|attrs|anyio|rich|hypothesis"' ;;
     kernels)
-      TAIL=25 step pytest_kernels 300 python3 -m pytest -q -rf -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py tests/test_launch.py ;;
+      TAIL=25 step pytest_kernels 140 python3 -m pytest -q -rf -p no:cacheprovider tests/test_mla_insert.py tests/test_c128.py tests/test_launch.py
+      TAIL=40 step bench_mla_short 40 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 10 --rotate-mib 64 --json "$OUT/mla_insert_short.json"
+      TAIL=45 step bench_c128_short 30 python3 -m kvmgr.cli bench c128 --batch 1 --prefill 1 1024 --repeats 7 --json "$OUT/c128_short.json"
+      TAIL=30 step bench_peer_mla 90 python3 -m kvmgr.cli bench peer-mla --mla-json "$OUT/peer_mla.json" ;;
     transfer)  # issue 12, engines and submission: under 6 minutes in all (limits sum to 360 s)
       TAIL=60 step smoke_transfer 40 python3 scripts/gpu_smoke_transfer.py
       TAIL=40 step pytest_transfer 110 python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda_engine.py tests/test_copy_kernel.py tests/test_host_engine.py tests/test_plan.py

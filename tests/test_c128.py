@@ -793,3 +793,22 @@ def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
         "Targets apply to batch" in printed
         and "boundary outputs match the reference: True" in printed
     )
+
+
+def test_state_write_binds_once_per_signature_and_checks_t_agreement():
+    # steps of different T share one bound launch; the cached signature leaves T out, so T is
+    # still compared on every step and a disagreeing step raises before launching
+    from kvmgr.kernels.c128.host import Layer
+
+    base = Step(210, [(0, 60), (127, 1), (300, 2)])
+    layer = Layer(base.state_cache.clone(), ape=base.ape)
+    expected = base.state_cache.clone()
+    for lo, hi in [(0, 5), (4, 6), (8, 63), (12, 40)]:  # starts keep 16-byte alignment
+        rows = (base.kv[lo:hi], base.score[lo:hi], base.positions[lo:hi], base.state_slot_mapping[lo:hi])  # fmt: skip
+        assert layer.launch_write(*rows) == hi - lo
+        c128_state_write_ref(*rows[:2], base.ape, *rows[2:], expected)
+    assert torch.equal(layer.state_cache, expected)
+    assert len(layer._writes) == 1
+    with pytest.raises(GeometryError, match=r"kv: expected shape \[3, 512\], got \[2, 512\]"):
+        layer.launch_write(base.kv[:2], base.score[:3], base.positions[:3], base.state_slot_mapping[:3])  # fmt: skip
+    assert torch.equal(layer.state_cache, expected)

@@ -743,3 +743,75 @@ def test_gpu_packed_launches_are_on_exact_on_streams_and_in_graphs():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, x * 2.0 + 4096)
+
+
+# --- layout ----------------------------------------------------------------------------------
+
+
+def _import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> kvmgr modules it imports (module level and inside functions), from the AST."""
+    import ast
+
+    root = package_dir.parents[len(package_dir.relative_to(ROOT).parts) - 1]
+    modules = {}
+    for path in package_dir.rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_kernels_have_no_import_cycles_and_families_do_not_import_each_other():
+    graph = _import_graph(ROOT / "kvmgr" / "kernels")
+    assert "kvmgr.kernels.mla.kernel" in graph["kvmgr.kernels.mla.host"]  # the graph is read
+    assert "kvmgr.kernels.launch" in graph["kvmgr.kernels.c128.host"]
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]  # the finder finds
+    for name, targets in graph.items():
+        family = name.split(".")[2] if name.count(".") >= 3 else None
+        for target in targets:
+            other = target.split(".")[2] if target.count(".") >= 3 else None
+            assert family is None or other is None or family == other, (name, target)
+        if name.endswith(".reference"):  # references import no kernel, host or launcher
+            assert not any(t.rsplit(".", 1)[-1] in {"kernel", "host", "api"} for t in targets)

@@ -87,6 +87,10 @@ class TritonLaunch:
         """Argument ``index`` becomes ``value``."""
         self.args[index] = value
 
+    def set_tensor_at(self, index: int, t: torch.Tensor, address: int) -> None:
+        """:meth:`set_tensor` with ``t.data_ptr()`` already read by the caller (``address``)."""
+        self.args[index] = t
+
     def launch(self, grid: tuple[int, int, int], stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on ``stream`` (a torch stream), or the current stream when None."""
         if stream is None:
@@ -132,13 +136,18 @@ class PackedLaunch(TritonLaunch):
         self._knobs = knobs
         self._context = driver.current_context()
         self._thread = threading.get_ident()
-        self._get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-        self._get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._get_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+        self._get_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def set_tensor(self, index: int, t: torch.Tensor) -> None:
         """Pointer argument ``index`` becomes ``t.data_ptr()`` (same alignment class)."""
         self.args[index] = t
         self._cells[index].value = t.data_ptr()
+
+    def set_tensor_at(self, index: int, t: torch.Tensor, address: int) -> None:
+        """:meth:`set_tensor` with ``t.data_ptr()`` already read by the caller (``address``)."""
+        self.args[index] = t
+        self._cells[index].value = address
 
     def set_int(self, index: int, value: int) -> None:
         """Int argument ``index`` becomes ``value``; ``OverflowError`` if its cell cannot hold it."""

@@ -120,7 +120,9 @@ class Layer:
             self.compressed_cache = _check(compressed_cache, "compressed_cache",
                                            (None, None, self.entry_bytes), (torch.uint8,), dev,
                                            contiguous=True)  # fmt: skip
-            self.compressed_capacity = compressed_cache.shape[0] * compressed_cache.shape[1]
+            self.compressed_capacity = (
+                self.compressed_cache.shape[0] * self.compressed_cache.shape[1]
+            )
         if not (isinstance(eps, float | int) and eps > 0):
             raise _fail("eps", "a float > 0", eps)
         self.eps = float(eps)
@@ -181,7 +183,7 @@ class Layer:
         for name, t in index_tensors.items():
             _check(t, name, (num_tokens,), _INDEX, self.device)
 
-    def prepare_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> tuple[Any, int]:  # fmt: skip
+    def prepare_write(self, kv: Any, score: Any, positions: Any, state_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
         """The state write's bound launch with this step's arguments set, and ``T``.
 
         Checks (:meth:`check_write`) run once per step signature: ranks, the sizes other than
@@ -198,47 +200,49 @@ class Layer:
         last = self._last_write  # the same tensor objects as the last step: nothing to redo
         if (
             last is not None and kv is last[0] and score is last[1] and positions is last[2]
-            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),  # type: ignore[attr-defined]
-            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])  # type: ignore[attr-defined]
+            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])
         ):  # fmt: skip
             return last[5], last[4][-1]
         try:
-            kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # type: ignore[attr-defined]  # fmt: skip
-            kvt, sct = kv.stride(), score.stride()  # type: ignore[attr-defined]
+            kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
+            kvt, sct = kv.stride(), score.stride()
             num_tokens = ps[0]
-            key = (
-                len(ps), positions.dtype, positions.get_device(), positions.stride(0),  # type: ignore[attr-defined]
-                len(ss), state_slot_mapping.dtype, state_slot_mapping.get_device(),  # type: ignore[attr-defined]
-                state_slot_mapping.stride(0), len(kvs), kvs[1], kvt[1], kv.dtype,  # type: ignore[attr-defined]
-                kv.get_device(), len(scs), scs[1], sct[1], score.dtype, score.get_device(),  # type: ignore[attr-defined]
-                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15,
-                kv.data_ptr() & 15 == 0, score.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
-                positions.data_ptr() & 15 == 0, state_slot_mapping.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
+            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
+            key: tuple[Any, ...] | None = (
+                len(ps), positions.dtype, positions.get_device(), positions.stride(0),
+                len(ss), state_slot_mapping.dtype, state_slot_mapping.get_device(),
+                state_slot_mapping.stride(0), len(kvs), kvs[1], kvt[1], kv.dtype,
+                kv.get_device(), len(scs), scs[1], sct[1], score.dtype, score.get_device(),
+                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15, ptrs[0] & 15 == 0,
+                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
             )  # fmt: skip
             same = num_tokens > 0 and kvs[0] == num_tokens == scs[0] == ss[0]
         except (AttributeError, IndexError, TypeError):  # not tensors of the expected ranks
             key, same = None, False
-        bound = self._writes.get(key) if same else None
+        bound = self._writes.get(key) if same and key is not None else None
         if bound is None:
             num_tokens = self.check_write(kv, score, positions, state_slot_mapping)
             if num_tokens == 0:
                 return None, 0
-            bound = self._writes[key] = self._write.bind(
+            bound = self._write.bind(
                 (num_tokens,), kv, score, self.ape, positions, state_slot_mapping,
                 self.state_cache, kvt[0], sct[0], *self.state_strides, self.state_capacity,
                 self.block_size, self.head_dim, C128_RATIO, packed=self.packed,
             )  # fmt: skip
-        bound.set_tensor(0, kv)
-        bound.set_tensor(1, score)
-        bound.set_tensor(3, positions)
-        bound.set_tensor(4, state_slot_mapping)
+            if key is not None:
+                self._writes[key] = bound
+            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
+        bound.set_tensor_at(0, kv, ptrs[0])
+        bound.set_tensor_at(1, score, ptrs[1])
+        bound.set_tensor_at(3, positions, ptrs[2])
+        bound.set_tensor_at(4, state_slot_mapping, ptrs[3])
         bound.set_int(6, kvt[0])
         bound.set_int(7, sct[0])
-        seen = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # type: ignore[attr-defined]  # fmt: skip
-        self._last_write = (kv, score, positions, state_slot_mapping, seen, bound)
+        self._last_write = (kv, score, positions, state_slot_mapping, ptrs, bound)
         return bound, num_tokens
 
-    def prepare_compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> tuple[Any, int]:  # fmt: skip
+    def prepare_compress(self, state_block_table: Any, req_indices: Any, positions: Any, compressed_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
         """The compress kernel's bound launch with this step's arguments set, and ``T``.
 
         As :meth:`prepare_write`; the table's row count, width and row stride are runtime
@@ -251,45 +255,48 @@ class Layer:
         last = self._last_compress
         if (
             last is not None and table is last[0] and req is last[1] and pos is last[2]
-            and slots is last[3] and last[4] == (table.data_ptr(), req.data_ptr(),  # type: ignore[attr-defined]
-            pos.data_ptr(), slots.data_ptr(), table.shape, pos.shape[0])  # type: ignore[attr-defined]
+            and slots is last[3] and last[4] == (table.data_ptr(), req.data_ptr(),
+            pos.data_ptr(), slots.data_ptr(), table.shape, pos.shape[0])
         ):  # fmt: skip
             return last[5], last[4][-1]
         try:
-            tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape  # type: ignore[attr-defined]  # fmt: skip
+            tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape  # fmt: skip
             num_tokens, (num_reqs, width) = ps[0], tsh
-            key = (
-                table.dtype, table.get_device(), ts[1], len(ps), pos.dtype, pos.get_device(),  # type: ignore[attr-defined]
-                pos.stride(0), len(rs), req.dtype, req.get_device(), req.stride(0), len(ss),  # type: ignore[attr-defined]
-                slots.dtype, slots.get_device(), slots.stride(0), table.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
-                req.data_ptr() & 15 == 0, pos.data_ptr() & 15 == 0, slots.data_ptr() & 15 == 0,  # type: ignore[attr-defined]
+            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), tsh, num_tokens)  # fmt: skip
+            key: tuple[Any, ...] | None = (
+                table.dtype, table.get_device(), ts[1], len(ps), pos.dtype, pos.get_device(),
+                pos.stride(0), len(rs), req.dtype, req.get_device(), req.stride(0), len(ss),
+                slots.dtype, slots.get_device(), slots.stride(0), ptrs[0] & 15 == 0,
+                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
             )  # fmt: skip
             same = num_tokens > 0 and num_reqs * width > 0 and rs[0] == num_tokens == ss[0]
         except (AttributeError, IndexError, TypeError, ValueError):  # not of the expected ranks
             key, same = None, False
-        bound = self._compresses.get(key) if same else None
+        bound = self._compresses.get(key) if same and key is not None else None
         if bound is None:
             num_tokens = self.check_compress(table, req, pos, slots)
             if num_tokens == 0:
                 return None, 0
-            num_reqs, width = table.shape  # type: ignore[attr-defined]
-            bound = self._compresses[key] = self._compress.bind(
+            num_reqs, width = table.shape
+            bound = self._compress.bind(
                 (num_tokens,), self.state_cache, table, req, pos, slots, self.norm_weight,
                 self.cos_sin_cache, self.compressed_cache, *self.state_strides,
-                table.stride(0), self.eps, num_reqs, width, self.num_state_blocks,  # type: ignore[attr-defined]
+                table.stride(0), self.eps, num_reqs, width, self.num_state_blocks,
                 self.num_rope_positions, self.compressed_capacity, self.block_size,
                 self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK, self.entry_bytes,
                 num_warps=4, packed=self.packed,
             )  # fmt: skip
-        bound.set_tensor(1, table)
-        bound.set_tensor(2, req)
-        bound.set_tensor(3, pos)
-        bound.set_tensor(4, slots)
-        bound.set_int(10, table.stride(0))  # type: ignore[attr-defined]
+            if key is not None:
+                self._compresses[key] = bound
+            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # fmt: skip
+        bound.set_tensor_at(1, table, ptrs[0])
+        bound.set_tensor_at(2, req, ptrs[1])
+        bound.set_tensor_at(3, pos, ptrs[2])
+        bound.set_tensor_at(4, slots, ptrs[3])
+        bound.set_int(10, table.stride(0))
         bound.set_int(12, num_reqs)
         bound.set_int(13, width)
-        seen = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # type: ignore[attr-defined]  # fmt: skip
-        self._last_compress = (table, req, pos, slots, seen, bound)
+        self._last_compress = (table, req, pos, slots, ptrs, bound)
         return bound, num_tokens
 
     def launch_write(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip

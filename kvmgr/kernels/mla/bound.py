@@ -98,14 +98,16 @@ class GroupedInsert:
             and kv_scales is last[3] and last[4] == (kv_c.data_ptr(), k_pe.data_ptr(),
             slot_mapping.data_ptr(), kv_c.shape[1]) and block_tokens is None and num_warps is None
         ):  # fmt: skip
-            if last[4][-1]:
+            repeated: int = last[4][-1]
+            if repeated:
                 self._last.launch(last[5], stream)
-            return last[4][-1]
+            return repeated
         try:
             ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
             kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
             num_layers, num_tokens = ks[0], ks[1]
-            is_aligned = (kv_c.data_ptr() | k_pe.data_ptr()) & 15 == 0 and (
+            ptrs = (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), num_tokens)
+            is_aligned = (ptrs[0] | ptrs[1]) & 15 == 0 and (
                 (kt[0] | pt[0]) * kv_c.itemsize
             ) & 15 == 0
             rows = num_tokens * num_layers  # the tile rule of host._launch_config, inlined
@@ -117,7 +119,7 @@ class GroupedInsert:
             else:
                 scales_key = (kv_scales.dtype, kv_scales.shape, kv_scales.stride(), kv_scales.get_device())  # fmt: skip
             slot_rank = len(ss)
-            key = (
+            key: tuple[Any, ...] = (
                 len(ks), num_layers, ks[2], kt[1], kt[2], kv_c.dtype, kv_c.get_device(),
                 len(ps), ps[0], ps[2], pt[1], pt[2], k_pe.dtype, k_pe.get_device(), slot_rank,
                 ss[0] if slot_rank == 2 else -1, st[-1], slot_mapping.dtype,
@@ -133,14 +135,15 @@ class GroupedInsert:
                                      block_tokens, num_warps)  # fmt: skip
             ks, kt, pt, ss, st = kv_c.shape, kv_c.stride(), k_pe.stride(), slot_mapping.shape, slot_mapping.stride()  # fmt: skip
             num_layers, num_tokens = ks[0], ks[1]
+            ptrs = (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), num_tokens)
         self._last_key, self._last = key, bound
         if key and kv_scales is not None and kv_scales is not self._scales:
             self._scales, self._scales_key = kv_scales, key[-1]
         if num_tokens == 0:
             return 0
-        bound.set_tensor(0, kv_c)
-        bound.set_tensor(1, k_pe)
-        bound.set_tensor(3, slot_mapping)
+        bound.set_tensor_at(0, kv_c, ptrs[0])
+        bound.set_tensor_at(1, k_pe, ptrs[1])
+        bound.set_tensor_at(3, slot_mapping, ptrs[2])
         if kv_scales is not None:
             bound.set_tensor(4, kv_scales)
         bound.set_int(5, num_tokens)
@@ -150,8 +153,7 @@ class GroupedInsert:
         grid = (-(-num_tokens // tile), num_layers, 1)
         bound.launch(grid, stream)
         if block_tokens is None and num_warps is None:
-            seen = (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), num_tokens)
-            self._last_step = (kv_c, k_pe, slot_mapping, kv_scales, seen, grid)
+            self._last_step = (kv_c, k_pe, slot_mapping, kv_scales, ptrs, grid)
         return num_tokens
 
     def _bind(
@@ -180,7 +182,27 @@ class GroupedInsert:
         return bound, tile
 
 
-@functools.lru_cache(maxsize=32)
 def grouped_insert_for(plan: Plan, direct: bool, packed: bool) -> GroupedInsert:
-    """The process-wide :class:`GroupedInsert` of ``plan`` (one per plan and mode)."""
-    return GroupedInsert(plan, plan.kv_cache_dtype, direct=direct, packed=packed)
+    """The process-wide :class:`GroupedInsert` of ``plan`` (one per plan object and mode)."""
+    return _grouped_insert_for(_Identity(plan), direct, packed)
+
+
+class _Identity:
+    """A memo key that compares a plan by identity (a plan holds a tensor: no ``==``)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def __hash__(self) -> int:
+        return id(self.plan)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.plan is self.plan
+
+
+@functools.lru_cache(maxsize=32)
+def _grouped_insert_for(key: _Identity, direct: bool, packed: bool) -> GroupedInsert:
+    # the memo holds the plan, so its id is not reused while the entry lives
+    return GroupedInsert(key.plan, key.plan.kv_cache_dtype, direct=direct, packed=packed)
