@@ -31,6 +31,7 @@ BENCHES = {
     "c128": "kvmgr.bench.c128",
     "host": "kvmgr.bench.host",
     "tiers": "kvmgr.bench.tiers",
+    "peer": "kvmgr.bench.peer",
     "peer-mla": "kvmgr.bench.peer_mla",
 }
 #: benchmarks that run without a GPU (every other one needs a CUDA GPU).
