@@ -263,10 +263,22 @@ class ManagerMachine(RuleBasedStateMachine):
 
         self.run(body())
 
+    def pick_blocks(self, reqs: list[str], pick: int, start: int, n: int, many: bool) -> list[int]:
+        """Blocks ``start:start+n`` of one resident request, or of two (``store_many`` and
+        ``load_many`` carry several requests' blocks in one call)."""
+        ids = self.ids(reqs[pick % len(reqs)])[start : start + n]
+        if many:
+            ids += self.ids(reqs[(pick // 7 + 1) % len(reqs)])[: n + 1]
+        return list(dict.fromkeys(ids))
+
     @rule(
-        pick=st.integers(0, 99), start=st.integers(0, 3), n=st.integers(1, 4), k=st.integers(0, 99)
+        pick=st.integers(0, 99),
+        start=st.integers(0, 3),
+        n=st.integers(1, 4),
+        k=st.integers(0, 99),
+        many=st.booleans(),
     )
-    def store(self, pick: int, start: int, n: int, k: int) -> None:
+    def store(self, pick: int, start: int, n: int, k: int, many: bool) -> None:
         async def body() -> None:
             assert self.mgr is not None
             self.sync()
@@ -274,26 +286,32 @@ class ManagerMachine(RuleBasedStateMachine):
             if not reqs:
                 return
             reads, writes = self.busy()
-            ids = self.ids(reqs[pick % len(reqs)])[start : start + n]
+            ids = self.pick_blocks(reqs, pick, start, n, many)
             ids = [b for b in ids if b not in reads | writes]
             keys = [KEYS[(k + i) % len(KEYS)] for i in range(len(ids))]
             for block, key in zip(ids, keys):
                 self.write(block, key)  # compute produced this prefix's KV
             mgr = self.mgr
             try:
-                future, sig = queue_swap(mgr, lambda: mgr.swap_out(ids, keys))
+                call = mgr.store_many if many else mgr.swap_out
+                future, sig = queue_swap(mgr, lambda: call(ids, keys))
             except PoolExhaustedError as exc:
                 assert exc.reason == "cpu_full"
                 self.totals["store_rejected"] += 1
                 return
             self.ops.append(_ModelOp("store", future, sig, reads=list(ids)))
+            self.totals["store_many" if many else "swap_out"] += 1
 
         self.run(body())
 
     @rule(
-        pick=st.integers(0, 99), start=st.integers(0, 3), n=st.integers(1, 3), k=st.integers(0, 99)
+        pick=st.integers(0, 99),
+        start=st.integers(0, 3),
+        n=st.integers(1, 3),
+        k=st.integers(0, 99),
+        many=st.booleans(),
     )
-    def load(self, pick: int, start: int, n: int, k: int) -> None:
+    def load(self, pick: int, start: int, n: int, k: int, many: bool) -> None:
         async def body() -> None:
             assert self.mgr is not None
             self.sync()
@@ -303,13 +321,17 @@ class ManagerMachine(RuleBasedStateMachine):
             if not ready or not reqs:
                 return
             _, writes = self.busy()  # loading into a block a store still reads is allowed
-            ids = self.ids(reqs[pick % len(reqs)])[start : start + n]
+            ids = self.pick_blocks(reqs, pick, start, n, many)
             ids = [b for b in ids if b not in writes]
             keys = [ready[(k + i) % len(ready)] for i in range(len(ids))]
             assert self.mgr.lookup(keys[:1]) == len(keys[:1])
             mgr = self.mgr
-            future, sig = queue_swap(mgr, lambda: mgr.swap_in(keys, ids))
+            if many:  # repeated keys: one key into several blocks
+                keys = [keys[(i * k) % len(keys)] for i in range(len(keys))]
+            call = mgr.load_many if many else mgr.swap_in
+            future, sig = queue_swap(mgr, lambda: call(keys, ids))
             self.ops.append(_ModelOp("load", future, sig, writes=list(ids), expect=list(keys)))
+            self.totals["load_many" if many else "swap_in"] += 1
 
         self.run(body())
 
