@@ -253,9 +253,11 @@ class ManagerMachine(RuleBasedStateMachine):
             page.copy_(torch.randint(1, 256, page.shape, dtype=torch.uint8, generator=gen))
         return self._gpu_page(b), NO_DEPS
 
-    def _take_events(self) -> list[KVEvent]:
-        """Drain the KV events and apply them to ``event_ready`` (checking each transition)."""
-        events = self.m.take_events()
+    def _take_events(self, events: list[KVEvent] | None = None) -> list[KVEvent]:
+        """Drain the KV events (or apply ``events``, already drained) to ``event_ready``,
+        checking each transition."""
+        if events is None:
+            events = self.m.take_events()
         TOTALS["events"] += len(events)
         for ev in events:
             keys = set(ev.keys)
@@ -454,6 +456,33 @@ class ManagerMachine(RuleBasedStateMachine):
                 stats.lookup_hits + hits,
             )
 
+    @rule()
+    def events_by_iterator(self) -> None:
+        """A step and engine progress while a task waits in ``events()``: it is woken and
+        drains the same stream as ``take_events``, in the same order."""
+
+        async def consume() -> list[KVEvent]:
+            got: list[KVEvent] = []
+
+            async def reader() -> None:
+                async for event in self.m.events():
+                    got.append(event)
+
+            task = self.loop.create_task(reader())
+            await asyncio.sleep(0)  # the reader waits: every earlier event was drained
+            await self.m.step()
+            await self.engine.progress()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return got
+
+        events = self._run(consume())
+        TOTALS["events_by_iterator"] += len(events)
+        self._take_events(events)
+        assert self.m.take_events() == []  # nothing left behind
+
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=5))
     def touch(self, keys: list[bytes]) -> None:
         """Only the policy's order may change: no key, block or event does."""
@@ -485,9 +514,12 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in found:
             del self.key_data[key]
 
-    @rule()
-    def clear(self) -> None:
-        """Drop every READY key without loads in flight; the others stay."""
+    @rule(now=st.integers(0, 3))
+    def clear(self, now: int) -> None:
+        """Drop every READY key without loads in flight; the others stay. (Drawn a quarter as
+        often as other rules, so the tier fills and evicts between clears.)"""
+        if now:
+            return
         self._take_events()
         before = self._snap()
         idle = [k for k, e in before.keys.items() if e.state is CpuState.READY and not e.readers]
@@ -700,6 +732,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 try:
                     self._run(self._drain())
                     self._check_data()
+                    stats = self.mgr.statistics()
+                    TOTALS["evictions"] += stats.evictions
+                    TOTALS["stores_not_admitted"] += stats.stores_not_admitted
+                    TOTALS["stores_failed"] += stats.stores_failed
                 finally:
                     self._run(self.mgr.aclose(timeout_s=5))
                     self._run(self._cancel_tasks())
