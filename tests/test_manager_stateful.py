@@ -584,6 +584,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fail_a_held_batch(self, data: st.DataObject) -> None:
         self.engine.mark_failed(data.draw(st.integers(0, len(self.engine.held) - 1)))
+        TOTALS["batches_marked_failed"] += 1
 
     @precondition(lambda self: any(not t.done() for t in self.tasks))
     @rule(data=st.data())
@@ -736,6 +737,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     TOTALS["evictions"] += stats.evictions
                     TOTALS["stores_not_admitted"] += stats.stores_not_admitted
                     TOTALS["stores_failed"] += stats.stores_failed
+                    TOTALS["loads_failed"] += stats.loads_failed
                 finally:
                     self._run(self.mgr.aclose(timeout_s=5))
                     self._run(self._cancel_tasks())
