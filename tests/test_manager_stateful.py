@@ -175,6 +175,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.key_data: dict[bytes, Value] = {}
         self.tasks: list[asyncio.Task[Any]] = []
         self.loads: list[asyncio.Task[Any]] = []  # load id = position, since the last drain
+        #: per load id: (request, logical block, GPU block, the value it must deliver)
+        self.load_targets: list[list[tuple[str, int, int, Value]]] = []
+        self.loads_checked: set[int] = set()
+        self.last_writer: dict[int, int] = {}  # GPU block -> the last load queued into it
         self.swaps: list[_Swap] = []  # keyed swaps since the last drain
         self.threshold = 1
         self.seen: dict[bytes, int] = {}  # store sightings of keys not admitted yet
@@ -247,6 +251,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return b"".join(t[c].numpy().tobytes() for t in self.m.cpu_pool.tensors)
 
     def _write(self, b: int, seed: int) -> Value:
+        self.last_writer.pop(b, None)
         gen = torch.Generator().manual_seed(seed)
         for t in self.kv:
             page = t[b].view(torch.uint8)
@@ -339,9 +344,40 @@ class ManagerMachine(RuleBasedStateMachine):
         cpu = [snap.keys[k].cpu_block_id for k in keys]
         self.swaps.append(_Swap(task, batched, keys, gpu, [True] * len(keys), cpu))
         load_id = len(self.loads) - 1
-        for key, (req, i) in zip(keys, blocks):
+        self.load_targets.append([])
+        for key, (req, i), b in zip(keys, blocks, gpu):
             data_bytes, deps = self.key_data[key]
             self.req_data[req][i] = (data_bytes, deps | {load_id})
+            self.load_targets[load_id].append((req, i, b, self.key_data[key]))
+            self.last_writer[b] = load_id
+
+    def _ok(self, load_id: int) -> bool:
+        task = self.loads[load_id]
+        return task.done() and not task.cancelled() and task.exception() is None
+
+    def _check_completed_loads(self) -> None:
+        """Each load whose future resolved delivered the bytes stored under its key, into
+        every block no later load or compute write has targeted since."""
+        tables = self._snap().tables
+        for load_id, targets in enumerate(self.load_targets):
+            if load_id in self.loads_checked or not self.loads[load_id].done():
+                continue
+            self.loads_checked.add(load_id)
+            if not self._ok(load_id):
+                continue
+            for req, i, b, (want, deps) in targets:
+                table = tables.get(req)
+                if (
+                    want is None
+                    or self.last_writer.get(b) != load_id
+                    or table is None
+                    or table.tier is not Tier.GPU
+                    or table.block_ids[i] != b
+                    or not all(self._ok(d) for d in deps)
+                ):
+                    continue
+                assert self._gpu_page(b) == want, f"load {load_id} into GPU block {b}"
+                TOTALS["loads_checked_on_completion"] += 1
 
     def _indices(self, data: st.DataObject, req: str) -> list[int]:
         n = len(self.req_data[req])
@@ -610,6 +646,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for key, entry in self._snap().keys.items():  # nothing in flight: no reader, no PENDING
             assert (entry.state, entry.readers) == (CpuState.READY, 0), key.hex()
         self._take_events()
+        self._check_completed_loads()
         for swap in self.swaps:
             self._check_result(swap)
         failed = {
@@ -626,6 +663,7 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = self._snap().keys
         self.key_data = {k: settle(v) for k, v in self.key_data.items() if k in keys}
         self.tasks, self.loads, self.swaps, self.engine.num_failed = [], [], [], 0
+        self.load_targets, self.loads_checked, self.last_writer = [], set(), {}
         self.event_stored = set()
 
     def _check_result(self, swap: _Swap) -> None:
@@ -685,6 +723,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.mgr is not None:
             check_invariants(self.mgr)
             TOTALS["operations"] += 1
+
+    @invariant()
+    def completed_loads_hold_their_keys_bytes(self) -> None:
+        if self.mgr is not None:
+            self._check_completed_loads()
 
     @invariant()
     def no_block_leaks(self) -> None:
