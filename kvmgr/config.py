@@ -84,6 +84,10 @@ class ManagerConfig:
         store_threshold: a key is stored only once a store of it was asked this many times
             (vLLM's ``store_threshold``); 1 stores on first sight. Keys held back are counted in
             ``ManagerStatistics.stores_not_admitted``.
+        tier_write_back: blocks the CPU tier evicts are written to the first lower tier (when
+            the manager has lower tiers), instead of dropped.
+        tier_write_through: every completed store is also written to every lower tier, so other
+            instances sharing the tier can use it at once.
         max_events: KV events kept for ``take_events()``/``events()`` before the oldest are
             dropped; 0 records none.
         policy_options: keyword arguments for the policy's constructor
@@ -102,6 +106,8 @@ class ManagerConfig:
     allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
     store_threshold: int = attrs.field(default=1, validator=_positive)
     max_events: int = attrs.field(default=4096, validator=_non_negative)
+    tier_write_back: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    tier_write_through: bool = attrs.field(default=False, validator=v.instance_of(bool))
     policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=v.instance_of(Mapping))
 
     @store_wait_s.validator

@@ -22,6 +22,10 @@ __all__ = [
     "KVMgrError",
     "PoolExhaustedError",
     "StaleKVTensorError",
+    "TierError",
+    "TierFullError",
+    "TierTimeoutError",
+    "TierUnavailableError",
     "TransferError",
     "TransferTimeoutError",
     "UnknownKeyError",
@@ -143,3 +147,26 @@ class ClosedError(KVMgrError, RuntimeError):
 
 class ClosedBeforeCopyError(ClosedError, TransferError):
     """The engine closed before this batch's copy started: nothing was copied."""
+
+
+class TierError(KVMgrError, RuntimeError):
+    """A lower tier (disk, shared store) failed an operation; what it was filling is not readable.
+
+    A tier error never changes the CPU tier: callers treat it as a miss and recompute.
+    """
+
+
+class TierTimeoutError(TierError):
+    """A tier operation passed its deadline; a write may still land later, a read returns nothing.
+
+    Deliberately not a subclass of the builtin ``TimeoutError``, so ``except TimeoutError`` around
+    asyncio code never swallows it by accident.
+    """
+
+
+class TierUnavailableError(TierError):
+    """The tier cannot be reached (server down, connection refused or reset, authentication)."""
+
+
+class TierFullError(TierError):
+    """The tier refused a write for lack of space (``maxmemory`` with ``noeviction``, disk full)."""

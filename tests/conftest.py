@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest_plugins = ["tiers_server"]  # the real Valkey/Redis server fixtures (tests/tiers_server.py)
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

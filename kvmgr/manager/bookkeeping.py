@@ -53,12 +53,19 @@ def check_keys(keys: object, *, distinct: bool) -> list[bytes]:
     Raises:
         InvalidKeyError: not a sequence of bytes, or repeated keys where ``distinct``.
     """
-    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+    if type(keys) is list:
+        out = keys[:]  # the caller may reuse its list
+    elif isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
         raise InvalidKeyError(f"expected a sequence of bytes keys, got {type(keys).__name__}")
-    out = keys if type(keys) is list else list(keys)
-    for key in out:
-        if type(key) is not bytes:
-            raise InvalidKeyError(f"expected bytes keys, got {type(key).__name__}: {key!r}")
+    else:
+        out = list(keys)
+    if len(out) > SMALL:
+        is_bytes = set(map(type, out)) == {bytes}
+    else:
+        is_bytes = all(type(key) is bytes for key in out)
+    if not is_bytes:
+        key = next(k for k in out if type(k) is not bytes)
+        raise InvalidKeyError(f"expected bytes keys, got {type(key).__name__}: {key!r}")
     if distinct and len(out) > 1 and len(set(out)) != len(out):
         raise InvalidKeyError("keys of one store must be distinct")
     return out
@@ -113,6 +120,12 @@ class Bookkeeper:
             gpu_layout.page_bytes.tolist(), config.num_cpu_blocks, allocate_host
         )
         self._threshold = config.store_threshold
+        #: no admission control: the per-call fast path may be used
+        self._plain_admission = config.store_threshold == 1 and not hasattr(
+            self.cpu.policy, "admit"
+        )
+        #: called with (keys, CPU ids) of completed stores (write-through to lower tiers)
+        self.on_stored: Callable[[list[bytes], np.ndarray], None] | None = None
         #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
         self._seen: dict[bytes, int] = {}
 
@@ -126,12 +139,10 @@ class Bookkeeper:
         """
         if type(block_ids) is list and len(block_ids) <= SMALL:
             self.gpu.check_small(block_ids, what)
-            return (
-                [int(b) for b in block_ids]
-                if any(type(b) is not int for b in block_ids)
-                else block_ids
-            )
+            return [int(b) for b in block_ids]  # a copy: the caller may reuse its list
         ids = as_id_array(block_ids, "gpu")
+        if ids is block_ids:
+            ids = ids.copy()  # the caller may reuse its array
         self.gpu.check_array(ids, what)
         return ids
 
@@ -224,8 +235,19 @@ class Bookkeeper:
             InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
             PoolExhaustedError: no room even after eviction; nothing changed.
         """
+        if (
+            not batched
+            and type(gpu_block_ids) is list
+            and type(keys) is list
+            and parents is None
+            and 0 < len(keys) <= SMALL
+            and self._plain_admission
+        ):
+            part = self._store_small(gpu_block_ids, keys, future)
+            if part is not None:
+                return part
         gpu = self.gpu_ids(gpu_block_ids, "store")
-        keys = check_keys(keys, distinct=True)
+        keys = check_keys(keys, distinct=not batched)
         n = len(keys)
         if n != len(gpu):
             raise InvalidKeyError(
@@ -236,8 +258,15 @@ class Bookkeeper:
         if n <= SMALL:
             index = cpu.index
             fresh = [i for i in range(n) if keys[i] not in index]
+        elif cpu.index.keys().isdisjoint(keys):
+            fresh = list(range(n))
         else:
             fresh = np.flatnonzero(~cpu.present(keys)).tolist()
+        if batched and n > 1 and len(set(keys)) != n:  # repeats: the first occurrence only
+            first = {}
+            for i in fresh:
+                first.setdefault(keys[i], i)
+            fresh = sorted(first.values())
         num_present = n - len(fresh)
         waiting: list[bytes] = []
         if self._threshold > 1 and fresh:
@@ -249,27 +278,35 @@ class Bookkeeper:
                 waiting += [keys[i] for i, ok in zip(fresh, mask.tolist()) if not ok]
                 fresh = [i for i, ok in zip(fresh, mask.tolist()) if ok]
         new_keys = [keys[i] for i in fresh] if len(fresh) != n else keys
-        cpu_ids = cpu.make_room(len(new_keys), keys)  # the last check: raises, nothing changed
-        new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
-        if new_keys:
+        m = len(new_keys)
+        small = isinstance(gpu, list)
+        # the last check: raises PoolExhaustedError with nothing changed
+        cpu_ids: list[int] | np.ndarray = (
+            cpu.make_room_small(m, keys) if small else cpu.make_room(m, keys)
+        )
+        if m:
+            new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
             cpu.add_pending(new_keys, cpu_ids, new_parents)
         if self._threshold > 1:
             self._count_sightings(new_keys, waiting)
-        if isinstance(gpu, list):
-            src: list[int] | np.ndarray = gpu if len(fresh) == n else [gpu[i] for i in fresh]
+        if small:
+            src: list[int] | np.ndarray = gpu if m == n else [gpu[i] for i in fresh]
         else:
-            src = gpu if len(fresh) == n else gpu[np.array(fresh, dtype=np.int64)]
+            src = gpu if m == n else gpu[np.array(fresh, dtype=np.int64)]
         self.gpu.acquire(src)
         counters = self.counters
-        m = len(new_keys)
         counters.stores_queued += m
         counters.stores_skipped += num_present
         counters.stores_not_admitted += n - m - num_present
         if batched:
-            stored = np.zeros(n, dtype=bool)
-            stored[fresh] = True
-            cpu_block_ids = np.full(n, -1, dtype=np.int64)
-            cpu_block_ids[fresh] = cpu_ids
+            if m == n:  # the common case: every key stored
+                stored = np.ones(n, dtype=bool)
+                cpu_block_ids = np.asarray(cpu_ids, dtype=np.int64)
+            else:
+                stored = np.zeros(n, dtype=bool)
+                stored[fresh] = True
+                cpu_block_ids = np.full(n, -1, dtype=np.int64)
+                cpu_block_ids[fresh] = cpu_ids
             present = ~stored
             if waiting:
                 present &= cpu.present(keys)
@@ -279,13 +316,52 @@ class Bookkeeper:
                 cpu_block_ids=cpu_block_ids,
                 num_bytes=m * self.block_bytes,
             )
+        elif small:
+            result = SwapResult(m, m * self.block_bytes, n - m, tuple(cpu_ids), tuple(src))
         else:
-            cpu_list = cpu_ids.tolist()
-            src_list = src if isinstance(src, list) else src.tolist()
-            result = SwapResult(m, m * self.block_bytes, n - m, tuple(cpu_list), tuple(src_list))
-        if isinstance(src, list):
-            return Part(Kind.STORE, future, result, src, cpu_ids.tolist(), new_keys)
+            result = SwapResult(
+                m, m * self.block_bytes, n - m, tuple(cpu_ids.tolist()), tuple(src.tolist())
+            )
         return Part(Kind.STORE, future, result, src, cpu_ids, new_keys)
+
+    def _store_small(
+        self, gpu: list[int], keys: list[bytes], future: asyncio.Future[Any]
+    ) -> Part | None:
+        """The per-call store of a few fresh keys into free CPU blocks, in plain Python.
+
+        Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
+        to reject, a key already present, or too few free CPU blocks (eviction).
+        """
+        n = len(keys)
+        if len(gpu) != n:
+            return None
+        for key in keys:
+            if type(key) is not bytes:
+                return None
+        cpu = self.cpu
+        index, pool = cpu.index, cpu.pool
+        if pool.num_free < n or not index.keys().isdisjoint(keys):
+            return None
+        gpu_pool = self.gpu
+        num_gpu, owned, gpu_state = gpu_pool.num_blocks, gpu_pool.pool is not None, gpu_pool.state
+        for b in gpu:
+            if type(b) is not int or not 0 <= b < num_gpu or (owned and gpu_state[b] != 1):
+                return None
+        if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
+            return None
+        take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
+        cpu_ids = []
+        for key, b in zip(keys, gpu):
+            block = take_one()
+            cpu_ids.append(block)
+            index[key] = block
+            state[block] = 1  # CpuState.PENDING
+            busy[b] += 1
+        cpu.num_pending += n
+        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
+        self.counters.stores_queued += n
+        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), tuple(gpu))
+        return Part(Kind.STORE, future, result, gpu[:], cpu_ids, keys[:])
 
     # ------------------------------------------------------------------ load
 
@@ -311,19 +387,22 @@ class Bookkeeper:
                 f"expected one gpu block per key, got {len(gpu)} blocks and {len(keys)} keys"
             )
         cpu = self.cpu
-        index, state = cpu.index, cpu.state
-        cpu_list = []
-        for key in keys:
-            block = index.get(key)
-            if block is None:
-                raise UnknownKeyError(f"key {key.hex()[:16]}... is not in the CPU tier")
-            if state[block] != _READY:
-                raise BlockStateError(
-                    f"key {key.hex()[:16]}... is still pending; it cannot be loaded"
-                )
-            cpu_list.append(block)
+        blocks = list(map(cpu.index.get, keys))
+        if None in blocks:
+            key = keys[blocks.index(None)]
+            raise UnknownKeyError(f"key {key.hex()[:16]}... is not in the CPU tier")
+        cpu_list: list[int] = blocks  # type: ignore[assignment]
+        if isinstance(gpu, list):
+            state = cpu.state
+            ready = all(state[b] == _READY for b in cpu_list)
+        else:
+            cpu_arr = np.array(cpu_list, dtype=np.int64)
+            ready = bool((cpu.state_np[cpu_arr] == _READY).all())
+        if not ready:
+            key = next(k for k, b in zip(keys, blocks) if cpu.state[b] != _READY)  # type: ignore[index]
+            raise BlockStateError(f"key {key.hex()[:16]}... is still pending; it cannot be loaded")
         n = len(keys)
-        cpu.add_readers(cpu_list)
+        cpu.add_readers(cpu_list if isinstance(gpu, list) else cpu_arr)
         if n:
             cpu.policy.touch(keys)
         self.gpu.acquire(gpu)
@@ -339,7 +418,7 @@ class Bookkeeper:
                 else SwapResult(n, n * self.block_bytes, 0, tuple(cpu_list), tuple(gpu))
             )
             return Part(Kind.LOAD, future, result, gpu, cpu_list, keys)
-        cpu_ids = np.array(cpu_list, dtype=np.int64)
+        cpu_ids = cpu_arr
         if batched:
             result = LoadResult(
                 gpu_block_ids=gpu, cpu_block_ids=cpu_ids, num_bytes=n * self.block_bytes
@@ -349,6 +428,15 @@ class Bookkeeper:
         return Part(Kind.LOAD, future, result, gpu, cpu_ids, keys)
 
     # ------------------------------------------------------------------ completion
+
+    @staticmethod
+    def _store_ids(parts: list[Part], cpu_ids: np.ndarray) -> np.ndarray:
+        """CPU ids of the lane's keyed stores, aligned with their keys in part order."""
+        if len(parts) == 1:
+            return np.asarray(parts[0].cpu_ids, dtype=np.int64)
+        return np.concatenate(
+            [np.asarray(p.cpu_ids, dtype=np.int64) for p in parts if p.kind is Kind.STORE]
+        )
 
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.
@@ -370,6 +458,8 @@ class Bookkeeper:
                 cpu.stores_landed(cpu_ids)
                 counters.stores_completed += n
                 self.events.stored(keys)
+                if self.on_stored is not None and keys:
+                    self.on_stored(keys, self._store_ids(parts, cpu_ids))
             else:
                 cpu.stores_failed(keys, cpu_ids)
                 counters.stores_failed += n

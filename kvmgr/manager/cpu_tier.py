@@ -11,8 +11,8 @@ States of a CPU block (``CpuState``):
 - ``SWAPPED``: holds a block of a preempted request (its block table points here).
 - ``RESUMING``: a resume copy reads it back to the GPU; FREE once that completes.
 
-Keyed blocks are found through ``index`` (a plain ``dict[bytes, int]``, key -> CPU block);
-``block_key`` maps back. The state bytes and reader counts are buffers with numpy views, so a
+Keyed blocks are found through ``index`` (a plain ``dict[bytes, int]``, key -> CPU block).
+The state bytes and reader counts are buffers with numpy views, so a
 batch is one array operation and a single block is one index operation.
 """
 
@@ -70,7 +70,6 @@ class CpuTier:
         self.pool = BlockAllocator(num_blocks, name="cpu")
         self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
-        self.block_key = np.full(num_blocks, None, dtype=object)
         self.state = bytearray(num_blocks)
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
         self.readers = array.array("q", [0]) * num_blocks
@@ -78,6 +77,8 @@ class CpuTier:
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
         self._on_removed = on_removed
+        #: called with (keys, CPU ids) of blocks the policy evicted, before they are reused
+        self.on_evicted: Callable[[list[bytes], np.ndarray], None] | None = None
         self.counters = counters if counters is not None else Counters()
 
     # ------------------------------------------------------------------ queries
@@ -110,6 +111,12 @@ class CpuTier:
         Raises:
             PoolExhaustedError: (reason ``"cpu_full"``) too few free and evictable blocks.
         """
+        self._evict_for(n, protected)
+        ids = self.pool.take(n)
+        assert ids is not None
+        return ids
+
+    def _evict_for(self, n: int, protected: Collection[bytes]) -> None:
         shortfall = n - self.pool.num_free
         if shortfall > 0:
             victims = self.policy.evict(shortfall, self.can_evict, protected)
@@ -121,33 +128,51 @@ class CpuTier:
                     available=self.pool.num_free,
                     reason="cpu_full",
                 )
+            if self.on_evicted is not None:
+                self.on_evicted(victims, self._ids_of(victims))
             self._forget(victims)
             self.counters.evictions += len(victims)
-        ids = self.pool.take(n)
-        assert ids is not None
-        return ids
+
+    def _ids_of(self, keys: list[bytes]) -> np.ndarray:
+        get = self.index.__getitem__
+        return np.fromiter(map(get, keys), dtype=np.int64, count=len(keys))
+
+    def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
+        """``make_room`` for a few blocks, without numpy (the per-call path)."""
+        pool = self.pool
+        if n > pool.num_free:
+            self._evict_for(n, protected)
+        return [pool.take_one() for _ in range(n)]  # type: ignore[misc]
 
     def _forget(self, keys: list[bytes]) -> None:
         """Drop READY keys without readers (already untracked by the policy); free blocks."""
         pop = self.index.pop
-        ids = np.fromiter((pop(k) for k in keys), dtype=np.int64, count=len(keys))
-        self.block_key[ids] = None
-        self.state_np[ids] = CpuState.FREE
-        self.pool.give(ids)
+        if len(keys) <= 8:
+            state, give_one = self.state, self.pool.give_one
+            for key in keys:
+                block = pop(key)
+                state[block] = CpuState.FREE
+                give_one(block)
+        else:
+            ids = np.fromiter((pop(k) for k in keys), dtype=np.int64, count=len(keys))
+            self.state_np[ids] = CpuState.FREE
+            self.pool.give(ids)
         self._on_removed(keys)
 
     # ------------------------------------------------------------------ transitions
 
     def add_pending(
-        self, keys: list[bytes], ids: np.ndarray, parents: Sequence[bytes | None]
+        self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
         """Index new keys on their (just allocated) blocks, PENDING, and track them."""
-        self.index.update(zip(keys, ids.tolist()))
-        if len(keys) == 1:
-            self.block_key[ids[0]] = keys[0]
+        if isinstance(ids, list):
+            index, state = self.index, self.state
+            for key, block in zip(keys, ids):
+                index[key] = block
+                state[block] = _PENDING
         else:
-            self.block_key[ids] = np.fromiter(keys, dtype=object, count=len(keys))
-        self.state_np[ids] = CpuState.PENDING
+            self.index.update(zip(keys, ids.tolist()))
+            self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
         self.policy.insert(keys, parents)
 
@@ -171,7 +196,6 @@ class CpuTier:
                 pop(key)
             self.policy.remove(keys)
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
-        self.block_key[ids] = None
         self.state_np[ids] = CpuState.FREE
         self.pool.give(ids)
 

@@ -68,6 +68,11 @@ class OffloadManager:
         hooks: step hooks run in order by ``step()``.
         engine: an engine instance to use instead of ``config.engine`` (for example a
             ``kvmgr.testing.FaultyEngine``); the manager closes it on ``close()``.
+        tiers: lower tiers under the CPU tier, in order (``kvmgr.tiers.DiskTier``,
+            ``kvmgr.tiers.SharedTier`` or any ``TierBackend``); the caller closes them. See
+            ``fetch``, ``lookup_tiers`` and docs/tiers.md.
+        tier_namespace: the ``kvmgr.tiers.TierNamespace`` folded into every stored key (model,
+            layout, tenant salt); ``None`` = this layout, model ``"unnamed"``, no salt.
 
     Ownership of GPU blocks: with ``manage_gpu_blocks=True`` (the default) the manager owns
     the GPU pool and every GPU block id a swap names must be held by a request (handed out by
@@ -92,6 +97,8 @@ class OffloadManager:
         *,
         hooks: Sequence[StepHook] = (),
         engine: TransferEngine | None = None,
+        tiers: Sequence[Any] = (),
+        tier_namespace: Any = None,
     ) -> None:
         if not isinstance(config, ManagerConfig):
             raise ConfigError(f"expected a ManagerConfig, got {type(config).__name__}")
@@ -105,12 +112,12 @@ class OffloadManager:
             raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
         try:
             self._books = Bookkeeper(config, gpu_layout, engine.allocate_host)
-        except TransferError as exc:
+        except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
             engine.close(0)
             num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
             raise HostMemoryError(
                 f"could not allocate the CPU tier: num_cpu_blocks={config.num_cpu_blocks} x "
-                f"{gpu_layout.block_bytes} B = {num_bytes} B ({exc})",
+                f"{gpu_layout.block_bytes} B = {num_bytes} B ({exc or type(exc).__name__})",
                 num_bytes=num_bytes,
             ) from exc
         self.config = config
@@ -121,17 +128,47 @@ class OffloadManager:
         self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
         self._room = RoomWaiters()
         self._flusher.on_settled = self._room.wake
+        self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
         self._step = 0
 
+    def _lower_tiers(
+        self, tensors: list[torch.Tensor], tiers: Sequence[Any], namespace: Any
+    ) -> Any:
+        if not tiers:
+            return None
+        from kvmgr.manager.tiering import LowerTiers, default_namespace
+        from kvmgr.tiers.base import TierBackend
+
+        for tier in tiers:
+            if not isinstance(tier, TierBackend):
+                raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
+        if namespace is None:
+            dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+            block_size = int(tensors[0].shape[1]) if tensors[0].dim() > 1 else 1
+            namespace = default_namespace(self._books, dtypes, block_size)
+        lower = LowerTiers(
+            self._books,
+            tiers,
+            namespace,
+            write_back=self.config.tier_write_back,
+            write_through=self.config.tier_write_through,
+        )
+        self._books.cpu.on_evicted = lower.on_evicted
+        self._books.on_stored = lower.on_stored
+        self._flusher.before_submit = lower.stage_evicted
+        return lower
+
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> OffloadManager:
         self._loop = asyncio.get_running_loop()
         self._flusher.loop = self._loop
+        if self._tiers is not None:
+            self._tiers.loop = self._loop
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -167,6 +204,9 @@ class OffloadManager:
                 wait.add_done_callback(lambda f: f.cancelled() or f.exception())
             await asyncio.wait(waits, timeout=timeout_s)
             await asyncio.sleep(0)  # let completion callbacks scheduled by the engine run
+        if self._tiers is not None:
+            self._tiers.stage_evicted()
+            await self._tiers.drain(timeout_s)
         self.close(timeout_s)
 
     def close(self, timeout_s: float | None = 30.0) -> None:
@@ -329,8 +369,10 @@ class OffloadManager:
         """Queue one store of many requests' blocks: ONE future, array results.
 
         Args:
-            gpu_block_ids: int ``[n]`` (numpy array or list): GPU blocks to store.
-            keys: ``n`` distinct ``bytes`` keys; ``keys[i]`` names ``gpu_block_ids[i]``.
+            gpu_block_ids: int ``[n]`` (numpy array or list): distinct GPU blocks to store.
+            keys: ``n`` ``bytes`` keys; ``keys[i]`` names ``gpu_block_ids[i]``. A key repeated
+                in the call (two requests that filled the same prefix block in one step) is
+                stored once, from its first occurrence; the others count as present.
             parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
                 Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
 
@@ -411,6 +453,42 @@ class OffloadManager:
         future: asyncio.Future[LoadResult] = loop.create_future()
         self._enqueue(self._books.prepare_load(keys, gpu_block_ids, future, batched=True))
         return future
+
+    # ------------------------------------------------------------------ lower tiers
+
+    async def fetch(self, keys: Sequence[bytes]) -> int:
+        """Stage the lower tiers' blocks of ``keys`` into the CPU tier (after its ready prefix,
+        tier by tier: one batched read per tier, every blob verified) and return the new
+        ready-prefix length; then ``swap_in``/``load_many`` the prefix as usual. A miss, a
+        corrupt value or a failing tier ends the prefix there (recompute the rest); it never
+        raises for a tier failure. Without lower tiers: ``lookup`` without the touch.
+
+        Raises:
+            InvalidKeyError, ClosedError, EventLoopError: bad keys, closed, no running loop.
+        """
+        self._check_open()
+        if self._tiers is None:
+            return self._books.lookup(keys, touch=False)
+        return await self._tiers.fetch(keys)
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> tuple[int, tuple[int, ...]]:
+        """Where the prefix of ``keys`` is: the CPU tier's ready prefix, then, for each lower
+        tier in order, how many of the following keys it holds (one batched ``contains_many``
+        each; a hint: a later ``fetch`` may still miss). Touches nothing.
+
+        Raises:
+            InvalidKeyError, ClosedError, EventLoopError: as ``fetch``.
+        """
+        self._check_open()
+        if self._tiers is None:
+            return self._books.lookup(keys, touch=False), ()
+        return await self._tiers.lookup(keys)
+
+    def tier_statistics(self) -> list[tuple[Any, Any]]:
+        """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""
+        if self._tiers is None:
+            return []
+        return [(b.statistics(), b.backend.statistics()) for b in self._tiers.bridges]
 
     # ------------------------------------------------------------------ request-level API
 
@@ -533,7 +611,9 @@ class OffloadManager:
         last step as one plan per direction (more only when a hazard forces ordered batches).
 
         Args:
-            ctx: what the scheduler knows about the step; ``None`` = an empty context.
+            ctx: what the scheduler knows about the step; ``None`` = an empty context. When
+                ``ctx.stream`` is set, the batches are submitted with it as the current stream,
+                so stores wait for the work queued on it so far (docs/transfer.md, rules 3-4).
 
         Returns:
             The step report: batches submitted, hooks, batches completed since the last step,
@@ -554,7 +634,11 @@ class OffloadManager:
         hook_reports = tuple(hook(ctx) for hook in self._hooks)
         self._flusher.check_hook_reports(self._hooks, hook_reports)
         self._step = step
-        d2h, h2d = self._flusher.flush()
+        if ctx.stream is not None:  # fence the copies on the loop's compute stream
+            with torch.cuda.stream(ctx.stream):
+                d2h, h2d = self._flusher.flush()
+        else:
+            d2h, h2d = self._flusher.flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
         report = StepReport(
@@ -652,7 +736,8 @@ class OffloadManager:
     def snapshot(self) -> ManagerSnapshot:
         """Every block, key, table and queued or in-flight swap, as frozen values (for tests
         and ``kvmgr.testing.check_invariants``; costs O(blocks), not for the hot path)."""
-        return take_snapshot(self._books, self._queue)
+        promoting = () if self._tiers is None else tuple(self._tiers.promoting)
+        return take_snapshot(self._books, self._queue, promoting)
 
     def take_events(self) -> list[KVEvent]:
         """Remove and return the KV events recorded since the last call, oldest first: a

@@ -59,6 +59,8 @@ class Flusher:
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_settled: Callable[[], None] = lambda: None
+        #: runs before any lane is submitted (lower tiers stage evicted blocks)
+        self.before_submit: Callable[[], None] = lambda: None
         self._completed: collections.deque[BatchResult] = collections.deque(maxlen=MAX_COMPLETED)
         self._tensors = tensors
         self._where = [(t.data_ptr(), tuple(t.shape)) for t in tensors]
@@ -103,6 +105,7 @@ class Flusher:
         if not any(len(g) for g in generations):
             return reports[Direction.D2H], reports[Direction.H2D]
         moved = self._moved_tensor()
+        self.before_submit()
         bug: BaseException | None = None
         for generation in generations:
             for direction, lane in generation.lanes.items():

@@ -43,6 +43,8 @@ class GpuBlocks:
         self.pool: BlockAllocator | None = BlockAllocator(num_blocks, name="gpu") if owned else None
         self.state = bytearray(num_blocks)
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
+        self._scratch = np.zeros(num_blocks, dtype=np.int64)
+        self._positions = np.arange(num_blocks, dtype=np.int64)
         self.busy = array.array("q", [0]) * num_blocks
         self.busy_np = np.frombuffer(self.busy, dtype=np.int64)
 
@@ -83,8 +85,18 @@ class GpuBlocks:
             held = self.state_np[ids] == GpuState.HELD
             if not held.all():
                 raise self._not_held(int(ids[np.flatnonzero(~held)[0]]), what)
-        if len(ids) > 1 and len(np.unique(ids)) != len(ids):
+        if len(ids) > 1 and not self._distinct(ids):
             raise InvalidBlockError(f"duplicate gpu block ids in {ids.tolist()[:16]}")
+
+    def _distinct(self, ids: np.ndarray) -> bool:
+        """Whether ``ids`` (in range) are distinct: write each id's position into a scratch
+        array and read it back (a repeated id keeps only its last position); O(n), no sort."""
+        if len(ids) > self.num_blocks:
+            return False
+        positions = self._positions[: len(ids)]
+        scratch = self._scratch
+        scratch[ids] = positions
+        return bool((scratch[ids] == positions).all())
 
     def _not_held(self, block_id: int, what: str) -> InvalidBlockError:
         state = GpuState(self.state[block_id]).name
@@ -119,13 +131,13 @@ class GpuBlocks:
     # ------------------------------------------------------------------ busy counts
 
     def acquire(self, ids: list[int] | np.ndarray) -> None:
-        """A copy of these blocks was queued."""
+        """A copy of these (distinct, validated) blocks was queued."""
         if isinstance(ids, list):
             busy = self.busy
             for b in ids:
                 busy[b] += 1
         else:
-            np.add.at(self.busy_np, ids, 1)
+            self.busy_np[ids] += 1
 
     def release(self, ids: np.ndarray) -> None:
         """Copies of these blocks ended (one count per occurrence); DRAINING blocks whose last

@@ -189,7 +189,7 @@ class RequestTables:
         else:
             if gpu_block_ids is None:
                 raise InvalidBlockError(f"expected {len(cpu)} caller-owned gpu block ids")
-            gpu = as_id_array(gpu_block_ids, "gpu")
+            gpu = as_id_array(gpu_block_ids, "gpu").copy()
             if len(gpu) != len(cpu):
                 raise InvalidBlockError(
                     f"expected {len(cpu)} caller-owned gpu block ids, got {len(gpu)}"

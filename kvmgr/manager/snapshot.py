@@ -10,7 +10,7 @@ reads nothing else, so the checker never depends on private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -57,7 +57,8 @@ class SwapSnapshot:
     """A swap not settled yet.
 
     Attributes:
-        kind: ``"store"``, ``"load"``, ``"preempt"`` or ``"resume"``.
+        kind: ``"store"``, ``"load"``, ``"preempt"``, ``"resume"``, or ``"promote"`` (a lower
+            tier's blocks being read into PENDING CPU blocks by ``fetch``).
         direction: D2H or H2D.
         gpu_block_ids / cpu_block_ids: its blocks, aligned.
         keys: keyed swaps: the keys copied.
@@ -149,14 +150,25 @@ def _swap(part: Part, batch_seq: int | None) -> SwapSnapshot:
     )
 
 
-def take_snapshot(books: Bookkeeper, queue: SwapQueue) -> ManagerSnapshot:
-    """Build the snapshot of a manager's bookkeeper and queue."""
+def take_snapshot(
+    books: Bookkeeper,
+    queue: SwapQueue,
+    promoting: Sequence[tuple[list[bytes], np.ndarray]] = (),
+) -> ManagerSnapshot:
+    """Build the snapshot of a manager's bookkeeper and queue (and the promotes from lower
+    tiers in flight, shown as swaps of kind ``"promote"``)."""
     cpu, gpu = books.cpu, books.gpu
     keys = {
         key: KeySnapshot(block, CpuState(cpu.state[block]), int(cpu.readers[block]))
         for key, block in cpu.index.items()
     }
     swaps = [_swap(p, None) for p in queue.queued_parts()]
+    swaps += [
+        SwapSnapshot(
+            "promote", Direction.H2D, (), _ints(ids), tuple(keys), None, None, False, False
+        )
+        for keys, ids in promoting
+    ]
     batches = []
     for batch in queue.in_flight.values():
         swaps += [_swap(p, batch.seq) for p in batch.lane.parts]

@@ -106,7 +106,7 @@ def _check_keys(snap: ManagerSnapshot) -> list[str]:
     writes: Counter[int] = Counter()
     reads: Counter[int] = Counter()
     for swap in snap.swaps:
-        if swap.kind == "store":
+        if swap.kind in ("store", "promote"):
             writes.update(swap.cpu_block_ids)
         elif swap.kind == "load":
             reads.update(swap.cpu_block_ids)

@@ -3,7 +3,7 @@
 Offers:
     CopyDriver          the resolved entry points; one batched copy (two call paths) or a per-copy loop
     resolve_batch_abi   which ``cuMemcpyBatchAsync`` ABI to use for a driver version (pure logic)
-    choose_path         ``"batch"`` or ``"loop"`` for a requested path, ABI and stream (pure logic)
+    batch_or_loop       ``"batch"`` or ``"loop"`` for a requested path, ABI and stream (pure logic)
     access_order        ``CUmemcpySrcAccessOrder`` value for a copy direction (rule 3)
     MemcpyAttributes    ctypes mirror of ``CUmemcpyAttributes_v1`` (24 bytes)
     attrs_layout_matches    byte check of ``MemcpyAttributes`` against cuda-python's struct
@@ -43,7 +43,7 @@ __all__ = [
     "MemcpyAttributes",
     "access_order",
     "attrs_layout_matches",
-    "choose_path",
+    "batch_or_loop",
     "cuda_python_resolver",
     "resolve_batch_abi",
 ]
@@ -114,7 +114,7 @@ def resolve_batch_abi(driver_version: int, resolver: Resolver) -> tuple[int, int
     return None
 
 
-def choose_path(requested: str, batch_abi: int | None, stream_handle: int) -> str:
+def batch_or_loop(requested: str, batch_abi: int | None, stream_handle: int) -> str:
     """``"batch"`` only when asked for, resolved, and not on the legacy default stream (rule 1)."""
     if (
         requested == "batch"
@@ -229,7 +229,11 @@ class CopyDriver:
             proto = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, ctypes.c_size_t, _P)
             self._loop_fn = proto(int(loop_address))
         self._attrs = {order: _make_attrs(order) for order in (1, 3)}
+        self._attrs_addrs = {order: ctypes.addressof(a) for order, a in self._attrs.items()}
         self._attrs_idx = np.zeros(1, dtype=np.uint64)  # attrsIdxs = [0]: one entry (rule 2)
+        self._attrs_idx_addr = self._attrs_idx.ctypes.data
+        self._fail_idx = ctypes.c_size_t(_SIZE_MAX)  # 12.8 ABI's failIdx, reused by every call
+        self._fail_idx_addr = ctypes.addressof(self._fail_idx)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -262,7 +266,7 @@ class CopyDriver:
             TransferError: the driver refused a call; ``fail_index`` is the failing copy's index
                 when known (12.8 ABI ``failIdx``, or the loop position).
         """
-        path = choose_path(requested, self.batch_abi, stream_handle)
+        path = batch_or_loop(requested, self.batch_abi, stream_handle)
         if len(sizes) == 0:
             return path
         if path == "loop":
@@ -281,32 +285,56 @@ class CopyDriver:
         Raises:
             TransferError: no batched entry point, or the driver refused the call.
         """
+        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
+        self.batch_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+                      stream_handle, order)  # fmt: skip
+
+    def batch_at(
+        self, dsts: int, srcs: int, sizes: int, count: int, stream_handle: int, order: int
+    ) -> None:
+        """One ``cuMemcpyBatchAsync`` over ``count`` descriptors given as the addresses of three
+        C-contiguous 8-byte integer arrays (the engines' hot path: no array is built per call).
+
+        Raises:
+            TransferError: no batched entry point, or the driver refused the call.
+        """
         if self._batch_fn is None:
             raise TransferError("cuMemcpyBatchAsync is not available on this driver")
-        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
-        attrs = self._attrs.get(order) or _make_attrs(order)
-        head = (
-            dsts.ctypes.data,
-            srcs.ctypes.data,
-            sizes.ctypes.data,
-            len(sizes),
-            ctypes.addressof(attrs),
-            self._attrs_idx.ctypes.data,
-            1,  # numAttrs: one entry for the whole batch (rule 2)
-        )
+        attrs_addr = self._attrs_addrs.get(order)
+        if attrs_addr is None:
+            self._attrs[order] = _make_attrs(order)
+            attrs_addr = self._attrs_addrs[order] = ctypes.addressof(self._attrs[order])
+        # numAttrs = 1: one attribute entry for the whole batch (rule 2)
         if self.batch_abi == ABI_12080:
-            fail_idx = ctypes.c_size_t(_SIZE_MAX)
-            code = self._batch_fn(*head, ctypes.addressof(fail_idx), stream_handle)
-            failed_at = None if fail_idx.value == _SIZE_MAX else int(fail_idx.value)
+            self._fail_idx.value = _SIZE_MAX
+            code = self._batch_fn(dsts, srcs, sizes, count, attrs_addr, self._attrs_idx_addr, 1,
+                                  self._fail_idx_addr, stream_handle)  # fmt: skip
+            failed = self._fail_idx.value
+            failed_at = None if failed == _SIZE_MAX else int(failed)
         else:
-            code = self._batch_fn(*head, stream_handle)
+            code = self._batch_fn(dsts, srcs, sizes, count, attrs_addr, self._attrs_idx_addr, 1,
+                                  stream_handle)  # fmt: skip
             failed_at = None
         if code != 0:
             raise TransferError(
-                f"cuMemcpyBatchAsync (ABI {self.batch_abi}, {len(sizes)} copies) failed: "
+                f"cuMemcpyBatchAsync (ABI {self.batch_abi}, {count} copies) failed: "
                 f"{_error_name(code)}",
                 fail_index=failed_at,
             )
+
+    def memcpy(self, dst: int, src: int, num_bytes: int, stream_handle: int) -> None:
+        """One ``cuMemcpyAsync`` of ``num_bytes`` on a stream (the copy kernel's table upload).
+
+        Raises:
+            TransferError: the driver refused the copy.
+        """
+        if self._loop_fn is None:
+            self.loop(*(np.array([v], dtype=np.int64) for v in (dst, src, num_bytes)),
+                      stream_handle)  # fmt: skip
+            return
+        code = self._loop_fn(dst, src, num_bytes, stream_handle)
+        if code != 0:
+            raise TransferError(f"cuMemcpyAsync ({num_bytes} B) failed: {_error_name(code)}")
 
     def batch_lists(
         self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream_handle: int, order: int

@@ -33,7 +33,7 @@ class GroupedMLAInsertHook:
     - ``"slot_mapping"``: int64 ``[T]`` or ``[L, T]`` cache slots, < 0 for padding,
 
     and writes them into the caches given at construction, exactly as
-    :func:`kvmgr.kernels.mla_insert.grouped_mla_insert` (same semantics and dtypes). The caches
+    :func:`kvmgr.kernels.mla.api.grouped_mla_insert` (same semantics and dtypes). The caches
     are validated and their pointer table built here, once; each step only checks the step's
     tensors (attribute reads, no torch ops), or nothing with ``validate=False``. Caches of unequal
     geometry fall back to one launch per layer. A step of zero tokens launches nothing. Safe under
@@ -59,7 +59,12 @@ class GroupedMLAInsertHook:
         dtype, device or layout is then read or written out of bounds instead of raising.
     direct_launch : bool
         Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
-        default; see :mod:`kvmgr.kernels._launch`); ``False`` takes Triton's normal launch.
+        default; see :mod:`kvmgr.kernels.launch`); ``False`` takes Triton's normal launch.
+    packed_launch : bool
+        Check each step signature once and launch the grouped kernel with ``cuLaunchKernel``
+        from packed arguments updated in place (the default; :mod:`kvmgr.kernels.mla.bound`).
+        ``False`` checks every step and launches through the compiled kernel's launcher (the
+        path before packed launches; the benchmarks' baseline).
 
     Raises
     ------
@@ -79,12 +84,13 @@ class GroupedMLAInsertHook:
         check_slots: bool = False,
         validate: bool = True,
         direct_launch: bool = True,
+        packed_launch: bool = True,
     ) -> None:
-        from kvmgr.kernels import _mla_launch, mla_insert
+        from kvmgr.kernels.mla import bound, checks, host
 
         caches = tuple(caches)
-        _mla_launch._check_dtype_and_scales(kv_cache_dtype, kv_scales)
-        meta = _mla_launch._check_caches(caches, kv_cache_dtype)
+        checks.check_dtype_and_scales(kv_cache_dtype, kv_scales)
+        meta = checks.check_caches(caches, kv_cache_dtype)
         if kv_scales is not None and (
             kv_scales.dtype != torch.float32
             or kv_scales.shape != (len(caches),)
@@ -94,8 +100,8 @@ class GroupedMLAInsertHook:
             want = (torch.float32, (len(caches),), caches[0].device)
             raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
         self.name = name
-        self._kernels: Any = mla_insert
-        self._host: Any = _mla_launch
+        self._checks: Any = checks  # modules held, so that importing this one imports no Triton
+        self._host: Any = host
         self._caches = caches
         self._kv_cache_dtype = kv_cache_dtype
         self._kv_scales = kv_scales
@@ -103,9 +109,12 @@ class GroupedMLAInsertHook:
         self._validate = validate
         self._direct = direct_launch
         self._meta = meta
-        self._is_grouped = _mla_launch._is_uniform(caches)
+        self._is_grouped = checks.is_uniform(caches)
         # The hook holds its plan, so a captured graph's pointer table lives as long as the hook.
-        self._plan = _mla_launch._grouped_plan(caches, kv_cache_dtype) if self._is_grouped else None
+        self._plan = host.grouped_plan(caches, kv_cache_dtype) if self._is_grouped else None
+        self._insert: Any = None  # the packed path: the hook's own bound launches
+        if self._plan is not None and packed_launch:
+            self._insert = bound.GroupedInsert(self._plan, kv_cache_dtype, direct=direct_launch)
 
     @property
     def is_grouped(self) -> bool:
@@ -125,26 +134,36 @@ class GroupedMLAInsertHook:
             ``check_slots`` and a slot is past the capacity.
         """
         start_s = time.perf_counter()
-        missing = [name for name in _TENSOR_NAMES if name not in ctx.tensors]
-        if missing:
-            raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}")
-        kv_c, k_pe = ctx.tensors["kv_c"], ctx.tensors["k_pe"]
-        host, caches = self._host, self._caches
+        tensors = ctx.tensors
+        try:
+            kv_c, k_pe, slots = tensors["kv_c"], tensors["k_pe"], tensors["slot_mapping"]
+        except KeyError:
+            missing = [name for name in _TENSOR_NAMES if name not in tensors]
+            raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}") from None  # fmt: skip
+        host, checks, caches = self._host, self._checks, self._caches
         dtype, scales = self._kv_cache_dtype, self._kv_scales
-        slots = ctx.tensors["slot_mapping"]
+        if self._insert is not None and not self._check_slots:
+            num_tokens = self._insert(kv_c, k_pe, slots, scales, validate=self._validate,
+                                      stream=ctx.stream)  # fmt: skip
+            return HookReport(
+                name=self.name,
+                launches=0 if num_tokens == 0 else 1,
+                host_s=time.perf_counter() - start_s,
+                extra={"num_tokens": num_tokens, "grouped": True},
+            )
         if self._validate:
-            step = host._check_step(kv_c, k_pe, slots, scales, dtype, self._meta, for_kernel=True)
+            step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
+                                     allow_cpu=host.IS_INTERPRETED)  # fmt: skip
         else:
-            step = host._unchecked_step(kv_c, k_pe, slots, scales, dtype)
+            step = checks.unchecked_step(kv_c, k_pe, slots, scales, dtype)
         if self._check_slots:
-            host._check_slots(step, caches)
+            checks.check_slot_range(step, caches)
         stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
         with stream:
             if self._plan is not None:
-                self._kernels._launch_grouped(self._plan, step, kv_c, k_pe, scales,
-                                              direct=self._direct)  # fmt: skip
+                host.launch_grouped(self._plan, step, kv_c, k_pe, scales, direct=self._direct)
             else:
-                self._kernels._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
+                host.launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
         num_launches = 0 if step.num_tokens == 0 else (1 if self._is_grouped else len(caches))
         return HookReport(
             name=self.name,

@@ -6,7 +6,7 @@ Offers:
 
 A request that computes positions ``start .. start + qlen - 1`` completes a window iff one of
 them is a boundary, ``(pos + 1) % 128 == 0``, that is iff ``start % 128 + qlen >= 128``. The
-step hook (:mod:`kvmgr.kernels.c128_hook`) skips the compress launch when the answer is exactly
+step hook (:mod:`kvmgr.kernels.c128.hook`) skips the compress launch when the answer is exactly
 ``False`` and the step is not being captured into a CUDA graph.
 """
 
@@ -17,10 +17,10 @@ import itertools
 import numpy as np
 
 from kvmgr.errors import GeometryError
+from kvmgr.kernels.c128.layout import C128_RATIO
 
 __all__ = ["C128_RATIO", "c128_boundary"]
 
-C128_RATIO = 128
 _GATE_SCAN_MAX = 32  # up to this many requests a Python scan beats numpy's per-call cost
 
 

@@ -4,9 +4,9 @@ Offers:
     C128CompressorHook   a :class:`kvmgr.hooks.StepHook` running the two c128 kernels of one
                          compressor layer once per scheduler step
 
-Per step the hook launches :func:`~kvmgr.kernels.c128.c128_state_write`, then
-:func:`~kvmgr.kernels.c128.c128_compress` unless the host gate
-:func:`~kvmgr.kernels.c128_gate.c128_boundary` answers exactly ``False`` and the step is not being
+Per step the hook launches :func:`~kvmgr.kernels.c128.api.c128_state_write`, then
+:func:`~kvmgr.kernels.c128.api.c128_compress` unless the host gate
+:func:`~kvmgr.kernels.c128.gate.c128_boundary` answers exactly ``False`` and the step is not being
 captured into a CUDA graph. Under capture both kernels are always recorded: the graph is replayed
 for later steps whose boundaries the capture cannot know, and the compress kernel skips
 non-boundary tokens on the device.
@@ -20,8 +20,9 @@ import torch
 
 from kvmgr.errors import GeometryError
 from kvmgr.hooks import HookReport, StepContext
-from kvmgr.kernels.c128 import _Layer
-from kvmgr.kernels.c128_gate import c128_boundary
+from kvmgr.kernels.c128.bounds import check_compress_bounds, check_write_bounds
+from kvmgr.kernels.c128.gate import c128_boundary
+from kvmgr.kernels.c128.host import Layer
 
 __all__ = ["C128CompressorHook"]
 
@@ -75,7 +76,9 @@ class C128CompressorHook:
         eps: float = 1e-6,
         name: str = "c128",
         gated: bool = True,
+        check_slots: bool = False,
         direct_launch: bool = True,
+        packed_launch: bool = True,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
 
@@ -89,21 +92,30 @@ class C128CompressorHook:
             eps: RMSNorm epsilon (> 0).
             name: hook name and tensor-key prefix.
             gated: ``False`` disables the host gate (baseline for benchmarks).
+            check_slots: check every step's slots, table rows and table entries against the
+                caches and raise :class:`~kvmgr.errors.InvalidBlockError` for an index the
+                device would skip (one device->host sync per kernel; not under capture).
             direct_launch: launch the compiled kernels directly, past Triton's per-call
-                dispatch (:mod:`kvmgr.kernels._launch`: keyed by everything Triton
+                dispatch (:mod:`kvmgr.kernels.launch`: keyed by everything Triton
                 specializes on, falling back to Triton's normal launch where its internals
                 differ). ``False`` takes Triton's normal launch on every step.
+            packed_launch: with ``direct_launch``, bind each kernel's launch once per
+                specialization and then launch it with ``cuLaunchKernel`` from packed
+                arguments updated in place (:mod:`kvmgr.kernels.packed_launch`; the default).
+                ``False`` launches through the compiled kernel's own launcher.
 
         Raises:
             GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,
                 or ``eps <= 0``.
             ImportError: Triton is not installed.
         """
-        self._layer = _Layer(state_cache, ape=ape, norm_weight=norm_weight,
+        self._layer = Layer(state_cache, ape=ape, norm_weight=norm_weight,
                              cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
-                             eps=eps, direct_launch=direct_launch)  # fmt: skip
+                             eps=eps, direct_launch=direct_launch,
+                             packed_launch=packed_launch)  # fmt: skip
         self.name = name
         self.gated = gated
+        self.check_slots = check_slots
         self.state_cache = state_cache
         self.compressed_cache = compressed_cache
         self.num_steps = 0
@@ -125,7 +137,10 @@ class C128CompressorHook:
 
         Raises:
             GeometryError: a step tensor is missing or malformed, or the gate's metadata is
-                malformed (nothing was launched). The compress inputs are only checked when
+                malformed (nothing was launched).
+            InvalidBlockError: ``check_slots`` and an index is out of range (nothing was
+                launched).
+            ConfigError: ``check_slots`` under CUDA-graph capture. The compress inputs are only checked when
                 the compress launch is issued.
         """
         start_s = time.perf_counter()
@@ -142,14 +157,17 @@ class C128CompressorHook:
         skip = boundary is False
         # validate everything that will launch before launching anything
         layer = self._layer
-        num_tokens = layer.check_write(kv, score, pos, state_slots)
+        write, num_tokens = layer.prepare_write(kv, score, pos, state_slots)
         if not skip:
-            layer.check_compress(table, req, pos, slots)
-        if ctx.stream is None:
-            self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
-        else:
-            with torch.cuda.stream(ctx.stream):
-                self._launch(num_tokens, skip, kv, score, pos, state_slots, table, req, slots)
+            compress, _ = layer.prepare_compress(table, req, pos, slots)
+        if self.check_slots:
+            check_write_bounds(layer, pos, state_slots)
+            if not skip:
+                check_compress_bounds(layer, table, req, pos, slots)
+        if num_tokens:
+            write.launch((num_tokens, 1, 1), ctx.stream)
+            if not skip:
+                compress.launch((num_tokens, 1, 1), ctx.stream)
         launches = 0 if num_tokens == 0 else 1 + (not skip)
         self.num_steps += 1
         self.num_launches += launches
@@ -161,9 +179,3 @@ class C128CompressorHook:
             host_s=time.perf_counter() - start_s,
             extra={"boundary": boundary, "num_tokens": num_tokens},
         )
-
-    def _launch(self, num_tokens: int, skip: bool, *tensors: torch.Tensor) -> None:
-        kv, score, pos, state_slots, table, req, slots = tensors
-        self._layer.launch_write(num_tokens, kv, score, pos, state_slots)
-        if not skip:
-            self._layer.launch_compress(num_tokens, table, req, pos, slots)

@@ -1,8 +1,10 @@
 """Direct launches of compiled Triton kernels, without ``JITFunction.run``'s per-call dispatch.
 
-Private. Offers:
+Offers (to the kernel families of :mod:`kvmgr.kernels`):
     DirectLauncher    launches one ``@triton.jit`` kernel; after the first launch of a
-                      specialization, it enqueues the cached ``CompiledKernel`` itself
+                      specialization, it enqueues the cached ``CompiledKernel`` itself;
+                      ``bind`` returns a reusable launch with packed arguments
+                      (:mod:`kvmgr.kernels.packed_launch`)
     shared_launcher   the process-wide launcher of one kernel (memoized per kernel and mode)
 
 Why: ``kernel[grid](*args)`` re-derives the specialization of every argument, builds a string
@@ -55,6 +57,8 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
+
+from kvmgr.kernels.packed_launch import PackedLaunch, TritonLaunch, pack
 
 __all__ = ["DirectLauncher", "shared_launcher"]
 
@@ -140,6 +144,45 @@ class DirectLauncher:
                 except Exception:  # internals differ, or a genuine error the normal launch repeats
                     self._give_up()
         self.kernel[grid](*args, **_options(num_warps, num_stages))
+
+    def bind(
+        self,
+        grid: tuple[int, ...],
+        *args: Any,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
+        packed: bool = True,
+    ) -> PackedLaunch | TritonLaunch:
+        """A reusable launch of the kernel with ``args``; compiles if needed, launches nothing.
+
+        A :class:`~kvmgr.kernels.packed_launch.PackedLaunch` (``cuLaunchKernel`` from a packed
+        argument buffer) when direct launches are on, ``packed`` is true and the compiled
+        kernel can be packed; otherwise a
+        :class:`~kvmgr.kernels.packed_launch.TritonLaunch` that calls this launcher. Either
+        way, the caller may then change arguments only within the specialization of ``args``
+        (see the packed launch's contract) and must bind again for anything else.
+        """
+        options = _options(num_warps, num_stages)
+        runtime = self._runtime
+        if runtime is None and self.direct and packed:
+            runtime = self._start()
+        if runtime is not None and packed and not self._pre_run_hooks:
+            knobs, device = runtime.knobs, runtime.get_device()
+            head = (device, num_warps, num_stages, knobs.debug, knobs.override_arch,
+                    runtime.compilation.instrumentation_mode, runtime.language.default_fp_fusion,
+                    knobs.add_stages_inspection_hook)  # fmt: skip
+            try:
+                key = self._key(head, args)
+                compiled = self._compiled.get(key)
+                if compiled is None and head[-1] is None:
+                    compiled = self._compile(key, grid, args, num_warps, num_stages)
+            except Exception:  # as in __call__: the normal launch reports genuine errors
+                compiled = None
+            if compiled is not None:
+                bound = pack(self, compiled, args, options, device, knobs)
+                if bound is not None:
+                    return bound
+        return TritonLaunch(self, args, options)
 
     @staticmethod
     def _enqueue(compiled: Any, grid: tuple[int, ...], stream: Any, knobs: Any, args: tuple[Any, ...]) -> None:  # fmt: skip

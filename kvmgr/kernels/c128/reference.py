@@ -1,4 +1,4 @@
-"""Torch references and host helpers for the c128 compressor (:mod:`kvmgr.kernels.c128`).
+"""Torch references and host helpers for the c128 compressor (:mod:`kvmgr.kernels.c128.api`; imports none of the kernels).
 
 Offers:
     c128_state_write_ref   reference of ``c128_state_write`` (fp32 math, same effect)
@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 
 from kvmgr.errors import GeometryError
-from kvmgr.kernels.c128 import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
+from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, GROUP, c128_entry_bytes
 
 __all__ = ["c128_compress_ref", "c128_state_write_ref", "c128_unpack", "rope_cos_sin_cache"]
 
-_GROUP = 64
 _FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-4
 
@@ -51,7 +50,7 @@ def c128_unpack(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     if not isinstance(entries, torch.Tensor) or entries.dtype != torch.uint8:
         got = getattr(entries, "dtype", type(entries).__name__)
         raise GeometryError(f"entries: expected a uint8 tensor, got {got}")
-    head_dim = (entries.shape[-1] - C128_ROPE_DIM) * _GROUP // (_GROUP + 1)
+    head_dim = (entries.shape[-1] - C128_ROPE_DIM) * GROUP // (GROUP + 1)
     if (
         head_dim < 128
         or head_dim & (head_dim - 1)
@@ -63,10 +62,10 @@ def c128_unpack(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
         )
     nope_dim = head_dim - C128_ROPE_DIM
     lead = entries.shape[:-1]
-    e = entries[..., head_dim + C128_ROPE_DIM : head_dim + C128_ROPE_DIM + nope_dim // _GROUP]
+    e = entries[..., head_dim + C128_ROPE_DIM : head_dim + C128_ROPE_DIM + nope_dim // GROUP]
     exponents = e.to(torch.int32) - 127
     q = entries[..., :nope_dim].contiguous().view(torch.float8_e4m3fn).float()
-    scale = torch.exp2(exponents.double()).float().repeat_interleave(_GROUP, dim=-1)
+    scale = torch.exp2(exponents.double()).float().repeat_interleave(GROUP, dim=-1)
     rope_bytes = entries[..., nope_dim : head_dim + C128_ROPE_DIM].contiguous()
     rope = rope_bytes.view(torch.bfloat16).float().reshape(*lead, C128_ROPE_DIM)
     return q * scale, rope, exponents
@@ -80,10 +79,13 @@ def c128_state_write_ref(
     state_slot_mapping: torch.Tensor,
     state_cache: torch.Tensor,
 ) -> None:
-    """Torch reference of :func:`c128_state_write` (fp32 math, same arguments and effect)."""
+    """Torch reference of :func:`c128_state_write` (fp32 math, same arguments and effect).
+
+    Slots outside ``[0, num_state_blocks * S)`` and negative positions write nothing.
+    """
     block_size = state_cache.shape[1]
     slots = state_slot_mapping.long()
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < state_cache.shape[0] * block_size) & (positions >= 0)
     bias = ape.float()[positions.long() % C128_RATIO]
     rows = torch.cat([kv.float(), score.float() + bias], dim=1)[keep]
     state_cache[slots[keep] // block_size, slots[keep] % block_size] = rows
@@ -101,17 +103,30 @@ def c128_compress_ref(
     *,
     eps: float = 1e-6,
 ) -> None:
-    """Torch reference of :func:`c128_compress` (fp64 pooling, norm and RoPE; same effect)."""
-    block_size, head_dim = state_cache.shape[1], state_cache.shape[2] // 2
+    """Torch reference of :func:`c128_compress` (fp64 pooling, norm and RoPE; same effect).
+
+    Like the kernel, a boundary token writes nothing when its slot, table row, window block
+    indices, table entries or RoPE row fall outside the tensors given.
+    """
+    num_state_blocks, block_size, head_dim = state_cache.shape[0], state_cache.shape[1], state_cache.shape[2] // 2  # fmt: skip
+    num_reqs, width = state_block_table.shape
     pos = positions.long()
-    slots = compressed_slot_mapping.long()
-    todo = ((pos + 1) % C128_RATIO == 0) & (slots >= 0)
+    slots, reqs = compressed_slot_mapping.long(), req_indices.long()
+    capacity = compressed_cache.shape[0] * compressed_cache.shape[1]
+    todo = ((pos + 1) % C128_RATIO == 0) & (pos >= C128_RATIO - 1) & (slots >= 0)
+    todo &= (slots < capacity) & (reqs >= 0) & (reqs < num_reqs) & (pos // block_size < width)
+    todo &= (pos // C128_RATIO) * C128_RATIO < cos_sin_cache.shape[0]
     if not bool(todo.any()):
         return
-    pos, slots, reqs = pos[todo], slots[todo], req_indices.long()[todo]
-    # 1. gather each window [n, 128, 2D] through the block table
+    pos, slots, reqs = pos[todo], slots[todo], reqs[todo]
+    # 1. gather each window [n, 128, 2D] through the block table; a window with an entry that
+    #    is not a state block is dropped
     window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
     blocks = state_block_table.long()[reqs[:, None], window // block_size]
+    whole = ((blocks >= 0) & (blocks < num_state_blocks)).all(dim=1)
+    if not bool(whole.any()):
+        return
+    pos, slots, window, blocks = pos[whole], slots[whole], window[whole], blocks[whole]
     rows = state_cache[blocks, window % block_size].double()
     kv, score = rows[..., :head_dim], rows[..., head_dim:]
     # 2. per-channel softmax pooling, 3. RMSNorm
@@ -132,7 +147,7 @@ def c128_compress_ref(
 def _pack_ref(y: torch.Tensor) -> torch.Tensor:
     """Pack fp32 rows ``[n, D]`` into entries ``[n, D + 64 + D // 64]`` uint8."""
     n = y.shape[0]
-    nope = y[:, :-C128_ROPE_DIM].reshape(n, -1, _GROUP)
+    nope = y[:, :-C128_ROPE_DIM].reshape(n, -1, GROUP)
     amax = nope.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
     exponents = torch.ceil(torch.log2(amax.double() / _FP8_MAX)).to(torch.int32)
     scaled = nope * torch.exp2(-exponents.double()).float()[..., None]

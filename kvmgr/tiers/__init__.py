@@ -1,0 +1,43 @@
+"""Tiers below the CPU tier: a local disk tier and a tier shared by many instances (Valkey/Redis).
+
+Offers:
+    TierBackend, PutResult, TierStatistics   the backend protocol and its records (base.py)
+    TierNamespace                            model + layout + tenant -> stored keys (blob.py)
+    DiskTier                                 preallocated file of fixed-size slots (disk.py)
+    SharedTier                               Valkey/Redis over redis.asyncio (shared.py)
+    TierBridge, BridgeStatistics             CPU-tier pages <-> a backend (bridge.py)
+
+``SharedTier`` needs the ``tiers`` extra (``redis``, ``hiredis``); it is imported lazily so the
+rest of kvmgr works without it. See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvmgr.tiers.base import PutResult, TierBackend, TierStatistics
+from kvmgr.tiers.blob import TierNamespace
+from kvmgr.tiers.bridge import BridgeStatistics, TierBridge
+from kvmgr.tiers.disk import DiskTier
+
+if TYPE_CHECKING:
+    from kvmgr.tiers.shared import SharedTier
+
+__all__ = [
+    "BridgeStatistics",
+    "DiskTier",
+    "PutResult",
+    "SharedTier",
+    "TierBackend",
+    "TierBridge",
+    "TierNamespace",
+    "TierStatistics",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SharedTier":
+        from kvmgr.tiers.shared import SharedTier
+
+        return SharedTier
+    raise AttributeError(f"module 'kvmgr.tiers' has no attribute {name!r}")

@@ -1,0 +1,230 @@
+"""The protocol every lower tier implements, its statistics, and the deadline helper.
+
+Offers:
+    TierBackend      the async protocol (put_many, get_many, contains_many, delete_many, aclose,
+                     statistics) a disk tier, a Valkey/Redis tier, or later a Mooncake store or
+                     an LMCache server implements
+    PutResult        what a batched write stored
+    TierStatistics   frozen counters of one backend (totals since construction)
+    TierCounters     the mutable counters a backend keeps and snapshots
+    check_keys       key validation shared by the backends
+    with_deadline    run one awaitable under a deadline, raising ``TierTimeoutError``
+
+Semantics shared by all backends:
+    - Keys are the *stored* keys (``TierNamespace.stored_keys``), ``bytes``; values are blobs made
+      by ``kvmgr.tiers.blob`` (header + pages + checksum). A backend verifies each blob it returns
+      (``blob.verify``): missing, truncated or corrupted = ``None`` (a miss), counted.
+    - Every operation has a deadline. A slow or dead backend raises a ``TierError`` subclass
+      (``TierTimeoutError``, ``TierUnavailableError``, ``TierFullError``) and counts it; it never
+      hangs. Callers (``TierBridge``) turn errors into misses.
+    - A backend may drop any key at any time (eviction): a later get is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
+
+import attrs
+import numpy as np
+
+from kvmgr.errors import InvalidKeyError, TierTimeoutError
+
+__all__ = [
+    "Buffer",
+    "PutResult",
+    "TierBackend",
+    "TierCounters",
+    "TierStatistics",
+    "check_keys",
+    "with_deadline",
+]
+
+T = TypeVar("T")
+
+#: A blob: anything with the buffer protocol that ``memoryview`` accepts (bytes, memoryview,
+#: a contiguous numpy uint8 row).
+Buffer = bytes | bytearray | memoryview
+
+
+@attrs.frozen
+class PutResult:
+    """What one ``put_many`` stored.
+
+    Attributes:
+        stored: bool ``[n]``: ``True`` where the key is now readable (written, or already there).
+        num_stored: ``stored.sum()``.
+        num_bytes: blob bytes written by this call (keys already present count 0).
+        seconds: wall time of the call.
+    """
+
+    stored: np.ndarray
+    num_stored: int
+    num_bytes: int
+    seconds: float
+
+
+@attrs.frozen
+class TierStatistics:
+    """Counters of one backend, totals since construction (blocks, bytes, seconds).
+
+    Attributes:
+        name: backend kind (``"disk"``, ``"shared"``).
+        io_mode: how it does I/O (``"direct"``/``"buffered"`` for disk, ``"redis"`` for shared).
+        num_put_batches / num_get_batches: calls of ``put_many`` / ``get_many``.
+        num_stored: blobs written.
+        num_hits: blobs returned, verified.
+        num_misses: keys asked for and not returned (absent, evicted, corrupt, or failed call).
+        num_corrupt: values found but rejected by ``blob.verify`` (part of ``num_misses``).
+        num_timeouts: calls that passed their deadline.
+        num_errors: calls that failed otherwise (connection, authentication, I/O).
+        num_full: writes refused for lack of space.
+        num_evicted: blobs the backend itself dropped to make room (disk LRU; the shared
+            server's own evictions are not visible here).
+        bytes_written / bytes_read: blob bytes moved.
+        put_s / get_s: total seconds inside ``put_many`` / ``get_many``.
+        max_put_s / max_get_s: the slowest single call.
+        last_error: the last error's message (never contains credentials), or ``None``.
+    """
+
+    name: str
+    io_mode: str
+    num_put_batches: int = 0
+    num_get_batches: int = 0
+    num_stored: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_corrupt: int = 0
+    num_timeouts: int = 0
+    num_errors: int = 0
+    num_full: int = 0
+    num_evicted: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    put_s: float = 0.0
+    get_s: float = 0.0
+    max_put_s: float = 0.0
+    max_get_s: float = 0.0
+    last_error: str | None = None
+
+
+@attrs.define
+class TierCounters:
+    """Mutable twin of ``TierStatistics`` that a backend updates; ``snapshot()`` freezes it."""
+
+    name: str
+    io_mode: str
+    num_put_batches: int = 0
+    num_get_batches: int = 0
+    num_stored: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_corrupt: int = 0
+    num_timeouts: int = 0
+    num_errors: int = 0
+    num_full: int = 0
+    num_evicted: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    put_s: float = 0.0
+    get_s: float = 0.0
+    max_put_s: float = 0.0
+    max_get_s: float = 0.0
+    last_error: str | None = None
+
+    def add_put_time(self, seconds: float) -> None:
+        """Count one ``put_many`` call of ``seconds``."""
+        self.num_put_batches += 1
+        self.put_s += seconds
+        self.max_put_s = max(self.max_put_s, seconds)
+
+    def add_get_time(self, seconds: float) -> None:
+        """Count one ``get_many`` call of ``seconds``."""
+        self.num_get_batches += 1
+        self.get_s += seconds
+        self.max_get_s = max(self.max_get_s, seconds)
+
+    def snapshot(self) -> TierStatistics:
+        """A frozen copy of the counters."""
+        return TierStatistics(**attrs.asdict(self))
+
+
+@runtime_checkable
+class TierBackend(Protocol):
+    """A lower tier: batched, async, every call under a deadline, typed errors.
+
+    Implementations: ``DiskTier`` (local file of fixed-size slots), ``SharedTier`` (Valkey/Redis).
+    """
+
+    name: str
+
+    async def put_many(self, keys: Sequence[bytes], blobs: Sequence[Buffer]) -> PutResult:
+        """Store ``blobs[i]`` under ``keys[i]`` (keys distinct); one round trip per batch.
+
+        Raises:
+            InvalidKeyError: keys not bytes, repeated, or ``len(keys) != len(blobs)``.
+            TierTimeoutError, TierUnavailableError, TierFullError, TierError: the write failed
+                (some blobs may have landed; none is readable half-written).
+        """
+        ...
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """The verified blob of each key, ``None`` where absent or corrupt.
+
+        Raises:
+            InvalidKeyError: a key is not bytes.
+            TierTimeoutError, TierUnavailableError, TierError: the read failed.
+        """
+        ...
+
+    async def contains_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """bool ``[n]``: whether each key is stored (not verified; a hint for lookups).
+
+        Raises:
+            InvalidKeyError, TierError: as ``get_many``.
+        """
+        ...
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys; returns how many were present.
+
+        Raises:
+            InvalidKeyError, TierError: as ``get_many``.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections, files and threads; idempotent."""
+        ...
+
+    def statistics(self) -> TierStatistics:
+        """Totals since construction."""
+        ...
+
+
+def check_keys(keys: Sequence[bytes], *, distinct: bool = False) -> list[bytes]:
+    """Return ``keys`` as a list after checking each is non-empty ``bytes``.
+
+    Raises:
+        InvalidKeyError: a key is not ``bytes`` or empty, or (``distinct=True``) keys repeat.
+    """
+    out = list(keys)
+    for i, key in enumerate(out):
+        if not isinstance(key, bytes) or not key:
+            raise InvalidKeyError(f"key {i}: expected non-empty bytes, got {type(key).__name__}")
+    if distinct and len(set(out)) != len(out):
+        raise InvalidKeyError(f"expected distinct keys, got {len(out) - len(set(out))} repeats")
+    return out
+
+
+async def with_deadline(awaitable: Awaitable[T], deadline_s: float, what: str) -> T:
+    """Await ``awaitable``; past ``deadline_s`` seconds cancel it and raise ``TierTimeoutError``.
+
+    Raises:
+        TierTimeoutError: the deadline passed (the awaitable was cancelled).
+    """
+    try:
+        return await asyncio.wait_for(awaitable, deadline_s)
+    except asyncio.TimeoutError:
+        raise TierTimeoutError(f"{what} passed its {deadline_s:g} s deadline") from None
