@@ -1,10 +1,12 @@
 """Reliability: a stateful fault-injection model, timeouts, cancellation, shutdown, backpressure,
 metrics.
 
-The stateful test drives one manager through random swaps, lookups, steps, preempts, resumes,
+The stateful test drives one manager through random swaps (``swap_out``/``swap_in`` and
+``store_many``/``load_many`` over two requests' blocks), lookups, steps, preempts, resumes,
 frees, cancellations, timed-out awaits and injected faults (failed, hung, held, refused, delayed
-batches); after every step ``check_invariants`` passes and every completed swap-in holds the
-bytes stored under its key. Profiles: ``KVMGR_STATEFUL=ci`` (default, a few seconds) and
+batches); after every step ``check_invariants`` passes and every completed load holds the
+bytes stored under its key. It uses only the public API: GPU blocks come from ``allocate``, and
+a swap is known settled when it left ``snapshot().swaps``. Profiles: ``KVMGR_STATEFUL=ci`` (default, a few seconds) and
 ``KVMGR_STATEFUL=long`` (``KVMGR_STATEFUL_EXAMPLES`` examples, default 3000), for example::
 
     KVMGR_STATEFUL=long python -m pytest -q -s tests/test_reliability.py -k Stateful --timeout 0
