@@ -180,10 +180,16 @@ def build_baseline(verbose: bool = False) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the swap half of ``kvmgr bench peer``."""
     parser.add_argument("--swap-repeats", type=int, default=10, help="timed requests (median)")
-    parser.add_argument("--swap-warmup", type=int, default=2)
-    parser.add_argument("--swap-engines", nargs="+", choices=_ENGINES, default=list(_ENGINES))
-    parser.add_argument("--swap-seed", type=int, default=0)
-    parser.add_argument("--swap-json", metavar="PATH", default=None)
+    parser.add_argument("--swap-warmup", type=int, default=2, help="untimed requests first")
+    parser.add_argument(
+        "--swap-engines",
+        nargs="+",
+        choices=_ENGINES,
+        default=list(_ENGINES),
+        help="kvmgr engines to compare",
+    )
+    parser.add_argument("--swap-seed", type=int, default=0, help="seeds the scattered block ids")
+    parser.add_argument("--swap-json", metavar="PATH", default=None, help="also write JSON rows")
 
 
 def run_peer_swap(args: argparse.Namespace) -> dict[str, Any]:
