@@ -14,6 +14,8 @@ Kernels and their hooks (Triton) live in ``kvmgr.kernels``; the user testing kit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     BlockStateError,
@@ -33,20 +35,36 @@ from kvmgr.errors import (
     UnknownRequestError,
 )
 from kvmgr.hooks import HookReport, StepContext, StepHook
-from kvmgr.manager import OffloadManager
 from kvmgr.pool.block_table import Tier
-from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapResult
+
+if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports torch
+    from kvmgr.kernels.c128.gate import c128_boundary
+    from kvmgr.kernels.c128.hook import C128CompressorHook
+    from kvmgr.kernels.mla.api import (
+        grouped_mla_insert,
+        mla_insert_reference,
+        per_layer_mla_insert,
+    )
+    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
+    from kvmgr.manager import OffloadManager
+    from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapResult
 
 __version__ = "0.1.0"
 
-#: Kernel entry points re-exported lazily, so ``import kvmgr`` never imports Triton.
+#: Names re-exported lazily: the manager and its reports (they import torch, which
+#: ``kvmgr --version`` must not) and the kernel entry points (``import kvmgr`` needs no Triton).
 _LAZY = {
-    "GroupedMLAInsertHook": "kvmgr.kernels.hooks_mla",
-    "grouped_mla_insert": "kvmgr.kernels.mla_insert",
-    "per_layer_mla_insert": "kvmgr.kernels.mla_insert",
-    "mla_insert_reference": "kvmgr.kernels.mla_insert",
-    "C128CompressorHook": "kvmgr.kernels.c128_hook",
-    "c128_boundary": "kvmgr.kernels.c128_gate",
+    "OffloadManager": "kvmgr.manager",
+    "DirectionReport": "kvmgr.reports",
+    "ManagerStatistics": "kvmgr.reports",
+    "StepReport": "kvmgr.reports",
+    "SwapResult": "kvmgr.reports",
+    "GroupedMLAInsertHook": "kvmgr.kernels.mla.hook",
+    "grouped_mla_insert": "kvmgr.kernels.mla.api",
+    "per_layer_mla_insert": "kvmgr.kernels.mla.api",
+    "mla_insert_reference": "kvmgr.kernels.mla.api",
+    "C128CompressorHook": "kvmgr.kernels.c128.hook",
+    "c128_boundary": "kvmgr.kernels.c128.gate",
 }
 
 
@@ -56,7 +74,21 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'kvmgr' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] != "triton":
+            raise
+        raise ImportError(
+            f"kvmgr.{name} needs Triton, which is not installed: pip install 'kvmgr[kernels]'",
+            name=exc.name,
+        ) from exc
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

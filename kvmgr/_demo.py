@@ -20,20 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _demo(num_blocks: int) -> int:
     gen = torch.Generator().manual_seed(0)
     # Two KV tensors with different page sizes: [num_gpu_blocks, block_size, head_dim].
-    # Blocks [0, n) are stored, then loaded back into blocks [n, 2n).
     num_gpu = 2 * num_blocks
     gpu = [torch.randn(num_gpu, 16, 36, generator=gen), torch.randn(num_gpu, 16, 8, generator=gen)]
     keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(num_blocks)]
     async with OffloadManager(gpu, ManagerConfig(num_cpu_blocks=num_blocks)) as mgr:
-        stored = mgr.swap_out(list(range(num_blocks)), keys=keys)
+        # The manager owns the GPU blocks: a swap names only blocks allocated to a request.
+        src = mgr.allocate("first", num_blocks)
+        stored = mgr.swap_out(src, keys=keys)
         await mgr.step()
         print("stored:", await stored)
         hits = mgr.lookup(keys)
-        dst = list(range(num_blocks, num_blocks + hits))
+        dst = mgr.allocate("second", hits)  # a second request with the same prefix
         loaded = mgr.swap_in(keys[:hits], dst)
         await mgr.step()
         print("loaded:", await loaded)
-        ok = all(torch.equal(t[:hits], t[num_blocks : num_blocks + hits]) for t in gpu)
+        ok = all(torch.equal(t[src[:hits]], t[dst]) for t in gpu)
         print(f"{hits} blocks verified: {ok}")
         return 0 if ok else 1
 

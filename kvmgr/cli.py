@@ -1,4 +1,9 @@
-"""The ``kvmgr`` command: ``simulate``, ``bench ...``, ``info``, ``demo``.
+"""The kvmgr command: simulate, bench ..., info, demo.
+
+Offers:
+    main            the console script's entry point; returns the exit status
+    HelpFormatter   the formatter of every kvmgr parser: shows each flag's default
+    cuda_missing    the one "needs a CUDA GPU" check of ``kvmgr bench ...``
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) ->
 int``; they are imported only when chosen, so ``kvmgr info`` works without Triton and the
@@ -11,12 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvmgr import __version__
 from kvmgr.errors import KVMgrError
 
-__all__ = ["main"]
+__all__ = ["HelpFormatter", "cuda_missing", "main"]
 
 #: ``kvmgr bench NAME`` -> module implementing it.
 BENCHES = {
@@ -24,8 +29,13 @@ BENCHES = {
     "swap-kernel": "kvmgr.bench.swap_kernel",
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
+    "host": "kvmgr.bench.host",
     "tiers": "kvmgr.bench.tiers",
+    "peer": "kvmgr.bench.peer",
+    "peer-mla": "kvmgr.bench.peer_mla",
 }
+#: benchmarks that run without a GPU (every other one needs a CUDA GPU).
+CPU_BENCHES = frozenset({"host", "tiers"})
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
@@ -34,27 +44,76 @@ COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default appended, unless its help already names one.
+
+    Flags whose default is ``None`` or ``False`` (unset, off) show no default.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False
+        if unset or action.default == argparse.SUPPRESS or "default" in text.lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+def cuda_missing(command: str) -> str | None:
+    """The message to print when ``command`` needs a CUDA GPU and torch sees none, else ``None``.
+
+    Every ``kvmgr bench ...`` passes through here, so they all say it in the same words.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"kvmgr {command}: error: needs a CUDA GPU, and torch sees none; nothing was measured"
+
+
 def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmgr", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvmgr", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"kvmgr {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = argv[0] if argv else None
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if name == chosen:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
             p.set_defaults(run=mod.run)
-    bench = sub.add_parser("bench", help="GPU micro-benchmarks")
+    bench = sub.add_parser(
+        "bench",
+        help="micro-benchmarks (all but host and tiers need a CUDA GPU)",
+        description="micro-benchmarks (all but host and tiers need a CUDA GPU)",
+        formatter_class=HelpFormatter,
+    )
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     chosen_bench = argv[1] if chosen == "bench" and len(argv) > 1 else None
     for name, module in BENCHES.items():
-        p = bench_sub.add_parser(name, help=f"benchmark: {name}")
+        p = bench_sub.add_parser(name, help=f"benchmark: {name}", formatter_class=HelpFormatter)
         if name == chosen_bench:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
-            p.set_defaults(run=mod.run)
+            run = mod.run if name in CPU_BENCHES else _needs_cuda(f"bench {name}", mod.run)
+            p.set_defaults(run=run)
     return parser
+
+
+def _needs_cuda(
+    command: str, run: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    def checked(args: argparse.Namespace) -> int:
+        message = cuda_missing(command)
+        if message is not None:
+            print(message, file=sys.stderr)
+            return 2
+        return run(args)
+
+    return checked
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,10 +16,7 @@ from attrs import validators as v
 
 from kvmgr.errors import ConfigError
 
-__all__ = ["ENGINES", "FLUSH_MODES", "ManagerConfig"]
-
-#: Engine names accepted by ``ManagerConfig.engine``; "auto" picks per device (see manager).
-ENGINES = ("auto", "host", "cuda", "kernel")
+__all__ = ["FLUSH_MODES", "ManagerConfig"]
 #: "step": ``step()`` flushes; "tick": everything queued in one event-loop tick is flushed.
 FLUSH_MODES = ("step", "tick")
 #: What a store that cannot make room does: fail at once, or wait (bounded) for room.
@@ -33,6 +30,13 @@ def _policy_name(instance: Any, attribute: Any, value: str) -> None:
         raise ConfigError(f"unknown policy {value!r}; supported: {', '.join(sorted(POLICIES))}")
 
 
+def _engine_name(instance: Any, attribute: Any, value: str) -> None:
+    from kvmgr.transfer import ENGINES  # the one registry of engines (imports torch: lazily)
+
+    if not isinstance(value, str) or value not in ENGINES:
+        raise ConfigError(f"engine: expected one of {sorted(ENGINES)}, got {value!r}")
+
+
 def _one_of(choices: tuple[str, ...]) -> Any:
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if not isinstance(value, str) or value not in choices:
@@ -44,6 +48,21 @@ def _one_of(choices: tuple[str, ...]) -> Any:
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{attribute.name}: expected an int >= 1, got {value!r}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{attribute.name}: expected an int >= 0, got {value!r}")
+
+
+#: Largest CPU tier accepted (2**40 blocks): beyond it the sizes overflow int64 byte counts.
+MAX_CPU_BLOCKS = 1 << 40
+
+
+def _cpu_blocks(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _positive(instance, attribute, value)
+    if value > MAX_CPU_BLOCKS:
+        raise ConfigError(f"{attribute.name}: expected at most 2**40 blocks, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -66,11 +85,22 @@ class ManagerConfig:
         store_wait_s: bound of the wait, seconds.
         allow_pageable: CUDA engines may fall back (logged) to pageable host memory when
             registration fails, instead of raising.
+        store_threshold: a key is stored only once a store of it was asked this many times
+            (vLLM's ``store_threshold``); 1 stores on first sight. Keys held back are counted in
+            ``ManagerStatistics.stores_not_admitted``.
+        tier_write_back: blocks the CPU tier evicts are written to the first lower tier (when
+            the manager has lower tiers), instead of dropped.
+        tier_write_through: every completed store is also written to every lower tier, so other
+            instances sharing the tier can use it at once.
+        max_events: KV events kept for ``take_events()``/``events()`` before the oldest are
+            dropped; 0 records none.
+        policy_options: keyword arguments for the policy's constructor
+            (``make_policy(policy, num_cpu_blocks, **policy_options)``), e.g. ``clock``.
     """
 
-    num_cpu_blocks: int = attrs.field(validator=_positive)
+    num_cpu_blocks: int = attrs.field(validator=_cpu_blocks)
     policy: str = attrs.field(default="lru", validator=_policy_name)
-    engine: str = attrs.field(default="auto", validator=_one_of(ENGINES))
+    engine: str = attrs.field(default="auto", validator=_engine_name)
     flush: str = attrs.field(default="step", validator=_one_of(FLUSH_MODES))
     manage_gpu_blocks: bool = attrs.field(default=True, validator=v.instance_of(bool))
     merge: bool = attrs.field(default=True, validator=v.instance_of(bool))
@@ -78,6 +108,11 @@ class ManagerConfig:
     backpressure: str = attrs.field(default="fail", validator=_one_of(BACKPRESSURE_MODES))
     store_wait_s: float = attrs.field(default=1.0)
     allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    store_threshold: int = attrs.field(default=1, validator=_positive)
+    max_events: int = attrs.field(default=4096, validator=_non_negative)
+    tier_write_back: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    tier_write_through: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=v.instance_of(Mapping))
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 __all__ = [
     "BlockStateError",
+    "ClosedBeforeCopyError",
     "ClosedError",
     "ConfigError",
     "DoubleFreeError",
+    "EventLoopError",
     "GeometryError",
     "HazardError",
+    "HostMemoryError",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidKeyError",
     "KVMgrError",
     "PoolExhaustedError",
+    "StaleKVTensorError",
     "TierError",
     "TierFullError",
     "TierTimeoutError",
@@ -107,12 +111,42 @@ class TransferError(KVMgrError, RuntimeError):
         self.fail_index = fail_index
 
 
-class TransferTimeoutError(TransferError, TimeoutError):
-    """An await passed its deadline; the copy itself may still be running and stays fenced."""
+class TransferTimeoutError(TransferError):
+    """An await passed its deadline; the copy itself may still be running and stays fenced.
+
+    Deliberately not a builtin ``TimeoutError``: ``asyncio.wait_for`` around kvmgr calls raises
+    that one, and the two must not be confused.
+    """
+
+
+class StaleKVTensorError(TransferError):
+    """A KV tensor's storage moved or changed size after the manager was built (``resize_``,
+    ``set_``): copies would use freed memory, so the batch is failed instead."""
+
+
+class HostMemoryError(KVMgrError, MemoryError):
+    """The CPU tier's host memory could not be allocated or registered.
+
+    Attributes:
+        num_bytes: bytes asked for.
+    """
+
+    def __init__(self, message: str, *, num_bytes: int) -> None:
+        super().__init__(message)
+        self.num_bytes = num_bytes
+
+
+class EventLoopError(KVMgrError, RuntimeError):
+    """A call that queues work ran outside a running asyncio event loop, or on another loop
+    while the manager had work queued or in flight on its own."""
 
 
 class ClosedError(KVMgrError, RuntimeError):
     """The manager or engine is closed, or closed while the operation was pending."""
+
+
+class ClosedBeforeCopyError(ClosedError, TransferError):
+    """The engine closed before this batch's copy started: nothing was copied."""
 
 
 class TierError(KVMgrError, RuntimeError):

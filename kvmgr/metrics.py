@@ -19,6 +19,7 @@ evictions_total                    counter  policy         CPU blocks evicted
 stores_rejected_total              counter  reason         stores refused (``cpu_full``, ...)
 await_timeouts_total               counter                 ``wait`` deadlines passed
 blocks_stored_total                counter  outcome        queued / completed / failed / skipped
+                                                           / not_admitted
 blocks_loaded_total                counter  outcome        queued / completed / failed
 transfer_bytes_total               counter  direction      bytes of completed batches
 transfer_device_seconds_total      counter  direction      their device (or copy-thread) seconds
@@ -27,7 +28,13 @@ copies_in_flight                   gauge                   batches submitted, no
 queued_swaps                       gauge                   swaps waiting for the next flush
 cpu_blocks                         gauge    state          CPU tier blocks ``used`` / ``free``
 cpu_keys                           gauge    state          keyed CPU blocks ``pending`` / ``ready``
+                                                           / ``loading`` (READY with loads)
 gpu_blocks_free                    gauge                   free owned GPU blocks (if owned)
+peeks_total                        counter                 ``peek`` calls
+invalidated_total                  counter                 keys dropped by invalidate / clear
+events_dropped_total               counter                 KV events dropped undrained
+batch_blocks                       histo.   le             blocks per submitted batch
+completion_seconds                 histo.   le             submission -> completion per batch
 =================================  =======  =============  =====================================
 
 ``prometheus_client`` is optional (``pip install kvmgr[metrics]``); this module imports without it.
@@ -56,7 +63,8 @@ class Sample:
 
     Attributes:
         name: series name without prefix (counters end in ``_total``).
-        kind: ``"counter"`` (only grows) or ``"gauge"``.
+        kind: ``"counter"`` (only grows), ``"gauge"``, or ``"histogram"`` (cumulative
+            ``*_bucket`` counts with an ``le`` label, and ``*_sum``).
         help: one-line description, with units.
         value: the value (bytes, seconds or a count).
         labels: label name -> value.
@@ -108,14 +116,18 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
     add("lookup_keys_total", counter, "keys asked by lookups", st.lookup_keys)
     add("lookup_hits_total", counter, "keys found READY by lookups", st.lookup_hits)
     add("lookup_misses_total", counter, "keys asked and not hit", st.lookup_keys - st.lookup_hits)
+    add("peeks_total", counter, "peek calls (they touch nothing)", st.peeks)
     add("evictions_total", counter, "CPU blocks evicted", st.evictions, policy=st.policy)
+    add("invalidated_total", counter, "keys dropped by invalidate/clear", st.invalidated)
     rejected = {"cpu_full": 0, "timeout": 0, **st.rejected}
-    await_timeouts = rejected.pop("timeout_await", 0) + getattr(st, "await_timeouts", 0)
     for reason, count in sorted(rejected.items()):
         add("stores_rejected_total", counter, "stores refused, by reason", count, reason=reason)
-    add("await_timeouts_total", counter, "awaits that passed their deadline", await_timeouts)
+    add("await_timeouts_total", counter, "awaits that passed their deadline", st.await_timeouts)
+    add("events_dropped_total", counter, "KV events dropped undrained", st.events_dropped)
     stored = {"queued": st.stores_queued, "completed": st.stores_completed}
-    stored.update(failed=st.stores_failed, skipped=st.stores_skipped)
+    stored.update(
+        failed=st.stores_failed, skipped=st.stores_skipped, not_admitted=st.stores_not_admitted
+    )
     for outcome, count in stored.items():
         add("blocks_stored_total", counter, "blocks stored (GPU -> CPU)", count, outcome=outcome)
     loaded = {"queued": st.loads_queued, "completed": st.loads_completed}
@@ -142,9 +154,25 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
     add("cpu_blocks", gauge, "CPU tier blocks by state", free, state="free")
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_pending, state="pending")
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_ready, state="ready")
+    add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_loading, state="loading")
+    for name, hist, help_text in (
+        ("batch_blocks", st.batch_blocks, "blocks per submitted batch, blocks"),
+        ("completion_seconds", st.completion_s, "submission to completion per batch, seconds"),
+    ):
+        if hist is None:
+            continue
+        cumulative = 0
+        for bound, count in zip((*hist.bounds, float("inf")), hist.counts):
+            cumulative += count
+            add(f"{name}_bucket", "histogram", help_text, cumulative, le=_le(bound))
+        add(f"{name}_sum", "histogram", help_text, hist.total)
     if st.gpu_blocks_free is not None:
         add("gpu_blocks_free", gauge, "free blocks of the owned GPU pool", st.gpu_blocks_free)
     return MetricsSnapshot(tuple(samples))
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 class PrometheusExporter:
@@ -214,10 +242,33 @@ class PrometheusExporter:
 
     def collect(self) -> Iterator[Any]:
         """One metric family per series name, read from a fresh snapshot."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         families: dict[str, Any] = {}
-        for s in metrics_snapshot(self._statistics()).samples:
+        samples = metrics_snapshot(self._statistics()).samples
+        buckets: dict[str, list[tuple[str, float]]] = {}
+        sums: dict[str, float] = {}
+        helps: dict[str, str] = {}
+        for s in samples:
+            if s.kind != "histogram":
+                continue
+            base, _, suffix = s.name.rpartition("_")
+            helps[base] = s.help
+            if suffix == "bucket":
+                buckets.setdefault(base, []).append((s.labels["le"], s.value))
+            else:
+                sums[base] = s.value
+        for base, series in buckets.items():
+            families[base] = HistogramMetricFamily(
+                f"{self.prefix}_{base}", helps[base], buckets=series, sum_value=sums.get(base, 0.0)
+            )
+        for s in samples:
+            if s.kind == "histogram":
+                continue
             family = families.get(s.name)
             if family is None:
                 kind = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily

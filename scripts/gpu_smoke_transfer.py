@@ -27,7 +27,7 @@ import torch
 
 from kvmgr.errors import TransferError
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import _driver
+from kvmgr.transfer import driver as copy_driver
 from kvmgr.transfer.plan import Direction, build_plan
 
 
@@ -68,7 +68,7 @@ def raw_proc_address() -> None:
 
 
 def layout() -> str:
-    assert _driver.attrs_layout_matches() is True, (
+    assert copy_driver.attrs_layout_matches() is True, (
         "MemcpyAttributes differs from cuda-python's struct"
     )
     return "CUmemcpyAttributes: 24 B, bytes match cuda-python"
@@ -115,10 +115,10 @@ def main() -> int:
     step("versions", versions)
     step("raw cuGetProcAddress", raw_proc_address)
     step("struct layout", layout)
-    holder: list[_driver.CopyDriver] = []
+    holder: list[copy_driver.CopyDriver] = []
 
     def make_driver() -> str:
-        holder.append(_driver.CopyDriver())
+        holder.append(copy_driver.CopyDriver())
         return f"batch ABI {holder[0].batch_abi}, driver CUDA {holder[0].driver_version}"
 
     step("CopyDriver()", make_driver)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
-from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.allocator import BlockAllocator, as_id_array
 
 
 def _state(alloc: BlockAllocator) -> tuple[int, tuple[bool, ...]]:
@@ -160,3 +160,50 @@ def test_allocator_matches_a_reference_model(ops: list[tuple[bool, int]]) -> Non
             freed += chunk
         assert alloc.num_free == num_blocks - next_fresh + len(freed)
         assert sorted(b for b in range(num_blocks) if alloc.is_allocated(b)) == sorted(held)
+
+
+def test_array_twins_take_and_give_follow_the_same_order() -> None:
+    """``take``/``give`` (int64 arrays, the manager's hot path) and ``take_one``/``give_one``
+    hand out ids in the documented order and agree with ``allocated_mask``."""
+    alloc = BlockAllocator(6)
+    ids = alloc.take(3)
+    assert ids is not None and ids.dtype == np.int64 and ids.tolist() == [0, 1, 2]
+    alloc.give(np.array([2, 0], dtype=np.int64))  # 0 freed last: reused first
+    assert alloc.allocated_mask().tolist() == [False, True, False, False, False, False]
+    before = _state(alloc)
+    assert alloc.take(6) is None  # 5 free: nothing changed
+    assert _state(alloc) == before
+    assert alloc.take_one() == 3
+    mixed = alloc.take(4)
+    assert mixed is not None and mixed.tolist() == [4, 5, 0, 2]
+    assert alloc.take_one() is None
+    alloc.give_one(4)
+    assert alloc.take_one() == 4 and alloc.num_free == 0
+    with pytest.raises(InvalidBlockError):  # duplicate in one call: nothing freed
+        alloc.give(np.array([3, 3], dtype=np.int64))
+    assert alloc.num_allocated == 6
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        np.array([[0]]),  # 2-D
+        np.array([0.0]),  # float dtype
+        np.array([True]),  # bool dtype
+        "01",
+        b"\x00",
+        5,
+        [1, None],
+        [2**70],  # outside int64
+    ],
+)
+def test_as_id_array_rejects_what_is_not_a_list_of_ids(ids: object) -> None:
+    with pytest.raises(InvalidBlockError):
+        as_id_array(ids, "gpu")
+
+
+def test_as_id_array_accepts_lists_and_integer_arrays() -> None:
+    assert as_id_array([3, np.int32(1)], "gpu").tolist() == [3, 1]
+    out = as_id_array(np.array([2, 0], dtype=np.uint8), "gpu")
+    assert out.dtype == np.int64 and out.tolist() == [2, 0]
+    assert as_id_array([], "gpu").tolist() == []

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -47,27 +48,25 @@ def _kv() -> list[torch.Tensor]:
 
 
 def _snapshot(mgr: OffloadManager, kv: list[torch.Tensor]) -> dict[str, Any]:
+    """Everything a bad call must leave alone, read through the public snapshot()."""
     stats = attrs.asdict(mgr.statistics())
     stats.pop("rejected")
-
-    def alloc(a: Any) -> Any:
-        return None if a is None else (a.num_free, [a.is_allocated(b) for b in range(a.num_blocks)])
-
+    snap = mgr.snapshot()
     tables = {}
-    for req in ("r", "s", "new"):
+    for req in ("r", "s", "t", "new"):
         try:
             tables[req] = mgr.block_table(req)
         except UnknownRequestError:
             tables[req] = None
     return {
         "stats": stats,
-        "index": {
-            k: (e.block_id, e.state, e.readers) for k in mgr.index for e in [mgr.index.entry(k)]
-        },
+        "index": {k: (e.cpu_block_id, e.state, e.readers) for k, e in snap.keys.items()},
         "policy": list(getattr(mgr.policy, "ordered_keys", list)()),
-        "cpu": alloc(mgr.cpu_blocks),
-        "gpu": alloc(mgr.gpu_blocks),
+        "cpu": (snap.cpu_allocated, snap.cpu_states),
+        "gpu": (snap.gpu_allocated, snap.gpu_states, dict(snap.gpu_busy)),
         "tables": tables,
+        "snap_tables": dict(snap.tables),
+        "swaps": snap.swaps,
         "gpu_bytes": [t.clone() for t in kv],
         "cpu_bytes": mgr.cpu_pool.region.clone(),
     }
@@ -92,6 +91,9 @@ async def _populated(owned: bool) -> tuple[OffloadManager, list[torch.Tensor], a
     if owned:
         mgr.allocate("r", 2)  # GPU 0, 1
         mgr.allocate("s", 2)  # GPU 2, 3
+        # an owned pool lets swaps name only held blocks (issue 11): "t" holds the blocks the
+        # keyed swaps below and the cases name
+        assert mgr.allocate("t", 4) == [4, 5, 6, 7]
     else:
         mgr.append_blocks("r", [0, 1])
         mgr.append_blocks("s", [2, 3])
@@ -134,7 +136,56 @@ CASES: list[
     ("out-keys-dup", True, lambda m: m.swap_out([4, 5], [K[5], K[5]]), InvalidKeyError, None),
     # 1 free + K0, K1 evictable; "s" and the PENDING K2 are not: 4 new keys cannot fit
     ("out-full", True, lambda m: m.swap_out([0, 1, 4, 5], K[3:7]), PoolExhaustedError, None),
+    # owned pool (issue 11): a swap may name only held blocks; GPU 2, 3 are free since "s"
+    # was preempted
+    ("out-not-held", True, lambda m: m.swap_out([4, 2], K[5:7]), InvalidBlockError, None),
+    (
+        "out-parents-len",
+        True,
+        lambda m: m.swap_out([4], [K[5]], [None, None]),
+        InvalidKeyError,
+        None,
+    ),
+    ("out-parents-str", True, lambda m: m.swap_out([4], [K[5]], ["k"]), InvalidKeyError, None),
+    # store_many: the same checks on the batched path
+    (
+        "many-out-not-held",
+        True,
+        lambda m: m.store_many(np.array([4, 3]), K[5:7]),
+        InvalidBlockError,
+        None,
+    ),
+    ("many-out-2d", True, lambda m: m.store_many(np.array([[4]]), [K[5]]), InvalidBlockError, None),
+    (
+        "many-out-float",
+        True,
+        lambda m: m.store_many(np.array([4.0]), [K[5]]),
+        InvalidBlockError,
+        None,
+    ),
+    ("many-out-len", True, lambda m: m.store_many(np.arange(4, 8), K[5:7]), InvalidKeyError, None),
+    # 9 > num_cpu_blocks keys: more than the tier could ever hold
+    (
+        "many-out-full",
+        True,
+        lambda m: m.store_many(
+            np.array([4, 5, 6, 7] * 2 + [0]), [bytes([i]) * 8 for i in range(9)]
+        ),
+        (InvalidBlockError, PoolExhaustedError),
+        None,
+    ),
     # swap_in
+    ("in-not-held", True, lambda m: m.swap_in([K[0]], [3]), InvalidBlockError, None),
+    (
+        "many-in-not-held",
+        True,
+        lambda m: m.load_many(K[:2], np.array([4, 2])),
+        InvalidBlockError,
+        None,
+    ),
+    ("many-in-unknown", True, lambda m: m.load_many([K[6]], np.array([4])), UnknownKeyError, None),
+    ("many-in-pending", True, lambda m: m.load_many([K[2]], np.array([4])), BlockStateError, None),
+    ("many-in-dup", True, lambda m: m.load_many(K[:2], np.array([4, 4])), InvalidBlockError, None),
     ("in-unknown", True, lambda m: m.swap_in([K[0], K[6]], [4, 5]), UnknownKeyError, None),
     ("in-pending", True, lambda m: m.swap_in([K[0], K[2]], [4, 5]), BlockStateError, None),
     ("in-ids-range", True, lambda m: m.swap_in([K[0]], [NUM_GPU]), InvalidBlockError, None),
@@ -145,8 +196,17 @@ CASES: list[
     ("lookup-bytes", True, lambda m: m.lookup(K[0]), InvalidKeyError, None),
     ("lookup-ints", True, lambda m: m.lookup([1, 2]), InvalidKeyError, None),
     ("lookup-none", True, lambda m: m.lookup(None), InvalidKeyError, None),
+    # peek / touch / invalidate
+    ("peek-bytes", True, lambda m: m.peek(K[0]), InvalidKeyError, None),
+    ("touch-ints", True, lambda m: m.touch([1, 2]), InvalidKeyError, None),
+    ("invalidate-str", True, lambda m: m.invalidate(["k0"]), InvalidKeyError, None),
+    # K2 is PENDING: refused, and K0 (READY) is not dropped either
+    ("invalidate-pending", True, lambda m: m.invalidate([K[0], K[2]]), BlockStateError, None),
+    # wait
+    ("wait-not-future", True, lambda m: m.wait("x", 1), InvalidArgumentError, None),
     # request level, owned pool
-    ("alloc-negative", True, lambda m: m.allocate("r", -1), InvalidBlockError, None),
+    # a negative count is a bad argument, not a bad block id (core v2 types it so)
+    ("alloc-negative", True, lambda m: m.allocate("r", -1), InvalidArgumentError, None),
     ("alloc-full", True, lambda m: m.allocate("new", NUM_GPU), PoolExhaustedError, None),
     ("alloc-swapped-out", True, lambda m: m.allocate("s", 1), BlockStateError, None),
     ("alloc-str", True, lambda m: m.allocate("new", "2"), InvalidArgumentError, None),
@@ -223,6 +283,12 @@ async def test_bad_call_raises_typed_error_and_changes_nothing(
         pytest.param(lambda m: m.allocate("r", 1), id="allocate"),
         pytest.param(lambda m: m.free("r"), id="free"),
         pytest.param(lambda m: m.lookup(K[:2]), id="lookup"),
+        pytest.param(lambda m: m.store_many(np.array([4]), [K[5]]), id="store_many"),
+        pytest.param(lambda m: m.load_many([K[0]], np.array([4])), id="load_many"),
+        pytest.param(lambda m: m.peek(K[:2]), id="peek"),
+        pytest.param(lambda m: m.touch(K[:2]), id="touch"),
+        pytest.param(lambda m: m.invalidate(K[:2]), id="invalidate"),
+        pytest.param(lambda m: m.clear(), id="clear"),
     ],
 )
 async def test_use_after_close_raises_closed_error(call: Call) -> None:

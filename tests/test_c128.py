@@ -18,16 +18,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmgr.errors import GeometryError
+from kvmgr.errors import GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels.c128 import (
+from kvmgr.kernels.c128.api import (
     c128_boundary,
     c128_compress,
     c128_entry_bytes,
     c128_state_write,
 )
-from kvmgr.kernels.c128_hook import C128CompressorHook
-from kvmgr.kernels.c128_ref import (
+from kvmgr.kernels.c128.hook import C128CompressorHook
+from kvmgr.kernels.c128.reference import (
     c128_compress_ref,
     c128_state_write_ref,
     c128_unpack,
@@ -296,6 +296,141 @@ def test_launchers_reject_bad_tensors():
     assert torch.equal(state, step.state_cache)  # nothing ran
 
 
+# --- bounds: out-of-range indices, poisoned margins around every tensor ----------------------
+
+
+class Fenced:
+    """A copy of ``t`` in the middle of a bigger buffer whose margins hold ``fill``.
+
+    A kernel that reads a margin picks up ``fill`` (chosen to look valid where that matters);
+    one that writes a margin breaks :meth:`intact`.
+    """
+
+    MARGIN = 256  # elements each side (a multiple of 16 bytes for every dtype used here)
+
+    def __init__(self, t: torch.Tensor, fill):
+        self.fill = fill
+        self.flat = torch.full((t.numel() + 2 * self.MARGIN,), fill, dtype=t.dtype, device=t.device)
+        self.t = self.flat[self.MARGIN : self.MARGIN + t.numel()].view(t.shape)
+        self.t.copy_(t)
+
+    def intact(self) -> bool:
+        margins = torch.cat([self.flat[: self.MARGIN], self.flat[-self.MARGIN :]])
+        return bool((margins == self.fill).all())
+
+
+def out_of_range_step() -> tuple[Step, dict[str, int]]:
+    """A step whose boundary tokens hit every out-of-range case next to valid ones.
+
+    Requests (block size 8, table width 20 = positions 0..159): r0 and r1 are valid boundary
+    tokens; r2 at 255 reaches block 31, past the row (its read would land in r3's row); r3's
+    window holds a table entry past the state cache; r4 holds a -1 entry. Extra tokens: a
+    boundary token of r0 with a compressed slot at the capacity, one whose req index is the
+    table's row count, one at a position past the RoPE table, and state slots at and past the
+    state cache's capacity.
+    """
+    step = Step(91, [(127, 1), (100, 28), (255, 1), (127, 1), (127, 1)])
+    step.state_block_table = step.state_block_table[:, :20].contiguous()
+    num_state_blocks = step.state_cache.shape[0]
+    step.state_block_table[3, 5] = num_state_blocks + 3
+    step.state_block_table[4, 9] = -1
+    capacity = step.compressed_cache.shape[0] * step.compressed_cache.shape[1]
+    state_capacity = num_state_blocks * step.block_size
+    extra = {  # name: (position, req, state slot, compressed slot)
+        "slot_at_capacity": (127, 0, 5, capacity),
+        "req_past_table": (127, 5, 6, 1),
+        "rope_past_table": (step.cos_sin_cache.shape[0] + 127, 0, state_capacity, 2),
+        "state_slot_far": (12, 0, state_capacity + 1000, 3),
+    }
+    for pos, req, state_slot, slot in extra.values():
+        step.positions = torch.cat([step.positions, torch.tensor([pos], device=DEV)])
+        step.req_indices = torch.cat([step.req_indices, torch.tensor([req], dtype=torch.int32, device=DEV)])  # fmt: skip
+        step.state_slot_mapping = torch.cat([step.state_slot_mapping, torch.tensor([state_slot], dtype=torch.int32, device=DEV)])  # fmt: skip
+        step.slot_mapping = torch.cat([step.slot_mapping, torch.tensor([slot], device=DEV)])
+        for name in ("kv", "score"):
+            row = getattr(step, name)[:1] * 0.5 + 1
+            setattr(step, name, torch.cat([getattr(step, name), row]))
+    # distinct slots for the valid tokens (the Step's permutation may repeat the new ones)
+    step.slot_mapping[:-4] = torch.arange(step.slot_mapping.shape[0] - 4, device=DEV) + 4
+    return step, {"capacity": capacity, "state_capacity": state_capacity}
+
+
+def fence_all(step: Step) -> dict[str, Fenced]:
+    """Every tensor of the step in a fenced buffer; tables' margins hold block 0 (valid)."""
+    fills = {"state_block_table": 0, "compressed_cache": 0xA5, "positions": 127,
+             "req_indices": 0, "slot_mapping": 0, "state_slot_mapping": 0}  # fmt: skip
+    fenced = {}
+    for name, value in list(vars(step).items()):
+        if isinstance(value, torch.Tensor):
+            fill = fills.get(name, 3.0)
+            fenced[name] = Fenced(value, fill)
+            setattr(step, name, fenced[name].t)
+    return fenced
+
+
+def test_out_of_range_indices_touch_nothing_outside_and_match_the_reference():
+    step, _ = out_of_range_step()
+    state_ref, comp_ref = run_refs(step)
+    fenced = fence_all(step)
+    state, comp = Fenced(step.state_cache, 5.0), Fenced(step.compressed_cache, 0x5A)
+    c128_state_write(*step.write_args(state.t))
+    c128_compress(*step.compress_args(state.t, comp.t))
+    assert torch.equal(state.t, state_ref)
+    assert all(f.intact() for f in fenced.values()) and state.intact() and comp.intact()
+    # only r0's and r1's boundary tokens compress; every other slot keeps its poison
+    written = step.boundary_slots()[:2]
+    assert assert_entries_match(comp.t, comp_ref, step.compressed_cache, written) is None
+    assert torch.equal(comp_ref.view(-1, 584)[step.slot_mapping[2:5].long()],
+                       step.compressed_cache.view(-1, 584)[step.slot_mapping[2:5].long()])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("state_slot", r"state_slot_mapping: expected slots < \d+ .*got \d+"),
+        ("slot_at_capacity", r"compressed_slot_mapping: expected slots < \d+, got \d+"),
+        ("req_past_table", r"req_indices: expected rows of the table in \[0, 2\), got 2"),
+        ("window_past_row", r"positions // S: expected block indices < the table width 20, got 31"),
+        ("entry_past_cache", r"state_block_table entries of boundary windows: expected blocks"),
+        ("rope_past_table", r"\(positions // 128\) \* 128: expected rows of cos_sin_cache"),
+    ],
+)
+def test_check_slots_raises_a_typed_error_before_launching(case, match):
+    step = Step(92, [(127, 1), (255, 1)])
+    capacity = step.compressed_cache.shape[0] * step.compressed_cache.shape[1]
+    if case == "state_slot":
+        step.state_slot_mapping[1] = step.state_cache.shape[0] * step.block_size
+    elif case == "slot_at_capacity":
+        step.slot_mapping[1] = capacity
+    elif case == "req_past_table":
+        step.req_indices[1] = 2
+    elif case == "window_past_row":
+        step.state_block_table = step.state_block_table[:, :20]
+    elif case == "entry_past_cache":
+        step.state_block_table[1, 17] = step.state_cache.shape[0]
+    else:
+        step.cos_sin_cache = step.cos_sin_cache[:100]
+    hook = make_hook(step, check_slots=True)
+    with pytest.raises(InvalidBlockError, match=match):
+        hook(step.context())
+    assert torch.equal(hook.state_cache, step.state_cache)  # nothing ran
+    assert torch.equal(hook.compressed_cache, step.compressed_cache)
+    state = step.state_cache.clone()
+    with pytest.raises(InvalidBlockError, match=match):
+        c128_state_write(*step.write_args(state), check_slots=True)
+        c128_compress(*step.compress_args(state, step.compressed_cache.clone()), check_slots=True)
+    make_hook(step)(step.context())  # without the check the same step runs (and skips)
+
+
+def test_check_slots_passes_a_valid_step():
+    step = Step(93, SCENARIOS["mixed"]["reqs"], num_pad=2)
+    hook = make_hook(step, check_slots=True)
+    hook(step.context())
+    state, comp = run_refs(step)
+    assert torch.equal(hook.state_cache, state)
+    assert_entries_match(hook.compressed_cache, comp, step.compressed_cache, step.boundary_slots())
+
+
 # --- hook ----------------------------------------------------------------------------------
 
 
@@ -377,7 +512,7 @@ def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
     # microseconds per op and could synchronize with the device
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kvmgr.kernels import c128 as kernels
+    from kvmgr.kernels.c128 import host as kernels
 
     class CountOps(TorchDispatchMode):
         def __init__(self):
@@ -389,8 +524,8 @@ def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     write, compress = RecordingKernel(), RecordingKernel()
-    monkeypatch.setattr(kernels, "_state_write_kernel", write)
-    monkeypatch.setattr(kernels, "_compress_kernel", compress)
+    monkeypatch.setattr(kernels, "state_write_kernel", write)
+    monkeypatch.setattr(kernels, "compress_kernel", compress)
     non_boundary, boundary = Step(51, [(126, 1), (300, 1)]), Step(52, [(127, 1), (300, 1)])
     gated, ungated = make_hook(non_boundary), make_hook(non_boundary, gated=False)
     contexts = [non_boundary.context(), boundary.context()]
@@ -400,7 +535,7 @@ def test_hook_step_runs_no_torch_op_on_the_host(monkeypatch):
     assert [(r.launches, r.skips) for r in reports] == [(1, 1), (2, 0), (2, 0), (2, 0)]
     assert len(write.launches) == 4 and len(compress.launches) == 3
     grid, args, kw = compress.launches[1]  # the gated hook at the boundary step
-    assert grid == (2,) and args[3] is boundary.positions and kw["num_warps"] == 4
+    assert grid == (2, 1, 1) and args[3] is boundary.positions and kw["num_warps"] == 4
 
 
 @pytest.mark.parametrize(
@@ -447,15 +582,15 @@ def test_gated_skip_does_not_check_compress_inputs():
 def test_hook_launches_through_the_shared_launchers():
     # direct launches by default, one launcher per kernel for every layer; direct_launch=False
     # takes Triton's normal launch (under the interpreter both launch normally)
-    from kvmgr.kernels import c128 as kernels
-    from kvmgr.kernels._launch import shared_launcher
+    from kvmgr.kernels.c128 import kernel as kernels
+    from kvmgr.kernels.launch import shared_launcher
 
     step = Step(63, [(127, 1)])
     default, normal = make_hook(step)._layer, make_hook(step, direct_launch=False)._layer
-    assert default._write is shared_launcher(kernels._state_write_kernel, True)
-    assert default._compress is shared_launcher(kernels._compress_kernel, True)
+    assert default._write is shared_launcher(kernels.state_write_kernel, True)
+    assert default._compress is shared_launcher(kernels.compress_kernel, True)
     assert make_hook(step)._layer._compress is default._compress
-    assert normal._write is shared_launcher(kernels._state_write_kernel, False)
+    assert normal._write is shared_launcher(kernels.state_write_kernel, False)
     assert not normal._write.direct and not normal._compress.direct
     for launcher in (default._write, default._compress):
         assert launcher.direct is (DEV == "cuda")  # never direct under the interpreter
@@ -467,11 +602,12 @@ def test_gate_module_is_triton_free_and_reexported():
     from pathlib import Path
 
     import kvmgr
-    from kvmgr.kernels import c128, c128_gate
+    from kvmgr.kernels import c128
+    from kvmgr.kernels.c128 import api, gate
 
-    assert c128.c128_boundary is c128_gate.c128_boundary is kvmgr.c128_boundary
-    code = ("import sys, kvmgr; kvmgr.c128_boundary; import kvmgr.kernels.c128_gate; "
-            "sys.exit('triton' in sys.modules or 'kvmgr.kernels.c128' in sys.modules)")  # fmt: skip
+    assert c128.c128_boundary is api.c128_boundary is gate.c128_boundary is kvmgr.c128_boundary
+    code = ("import sys, kvmgr; kvmgr.c128_boundary; import kvmgr.kernels.c128.gate; "
+            "sys.exit('triton' in sys.modules or 'kvmgr.kernels.c128.kernel' in sys.modules)")  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
 
@@ -633,23 +769,46 @@ def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
     assert bench.run(parser.parse_args(argv)) == 0
     result = json.loads(out.read_text())
     assert result["output_matches_reference"] is True
-    # 2 batches x 2 steps x (2 eager JIT + 2 eager direct + 2 one-step + 2 two-step graphs)
-    assert len(result["decode"]) == 32
+    # 2 batches x 2 steps x (2 eager JIT + 2 direct + 2 packed + 2 one-step + 2 two-step graphs)
+    assert len(result["decode"]) == 40
     launches = {(r["batch"], r["step"], r["mode"], r["gated"]): r["launches"]
                 for r in result["decode"]}  # fmt: skip
     assert launches[(3, "non-boundary", "eager", True)] == 1
     assert launches[(3, "boundary", "eager", True)] == 2
     targets = {(r["batch"], r["mode"], r["per_replay"]): r["target"] for r in result["ratios"]}
-    assert targets == {(1, "eager", 1): 3.0, (1, "eager direct", 1): 3.0, (1, "graph", 1): None,
-                       (1, "graph", 2): 1.8, (3, "eager", 1): None, (3, "eager direct", 1): None,
-                       (3, "graph", 1): None, (3, "graph", 2): None}  # fmt: skip
+    assert targets == {(1, "eager", 1): 3.0, (1, "eager direct", 1): 3.0,
+                       (1, "eager packed", 1): 3.0, (1, "graph", 1): None, (1, "graph", 2): 1.8,
+                       (3, "eager", 1): None, (3, "eager direct", 1): None,
+                       (3, "eager packed", 1): None, (3, "graph", 1): None,
+                       (3, "graph", 2): None}  # fmt: skip
     parts = {r["part"]: r for r in result["host_breakdown"]}
-    assert len(parts) == 12 and parts["gate: c128_boundary"]["host_us"] > 0
+    assert len(parts) == 17 and parts["gate: c128_boundary"]["host_us"] > 0
     # the interpreter has no compiled kernels: the direct launcher falls back to the JIT launch
     assert parts["launch: compress, direct"]["note"] == "fell back to the Triton JIT launch"
+    assert parts["launch: compress, packed"]["note"] == "fell back to the compiled launcher"
+    assert "target <= 10 us" in parts["hook step, gated, packed"]["note"]
     assert [r["boundaries"] for r in result["prefill"]] == [0, 1]
     printed = capsys.readouterr().out
     assert (
         "Targets apply to batch" in printed
         and "boundary outputs match the reference: True" in printed
     )
+
+
+def test_state_write_binds_once_per_signature_and_checks_t_agreement():
+    # steps of different T share one bound launch; the cached signature leaves T out, so T is
+    # still compared on every step and a disagreeing step raises before launching
+    from kvmgr.kernels.c128.host import Layer
+
+    base = Step(210, [(0, 60), (127, 1), (300, 2)])
+    layer = Layer(base.state_cache.clone(), ape=base.ape)
+    expected = base.state_cache.clone()
+    for lo, hi in [(0, 5), (4, 6), (8, 63), (12, 40)]:  # starts keep 16-byte alignment
+        rows = (base.kv[lo:hi], base.score[lo:hi], base.positions[lo:hi], base.state_slot_mapping[lo:hi])  # fmt: skip
+        assert layer.launch_write(*rows) == hi - lo
+        c128_state_write_ref(*rows[:2], base.ape, *rows[2:], expected)
+    assert torch.equal(layer.state_cache, expected)
+    assert len(layer._writes) == 1
+    with pytest.raises(GeometryError, match=r"kv: expected shape \[3, 512\], got \[2, 512\]"):
+        layer.launch_write(base.kv[:2], base.score[:3], base.positions[:3], base.state_slot_mapping[:3])  # fmt: skip
+    assert torch.equal(layer.state_cache, expected)

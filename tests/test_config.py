@@ -9,8 +9,9 @@ import attrs
 import pytest
 
 from kvmgr import ConfigError, ManagerConfig
-from kvmgr.config import BACKPRESSURE_MODES, ENGINES, FLUSH_MODES
+from kvmgr.config import BACKPRESSURE_MODES, FLUSH_MODES
 from kvmgr.policy import POLICIES
+from kvmgr.transfer import ENGINES
 
 
 def test_defaults() -> None:
@@ -18,6 +19,8 @@ def test_defaults() -> None:
     assert (cfg.policy, cfg.engine, cfg.flush, cfg.backpressure) == ("lru", "auto", "step", "fail")
     assert (cfg.manage_gpu_blocks, cfg.merge, cfg.allow_pageable) == (True, True, False)
     assert cfg.max_descriptors is None and cfg.store_wait_s == 1.0
+    # core v2 (issue 11): store admission, the KV event stream, policy options
+    assert (cfg.store_threshold, cfg.max_events, dict(cfg.policy_options)) == (1, 4096, {})
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -34,6 +37,12 @@ def test_every_registered_name_is_accepted(policy: str, engine: str) -> None:
         ({"num_cpu_blocks": -3}, "num_cpu_blocks"),
         ({"num_cpu_blocks": 2.0}, "num_cpu_blocks"),
         ({"num_cpu_blocks": "8"}, "num_cpu_blocks"),
+        # issue 11 section 5: a ConfigError naming the value, not torch's TypeError later
+        ({"num_cpu_blocks": 10**21}, "num_cpu_blocks"),
+        ({"num_cpu_blocks": 4, "store_threshold": 0}, "store_threshold"),
+        ({"num_cpu_blocks": 4, "store_threshold": True}, "store_threshold"),
+        ({"num_cpu_blocks": 4, "max_events": -1}, "max_events"),
+        ({"num_cpu_blocks": 4, "max_events": 1.5}, "max_events"),
         ({"num_cpu_blocks": True}, "num_cpu_blocks"),
         ({"num_cpu_blocks": 4, "max_descriptors": 0}, "max_descriptors"),
         ({"num_cpu_blocks": 4, "flush": "never"}, "flush"),
@@ -53,6 +62,12 @@ def test_invalid_values_raise_config_error_naming_the_field(
 def test_flags_must_be_bools(field: str) -> None:
     with pytest.raises((ConfigError, TypeError)):
         ManagerConfig(num_cpu_blocks=4, **{field: 1})
+
+
+def test_policy_options_must_be_a_mapping() -> None:
+    # attrs' instance_of raises TypeError here, as for the flags above
+    with pytest.raises((ConfigError, TypeError)):
+        ManagerConfig(num_cpu_blocks=4, policy_options=[("clock", None)])  # type: ignore[arg-type]
 
 
 def test_unknown_policy_lists_the_known_ones() -> None:
@@ -109,7 +124,13 @@ def test_keyword_only() -> None:
 
 def test_from_dict_round_trip() -> None:
     cfg = ManagerConfig(
-        num_cpu_blocks=32, policy="arc", flush="tick", backpressure="wait", store_wait_s=0.25
+        num_cpu_blocks=32,
+        policy="arc",
+        flush="tick",
+        backpressure="wait",
+        store_wait_s=0.25,
+        store_threshold=2,
+        max_events=0,
     )
     assert ManagerConfig.from_dict(attrs.asdict(cfg)) == cfg
     assert ManagerConfig.from_dict({"num_cpu_blocks": 2}) == ManagerConfig(num_cpu_blocks=2)

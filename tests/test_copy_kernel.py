@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import gc
+import ctypes
 import itertools
 import json
 import os
 import subprocess
 import sys
 import threading
-import weakref
 from typing import Any
 
 import attrs
@@ -24,17 +23,13 @@ from kvmgr.kernels.copy_pages import (
     copy_pages,
     copy_pages_reference,
     launch_copy_pages,
+    launch_copy_table,
     vector_widths,
 )
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import cost_model, kernel_engine
-from kvmgr.transfer.kernel_engine import (
-    AutoEngine,
-    Calibration,
-    CopyKernelEngine,
-    bench_variants,
-    choose_path,
-)
+from kvmgr.transfer import auto, cost_model, cuda_engine, kernel
+from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
+from kvmgr.transfer.cuda_engine import AutoEngine, CopyKernelEngine
 from kvmgr.transfer.plan import Direction, build_plan
 
 POISON = 0xA5
@@ -250,7 +245,7 @@ COUNTS = [1, 2, 5, 10, 20, 50, 100, 1000, 10_000, 100_000]
 @pytest.mark.parametrize("page_bytes", SIZES)
 def test_choice_is_monotone_in_descriptor_count(direction: Direction, page_bytes: int) -> None:
     # At a fixed page size, more descriptors never turn a kernel choice back into DMA.
-    choices = [choose_path(n, n * page_bytes, direction) for n in COUNTS]
+    choices = [kernel_or_batch(n, n * page_bytes, direction) for n in COUNTS]
     assert choices == sorted(choices)  # "batch" < "kernel": all batches first, then kernels
 
 
@@ -259,7 +254,7 @@ def test_choice_is_monotone_in_descriptor_count(direction: Direction, page_bytes
 def test_choice_is_monotone_in_page_size(direction: Direction, count: int) -> None:
     # At a fixed count, larger pages never turn DMA back into the kernel (registered-memory DMA at
     # 55 GB/s beats the kernel's ~50 GB/s on large pages in both directions).
-    choices = [choose_path(count, count * s, direction) for s in SIZES]
+    choices = [kernel_or_batch(count, count * s, direction) for s in SIZES]
     assert choices == sorted(choices, reverse=True)  # all kernels first, then batches
     assert choices[-1] == "batch"
 
@@ -270,22 +265,25 @@ def test_thresholds_of_the_default_calibration() -> None:
     assert (calib.batch_d2h_us_per_descriptor, calib.batch_h2d_us_per_descriptor) == (0.60, 1.47)
     assert calib == Calibration.from_dict(attrs.asdict(calib))
     # A lone small page: the kernel's ~110 us fixed cost loses to one driver descriptor.
-    assert choose_path(1, 4096, Direction.H2D) == "batch"
-    assert choose_path(0, 0, "d2h") == "batch"
-    # 4 KiB pages: the driver's per-descriptor cost differs by direction, so does the threshold:
-    # out of the GPU 10 + 0.6745 n > 1.1 (110 + 0.0837 n) from 191 descriptors on,
-    # into it 10 + 1.544 n > 1.1 (110 + 0.0859 n) from 77 on.
-    assert choose_path(190, 190 * 4096, Direction.D2H) == "batch"
-    assert choose_path(191, 191 * 4096, Direction.D2H) == "kernel"
-    assert choose_path(76, 76 * 4096, Direction.H2D) == "batch"
-    assert choose_path(77, 77 * 4096, Direction.H2D) == "kernel"
-    # Large descriptors go to DMA in both directions, above ~170 KB out and ~350 KB in.
-    for direction, low, high in ((Direction.D2H, 150e3, 190e3), (Direction.H2D, 300e3, 400e3)):
+    assert kernel_or_batch(1, 4096, Direction.H2D) == "batch"
+    assert kernel_or_batch(0, 0, "d2h") == "batch"
+    # 4 KiB pages, step costs (copy x (1 + slowdown)): out of the GPU
+    # 1.003 (10 + 0.6743 n) > 1.1 * 1.052 (110 + 0.0868 n) from 204 descriptors on,
+    # into it 1.003 (10 + 1.544 n) > 1.1 * 1.056 (110 + 0.0859 n) from 82 on.
+    assert kernel_or_batch(203, 203 * 4096, Direction.D2H) == "batch"
+    assert kernel_or_batch(204, 204 * 4096, Direction.D2H) == "kernel"
+    assert kernel_or_batch(81, 81 * 4096, Direction.H2D) == "batch"
+    assert kernel_or_batch(82, 82 * 4096, Direction.H2D) == "kernel"
+    # Without compute to slow (copies alone) the kernel takes smaller batches.
+    alone = Calibration(compute_overlap=0.0)
+    assert kernel_or_batch(195, 195 * 4096, Direction.D2H, alone) == "kernel"
+    # Large descriptors go to DMA in both directions, above ~110 KB out and ~270 KB in.
+    for direction, low, high in ((Direction.D2H, 90e3, 130e3), (Direction.H2D, 240e3, 300e3)):
         cross = calib.crossover_bytes(direction)
         assert cross is not None and low < cross < high
         n = 100_000
-        assert choose_path(n, int(n * cross * 0.9), direction) == "kernel"
-        assert choose_path(n, int(n * cross * 1.1), direction) == "batch"
+        assert kernel_or_batch(n, int(n * cross * 0.9), direction) == "kernel"
+        assert kernel_or_batch(n, int(n * cross * 1.1), direction) == "batch"
     # A DMA slower than the kernel on large copies leaves no crossover: the kernel wins always.
     assert Calibration(batch_h2d_gbps=31.0).crossover_bytes(Direction.H2D) is None
 
@@ -295,14 +293,14 @@ def test_thresholds_of_the_default_calibration() -> None:
 @pytest.mark.parametrize("blocks", [64, 512])
 def test_benchmark_geometries_choose_the_kernel(direction, tensors, page_bytes, blocks) -> None:
     n = tensors * blocks  # scattered blocks: one descriptor per page
-    assert choose_path(n, n * page_bytes, direction) == "kernel"
+    assert kernel_or_batch(n, n * page_bytes, direction) == "kernel"
 
 
-def test_choose_path_rejects_bad_input() -> None:
+def test_kernel_or_batch_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="counts >= 0"):
-        choose_path(-1, 0, Direction.D2H)
+        kernel_or_batch(-1, 0, Direction.D2H)
     with pytest.raises(ValueError, match="sideways"):
-        choose_path(1, 1, "sideways")
+        kernel_or_batch(1, 1, "sideways")
 
 
 def test_calibration_validates() -> None:
@@ -405,8 +403,22 @@ def test_engines_without_a_gpu_raise_a_clear_error() -> None:
             engine()
 
 
-def test_bench_variants_hook_names_the_columns() -> None:
-    assert set(bench_variants()) == {"kernel", "auto"}
+def test_library_never_imports_the_benchmarks() -> None:
+    # benchmarks import the library, never the reverse (issue 12, layout)
+    import ast
+    import pathlib
+
+    root = pathlib.Path(cuda_engine.__file__).parents[1]
+    offenders = []
+    for path in root.rglob("*.py"):
+        if "bench" in path.relative_to(root).parts or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("kvmgr.bench")]
+    assert offenders == []
 
 
 # ------------------------------------------------------------------ engines on fake CUDA
@@ -447,13 +459,17 @@ class FakeCuda:
         self.Stream, self.Event = Stream, Event
         self.compute = Stream()
 
-    def copy_pages(self, srcs, dsts, sizes, *, device: Any, **kwargs: Any) -> torch.Tensor:
+    def launch(self, table: torch.Tensor, num_items: int, max_programs: int) -> int:
         if self.fail_launches:
             self.fail_launches -= 1
             raise RuntimeError("launch refused")
-        table = copy_pages(srcs, dsts, sizes, device="cpu", **kwargs)
-        self.log.append(("kernel", table.shape[1], kwargs["max_programs"]))
-        return table
+        self.log.append(("kernel", num_items, max_programs))
+        return launch_copy_table(table, num_items, max_programs)  # interpreter, CPU addresses
+
+
+def _cpu_slot(capacity: int, device: Any) -> kernel.TableSlot:
+    host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
+    return kernel.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
 
 
 class FakeDriver:
@@ -464,10 +480,14 @@ class FakeDriver:
     def __init__(self, log: list[Any]) -> None:
         self.log = log
 
-    def copy(self, path: str, dsts, srcs, sizes, stream: int, order: int, call: str = "") -> str:
-        self.log.append(("dma", len(sizes), order))
-        copy_pages_reference(srcs, dsts, sizes)
-        return path
+    def batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int, order: int):
+        self.log.append(("dma", count, order))
+        d, s, n = (np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(a)).copy()
+                   for a in (dsts, srcs, sizes))  # fmt: skip
+        copy_pages_reference(s, d, n)
+
+    def memcpy(self, dst: int, src: int, num_bytes: int, stream: int) -> None:
+        ctypes.memmove(dst, src, num_bytes)
 
 
 @pytest.fixture
@@ -482,7 +502,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
-    monkeypatch.setattr(kernel_engine, "copy_pages", fake.copy_pages)
+    monkeypatch.setattr(kernel, "launch_copy_table", fake.launch)
+    monkeypatch.setattr(kernel, "new_table_slot", _cpu_slot)
     return fake
 
 
@@ -539,7 +560,7 @@ def test_kernel_engine_keeps_the_dma_engines_ordering(fake_cuda: FakeCuda) -> No
         "kernel",
         2,
         0,
-        3,
+        (3, 3),
     )
     assert (stats.batches_completed, stats.bytes_d2h, stats.bytes_h2d) == (
         2,
@@ -548,23 +569,26 @@ def test_kernel_engine_keeps_the_dma_engines_ordering(fake_cuda: FakeCuda) -> No
     )
 
 
-def test_kernel_table_lives_until_the_end_event(fake_cuda: FakeCuda) -> None:
+def test_kernel_table_lives_until_the_end_event_then_is_reused(fake_cuda: FakeCuda) -> None:
     rng = np.random.default_rng(22)
-    seen: list[torch.Tensor] = []
-    launch = fake_cuda.copy_pages
     with CopyKernelEngine(driver=FakeDriver(fake_cuda.log), warmup=False) as engine:
-        kernel_engine.copy_pages = lambda *a, **k: seen.append(launch(*a, **k)) or seen[-1]
+        slots = engine.issuer.kernel.slots
         gate = threading.Event()
         fake_cuda.gates.append(gate)
         plan, *_ = _scattered(rng, Direction.D2H, [656], 5)
         handle = engine.submit(plan)
-        alive = weakref.ref(seen.pop())
-        gc.collect()
-        assert alive() is not None  # the batch has not ended: the engine holds the table (rule 7)
+        # the batch has not ended: its table is neither free nor collected (rule 7)
+        assert slots.num_allocated == 1 and not any(slots._free.values())
+        second = engine.submit(plan)  # a second batch in flight takes a second table
+        assert slots.num_allocated == 2
         gate.set()
         handle.future.result(timeout=5)
-        gc.collect()
-        assert alive() is None
+        second.future.result(timeout=5)
+        # both ended: their tables are back in the pool, and the next batch allocates nothing
+        plan, src, dst, src_ids, dst_ids = _scattered(rng, Direction.D2H, [656], 7)
+        engine.submit(plan).future.result(timeout=5)
+        assert slots.num_allocated == 2
+        assert _same(_cpu_pages(dst, dst_ids), _cpu_pages(src, src_ids))
 
 
 def test_auto_engine_chooses_per_batch(
@@ -573,11 +597,11 @@ def test_auto_engine_chooses_per_batch(
     rng = np.random.default_rng(23)
     asked: list[tuple[int, int]] = []
 
-    def counting_choose_path(n: int, num_bytes: int, *args: Any) -> str:
+    def counting_kernel_or_batch(n: int, num_bytes: int, *args: Any) -> str:
         asked.append((n, num_bytes))
-        return cost_model.choose_path(n, num_bytes, *args)
+        return cost_model.kernel_or_batch(n, num_bytes, *args)
 
-    monkeypatch.setattr(kernel_engine, "choose_path", counting_choose_path)
+    monkeypatch.setattr(auto, "kernel_or_batch", counting_kernel_or_batch)
     with AutoEngine(driver=FakeDriver(fake_cuda.log), warmup=False) as engine:
         # one page: the launch costs more than one descriptor -> DMA
         one, src1, dst1, s1, d1 = _scattered(rng, Direction.H2D, [4096], 1)
@@ -633,7 +657,7 @@ def test_pageable_host_memory_sends_every_batch_to_dma(fake_cuda: FakeCuda) -> N
 def test_without_triton_kernel_fails_clearly_and_auto_uses_dma(
     fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kernel_engine, "KERNEL_AVAILABLE", False)
+    monkeypatch.setattr(cuda_engine, "KERNEL_AVAILABLE", False)
     with pytest.raises(TransferError, match="needs Triton"):
         CopyKernelEngine(driver=FakeDriver(fake_cuda.log))
     rng = np.random.default_rng(26)
@@ -704,7 +728,7 @@ def _expected_path(engine, plan) -> str:
     """What the engine must choose: always the kernel, or auto's cost model."""
     if not isinstance(engine, AutoEngine):
         return "kernel"
-    return choose_path(plan.num_descriptors, plan.num_bytes, plan.direction, engine.calibration)
+    return kernel_or_batch(plan.num_descriptors, plan.num_bytes, plan.direction, engine.calibration)
 
 
 @pytest.mark.gpu
@@ -804,7 +828,7 @@ def test_gpu_auto_uses_dma_for_large_runs_and_the_kernel_for_small_pages() -> No
             np.arange(64),
         )
         assert run.num_descriptors == 1
-        assert choose_path(1, run.num_bytes, Direction.D2H, engine.calibration) == "batch"
+        assert kernel_or_batch(1, run.num_bytes, Direction.D2H, engine.calibration) == "batch"
         # 48 scattered blocks x 8 tensors of 4 KiB: 384 descriptors, the kernel.
         ids = np.random.default_rng(6).permutation(64)[:48]
         pages = build_plan(
@@ -823,3 +847,53 @@ def test_gpu_auto_uses_dma_for_large_runs_and_the_kernel_for_small_pages() -> No
         assert (stats.kernel_batches, stats.dma_batches, stats.batches_failed) == (1, 1, 0)
     finally:
         engine.close()
+
+
+def test_the_cost_model_charges_the_compute_a_copy_slows() -> None:
+    calib = Calibration()
+    for direction in Direction:
+        n, num_bytes = 24_576, 24_576 * 4096
+        kernel_us = calib.kernel_us(n, num_bytes, direction)
+        # the kernel pays ~5% of its copy time in slowed compute, the DMA batch ~0.3%
+        assert 1.05 * kernel_us < calib.kernel_step_us(n, num_bytes, direction) < 1.06 * kernel_us
+        batch_us = calib.batch_us(n, num_bytes, direction)
+        assert calib.batch_step_us(n, num_bytes, direction) == pytest.approx(1.003 * batch_us)
+    # a costly kernel (32 programs D2H: 58%) loses mid-sized batches it would win on copy time
+    greedy = Calibration(kernel_d2h_slowdown=0.58)
+    assert (
+        kernel_or_batch(300, 300 * 4096, Direction.D2H, Calibration(compute_overlap=0)) == "kernel"
+    )
+    assert kernel_or_batch(300, 300 * 4096, Direction.D2H, greedy) == "batch"
+    with pytest.raises(ValueError):
+        Calibration(compute_overlap=1.5)
+
+
+def test_table_slots_come_in_size_classes_and_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "new_table_slot", _cpu_slot)
+    slots = kernel.TableSlots(torch.device("cpu"))
+    small, large = slots.take(10), slots.take(5000)
+    assert (small.capacity, large.capacity, slots.num_allocated) == (4096, 8192, 2)
+    slots.give(small)
+    assert slots.take(4096) is small and slots.num_allocated == 2
+    assert slots.take(100) is not small and slots.num_allocated == 3  # small is taken
+
+
+def test_engines_registry_names_the_engines() -> None:
+    from kvmgr.transfer import ENGINES
+
+    assert list(ENGINES) == ["host", "cuda", "kernel", "auto"]
+
+
+def test_calibration_fit_takes_the_slowdowns_from_interference_rows() -> None:
+    rows = [
+        {"variant": "kernel", "direction": "d2h", "slowdown_pct": 5.2},
+        {"variant": "kernel", "direction": "h2d", "slowdown_pct": 5.6},
+        {"variant": "kernel@32", "direction": "d2h", "slowdown_pct": 58.1},  # not the default cap
+        {"variant": "batch", "direction": "d2h", "slowdown_pct": 0.4},
+        {"variant": "batch", "direction": "h2d", "slowdown_pct": -0.2},  # noise: counts as 0
+    ]
+    calib = Calibration.fit([], interference_rows=rows)
+    assert (calib.kernel_d2h_slowdown, calib.kernel_h2d_slowdown) == pytest.approx((0.052, 0.056))
+    assert calib.batch_slowdown == pytest.approx(0.002)
+    with pytest.raises(ConfigError, match="slowdown_pct"):
+        Calibration.fit([], interference_rows=[{"variant": "kernel", "direction": "d2h"}])

@@ -20,9 +20,10 @@ import torch
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import _driver, pinned
-from kvmgr.transfer._driver import CopyDriver, MemcpyAttributes
+from kvmgr.transfer import driver as copy_driver
+from kvmgr.transfer import pinned
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
+from kvmgr.transfer.driver import CopyDriver, MemcpyAttributes
 from kvmgr.transfer.pinned import HostRegistrar, PinnedHostBuffer, mapped_device_pointer
 from kvmgr.transfer.plan import Direction, build_plan
 
@@ -129,7 +130,7 @@ def test_resolve_batch_abi(
     driver_version: int, granted: tuple[int, ...], expected: int | None, asked: list[int]
 ) -> None:
     lib = FakeDriverLib()
-    found = _driver.resolve_batch_abi(driver_version, lib.resolver(granted))
+    found = copy_driver.resolve_batch_abi(driver_version, lib.resolver(granted))
     assert (found[0] if found else None) == expected
     assert [c["resolve"][1] for c in lib.calls] == asked
     if found:
@@ -147,19 +148,19 @@ def test_resolve_batch_abi(
         ("loop", 13000, 0x7F00, "loop"),
     ],
 )
-def test_choose_path(requested: str, abi: int | None, stream: int, expected: str) -> None:
-    assert _driver.choose_path(requested, abi, stream) == expected
+def test_batch_or_loop(requested: str, abi: int | None, stream: int, expected: str) -> None:
+    assert copy_driver.batch_or_loop(requested, abi, stream) == expected
 
 
 def test_access_order_is_stream_for_stores_and_any_only_for_loads() -> None:
-    assert _driver.access_order(Direction.D2H) == _driver.SRC_ACCESS_ORDER_STREAM == 1
-    assert _driver.access_order(Direction.H2D) == _driver.SRC_ACCESS_ORDER_ANY == 3
+    assert copy_driver.access_order(Direction.D2H) == copy_driver.SRC_ACCESS_ORDER_STREAM == 1
+    assert copy_driver.access_order(Direction.H2D) == copy_driver.SRC_ACCESS_ORDER_ANY == 3
 
 
 def test_attrs_struct_matches_cuda_python_bytes() -> None:
     pytest.importorskip("cuda.bindings.driver")
     assert ctypes.sizeof(MemcpyAttributes) == 24
-    assert _driver.attrs_layout_matches() is True
+    assert copy_driver.attrs_layout_matches() is True
 
 
 # ------------------------------------------------------------------ call paths, host memory
@@ -816,11 +817,13 @@ def test_gpu_refused_batch_fails_its_future_and_the_engine_stays_usable(
         gpu, host = _gpu_kv(5, 2, 16, 4096), _pinned_kv(engine, 5, 2, 16, 4096)
         layouts = KVLayout.from_tensors(gpu), KVLayout.from_tensors(host)
         # an INVALID source access order makes the driver refuse the call (CUDA_ERROR_INVALID_VALUE)
-        monkeypatch.setitem(engine._orders, Direction.D2H, 0)
+        monkeypatch.setitem(engine.issuer._orders, Direction.D2H, 0)
         bad = engine.submit(build_plan(Direction.D2H, *layouts, [1, 2], [3, 4]))
         with pytest.raises(TransferError, match="INVALID_VALUE"):
             bad.future.result(timeout=60)
-        monkeypatch.setitem(engine._orders, Direction.D2H, _driver.SRC_ACCESS_ORDER_STREAM)
+        monkeypatch.setitem(
+            engine.issuer._orders, Direction.D2H, copy_driver.SRC_ACCESS_ORDER_STREAM
+        )
         good = engine.submit(build_plan(Direction.D2H, *layouts, [5, 9], [0, 15]))
         good.future.result(timeout=60)
         assert torch.equal(_pages(host, [0, 15]), _pages(gpu, [5, 9]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -161,3 +162,65 @@ def test_make_engine_unknown_name_lists_the_known_ones() -> None:
 def test_make_engine_rejects_the_wrong_device(name: str, device: str) -> None:
     with pytest.raises(GeometryError):
         make_engine(name, torch.device(device))
+
+
+def _strided_pair(seed: int, nb: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random source tensors (one with padding between blocks: not dense) and poisoned
+    destination views of one region, with a poisoned margin after the last tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    padded = torch.randint(0, 256, (nb, 640), dtype=torch.uint8, generator=gen)
+    src = [torch.randint(0, 256, (nb, 576), dtype=torch.uint8, generator=gen), padded[:, :584]]
+    region = torch.full((2 * nb * (576 + 584) + 64,), 0xA5, dtype=torch.uint8)
+    dst = [
+        region[: 2 * nb * 576].view(2 * nb, 576),
+        region[2 * nb * 576 : 2 * nb * (576 + 584)].view(2 * nb, 584),
+    ]
+    return src, dst
+
+
+@pytest.mark.parametrize("num_blocks", [1, 7, 64, 200])
+def test_scattered_plans_copy_exactly_their_pages(engine: HostEngine, num_blocks: int) -> None:
+    # many scattered pages: the bulk path (one gather and scatter per tensor, in chunks)
+    rng = np.random.default_rng(num_blocks)
+    src, dst = _strided_pair(num_blocks, 256)
+    src_ids = rng.choice(256, num_blocks, replace=False)
+    dst_ids = rng.choice(512, num_blocks, replace=False)
+    plan = build_plan(
+        Direction.H2D, KVLayout.from_tensors(src), KVLayout.from_tensors(dst), src_ids, dst_ids
+    )
+    before = [t.clone() for t in dst]
+    engine.submit(plan).future.result(timeout=10)
+    for s, d, old in zip(src, dst, before):
+        expected = old.clone()
+        expected[torch.from_numpy(dst_ids)] = s[torch.from_numpy(src_ids)]
+        assert torch.equal(d, expected)  # the named pages, nothing else
+    tail = bytes(dst[0].untyped_storage())[-64:]  # the margin after the last tensor
+    assert tail == bytes([0xA5]) * 64
+
+
+def test_an_edited_plan_is_copied_from_its_descriptors(engine: HostEngine) -> None:
+    # a plan whose descriptors no longer match its block pairs (8 bytes short per page)
+    import attrs
+
+    rng = np.random.default_rng(3)
+    src, dst = _strided_pair(3, 64)
+    ids = rng.choice(64, 40, replace=False)
+    layouts = KVLayout.from_tensors(src), KVLayout.from_tensors(dst)
+    plan = build_plan(Direction.D2H, *layouts, ids, ids, merge=False)  # a descriptor per page
+    short = attrs.evolve(plan, sizes=plan.sizes - 8)
+    assert plan.matching_blocks() is not None and short.matching_blocks() is None
+    engine.submit(short).future.result(timeout=10)
+    index = torch.from_numpy(ids)
+    for s, d in zip(src, dst):
+        assert torch.equal(d[index, :-8], s[index, :-8])
+        assert bool((d[index, -8:] == 0xA5).all())
+
+
+def test_a_plan_over_device_tensors_is_refused_before_any_copy(engine: HostEngine) -> None:
+    gpu, cpu = _pair(seed=4)
+    layout = KVLayout.from_tensors(gpu)
+    on_device = attrs.evolve(layout, device=torch.device("cuda", 0))  # as a CUDA cache would be
+    plan = build_plan(Direction.D2H, on_device, KVLayout.from_tensors(cpu), [0], [1])
+    with pytest.raises(GeometryError, match="CPU tensors"):
+        engine.submit(plan)
+    assert engine.statistics().batches_submitted == 0

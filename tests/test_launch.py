@@ -8,6 +8,7 @@ and the ``gpu`` tests launch for real, eagerly and inside a CUDA graph.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -29,8 +30,8 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from kvmgr.kernels import _launch
-from kvmgr.kernels._launch import DirectLauncher
+from kvmgr.kernels import launch as _launch
+from kvmgr.kernels.launch import DirectLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -358,15 +359,18 @@ _STUB_DRIVER_RUN = textwrap.dedent(
 
     sys.path.insert(0, os.getcwd())
     from kvmgr.hooks import StepContext
-    from kvmgr.kernels import _launch, c128, mla_insert
-    from kvmgr.kernels.c128_hook import C128CompressorHook
-    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+    from kvmgr.kernels import launch as _launch
+    from kvmgr.kernels.c128 import kernel as c128_kernel
+    from kvmgr.kernels.c128.hook import C128CompressorHook
+    from kvmgr.kernels.c128.layout import c128_entry_bytes
+    from kvmgr.kernels.mla import host as mla_host
+    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
 
     gen = torch.Generator().manual_seed(0)
     D, S = 128, 8
     hook = C128CompressorHook(
         state_cache=torch.randn(8, S, 2 * D, generator=gen),
-        compressed_cache=torch.zeros(8, 4, c128.c128_entry_bytes(D), dtype=torch.uint8),
+        compressed_cache=torch.zeros(8, 4, c128_entry_bytes(D), dtype=torch.uint8),
         ape=torch.randn(128, D, generator=gen), norm_weight=torch.rand(D, generator=gen),
         cos_sin_cache=torch.rand(512, 64, generator=gen), gated=False)
     def c128_step(num_tokens):
@@ -388,8 +392,8 @@ _STUB_DRIVER_RUN = textwrap.dedent(
     for num_tokens in (1, 5, 9, 30):  # every step size: same keys after the first
         hook(c128_step(num_tokens))
         mla(mla_step(num_tokens))
-    launchers = [c128.shared_launcher(c128._state_write_kernel),
-                 c128.shared_launcher(c128._compress_kernel), mla_insert._grouped_launcher(True)]
+    launchers = [_launch.shared_launcher(c128_kernel.state_write_kernel),
+                 _launch.shared_launcher(c128_kernel.compress_kernel), mla_host.grouped_launcher(True)]
     print(json.dumps({
         "runtime": _launch._direct_runtime() is not None,
         "direct": [lau.direct for lau in launchers],
@@ -417,6 +421,105 @@ def test_real_triton_compile_and_launch_behind_a_stub_driver(tmp_path):
     assert len(result["launches"]) == 4 * 3
     assert all(stream == 7 for *_, stream in result["launches"])
     assert result["launches"][2] == [1, 3, 1, 7]  # MLA: (token tiles, layers, 1)
+
+
+_STUB_PACKED_RUN = _STUB_DRIVER_RUN.split("gen = torch.Generator()")[0] + textwrap.dedent(
+    """
+    import ctypes
+    from kvmgr.kernels import packed_launch
+
+    calls = []
+
+    class FakeDriver:  # libcuda's three entry points: records each launch's packed arguments
+        def launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            calls.append({"function": function.value, "grid": [gx.value, gy.value, gz.value],
+                          "block": [bx.value, by.value, bz.value], "stream": stream.value,
+                          "extra": extra, "params": [snapshot(params[i]) for i in range(len(params))]})
+            return 0
+        def current_context(self):
+            return 1
+        def error_name(self, result):
+            return str(result)
+
+    packed_launch._driver = lambda: FakeDriver()
+    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 7
+
+    def snapshot(address):  # the cell as each width could read it, at the time of the launch
+        return {name: ctypes.cast(address, ctypes.POINTER(kind)).contents.value
+                for name, kind in (("f32", ctypes.c_float), ("i32", ctypes.c_int32),
+                                   ("u64", ctypes.c_uint64))}
+
+    def read(cell, expected):  # small ints are i32 cells, addresses u64 cells
+        return cell["f32" if isinstance(expected, float) else "i32" if expected < 2**20 else "u64"]
+
+    gen = torch.Generator().manual_seed(0)
+    result = {}
+    # the grouped MLA insert: 3 layers, [L, T] slots, two steps of different T
+    caches = [torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn) for _ in range(3)]
+    scales = torch.ones(3)
+    mla = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=scales, validate=False)
+    expected = []
+    for num_tokens in (5, 9):
+        kv_c = torch.randn(3, num_tokens, 64, generator=gen)
+        k_pe = torch.randn(3, num_tokens, 32, generator=gen)
+        slots = torch.arange(num_tokens).repeat(3, 1)
+        mla(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+        expected.append([kv_c.data_ptr(), k_pe.data_ptr(), mla._plan.table.data_ptr(),
+                         slots.data_ptr(), scales.data_ptr(), num_tokens, kv_c.stride(0),
+                         k_pe.stride(0), slots.stride(0), 0, 0])
+    result["mla_bound"] = mla._insert.num_bound
+    result["mla_packed"] = mla._insert._last.is_packed
+    # the c128 write (gated off: non-boundary step), then an ungated boundary step
+    D, S = 128, 8
+    layer = dict(state_cache=torch.randn(8, S, 2 * D, generator=gen),
+                 compressed_cache=torch.zeros(8, 4, c128_entry_bytes(D), dtype=torch.uint8),
+                 ape=torch.randn(128, D, generator=gen), norm_weight=torch.rand(D, generator=gen),
+                 cos_sin_cache=torch.rand(512, 64, generator=gen))
+    hook = C128CompressorHook(**layer, gated=False, eps=0.5)
+    pos = torch.arange(120, 130)
+    table = torch.arange(24, dtype=torch.int32).view(3, 8)
+    t = {"positions": pos, "c128.state_slot_mapping": pos % 64, "c128.state_block_table": table,
+         "c128.req_indices": torch.zeros(10, dtype=torch.int32), "c128.slot_mapping": torch.arange(10),
+         "c128.kv": torch.randn(10, D, generator=gen), "c128.score": torch.randn(10, D, generator=gen)}
+    hook(StepContext(tensors=t))
+    lay = hook._layer
+    expected.append([t["c128.kv"].data_ptr(), t["c128.score"].data_ptr(), lay.ape.data_ptr(),
+                     pos.data_ptr(), t["c128.state_slot_mapping"].data_ptr(),
+                     lay.state_cache.data_ptr(), D, D, 8 * 2 * D, 2 * D, 64, 0, 0])
+    expected.append([lay.state_cache.data_ptr(), table.data_ptr(), t["c128.req_indices"].data_ptr(),
+                     pos.data_ptr(), t["c128.slot_mapping"].data_ptr(), lay.norm_weight.data_ptr(),
+                     lay.cos_sin_cache.data_ptr(), lay.compressed_cache.data_ptr(), 8 * 2 * D,
+                     2 * D, 8, 0.5, 3, 8, 8, 512, 32, 0, 0])
+    result["calls"] = [{**c, "params": [read(a, e) for a, e in zip(c["params"], exp)],
+                        "num_params": len(c["params"])} for c, exp in zip(calls, expected)]
+    result["expected"] = expected
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests launch for real")
+def test_packed_arguments_match_the_compiled_kernels_behind_a_stub_driver(tmp_path):
+    # Triton compiles the real kernels (sm_90); a fake libcuda records what cuLaunchKernel gets:
+    # every packed cell holds the expected pointer or int, in the PTX .entry order, plus the two
+    # NULL scratch pointers; each step updates its pointers, T and grid in place
+    script = tmp_path / "stub_packed_run.py"
+    script.write_text(_STUB_PACKED_RUN)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mla_bound"] == 1 and result["mla_packed"] is True
+    calls, expected = result["calls"], result["expected"]
+    assert len(calls) == 4
+    for call, want in zip(calls, expected, strict=True):
+        assert call["num_params"] == len(want)
+        assert call["params"][:-1] == pytest.approx(want[:-1]) and call["params"][-1] == 0
+        assert call["stream"] == 7 and call["extra"] is None and call["function"] == 1
+    assert [c["grid"] for c in calls] == [[5, 3, 1], [9, 3, 1], [10, 1, 1], [10, 1, 1]]
+    assert calls[0]["block"] == [64, 1, 1] and calls[3]["block"] == [128, 1, 1]
 
 
 # --- GPU -------------------------------------------------------------------------------------
@@ -465,3 +568,250 @@ def test_gpu_direct_matches_the_normal_launch_and_replays_in_a_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, x * 4.0 + 4096)
     assert launcher.direct
+
+
+# --- packed launches: argument layout and fallback selection (CPU) ---------------------------
+
+_PTX = """
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u32 k_param_1,
+	.param .f32 k_param_2,
+	.param .u64 .ptr .global .align 1 k_param_3,
+	.param .u64 .ptr .global .align 1 k_param_4
+)
+"""
+
+
+class _FakeDriver:
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+        return 0
+
+    def current_context(self):
+        return 1
+
+    def error_name(self, result):
+        return str(result)
+
+
+def _fake_compiled(**meta):
+    from types import SimpleNamespace
+
+    signature = {"x_ptr": "*fp32", "n": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+    metadata = SimpleNamespace(num_warps=4, shared=96, num_ctas=1, **meta)
+    return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=metadata,
+                           asm={"ptx": _PTX}, run=None, function=1234)  # fmt: skip
+
+
+def _fake_launcher():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kernel=SimpleNamespace(arg_names=["x_ptr", "n", "eps", "BLOCK"]))
+
+
+def test_param_types_and_ptx_sizes():
+    from kvmgr.kernels.packed_launch import param_ctypes, ptx_param_sizes
+
+    assert ptx_param_sizes(_PTX) == [8, 4, 4, 8, 8]
+    assert ptx_param_sizes("no entry here") is None
+    signature = {"a": "*bf16", "b": "i64", "c": "constexpr", "d": "u1"}
+    assert param_ctypes(signature, ["a", "b", "c", "d"]) == ["*bf16", "i64", None, "u1"]
+    assert param_ctypes(signature, ["a", "b", "d", "c"]) is None  # another order
+    assert param_ctypes({"a": "nvTmaDesc"}, ["a"]) is None  # not packed
+
+
+def test_pack_fills_cells_and_launches_through_the_driver(monkeypatch):
+    from kvmgr.kernels import packed_launch
+
+    driver = _FakeDriver()
+    monkeypatch.setattr(packed_launch, "_driver", lambda: driver)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 55, raising=False)
+    x, y = torch.empty(8), torch.empty(8)
+    knobs = SimpleKnobs()
+    bound = packed_launch.pack(_fake_launcher(), _fake_compiled(), [x, 7, 0.25, 64], {}, 0, knobs)
+    assert bound is not None and bound.is_packed
+    assert [bound.value(i) for i in range(4)] == [x.data_ptr(), 7, 0.25, None]
+    bound.set_tensor(0, y)
+    bound.set_int(1, 9)
+    bound.launch((3, 2, 1))
+    (call,) = driver.calls
+    assert call[0].value == 1234 and [c.value for c in call[1:8]] == [3, 2, 1, 128, 1, 1, 96]
+    assert call[8].value == 55 and call[10] is None
+    params = call[9]
+    assert len(params) == 5  # x, n, eps and the two NULL hidden pointers
+    read = [ctypes.cast(params[i], ctypes.POINTER(kind)).contents.value
+            for i, kind in enumerate([ctypes.c_uint64, ctypes.c_int32, ctypes.c_float,
+                                      ctypes.c_uint64, ctypes.c_uint64])]  # fmt: skip
+    assert read == [y.data_ptr(), 9, 0.25, 0, 0]
+    with pytest.raises(OverflowError):
+        bound.set_int(1, 2**31)
+    assert bound.args == [y, 2**31, 0.25, 64]  # the Python arguments follow the cells
+
+
+class SimpleKnobs:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
+@pytest.mark.parametrize(
+    "case", ["no_libcuda", "global_scratch", "profile_scratch", "clusters", "ptx_differs", "names"]
+)
+def test_pack_declines_what_it_cannot_launch(monkeypatch, case):
+    from kvmgr.kernels import packed_launch
+
+    monkeypatch.setattr(packed_launch, "_driver", lambda: None if case == "no_libcuda" else _FakeDriver())  # fmt: skip
+    meta = {"global_scratch": {"global_scratch_size": 64}, "profile_scratch": {"profile_scratch_size": 8},
+            "clusters": {"num_ctas": 2}}.get(case, {})  # fmt: skip
+    compiled, launcher = _fake_compiled(), _fake_launcher()
+    for name, value in meta.items():
+        setattr(compiled.metadata, name, value)
+    if case == "ptx_differs":
+        compiled.asm["ptx"] = _PTX.replace(".param .u32 k_param_1", ".param .u64 k_param_1")
+    if case == "names":
+        launcher.kernel.arg_names = ["n", "x_ptr", "eps", "BLOCK"]
+    assert packed_launch.pack(launcher, compiled, [torch.empty(2), 7, 0.5, 64], {}, 0, None) is None
+
+
+def test_bind_falls_back_to_triton_launches_under_the_interpreter_and_opt_out():
+    from kvmgr.kernels.packed_launch import TritonLaunch
+
+    recorded = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: recorded.append((grid, args, kw))
+
+    launcher = DirectLauncher(Kernel())  # not a JITFunction: never direct, never packed
+    bound = launcher.bind((4,), torch.empty(2), 3, num_warps=2)
+    assert type(bound) is TritonLaunch and not bound.is_packed
+    bound.set_int(1, 5)
+    bound.launch((6, 1, 1))
+    assert (
+        recorded[0][0] == (6, 1, 1)
+        and recorded[0][1][1] == 5
+        and recorded[0][2] == {"num_warps": 2}
+    )
+    # a JITFunction under the interpreter (conftest) is not packed either
+    kernel = JITFunction(_body, do_not_specialize=["m"])
+    bound = DirectLauncher(kernel).bind((1,), torch.empty(2), 1, 1, 1.0, True, 16)
+    assert type(bound) is TritonLaunch
+    assert (
+        type(DirectLauncher(kernel).bind((1,), torch.empty(2), 1, 1, 1.0, True, 16, packed=False))
+        is TritonLaunch
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_packed_launches_are_on_exact_on_streams_and_in_graphs():
+    # on the NVIDIA machine packing must succeed (a silent fallback would void the benchmarks);
+    # updated cells give the new step's result, on the given stream and under capture (n is
+    # not specialized, so any value stays within the compiled specialization)
+    launcher = DirectLauncher(triton.jit(_scale_kernel.fn, do_not_specialize=["n"]))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x, out = torch.randn(4096, device="cuda", generator=gen), torch.empty(4096, device="cuda")
+    bound = launcher.bind((16,), x, out, 4096, 2.0, 256, num_warps=4)
+    assert bound.is_packed, "packing fell back on the GPU"
+    for n in (4096, 1000, 17):
+        y = torch.randn(n, device="cuda", generator=gen)
+        res = torch.full((n,), float("nan"), device="cuda")
+        bound.set_tensor(0, y)
+        bound.set_tensor(1, res)
+        bound.set_int(2, n)
+        bound.launch((triton.cdiv(n, 256), 1, 1))
+        torch.cuda.synchronize()
+        assert torch.equal(res, y * 2.0 + n)
+    side = torch.cuda.Stream()
+    bound.set_tensor(0, x)
+    bound.set_tensor(1, out)
+    bound.set_int(2, 4096)
+    side.wait_stream(torch.cuda.current_stream())
+    bound.launch((16, 1, 1), side)
+    side.synchronize()
+    assert torch.equal(out, x * 2.0 + 4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bound.launch((16, 1, 1))
+    bound.set_int(2, 1)  # changing a cell after capture leaves the captured launch as it was
+    for seed in (10, 11):
+        x.copy_(torch.randn(4096, device="cuda", generator=gen.manual_seed(seed)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x * 2.0 + 4096)
+
+
+# --- layout ----------------------------------------------------------------------------------
+
+
+def _import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> kvmgr modules it imports (module level and inside functions), from the AST."""
+    import ast
+
+    root = package_dir.parents[len(package_dir.relative_to(ROOT).parts) - 1]
+    modules = {}
+    for path in package_dir.rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_kernels_have_no_import_cycles_and_families_do_not_import_each_other():
+    graph = _import_graph(ROOT / "kvmgr" / "kernels")
+    assert "kvmgr.kernels.mla.kernel" in graph["kvmgr.kernels.mla.host"]  # the graph is read
+    assert "kvmgr.kernels.launch" in graph["kvmgr.kernels.c128.host"]
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]  # the finder finds
+    for name, targets in graph.items():
+        family = name.split(".")[2] if name.count(".") >= 3 else None
+        for target in targets:
+            other = target.split(".")[2] if target.count(".") >= 3 else None
+            assert family is None or other is None or family == other, (name, target)
+        if name.endswith(".reference"):  # references import no kernel, host or launcher
+            assert not any(t.rsplit(".", 1)[-1] in {"kernel", "host", "api"} for t in targets)

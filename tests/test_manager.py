@@ -5,6 +5,13 @@ of a fp32 K/V cache: 96 B pages 192 B apart), filled with seeded random data, ne
 Destinations are poisoned before loads. ``_ScriptedEngine`` (defined here) copies like the host
 engine on one worker thread but can hold batches behind a ``threading.Event``, fail chosen
 batches with ``TransferError`` and records what was submitted.
+
+State is read through the public ``snapshot()`` and ``statistics()`` only. With the owned GPU
+pool (the default) a keyed swap may name only held blocks (issue 11), so keyed scenarios first
+hand every GPU block to a "serving" request (``_hold``); request-level scenarios allocate.
+Policies insert the first key of a call as the most recent and evict the leaves of a chain
+first (policy protocol v2): scenarios that narrate an LRU order store their keys one call each
+(independent roots), which gives the order the narration states.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from kvmgr import (
     TransferTimeoutError,
     UnknownKeyError,
 )
-from kvmgr.pool.prefix_index import BlockState
+from kvmgr.manager import CpuState
+from kvmgr.testing import check_invariants
 from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
 from kvmgr.transfer.plan import Direction, TransferPlan
 
@@ -145,6 +153,26 @@ def _cfg(num_cpu_blocks: int = 4, **kw: Any) -> ManagerConfig:
     return ManagerConfig(num_cpu_blocks=num_cpu_blocks, engine="host", **kw)
 
 
+def _hold(mgr: OffloadManager) -> None:
+    """A "serving" request holds every GPU block, so keyed swaps may name any of them."""
+    assert mgr.allocate("serving", NUM_GPU) == list(range(NUM_GPU))
+
+
+def _keys(mgr: OffloadManager) -> list[bytes]:
+    """The keys of the CPU tier (any state), sorted."""
+    return sorted(mgr.snapshot().keys)
+
+
+def _entry(mgr: OffloadManager, key: bytes) -> Any:
+    """The key's ``KeySnapshot`` (cpu_block_id, state, readers)."""
+    return mgr.snapshot().keys[key]
+
+
+def _cpu_free(mgr: OffloadManager) -> int:
+    stats = mgr.statistics()
+    return stats.cpu_blocks_total - stats.cpu_blocks_used
+
+
 @contextlib.asynccontextmanager
 async def _open(
     kv: list[torch.Tensor], cfg: ManagerConfig, **kw: Any
@@ -172,20 +200,15 @@ def _snapshot(mgr: OffloadManager, req_ids: Sequence[Any] = ()) -> dict[str, Any
     """Everything a rejected call must leave unchanged (statistics less ``rejected``)."""
     stats = attrs.asdict(mgr.statistics())
     stats.pop("rejected")
-
-    def alloc(a: Any) -> Any:
-        return None if a is None else (a.num_free, [a.is_allocated(b) for b in range(a.num_blocks)])
-
+    snap = mgr.snapshot()
     return {
         "stats": stats,
-        "index": {
-            k: (mgr.index.entry(k).block_id, mgr.index.entry(k).state, mgr.index.entry(k).readers)
-            for k in mgr.index
-        },
-        "policy": sorted(k for k in mgr.index if k in mgr.policy),
+        "index": {k: (e.cpu_block_id, e.state, e.readers) for k, e in snap.keys.items()},
+        "policy": sorted(snap.policy_keys),
         "lru": list(getattr(mgr.policy, "ordered_keys", list)()),
-        "cpu": alloc(mgr.cpu_blocks),
-        "gpu": alloc(mgr.gpu_blocks),
+        "cpu": (snap.cpu_allocated, snap.cpu_states),
+        "gpu": (snap.gpu_allocated, snap.gpu_states, dict(snap.gpu_busy)),
+        "swaps": snap.swaps,
         "tables": {r: mgr.block_table(r) for r in req_ids},
     }
 
@@ -200,13 +223,19 @@ async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, mer
     kv = _kv(seed=1)
     originals = {b: _gpu(kv, b) for b in range(NUM_GPU)}
     async with _open(kv, _cfg(policy=policy, merge=merge)) as mgr:
+        _hold(mgr)
         # 1. store GPU blocks 2, 5, 6 under K0..K2: fresh CPU blocks 0, 1, 2 in order
         store = mgr.swap_out([2, 5, 6], keys=K[:3])
         assert mgr.lookup(K[:3]) == 0  # PENDING until the copy completes
+        check_invariants(mgr)
         report = await mgr.step()
         assert await store == SwapResult(
-            num_blocks=3, num_bytes=3 * BLOCK_BYTES, block_ids=(0, 1, 2)
+            num_blocks=3,
+            num_bytes=3 * BLOCK_BYTES,
+            cpu_block_ids=(0, 1, 2),
+            gpu_block_ids=(2, 5, 6),
         )
+        check_invariants(mgr)
         assert report.d2h.blocks == 3 and report.h2d == DirectionReport()
         for c, b in zip((0, 1, 2), (2, 5, 6)):
             assert _cpu(mgr, c) == originals[b]
@@ -217,15 +246,20 @@ async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, mer
         for b in (7, 0, 1):
             _fill(kv, b, value=0xA5)
         load = mgr.swap_in(K[:3], [7, 0, 1])
-        assert mgr.index.entry(K[0]).readers == 1
+        assert _entry(mgr, K[0]).readers == 1
+        check_invariants(mgr)
         await mgr.step()
         assert await load == SwapResult(
-            num_blocks=3, num_bytes=3 * BLOCK_BYTES, block_ids=(7, 0, 1)
+            num_blocks=3,
+            num_bytes=3 * BLOCK_BYTES,
+            cpu_block_ids=(0, 1, 2),
+            gpu_block_ids=(7, 0, 1),
         )
+        check_invariants(mgr)
         assert [_gpu(kv, b) for b in (7, 0, 1)] == [originals[2], originals[5], originals[6]]
         # 4. untouched blocks are untouched; readers are released
         assert [_gpu(kv, b) for b in (2, 3, 4, 5, 6)] == [originals[b] for b in (2, 3, 4, 5, 6)]
-        assert all(mgr.index.entry(k).readers == 0 for k in K[:3])
+        assert all(_entry(mgr, k).readers == 0 for k in K[:3])
         stats = mgr.statistics()
         assert (stats.stores_completed, stats.loads_completed, stats.stores_failed) == (3, 3, 0)
         assert (stats.bytes_d2h, stats.bytes_h2d) == (3 * BLOCK_BYTES, 3 * BLOCK_BYTES)
@@ -239,6 +273,7 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
     kv = _kv(seed=2)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(), engine=engine) as mgr:
+        _hold(mgr)
         # 1. K0 stored from block 0 and READY
         first = mgr.swap_out([0], [K[0]])
         await mgr.step()
@@ -247,7 +282,7 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
         engine.gate.clear()
         second = mgr.swap_out([1], [K[1]])
         await mgr.step()
-        assert mgr.index.entry(K[1]).state is BlockState.PENDING
+        assert _entry(mgr, K[1]).state is CpuState.PENDING
         # 3. store K0 (READY), K1 (PENDING) and K2 from other blocks: only K2 is copied
         third = mgr.swap_out([5, 6, 7], [K[0], K[1], K[2]])
         report = await mgr.step()
@@ -255,7 +290,11 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
         engine.gate.set()
         await second
         assert await third == SwapResult(
-            num_blocks=1, num_bytes=BLOCK_BYTES, num_skipped=2, block_ids=(2,)
+            num_blocks=1,
+            num_bytes=BLOCK_BYTES,
+            num_skipped=2,
+            cpu_block_ids=(2,),
+            gpu_block_ids=(7,),
         )
         # 4. the CPU copies of K0 and K1 still hold blocks 0 and 1, not 5 and 6
         assert (_cpu(mgr, 0), _cpu(mgr, 1), _cpu(mgr, 2)) == (_gpu(kv, 0), _gpu(kv, 1), _gpu(kv, 7))
@@ -266,12 +305,13 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
 async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> None:
     kv = _kv(seed=3)
     async with _open(kv, _cfg()) as mgr:
+        _hold(mgr)
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await store
         again = mgr.swap_out([2, 3], K[:2])
         assert again.done()  # nothing to copy: no queue entry, no step needed
-        assert again.result() == SwapResult(num_blocks=0, num_bytes=0, num_skipped=2, block_ids=())
+        assert again.result() == SwapResult(num_blocks=0, num_bytes=0, num_skipped=2)
         assert mgr.statistics().queued_swaps == 0
 
 
@@ -279,10 +319,12 @@ async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> 
 async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -> None:
     kv = _kv(seed=4)
     async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        # 1. fill the tier: K0..K3 in CPU blocks 0..3, LRU order K0 K1 K2 K3
-        store = mgr.swap_out([0, 1, 2, 3], K[:4])
+        _hold(mgr)
+        # 1. fill the tier: K0..K3 in CPU blocks 0..3, LRU order K0 K1 K2 K3 (one call each:
+        #    four roots; one call would chain them and insert K0 as the most recent)
+        stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
         await mgr.step()
-        await store
+        await asyncio.gather(*stores)
         # 2. lookup(K1) makes K1 most recent: K0 K2 K3 K1
         assert mgr.lookup([K[1]]) == 1
         # 3. a queued load of K0 pins it (reader) and touches it: K2 K3 K1 K0
@@ -293,11 +335,12 @@ async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -
         #    last-freed-first: K4 -> 1, K5 -> 3
         data4, data5 = _fill(kv, 4, seed=40), _fill(kv, 5, seed=50)
         store = mgr.swap_out([6, 4, 5], [K[2], K[4], K[5]])
-        assert sorted(mgr.index) == sorted([K[0], K[2], K[4], K[5]])
-        assert {k: mgr.index.entry(k).block_id for k in (K[4], K[5])} == {K[4]: 1, K[5]: 3}
+        assert _keys(mgr) == sorted([K[0], K[2], K[4], K[5]])
+        assert {k: _entry(mgr, k).cpu_block_id for k in (K[4], K[5])} == {K[4]: 1, K[5]: 3}
         assert mgr.statistics().evictions == 2
+        check_invariants(mgr)
         await mgr.step()
-        assert (await store).block_ids == (1, 3)
+        assert (await store).cpu_block_ids == (1, 3)
         await load
         # 5. the data: K0 loaded intact, K4 and K5 stored intact, K2 still the old block 2
         assert _gpu(kv, 7) == _cpu(mgr, 0) == _gpu(kv, 0)
@@ -311,6 +354,7 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
     kv = _kv(seed=5)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
+        _hold(mgr)
         # 1. K0 READY in CPU block 0
         store = mgr.swap_out([0], [K[0]])
         await mgr.step()
@@ -333,8 +377,8 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
         await pending
         await load
         store = mgr.swap_out([2], [K[2]])
-        assert sorted(mgr.index) == sorted([K[0], K[2]])
-        assert mgr.index.entry(K[2]).block_id == 1
+        assert _keys(mgr) == sorted([K[0], K[2]])
+        assert _entry(mgr, K[2]).cpu_block_id == 1
         await mgr.step()
         await store
 
@@ -343,22 +387,23 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
 async def test_touch_order_via_lookup_decides_eviction() -> None:
     kv = _kv(seed=6)
     async with _open(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        # 1. K0, K1, K2 in blocks 0, 1, 2 (LRU order K0 K1 K2)
-        store = mgr.swap_out([0, 1, 2], K[:3])
+        _hold(mgr)
+        # 1. K0, K1, K2 in blocks 0, 1, 2 (LRU order K0 K1 K2: one call each, three roots)
+        stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
         await mgr.step()
-        await store
+        await asyncio.gather(*stores)
         # 2. lookup(K0): K1 K2 K0; lookup([K2, K1]) walks in reverse, K2 ends most recent: K0 K1 K2
         assert mgr.lookup([K[0]]) == 1
         assert mgr.lookup([K[2], K[1]]) == 2
-        assert mgr.policy.ordered_keys() == [K[0], K[1], K[2]]  # type: ignore[attr-defined]
+        assert mgr.policy.ordered_keys() == [K[0], K[1], K[2]]
         # 3. only the hits are touched: lookup([K1, K7, K0]) stops at K7, K0 is not touched
         assert mgr.lookup([K[1], K[7], K[0]]) == 1
-        assert mgr.policy.ordered_keys() == [K[0], K[2], K[1]]  # type: ignore[attr-defined]
+        assert mgr.policy.ordered_keys() == [K[0], K[2], K[1]]
         # 4. K3 evicts K0 and takes block 0; K4 then evicts K2 and takes block 2
         s3 = mgr.swap_out([3], [K[3]])
-        assert K[0] not in mgr.index and mgr.index.entry(K[3]).block_id == 0
+        assert K[0] not in _keys(mgr) and _entry(mgr, K[3]).cpu_block_id == 0
         s4 = mgr.swap_out([4], [K[4]])
-        assert K[2] not in mgr.index and mgr.index.entry(K[4]).block_id == 2
+        assert K[2] not in _keys(mgr) and _entry(mgr, K[4]).cpu_block_id == 2
         await mgr.step()
         await asyncio.gather(s3, s4)
         assert (_cpu(mgr, 0), _cpu(mgr, 2)) == (_gpu(kv, 3), _gpu(kv, 4))
@@ -372,6 +417,7 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
     kv = _kv(seed=7)
     engine = _ScriptedEngine(fail=lambda batch_id, plan: batch_id == 1)
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
+        _hold(mgr)
         # 1. batch 0: K0, K1 stored in CPU blocks 0, 1 (READY)
         ok = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -382,16 +428,17 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
         with pytest.raises(TransferError, match="on purpose"):
             await bad
         # 3. K2, K3 are gone and their blocks free; K0, K1 stay READY with their bytes
-        assert sorted(mgr.index) == sorted(K[:2])
-        assert all(mgr.index.entry(k).state is BlockState.READY for k in K[:2])
+        assert _keys(mgr) == sorted(K[:2])
+        assert all(_entry(mgr, k).state is CpuState.READY for k in K[:2])
         assert sorted(k for k in K if k in mgr.policy) == sorted(K[:2])
+        check_invariants(mgr)
         assert (_cpu(mgr, 0), _cpu(mgr, 1)) == (_gpu(kv, 0), _gpu(kv, 1))
         stats = mgr.statistics()
         assert (stats.stores_failed, stats.cpu_blocks_used, stats.cpu_keys_pending) == (2, 2, 0)
         # 4. the freed blocks are reused last-freed-first: 3, then 2
         retry = mgr.swap_out([2, 3], [K[2], K[3]])
         await mgr.step()
-        assert (await retry).block_ids == (3, 2)
+        assert (await retry).cpu_block_ids == (3, 2)
 
 
 @pytest.mark.asyncio
@@ -399,6 +446,7 @@ async def test_a_failed_batch_fails_every_swap_in_it() -> None:
     kv = _kv(seed=28)
     engine = _ScriptedEngine(fail=lambda batch_id, plan: batch_id >= 1)
     async with _open(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+        _hold(mgr)
         # 1. batch 0: K0, K1 READY in CPU blocks 0, 1
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -411,8 +459,9 @@ async def test_a_failed_batch_fails_every_swap_in_it() -> None:
         results = await asyncio.gather(*stores, *loads, return_exceptions=True)
         assert all(isinstance(r, TransferError) for r in results)
         # 3. every store rolled back, every reader released
-        assert sorted(mgr.index) == sorted(K[:2])
-        assert [mgr.index.entry(k).readers for k in K[:2]] == [0, 0]
+        assert _keys(mgr) == sorted(K[:2])
+        assert [_entry(mgr, k).readers for k in K[:2]] == [0, 0]
+        check_invariants(mgr)
         stats = mgr.statistics()
         assert (stats.stores_failed, stats.loads_failed, stats.cpu_blocks_used) == (3, 3, 2)
 
@@ -422,6 +471,7 @@ async def test_failed_load_releases_the_reader() -> None:
     kv = _kv(seed=8)
     engine = _ScriptedEngine(fail=lambda batch_id, plan: plan.direction is Direction.H2D)
     async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
+        _hold(mgr)
         store = mgr.swap_out([0], [K[0]])
         await mgr.step()
         await store
@@ -429,13 +479,13 @@ async def test_failed_load_releases_the_reader() -> None:
         await mgr.step()
         with pytest.raises(TransferError):
             await load
-        assert mgr.index.entry(K[0]).readers == 0
+        assert _entry(mgr, K[0]).readers == 0
         assert mgr.statistics().loads_failed == 1
         # K0 is evictable again: a store of K1 evicts it
         store = mgr.swap_out([1], [K[1]])
         await mgr.step()
         await store
-        assert list(mgr.index) == [K[1]]
+        assert _keys(mgr) == [K[1]]
 
 
 @pytest.mark.asyncio
@@ -443,6 +493,7 @@ async def test_swap_in_of_pending_or_unknown_key_raises_and_changes_nothing() ->
     kv = _kv(seed=9)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(), engine=engine) as mgr:
+        _hold(mgr)
         engine.gate.clear()
         store = mgr.swap_out([0], [K[0]])
         before = _snapshot(mgr)
@@ -471,8 +522,10 @@ async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
         engine.gate.clear()
         preempt = mgr.preempt("r")
         await mgr.step()
-        assert mgr.gpu_blocks is not None and mgr.gpu_blocks.num_free == 5
+        assert mgr.statistics().gpu_blocks_free == 5
         assert mgr.block_table("r") == [(Tier.GPU, 0), (Tier.GPU, 1), (Tier.GPU, 2)]
+        assert mgr.is_moving("r")
+        check_invariants(mgr)
         with pytest.raises(BlockStateError):
             mgr.resume("r")  # moving
         assert mgr.allocate("s", 5) == [3, 4, 5, 6, 7]
@@ -480,11 +533,15 @@ async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
             mgr.allocate("t", 1)  # blocks 0-2 are still being read
         # 3. the copy completes: r is in CPU blocks 0-2, GPU 0-2 freed
         engine.gate.set()
+        # (a preempt's gpu_block_ids are the GPU blocks it gave back)
         assert await preempt == SwapResult(
-            num_blocks=3, num_bytes=3 * BLOCK_BYTES, block_ids=(0, 1, 2)
+            num_blocks=3,
+            num_bytes=3 * BLOCK_BYTES,
+            cpu_block_ids=(0, 1, 2),
+            gpu_block_ids=(0, 1, 2),
         )
         assert mgr.block_table("r") == [(Tier.CPU, 0), (Tier.CPU, 1), (Tier.CPU, 2)]
-        assert mgr.gpu_blocks.num_free == 3
+        assert mgr.statistics().gpu_blocks_free == 3 and not mgr.is_moving("r")
         assert [_cpu(mgr, c) for c in (0, 1, 2)] == data
         # 4. poison the freed blocks, resume: fresh ids are used up, so the freed ones come back
         #    last-freed-first: 2, 1, 0
@@ -492,13 +549,14 @@ async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
             _fill(kv, b, value=0xA5)
         resume = mgr.resume("r")
         await mgr.step()
-        assert (await resume).block_ids == (2, 1, 0)
+        assert (await resume).gpu_block_ids == (2, 1, 0)
         assert mgr.block_table("r") == [(Tier.GPU, 2), (Tier.GPU, 1), (Tier.GPU, 0)]
         assert [_gpu(kv, b) for b in (2, 1, 0)] == data
-        assert mgr.cpu_blocks.num_free == 4 and mgr.gpu_blocks.num_free == 0
+        assert _cpu_free(mgr) == 4 and mgr.statistics().gpu_blocks_free == 0
+        check_invariants(mgr)
         # 5. free returns r's blocks to the pool
         mgr.free("r")
-        assert mgr.gpu_blocks.num_free == 3
+        assert mgr.statistics().gpu_blocks_free == 3
 
 
 @pytest.mark.asyncio
@@ -506,7 +564,6 @@ async def test_freed_blocks_still_being_copied_go_back_only_when_the_copy_ends()
     kv = _kv(seed=29)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        assert mgr.gpu_blocks is not None
         # 1. r owns GPU 0, 1; a store of both is submitted and held by the engine
         mgr.allocate("r", 2)
         data = [_gpu(kv, 0), _gpu(kv, 1)]
@@ -515,7 +572,11 @@ async def test_freed_blocks_still_being_copied_go_back_only_when_the_copy_ends()
         await mgr.step()
         # 2. r is freed while the copy reads its blocks: they do not go back yet
         mgr.free("r")
-        assert mgr.gpu_blocks.num_free == 6
+        assert mgr.statistics().gpu_blocks_free == 6
+        snap = mgr.snapshot()
+        assert snap.gpu_states is not None
+        assert [snap.gpu_states[b].name for b in (0, 1)] == ["DRAINING", "DRAINING"]
+        check_invariants(mgr)
         assert mgr.allocate("s", 6) == [2, 3, 4, 5, 6, 7]
         with pytest.raises(PoolExhaustedError):
             mgr.allocate("t", 1)
@@ -523,7 +584,7 @@ async def test_freed_blocks_still_being_copied_go_back_only_when_the_copy_ends()
         engine.gate.set()
         await store
         assert [_cpu(mgr, 0), _cpu(mgr, 1)] == data
-        assert mgr.gpu_blocks.num_free == 2
+        assert mgr.statistics().gpu_blocks_free == 2
         assert mgr.allocate("t", 2) == [1, 0]
 
 
@@ -539,7 +600,7 @@ async def test_preempt_and_resume_with_caller_owned_blocks() -> None:
         # 2. preempt hands 6, 3 back to the caller once copied into CPU blocks 0, 1
         preempt = mgr.preempt("r")
         await mgr.step()
-        assert (await preempt).block_ids == (6, 3)
+        assert (await preempt).gpu_block_ids == (6, 3)
         assert mgr.block_table("r") == [(Tier.CPU, 0), (Tier.CPU, 1)]
         assert mgr.statistics().gpu_blocks_free is None
         # 3. resume into caller-chosen blocks 1, 4 (poisoned first)
@@ -547,10 +608,10 @@ async def test_preempt_and_resume_with_caller_owned_blocks() -> None:
         _fill(kv, 4, value=0xA5)
         resume = mgr.resume("r", [1, 4])
         await mgr.step()
-        assert (await resume).block_ids == (1, 4)
+        assert (await resume).gpu_block_ids == (1, 4)
         assert mgr.block_table("r") == [(Tier.GPU, 1), (Tier.GPU, 4)]
         assert [_gpu(kv, 1), _gpu(kv, 4)] == data
-        assert mgr.cpu_blocks.num_free == 3
+        assert _cpu_free(mgr) == 3
 
 
 @pytest.mark.asyncio
@@ -566,21 +627,22 @@ async def test_failed_preempt_and_failed_resume_roll_back() -> None:
         with pytest.raises(TransferError):
             await preempt
         assert mgr.block_table("r") == [(Tier.GPU, 0), (Tier.GPU, 1)]
-        assert mgr.cpu_blocks.num_free == 4 and mgr.gpu_blocks is not None
+        assert _cpu_free(mgr) == 4
         # 2. a working preempt, then a failed resume: r stays in CPU, the new GPU blocks return
         failing["on"] = False
         preempt = mgr.preempt("r")
         await mgr.step()
         await preempt
         failing["on"] = True
-        free_before = mgr.gpu_blocks.num_free
+        free_before = mgr.statistics().gpu_blocks_free
         resume = mgr.resume("r")
         await mgr.step()
         with pytest.raises(TransferError):
             await resume
         # (the failed preempt freed CPU blocks 0, 1, but fresh ids 2, 3 come first)
         assert mgr.block_table("r") == [(Tier.CPU, 2), (Tier.CPU, 3)]
-        assert mgr.gpu_blocks.num_free == free_before
+        assert mgr.statistics().gpu_blocks_free == free_before
+        check_invariants(mgr)
         stats = mgr.statistics()
         assert (stats.stores_failed, stats.loads_failed) == (2, 2)
 
@@ -592,14 +654,15 @@ async def test_failed_preempt_and_failed_resume_roll_back() -> None:
 async def test_tick_flush_mode_needs_no_step() -> None:
     kv = _kv(seed=13)
     async with _open(kv, _cfg(num_cpu_blocks=4, flush="tick")) as mgr:
+        _hold(mgr)
         # 1. three stores queued in one tick become one batch, without step()
         futures = [mgr.swap_out([b], [K[b]]) for b in (0, 1, 2)]
         results = await asyncio.gather(*futures)
-        assert [r.block_ids for r in results] == [(0,), (1,), (2,)]
+        assert [r.cpu_block_ids for r in results] == [(0,), (1,), (2,)]
         assert mgr.engine.statistics().batches_submitted == 1
         # 2. a load round trip, still without step()
         _fill(kv, 7, value=0xA5)
-        assert (await mgr.swap_in([K[1]], [7])).block_ids == (7,)
+        assert (await mgr.swap_in([K[1]], [7])).gpu_block_ids == (7,)
         assert _gpu(kv, 7) == _gpu(kv, 1)
         assert mgr.statistics().steps == 0
 
@@ -608,6 +671,7 @@ async def test_tick_flush_mode_needs_no_step() -> None:
 async def test_one_plan_per_direction_per_step() -> None:
     kv = _kv(seed=14)
     async with _open(kv, _cfg(num_cpu_blocks=8)) as mgr:
+        _hold(mgr)
         # 1. K0, K1 stored in CPU blocks 0, 1
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -646,6 +710,7 @@ async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None
     kv = _kv(seed=15)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
+        _hold(mgr)
         # 1. J stored from block 5
         store = mgr.swap_out([5], [K[7]])
         await mgr.step()
@@ -669,6 +734,7 @@ async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None
     kv = _kv(seed=16)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
+        _hold(mgr)
         store = mgr.swap_out([5], [K[7]])
         await mgr.step()
         await store
@@ -685,6 +751,7 @@ async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None
 async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches() -> None:
     kv = _kv(seed=17)
     async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
+        _hold(mgr)
         store = mgr.swap_out([1, 2], K[:2])
         await mgr.step()
         await store
@@ -703,6 +770,7 @@ async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> Non
     kv = _kv(seed=18)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
+        _hold(mgr)
         # 1. a task awaits a store; cancel it before the step
         store = mgr.swap_out([2], [K[0]])
         task = asyncio.ensure_future(_await(store))
@@ -713,7 +781,7 @@ async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> Non
         # 2. step: the copy runs; once it ended the key is READY with the right bytes
         await mgr.step()
         await engine.settled()
-        assert mgr.index.entry(K[0]).state is BlockState.READY
+        assert _entry(mgr, K[0]).state is CpuState.READY
         assert _cpu(mgr, 0) == _gpu(kv, 2)
         # 3. same for a load: the reader is released and the bytes arrive
         _fill(kv, 6, value=0xA5)
@@ -723,8 +791,9 @@ async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> Non
         task.cancel()
         await mgr.step()
         await engine.settled()
-        assert mgr.index.entry(K[0]).readers == 0
+        assert _entry(mgr, K[0]).readers == 0
         assert _gpu(kv, 6) == _gpu(kv, 2)
+        check_invariants(mgr)
         stats = mgr.statistics()
         assert (stats.stores_completed, stats.loads_completed, stats.batches_in_flight) == (1, 1, 0)
 
@@ -738,6 +807,7 @@ async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
     kv = _kv(seed=19)
     engine = _ScriptedEngine()
     async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
+        _hold(mgr)
         # 1. the engine holds the store of K0
         engine.gate.clear()
         store = mgr.swap_out([0], [K[0]])
@@ -749,10 +819,12 @@ async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
         assert mgr.lookup([K[0]]) == 0
         with pytest.raises(PoolExhaustedError):
             mgr.swap_out([1], [K[1]])
-        assert mgr.statistics().rejected == {"timeout_await": 1, "cpu_full": 1}
+        # (core v2 counts await timeouts in their own field, not under rejected)
+        stats = mgr.statistics()
+        assert (stats.rejected, stats.await_timeouts) == ({"cpu_full": 1}, 1)
         # 3. the copy ends: the same future resolves and K0 is READY
         engine.gate.set()
-        assert (await mgr.wait(store, timeout_s=20)).block_ids == (0,)
+        assert (await mgr.wait(store, timeout_s=20)).cpu_block_ids == (0,)
         assert mgr.lookup([K[0]]) == 1
 
 
@@ -762,6 +834,7 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
     engine = _ScriptedEngine()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _open(kv, cfg, engine=engine) as mgr:
+        _hold(mgr)
         # 1. K0, K1 fill the tier; loads of both are held in flight (both pinned)
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -783,8 +856,8 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
             await asyncio.sleep(0)
         assert mgr.statistics().queued_swaps == 1
         await mgr.step()
-        assert (await waiting).block_ids == (1,)
-        assert sorted(mgr.index) == sorted([K[0], K[2]])
+        assert (await waiting).cpu_block_ids == (1,)
+        assert _keys(mgr) == sorted([K[0], K[2]])
         assert _cpu(mgr, 1) == _gpu(kv, 2)
 
 
@@ -793,6 +866,7 @@ async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
     kv = _kv(seed=21)
     cfg = _cfg(num_cpu_blocks=1, backpressure="wait", store_wait_s=0.0)
     async with _open(kv, cfg) as mgr:
+        _hold(mgr)
         store = mgr.swap_out([0], [K[0]])
         await mgr.step()
         await store
@@ -813,6 +887,7 @@ async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
     engine = _ScriptedEngine()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _open(kv, cfg, engine=engine) as mgr:
+        _hold(mgr)
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await store
@@ -834,7 +909,7 @@ async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
         engine.gate.set()
         await load
         await mgr.step()
-        assert sorted(mgr.index) == sorted(K[:2]) and mgr.statistics().queued_swaps == 0
+        assert _keys(mgr) == sorted(K[:2]) and mgr.statistics().queued_swaps == 0
 
 
 @pytest.mark.asyncio
@@ -845,6 +920,7 @@ async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
         kv, _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0), engine=engine
     )
     async with mgr:
+        _hold(mgr)
         # 1. K0, K1 fill the tier; loads of both held in flight; a store of K2 waits for room
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -859,7 +935,7 @@ async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
     await load
     with pytest.raises(ClosedError):
         await waiting
-    assert sorted(mgr.index) == sorted(K[:2])
+    assert _keys(mgr) == sorted(K[:2])
     assert mgr.statistics().evictions == 0
 
 
@@ -872,6 +948,7 @@ async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
     engine = _ScriptedEngine()
     mgr = OffloadManager(kv, _cfg(num_cpu_blocks=4), engine=engine)
     async with mgr:
+        _hold(mgr)
         store = mgr.swap_out([0], [K[0]])
         await mgr.step()
         await store
@@ -886,9 +963,10 @@ async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
     for future in (queued_store, queued_load):
         with pytest.raises(ClosedError):
             await future
-    assert (await in_flight).block_ids == (1,)
-    assert sorted(mgr.index) == sorted(K[:2])
-    assert mgr.index.entry(K[0]).readers == 0 and mgr.cpu_blocks.num_free == 2
+    assert (await in_flight).cpu_block_ids == (1,)
+    assert _keys(mgr) == sorted(K[:2])
+    assert _entry(mgr, K[0]).readers == 0 and _cpu_free(mgr) == 2
+    check_invariants(mgr)
     # 3. use after close raises ClosedError; closing again is a no-op
     with pytest.raises(ClosedError):
         mgr.swap_out([3], [K[3]])
@@ -904,15 +982,16 @@ async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
 async def test_sync_close_fails_queued_swaps() -> None:
     kv = _kv(seed=23)
     mgr = OffloadManager(kv, _cfg())
+    assert mgr.allocate("r", 1) == [0]  # owned pool: the store may name only a held block
     store = mgr.swap_out([0], [K[0]])
-    mgr.allocate("r", 1)
     preempt = mgr.preempt("r")
     mgr.close()
     for future in (store, preempt):
         with pytest.raises(ClosedError):
             await future
-    assert len(mgr.index) == 0 and mgr.cpu_blocks.num_free == 4
+    assert _keys(mgr) == [] and _cpu_free(mgr) == 4
     assert mgr.block_table("r") == [(Tier.GPU, 0)]
+    check_invariants(mgr)
     with pytest.raises(ClosedError):
         mgr.preempt("r")
 
@@ -939,6 +1018,7 @@ async def test_hooks_run_in_order_before_the_flush() -> None:
     calls: list[tuple[str, int | None]] = []
     hooks = [_WriteHook("a", kv, 3, 0x11, calls), _WriteHook("b", kv, 3, 0x22, calls)]
     async with _open(kv, _cfg(), hooks=hooks) as mgr:
+        _hold(mgr)
         # 1. a store of block 3 is queued before the step in which the hooks write block 3
         store = mgr.swap_out([3], [K[0]])
         report = await mgr.step(StepContext(step=7))
@@ -965,6 +1045,7 @@ async def test_a_failing_hook_leaves_the_queue_untouched() -> None:
             return HookReport(name=self.name)
 
     async with _open(kv, _cfg(), hooks=[_FailsOnce()]) as mgr:
+        _hold(mgr)
         # 1. the hook raises: step() raises it, nothing was submitted
         store = mgr.swap_out([0], [K[0]])
         with pytest.raises(RuntimeError, match="hook failed"):
@@ -974,4 +1055,4 @@ async def test_a_failing_hook_leaves_the_queue_untouched() -> None:
         # 2. the next step runs the hook and submits the store
         report = await mgr.step()
         assert report.d2h.swaps == 1
-        assert (await store).block_ids == (0,)
+        assert (await store).cpu_block_ids == (0,)

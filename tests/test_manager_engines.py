@@ -54,6 +54,12 @@ def _config(engine: str, **overrides: object) -> ManagerConfig:
     return ManagerConfig(num_cpu_blocks=NUM_CPU, engine=engine, **overrides)  # type: ignore[arg-type]
 
 
+def _hold_all(mgr: OffloadManager) -> None:
+    """The serving loop holds every GPU block: with the owned pool (the default) a keyed swap
+    may name only held blocks (issue 11)."""
+    assert mgr.allocate("serving", NUM_GPU) == list(range(NUM_GPU))
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_round_trip_scattered_and_merged(engine: str) -> None:
@@ -62,6 +68,7 @@ async def test_round_trip_scattered_and_merged(engine: str) -> None:
     src = [0, 1, 2, 3, 9, 5, 17, 11]  # a merged run and scattered blocks
     original = [_page(kv, b) for b in src]
     async with OffloadManager(kv, _config(engine)) as mgr:
+        _hold_all(mgr)
         stored = mgr.swap_out(src, keys)
         report = await mgr.step()
         await stored
@@ -92,6 +99,7 @@ async def test_store_sees_what_a_hook_wrote_in_the_same_step(engine: str) -> Non
             return HookReport(name=self.name, launches=len(kv))
 
     async with OffloadManager(kv, _config(engine), hooks=[Writer()]) as mgr:
+        _hold_all(mgr)
         key = _keys(1)
         stored = mgr.swap_out([4], key)
         await mgr.step()
@@ -109,6 +117,7 @@ async def test_store_and_load_of_one_gpu_block_in_one_step_are_ordered(engine: s
     kv = _kv(engine)
     old_key, new_key = _keys(2)
     async with OffloadManager(kv, _config(engine)) as mgr:
+        _hold_all(mgr)
         first = mgr.swap_out([1], [old_key])
         await mgr.step()
         await first
@@ -137,13 +146,14 @@ async def test_preempt_and_resume_move_the_bytes(engine: str) -> None:
         out = mgr.preempt("req")
         await mgr.step()
         freed = await out
-        assert sorted(freed.block_ids) == sorted(gpu)
+        assert sorted(freed.gpu_block_ids) == sorted(gpu)  # the GPU blocks given back
+        assert mgr.statistics().gpu_blocks_free == NUM_GPU
         for t in kv:
             t[:] = 0.5  # the GPU blocks are reused by others meanwhile
         back = mgr.resume("req")
         await mgr.step()
         resumed = await back
-        assert [_page(kv, b) for b in resumed.block_ids] == data
+        assert [_page(kv, b) for b in resumed.gpu_block_ids] == data
         mgr.free("req")
         check_invariants(mgr)
 
@@ -156,6 +166,7 @@ async def test_a_failed_store_is_never_ready(engine: str) -> None:
     faulty = FaultyEngine(inner, fail_batches={0})
     async with OffloadManager(kv, _config(engine), engine=faulty) as mgr:
         keys = _keys(3)
+        assert mgr.allocate("req", 3) == [0, 1, 2]
         store = mgr.swap_out([0, 1, 2], keys)
         await mgr.step()
         with pytest.raises(TransferError):

@@ -22,14 +22,12 @@ from triton.runtime.jit import JITFunction
 from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels import _mla_launch, mla_insert
-from kvmgr.kernels._launch import DirectLauncher
-from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
-from kvmgr.kernels.mla_insert import (
-    grouped_mla_insert,
-    mla_insert_reference,
-    per_layer_mla_insert,
-)
+from kvmgr.kernels.launch import DirectLauncher
+from kvmgr.kernels.mla import checks, host
+from kvmgr.kernels.mla import kernel as mla_kernel
+from kvmgr.kernels.mla.api import grouped_mla_insert, per_layer_mla_insert
+from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
+from kvmgr.kernels.mla.reference import mla_insert_reference
 
 KERNELS = {"grouped": grouped_mla_insert, "per_layer": per_layer_mla_insert}
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -222,6 +220,58 @@ def test_out_of_range_slots_are_skipped_or_rejected(kernel: Callable[..., None])
     assert not _same_bytes(caches, before)
 
 
+class _Fenced:
+    """A copy of ``t`` in the middle of a bigger buffer whose margins hold random bytes."""
+
+    MARGIN_BYTES = 512  # each side; keeps the middle 16-byte aligned
+
+    def __init__(self, t: torch.Tensor, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        nbytes = t.numel() * t.element_size()
+        raw = torch.randint(0, 256, (nbytes + 2 * self.MARGIN_BYTES,), dtype=torch.uint8, generator=gen)  # fmt: skip
+        self.raw = raw.to(t.device)
+        self.margins = self._margins().clone()
+        middle = self.raw[self.MARGIN_BYTES : self.MARGIN_BYTES + nbytes]
+        self.t = middle.view(t.dtype).view(t.shape)
+        self.t.copy_(t)
+
+    def _margins(self) -> torch.Tensor:
+        return torch.cat([self.raw[: self.MARGIN_BYTES], self.raw[-self.MARGIN_BYTES :]])
+
+    def intact(self) -> bool:
+        return torch.equal(self._margins(), self.margins)
+
+
+@pytest.mark.parametrize("kernel", [*KERNELS.values(), "hook"], ids=[*KERNELS.keys(), "hook"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_out_of_range_slots_touch_nothing_around_any_tensor(
+    kernel: Callable[..., None] | str, kv_cache_dtype: str
+) -> None:
+    # Every cache, input and the slot mapping sit inside poisoned margins; slots at and past the
+    # capacity (and -1) must leave every margin byte as it was, and the caches equal the reference.
+    num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 13, 24, 8, 3, 4
+    kv_c, k_pe = _inputs(41, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    caches = _caches(42, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
+    capacity = num_blocks * block_size
+    slots = torch.tensor([[0, capacity, 3, -1, capacity + 1, 7, 2**40, 11, 1, 5, capacity * 4, 9, -7]] * num_layers)  # fmt: skip
+    slots[1] = slots[1].roll(3)
+    scales = None if kv_cache_dtype == "auto" else _scales(43, num_layers)
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots.to(DEVICE), **kwargs)  # type: ignore[arg-type]
+    fenced = [_Fenced(t, 50 + i) for i, t in enumerate([kv_c, k_pe, slots.to(DEVICE), *caches])]
+    kv_f, pe_f, slots_f, *caches_f = (f.t for f in fenced)
+    if kernel == "hook":
+        hook = GroupedMLAInsertHook(caches_f, **kwargs)
+        hook(StepContext(tensors={"kv_c": kv_f, "k_pe": pe_f, "slot_mapping": slots_f}))
+    else:
+        assert callable(kernel)
+        kernel(kv_f, pe_f, caches_f, slots_f, **kwargs)
+    assert all(f.intact() for f in fenced)
+    assert _same_bytes(caches_f, expected)
+
+
 def test_empty_step_writes_nothing() -> None:
     kv_c, k_pe = _inputs(27, 2, 0, 8, 8, torch.bfloat16)
     caches = _caches(28, 2, 2, 2, 16, torch.bfloat16)
@@ -344,7 +394,7 @@ def test_tile_overrides_cover_tails(block_tokens: int, num_warps: int | None) ->
 
 def test_tile_heuristic_follows_the_h200_sweep() -> None:
     # T x L rows -> (tokens per program, warps); 2 warps up to 4-token tiles (see _launch_config).
-    launch_config = _mla_launch._launch_config
+    launch_config = host._launch_config
     assert launch_config(5 * 16384, None, None) == (4, 2)  # 78% of the HBM peak on the H200
     assert launch_config(5 * 4096, None, None) == (2, 2)
     assert launch_config(5 * 512, None, None) == (1, 2)
@@ -361,9 +411,9 @@ def test_one_compiled_kernel_serves_every_step_size(monkeypatch: pytest.MonkeyPa
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     caches = _caches(120, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
     kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(121, num_layers)}
-    _mla_launch._grouped_constexprs.cache_clear()
+    host._grouped_constexprs.cache_clear()
     launches: list[tuple[object, ...]] = []
-    real = mla_insert._grouped_launcher(True)
+    real = host.grouped_launcher(True)
 
     def recording(direct: bool) -> Callable[..., None]:
         def launch(grid: tuple[int, ...], *args: object, **options: int) -> None:
@@ -372,22 +422,50 @@ def test_one_compiled_kernel_serves_every_step_size(monkeypatch: pytest.MonkeyPa
 
         return launch
 
-    monkeypatch.setattr(mla_insert, "_grouped_launcher", recording)
+    monkeypatch.setattr(host, "grouped_launcher", recording)
     for step, num_tokens in enumerate([5, 1, 16, 11, 2]):
         kv_c, k_pe = _inputs(122 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
         slots = _slots(130 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
         if step % 2:  # [L, T] on odd steps
             slots = torch.stack([slots.roll(i) for i in range(num_layers)])
-        expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
+        insert = functools.partial(grouped_mla_insert, packed_launch=False)  # the per-call path
+        expected = _run_both(insert, kv_c, k_pe, caches, slots, **kwargs)
         assert _same_bytes(caches, expected)
-    assert _mla_launch._grouped_constexprs.cache_info().currsize == 1
-    kernel = mla_insert._grouped_insert_kernel
+    assert host._grouped_constexprs.cache_info().currsize == 1
+    kernel = mla_kernel.grouped_insert_kernel
     if not isinstance(kernel, JITFunction):  # the interpreter's InterpretedFunction
-        kernel = JITFunction(kernel.fn, do_not_specialize=_mla_launch._GROUPED_RUNTIME_ARGS)
+        kernel = JITFunction(kernel.fn, do_not_specialize=mla_kernel.GROUPED_RUNTIME_ARGS)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     keyer = DirectLauncher(kernel)._key
     assert keyer is not None and len(launches) == 5
     assert len({keyer(None, args) for args in launches}) == 1
+
+
+def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
+    # Steps of any T (same tile) share one signature per slot layout ([T] or [L, T]): bound
+    # once each, then only pointers, T, layer strides and the grid change; every step exact.
+    from kvmgr.kernels.mla.bound import GroupedInsert
+
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(150, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    scales = _scales(151, num_layers)
+    insert = GroupedInsert(host.grouped_plan(caches, "fp8_e4m3"), "fp8_e4m3")
+    for step, num_tokens in enumerate([5, 1, 16, 11, 2, 7]):
+        kv_c, k_pe = _inputs(152 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+        slots = _slots(160 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
+        if step % 2:
+            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
+        expected = [cache.clone() for cache in caches]
+        mla_insert_reference(kv_c, k_pe, expected, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
+        assert insert(kv_c, k_pe, slots, scales) == num_tokens
+        assert _same_bytes(caches, expected)
+    assert insert.num_bound == 2
+    bound = insert._last  # the last step's launch: its arguments are that step's
+    assert bound.args[0] is kv_c and bound.args[1] is k_pe and bound.args[3] is slots
+    assert bound.args[5:9] == [7, kv_c.stride(0), k_pe.stride(0), slots.stride(0)]
+    assert bound.is_packed is False  # the interpreter: Triton's launch
+    with pytest.raises(GeometryError, match="slot_mapping"):  # T disagrees: the checks run
+        insert(kv_c, k_pe, slots[:, :3], scales)
 
 
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
@@ -404,29 +482,29 @@ def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
     expected = _run_both(grouped_mla_insert, shifted, k_pe, caches, slots)
     assert _same_bytes(caches, expected)
     # The launch key says IO_ALIGNED for the aligned copy only.
-    plan = _mla_launch._grouped_plan(caches, "auto")
+    plan = host.grouped_plan(caches, "auto")
     for inputs, is_aligned in ((shifted, False), (kv_c, True)):
-        step = _mla_launch._check_step(inputs, k_pe, slots, None, "auto", plan.meta, for_kernel=True)  # fmt: skip
-        assert _mla_launch._launch_spec(plan, step, inputs, k_pe, 1)[-1] is is_aligned
+        step = checks.check_step(inputs, k_pe, slots, None, "auto", plan.meta, allow_cpu=True)  # fmt: skip
+        assert host._launch_spec(plan, step, inputs, k_pe, 1)[-1] is is_aligned
 
 
 def test_plan_held_for_graphs_outlives_the_eager_memo() -> None:
     # A graph replays its pointer table long after capture; the held plan must survive the
     # eager memo forgetting it (32 newer cache sets, here a clear) and keep the same table.
     caches = _caches(200, 3, 5, 4, 20, torch.float16)
-    key = _mla_launch._clean_key(caches, "auto")
+    key = host._clean_key(caches, "auto")
     assert key is not None
-    held = _mla_launch._plan_held_for_graphs(*key)
+    held = host._plan_held_for_graphs(*key)
     try:
         table_before = held.table.clone()
-        _mla_launch._plan_for.cache_clear()
-        _mla_launch._pointer_table.cache_clear()
-        assert _mla_launch._plan_held_for_graphs(*key) is held
-        assert _mla_launch._plan_for(*key).table is not held.table  # the eager memo rebuilt one
+        host._plan_for.cache_clear()
+        host._pointer_table.cache_clear()
+        assert host._plan_held_for_graphs(*key) is held
+        assert host._plan_for(*key).table is not held.table  # the eager memo rebuilt one
         assert torch.equal(held.table, table_before)
         assert held.table.tolist() == [cache.data_ptr() for cache in caches]
     finally:
-        _mla_launch._plan_held_for_graphs.cache_clear()
+        host._plan_held_for_graphs.cache_clear()
 
 
 @pytest.mark.parametrize("capturing", [False, True])
@@ -436,15 +514,15 @@ def test_grouped_plan_holds_plans_used_under_capture(
     # Only a CUDA plan looked up while the stream captures goes to the held memo (the GPU test
     # below replays such a graph); CPU caches are pretended to live on cuda:0 here.
     caches = _caches(201, 2, 3, 4, 20, torch.float16)
-    key = _mla_launch._clean_key(caches, "auto")
+    key = host._clean_key(caches, "auto")
     assert key is not None
     cuda_key = (key[0], 0, *key[2:])
     calls: list[str] = []
-    monkeypatch.setattr(_mla_launch, "_clean_key", lambda *_: cuda_key)
+    monkeypatch.setattr(host, "_clean_key", lambda *_: cuda_key)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    monkeypatch.setattr(_mla_launch, "_plan_for", lambda *k: calls.append("eager") or k)
-    monkeypatch.setattr(_mla_launch, "_plan_held_for_graphs", lambda *k: calls.append("held") or k)
-    assert _mla_launch._grouped_plan(caches, "auto") == cuda_key
+    monkeypatch.setattr(host, "_plan_for", lambda *k: calls.append("eager") or k)
+    monkeypatch.setattr(host, "_plan_held_for_graphs", lambda *k: calls.append("held") or k)
+    assert host.grouped_plan(caches, "auto") == cuda_key
     assert calls == (["held"] if capturing else ["eager"])
 
 
@@ -541,7 +619,7 @@ def test_gpu_direct_launch_is_exact_across_step_sizes_and_layouts(kv_cache_dtype
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
         torch.cuda.synchronize()
         assert _same_bytes(caches, expected), f"step {step}, T = {num_tokens}"
-    launcher = mla_insert._grouped_launcher(True)
+    launcher = host.grouped_launcher(True)
     assert launcher.direct and launcher.num_compiled >= 3  # aligned, misaligned, fused: 3 keys
 
 
@@ -565,7 +643,7 @@ def test_gpu_direct_and_normal_launches_write_the_same_bytes(kv_cache_dtype: str
         assert _same_bytes(caches, expected)
         results.append(caches)
     assert _same_bytes(results[0], results[1]) and _same_bytes(results[1], results[2])
-    assert mla_insert._grouped_launcher(True).direct
+    assert host.grouped_launcher(True).direct
 
 
 @pytest.mark.gpu
@@ -574,9 +652,9 @@ def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 5, 300, 512, 64, 40, 16
     width = rank + rope_dim
     # Forget tables of earlier tests: freed caches' addresses may come back for `fresh` below.
-    _mla_launch._pointer_table.cache_clear()
-    _mla_launch._plan_for.cache_clear()
-    _mla_launch._plan_held_for_graphs.cache_clear()
+    host._pointer_table.cache_clear()
+    host._plan_for.cache_clear()
+    host._plan_held_for_graphs.cache_clear()
     # Static buffers the graph reads; each replay gets new contents.
     kv_c, k_pe = _inputs(70, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots = _slots(71, num_tokens, num_blocks * block_size, 20)
@@ -630,7 +708,7 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     # eager memo drops the table after 32 newer cache sets; the capture must keep it alive.
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 40, 512, 64, 8, 16
     width, capacity = rank + rope_dim, num_blocks * block_size
-    for memo in (_mla_launch._pointer_table, _mla_launch._plan_for, _mla_launch._plan_held_for_graphs):  # fmt: skip
+    for memo in (host._pointer_table, host._plan_for, host._plan_held_for_graphs):  # fmt: skip
         memo.cache_clear()
     kv_c, k_pe = _inputs(210, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots = _slots(211, num_tokens, capacity, 4)
@@ -645,8 +723,8 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     with torch.cuda.graph(graph):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
     # 2. The eager memo forgets these caches (as 32 newer cache sets would make it do).
-    _mla_launch._plan_for.cache_clear()
-    _mla_launch._pointer_table.cache_clear()
+    host._plan_for.cache_clear()
+    host._pointer_table.cache_clear()
     # 3. Tables pointing at a decoy cache take any freed table memory on the same stream, so a
     #    freed table would send the replay's writes to the decoy instead of faulting.
     decoy = _caches(213, 1, num_blocks, block_size, width, torch.bfloat16)[0]
@@ -668,7 +746,7 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     assert _same_bytes(caches, expected)
     assert torch.equal(decoy.view(torch.uint8), decoy_before.view(torch.uint8))
     del decoy_tables
-    _mla_launch._plan_held_for_graphs.cache_clear()
+    host._plan_held_for_graphs.cache_clear()
 
 
 @pytest.mark.gpu
@@ -689,7 +767,7 @@ def test_gpu_hook_runs_on_the_given_stream() -> None:
 
 def test_hook_module_imports_without_triton() -> None:
     # kvmgr may re-export the hook: importing it must not pull in Triton.
-    code = "import sys, kvmgr.kernels.hooks_mla; sys.exit('triton' in sys.modules)"
+    code = "import sys, kvmgr.kernels.mla.hook; sys.exit('triton' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
 
@@ -715,6 +793,7 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
     assert result["hbm_copy_peak_gbps"] > 100
     assert len(result["rows"]) == 2 * 2 * 2  # kv dtypes x token counts x modes
     assert all(row["grouped_us"] > 0 and row["per_layer_us"] > 0 for row in result["rows"])
-    hosts = ("per_layer_host_us", "grouped_host_us", "hook_unchecked_host_us")
+    hosts = ("per_layer_host_us", "grouped_host_us", "grouped_old_host_us", "hook_host_us",
+             "hook_old_host_us", "hook_unchecked_host_us")  # fmt: skip
     for row in result["rows"]:  # host timings for eager rows only
         assert all((row[key] is None) == (row["mode"] == "graph") for key in hosts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -234,3 +235,19 @@ def test_property_cases_do_merge() -> None:
         np.arange(2, 6),
     )
     assert (plan.num_pages, plan.num_descriptors) == (8, 1 + 4)
+
+
+def test_a_plan_records_its_block_pairs_until_it_is_edited_or_split() -> None:
+    plan = build_plan(Direction.D2H, SRC, DST, np.array([7, 3, 2, 4]), np.array([5, 1, 0, 2]))
+    pairs = plan.matching_blocks()
+    assert pairs is not None and (pairs.src, pairs.dst) == (SRC, DST)
+    # the pairs sorted by source block, as the descriptors were built
+    assert (pairs.src_block_ids.tolist(), pairs.dst_block_ids.tolist()) == (
+        [2, 3, 4, 7],
+        [0, 1, 2, 5],
+    )
+    assert (pairs.num_bytes, pairs.num_descriptors) == (plan.num_bytes, plan.num_descriptors)
+    # an edit of the descriptors, or a split, leaves nothing an engine could misread
+    assert attrs.evolve(plan, sizes=plan.sizes - 1).matching_blocks() is None
+    assert all(chunk.blocks is None for chunk in plan.split(1))
+    assert TransferPlan(Direction.H2D).matching_blocks() is None

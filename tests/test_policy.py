@@ -8,20 +8,20 @@ from typing import TypeVar
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvmgr.errors import BlockStateError, ConfigError, UnknownKeyError
 from kvmgr.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 a, b, c, d, e, f, g, h, i = (bytes([ch]) * 3 for ch in b"abcdefghi")
 P = TypeVar("P", bound=EvictionPolicy)
-ANY = lambda key: True  # noqa: E731  (can_evict / is_ready accepting every key)
+ANY = lambda key: True  # noqa: E731  (can_evict accepting every key)
 
 
 def _fill(policy: P, *keys: bytes) -> P:
     """Insert ``keys`` in order and return the policy."""
     for key in keys:
-        policy.insert(key)
+        policy.insert([key], [None])
     return policy
 
 
@@ -85,13 +85,17 @@ def test_protected_and_pinned_keys_are_skipped(policy: EvictionPolicy) -> None:
 
 def test_remove_and_bad_input(policy: EvictionPolicy) -> None:
     _fill(policy, a, b, c)
-    policy.remove(b)
+    policy.remove([b])
     assert b not in policy and _resident(policy) == [a, c]
     before = _snapshot(policy)
     with pytest.raises(UnknownKeyError, match="not tracked"):
-        policy.remove(b)
+        policy.remove([c, b])  # c is tracked, b is not: c stays
     with pytest.raises(BlockStateError, match="already tracked"):
-        policy.insert(a)
+        policy.insert([d, a], [None, d])
+    with pytest.raises(BlockStateError, match="already tracked"):
+        policy.insert([d, d], [None, None])
+    with pytest.raises(ValueError, match="one parent per key"):
+        policy.insert([d], [])
     with pytest.raises(ValueError, match="expected >= 0, got -1"):
         policy.evict(-1, ANY)
     assert _snapshot(policy) == before
@@ -107,17 +111,59 @@ def test_unknown_policy_name_lists_supported() -> None:
         ARCPolicy(0)
 
 
-def test_arc_pending_key_stays_in_t1() -> None:
+def test_arc_touch_promotes_every_tracked_key() -> None:
     arc = _fill(ARCPolicy(4), a, b, c)
-    # a is still PENDING, b is READY: b is promoted, a only moves to T1's MRU end
-    arc.touch([a, b], is_ready=lambda key: key != a)
-    assert (arc.t1, arc.t2) == ([c, a], [b])
-    # a's store completed: the next hit promotes it
-    arc.touch([a], is_ready=ANY)
+    # v2 touches only real uses: a T1 hit is promoted (first key most recent), ghosts ignored
+    arc.touch([a, b, b"x"])
     assert (arc.t1, arc.t2) == ([c], [b, a])
-    # without is_ready every key counts as READY; T2 hits refresh
+    # T2 hits refresh, T1 hits join at the MRU end, in reverse order
     arc.touch([c, b])
     assert (arc.t1, arc.t2) == ([], [a, b, c])
+
+
+def test_chain_store_evicts_deepest_first(policy: EvictionPolicy) -> None:
+    # one store of a chain: a <- b <- c <- d; a must never be the first victim
+    policy.insert([a, b, c, d], [None, a, b, c])
+    _fill(policy, e)
+    assert policy.evict(1, ANY) == [d]
+    # d's parent c is next for LRU; ARC (T1 = [d, c, b, a, e] in that order) agrees
+    assert policy.evict(2, ANY) == [c, b]
+    assert policy.evict(2, ANY) == [a, e]
+
+
+def test_parent_waits_for_children_even_out_of_order(policy: EvictionPolicy) -> None:
+    # a is older than its children b and c (touches that skipped a): it goes right after them
+    _fill(policy, a, f)
+    policy.insert([b], [a])
+    policy.insert([c], [a])
+    assert policy.evict(3, ANY) == [f, b, c]  # a waits for c, the last child
+    assert _resident(policy) == [a]
+
+
+def test_pinned_or_protected_child_keeps_its_parent(policy: EvictionPolicy) -> None:
+    policy.insert([a, b, c], [None, a, b])
+    _fill(policy, d)
+    before = _snapshot(policy)
+    # c is pinned (being read): b and a are not evictable either, only d is
+    assert policy.evict(2, lambda key: key != c) is None
+    assert _snapshot(policy) == before
+    assert policy.evict(1, ANY, protected={c}) == [d]
+    assert policy.evict(1, ANY, protected={c}) is None
+    # a removed parent (invalidation) leaves an orphan that is evictable by itself
+    policy.remove([a])
+    assert policy.evict(2, ANY) == [c, b]
+
+
+def test_batch_parents_within_and_across_batches(policy: EvictionPolicy) -> None:
+    # two requests' blocks in one batch: a <- b and c <- d, d's parent c precedes it
+    policy.insert([a, b, c, d], [None, a, None, c])
+    # a later batch extends b with e, while b stays tracked
+    policy.insert([e], [b])
+    # leaves first, then parents; b waits for e
+    victims = policy.evict(5, ANY)
+    assert victims is not None and sorted(victims) == sorted([a, b, c, d, e])
+    for child, parent in ((b, a), (d, c), (e, b)):
+        assert victims.index(child) < victims.index(parent)
 
 
 def test_arc_adaptation_grows_shrinks_and_floors() -> None:
@@ -128,17 +174,17 @@ def test_arc_adaptation_grows_shrinks_and_floors() -> None:
     assert arc.evict(4, ANY) == [a, d, c, b]
     assert (arc.b1, arc.b2) == ([a], [d, c, b])
     # store a again (B1 hit): p grows by |B2|/|B1| = 3; a goes to T2
-    arc.insert(a)
+    arc.insert([a], [None])
     assert arc.target == 3 and arc.t2 == [a] and arc.b1 == []
     _fill(arc, e, f, g, h, i)
     # |T1| = 5 > 3: e, f; then |T1| = 3 is not > 3 but a (T2) is pinned: fall back to T1
     assert arc.evict(5, lambda key: key != a) == [e, f, g, h, i]
     assert (arc.b1, arc.b2) == ([e, f, g, h, i], [d, c, b])
     # store d (B2 hit): p shrinks by |B1|/|B2| = 5/3
-    arc.insert(d)
+    arc.insert([d], [None])
     assert arc.target == pytest.approx(3 - 5 / 3) and arc.t2 == [a, d]
     # store c (B2 hit): shrink by 5/2, floored at 0
-    arc.insert(c)
+    arc.insert([c], [None])
     assert arc.target == 0 and arc.b2 == [b]
 
 
@@ -147,16 +193,16 @@ def test_arc_target_is_capped_and_prefers_t2_below_target() -> None:
     arc.touch([a, b, c])  # T2 = [c, b, a], T1 = [d]
     assert arc.evict(4, ANY) == [d, c, b, a]
     # B1 hit with |B2|/|B1| = 3: p = 3
-    arc.insert(d)
+    arc.insert([d], [None])
     _fill(arc, e, f, g)
     # |T1| = 3 is not > 3: T2's d goes first, then T1 (T2 exhausted)
     assert arc.evict(3, ANY) == [d, e, f]
     assert (arc.b1, arc.b2) == ([e, f], [c, b, a, d])
     # B1 hit with |B2|/|B1| = 2: 3 + 2 capped at capacity 4
-    arc.insert(e)
+    arc.insert([e], [None])
     assert arc.target == 4
     # B2 hit with |B1|/|B2| = 1/4: shrink by the minimum step 1
-    arc.insert(c)
+    arc.insert([c], [None])
     assert arc.target == 3 and (arc.t1, arc.t2) == ([g], [e, c])
 
 
@@ -165,7 +211,7 @@ def test_arc_evict_tracks_t1_shrinking_as_it_picks() -> None:
     arc.touch([b])  # T1 = [a], T2 = [b]
     assert arc.evict(1, ANY) == [a]
     # B1 hit with B2 empty: minimum step, p = 1; T2 = [b, a]
-    arc.insert(a)
+    arc.insert([a], [None])
     assert arc.target == 1 and arc.t2 == [b, a]
     _fill(arc, c, d, e)
     # |T1| = 3 > 1: c; 2 > 1: d; then 1 is not > 1: T2 from its LRU end, e stays
@@ -178,7 +224,7 @@ def test_arc_ghost_bounds() -> None:
     # evict a from T1: B1 = [a]; |T1| + |B1| = 3
     assert arc.evict(1, ANY) == [a] and arc.b1 == [a]
     # store d: |T1| + |B1| would be 4 > 3, so the LRU ghost a is dropped
-    arc.insert(d)
+    arc.insert([d], [None])
     assert arc.t1 == [b, c, d] and arc.b1 == []
     # promote all (T2 = [d, c, b]), evict them into B2, then 3 more: B2 keeps the newest 3
     arc.touch([b, c, d])
@@ -192,8 +238,8 @@ def test_arc_ghost_bounds() -> None:
     assert arc.evict(3, ANY) == [a, b, c]
     assert (arc.b1, arc.b2) == ([a, b, c], [g, f, e])
     # B1 hit moves a to T2 (directory still 6); a new key d makes it 7: B2's LRU g goes
-    arc.insert(a)
-    arc.insert(d)
+    arc.insert([a], [None])
+    arc.insert([d], [None])
     assert (arc.t1, arc.t2, arc.b1, arc.b2) == ([d], [a], [b, c], [f, e])
 
 
@@ -203,7 +249,8 @@ key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
 
 
 class PolicyMachine(RuleBasedStateMachine):
-    """Drives a policy like the manager does and checks it against a model of resident keys."""
+    """Drives a policy like the manager does and checks it against a model of resident keys
+    (LRU order and parent per key), including prefix consistency of every eviction."""
 
     policy_name = "lru"
 
@@ -211,19 +258,25 @@ class PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         self.policy = make_policy(self.policy_name, CAPACITY)
         self.model: OrderedDict[bytes, None] = OrderedDict()  # LRU order for LRU; a set for ARC
+        self.parent: dict[bytes, bytes | None] = {}
         self.pending: set[bytes] = set()
 
-    @precondition(lambda self: len(self.model) < CAPACITY)
-    @rule(key=st.sampled_from(KEYS), is_pending=st.booleans())
-    def insert(self, key: bytes, is_pending: bool) -> None:
-        if key in self.model:
+    @rule(keys=key_lists, root=st.sampled_from([None, *KEYS]), is_pending=st.booleans())
+    def insert_chain(self, keys: list[bytes], root: bytes | None, is_pending: bool) -> None:
+        keys = list(dict.fromkeys(keys))[: CAPACITY - len(self.model)]
+        parents = [root, *keys[:-1]][: len(keys)]
+        if any(key in self.model for key in keys):
+            before = _snapshot(self.policy)
             with pytest.raises(BlockStateError):
-                self.policy.insert(key)
+                self.policy.insert(keys, parents)
+            assert _snapshot(self.policy) == before
             return
-        self.policy.insert(key)
-        self.model[key] = None
+        self.policy.insert(keys, parents)
+        for key, up in zip(reversed(keys), reversed(parents)):
+            self.model[key] = None
+            self.parent[key] = up
         if is_pending:
-            self.pending.add(key)
+            self.pending.update(keys)
 
     @rule(key=st.sampled_from(KEYS))
     def complete_store(self, key: bytes) -> None:
@@ -231,26 +284,28 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(keys=key_lists)
     def touch(self, keys: list[bytes]) -> None:
-        arc = self.policy if isinstance(self.policy, ARCPolicy) else None
-        held = {k for k in arc.t1 if k in self.pending and k in keys} if arc else set()
-        self.policy.touch(keys, is_ready=lambda key: key not in self.pending)
+        self.policy.touch(keys)
         for key in reversed(keys):
             if key in self.model:
                 self.model.move_to_end(key)
-        if arc is not None:  # PENDING keys stay in T1; READY touched keys are all in T2
-            assert held <= set(arc.t1)
-            assert {k for k in keys if k in self.model and k not in self.pending} <= set(arc.t2)
+        arc = self.policy
+        if isinstance(arc, ARCPolicy):  # every touched resident key is in T2, most recent
+            touched = [k for k in keys if k in self.model]
+            assert set(arc.t2[len(arc.t2) - len(set(touched)) :]) == set(touched)
+            assert not touched or arc.t2[-1] == touched[0]
 
-    @rule(key=st.sampled_from(KEYS))
-    def remove(self, key: bytes) -> None:
-        if key in self.model:
-            self.policy.remove(key)
-            del self.model[key]
-            self.pending.discard(key)
+    @rule(keys=key_lists)
+    def remove(self, keys: list[bytes]) -> None:
+        if all(key in self.model for key in keys):
+            self.policy.remove(keys)
+            for key in keys:
+                self.model.pop(key, None)
+                self.parent.pop(key, None)
+                self.pending.discard(key)
             return
         before = _snapshot(self.policy)
         with pytest.raises(UnknownKeyError):
-            self.policy.remove(key)
+            self.policy.remove(keys)
         assert _snapshot(self.policy) == before
 
     @rule(n=st.integers(0, CAPACITY + 1), pinned=key_lists, protected=key_lists)
@@ -259,17 +314,30 @@ class PolicyMachine(RuleBasedStateMachine):
             assert key in self.model, "asked about an untracked key"
             return key not in self.pending and key not in pinned
 
+        def is_leaf(key: bytes, gone: set[bytes]) -> bool:
+            return not any(up == key and k not in gone for k, up in self.parent.items())
+
+        # reference: repeatedly the oldest eligible key whose tracked children are all gone
         eligible = [k for k in self.model if can_evict(k) and k not in protected]
+        expected: list[bytes] = []
+        while len(expected) < n:
+            leaves = [k for k in eligible if k not in expected and is_leaf(k, set(expected))]
+            if not leaves:
+                break
+            expected.append(leaves[0])
         before = _snapshot(self.policy)
         victims = self.policy.evict(n, can_evict, protected)
-        if len(eligible) < n:
+        if len(expected) < n:
             assert victims is None and _snapshot(self.policy) == before
             return
         assert victims is not None and len(set(victims)) == n and set(victims) <= set(eligible)
+        gone = set(victims)
+        assert all(is_leaf(k, gone) for k in victims), "victims not closed under children"
         if isinstance(self.policy, LRUPolicy):
-            assert victims == eligible[:n]
+            assert victims == expected
         for key in victims:
             del self.model[key]
+            del self.parent[key]
 
     @invariant()
     def resident_keys_match_model_and_ghosts_are_bounded(self) -> None:

@@ -1,10 +1,12 @@
 """Reliability: a stateful fault-injection model, timeouts, cancellation, shutdown, backpressure,
 metrics.
 
-The stateful test drives one manager through random swaps, lookups, steps, preempts, resumes,
+The stateful test drives one manager through random swaps (``swap_out``/``swap_in`` and
+``store_many``/``load_many`` over two requests' blocks), lookups, steps, preempts, resumes,
 frees, cancellations, timed-out awaits and injected faults (failed, hung, held, refused, delayed
-batches); after every step ``check_invariants`` passes and every completed swap-in holds the
-bytes stored under its key. Profiles: ``KVMGR_STATEFUL=ci`` (default, a few seconds) and
+batches); after every step ``check_invariants`` passes and every completed load holds the
+bytes stored under its key. It uses only the public API: GPU blocks come from ``allocate``, and
+a swap is known settled when it left ``snapshot().swaps``. Profiles: ``KVMGR_STATEFUL=ci`` (default, a few seconds) and
 ``KVMGR_STATEFUL=long`` (``KVMGR_STATEFUL_EXAMPLES`` examples, default 3000), for example::
 
     KVMGR_STATEFUL=long python -m pytest -q -s tests/test_reliability.py -k Stateful --timeout 0
@@ -43,8 +45,9 @@ from kvmgr import (
     TransferError,
     TransferTimeoutError,
 )
+from kvmgr.manager import CpuState, SwapSnapshot
 from kvmgr.metrics import PrometheusExporter, metrics_snapshot
-from kvmgr.testing import FaultyEngine, VirtualClock, _unsettled_ops, check_invariants
+from kvmgr.testing import FaultyEngine, VirtualClock, check_invariants
 from kvmgr.transfer import BatchHandle, HostEngine, make_engine
 
 NUM_GPU, NUM_CPU = 20, 10
@@ -77,6 +80,40 @@ def kvmgr_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("kvmgr")]
 
 
+def _signature(swap: SwapSnapshot) -> tuple[Any, ...]:
+    """What names one unsettled swap in ``snapshot().swaps`` whether queued or in flight."""
+    return (swap.kind, swap.gpu_block_ids, swap.cpu_block_ids, swap.keys, swap.req_id)
+
+
+def unsettled(mgr: OffloadManager) -> Counter[tuple[Any, ...]]:
+    """Signatures of the swaps queued or in flight (a multiset)."""
+    return Counter(_signature(s) for s in mgr.snapshot().swaps)
+
+
+def queue_swap(mgr: OffloadManager, call: Any) -> tuple[Any, tuple[Any, ...] | None]:
+    """Run ``call()`` (a swap) and return its future and the signature of the swap it queued
+    (``None``: nothing to copy, the future is already resolved)."""
+    before = unsettled(mgr)
+    future = call()
+    new = unsettled(mgr) - before
+    assert sum(new.values()) <= 1, f"one call queued several swaps: {new}"
+    return future, next(iter(new), None)
+
+
+async def batches_end(mgr: OffloadManager, keep: Any = (), timeout_s: float = 10.0) -> bool:
+    """Wait (real time) until every batch in flight now, except the engine batch ids in
+    ``keep``, has ended and its bookkeeping ran; False if some did not end in time."""
+    targets = {b.engine_batch_id for b in mgr.snapshot().batches} - set(keep)
+    deadline = time.monotonic() + timeout_s
+    while targets & {b.engine_batch_id for b in mgr.snapshot().batches}:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.0005)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return True
+
+
 # ====================================================================== stateful model
 
 
@@ -84,6 +121,7 @@ def kvmgr_threads() -> list[str]:
 class _ModelOp:
     kind: str  # "store", "load", "preempt", "resume"
     future: asyncio.Future[Any]
+    sig: tuple[Any, ...] | None  # its signature in snapshot().swaps; None: nothing queued
     req: str | None = None
     reads: list[int] = attrs.field(factory=list)  # GPU blocks the copy reads
     writes: list[int] = attrs.field(factory=list)  # GPU blocks the copy writes
@@ -166,9 +204,14 @@ class ManagerMachine(RuleBasedStateMachine):
     def sync(self) -> None:
         """Apply every op the manager has settled: check loaded and resumed bytes."""
         assert self.mgr is not None
-        queued, in_flight = _unsettled_ops(self.mgr)
-        live = {id(op.future) for op in queued + in_flight}
-        for op in [op for op in self.ops if id(op.future) not in live]:
+        live = unsettled(self.mgr)
+        settled = []
+        for op in self.ops:
+            if op.sig is not None and live[op.sig] > 0:
+                live[op.sig] -= 1
+            else:
+                settled.append(op)
+        for op in settled:
             self.ops.remove(op)
             assert op.future.done(), f"{op.kind} settled but its future is pending"
             ok = not op.future.cancelled() and op.future.exception() is None
@@ -189,7 +232,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def tier(self, req: str | None) -> Tier | None:
         assert self.mgr is not None
-        table = self.mgr._tables.get(req)
+        table = self.mgr.snapshot().tables.get(req)
         return None if table is None else table.tier
 
     def busy(self) -> tuple[set[int], set[int]]:
@@ -199,7 +242,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def requests(self, *, tier: Tier) -> list[str]:
         assert self.mgr is not None
-        tables = self.mgr._tables
+        tables = self.mgr.snapshot().tables
         return sorted(r for r, t in tables.items() if t.tier is tier and not t.moving)
 
     # ------------------------------------------------------------------ rules
@@ -207,11 +250,13 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 4))
     def new_request(self, n: int) -> None:
         async def body() -> None:
-            assert self.mgr is not None and self.mgr.gpu_blocks is not None
+            assert self.mgr is not None
             self.sync()
             req = f"req-{self.num_reqs}"
             self.num_reqs += 1
-            if self.mgr.gpu_blocks.num_free < n:
+            free = self.mgr.statistics().gpu_blocks_free
+            assert free is not None
+            if free < n:
                 with pytest.raises(PoolExhaustedError):
                     self.mgr.allocate(req, n)
                 return
@@ -220,10 +265,22 @@ class ManagerMachine(RuleBasedStateMachine):
 
         self.run(body())
 
+    def pick_blocks(self, reqs: list[str], pick: int, start: int, n: int, many: bool) -> list[int]:
+        """Blocks ``start:start+n`` of one resident request, or of two (``store_many`` and
+        ``load_many`` carry several requests' blocks in one call)."""
+        ids = self.ids(reqs[pick % len(reqs)])[start : start + n]
+        if many:
+            ids += self.ids(reqs[(pick // 7 + 1) % len(reqs)])[: n + 1]
+        return list(dict.fromkeys(ids))
+
     @rule(
-        pick=st.integers(0, 99), start=st.integers(0, 3), n=st.integers(1, 4), k=st.integers(0, 99)
+        pick=st.integers(0, 99),
+        start=st.integers(0, 3),
+        n=st.integers(1, 4),
+        k=st.integers(0, 99),
+        many=st.booleans(),
     )
-    def store(self, pick: int, start: int, n: int, k: int) -> None:
+    def store(self, pick: int, start: int, n: int, k: int, many: bool) -> None:
         async def body() -> None:
             assert self.mgr is not None
             self.sync()
@@ -231,39 +288,52 @@ class ManagerMachine(RuleBasedStateMachine):
             if not reqs:
                 return
             reads, writes = self.busy()
-            ids = self.mgr._tables[reqs[pick % len(reqs)]].block_ids[start : start + n]
+            ids = self.pick_blocks(reqs, pick, start, n, many)
             ids = [b for b in ids if b not in reads | writes]
             keys = [KEYS[(k + i) % len(KEYS)] for i in range(len(ids))]
             for block, key in zip(ids, keys):
                 self.write(block, key)  # compute produced this prefix's KV
+            mgr = self.mgr
             try:
-                future = self.mgr.swap_out(ids, keys)
+                call = mgr.store_many if many else mgr.swap_out
+                future, sig = queue_swap(mgr, lambda: call(ids, keys))
             except PoolExhaustedError as exc:
                 assert exc.reason == "cpu_full"
                 self.totals["store_rejected"] += 1
                 return
-            self.ops.append(_ModelOp("store", future, reads=list(ids)))
+            self.ops.append(_ModelOp("store", future, sig, reads=list(ids)))
+            self.totals["store_many" if many else "swap_out"] += 1
 
         self.run(body())
 
     @rule(
-        pick=st.integers(0, 99), start=st.integers(0, 3), n=st.integers(1, 3), k=st.integers(0, 99)
+        pick=st.integers(0, 99),
+        start=st.integers(0, 3),
+        n=st.integers(1, 3),
+        k=st.integers(0, 99),
+        many=st.booleans(),
     )
-    def load(self, pick: int, start: int, n: int, k: int) -> None:
+    def load(self, pick: int, start: int, n: int, k: int, many: bool) -> None:
         async def body() -> None:
             assert self.mgr is not None
             self.sync()
-            ready = [key for key in KEYS if self.mgr.index.is_ready(key)]
+            index = self.mgr.snapshot().keys
+            ready = [k for k in KEYS if k in index and index[k].state is CpuState.READY]
             reqs = self.requests(tier=Tier.GPU)
             if not ready or not reqs:
                 return
             _, writes = self.busy()  # loading into a block a store still reads is allowed
-            ids = self.mgr._tables[reqs[pick % len(reqs)]].block_ids[start : start + n]
+            ids = self.pick_blocks(reqs, pick, start, n, many)
             ids = [b for b in ids if b not in writes]
             keys = [ready[(k + i) % len(ready)] for i in range(len(ids))]
             assert self.mgr.lookup(keys[:1]) == len(keys[:1])
-            future = self.mgr.swap_in(keys, ids)
-            self.ops.append(_ModelOp("load", future, writes=list(ids), expect=list(keys)))
+            mgr = self.mgr
+            if many:  # repeated keys: one key into several blocks
+                keys = [keys[(i * k) % len(keys)] for i in range(len(keys))]
+            call = mgr.load_many if many else mgr.swap_in
+            future, sig = queue_swap(mgr, lambda: call(keys, ids))
+            self.ops.append(_ModelOp("load", future, sig, writes=list(ids), expect=list(keys)))
+            self.totals["load_many" if many else "swap_in"] += 1
 
         self.run(body())
 
@@ -278,18 +348,19 @@ class ManagerMachine(RuleBasedStateMachine):
                 return
             req = reqs[pick % len(reqs)]
             ids = self.ids(req)
+            mgr = self.mgr
             try:
-                future = self.mgr.preempt(req)
+                future, sig = queue_swap(mgr, lambda: mgr.preempt(req))
             except PoolExhaustedError:
                 return
             labels = [self.label.get(b) for b in ids]
-            self.ops.append(_ModelOp("preempt", future, req=req, reads=ids, expect=labels))
+            self.ops.append(_ModelOp("preempt", future, sig, req=req, reads=ids, expect=labels))
 
         self.run(body())
 
     def ids(self, req: str) -> list[int]:
         assert self.mgr is not None
-        return list(self.mgr._tables[req].block_ids)
+        return [b for _, b in self.mgr.block_table(req)]
 
     @rule(pick=st.integers(0, 99))
     def resume(self, pick: int) -> None:
@@ -300,12 +371,13 @@ class ManagerMachine(RuleBasedStateMachine):
             if not reqs:
                 return
             req = reqs[pick % len(reqs)]
+            mgr = self.mgr
             try:
-                future = self.mgr.resume(req)
+                future, sig = queue_swap(mgr, lambda: mgr.resume(req))
             except PoolExhaustedError as exc:
                 assert exc.reason == "gpu_full"
                 return
-            self.ops.append(_ModelOp("resume", future, req=req, expect=self.swapped[req]))
+            self.ops.append(_ModelOp("resume", future, sig, req=req, expect=self.swapped[req]))
 
         self.run(body())
 
@@ -338,12 +410,9 @@ class ManagerMachine(RuleBasedStateMachine):
         async def body() -> None:
             assert self.mgr is not None and self.engine is not None
             waiting = set(self.engine.waiting_batch_ids)
-            handles = [
-                b.handle
-                for b in self.mgr._queue.in_flight
-                if b.handle is not None and b.handle.batch_id not in waiting
-            ]
-            assert await _batches_end(handles), "a batch that is not held never completed"
+            assert await batches_end(self.mgr, keep=waiting), (
+                "a batch that is not held never completed"
+            )
             self.sync()
 
         self.run(body())
@@ -426,9 +495,9 @@ class ManagerMachine(RuleBasedStateMachine):
         for _ in range(20):
             await self.mgr.step()
             self.engine.release()
-            handles = [b.handle for b in self.mgr._queue.in_flight if b.handle is not None]
-            assert await _batches_end(handles), "a released batch never completed"
-            if not self.mgr._queue.in_flight and not len(self.mgr._queue):
+            assert await batches_end(self.mgr), "a released batch never completed"
+            stats = self.mgr.statistics()
+            if not stats.batches_in_flight and not stats.queued_swaps:
                 break
         self.sync()
         assert not self.ops, f"{len(self.ops)} swaps never settled"
@@ -441,20 +510,6 @@ class ManagerMachine(RuleBasedStateMachine):
 
 async def _await(future: asyncio.Future[Any]) -> Any:
     return await future
-
-
-async def _batches_end(handles: list[BatchHandle], timeout_s: float = 10.0) -> bool:
-    """Wait (real time) until the engine resolved every handle and the manager's completion
-    callbacks ran; False if some did not end in time."""
-    if not handles:
-        return True
-    futures = [asyncio.wrap_future(h.future) for h in handles]
-    for future in futures:  # outcomes are the manager's business: mark them retrieved
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    _, pending = await asyncio.wait(futures, timeout=timeout_s)
-    for _ in range(3):
-        await asyncio.sleep(0)
-    return not pending
 
 
 _PROFILES = {
@@ -516,7 +571,7 @@ async def opened(
 
 
 def cpu_page(mgr: OffloadManager, key: bytes) -> list[torch.Tensor]:
-    block = mgr.index.entry(key).block_id
+    block = mgr.snapshot().keys[key].cpu_block_id
     return [pages[block].clone() for pages in mgr.cpu_pool.tensors]
 
 
@@ -563,7 +618,8 @@ async def test_timed_out_store_stays_fenced_until_its_copy_ends() -> None:
                 mgr.swap_out(mgr.allocate("s", 2), KEYS[3:5])
             # 3. freeing the request does not hand out the GPU blocks the copy still reads
             mgr.free("r")
-            assert mgr.gpu_blocks is not None and not set(gpu) & set(mgr.allocate("t", 15))
+            assert mgr.statistics().gpu_blocks_free == NUM_GPU - 5
+            assert not set(gpu) & set(mgr.allocate("t", 15))
             check_invariants(mgr)
             # 4. the copy ends: READY with the bytes of store time, GPU blocks back in the pool
             engine.release()
@@ -590,13 +646,13 @@ async def test_timed_out_load_keeps_its_key_pinned() -> None:
         with pytest.raises(TransferTimeoutError):
             await mgr.wait(load, timeout_s=0.01)
         # the loading key cannot be evicted; the other one can
-        assert mgr.index.entry(KEYS[0]).readers == 1
+        assert mgr.snapshot().keys[KEYS[0]].readers == 1
         with pytest.raises(PoolExhaustedError):
             mgr.swap_out(gpu[2:], KEYS[2:4])  # would need both blocks
         check_invariants(mgr)
         engine.release()
         await load
-        assert mgr.index.entry(KEYS[0]).readers == 0 and same(gpu_page(kv, gpu[2]), expected)
+        assert mgr.snapshot().keys[KEYS[0]].readers == 0 and same(gpu_page(kv, gpu[2]), expected)
         check_invariants(mgr)
 
 
@@ -647,7 +703,7 @@ async def test_failed_store_is_never_ready_and_its_retry_is() -> None:
         with pytest.raises(TransferError, match="injected"):
             await store
         # the copy ran, then was poisoned: the keys are gone and their blocks free
-        assert mgr.lookup(KEYS[:3]) == 0 and KEYS[0] not in mgr.index
+        assert mgr.lookup(KEYS[:3]) == 0 and KEYS[0] not in mgr.snapshot().keys
         assert mgr.statistics().cpu_blocks_used == 0 and mgr.statistics().stores_failed == 3
         check_invariants(mgr)
         retry = mgr.swap_out(gpu, KEYS[:3])
@@ -737,9 +793,11 @@ async def test_waiting_store_succeeds_when_room_appears_without_spinning(
         with VirtualClock().install(asyncio.get_running_loop()) as clock:
             gpu, first = _full_tier(mgr, engine)
             await mgr.step()
+            # every attempt to find room for a store in the full tier asks the policy for
+            # victims once: count those calls (the policy is public; it is only observed)
             attempts = Counter[str]()
-            make_room = mgr._make_room
-            monkeypatch.setattr(mgr, "_make_room", lambda *a: attempts.update("x") or make_room(*a))
+            evict = mgr.policy.evict
+            monkeypatch.setattr(mgr.policy, "evict", lambda *a: attempts.update("x") or evict(*a))
             # 1. no room: the store waits; time passes, nothing else happens: one attempt
             second = mgr.swap_out(gpu[4:6], KEYS[4:6])
             assert not await until(second.done, rounds=100)
@@ -772,7 +830,7 @@ async def test_waiting_store_times_out_with_a_reason() -> None:
                 await second
             assert caught.value.reason == "timeout" and caught.value.needed == 2
             assert mgr.statistics().rejected == {"timeout": 1}
-            assert KEYS[4] not in mgr.index and mgr.statistics().cpu_keys_pending == 4
+            assert KEYS[4] not in mgr.snapshot().keys and mgr.statistics().cpu_keys_pending == 4
             check_invariants(mgr)
             engine.release()
             await first
@@ -800,7 +858,9 @@ async def test_store_without_room_fails_at_once_and_is_counted() -> None:
     "yield_first", [pytest.param(True, id="store-waiting"), pytest.param(False, id="not-started")]
 )
 @pytest.mark.asyncio
-async def test_refused_batch_wakes_waiting_stores(yield_first: bool) -> None:
+async def test_refused_batch_wakes_waiting_stores(
+    yield_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = FaultyEngine(HostEngine(), refuse_batches={1})
     config = ManagerConfig(num_cpu_blocks=4, backpressure="wait", store_wait_s=5.0)
     async with opened(make_kv(11), config, engine) as mgr:
@@ -810,9 +870,13 @@ async def test_refused_batch_wakes_waiting_stores(yield_first: bool) -> None:
             first = mgr.swap_out(gpu[:2], KEYS[:2])
             await mgr.step()  # batch 0, held
             refused = mgr.swap_out(gpu[2:4], KEYS[2:4])  # the tier is now full
+            attempts = Counter[str]()  # each attempt to make room asks the policy once
+            evict = mgr.policy.evict
+            monkeypatch.setattr(mgr.policy, "evict", lambda *a: attempts.update("x") or evict(*a))
             waiting = mgr.swap_out(gpu[4:6], KEYS[4:6])
-            if yield_first:  # the waiting store registers for a wake-up
-                await until(lambda: bool(mgr._room_waiters))
+            assert attempts["x"] == 1  # the call found no room: a task retries it
+            if yield_first:  # the task's first retry fails too: it registers for a wake-up
+                assert await until(lambda: attempts["x"] == 2)
             await mgr.step()  # batch 1 is refused: its two blocks are free again
             with pytest.raises(TransferError):
                 await refused
@@ -834,8 +898,10 @@ async def _metrics_scene(mgr: OffloadManager, engine: FaultyEngine) -> None:
     await mgr.step()
     await first
     assert mgr.lookup([KEYS[2], KEYS[3], b"missing"]) == 2
-    second = mgr.swap_out(gpu[4:6], KEYS[4:6])  # evicts KEYS[0], KEYS[1]
-    load = mgr.swap_in([KEYS[2]], [gpu[6]])
+    # evicts KEYS[3], KEYS[2]: KEYS[:4] is one chain and eviction is prefix-consistent (leaves
+    # first, policy protocol v2), so the touched tail goes and the root KEYS[0] stays
+    second = mgr.swap_out(gpu[4:6], KEYS[4:6])
+    load = mgr.swap_in([KEYS[0]], [gpu[6]])
     await mgr.step()
     await asyncio.gather(second, load)
     engine.hold()

@@ -7,13 +7,16 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import pytest_asyncio
 import torch
 
 from kvmgr import ClosedError, ConfigError, ManagerConfig, OffloadManager, TransferError
+from kvmgr.manager import CpuState, GpuState, KeySnapshot
 from kvmgr.pool.layout import KVLayout
 from kvmgr.testing import POISON_BYTE, FaultyEngine, InvariantError, VirtualClock, check_invariants
 from kvmgr.transfer import BatchHandle, BatchResult, EngineStatistics, HostEngine, TransferEngine
@@ -329,13 +332,63 @@ def _broken(mgr: OffloadManager, match: str) -> None:
         check_invariants(mgr)
 
 
+# Each test below seeds one manager bug by corrupting the manager's private state directly
+# (the Bookkeeper's state arrays, index, tables, allocators; the queue) and shows that
+# check_invariants, which reads only snapshot() and statistics(), names it. Where the snapshot
+# derives two views from one array (so no corruption of the arrays can make them disagree), the
+# bug is seeded in snapshot() or statistics() themselves.
+
+
+def _books(mgr: OffloadManager) -> Any:
+    return mgr._books  # private: only to inject bugs
+
+
+def _cpu_block(mgr: OffloadManager, key: bytes) -> int:
+    return mgr.snapshot().keys[key].cpu_block_id
+
+
+# ---------------------------------------------------------------- CPU tier and key index
+
+
 @pytest.mark.asyncio
 async def test_invariants_catch_a_leaked_cpu_block(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
     mgr, _ = scene
-    mgr.cpu_blocks.allocate(1)
-    _broken(mgr, "leaked")
+    cpu = _books(mgr).cpu
+    block = int(cpu.pool.take(1)[0])
+    cpu.state_np[block] = CpuState.SWAPPED  # a block of no request, never given back
+    _broken(mgr, f"CPU block {block} \\(SWAPPED\\) is allocated with no owner \\(leaked\\)")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_cpu_block_allocated_but_free(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    block = int(_books(mgr).cpu.pool.take(1)[0])  # handed out, its state never set
+    _broken(mgr, f"CPU block {block} is FREE but allocated=True")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_ready_block_given_back(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    block = _cpu_block(mgr, b"b")
+    _books(mgr).cpu.pool.give(np.array([block]))  # freed while its key still names it
+    _broken(mgr, f"CPU block {block} is READY but allocated=False")
+    _broken(mgr, f"CPU block {block} is in use but free in the allocator")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_two_keys_on_one_block(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    cpu = _books(mgr).cpu
+    cpu.index[b"c"] = cpu.index[b"a"]  # c's block is lost, a's is shared
+    _broken(mgr, "CPU blocks with several owners")
 
 
 @pytest.mark.asyncio
@@ -343,8 +396,37 @@ async def test_invariants_catch_index_policy_drift(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
     mgr, _ = scene
-    mgr.policy.remove(b"b")
-    _broken(mgr, "not in the policy")
+    mgr.policy.remove([b"b"])
+    _broken(mgr, "index has 3 keys, policy 2; not in the policy")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_key_on_an_unkeyed_block(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    block = _cpu_block(mgr, b"a")
+    _books(mgr).cpu.state_np[block] = CpuState.RESUMING
+    _broken(mgr, f"is on a RESUMING block {block}")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_key_whose_block_state_differs(
+    scene: tuple[OffloadManager, FaultyEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr, _ = scene
+    # a key's state and its block's state come from one array: seed the bug in snapshot()
+    snapshot = mgr.snapshot
+    block = _cpu_block(mgr, b"a")
+
+    def stale() -> Any:
+        snap = snapshot()
+        keys = dict(snap.keys)
+        keys[b"a"] = KeySnapshot(block, CpuState.PENDING, 0)
+        return attrs.evolve(snap, keys=keys)
+
+    monkeypatch.setattr(mgr, "snapshot", stale)
+    _broken(mgr, f"block {block} state differs from the key's")
 
 
 @pytest.mark.asyncio
@@ -356,8 +438,21 @@ async def test_invariants_catch_ready_while_store_in_flight(
     mgr.swap_out([ids[3][1]], [b"d"])
     await mgr.step()
     check_invariants(mgr)  # PENDING while held: fine
-    mgr.index.mark_ready(b"d")  # a manager bug: READY before the copy ended
-    _broken(mgr, "READY while a store still writes")
+    cpu = _books(mgr).cpu
+    cpu.state_np[_cpu_block(mgr, b"d")] = CpuState.READY  # READY before the copy ended
+    cpu.num_pending -= 1
+    _broken(mgr, "is READY while a store still writes its block")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_pending_without_a_store(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    cpu = _books(mgr).cpu
+    cpu.state_np[_cpu_block(mgr, b"b")] = CpuState.PENDING  # never readable again
+    cpu.num_pending += 1
+    _broken(mgr, "is PENDING with 0 stores in flight")
 
 
 @pytest.mark.asyncio
@@ -365,8 +460,44 @@ async def test_invariants_catch_a_pinned_key_without_load(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
     mgr, _ = scene
-    mgr.index.add_reader(b"a")  # pinned for ever: never evictable
-    _broken(mgr, "1 readers, 0 loads")
+    cpu = _books(mgr).cpu
+    cpu.readers[_cpu_block(mgr, b"a")] += 1  # pinned for ever: never evictable
+    cpu.num_loading += 1
+    _broken(mgr, "has 1 readers, 0 loads")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_pending_key_with_readers(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    mgr.swap_out([mgr.block_table("r")[3][1]], [b"d"])
+    await mgr.step()
+    cpu = _books(mgr).cpu
+    cpu.readers[_cpu_block(mgr, b"d")] += 1  # a load admitted on a PENDING key
+    cpu.num_loading += 1
+    _broken(mgr, "is PENDING with readers")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_moving_table_without_its_copy(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    _books(mgr).requests.tables["r"].moving = True
+    _broken(mgr, "request 'r': moving=True with 0 preempts/resumes")
+
+
+# ---------------------------------------------------------------- GPU blocks
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_busy_counts_without_copies(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    _books(mgr).gpu.busy[mgr.block_table("r")[0][1]] += 1  # a copy's end never released it
+    _broken(mgr, "GPU busy counts differ from the unsettled copies")
 
 
 @pytest.mark.asyncio
@@ -374,25 +505,141 @@ async def test_invariants_catch_a_gpu_block_free_in_a_table(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
     mgr, _ = scene
-    assert mgr.gpu_blocks is not None
-    mgr.gpu_blocks.free([mgr.block_table("r")[0][1]])
-    _broken(mgr, "free in the owned pool but in a block table")
+    gpu = _books(mgr).gpu
+    block = mgr.block_table("r")[0][1]
+    gpu.state_np[block] = GpuState.FREE  # back in the pool while the request still has it
+    gpu.pool.give(np.array([block]))
+    _broken(mgr, f"GPU block {block} is FREE but in .*request 'r'")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_held_gpu_block_the_allocator_gave_back(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    block = mgr.block_table("r")[1][1]
+    _books(mgr).gpu.pool.give(np.array([block]))  # the next allocate could hand it out again
+    _broken(mgr, f"GPU block {block} is HELD but allocated=False")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_gpu_block_held_twice(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    mgr.allocate("s", 1)
+    tables = _books(mgr).requests.tables
+    tables["s"].block_ids.append(tables["r"].block_ids[0])  # two requests write one block
+    _broken(mgr, "GPU blocks held twice")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_leaked_gpu_block(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    block = int(_books(mgr).gpu.allocate(1)[0])  # HELD, in no table
+    _broken(mgr, f"GPU block {block} is HELD by no request and no resume \\(leaked\\)")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_draining_block_without_a_copy(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    gpu = _books(mgr).gpu
+    block = int(gpu.allocate(1)[0])
+    gpu.state_np[block] = GpuState.DRAINING  # would never go back to the pool
+    _broken(mgr, f"GPU block {block} is DRAINING with no copy using it")
 
 
 @pytest.mark.asyncio
 async def test_invariants_catch_a_gpu_block_free_under_a_copy(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
-    mgr, _ = scene
-    assert mgr.gpu_blocks is not None
-    gpu = mgr.allocate("s", 1)
-    load = mgr.swap_in([b"a"], gpu)
+    mgr, engine = scene
+    ids = mgr.allocate("s", 1)
+    load = mgr.swap_in([b"a"], ids)
     await mgr.step()
-    del mgr._tables["s"]  # a manager bug: the request's block goes back mid-copy
-    mgr.gpu_blocks.free(gpu)
-    _broken(mgr, "while a queued or in-flight copy reads or writes")
-    mgr.engine.release()  # type: ignore[attr-defined]
+    check_invariants(mgr)
+    books = _books(mgr)
+    del books.requests.tables["s"]  # the request's block goes back mid-copy, not DRAINING
+    books.gpu.state_np[ids] = GpuState.FREE
+    books.gpu.pool.give(np.array(ids))
+    _broken(mgr, "is FREE while a queued or in-flight copy uses it")
+    engine.release()
     await load
+
+
+# ---------------------------------------------------------------- futures, statistics, engine
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_future_resolved_early(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, engine = scene
+    load = mgr.swap_in([b"c"], [mgr.block_table("r")[3][1]])
+    load.set_result(None)
+    _broken(mgr, "a load's future resolved before its copy settled")
+    await mgr.step()
+    engine.release()
+
+
+@pytest.mark.parametrize(
+    ("field", "match"),
+    [
+        ("batches_in_flight", "statistics: 1 batches in flight, snapshot has 0"),
+        ("queued_swaps", "statistics: 1 queued swaps, snapshot has 0"),
+        ("cpu_blocks_used", "statistics: cpu_blocks_used differs from the allocator"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_invariants_catch_statistics_that_disagree(
+    scene: tuple[OffloadManager, FaultyEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    field: str,
+    match: str,
+) -> None:
+    mgr, _ = scene
+    # these gauges are read from the same structures as the snapshot: seed the bug in
+    # statistics() (a gauge counted wrong)
+    statistics = mgr.statistics
+    monkeypatch.setattr(
+        mgr,
+        "statistics",
+        lambda: attrs.evolve(statistics(), **{field: getattr(statistics(), field) + 1}),
+    )
+    _broken(mgr, match)
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_pending_and_loading_counters_drift(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, _ = scene
+    cpu = _books(mgr).cpu
+    cpu.num_pending += 1  # a completion that forgot to count down
+    _broken(mgr, "statistics: 1 PENDING keys, snapshot 0")
+    cpu.num_pending -= 1
+    cpu.num_loading += 2
+    _broken(mgr, "statistics: 2 keys loading, snapshot 0")
+
+
+@pytest.mark.asyncio
+async def test_invariants_catch_a_batch_the_manager_forgot(
+    scene: tuple[OffloadManager, FaultyEngine],
+) -> None:
+    mgr, engine = scene
+    store = mgr.swap_out([mgr.block_table("r")[3][1]], [b"d"])
+    await mgr.step()
+    (batch,) = mgr.snapshot().batches
+    queue = mgr._queue  # private: only to inject the bug
+    lost = queue.in_flight.pop(batch.seq)  # its completion will find nothing to settle
+    _broken(mgr, f"engine batches \\[{batch.engine_batch_id}\\] are unresolved but unknown")
+    queue.in_flight[batch.seq] = lost
+    engine.release()
+    await store
 
 
 @pytest.mark.asyncio
@@ -400,23 +647,11 @@ async def test_invariants_catch_poison_served_as_ready(
     scene: tuple[OffloadManager, FaultyEngine],
 ) -> None:
     mgr, _ = scene
-    block = mgr.index.entry(b"b").block_id
+    block = _cpu_block(mgr, b"b")
     for pages in mgr.cpu_pool.tensors:
         pages[block] = POISON_BYTE  # what a failed store leaves behind
-    _broken(mgr, "poison")
+    _broken(mgr, "READY keys hold the poison of a failed store")
     check_invariants(mgr, scan_poison=False)
-
-
-@pytest.mark.asyncio
-async def test_invariants_catch_a_future_resolved_early(
-    scene: tuple[OffloadManager, FaultyEngine],
-) -> None:
-    mgr, _ = scene
-    load = mgr.swap_in([b"c"], [mgr.block_table("r")[3][1]])
-    load.set_result(None)
-    _broken(mgr, "resolved before its copy settled")
-    await mgr.step()
-    mgr.engine.release()  # type: ignore[attr-defined]
 
 
 @pytest.mark.asyncio
@@ -429,17 +664,8 @@ async def test_invariants_catch_a_missing_fence(
     await mgr.step()
     load = mgr.swap_in([b"a"], [block])  # must wait for the store that reads the block
     check_invariants(mgr)
-    monkeypatch.setattr(mgr._queue, "fences", lambda batch: [])  # a manager bug
+    monkeypatch.setattr(mgr._queue, "fences", lambda *args: [])  # a manager bug
     await mgr.step()
-    _broken(mgr, "without a wait_for fence")
+    _broken(mgr, "share GPU blocks \\[" + str(block) + "\\] without a wait_for fence")
     engine.release()
     await asyncio.gather(store, load)
-
-
-@pytest.mark.asyncio
-async def test_invariants_catch_a_moving_table_without_its_copy(
-    scene: tuple[OffloadManager, FaultyEngine],
-) -> None:
-    mgr, _ = scene
-    mgr._tables["r"].moving = True
-    _broken(mgr, "moving")

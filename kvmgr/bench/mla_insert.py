@@ -46,9 +46,12 @@ _MAX_SETS = 16  # the pointer-table memo must hold every set captured in one gra
 _MIN_INSERTS_PER_SAMPLE = 16
 _HOST_CAPTION = (
     "host µs: CPU wall time per insert call from an idle GPU (checks + dispatch + enqueue). "
-    "per-layer: one check, L ordinary Triton launches; grouped: the public function, all checks, "
-    "one launch; launch-only: GroupedMLAInsertHook(validate=False)."
+    "per-layer: one check, L ordinary Triton launches; grouped: the public function; hook: "
+    "GroupedMLAInsertHook; launch-only: the hook with validate=False. new: packed launches "
+    "(checks once per step signature, cuLaunchKernel from a packed buffer); old: every call "
+    "checked, launched through the compiled kernel's launcher (packed_launch=False)."
 )
+_TARGET_HOST_US, _TARGET_HOST_MAX_T = 10.0, 512
 _TARGET_SPEEDUP, _TARGET_SPEEDUP_MAX_T = 6.0, 512
 _TARGET_PEAK_FRACTION, _TARGET_PEAK_T = 0.75, 16384
 
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvmgr bench mla-insert: needs a CUDA GPU, and torch sees none.", file=sys.stderr)
         return 2
     try:
-        from kvmgr.kernels import mla_insert
+        from kvmgr.kernels.mla import api as mla_insert
     except ImportError as exc:  # Triton missing
         print(f"kvmgr bench mla-insert: cannot load the kernels ({exc}).", file=sys.stderr)
         return 2
@@ -98,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
         for num_tokens in tokens:
             sets = _make_sets(args, kv_cache_dtype, num_tokens)
             calls = {name: _calls(fn, sets) for name, fn in variants.items()}
+            calls["grouped_old"] = _calls(
+                functools.partial(mla_insert.grouped_mla_insert, packed_launch=False), sets
+            )
+            calls["hook"] = _hook_calls(sets, validate=True)
+            calls["hook_old"] = _hook_calls(sets, validate=True, packed_launch=False)
             calls["hook_unchecked"] = _hook_calls(sets)
             for mode in modes:
                 time_us = {name: _time_us(calls[name], mode, args.reps) for name in variants}
@@ -184,14 +192,14 @@ def _calls(fn: Callable[..., None], sets: list[dict[str, Any]], **tuning: Any) -
     ]
 
 
-def _hook_calls(sets: list[dict[str, Any]]) -> list[Any]:
-    """One ``GroupedMLAInsertHook(validate=False)`` call per set, its context built up front."""
+def _hook_calls(sets: list[dict[str, Any]], **options: Any) -> list[Any]:
+    """One ``GroupedMLAInsertHook`` call per set (default ``validate=False``), context prebuilt."""
     from kvmgr.hooks import StepContext
-    from kvmgr.kernels.hooks_mla import GroupedMLAInsertHook
+    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
 
     calls = []
     for s in sets:
-        hook = GroupedMLAInsertHook(s["caches"], validate=False, **s["kwargs"])
+        hook = GroupedMLAInsertHook(s["caches"], **{"validate": False, **options}, **s["kwargs"])
         tensors = {"kv_c": s["kv_c"], "k_pe": s["k_pe"], "slot_mapping": s["slots"]}
         calls.append(functools.partial(hook, StepContext(tensors=tensors)))
     return calls
@@ -310,6 +318,20 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "met": big[0] >= _TARGET_PEAK_FRACTION,
                 }
             )
+    for key in sorted({r["kv_cache_dtype"] for r in rows if r["mode"] == "eager"}):
+        mine = [r for r in rows if r["kv_cache_dtype"] == key and r["mode"] == "eager"]
+        for name in ("grouped", "hook"):
+            host = [r[f"{name}_host_us"] for r in mine if r["tokens"] <= _TARGET_HOST_MAX_T]
+            if host:
+                out.append(
+                    {
+                        "kv_cache_dtype": key,
+                        "mode": "eager",
+                        "target": f"host {name} <= {_TARGET_HOST_US:.0f} µs for T <= {_TARGET_HOST_MAX_T}",
+                        "got": f"max {max(host):.1f} µs",
+                        "met": max(host) <= _TARGET_HOST_US,
+                    }
+                )
     return out
 
 
@@ -336,7 +358,7 @@ def _print(
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)  # not 80 when piped: keep every column readable
+    console = Console(width=190)  # not 80 when piped: keep every column readable
     title = f"MLA insert, L={args.layers} R={args.rank} P={args.rope_dim} block={args.block_size} {args.dtype}; HBM copy peak {peak_gbps:,.0f} GB/s"
     table = Table(title=title, caption=_HOST_CAPTION)
     for column in (
@@ -347,14 +369,17 @@ def _print(
         "grouped µs",
         "speedup",
         "host per-layer µs",
-        "host grouped µs",
+        "host grouped new µs",
+        "host grouped old µs",
+        "host hook new µs",
+        "host hook old µs",
         "host launch-only µs",
         "grouped GB/s",
         "% peak",
     ):
         table.add_column(column, justify="right")
     for r in rows:
-        hosts = (r["per_layer_host_us"], r["grouped_host_us"], r["hook_unchecked_host_us"])
+        hosts = [r[f"{name}_host_us"] for name in ("per_layer", "grouped", "grouped_old", "hook", "hook_old", "hook_unchecked")]  # fmt: skip
         table.add_row(
             r["kv_cache_dtype"],
             r["mode"],

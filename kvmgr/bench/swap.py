@@ -2,20 +2,13 @@
 
 Offers:
     add_arguments, run      the CLI entry points
-    GEOMETRIES              benchmark KV geometries (tensors x page bytes)
-    CopyCase, Variant       what a copy variant receives and returns
-    CasePool                a geometry's GPU tensors and registered host region, drawing cases
-    default_variants        ``loop``, ``batch_ctypes``, ``batch_lists``
-    time_issue, verify      the timing and checking helpers ``kvmgr bench swap-kernel`` shares
 
 Bytes per case: ``num_blocks x num_tensors x page_bytes``; GB/s = bytes / device seconds / 1e9,
 device seconds from CUDA events around the issue (so host issue time counts when it dominates),
 median of ``--repeats`` after ``--warmup`` runs. Block ids are random and never adjacent, so each
 page is one descriptor and merging cannot hide the per-descriptor cost. Every variant's result is
-checked against the source before timing (destination pages poisoned first).
-
-Other engines add columns through ``kvmgr.transfer.kernel_engine.bench_variants()`` (if that
-module exists): a ``{name: Variant}`` dict merged after the defaults.
+checked against the source before timing (destination pages poisoned first). Columns:
+``kvmgr.bench.common.all_variants`` (the driver's call paths, the engines' kernel and auto issue).
 
 ``step()`` host time: ``--step-swaps`` one-block stores of the Qwen geometry (48 x 4 KiB) queued,
 then one ``OffloadManager.step()`` timed, per engine (``--step-engines``) and for consecutive GPU
@@ -23,7 +16,9 @@ ids (merged into 48 descriptors) and scattered ones (one descriptor per page). M
 ``--repeats`` steps, each column on its own: ``host`` = ``StepReport.host_s``; ``engine`` = the
 engine's ``submit`` (``statistics().submit_s``), of which ``issue`` = the driver calls or the
 kernel's table staging and launch (``issue_s``); ``manager`` = host - engine (hooks, queue,
-planning, reports); ``plan`` = ``build_plan`` alone on the step's ids, timed apart.
+planning, reports); ``plan`` = ``build_plan`` alone on the step's ids, timed apart; ``wall`` =
+``step()`` as the caller sees it; ``landed`` = from the first ``swap_out`` call to the last
+future resolved (bytes on the host). Targets (issue 12): 150 us consecutive, 300 us scattered.
 """
 
 from __future__ import annotations
@@ -34,103 +29,29 @@ import functools
 import json
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
 
-from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer._driver import CopyDriver, access_order
+from kvmgr.bench.common import (
+    GEOMETRIES,
+    CasePool,
+    CopyCase,
+    Variant,
+    all_variants,
+    time_issue,
+    verify,
+)
+from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.pinned import PinnedHostBuffer
-from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
+from kvmgr.transfer.plan import Direction, build_plan
 
-__all__ = [
-    "GEOMETRIES",
-    "CasePool",
-    "CopyCase",
-    "Variant",
-    "add_arguments",
-    "default_variants",
-    "run",
-    "time_issue",
-    "verify",
-]
+__all__ = ["add_arguments", "run"]
 
-#: name -> (label, num_tensors, page_bytes)
-GEOMETRIES: dict[str, tuple[str, int, int]] = {
-    "qwen": ("Qwen2.5-0.5B", 48, 4096),
-    "llama": ("Llama-3-8B", 64, 32768),
-    "mla": ("DeepSeek MLA", 61, 64 * 656),
-}
 _PEAK_BYTES = 1 << 30
 _STEP_ENGINES = ("cuda", "kernel", "auto")
-_STEP_TARGET_US = 300.0
-
-
-@attrs.frozen(eq=False)
-class CopyCase:
-    """One benchmark case: copy ``plan`` (``src_ids[i] -> dst_ids[i]``) on ``stream``.
-
-    Attributes:
-        geometry, direction, num_blocks: what is copied.
-        plan: merged descriptors (one per page here: ids are never adjacent).
-        src, dst: source and destination tensors, each ``uint8 [pool_blocks, page_bytes]``.
-        src_ids, dst_ids: int64 ``[num_blocks]``.
-        stream: the stream the variant must enqueue on.
-        driver: resolved driver entry points.
-    """
-
-    geometry: str
-    direction: Direction
-    num_blocks: int
-    plan: TransferPlan
-    src: list[torch.Tensor]
-    dst: list[torch.Tensor]
-    src_ids: np.ndarray
-    dst_ids: np.ndarray
-    stream: torch.cuda.Stream
-    driver: CopyDriver
-
-
-#: Prepares a case once (untimed) and returns the timed call that enqueues its copy on the stream.
-Variant = Callable[[CopyCase], Callable[[], None]]
-
-
-def default_variants() -> dict[str, Variant]:
-    """The per-page loop and both call paths of the batched copy."""
-
-    def loop(case: CopyCase) -> Callable[[], None]:
-        p = case.plan
-        return functools.partial(
-            case.driver.loop, p.dst_addrs, p.src_addrs, p.sizes, case.stream.cuda_stream
-        )
-
-    def batch(call: str) -> Variant:
-        def prepare(case: CopyCase) -> Callable[[], None]:
-            p, order = case.plan, access_order(case.direction)
-            fn = case.driver.batch_ctypes if call == "ctypes" else case.driver.batch_lists
-            return functools.partial(
-                fn, p.dst_addrs, p.src_addrs, p.sizes, case.stream.cuda_stream, order
-            )
-
-        return prepare
-
-    return {"loop": loop, "batch_ctypes": batch("ctypes"), "batch_lists": batch("lists")}
-
-
-def _all_variants() -> dict[str, Variant]:
-    variants = default_variants()
-    try:
-        from kvmgr.transfer import kernel_engine
-    except Exception as exc:  # optional columns: say why they are missing, keep going
-        print(f"(no kernel columns: {type(exc).__name__}: {exc})")
-        return variants
-    extra = getattr(kernel_engine, "bench_variants", None)
-    if extra is not None:
-        variants.update(extra())
-    return variants
+_STEP_TARGET_US = {"consecutive": 150.0, "scattered": 300.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     driver = CopyDriver()
     stream = torch.cuda.Stream()
-    variants = _all_variants()
+    variants = all_variants()
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants}
     result: dict[str, Any] = {"info": collect_info(probe_pinned=False)}
@@ -180,26 +101,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2, default=str)
     return 0 if all(r["ok"] for r in result["copies"]) else 1
-
-
-def time_issue(
-    issue: Callable[[], None], stream: torch.cuda.Stream, args: argparse.Namespace
-) -> tuple[float, float]:
-    """Median (device us, host us) of ``issue`` on ``stream`` over ``args.repeats`` runs after
-    ``args.warmup``; device time is between events recorded before and after the issue."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    device_us, host_us = [], []
-    for i in range(args.warmup + args.repeats):
-        start.record(stream)
-        t0 = time.perf_counter()
-        issue()
-        t1 = time.perf_counter()
-        end.record(stream)
-        end.synchronize()
-        if i >= args.warmup:
-            device_us.append(start.elapsed_time(end) * 1e3)
-            host_us.append((t1 - t0) * 1e6)
-    return statistics.median(device_us), statistics.median(host_us)
 
 
 def _peaks(
@@ -233,44 +134,6 @@ def _peaks(
     return rows
 
 
-class CasePool:
-    """GPU tensors and one registered host region of a geometry, ``2 * max_blocks + 1`` blocks
-    each, random bytes on both sides; ``case()`` draws scattered (never adjacent) block ids."""
-
-    def __init__(self, key: str, max_blocks: int, driver: CopyDriver) -> None:
-        self.label, num_tensors, page = GEOMETRIES[key]
-        self.size = 2 * max_blocks + 1
-        self.gpu = [
-            torch.randint(0, 256, (self.size, page), dtype=torch.uint8, device="cuda")
-            for _ in range(num_tensors)
-        ]
-        self.buffer = PinnedHostBuffer(num_tensors * self.size * page)
-        self.host = list(self.buffer.tensor.view(num_tensors, self.size, page).unbind(0))
-        for h in self.host:
-            h.copy_(torch.randint(0, 256, (self.size, page), dtype=torch.uint8, device="cuda"))
-        self.layouts = {
-            "gpu": KVLayout.from_tensors(self.gpu),
-            "host": KVLayout.from_tensors(self.host),
-        }
-        self.stream, self.driver = torch.cuda.Stream(), driver
-
-    def case(self, direction: Direction, blocks: int, rng: np.random.Generator) -> CopyCase:
-        """``blocks`` random even block ids on each side (apart: one descriptor per page)."""
-        ids = [2 * rng.choice(self.size // 2, blocks, replace=False) for _ in range(2)]
-        src, dst = ("gpu", "host") if direction is Direction.D2H else ("host", "gpu")
-        plan = build_plan(direction, self.layouts[src], self.layouts[dst], ids[0], ids[1])
-        tensors = {"gpu": self.gpu, "host": self.host}
-        return CopyCase(self.label, direction, blocks, plan, tensors[src], tensors[dst], ids[0],
-                        ids[1], self.stream, self.driver)  # fmt: skip
-
-    def __enter__(self) -> CasePool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        torch.cuda.synchronize()
-        self.buffer.close()
-
-
 def _case_rows(
     case: CopyCase, variants: dict[str, Variant], peak_gbps: float | None, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -302,21 +165,6 @@ def _case_rows(
     return rows
 
 
-def verify(case: CopyCase, issue: Callable[[], None], poison: int) -> bool:
-    """Poison the destination pages, copy once, compare with the source pages."""
-    dst_ids = torch.from_numpy(case.dst_ids)
-    src_ids = torch.from_numpy(case.src_ids)
-    for t in case.dst:
-        t[dst_ids.to(t.device)] = poison
-    torch.cuda.synchronize()
-    issue()
-    case.stream.synchronize()
-    return all(
-        torch.equal(s[src_ids.to(s.device)].cuda(), d[dst_ids.to(d.device)].cuda())
-        for s, d in zip(case.src, case.dst)
-    )
-
-
 def _step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``step()`` host time per engine and id pattern (module docstring); a failing engine
     (no Triton, say) becomes a row with its error, the others still run."""
@@ -346,6 +194,7 @@ async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> 
     samples: dict[str, list[float]] = {}
     async with OffloadManager(gpu_kv, config) as mgr:
         for r in range(args.warmup + args.repeats):
+            asked = time.perf_counter()
             futures = [
                 mgr.swap_out([int(g)], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(gpu_ids)
             ]
@@ -355,10 +204,11 @@ async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> 
             wall_s = time.perf_counter() - t0
             after = mgr.engine.statistics()
             results = await asyncio.gather(*futures)
+            landed_s = time.perf_counter() - asked
             if r < args.warmup:
                 continue
             engine_s = _delta(before, after, "submit_s")
-            cpu_ids = np.concatenate([res.block_ids for res in results])
+            cpu_ids = np.concatenate([_cpu_ids(res) for res in results])
             step = {
                 "host_us": report.host_s,
                 "manager_us": report.host_s - engine_s,
@@ -366,6 +216,7 @@ async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> 
                 "engine_us": engine_s,
                 "issue_us": _delta(before, after, "issue_s"),
                 "wall_us": wall_s,
+                "landed_us": landed_s,
             }
             for key, seconds in step.items():
                 samples.setdefault(key, []).append(seconds * 1e6)
@@ -378,8 +229,14 @@ async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> 
         "descriptors": report.d2h.descriptors,
         "path": _step_path(before, after),
         **{key: statistics.median(values) for key, values in samples.items()},
-        "target_us": _STEP_TARGET_US,
+        "target_us": _STEP_TARGET_US["scattered" if scattered else "consecutive"],
     }
+
+
+def _cpu_ids(result: Any) -> np.ndarray:
+    """A swap result's CPU block ids (``cpu_block_ids`` in manager v2, ``block_ids`` before)."""
+    ids = getattr(result, "cpu_block_ids", None)
+    return np.asarray(result.block_ids if ids is None else ids, dtype=np.int64)
 
 
 def _delta(before: Any, after: Any, field: str) -> float:
@@ -432,11 +289,12 @@ def _print_tables(result: dict[str, Any]) -> None:
          fmt(r["pct_peak"], ".0f"), "ok" if r["ok"] else "[red]WRONG[/red]"]
         for r in result["copies"]
     ]  # fmt: skip
-    keys = ("host_us", "manager_us", "plan_us", "engine_us", "issue_us", "wall_us", "target_us")
+    keys = ("host_us", "manager_us", "plan_us", "engine_us", "issue_us", "wall_us", "landed_us",
+            "target_us")  # fmt: skip
     step = [
         [r["engine"], r["ids"], str(r["swaps"]), str(r["pages"]), str(r["descriptors"]),
          r["path"], *(fmt(r[k], ".0f") for k in keys)]
-        if "error" not in r else [r["engine"], r["ids"], f"[red]{r['error']}[/red]"] + [""] * 10
+        if "error" not in r else [r["engine"], r["ids"], f"[red]{r['error']}[/red]"] + [""] * 11
         for r in result["step"]
     ]  # fmt: skip
     console = Console(width=170)  # not wrapped when the output is a log file
@@ -448,4 +306,4 @@ def _print_tables(result: dict[str, Any]) -> None:
     console.print(table(
         "OffloadManager.step() host us, 48 x 4 KiB one-block stores (medians; manager = host - "
         "engine; plan = build_plan alone; issue = driver calls or kernel staging + launch)",
-        "engine,ids,swaps,pages,descs,path,host,manager,plan,engine,issue,wall,target", step))  # fmt: skip
+        "engine,ids,swaps,pages,descs,path,host,manager,plan,engine,issue,wall,landed,target", step))  # fmt: skip

@@ -1,8 +1,7 @@
 """``kvmgr bench swap-kernel``: the copy kernel and ``auto`` against the batched DMA, one process.
 
 Offers:
-    variants            ``{"kernel": Variant, "auto": Variant}``: columns for ``kvmgr bench swap``
-    add_arguments, run  the standalone benchmark: copy table, program-cap sweep, interference
+    add_arguments, run  the benchmark: copy table, program-cap sweep, interference
 
 Copies: the ``kvmgr bench swap`` geometries (48 x 4 KiB, 64 x 32 KiB, 61 x 41,984 B pages) at 64 and
 512 scattered blocks (one descriptor per page), both directions, between GPU tensors and one
@@ -19,12 +18,13 @@ copies are enqueued back to back, enough of them (from a gated probe of one copy
 to cover twice the matmul loop, so the matmul runs under copy traffic from its first to its last
 kernel (``covered %`` checks it). Per repeat: matmul slowdown = during / alone - 1 (a pair run
 back to back, so clock and thermal drift cancel); copy GB/s alone over all its copies, and during
-over the copies that ended inside the matmul window. Reported: medians over
+over the copies that ended inside the matmul window; ``loop+offload ms``: the matmul loop's time
+with the copies running (what a serving step that overlaps its offload takes). Reported: medians over
 ``--interference-repeats`` (and the slowdown's range); ``gate ok`` says every enqueue finished
 before its gate opened.
 
 ``--json`` writes the rows plus ``"calibration"``: the cost model fitted to this run's batch and
-kernel rows (``Calibration.fit``; DMA bandwidth stays at the defaults' 1 GiB peak, which
+kernel rows and its interference slowdowns (``Calibration.fit``; DMA bandwidth stays at the defaults' 1 GiB peak, which
 ``kvmgr bench swap`` measures), which ``Calibration.from_json`` reads back.
 """
 
@@ -42,61 +42,26 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.bench.swap import (
+from kvmgr.bench.common import (
     GEOMETRIES,
     CasePool,
     CopyCase,
     Variant,
+    auto_variant,
     default_variants,
+    kernel_variant,
     time_issue,
     verify,
 )
 from kvmgr.errors import ConfigError
-from kvmgr.kernels.copy_pages import DEFAULT_MAX_PROGRAMS, copy_pages
-from kvmgr.transfer._driver import CopyDriver
-from kvmgr.transfer.cost_model import Calibration, choose_path
+from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
+from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.plan import Direction
 
-__all__ = ["add_arguments", "run", "variants"]
+__all__ = ["add_arguments", "run"]
 
 _TARGET_GBPS, _TARGET_X_BATCH, _AUTO_SLACK = 40.0, 8.0, 1.05  # auto may be 5% slower (noise)
 _Window = dict[str, Any]  # what _Gate.window measures
-
-
-def _kernel(max_programs: int) -> Variant:
-    def prepare(case: CopyCase) -> Callable[[], None]:
-        p = case.plan
-
-        def issue() -> None:  # what CopyKernelEngine does per batch: table, stage, upload, launch
-            with torch.cuda.stream(case.stream):
-                copy_pages(p.src_addrs, p.dst_addrs, p.sizes, device=case.stream.device,
-                           max_programs=max_programs)  # fmt: skip
-
-        return issue
-
-    return prepare
-
-
-def _auto(calibration: Calibration | None) -> Variant:
-    def prepare(case: CopyCase) -> Callable[[], None]:
-        kernel = _kernel(DEFAULT_MAX_PROGRAMS)(case)
-        batch = default_variants()["batch_ctypes"](case)
-        p = case.plan
-
-        def issue() -> None:  # the choice is made per batch, as AutoEngine does
-            path = choose_path(p.num_descriptors, p.num_bytes, p.direction, calibration)
-            (kernel if path == "kernel" else batch)()
-
-        return issue
-
-    return prepare
-
-
-def variants(
-    max_programs: int = DEFAULT_MAX_PROGRAMS, calibration: Calibration | None = None
-) -> dict[str, Variant]:
-    """Columns for ``kvmgr bench swap``: ``kernel`` (one launch per plan) and ``auto``."""
-    return {"kernel": _kernel(max_programs), "auto": _auto(calibration)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--programs",
         nargs="*",
         type=int,
-        default=[8, 16, 64, 132],
-        help=f"extra program caps to sweep (default cap: {DEFAULT_MAX_PROGRAMS})",
+        default=[8, 16, 32],
+        help="program caps to sweep as kernel@N columns (the kernel column: D2H 8, H2D 32)",
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per column (median)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -132,8 +97,12 @@ def run(args: argparse.Namespace) -> int:
         print("kvmgr bench swap-kernel needs a CUDA GPU")
         return 2
     calib = Calibration.from_json(args.calibration) if args.calibration else None
-    columns = {"batch": default_variants()["batch_ctypes"], **variants(calibration=calib)}
-    columns |= {f"kernel@{n}": _kernel(n) for n in args.programs if n != DEFAULT_MAX_PROGRAMS}
+    columns = {
+        "batch": default_variants()["batch_ctypes"],
+        "kernel": kernel_variant(),
+        "auto": auto_variant(calib),
+    }
+    columns |= {f"kernel@{n}": kernel_variant(n) for n in args.programs}
     rng = np.random.default_rng(args.seed)
     result: dict[str, Any] = {"copies": [], "interference": [], "errors": []}
     driver = CopyDriver()
@@ -154,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                         result["errors"].append(f"interference {direction.value}: {exc!r}")
     result["targets"] = _targets(result["copies"])
     try:
-        result["calibration"] = attrs.asdict(Calibration.fit(result["copies"], calib))
+        fitted = Calibration.fit(result["copies"], calib, interference_rows=result["interference"])
+        result["calibration"] = attrs.asdict(fitted)
     except ConfigError as exc:
         result["errors"].append(f"calibration fit: {exc}")
     _print(result)
@@ -172,8 +142,8 @@ def _row(
     ok = verify(case, issue, 0x5A + len(name))
     device_us, host_us = time_issue(issue, case.stream, args)
     p = case.plan
-    auto_path = choose_path(p.num_descriptors, p.num_bytes, p.direction, calib)
-    path = auto_path if name == "auto" else name
+    auto_path = kernel_or_batch(p.num_descriptors, p.num_bytes, p.direction, calib)
+    path = auto_path if name == "auto" else name.split("@")[0]
     return {
         "geometry": case.geometry,
         "direction": case.direction.value,
@@ -386,7 +356,7 @@ def _print(result: dict[str, Any]) -> None:
     console.print(table("interference: bf16 matmul loop on the compute stream while copying "
                         "(medians of gated window triples)",
                         "variant,dir,copies,copy GB/s alone,copy GB/s during,matmul ms alone,"
-                        "matmul ms during,slowdown %,range %,covered %,gate ok", inter))  # fmt: skip
+                        "loop+offload ms,slowdown %,range %,covered %,gate ok", inter))  # fmt: skip
     console.print(table("targets", "check,value,goal,ok", targets))
     console.print(f"fitted calibration: {result.get('calibration')}")
     for error in result["errors"]:

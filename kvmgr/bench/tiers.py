@@ -57,9 +57,15 @@ _CHUNK = 8 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmgr bench tiers``."""
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument(
-        "--tiers", nargs="+", default=["disk", "shared"], choices=["disk", "shared"]
+        "--cases", nargs="+", default=list(CASES), choices=list(CASES), help="block geometries"
+    )
+    parser.add_argument(
+        "--tiers",
+        nargs="+",
+        default=["disk", "shared"],
+        choices=["disk", "shared"],
+        help="tiers to measure",
     )
     parser.add_argument("--batch-mib", type=float, default=24.0, help="payload MiB per step-batch")
     parser.add_argument("--steps", type=int, default=12, help="timed step-batches per direction")

@@ -6,6 +6,8 @@ Offers:
     KERNEL_AVAILABLE        whether Triton is installed (everything else works without it)
     build_descriptor_table  (src, dst, bytes) arrays -> int64 ``[3, num_items]`` work table
     launch_copy_pages       launch the kernel over a descriptor table already on the device
+    launch_copy_table       the same over the first ``3 * num_items`` entries of a flat table
+                            (the engines' hot path: direct launch, no per-call checks)
     vector_widths           the access width (16/8/4/2/1 bytes) the kernel uses for each row
     copy_pages              validate, build, upload (asynchronously) and launch; the public path
     copy_pages_reference    the same copies with ``ctypes.memmove`` (CPU addresses only)
@@ -31,7 +33,10 @@ Program cap. A launch never has more than ``max_programs`` programs (default 32 
 leaves most of an SM to compute; the cap bounds how many SMs it can hold when it cannot share one
 with a register-hungry GEMM. Bandwidth-delay: a program keeps one 4-8 KiB step in flight per
 ~1.5-2 us PCIe round trip, about 2-4 GB/s, so 32 programs cover the 48-55 GB/s link with margin.
-``kvmgr bench swap-kernel --programs`` measures other caps and the effect on a concurrent matmul.
+``kvmgr bench swap-kernel --programs`` measures other caps and the effect on a concurrent matmul:
+32 programs slow a bf16 matmul by 58% during a D2H copy, 8 programs by 5% at 49 GB/s, so the
+engines default to 8 programs for D2H and 32 for H2D (``DEFAULT_D2H_PROGRAMS``,
+``DEFAULT_H2D_PROGRAMS``; docs/copy-kernel.md).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 from kvmgr.errors import GeometryError, TransferError
+from kvmgr.kernels.launch import shared_launcher
 
 try:
     import triton
@@ -52,16 +58,24 @@ except ImportError:  # the table helpers and the reference work without Triton; 
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_D2H_PROGRAMS",
+    "DEFAULT_H2D_PROGRAMS",
     "DEFAULT_MAX_PROGRAMS",
     "KERNEL_AVAILABLE",
     "build_descriptor_table",
     "copy_pages",
     "copy_pages_reference",
     "launch_copy_pages",
+    "launch_copy_table",
     "vector_widths",
 ]
 
 DEFAULT_MAX_PROGRAMS = 32
+#: Program caps the engines use per direction (BENCHMARKS.md, interference with a bf16 matmul on
+#: the H200): D2H at 8 programs copies 49 GB/s alone and slows the matmul 5% (32 programs: 58%);
+#: H2D needs 32 programs for 50 GB/s (8 reach 19) and slows it 6%.
+DEFAULT_D2H_PROGRAMS = 8
+DEFAULT_H2D_PROGRAMS = 32
 DEFAULT_CHUNK_BYTES = 64 << 10
 KERNEL_AVAILABLE = triton is not None
 _NUM_WARPS = 4
@@ -233,10 +247,31 @@ def launch_copy_pages(table: torch.Tensor, *, max_programs: int = DEFAULT_MAX_PR
         raise GeometryError(f"table: expected contiguous rows, got strides {table.stride()}")
     if not KERNEL_AVAILABLE:
         raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    num_items = table.shape[1]
+    return launch_copy_table(table, table.shape[1], max_programs)
+
+
+def launch_copy_table(table: torch.Tensor, num_items: int, max_programs: int) -> int:
+    """Launch the kernel on the current stream over a packed table, without checks.
+
+    Args:
+        table: int64, contiguous, at least ``3 * num_items`` entries, where the kernel runs:
+            sources at ``[0, n)``, destinations at ``[n, 2n)``, bytes at ``[2n, 3n)`` for
+            ``n = num_items`` (an int64 ``[3, n]`` table, or a larger reusable buffer filled so).
+            It must stay alive until the kernel has run.
+        num_items: rows to copy.
+        max_programs: cap on the grid (>= 1).
+
+    Returns:
+        The number of programs launched, ``min(max_programs, num_items)``.
+
+    Raises:
+        TransferError: Triton is not installed.
+    """
+    if not KERNEL_AVAILABLE:
+        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
     grid = min(max_programs, num_items)
     if grid:
-        _copy_pages_kernel[(grid,)](table, num_items, num_warps=_NUM_WARPS)
+        shared_launcher(_copy_pages_kernel)((grid,), table, num_items, num_warps=_NUM_WARPS)
     return grid
 
 

@@ -1,37 +1,53 @@
-"""Eviction policies for the CPU tier, selected by name.
+"""Eviction and admission policies for the CPU tier, selected by name.
 
 Offers:
 
-- `EvictionPolicy`: the protocol (``insert``, ``touch``, ``remove``, ``evict``, ``__len__``,
-  ``__contains__``, ``name``); see `kvmgr.policy.base`.
-- `LRUPolicy` (``"lru"``) and `ARCPolicy` (``"arc"``).
-- `POLICIES`: the registry, name -> class; `make_policy(name, capacity)` builds one.
+- `EvictionPolicy`: the batch protocol v2 (``insert(keys, parents)``, ``touch(keys)``,
+  ``remove(keys)``, ``evict(n, can_evict, protected)``, ``__len__``, ``__contains__``,
+  ``name``); `AdmissionPolicy` adds ``admit(keys, parents)``. See `kvmgr.policy.base`.
+- `LRUPolicy` (``"lru"``) and `ARCPolicy` (``"arc"``), prefix-consistent
+  (`kvmgr.policy.tree`).
+- `POLICIES`: the registry, name -> class; `make_policy(name, capacity, **options)` builds one.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 from kvmgr.errors import ConfigError
 from kvmgr.policy.arc import ARCPolicy
-from kvmgr.policy.base import EvictionPolicy, KeyPredicate, _check_capacity
+from kvmgr.policy.base import AdmissionPolicy, EvictionPolicy, KeyPredicate, _check_capacity
 from kvmgr.policy.lru import LRUPolicy
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "KeyPredicate", "LRUPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "AdmissionPolicy",
+    "EvictionPolicy",
+    "KeyPredicate",
+    "LRUPolicy",
+    "make_policy",
+]
 
-POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 """Registry of policy classes by name; never mutated at run time."""
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
+def make_policy(name: str, capacity: int, **options: Any) -> EvictionPolicy:
     """Build the policy registered as ``name`` for a CPU tier of ``capacity`` blocks.
 
     Parameters
     ----------
     name : str
-        A key of `POLICIES` (``"lru"``, ``"arc"``).
+        A key of `POLICIES`.
     capacity : int
         Number of CPU blocks, ``> 0``.
+    **options
+        Keyword arguments of the policy's constructor (for example ``clock``, a
+        ``Callable[[], float]`` giving seconds, for policies that measure time). Options a
+        policy does not take are an error.
 
     Returns
     -------
@@ -41,11 +57,16 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     Raises
     ------
     ConfigError
-        If ``name`` is not registered (the message lists the supported names) or
-        ``capacity`` is not an ``int`` greater than 0.
+        If ``name`` is not registered (the message lists the supported names),
+        ``capacity`` is not an ``int`` greater than 0, or an option is not accepted.
     """
     factory = POLICIES.get(name) if isinstance(name, str) else None
     if factory is None:
         supported = ", ".join(repr(known) for known in sorted(POLICIES))
         raise ConfigError(f"unknown eviction policy {name!r}; supported: {supported}")
-    return factory(_check_capacity(capacity))
+    capacity = _check_capacity(capacity)
+    try:
+        inspect.signature(factory).bind(capacity, **options)
+    except TypeError as exc:
+        raise ConfigError(f"policy {name!r}: bad options {sorted(options)}: {exc}") from None
+    return factory(capacity, **options)

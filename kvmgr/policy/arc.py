@@ -5,11 +5,12 @@ Offers `ARCPolicy`, registered as ``"arc"``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Sequence
+from itertools import repeat
 
-from kvmgr.errors import BlockStateError, UnknownKeyError
-from kvmgr.policy.base import KeyPredicate, _as_lookup, _check_capacity, _check_evict_count
+from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
+from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
 
 __all__ = ["ARCPolicy"]
 
@@ -32,22 +33,22 @@ class ARCPolicy:
         always, and ``<= capacity`` once the cache is full).
 
     Flow
-        - ``insert(key)``: a brand-new key goes to the MRU end of ``T1``; a key found in a
-          ghost list adapts ``target`` (below), leaves the ghost list and goes to the MRU end
-          of ``T2``.
-        - ``touch(keys)``: walks the keys in reverse (the first key ends most recent). A READY
-          key in ``T1`` is promoted to the MRU end of ``T2``; a key in ``T1`` that is still
-          PENDING (``is_ready(key)`` false) stays in ``T1`` and only moves to its MRU end,
-          because queuing its store was not a second use; a key in ``T2`` moves to its MRU
-          end. Untracked and ghost keys are ignored.
-        - ``evict(n, ...)``: picks victims one at a time in ARC order: from the LRU end of
-          ``T1`` while ``T1``'s size (less the victims already taken from it) exceeds
+        - ``insert(keys, parents)``: walks the batch in reverse (its first key ends most
+          recent). A brand-new key goes to the MRU end of ``T1``; a key found in a ghost list
+          adapts ``target`` (below), leaves the ghost list and goes to the MRU end of ``T2``.
+        - ``touch(keys)``: walks the keys in reverse (the first key ends most recent). A key
+          in ``T1`` is promoted to the MRU end of ``T2``; a key in ``T2`` moves to its MRU
+          end. Untracked and ghost keys are ignored. Every touch is a use (a lookup hit, a
+          load, or a store of a key already resident, i.e. a second computation of it).
+        - ``evict(n, ...)``: offers candidates one at a time in ARC order to a prefix-
+          consistent `VictimSet` (a key goes only after its tracked children): from the LRU
+          end of ``T1`` while ``T1``'s size (less the victims already taken from it) exceeds
           ``target``, otherwise from the LRU end of ``T2``; when the preferred list has no
           evictable key left, from the other. Protected and non-evictable keys are skipped
           and stay where they are. Only when ``n`` victims were found are they removed, each
           appended to the ghost list of its source (``T1`` -> ``B1``, ``T2`` -> ``B2``), and
           the ghost lists trimmed.
-        - ``remove(key)``: untracks the key without recording a ghost (not an eviction).
+        - ``remove(keys)``: untracks the keys without recording ghosts (not an eviction).
 
     Adaptive behaviour
         A store of a key in ``B1`` means ``T1`` was too small: ``target`` grows by
@@ -60,13 +61,15 @@ class ARCPolicy:
 
     Reference
         N. Megiddo and D. S. Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache",
-        USENIX FAST 2003. The PENDING rule and the reverse-walk ``touch`` follow vLLM's CPU
-        offloading ARC policy.
+        USENIX FAST 2003. The reverse-walk ``touch`` follows vLLM's CPU offloading ARC
+        policy; its PENDING rule (a PENDING ``T1`` key is not promoted) is dropped because v2
+        touches only real uses (docs/policies.md).
 
     Complexity
-        ``insert``, ``remove``, ``__contains__``, ``__len__``: O(1) amortized (ghost trimming
-        removes at most what was added). ``touch``: O(len(keys)). ``evict``: O(n + keys
-        skipped), plus O(len(protected)) when ``protected`` is not already a set.
+        ``insert``, ``touch``, ``remove``: O(len(keys)) (C-level loops for ``touch`` and for
+        batches without ghost keys); ghost trimming removes at most what was added.
+        ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected`` is not
+        already a set. ``__contains__``, ``__len__``: O(1).
 
     Parameters
     ----------
@@ -88,68 +91,75 @@ class ARCPolicy:
         self._t2: OrderedDict[bytes, None] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._tree = PrefixTree()
+        self._parent_of: dict[bytes, bytes | None] = {}
 
     # -- protocol ---------------------------------------------------------------------------
 
-    def insert(self, key: bytes) -> None:
-        """Track ``key``: into ``T1`` if new, into ``T2`` after adapting if it is a ghost.
+    def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+        """Track new keys: into ``T1`` if new, into ``T2`` after adapting if a ghost.
+
+        The batch is walked in reverse, so its first key ends most recent in its list.
 
         Raises
         ------
         BlockStateError
-            If ``key`` is already tracked.
+            If a key is already tracked or repeated; nothing changed then.
+        ValueError
+            If ``len(parents) != len(keys)``; nothing changed then.
         """
-        if key in self._t1 or key in self._t2:
-            raise BlockStateError(f"key {key!r} is already tracked by the {self.name} policy")
-        if key in self._b1:
-            delta = max(1.0, len(self._b2) / len(self._b1))
-            self._target = min(self._target + delta, float(self.capacity))
-            del self._b1[key]
-            self._t2[key] = None
-        elif key in self._b2:
-            delta = max(1.0, len(self._b1) / len(self._b2))
-            self._target = max(self._target - delta, 0.0)
-            del self._b2[key]
-            self._t2[key] = None
+        check_new(self._parent_of, keys, parents, self.name)
+        self._tree.add(keys, parents)
+        self._parent_of.update(zip(keys, parents))
+        b1, b2 = self._b1, self._b2
+        if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+            self._t1.update(dict.fromkeys(reversed(keys)))
         else:
-            self._t1[key] = None
+            for key in reversed(keys):
+                if key in b1:
+                    delta = max(1.0, len(b2) / len(b1))
+                    self._target = min(self._target + delta, float(self.capacity))
+                    del b1[key]
+                    self._t2[key] = None
+                elif key in b2:
+                    delta = max(1.0, len(b1) / len(b2))
+                    self._target = max(self._target - delta, 0.0)
+                    del b2[key]
+                    self._t2[key] = None
+                else:
+                    self._t1[key] = None
         self._trim_ghosts()
 
-    def touch(self, keys: Sequence[bytes], is_ready: KeyPredicate | None = None) -> None:
-        """Record hits, first key most recent; PENDING keys (``is_ready`` false) stay in T1.
-
-        Parameters
-        ----------
-        keys : Sequence[bytes]
-            Hit keys in prefix order; untracked ones are ignored.
-        is_ready : KeyPredicate or None
-            Whether a key's store has completed; ``None`` treats every key as READY.
-        """
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record hits, first key most recent: ``T1`` keys are promoted to ``T2``'s MRU end,
+        ``T2`` keys move to it; untracked and ghost keys are ignored."""
         t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
-            if key in t1:
-                if is_ready is None or is_ready(key):
-                    del t1[key]
-                    t2[key] = None
-                else:
-                    t1.move_to_end(key)
-            elif key in t2:
-                t2.move_to_end(key)
+        backwards = list(reversed(dict.fromkeys(keys)))  # a repeated key counts where it is first
+        refresh = not t2.keys().isdisjoint(keys)
+        promoted = list(filter(t1.__contains__, backwards))
+        if promoted:
+            deque(map(t1.pop, promoted, repeat(None)), 0)
+            t2.update(dict.fromkeys(promoted))
+        if refresh:  # keys already in T2 join the promoted ones in reverse batch order
+            deque(map(t2.move_to_end, filter(t2.__contains__, backwards)), 0)
 
-    def remove(self, key: bytes) -> None:
-        """Stop tracking ``key`` without recording a ghost entry.
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Stop tracking ``keys`` without recording ghost entries.
 
         Raises
         ------
         UnknownKeyError
-            If ``key`` is not tracked (ghost keys are not tracked).
+            If a key is not tracked (ghost keys are not tracked); nothing changed then.
         """
-        if key in self._t1:
-            del self._t1[key]
-        elif key in self._t2:
-            del self._t2[key]
-        else:
-            raise UnknownKeyError(f"key {key!r} is not tracked by the {self.name} policy")
+        unique = list(dict.fromkeys(keys))
+        check_tracked(self._parent_of, unique, self.name)
+        self._tree.release(map(self._parent_of.pop, unique))
+        t1, t2 = self._t1, self._t2
+        for key in unique:
+            if key in t1:
+                del t1[key]
+            else:
+                del t2[key]
 
     def evict(
         self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
@@ -166,33 +176,34 @@ class ARCPolicy:
         _check_evict_count(n)
         if n == 0:
             return []
-        protected = _as_lookup(protected)
         # Phase 1: collect without mutating. Each list is scanned once from its LRU end, so
         # skipped keys are visited at most once per call.
+        victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
         scans = {True: iter(self._t1), False: iter(self._t2)}
-        virtual_t1_size = len(self._t1)
-        victims: list[tuple[bytes, bool]] = []  # (key, taken from T1)
-        while len(victims) < n:
+        t1 = self._t1
+        virtual_t1_size = len(t1)
+        while not victims.is_full:
             prefer_t1 = virtual_t1_size > self._target
             for from_t1 in (prefer_t1, not prefer_t1):
-                key = _next_evictable(scans[from_t1], can_evict, protected)
-                if key is not None:
+                before = len(victims.keys)
+                if _offer_next(scans[from_t1], victims):
                     break
             else:
+                victims.rollback()
                 return None  # fewer than n evictable keys in T1 and T2 together
-            victims.append((key, from_t1))
-            if from_t1:
-                virtual_t1_size -= 1
-        # Phase 2: commit all of them.
-        for key, from_t1 in victims:
-            if from_t1:
-                del self._t1[key]
+            virtual_t1_size -= sum(map(t1.__contains__, victims.keys[before:]))
+        # Phase 2: commit all of them (the tree's counts already are).
+        chosen = victims.keys
+        deque(map(self._parent_of.__delitem__, chosen), 0)
+        for key in chosen:
+            if key in t1:
+                del t1[key]
                 self._b1[key] = None
             else:
                 del self._t2[key]
                 self._b2[key] = None
         self._trim_ghosts()
-        return [key for key, _ in victims]
+        return chosen
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -250,11 +261,6 @@ class ARCPolicy:
                 excess -= 1
 
 
-def _next_evictable(
-    scan: Iterator[bytes], can_evict: KeyPredicate, protected: Collection[bytes]
-) -> bytes | None:
-    """Advance ``scan`` to the next unprotected key that ``can_evict`` accepts; ``None`` at end."""
-    for key in scan:
-        if key not in protected and can_evict(key):
-            return key
-    return None
+def _offer_next(scan: Iterator[bytes], victims: VictimSet) -> bool:
+    """Advance ``scan`` until ``victims`` takes a key; False at the end of the scan."""
+    return any(map(victims.offer, scan))

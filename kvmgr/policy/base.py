@@ -1,28 +1,36 @@
-"""The protocol every eviction policy implements, and the checks they share.
+"""The protocol every eviction policy implements (v2, batch-oriented), and shared checks.
 
 Offers:
 
 - `EvictionPolicy`: the structural protocol (``insert``, ``touch``, ``remove``, ``evict``,
-  ``__len__``, ``__contains__``, ``name``).
-- `KeyPredicate`: the type of the ``can_evict`` and ``is_ready`` callbacks.
+  ``__len__``, ``__contains__``, ``name``), one call per batch of keys.
+- `AdmissionPolicy`: a policy that also offers ``admit`` (admission control); the manager
+  calls it when present.
+- `KeyPredicate`: the type of the ``can_evict`` callback.
 
 A policy orders keys and picks victims, nothing else. The manager owns block states, reader
 counts and free lists; it tells the policy what it may evict through ``can_evict`` (READY and
-no readers) and which keys are still PENDING through ``is_ready``. Policies import no torch,
-asyncio or CUDA code.
+no readers). Policies import no torch, asyncio or CUDA code.
+
+Prefix consistency is part of the contract: a lookup counts only the leading run of cached
+keys, so a key whose child (a key that extends it) stays resident is worth more than the child.
+``evict`` therefore never returns a key while a tracked key whose parent it is stays tracked
+after the eviction: every victim set is closed under "tracked children". A key whose child is
+not evictable (``can_evict`` false, or protected) is not evictable either. The shared helper
+`kvmgr.policy.tree.PrefixTree` gives every policy this rule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvmgr.errors import ConfigError
 
-__all__ = ["EvictionPolicy", "KeyPredicate"]
+__all__ = ["AdmissionPolicy", "EvictionPolicy", "KeyPredicate"]
 
 KeyPredicate = Callable[[bytes], bool]
-"""A callback that answers a yes/no question about one key (``can_evict``, ``is_ready``)."""
+"""A callback that answers a yes/no question about one key (``can_evict``)."""
 
 
 @runtime_checkable
@@ -30,50 +38,48 @@ class EvictionPolicy(Protocol):
     """Orders the keys resident in the CPU tier and chooses which to evict.
 
     A key is *tracked* (resident) from `insert` until `remove` or until `evict` returns it.
-    Policies never look at block contents or states; the manager passes predicates instead.
+    Policies never look at block contents or states; the manager passes a predicate instead.
+    Each method takes a whole batch so the manager's hot path calls it once per batch.
     """
 
     name: str
-    """Registry name of the policy (``"lru"``, ``"arc"``)."""
+    """Registry name of the policy (``"lru"``, ``"arc"``, ...)."""
 
-    def insert(self, key: bytes) -> None:
-        """Start tracking a key whose store was just queued (PENDING) or is READY.
-
-        Parameters
-        ----------
-        key : bytes
-            Block hash; must not be tracked already.
-
-        Raises
-        ------
-        BlockStateError
-            If the key is already tracked (the manager drops existing keys first).
-        """
-        ...
-
-    def touch(self, keys: Sequence[bytes], is_ready: KeyPredicate | None = None) -> None:
-        """Mark keys as hit (lookup or load); the FIRST key becomes the most recently used.
-
-        The keys are walked in reverse, so after ``touch([a, b, c])`` the recency order ends
-        ``..., c, b, a``. Keys that are not tracked are ignored.
+    def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+        """Start tracking keys whose store was just queued (PENDING) or completed (READY).
 
         Parameters
         ----------
         keys : Sequence[bytes]
-            Hit keys, in prefix order.
-        is_ready : KeyPredicate or None
-            Whether a tracked key's store has completed. ``None`` means every key is READY.
-            Policies that do not distinguish PENDING keys ignore it.
+            Block hashes in prompt order, distinct, none tracked already.
+        parents : Sequence[bytes or None]
+            ``parents[i]`` is the key that ``keys[i]`` extends (``None``: a root, or unknown).
+            A parent may be tracked, untracked, or an earlier element of ``keys``.
+
+        Raises
+        ------
+        BlockStateError
+            If a key is already tracked or repeated; nothing changed then.
+        ValueError
+            If ``len(parents) != len(keys)``; nothing changed then.
         """
         ...
 
-    def remove(self, key: bytes) -> None:
-        """Stop tracking a key that left the index (failed store, explicit drop).
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record hits (lookup hits, loads, skipped keys of a store), in prefix order.
+
+        The FIRST key becomes the most recently used: after ``touch([a, b, c])`` the
+        recency order ends ``..., c, b, a``. Untracked keys are ignored.
+        """
+        ...
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Stop tracking keys that left the index (failed store, invalidation).
 
         Raises
         ------
         UnknownKeyError
-            If the key is not tracked.
+            If a key is not tracked; nothing changed then.
         """
         ...
 
@@ -82,9 +88,10 @@ class EvictionPolicy(Protocol):
     ) -> list[bytes] | None:
         """Choose and untrack exactly ``n`` victims, or change nothing.
 
-        A victim is a tracked key with ``can_evict(key)`` true that is not in ``protected``.
-        Candidates are collected without mutating; only when ``n`` were found are they all
-        removed from the ordering. Cost O(n + keys skipped).
+        A victim is a tracked key with ``can_evict(key)`` true that is not in ``protected``
+        and whose tracked children are all victims of the same call (prefix consistency,
+        see the module docstring). Candidates are collected without mutating; only when
+        ``n`` were found are they all removed.
 
         Parameters
         ----------
@@ -98,8 +105,8 @@ class EvictionPolicy(Protocol):
         Returns
         -------
         list[bytes] or None
-            ``n`` distinct keys in eviction order, or ``None`` when fewer than ``n`` keys are
-            evictable; ``None`` means nothing changed.
+            ``n`` distinct keys in eviction order (children before their parents), or
+            ``None`` when fewer than ``n`` keys qualify; ``None`` means nothing changed.
 
         Raises
         ------
@@ -114,6 +121,30 @@ class EvictionPolicy(Protocol):
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is tracked (resident); ghost entries do not count."""
+        ...
+
+
+@runtime_checkable
+class AdmissionPolicy(EvictionPolicy, Protocol):
+    """An `EvictionPolicy` with admission control.
+
+    The manager calls ``admit(keys, parents)`` before storing a batch and stores only the
+    keys it accepts (the others are reported as skipped and cost no copy).
+    """
+
+    def admit(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> Any:
+        """Which of the keys to store.
+
+        Parameters
+        ----------
+        keys, parents : as in `EvictionPolicy.insert` (keys may include tracked ones).
+
+        Returns
+        -------
+        numpy.ndarray
+            ``bool`` array of shape ``[len(keys)]``, True = store it. The accepted set is
+            closed under parents within the batch: a rejected key's extensions are rejected.
+        """
         ...
 
 

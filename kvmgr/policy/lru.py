@@ -1,37 +1,38 @@
-"""Least-recently-used eviction.
+"""Least-recently-used eviction, prefix-consistent.
 
 Offers `LRUPolicy`, registered as ``"lru"``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 
-from kvmgr.errors import BlockStateError, UnknownKeyError
-from kvmgr.policy.base import KeyPredicate, _as_lookup, _check_capacity, _check_evict_count
+from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
+from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
 
 __all__ = ["LRUPolicy"]
 
 
 class LRUPolicy:
-    """Evicts the least recently inserted-or-hit evictable key first.
+    """Evicts the least recently inserted-or-hit evictable leaf of the cached prefix tree.
 
     Data structures
-        One ``OrderedDict[bytes, None]`` from the least (front) to the most (back) recently
-        used key. PENDING and READY keys share it; the manager's ``can_evict`` skips the ones
-        it may not evict.
+        One ``OrderedDict[bytes, bytes | None]`` (key -> its parent) from the least (front)
+        to the most (back) recently used key, and a `PrefixTree` (tracked-children counts).
 
     Flow
-        ``insert`` appends at the MRU end; ``touch`` walks its keys in reverse and moves each
-        tracked one to the MRU end, so the first key ends most recent; ``evict`` scans from
-        the LRU end, skipping protected and non-evictable keys, and removes the ``n`` found
-        only once all ``n`` were found.
+        ``insert`` and ``touch`` walk their keys in reverse and put each at the MRU end, so
+        the first key of a batch (the shortest prefix) ends most recent and a store of one
+        chain ``[A, B, C, D]`` is evicted ``D, C, B, A``. ``evict`` offers keys from the LRU
+        end to a `VictimSet`: a key with tracked children waits until they are taken (prefix
+        consistency), protected and non-evictable keys are skipped; the ``n`` found are
+        removed only once all ``n`` were found.
 
     Complexity
-        ``insert``, ``remove``, ``__contains__``, ``__len__``: O(1).
-        ``touch``: O(len(keys)). ``evict``: O(n + keys skipped), plus O(len(protected)) when
-        ``protected`` is not already a set.
+        ``insert``, ``touch``, ``remove``: O(len(keys)), C-level loops (``OrderedDict.update``,
+        ``move_to_end`` through ``map``) except the tree's child counts on ``remove``.
+        ``evict``: O(n + keys skipped) Python steps. ``__contains__``, ``__len__``: O(1).
 
     Parameters
     ----------
@@ -48,43 +49,44 @@ class LRUPolicy:
 
     def __init__(self, capacity: int) -> None:
         self.capacity: int = _check_capacity(capacity)
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._order: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._tree = PrefixTree()
 
-    def insert(self, key: bytes) -> None:
-        """Track ``key`` as the most recently used.
+    def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+        """Track new keys, the first most recent. See `EvictionPolicy.insert`.
 
         Raises
         ------
         BlockStateError
-            If ``key`` is already tracked.
+            If a key is already tracked or repeated.
+        ValueError
+            If ``len(parents) != len(keys)``.
         """
-        if key in self._order:
-            raise BlockStateError(f"key {key!r} is already tracked by the {self.name} policy")
-        self._order[key] = None
+        check_new(self._order, keys, parents, self.name)
+        self._tree.add(keys, parents)
+        self._order.update(zip(reversed(keys), reversed(parents)))
 
-    def touch(self, keys: Sequence[bytes], is_ready: KeyPredicate | None = None) -> None:
-        """Move the tracked ``keys`` to the MRU end, the first key last; ``is_ready`` unused."""
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Move the tracked ``keys`` to the MRU end, the first key last; others ignored."""
         order = self._order
-        for key in reversed(keys):
-            if key in order:
-                order.move_to_end(key)
+        deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), 0)
 
-    def remove(self, key: bytes) -> None:
-        """Stop tracking ``key``.
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Stop tracking ``keys``.
 
         Raises
         ------
         UnknownKeyError
-            If ``key`` is not tracked.
+            If a key is not tracked; nothing changed then.
         """
-        if key not in self._order:
-            raise UnknownKeyError(f"key {key!r} is not tracked by the {self.name} policy")
-        del self._order[key]
+        unique = list(dict.fromkeys(keys))
+        check_tracked(self._order, unique, self.name)
+        self._tree.release(map(self._order.pop, unique))
 
     def evict(
         self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
     ) -> list[bytes] | None:
-        """Untrack and return the ``n`` least recently used evictable keys, or ``None``.
+        """Untrack and return the ``n`` least recently used evictable leaves, or ``None``.
 
         See `EvictionPolicy.evict`; ``None`` means fewer than ``n`` keys qualify and nothing
         changed.
@@ -97,18 +99,12 @@ class LRUPolicy:
         _check_evict_count(n)
         if n == 0:
             return []
-        protected = _as_lookup(protected)
-        victims: list[bytes] = []
-        for key in self._order:  # phase 1: collect from the LRU end, no mutation
-            if key not in protected and can_evict(key):
-                victims.append(key)
-                if len(victims) == n:
-                    break
-        if len(victims) < n:
+        victims = VictimSet(self._tree, self._order, n, can_evict, protected)
+        if not victims.offer_all(self._order):  # phase 1: collect; the order is not mutated
+            victims.rollback()
             return None
-        for key in victims:  # phase 2: commit
-            del self._order[key]
-        return victims
+        deque(map(self._order.__delitem__, victims.keys), 0)  # phase 2: commit
+        return victims.keys
 
     def ordered_keys(self) -> list[bytes]:
         """Tracked keys from least to most recently used (for tests and reports); O(len)."""

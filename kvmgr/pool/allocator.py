@@ -12,9 +12,10 @@ import numpy as np
 
 from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
 
-__all__ = ["BlockAllocator"]
+__all__ = ["BlockAllocator", "as_id_array"]
 
-_FRESH, _ALLOCATED, _FREED = 0, 1, 2
+#: State byte of each id.
+FRESH, ALLOCATED, FREED = 0, 1, 2
 
 
 class BlockAllocator:
@@ -23,19 +24,24 @@ class BlockAllocator:
     Order: ids never handed out come first, in increasing order; after those run out, freed ids
     are reused last-freed-first (a stack), so recently written pages are reused while still warm.
 
-    Data: a cursor over fresh ids, a stack of freed ids, and a state byte per id (fresh,
-    allocated, freed) that catches double frees and ids this pool never handed out.
-    ``allocate`` and ``free`` cost O(n) in the ids handled.
+    Data: a cursor over fresh ids, a stack of freed ids (a list), and a state byte per id
+    (fresh, allocated, freed) that catches double frees and ids this pool never handed out.
+    The state bytes live in a ``bytearray`` (fast single-id access) viewed as a numpy array
+    (one operation per batch): ``take``/``give`` take and return int64 arrays without a Python
+    loop per id; ``allocate``/``free`` are the list-based twins.
     """
 
     def __init__(self, num_blocks: int, *, name: str = "pool") -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise InvalidBlockError(f"{name}: expected an int num_blocks, got {num_blocks!r}")
         if num_blocks < 1:
             raise InvalidBlockError(f"{name}: expected num_blocks >= 1, got {num_blocks}")
         self.name = name
-        self.num_blocks = num_blocks
+        self.num_blocks = int(num_blocks)
         self._next_fresh = 0
         self._freed: list[int] = []
-        self._state = np.zeros(num_blocks, dtype=np.int8)
+        self._bytes = bytearray(self.num_blocks)
+        self._state = np.frombuffer(self._bytes, dtype=np.uint8)
 
     @property
     def num_free(self) -> int:
@@ -45,42 +51,88 @@ class BlockAllocator:
     @property
     def num_allocated(self) -> int:
         """Ids currently handed out."""
-        return self.num_blocks - self.num_free
+        return self._next_fresh - len(self._freed)
 
     def is_allocated(self, block_id: int) -> bool:
         """Whether ``block_id`` is currently handed out (False for out-of-range ids)."""
-        return 0 <= block_id < self.num_blocks and self._state[block_id] == _ALLOCATED
+        return 0 <= block_id < self.num_blocks and self._bytes[block_id] == ALLOCATED
+
+    def allocated_mask(self) -> np.ndarray:
+        """bool ``[num_blocks]``: which ids are handed out (a copy)."""
+        return self._state == ALLOCATED
+
+    def take(self, n: int) -> np.ndarray | None:
+        """Allocate ``n`` ids as an int64 array, or return ``None`` (nothing changed)."""
+        if n > self.num_free:
+            return None
+        num_fresh = min(n, self.num_blocks - self._next_fresh)
+        start = self._next_fresh
+        self._next_fresh += num_fresh
+        rest = n - num_fresh
+        if rest == 0:
+            ids = np.arange(start, start + num_fresh, dtype=np.int64)
+        else:
+            reused = self._freed[-rest:]
+            del self._freed[-rest:]
+            reused.reverse()
+            ids = np.concatenate(
+                [np.arange(start, start + num_fresh, dtype=np.int64), np.array(reused, np.int64)]
+            )
+        self._state[ids] = ALLOCATED
+        return ids
+
+    def take_one(self) -> int | None:
+        """Allocate one id, or return ``None``."""
+        if self._next_fresh < self.num_blocks:
+            block_id = self._next_fresh
+            self._next_fresh += 1
+        elif self._freed:
+            block_id = self._freed.pop()
+        else:
+            return None
+        self._bytes[block_id] = ALLOCATED
+        return block_id
+
+    def give(self, ids: np.ndarray) -> None:
+        """Return ids (an int64 array of distinct allocated ids; the last is reused first).
+
+        Raises:
+            InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
+        """
+        if len(ids) == 0:
+            return
+        self._check_array(ids)
+        self._state[ids] = FREED
+        self._freed.extend(ids.tolist())
+
+    def give_one(self, block_id: int) -> None:
+        """Return one allocated id (the caller checked it is allocated)."""
+        self._bytes[block_id] = FREED
+        self._freed.append(block_id)
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` ids, or return ``None`` (and change nothing) if fewer are free.
 
         Raises:
-            InvalidBlockError: ``n < 0``.
+            InvalidBlockError: ``n`` is negative or not an int.
         """
-        if n < 0:
-            raise InvalidBlockError(f"{self.name}: expected n >= 0, got {n}")
-        if n > self.num_free:
-            return None
-        num_fresh = min(n, self.num_blocks - self._next_fresh)
-        ids = list(range(self._next_fresh, self._next_fresh + num_fresh))
-        self._next_fresh += num_fresh
-        for _ in range(n - num_fresh):
-            ids.append(self._freed.pop())
-        self._state[ids] = _ALLOCATED
-        return ids
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise InvalidBlockError(f"{self.name}: expected an int n >= 0, got {n!r}")
+        ids = self.take(int(n))
+        return None if ids is None else ids.tolist()
 
     def allocate(self, n: int) -> list[int]:
         """Allocate ``n`` ids.
 
         Raises:
             PoolExhaustedError: fewer than ``n`` ids are free; nothing changed.
-            InvalidBlockError: ``n < 0``.
+            InvalidBlockError: ``n`` is negative or not an int.
         """
         ids = self.try_allocate(n)
         if ids is None:
             raise PoolExhaustedError(
                 f"{self.name}: need {n} blocks, {self.num_free} free",
-                needed=n,
+                needed=int(n),
                 available=self.num_free,
                 reason=f"{self.name}_full",
             )
@@ -96,21 +148,9 @@ class BlockAllocator:
             InvalidBlockError: an id is not an int, out of range, duplicated, or never allocated.
             DoubleFreeError: an id was allocated before and is free now.
         """
-        ids = _as_int_list(block_ids, self.name)
-        for block_id in ids:
-            if not 0 <= block_id < self.num_blocks:
-                raise InvalidBlockError(
-                    f"{self.name}: block id {block_id} out of range [0, {self.num_blocks})"
-                )
-        if len(set(ids)) != len(ids):
-            raise InvalidBlockError(f"{self.name}: duplicate block ids in {ids}")
-        for block_id in ids:
-            state = self._state[block_id]
-            if state == _FREED:
-                raise DoubleFreeError(f"{self.name}: block {block_id} is already free")
-            if state == _FRESH:
-                raise InvalidBlockError(f"{self.name}: block {block_id} was never allocated here")
-        return ids
+        ids = as_id_array(block_ids, self.name)
+        self._check_array(ids)
+        return ids.tolist()
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Return ids to the pool; the last id in ``block_ids`` is the next one reused.
@@ -118,21 +158,52 @@ class BlockAllocator:
         Raises:
             InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
         """
-        ids = self.check_allocated(block_ids)
-        self._state[ids] = _FREED
-        self._freed.extend(ids)
+        self.give(as_id_array(block_ids, self.name))
+
+    def _check_array(self, ids: np.ndarray) -> None:
+        if len(ids) == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_blocks:
+            bad = lo if lo < 0 else hi
+            raise InvalidBlockError(
+                f"{self.name}: block id {bad} out of range [0, {self.num_blocks})"
+            )
+        states = self._state[ids]
+        if not (states == ALLOCATED).all():
+            bad_at = int(np.flatnonzero(states != ALLOCATED)[0])
+            bad = int(ids[bad_at])
+            if states[bad_at] == FREED:
+                raise DoubleFreeError(f"{self.name}: block {bad} is already free")
+            raise InvalidBlockError(f"{self.name}: block {bad} was never allocated here")
+        if len(ids) > 1 and len(np.unique(ids)) != len(ids):
+            raise InvalidBlockError(f"{self.name}: duplicate block ids in {ids.tolist()[:16]}")
 
 
-def _as_int_list(block_ids: Iterable[int], name: str) -> list[int]:
-    if isinstance(block_ids, (str, bytes)):
-        raise InvalidBlockError(f"{name}: expected a sequence of int block ids, got {block_ids!r}")
-    try:
-        ids = list(block_ids)
-    except TypeError:
+def as_id_array(block_ids: object, name: str) -> np.ndarray:
+    """``block_ids`` (a sequence of ints or an integer numpy array) as a 1-D int64 array.
+
+    Raises:
+        InvalidBlockError: not a sequence of ints (bools, floats, strings and bytes refused).
+    """
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.ndim != 1 or (block_ids.size and block_ids.dtype.kind not in "iu"):
+            raise InvalidBlockError(
+                f"{name}: expected a 1-D integer array of block ids, got dtype "
+                f"{block_ids.dtype} and shape {block_ids.shape}"
+            )
+        return block_ids.astype(np.int64, copy=False)
+    if isinstance(block_ids, (str, bytes, bytearray)) or not hasattr(block_ids, "__iter__"):
         raise InvalidBlockError(
             f"{name}: expected a sequence of int block ids, got {type(block_ids).__name__}"
-        ) from None
+        )
+    ids = list(block_ids)  # type: ignore[call-overload]
     for block_id in ids:
-        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+        if type(block_id) is not int and (
+            isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer))
+        ):
             raise InvalidBlockError(f"{name}: expected int block id, got {block_id!r}")
-    return [int(b) for b in ids]
+    try:
+        return np.array(ids, dtype=np.int64)
+    except OverflowError:
+        raise InvalidBlockError(f"{name}: block id out of the int64 range in {ids[:8]}") from None

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvmgr.errors import KVMgrError
 from kvmgr.sim.loop import SimConfig, simulate
+from kvmgr.sim.multi_cli import add_multi_arguments, run_multi, wants_multi
 from kvmgr.sim.presets import MODEL_PRESETS
 from kvmgr.sim.report import render_report
 from kvmgr.sim.scheduler import WRITE_POLICIES
@@ -34,12 +35,13 @@ from kvmgr.sim.sweep import (
     sweep_configs,
     sweep_table,
 )
-from kvmgr.sim.trace import default_trace_path, load_trace
+from kvmgr.sim.trace import BUNDLED_TRACES, bundled_trace_path, default_trace_path, load_trace
 
 __all__ = ["add_arguments", "run"]
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _UNBOUNDED = ("inf", "unbounded", "none")
+_DEFAULT_PLOT = Path("kvmgr-sweep.png")
 
 
 def _count(text: str) -> int | None:
@@ -59,6 +61,11 @@ def _count_list(text: str) -> list[int]:
     return [v for v in values if v is not None]
 
 
+def _trace(text: str) -> Path:
+    """A bundled trace's name (``azure-code``) -> its path; anything else is a file path."""
+    return bundled_trace_path(text) if text in BUNDLED_TRACES else Path(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the flags of ``kvmgr simulate`` on ``parser``."""
     d = SimConfig()
@@ -69,10 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     io = parser.add_argument_group("input and output")
     io.add_argument(
         "--trace",
-        type=Path,
+        type=_trace,
         default=None,
-        help="Mooncake JSONL or Azure 2023 CSV (.gz ok); default: bundled Mooncake "
-        "conversation trace",
+        metavar="FILE|NAME",
+        help="Mooncake JSONL or Azure 2023 CSV file (.gz ok), or a bundled trace: "
+        f"{', '.join(BUNDLED_TRACES)}; default: the bundled Mooncake conversation trace",
     )
     io.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     io.add_argument(
@@ -113,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.block_size,
         help=f"tokens per block, dividing 512 (default {d.block_size})",
     )
-    m.add_argument("--policy", choices=("lru", "arc"), default=d.policy)
+    m.add_argument(
+        "--policy", choices=("lru", "arc"), default=d.policy, help="eviction policy of the CPU tier"
+    )
     m.add_argument(
         "--write-policy",
         choices=WRITE_POLICIES,
@@ -146,8 +156,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.time_scale,
         help="multiply arrival times (< 1 compresses the trace)",
     )
-    s.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
-    s.add_argument("--max-seqs", type=int, default=d.max_seqs)
+    s.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=d.max_batched_tokens,
+        help="token budget of one scheduler step (prefill + decode)",
+    )
+    s.add_argument(
+        "--max-seqs", type=int, default=d.max_seqs, help="requests running at once, at most"
+    )
     s.add_argument(
         "--watermark",
         type=float,
@@ -181,8 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--plot",
         type=Path,
-        default=Path("kvmgr-sweep.png"),
-        help="PNG of the sweep (default kvmgr-sweep.png)",
+        default=None,
+        metavar="FILE",
+        help=f"with --sweep: image of the sweep (default {_DEFAULT_PLOT})",
     )
     w.add_argument(
         "--jobs",
@@ -190,6 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=min(2, os.cpu_count() or 1),
         help="sweep runs in parallel processes",
     )
+
+    add_multi_arguments(parser)
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
@@ -225,15 +245,55 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--limit: expected >= 1, got {args.limit}")
         if args.jobs < 1:
             raise ValueError(f"--jobs: expected >= 1, got {args.jobs}")
+        if args.plot is not None and args.sweep is None:
+            raise ValueError("--plot needs --sweep (a single run draws no plot)")
+        check_output_path(args.json, "--json")  # fail now, not after the run
+        if args.sweep is not None:
+            check_output_path(args.plot or _DEFAULT_PLOT, "--plot", image=True)
         config = _config(args)
         trace = args.trace if args.trace is not None else default_trace_path()
         requests = load_trace(trace, limit=args.limit)
         if args.sweep is not None:
             return _run_sweep(args, config, requests, trace, console)
+        if wants_multi(args):
+            return run_multi(args, config, requests, trace, console)
         return _run_single(args, config, requests, trace, console)
     except (KVMgrError, ValueError, OSError) as exc:  # bad input: one line, no traceback
         print(f"kvmgr simulate: error: {exc}", file=sys.stderr)
         return 2
+
+
+def check_output_path(path: Path | None, flag: str, *, image: bool = False) -> None:
+    """Check that ``path`` can be written (its folder exists and is writable; it is no folder).
+
+    Args:
+        path: the output file, or ``None`` (nothing to check).
+        flag: the flag's name, for the message.
+        image: also check that matplotlib can write the suffix (``.png``, ``.svg``, ...).
+
+    Raises:
+        ValueError: the path cannot be written, with the reason.
+    """
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, expected a file")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {parent} does not exist")
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(parent, os.W_OK)
+    if not writable:
+        raise ValueError(f"{flag} {path}: not writable")
+    if image:
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            return  # the sweep reports the missing matplotlib itself
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if path.suffix.lstrip(".").lower() not in formats:
+            raise ValueError(
+                f"{flag} {path}: expected a suffix matplotlib writes ({', '.join(sorted(formats))})"
+            )
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
@@ -305,7 +365,7 @@ def _run_sweep(
     if args.json is not None:  # before the plot, so a bad --plot path loses nothing
         data = {"trace": str(trace), "runs": [r.to_dict() for r in reports]}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
-    path = plot_sweep(reports, args.plot, title=title)
+    path = plot_sweep(reports, args.plot or _DEFAULT_PLOT, title=title)
     console.print(f"plot: {path}")
     mismatches = sum(r.page_mismatches for r in reports)
     if mismatches:

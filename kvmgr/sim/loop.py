@@ -181,7 +181,7 @@ async def run_simulation(
         f"the run needs {total / 2**30:.2f} GiB of pages ({gpu_blocks} GPU + {cpu_blocks} CPU "
         f"blocks x {block_bytes} B); lower the capacities or raise --max-memory-gib",
     )
-    device = "cpu" if config.engine == "host" or not _has_cuda() else "cuda"
+    device = "cpu" if config.engine == "host" or not _has_cuda() or _is_host(engine) else "cuda"
     engine_name = "host" if config.engine == "auto" and device == "cpu" else config.engine
     rng = random.Random(config.seed)
     pages = PageStore(
@@ -303,6 +303,15 @@ def _capacities(
     gpu = unbounded + largest if config.gpu_tokens is None else -(-config.gpu_tokens // bs)
     cpu = unbounded if config.cpu_tokens is None else -(-config.cpu_tokens // bs)
     return gpu, cpu
+
+
+def _is_host(engine: TransferEngine | None) -> bool:
+    """Whether a given engine copies between CPU tensors (looking through wrappers)."""
+    from kvmgr.transfer import HostEngine
+
+    while engine is not None and not isinstance(engine, HostEngine):
+        engine = getattr(engine, "inner", None)
+    return engine is not None
 
 
 def _has_cuda() -> bool:

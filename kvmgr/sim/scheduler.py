@@ -194,6 +194,7 @@ class Scheduler:
         bs, gpu = self.config.block_size, self.gpu
         if request.keys is None:
             request.keys = self.keyer.prefix_keys(request.trace)
+            self.swaps.learn_chain(request.keys)
         keys = request.keys
         num_gpu_hits, is_blocked = gpu.match(keys)
         if is_blocked:

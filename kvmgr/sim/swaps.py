@@ -55,6 +55,15 @@ class SwapIssuer:
         self.block_size = block_size
         self.num_draining = 0
         self._pending: list[_Pending] = []
+        #: published key -> the key it extends (``None`` for a prompt's first block).
+        self._parent_of: dict[bytes, bytes | None] = {}
+
+    def learn_chain(self, keys: Sequence[bytes]) -> None:
+        """Record that ``keys`` (one prompt's published keys) form one chain; stores name
+        each key's parent to the manager from this."""
+        if keys:
+            self._parent_of[keys[0]] = None
+            self._parent_of.update(zip(keys[1:], keys[:-1]))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Leading run of ``keys`` READY in the CPU tier (touches them in the policy)."""
@@ -125,7 +134,8 @@ class SwapIssuer:
             return
         self.counters.store_blocks += len(block_ids)
         try:
-            future = self.manager.swap_out(block_ids, keys=keys)
+            parents = list(map(self._parent_of.get, keys))
+            future = self.manager.swap_out(block_ids, keys, parents)
         except PoolExhaustedError:
             self.counters.store_dropped_blocks += len(block_ids)
             if drain:

@@ -5,6 +5,7 @@ Offers:
     TraceError          a malformed trace line (names the file, the line and the field)
     load_trace          read a trace file (format chosen by content; ``.gz`` accepted)
     default_trace_path  the bundled Mooncake FAST'25 conversation trace
+    bundled_trace_path  a bundled trace by name (``BUNDLED_TRACES``: Mooncake, Azure 2023)
 
 Mooncake (``kvcache-ai/Mooncake``, ``FAST25-release/traces``): one JSON object per line with
 ``timestamp`` (ms from the trace start), ``input_length``, ``output_length`` and ``hash_ids``,
@@ -31,7 +32,15 @@ import attrs
 
 from kvmgr.errors import KVMgrError
 
-__all__ = ["TRACE_BLOCK_TOKENS", "TraceError", "TraceRequest", "default_trace_path", "load_trace"]
+__all__ = [
+    "BUNDLED_TRACES",
+    "TRACE_BLOCK_TOKENS",
+    "TraceError",
+    "TraceRequest",
+    "bundled_trace_path",
+    "default_trace_path",
+    "load_trace",
+]
 
 #: Tokens per ``hash_ids`` block in the Mooncake trace format.
 TRACE_BLOCK_TOKENS = 512
@@ -80,9 +89,28 @@ class TraceRequest:
         return self.input_length // TRACE_BLOCK_TOKENS
 
 
+#: Traces shipped in ``kvmgr/sim/data`` (attribution in its README.md): name -> file.
+BUNDLED_TRACES = {
+    "mooncake-conversation": "conversation_trace.jsonl.gz",
+    "azure-code": "AzureLLMInferenceTrace_code.csv.gz",
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv.gz",
+}
+
+
+def bundled_trace_path(name: str) -> Path:
+    """Path of a bundled trace, by its name in ``BUNDLED_TRACES``.
+
+    Raises:
+        ValueError: unknown name (the message lists the bundled ones).
+    """
+    if name not in BUNDLED_TRACES:
+        raise ValueError(f"unknown bundled trace {name!r}; expected one of {list(BUNDLED_TRACES)}")
+    return Path(str(resources.files("kvmgr.sim") / "data" / BUNDLED_TRACES[name]))
+
+
 def default_trace_path() -> Path:
     """Path of the bundled Mooncake FAST'25 conversation trace (gzip JSONL, 12,031 requests)."""
-    return Path(str(resources.files("kvmgr.sim") / "data" / "conversation_trace.jsonl.gz"))
+    return bundled_trace_path("mooncake-conversation")
 
 
 def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
@@ -134,8 +162,8 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
 
 def _open_text(path: Path) -> io.TextIOBase:
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")  # the caller closes it
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")  # the caller closes it; a BOM is skipped
 
 
 def _numbered_lines(handle: Any) -> Iterator[tuple[int, str]]:

@@ -31,7 +31,7 @@ from kvmgr.errors import GeometryError, InvalidBlockError, InvalidKeyError, Tier
 from kvmgr.tiers.base import TierBackend, check_keys
 from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_rows, verify
 
-__all__ = ["BridgeStatistics", "TierBridge"]
+__all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
 
 _log = logging.getLogger(__name__)
 
@@ -58,6 +58,23 @@ class BridgeStatistics:
     num_errors: int = 0
     bytes_demoted: int = 0
     bytes_promoted: int = 0
+
+
+@attrs.frozen(eq=False)
+class StagedBlobs:
+    """Blobs gathered by ``TierBridge.stage``, not written yet.
+
+    Attributes:
+        stored_keys: the namespaced keys, one per blob.
+        buffer: the staging array (reused after a successful write).
+        padded: ``buffer``'s first rows, each a blob padded to the backend's row size.
+        rows: the same rows cut to ``blob_bytes``.
+    """
+
+    stored_keys: list[bytes]
+    buffer: np.ndarray
+    padded: np.ndarray
+    rows: np.ndarray
 
 
 @attrs.define
@@ -172,35 +189,66 @@ class TierBridge:
         puts = []
         for lo in range(0, len(keys), self._chunk_blocks):
             part = slice(lo, lo + self._chunk_blocks)
-            num = len(stored_keys[part])
-            buffer = _take(
-                self._spare_lock, self._spare_rows, num, self._row_bytes, aligned=self._aligned
-            )
-            padded = buffer[:num]
-            rows = padded[:, : self.namespace.blob_bytes]
-            part_ids, part_keys = ids[part], stored_keys[part]
-            await self._maybe_thread(
-                num, functools.partial(self._gather, part_ids, part_keys, rows)
-            )
-            task = asyncio.ensure_future(self.backend.put_many(part_keys, list(padded)))
+            staged = self._stage_rows(stored_keys[part])
+            gather = functools.partial(self._gather, ids[part], staged.stored_keys, staged.rows)
+            await self._maybe_thread(len(staged.stored_keys), gather)
+            task = asyncio.ensure_future(self._put(staged))
             task.add_done_callback(_retrieve)
-            puts.append((part, buffer, task))
-        for part, buffer, task in puts:
-            try:
-                result = await task
-            except TierError as exc:
-                # (the buffer is dropped, not reused: a timed-out write may still be reading it)
-                num = len(stored_keys[part])
-                self._report_failure("demote", num, exc)
-                continue
-            self._spare_rows.append(buffer)
-            self._failing = False
-            stored[part] = result.stored
+            puts.append((part, task))
+        for part, task in puts:
+            stored[part] = await task
+        self._count_demoted(stored)
+        return stored
+
+    def stage(
+        self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
+    ) -> StagedBlobs:
+        """Gather CPU blocks into blobs NOW (synchronously), for ``put_staged`` later: the
+        manager stages blocks it just evicted before anything overwrites them.
+
+        Raises:
+            InvalidKeyError, InvalidBlockError: bad input, before anything is read.
+        """
+        keys, ids = self._check(keys, cpu_block_ids)
+        staged = self._stage_rows(self.namespace.stored_keys(keys))
+        if keys:
+            self._gather(ids, staged.stored_keys, staged.rows)
+        return staged
+
+    async def put_staged(self, staged: StagedBlobs) -> np.ndarray:
+        """Write blobs gathered by ``stage``; returns bool ``[n]`` as ``demote``."""
+        if not staged.stored_keys:
+            return np.zeros(0, dtype=bool)
+        stored = await self._put(staged)
+        self._count_demoted(stored)
+        return stored
+
+    def _stage_rows(self, stored_keys: list[bytes]) -> StagedBlobs:
+        num = len(stored_keys)
+        buffer = _take(
+            self._spare_lock, self._spare_rows, max(1, num), self._row_bytes, aligned=self._aligned
+        )
+        padded = buffer[:num]
+        return StagedBlobs(stored_keys, buffer, padded, padded[:, : self.namespace.blob_bytes])
+
+    async def _put(self, staged: StagedBlobs) -> np.ndarray:
+        """One ``put_many``; bool ``[n]``, all ``False`` after a tier error (counted)."""
+        num = len(staged.stored_keys)
+        try:
+            result = await self.backend.put_many(staged.stored_keys, list(staged.padded))
+        except TierError as exc:
+            # (the buffer is dropped, not reused: a timed-out write may still be reading it)
+            self._report_failure("demote", num, exc)
+            return np.zeros(num, dtype=bool)
+        self._spare_rows.append(staged.buffer)
+        self._failing = False
+        return np.asarray(result.stored, dtype=bool)
+
+    def _count_demoted(self, stored: np.ndarray) -> None:
         num_stored = int(stored.sum())
         self._counters.num_demoted += num_stored
-        self._counters.num_demote_failed += len(keys) - num_stored
+        self._counters.num_demote_failed += len(stored) - num_stored
         self._counters.bytes_demoted += num_stored * self.namespace.payload_bytes
-        return stored
 
     async def promote(
         self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray

@@ -2,14 +2,23 @@
 
 Offers:
     Calibration     the model's constants (frozen; ``from_json`` / ``fit`` to recalibrate)
-    choose_path     ``"batch"`` or ``"kernel"`` for a batch's descriptor and byte counts
+    kernel_or_batch ``"batch"`` or ``"kernel"`` for a batch's descriptor and byte counts
 
 A batch of ``n`` descriptors and ``B`` bytes in direction ``d`` is modelled, in microseconds, as::
 
     batch(n, B)  = batch_launch_us  + n * batch_<d>_us_per_descriptor + B / (1e3 * batch_<d>_gbps)
     kernel(n, B) = kernel_launch_us + n * kernel_us_per_descriptor    + B / (1e3 * kernel_<d>_gbps)
 
-and the kernel is chosen when ``kernel * kernel_margin < batch``. The DMA batch's per-descriptor
+Those are copy times. A serving loop overlaps the copy with its own kernels, and the copy kernel
+takes SMs from them: with 32 programs a D2H copy slowed a concurrent bf16 matmul by 58% on the H200
+(BENCHMARKS.md), the DMA engines by ~0%. What the loop pays is its step time, so each path is
+charged the compute it slows while it runs::
+
+    cost(path) = copy_us(path) * (1 + compute_overlap * <path>_<d>_slowdown)
+
+``compute_overlap`` is the fraction of the copy during which compute runs (1: a loop that always
+overlaps, the default; 0: copies alone, the old copy-time-only choice). The kernel is chosen when
+``cost(kernel) * kernel_margin < cost(batch)``. The DMA batch's per-descriptor
 cost depends on the direction: on the H200 with registered host memory, ``cuMemcpyBatchAsync``
 spends ~0.6 us per 4 KiB descriptor out of the GPU and ~1.5 us into it.
 
@@ -32,7 +41,7 @@ import numpy as np
 from kvmgr.errors import ConfigError
 from kvmgr.transfer.plan import Direction
 
-__all__ = ["Calibration", "choose_path"]
+__all__ = ["Calibration", "kernel_or_batch"]
 
 _positive = attrs.validators.gt(0.0)
 _non_negative = attrs.validators.ge(0.0)
@@ -59,13 +68,18 @@ class Calibration:
             (the events bracket the host's issue). 110 us.
         kernel_us_per_descriptor: per-descriptor cost not hidden behind the copy. 0.003 us.
         kernel_h2d_gbps / kernel_d2h_gbps: copy-kernel bandwidth over mapped host memory with the
-            default 32 programs, 49.4 / 50.8 GB/s.
+            default program caps (H2D 32, D2H 8): 49.4 / 48.9 GB/s.
+        kernel_h2d_slowdown / kernel_d2h_slowdown: fraction by which a concurrent bf16 matmul
+            loop runs slower while the kernel copies, at the default caps: 0.056 / 0.052
+            (32 programs D2H: 0.58; ``kvmgr bench swap-kernel`` interference table).
+        batch_slowdown: the same for the DMA batch, 0.003.
+        compute_overlap: fraction of a copy during which the loop computes, in [0, 1]; 1.
         kernel_margin: factor by which the kernel must win; DMA leaves the SMs to compute, so it
             keeps close calls. 1.1 (not fitted).
 
     Raises:
-        ConfigError: a direction's ``batch_*_us_per_descriptor`` is below ``kernel_margin *
-            kernel_us_per_descriptor`` (the choice would stop being monotone in the count).
+        ConfigError: a direction's charged ``batch_*_us_per_descriptor`` is below ``kernel_margin *
+            kernel_us_per_descriptor`` charged (the choice would stop being monotone in the count).
         ValueError: a value is out of range.
     """
 
@@ -77,14 +91,21 @@ class Calibration:
     kernel_launch_us: float = attrs.field(default=110.0, validator=_non_negative)
     kernel_us_per_descriptor: float = attrs.field(default=0.003, validator=_non_negative)
     kernel_h2d_gbps: float = attrs.field(default=49.4, validator=_positive)
-    kernel_d2h_gbps: float = attrs.field(default=50.8, validator=_positive)
+    kernel_d2h_gbps: float = attrs.field(default=48.9, validator=_positive)
+    kernel_h2d_slowdown: float = attrs.field(default=0.056, validator=_non_negative)
+    kernel_d2h_slowdown: float = attrs.field(default=0.052, validator=_non_negative)
+    batch_slowdown: float = attrs.field(default=0.003, validator=_non_negative)
+    compute_overlap: float = attrs.field(
+        default=1.0, validator=[_non_negative, attrs.validators.le(1.0)]
+    )
     kernel_margin: float = attrs.field(default=1.1, validator=attrs.validators.ge(1.0))
 
     def __attrs_post_init__(self) -> None:
-        floor = self.kernel_margin * self.kernel_us_per_descriptor
         for direction in Direction:
+            kernel_charge, batch_charge = self._charges(direction)
+            floor = self.kernel_margin * self.kernel_us_per_descriptor * kernel_charge
             per_descriptor = self.batch_us_per_descriptor(direction)
-            if per_descriptor < floor:
+            if per_descriptor * batch_charge < floor:
                 raise ConfigError(
                     f"expected batch_{direction.value}_us_per_descriptor >= kernel_margin * "
                     f"kernel_us_per_descriptor, got {per_descriptor} < {self.kernel_margin} * "
@@ -107,17 +128,36 @@ class Calibration:
         per_descriptor = num_descriptors * self.kernel_us_per_descriptor
         return self.kernel_launch_us + per_descriptor + num_bytes / (1e3 * gbps)
 
+    def batch_step_us(self, num_descriptors: int, num_bytes: int, direction: Direction) -> float:
+        """``batch_us`` plus the compute it slows (module docstring)."""
+        charge = 1.0 + self.compute_overlap * self.batch_slowdown
+        return self.batch_us(num_descriptors, num_bytes, direction) * charge
+
+    def kernel_step_us(self, num_descriptors: int, num_bytes: int, direction: Direction) -> float:
+        """``kernel_us`` plus the compute it slows (module docstring)."""
+        slowdown = _pick(direction, self.kernel_h2d_slowdown, self.kernel_d2h_slowdown)
+        charge = 1.0 + self.compute_overlap * slowdown
+        return self.kernel_us(num_descriptors, num_bytes, direction) * charge
+
     def crossover_bytes(self, direction: Direction) -> float | None:
-        """Bytes per descriptor above which DMA wins large batches (launch costs ignored);
-        ``None`` if the kernel wins at every size."""
+        """Bytes per descriptor above which DMA wins large batches (launch costs ignored, step
+        costs compared); ``None`` if the kernel wins at every size."""
         batch_gbps = _pick(direction, self.batch_h2d_gbps, self.batch_d2h_gbps)
         kernel_gbps = _pick(direction, self.kernel_h2d_gbps, self.kernel_d2h_gbps)
-        us_per_byte = self.kernel_margin / (1e3 * kernel_gbps) - 1 / (1e3 * batch_gbps)
+        kernel_charge, batch_charge = self._charges(direction)
+        kernel_charge *= self.kernel_margin
+        us_per_byte = kernel_charge / (1e3 * kernel_gbps) - batch_charge / (1e3 * batch_gbps)
         saved_us = (
-            self.batch_us_per_descriptor(direction)
-            - self.kernel_margin * self.kernel_us_per_descriptor
+            batch_charge * self.batch_us_per_descriptor(direction)
+            - kernel_charge * self.kernel_us_per_descriptor
         )
         return saved_us / us_per_byte if us_per_byte > 0 else None
+
+    def _charges(self, direction: Direction) -> tuple[float, float]:
+        """``(kernel, batch)`` factors ``1 + compute_overlap * slowdown``."""
+        slowdown = _pick(direction, self.kernel_h2d_slowdown, self.kernel_d2h_slowdown)
+        overlap = self.compute_overlap
+        return 1.0 + overlap * slowdown, 1.0 + overlap * self.batch_slowdown
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
@@ -178,6 +218,7 @@ class Calibration:
         base: Calibration | None = None,
         *,
         peak_rows: Sequence[Mapping[str, Any]] = (),
+        interference_rows: Sequence[Mapping[str, Any]] = (),
     ) -> Calibration:
         """Fit the constants to measured batches.
 
@@ -194,6 +235,10 @@ class Calibration:
                 other variants are ignored.
             base: values kept where the rows determine nothing (default model if ``None``).
             peak_rows: ``kvmgr bench swap``'s ``"peak"`` rows (``memory``, ``direction``, ``gbps``).
+            interference_rows: ``kvmgr bench swap-kernel``'s ``"interference"`` rows (``variant``,
+                ``direction``, ``slowdown_pct``): the ``kernel`` rows set
+                ``kernel_<d>_slowdown``, the ``batch`` rows' mean sets ``batch_slowdown``
+                (negative medians, noise, count as 0).
 
         Raises:
             ConfigError: a row lacks a key, or the fitted values are invalid together.
@@ -209,9 +254,19 @@ class Calibration:
                 if per_descriptor is not None:
                     values[f"batch_{direction.value}_us_per_descriptor"] = per_descriptor
             kernel = _fit_kernel([r for r in rows if r.get("variant") == "kernel"])
+            batch_slowdowns = []
+            for row in interference_rows:
+                slowdown = max(float(row["slowdown_pct"]) / 100.0, 0.0)
+                if row["variant"] == "kernel":
+                    values[f"kernel_{Direction(row['direction']).value}_slowdown"] = slowdown
+                elif row["variant"] == "batch":
+                    batch_slowdowns.append(slowdown)
+            if batch_slowdowns:
+                values["batch_slowdown"] = statistics.fmean(batch_slowdowns)
         except (KeyError, ValueError, TypeError) as exc:
             raise ConfigError(
-                f"calibration rows need direction, descriptors, bytes, us: {exc!r}"
+                f"calibration rows need direction, descriptors, bytes, us (interference rows: "
+                f"variant, direction, slowdown_pct): {exc!r}"
             ) from exc
         if kernel is not None:
             names = ("launch_us", "us_per_descriptor", "h2d_gbps", "d2h_gbps")
@@ -252,14 +307,15 @@ def _fit_kernel(rows: Sequence[Mapping[str, Any]]) -> tuple[float, ...] | None:
     return max(launch, 0.0), max(per_descriptor, 0.0), 1e-3 / a, 1e-3 / b
 
 
-def choose_path(
+def kernel_or_batch(
     num_descriptors: int,
     num_bytes: int,
     direction: Direction | str,
     calib: Calibration | None = None,
 ) -> str:
-    """``"kernel"`` if the copy kernel is modelled faster than the DMA batch by ``kernel_margin``,
-    else ``"batch"`` (also for an empty batch). Pure: no device access.
+    """``"kernel"`` if the copy kernel's modelled step cost (copy plus the compute it slows, module
+    docstring) beats the DMA batch's by ``kernel_margin``, else ``"batch"`` (also for an empty
+    batch). A few float operations; pure: no device access.
 
     Raises:
         ValueError: a negative count or an unknown direction.
@@ -272,5 +328,6 @@ def choose_path(
     if num_descriptors == 0:
         return "batch"
     calib = calib or Calibration()
-    kernel = calib.kernel_us(num_descriptors, num_bytes, direction) * calib.kernel_margin
-    return "kernel" if kernel < calib.batch_us(num_descriptors, num_bytes, direction) else "batch"
+    kernel = calib.kernel_step_us(num_descriptors, num_bytes, direction) * calib.kernel_margin
+    batch = calib.batch_step_us(num_descriptors, num_bytes, direction)
+    return "kernel" if kernel < batch else "batch"

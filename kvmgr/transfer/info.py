@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from kvmgr.transfer._driver import CopyDriver, attrs_layout_matches
+from kvmgr.transfer.driver import CopyDriver, attrs_layout_matches
 
 __all__ = ["collect_info"]
 

@@ -3,13 +3,17 @@
 Offers:
     Direction       ``D2H`` (GPU -> CPU, a store) or ``H2D`` (CPU -> GPU, a load)
     TransferPlan    one batch's descriptors plus the counts the step report needs
+    BlockPairs      optional record on a plan of the block pairs and layouts it was built from
     build_plan      block id pairs + layouts -> merged descriptors, without a loop per page
     check_hazards   reject a batch that writes one destination twice
 
 Copies inside one batch run in no order (docs/transfer.md, rule 5), so a plan may reorder its
 pages freely: ``build_plan`` sorts pairs by source block and merges runs of consecutive source and
 destination blocks into one descriptor per tensor (rule 6). Engines split plans above their
-descriptor cap with ``TransferPlan.split``.
+descriptor cap with ``TransferPlan.split``. ``build_plan`` also records the block pairs and layouts
+(``TransferPlan.blocks``), so an engine that copies with tensor indexing (the host engine) need not
+walk the descriptors; a plan made or edited by hand carries ``blocks=None`` or a record whose byte
+and descriptor counts no longer match, and is copied from its descriptors.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from kvmgr.errors import GeometryError, HazardError, InvalidBlockError
 from kvmgr.pool.layout import KVLayout
 
-__all__ = ["Direction", "TransferPlan", "build_plan", "check_hazards"]
+__all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards"]
 
 
 class Direction(enum.Enum):
@@ -36,6 +40,26 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @attrs.frozen(eq=False)
+class BlockPairs:
+    """The block pairs and layouts a plan was built from (``build_plan`` fills it in).
+
+    Attributes:
+        src, dst: layouts of the source and destination tier.
+        src_block_ids, dst_block_ids: int64 ``[num_blocks]``: block ``src_block_ids[i]`` of every
+            tensor is copied to block ``dst_block_ids[i]``.
+        num_bytes, num_descriptors: what the plan's descriptors add up to when built; an engine
+            uses the pairs only while the plan still says the same.
+    """
+
+    src: KVLayout
+    dst: KVLayout
+    src_block_ids: np.ndarray
+    dst_block_ids: np.ndarray
+    num_bytes: int
+    num_descriptors: int
+
+
+@attrs.frozen(eq=False)
 class TransferPlan:
     """The descriptors of one batch in one direction.
 
@@ -46,6 +70,8 @@ class TransferPlan:
         sizes: int64 ``[num_descriptors]``: bytes of each copy.
         num_blocks: block pairs in the batch (before multiplying by tensors).
         num_pages: pages (block pairs x tensors), i.e. descriptors before merging.
+        blocks: the block pairs and layouts behind the descriptors, or ``None`` (hand-made plans,
+            split chunks).
     """
 
     direction: Direction
@@ -54,6 +80,15 @@ class TransferPlan:
     sizes: np.ndarray = _EMPTY
     num_blocks: int = 0
     num_pages: int = 0
+    blocks: BlockPairs | None = None
+
+    def matching_blocks(self) -> BlockPairs | None:
+        """``blocks`` if it still describes exactly the descriptors' bytes and count, else
+        ``None`` (a plan edited with ``attrs.evolve``)."""
+        pairs = self.blocks
+        if pairs is None or pairs.num_descriptors != len(self.sizes):
+            return None
+        return pairs if pairs.num_bytes == self.num_bytes else None
 
     @property
     def num_descriptors(self) -> int:
@@ -101,10 +136,13 @@ def check_hazards(dst_block_ids: np.ndarray) -> None:
         HazardError: a destination block id occurs more than once (the first one is named).
     """
     ids = np.asarray(dst_block_ids, dtype=np.int64)
-    uniq, counts = np.unique(ids, return_counts=True)
-    if len(uniq) != len(ids):
+    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # strictly increasing: no repeat
+        return
+    ordered = np.sort(ids)
+    repeats = ordered[1:] == ordered[:-1]
+    if repeats.any():
         raise HazardError(
-            f"destination block {int(uniq[counts > 1][0])} is written twice in one batch"
+            f"destination block {int(ordered[1:][repeats][0])} is written twice in one batch"
         )
 
 
@@ -166,38 +204,59 @@ def build_plan(
     n = len(s)
     if n == 0:
         return TransferPlan(direction)
-    lengths = np.ones(n, dtype=np.int64)
+    lengths: np.ndarray | None = None  # None: one page per descriptor
     run_s, run_d = s, d
     if merge and n > 1:
-        order = np.argsort(s, kind="stable")
-        s, d = s[order], d[order]
-        starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(d) != 1)])
-        lengths = np.diff(np.r_[starts, n])
-        run_s, run_d = s[starts], d[starts]
+        step_s = np.diff(s)
+        if not bool((step_s >= 0).all()):  # sort by source block unless already sorted
+            order = np.argsort(s, kind="stable")
+            s, d = s[order], d[order]
+            step_s = np.diff(s)
+        breaks = (step_s != 1) | (np.diff(d) != 1)
+        if not breaks.any():  # one run: the common case of consecutive ids
+            lengths = np.array([n], dtype=np.int64)
+            run_s, run_d = s[:1], d[:1]
+        else:
+            starts = np.flatnonzero(breaks)
+            starts += 1
+            bounds = np.concatenate(((0,), starts, (n,)))
+            lengths = np.diff(bounds)
+            run_s, run_d = s[bounds[:-1]], d[bounds[:-1]]
     dense = src.is_dense & dst.is_dense
-    parts = []
-    if dense.any():  # one descriptor per run in dense tensors
-        parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
-    if not dense.all():  # one descriptor per page elsewhere
-        parts.append(_descriptors(src, dst, ~dense, s, d, np.ones(n, dtype=np.int64)))
+    if dense.all():  # the common case: every tensor dense, one descriptor per run
+        parts = [_descriptors(src, dst, None, run_s, run_d, lengths)]
+    else:
+        parts = []
+        if dense.any():  # one descriptor per run in dense tensors
+            parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
+        # one descriptor per page elsewhere
+        parts.append(_descriptors(src, dst, ~dense, s, d, None))
     if len(parts) == 1:
         srcs, dsts, sizes = parts[0]
     else:
         srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
-    return TransferPlan(direction, srcs, dsts, sizes, num_blocks=n, num_pages=n * src.num_tensors)
+    pairs = BlockPairs(src, dst, s, d, int(sizes.sum()), len(sizes))
+    return TransferPlan(direction, srcs, dsts, sizes, num_blocks=n, num_pages=n * src.num_tensors,
+                        blocks=pairs)  # fmt: skip
 
 
 def _descriptors(
     src: KVLayout,
     dst: KVLayout,
-    tensors: np.ndarray,
+    tensors: np.ndarray | None,
     s: np.ndarray,
     d: np.ndarray,
-    runs: np.ndarray,
+    runs: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    src_addrs = np.multiply.outer(src.block_strides[tensors], s)
-    src_addrs += src.base_addrs[tensors, None]
-    dst_addrs = np.multiply.outer(dst.block_strides[tensors], d)
-    dst_addrs += dst.base_addrs[tensors, None]
-    sizes = np.multiply.outer(src.page_bytes[tensors], runs)
-    return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes.reshape(-1)
+    """Tensor-major descriptors of the given tensors (``None``: all) for blocks ``s -> d``, each
+    ``runs[i]`` pages long (``None``: one page each)."""
+    pick = slice(None) if tensors is None else tensors
+    src_addrs = np.multiply.outer(src.block_strides[pick], s)
+    src_addrs += src.base_addrs[pick, None]
+    dst_addrs = np.multiply.outer(dst.block_strides[pick], d)
+    dst_addrs += dst.base_addrs[pick, None]
+    if runs is None:
+        sizes = np.repeat(src.page_bytes[pick], len(s))
+    else:
+        sizes = np.multiply.outer(src.page_bytes[pick], runs).reshape(-1)
+    return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes

@@ -1,0 +1,1 @@
+"""Examples that embed kvmgr (not part of the installed package)."""

@@ -1,0 +1,321 @@
+"""Host side of the c128 kernels: tensor checks, bounds checks and launches (private).
+
+Offers (to :mod:`kvmgr.kernels.c128.api` and :mod:`kvmgr.kernels.c128.hook`):
+    Layer   one compressor layer's tensors, checked once; per-step checks and launches
+
+Dependencies: :mod:`~kvmgr.kernels.c128.kernel`, :mod:`~kvmgr.kernels.c128.layout` and
+:mod:`kvmgr.kernels.launch`; nothing above.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+import torch
+
+from kvmgr.errors import GeometryError
+from kvmgr.kernels.c128.kernel import HAS_TRITON, WINDOW_CHUNK, compress_kernel, state_write_kernel
+from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
+from kvmgr.kernels.launch import shared_launcher
+
+__all__ = ["Layer"]
+
+_INDEX = (torch.int32, torch.int64)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fail(name: str, expected: str, got: object) -> GeometryError:
+    return GeometryError(f"{name}: expected {expected}, got {got}")
+
+
+def _check(
+    t: object, name: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None, *, contiguous: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Check type, sizes (``None``: any), dtype, device and unit last stride; return ``t``."""
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != len(shape) or any(
+        s not in (None, n) for s, n in zip(shape, t.shape, strict=False)
+    ):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise _fail(name, f"shape {want}", list(t.shape))
+    if t.dtype not in dtypes:
+        raise _fail(name, "dtype in " + "/".join(str(d) for d in dtypes), t.dtype)
+    if device is not None and t.device != device:
+        raise _fail(name, f"device {device}", t.device)
+    if contiguous and not t.is_contiguous():
+        raise _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+    if t.numel() and t.stride(-1) != 1:
+        raise _fail(name, "unit last stride", f"strides {t.stride()}")
+    return t
+
+
+def _is_index(t: object, num_tokens: int, device: torch.device) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` passes ``_check(t, name, (num_tokens,), _INDEX, device)``; no allocation."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == (num_tokens,)
+        and t.dtype in _INDEX
+        and t.device == device
+        and (num_tokens == 0 or t.stride(0) == 1)
+    )
+
+
+def _is_rows(
+    t: object, num_tokens: int, width: int, dtypes: tuple[torch.dtype, ...], device: torch.device
+) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` passes ``_check(t, name, (num_tokens, width), dtypes, device)``."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == (num_tokens, width)
+        and t.dtype in dtypes
+        and t.device == device
+        and (num_tokens == 0 or t.stride(1) == 1)
+    )
+
+
+class Layer:
+    """One compressor layer's tensors, checked once; per-step checks and launches.
+
+    ``check_*`` validate a step's tensors with attribute reads only (no tensor is created, no
+    device is touched, nothing is re-derived from the layer) and return the token count; only
+    when a check fails is the slow path run that names the offending tensor. ``launch_*``
+    enqueue a kernel without checking, so a caller checks everything a step needs first.
+    Tensors left ``None`` are not checked and must not be needed by the launches asked for.
+    Both kernels launch through the process-wide :func:`~kvmgr.kernels.launch.shared_launcher`
+    of their kernel: direct launches, or Triton's normal launch with ``direct_launch=False``.
+    """
+
+    def __init__(
+        self, state_cache: object, *, ape: object = None, norm_weight: object = None,
+        cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
+        direct_launch: bool = True, packed_launch: bool = True,
+    ) -> None:  # fmt: skip
+        if not HAS_TRITON:
+            raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
+        dims: tuple[int, ...] = tuple(getattr(state_cache, "shape", ()))
+        if len(dims) != 3:
+            raise _fail("state_cache", "shape [num_state_blocks, S, 2D]", list(dims))
+        self.block_size, self.head_dim = dims[1], dims[2] // 2
+        self.entry_bytes = c128_entry_bytes(self.head_dim)
+        d = self.head_dim
+        self.state_cache = _check(state_cache, "state_cache", (None, None, 2 * d),
+                                  (torch.float32,), None)  # fmt: skip
+        self.device = self.state_cache.device
+        self.state_strides = (self.state_cache.stride(0), self.state_cache.stride(1))
+        self.num_state_blocks = dims[0]
+        self.state_capacity = dims[0] * dims[1]
+        dev, f32 = self.device, (torch.float32,)
+        if ape is not None:
+            self.ape = _check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
+        if norm_weight is not None:
+            self.norm_weight = _check(norm_weight, "norm_weight", (d,), _FLOAT, dev,
+                                      contiguous=True)  # fmt: skip
+        if cos_sin_cache is not None:
+            self.cos_sin_cache = _check(cos_sin_cache, "cos_sin_cache", (None, C128_ROPE_DIM),
+                                        f32, dev, contiguous=True)  # fmt: skip
+            self.num_rope_positions = self.cos_sin_cache.shape[0]
+        if compressed_cache is not None:
+            self.compressed_cache = _check(compressed_cache, "compressed_cache",
+                                           (None, None, self.entry_bytes), (torch.uint8,), dev,
+                                           contiguous=True)  # fmt: skip
+            self.compressed_capacity = (
+                self.compressed_cache.shape[0] * self.compressed_cache.shape[1]
+            )
+        if not (isinstance(eps, float | int) and eps > 0):
+            raise _fail("eps", "a float > 0", eps)
+        self.eps = float(eps)
+        self._write = shared_launcher(state_write_kernel, direct_launch)
+        self._compress = shared_launcher(compress_kernel, direct_launch)
+        self.packed = packed_launch and direct_launch
+        self._writes: dict[tuple[object, ...], Any] = {}  # specialization -> bound launch
+        self._compresses: dict[tuple[object, ...], Any] = {}
+        # the last step's tensors, their pointers and T, and its bound launch: a step that
+        # passes the very same tensor objects (persistent buffers) skips even the signature
+        self._last_write: tuple[Any, ...] | None = None
+        self._last_compress: tuple[Any, ...] | None = None
+
+    def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
+        """Validate the step tensors of :func:`c128_state_write`; return ``T``.
+
+        Raises:
+            GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        """
+        dev, num_tokens = self.device, _num_tokens(positions)
+        if not (
+            _is_index(positions, num_tokens, dev)
+            and _is_index(state_slot_mapping, num_tokens, dev)
+            and _is_rows(kv, num_tokens, self.head_dim, _FLOAT, dev)
+            and _is_rows(score, num_tokens, self.head_dim, (kv.dtype,), dev)
+        ):
+            self._tokens(positions, state_slot_mapping=state_slot_mapping)
+            kv = _check(kv, "kv", (num_tokens, self.head_dim), _FLOAT, dev)
+            _check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), dev)
+        return num_tokens
+
+    def check_compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> int:  # fmt: skip
+        """Validate the step tensors of :func:`c128_compress`; return ``T``.
+
+        Raises:
+            GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
+        """
+        dev, num_tokens = self.device, _num_tokens(positions)
+        table = state_block_table
+        if not (
+            isinstance(table, torch.Tensor)
+            and table.dim() == 2
+            and table.dtype in _INDEX
+            and table.device == dev
+            and (table.numel() == 0 or table.stride(1) == 1)
+            and _is_index(positions, num_tokens, dev)
+            and _is_index(req_indices, num_tokens, dev)
+            and _is_index(compressed_slot_mapping, num_tokens, dev)
+        ):
+            _check(table, "state_block_table", (None, None), _INDEX, dev)
+            self._tokens(positions, req_indices=req_indices,
+                         compressed_slot_mapping=compressed_slot_mapping)  # fmt: skip
+        return num_tokens
+
+    def _tokens(self, positions: object, **index_tensors: object) -> None:
+        """Slow path: raise for the first malformed ``[T]`` index tensor."""
+        num_tokens = _check(positions, "positions", (None,), _INDEX, self.device).shape[0]
+        for name, t in index_tensors.items():
+            _check(t, name, (num_tokens,), _INDEX, self.device)
+
+    def prepare_write(self, kv: Any, score: Any, positions: Any, state_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
+        """The state write's bound launch with this step's arguments set, and ``T``.
+
+        Checks (:meth:`check_write`) run once per step signature: ranks, the sizes other than
+        ``T``, dtypes, devices, strides (``T`` excluded) and pointer alignments; a repeated
+        signature only compares ``T`` across the tensors, and a step that passes the same tensor
+        objects as the last one (with the same ``data_ptr()``s and ``T``; in-place metadata
+        changes such as ``set_`` between steps are not seen) skips even that. The launch is bound per signature
+        (:meth:`~kvmgr.kernels.launch.DirectLauncher.bind`). Nothing is enqueued; ``(None, 0)``
+        for an empty step.
+
+        Raises:
+            GeometryError: as :meth:`check_write`.
+        """
+        last = self._last_write  # the same tensor objects as the last step: nothing to redo
+        if (
+            last is not None and kv is last[0] and score is last[1] and positions is last[2]
+            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])
+        ):  # fmt: skip
+            return last[5], last[4][-1]
+        try:
+            kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
+            kvt, sct = kv.stride(), score.stride()
+            num_tokens = ps[0]
+            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
+            key: tuple[Any, ...] | None = (
+                len(ps), positions.dtype, positions.get_device(), positions.stride(0),
+                len(ss), state_slot_mapping.dtype, state_slot_mapping.get_device(),
+                state_slot_mapping.stride(0), len(kvs), kvs[1], kvt[1], kv.dtype,
+                kv.get_device(), len(scs), scs[1], sct[1], score.dtype, score.get_device(),
+                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15, ptrs[0] & 15 == 0,
+                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
+            )  # fmt: skip
+            same = num_tokens > 0 and kvs[0] == num_tokens == scs[0] == ss[0]
+        except (AttributeError, IndexError, TypeError):  # not tensors of the expected ranks
+            key, same = None, False
+        bound = self._writes.get(key) if same and key is not None else None
+        if bound is None:
+            num_tokens = self.check_write(kv, score, positions, state_slot_mapping)
+            if num_tokens == 0:
+                return None, 0
+            bound = self._write.bind(
+                (num_tokens,), kv, score, self.ape, positions, state_slot_mapping,
+                self.state_cache, kvt[0], sct[0], *self.state_strides, self.state_capacity,
+                self.block_size, self.head_dim, C128_RATIO, packed=self.packed,
+            )  # fmt: skip
+            if key is not None:
+                self._writes[key] = bound
+            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
+        bound.set_tensor_at(0, kv, ptrs[0])
+        bound.set_tensor_at(1, score, ptrs[1])
+        bound.set_tensor_at(3, positions, ptrs[2])
+        bound.set_tensor_at(4, state_slot_mapping, ptrs[3])
+        bound.set_int(6, kvt[0])
+        bound.set_int(7, sct[0])
+        self._last_write = (kv, score, positions, state_slot_mapping, ptrs, bound)
+        return bound, num_tokens
+
+    def prepare_compress(self, state_block_table: Any, req_indices: Any, positions: Any, compressed_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
+        """The compress kernel's bound launch with this step's arguments set, and ``T``.
+
+        As :meth:`prepare_write`; the table's row count, width and row stride are runtime
+        arguments, not part of the signature (an empty table is checked every time).
+
+        Raises:
+            GeometryError: as :meth:`check_compress`.
+        """
+        table, req, pos, slots = state_block_table, req_indices, positions, compressed_slot_mapping
+        last = self._last_compress
+        if (
+            last is not None and table is last[0] and req is last[1] and pos is last[2]
+            and slots is last[3] and last[4] == (table.data_ptr(), req.data_ptr(),
+            pos.data_ptr(), slots.data_ptr(), table.shape, pos.shape[0])
+        ):  # fmt: skip
+            return last[5], last[4][-1]
+        try:
+            tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape  # fmt: skip
+            num_tokens, (num_reqs, width) = ps[0], tsh
+            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), tsh, num_tokens)  # fmt: skip
+            key: tuple[Any, ...] | None = (
+                table.dtype, table.get_device(), ts[1], len(ps), pos.dtype, pos.get_device(),
+                pos.stride(0), len(rs), req.dtype, req.get_device(), req.stride(0), len(ss),
+                slots.dtype, slots.get_device(), slots.stride(0), ptrs[0] & 15 == 0,
+                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
+            )  # fmt: skip
+            same = num_tokens > 0 and num_reqs * width > 0 and rs[0] == num_tokens == ss[0]
+        except (AttributeError, IndexError, TypeError, ValueError):  # not of the expected ranks
+            key, same = None, False
+        bound = self._compresses.get(key) if same and key is not None else None
+        if bound is None:
+            num_tokens = self.check_compress(table, req, pos, slots)
+            if num_tokens == 0:
+                return None, 0
+            num_reqs, width = table.shape
+            bound = self._compress.bind(
+                (num_tokens,), self.state_cache, table, req, pos, slots, self.norm_weight,
+                self.cos_sin_cache, self.compressed_cache, *self.state_strides,
+                table.stride(0), self.eps, num_reqs, width, self.num_state_blocks,
+                self.num_rope_positions, self.compressed_capacity, self.block_size,
+                self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK, self.entry_bytes,
+                num_warps=4, packed=self.packed,
+            )  # fmt: skip
+            if key is not None:
+                self._compresses[key] = bound
+            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # fmt: skip
+        bound.set_tensor_at(1, table, ptrs[0])
+        bound.set_tensor_at(2, req, ptrs[1])
+        bound.set_tensor_at(3, pos, ptrs[2])
+        bound.set_tensor_at(4, slots, ptrs[3])
+        bound.set_int(10, table.stride(0))
+        bound.set_int(12, num_reqs)
+        bound.set_int(13, width)
+        self._last_compress = (table, req, pos, slots, ptrs, bound)
+        return bound, num_tokens
+
+    def launch_write(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip
+        """Check (cached) and enqueue the state write on ``stream`` (current if None); ``T``."""
+        bound, num_tokens = self.prepare_write(kv, score, positions, state_slot_mapping)
+        if num_tokens:
+            bound.launch((num_tokens, 1, 1), stream)
+        return num_tokens
+
+    def launch_compress(self, state_block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, compressed_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip
+        """Check (cached) and enqueue the compression of every candidate token; ``T``."""
+        bound, num_tokens = self.prepare_compress(state_block_table, req_indices, positions, compressed_slot_mapping)  # fmt: skip
+        if num_tokens:
+            bound.launch((num_tokens, 1, 1), stream)
+        return num_tokens
+
+
+def _num_tokens(positions: object) -> int:
+    """``T`` from a 1-D ``positions`` tensor; -1 (fails every check) for anything else."""
+    if isinstance(positions, torch.Tensor) and positions.dim() == 1:
+        return positions.size(0)
+    return -1

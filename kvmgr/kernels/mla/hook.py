@@ -1,0 +1,173 @@
+"""The grouped MLA cache insert as a step hook.
+
+Offers:
+    GroupedMLAInsertHook   inserts a step's latent KV into all layers' caches from ``manager.step()``
+
+Importing this module does not import Triton; constructing a hook does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvmgr.errors import ConfigError, GeometryError
+from kvmgr.hooks import HookReport, StepContext
+
+__all__ = ["GroupedMLAInsertHook"]
+
+_TENSOR_NAMES = ("kv_c", "k_pe", "slot_mapping")
+
+
+class GroupedMLAInsertHook:
+    """Run the grouped MLA insert once per step on the compute stream (a :class:`StepHook`).
+
+    Each step reads from ``ctx.tensors``:
+
+    - ``"kv_c"``: ``[L, T, R]`` latent KV of the step's tokens (bfloat16/float16/float32),
+    - ``"k_pe"``: ``[L, T, P]`` their RoPE keys,
+    - ``"slot_mapping"``: int64 ``[T]`` or ``[L, T]`` cache slots, < 0 for padding,
+
+    and writes them into the caches given at construction, exactly as
+    :func:`kvmgr.kernels.mla.api.grouped_mla_insert` (same semantics and dtypes). The caches
+    are validated and their pointer table built here, once; each step only checks the step's
+    tensors (attribute reads, no torch ops), or nothing with ``validate=False``. Caches of unequal
+    geometry fall back to one launch per layer. A step of zero tokens launches nothing. Safe under
+    CUDA-graph capture (no host reads of device data) unless ``check_slots``; build the hook, and
+    run one step eagerly to compile, before capturing.
+
+    Parameters
+    ----------
+    caches : sequence of torch.Tensor
+        L caches ``[num_blocks, block_size, R + P]``, mutated in place by every step.
+    kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
+        As in ``grouped_mla_insert``.
+    kv_scales : torch.Tensor or None
+        float32 ``[L]`` on the caches' device for FP8 (read on the device at every step, so it
+        may be updated in place), ``None`` for ``auto``.
+    name : str
+        The name reported in :class:`HookReport`.
+    check_slots : bool
+        Reject slots past the capacity at each step (one device->host sync per step).
+    validate : bool
+        Check each step's tensors against the caches (about 2 us of host time). ``False`` skips
+        those checks, for loops that build the tensors themselves: a tensor of the wrong shape,
+        dtype, device or layout is then read or written out of bounds instead of raising.
+    direct_launch : bool
+        Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
+        default; see :mod:`kvmgr.kernels.launch`); ``False`` takes Triton's normal launch.
+    packed_launch : bool
+        Check each step signature once and launch the grouped kernel with ``cuLaunchKernel``
+        from packed arguments updated in place (the default; :mod:`kvmgr.kernels.mla.bound`).
+        ``False`` checks every step and launches through the compiled kernel's launcher (the
+        path before packed launches; the benchmarks' baseline).
+
+    Raises
+    ------
+    ConfigError
+        Bad ``kv_cache_dtype`` / ``kv_scales`` combination, or construction under graph capture.
+    GeometryError
+        Caches of mixed width, dtype or device, or ``kv_scales`` of the wrong dtype, shape or device.
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[torch.Tensor],
+        *,
+        kv_cache_dtype: str = "auto",
+        kv_scales: torch.Tensor | None = None,
+        name: str = "mla_insert",
+        check_slots: bool = False,
+        validate: bool = True,
+        direct_launch: bool = True,
+        packed_launch: bool = True,
+    ) -> None:
+        from kvmgr.kernels.mla import bound, checks, host
+
+        caches = tuple(caches)
+        checks.check_dtype_and_scales(kv_cache_dtype, kv_scales)
+        meta = checks.check_caches(caches, kv_cache_dtype)
+        if kv_scales is not None and (
+            kv_scales.dtype != torch.float32
+            or kv_scales.shape != (len(caches),)
+            or kv_scales.device != caches[0].device
+        ):
+            got = (kv_scales.dtype, tuple(kv_scales.shape), kv_scales.device)
+            want = (torch.float32, (len(caches),), caches[0].device)
+            raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
+        self.name = name
+        self._checks: Any = checks  # modules held, so that importing this one imports no Triton
+        self._host: Any = host
+        self._caches = caches
+        self._kv_cache_dtype = kv_cache_dtype
+        self._kv_scales = kv_scales
+        self._check_slots = check_slots
+        self._validate = validate
+        self._direct = direct_launch
+        self._meta = meta
+        self._is_grouped = checks.is_uniform(caches)
+        # The hook holds its plan, so a captured graph's pointer table lives as long as the hook.
+        self._plan = host.grouped_plan(caches, kv_cache_dtype) if self._is_grouped else None
+        self._insert: Any = None  # the packed path: the hook's own bound launches
+        if self._plan is not None and packed_launch:
+            self._insert = bound.GroupedInsert(self._plan, kv_cache_dtype, direct=direct_launch)
+
+    @property
+    def is_grouped(self) -> bool:
+        """True when one launch covers all layers; False for the per-layer fallback."""
+        return self._is_grouped
+
+    def __call__(self, ctx: StepContext) -> HookReport:
+        """Enqueue the insert of ``ctx.tensors`` on ``ctx.stream`` (or the current stream).
+
+        Raises
+        ------
+        ConfigError
+            A tensor named above is missing from ``ctx.tensors``, or ``check_slots`` under capture.
+        GeometryError
+            The step's tensors do not match the caches (see ``grouped_mla_insert``).
+        InvalidBlockError
+            ``check_slots`` and a slot is past the capacity.
+        """
+        start_s = time.perf_counter()
+        tensors = ctx.tensors
+        try:
+            kv_c, k_pe, slots = tensors["kv_c"], tensors["k_pe"], tensors["slot_mapping"]
+        except KeyError:
+            missing = [name for name in _TENSOR_NAMES if name not in tensors]
+            raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}") from None  # fmt: skip
+        host, checks, caches = self._host, self._checks, self._caches
+        dtype, scales = self._kv_cache_dtype, self._kv_scales
+        if self._insert is not None and not self._check_slots:
+            num_tokens = self._insert(kv_c, k_pe, slots, scales, validate=self._validate,
+                                      stream=ctx.stream)  # fmt: skip
+            return HookReport(
+                name=self.name,
+                launches=0 if num_tokens == 0 else 1,
+                host_s=time.perf_counter() - start_s,
+                extra={"num_tokens": num_tokens, "grouped": True},
+            )
+        if self._validate:
+            step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
+                                     allow_cpu=host.IS_INTERPRETED)  # fmt: skip
+        else:
+            step = checks.unchecked_step(kv_c, k_pe, slots, scales, dtype)
+        if self._check_slots:
+            checks.check_slot_range(step, caches)
+        stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
+        with stream:
+            if self._plan is not None:
+                host.launch_grouped(self._plan, step, kv_c, k_pe, scales, direct=self._direct)
+            else:
+                host.launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
+        num_launches = 0 if step.num_tokens == 0 else (1 if self._is_grouped else len(caches))
+        return HookReport(
+            name=self.name,
+            launches=num_launches,
+            host_s=time.perf_counter() - start_s,
+            extra={"num_tokens": step.num_tokens, "grouped": self._is_grouped},
+        )

@@ -1,0 +1,235 @@
+"""The CPU tier's bookkeeping: block states, the key index, readers, eviction through a policy.
+
+Private to ``kvmgr.manager``.
+
+States of a CPU block (``CpuState``):
+
+- ``FREE``: in the allocator.
+- ``PENDING``: keyed; a store copy writes it. Not readable, not evictable.
+- ``READY``: keyed; readable. With ``readers > 0`` (loads in flight) it is not evictable.
+- ``PREEMPTING``: a preempt copy writes a request's block into it.
+- ``SWAPPED``: holds a block of a preempted request (its block table points here).
+- ``RESUMING``: a resume copy reads it back to the GPU; FREE once that completes.
+
+Keyed blocks are found through ``index`` (a plain ``dict[bytes, int]``, key -> CPU block).
+The state bytes and reader counts are buffers with numpy views, so a
+batch is one array operation and a single block is one index operation.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvmgr.errors import PoolExhaustedError
+from kvmgr.manager.counters import Counters
+from kvmgr.policy import make_policy
+from kvmgr.pool.allocator import BlockAllocator
+
+__all__ = ["CpuState", "CpuTier"]
+
+
+class CpuState(enum.IntEnum):
+    """State of a CPU block (see the module docstring)."""
+
+    FREE = 0
+    PENDING = 1
+    READY = 2
+    PREEMPTING = 3
+    SWAPPED = 4
+    RESUMING = 5
+
+
+_READY, _PENDING = int(CpuState.READY), int(CpuState.PENDING)
+
+
+class CpuTier:
+    """Blocks, keys and eviction of the CPU tier.
+
+    Args:
+        num_blocks: CPU blocks.
+        policy: registry name of the eviction policy.
+        on_removed: called with the keys evicted, in eviction order (the KV event stream).
+        policy_options: keyword arguments of the policy's constructor.
+        counters: where evictions are counted.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str,
+        on_removed: Callable[[list[bytes]], None],
+        policy_options: Mapping[str, Any] | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.pool = BlockAllocator(num_blocks, name="cpu")
+        self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
+        self.index: dict[bytes, int] = {}
+        self.state = bytearray(num_blocks)
+        self.state_np = np.frombuffer(self.state, dtype=np.uint8)
+        self.readers = array.array("q", [0]) * num_blocks
+        self.readers_np = np.frombuffer(self.readers, dtype=np.int64)
+        self.num_pending = 0
+        self.num_loading = 0  #: READY blocks with readers
+        self._on_removed = on_removed
+        #: called with (keys, CPU ids) of blocks the policy evicted, before they are reused
+        self.on_evicted: Callable[[list[bytes], np.ndarray], None] | None = None
+        self.counters = counters if counters is not None else Counters()
+
+    # ------------------------------------------------------------------ queries
+
+    def ready_prefix(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of READY keys."""
+        get, state, hits = self.index.get, self.state, 0
+        for key in keys:
+            block = get(key)
+            if block is None or state[block] != _READY:
+                break
+            hits += 1
+        return hits
+
+    def present(self, keys: Sequence[bytes]) -> np.ndarray:
+        """bool ``[len(keys)]``: which keys are indexed (PENDING or READY)."""
+        return np.fromiter(map(self.index.__contains__, keys), dtype=bool, count=len(keys))
+
+    def can_evict(self, key: bytes) -> bool:
+        """READY, no reader (the policy's ``can_evict``)."""
+        block = self.index.get(key)
+        return block is not None and self.state[block] == _READY and self.readers[block] == 0
+
+    # ------------------------------------------------------------------ room
+
+    def make_room(self, n: int, protected: Collection[bytes]) -> np.ndarray:
+        """Allocate ``n`` CPU blocks (state unchanged: the caller sets it), evicting READY
+        blocks without readers if needed; all or nothing.
+
+        Raises:
+            PoolExhaustedError: (reason ``"cpu_full"``) too few free and evictable blocks.
+        """
+        self._evict_for(n, protected)
+        ids = self.pool.take(n)
+        assert ids is not None
+        return ids
+
+    def _evict_for(self, n: int, protected: Collection[bytes]) -> None:
+        shortfall = n - self.pool.num_free
+        if shortfall > 0:
+            victims = self.policy.evict(shortfall, self.can_evict, protected)
+            if victims is None:
+                raise PoolExhaustedError(
+                    f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
+                    "evictable (READY without loads in flight)",
+                    needed=n,
+                    available=self.pool.num_free,
+                    reason="cpu_full",
+                )
+            if self.on_evicted is not None:
+                self.on_evicted(victims, self._ids_of(victims))
+            self._forget(victims)
+            self.counters.evictions += len(victims)
+
+    def _ids_of(self, keys: list[bytes]) -> np.ndarray:
+        get = self.index.__getitem__
+        return np.fromiter(map(get, keys), dtype=np.int64, count=len(keys))
+
+    def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
+        """``make_room`` for a few blocks, without numpy (the per-call path)."""
+        pool = self.pool
+        if n > pool.num_free:
+            self._evict_for(n, protected)
+        return [pool.take_one() for _ in range(n)]  # type: ignore[misc]
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Drop READY keys without readers (already untracked by the policy); free blocks."""
+        pop = self.index.pop
+        if len(keys) <= 8:
+            state, give_one = self.state, self.pool.give_one
+            for key in keys:
+                block = pop(key)
+                state[block] = CpuState.FREE
+                give_one(block)
+        else:
+            ids = np.fromiter((pop(k) for k in keys), dtype=np.int64, count=len(keys))
+            self.state_np[ids] = CpuState.FREE
+            self.pool.give(ids)
+        self._on_removed(keys)
+
+    # ------------------------------------------------------------------ transitions
+
+    def add_pending(
+        self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
+    ) -> None:
+        """Index new keys on their (just allocated) blocks, PENDING, and track them."""
+        if isinstance(ids, list):
+            index, state = self.index, self.state
+            for key, block in zip(keys, ids):
+                index[key] = block
+                state[block] = _PENDING
+        else:
+            self.index.update(zip(keys, ids.tolist()))
+            self.state_np[ids] = CpuState.PENDING
+        self.num_pending += len(keys)
+        self.policy.insert(keys, parents)
+
+    def stores_landed(self, ids: np.ndarray) -> None:
+        """Store and preempt copies into ``ids`` completed: PENDING -> READY,
+        PREEMPTING -> SWAPPED."""
+        states = self.state_np[ids]
+        pending = states == _PENDING
+        num_pending = int(np.count_nonzero(pending))
+        self.num_pending -= num_pending
+        if num_pending == len(ids):
+            self.state_np[ids] = CpuState.READY
+        else:
+            self.state_np[ids] = np.where(pending, _READY, int(CpuState.SWAPPED))
+
+    def stores_failed(self, keys: list[bytes], ids: np.ndarray) -> None:
+        """Store and preempt copies into ``ids`` failed: drop their keys and free the blocks."""
+        if keys:
+            pop = self.index.pop
+            for key in keys:
+                pop(key)
+            self.policy.remove(keys)
+        self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
+        self.state_np[ids] = CpuState.FREE
+        self.pool.give(ids)
+
+    def add_readers(self, ids: list[int] | np.ndarray) -> None:
+        """Loads of these READY blocks were queued (one reader per occurrence)."""
+        readers = self.readers
+        if isinstance(ids, list):
+            for b in ids:
+                if readers[b] == 0:
+                    self.num_loading += 1
+                readers[b] += 1
+        else:
+            self.num_loading += int(np.count_nonzero(self.readers_np[np.unique(ids)] == 0))
+            np.add.at(self.readers_np, ids, 1)
+
+    def remove_readers(self, ids: np.ndarray) -> None:
+        """Loads of these blocks ended (successfully or not)."""
+        if len(ids) == 1:
+            b = int(ids[0])
+            self.readers[b] -= 1
+            self.num_loading -= self.readers[b] == 0
+            return
+        np.subtract.at(self.readers_np, ids, 1)
+        self.num_loading -= int(np.count_nonzero(self.readers_np[np.unique(ids)] == 0))
+
+    def set_state(self, ids: np.ndarray, state: CpuState) -> None:
+        self.state_np[ids] = state
+
+    def release(self, ids: np.ndarray) -> None:
+        """Free request blocks (a swapped-out request freed or resumed)."""
+        self.state_np[ids] = CpuState.FREE
+        self.pool.give(ids)
+
+    def drop(self, keys: list[bytes]) -> None:
+        """Untrack and forget READY keys without readers (``invalidate``)."""
+        self.policy.remove(keys)
+        self._forget(keys)

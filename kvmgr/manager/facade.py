@@ -1,0 +1,760 @@
+"""OffloadManager: the asyncio facade. It HOLDS a Bookkeeper, a swap queue and an engine.
+
+Swaps only queue work and return an ``asyncio.Future`` (one per call, whatever its number of
+blocks); ``step()`` (or, with ``flush="tick"``, the end of the event-loop tick) turns the queue
+into one plan per direction and submits it. The engine reports completion from its own thread;
+the manager applies the bookkeeping of the whole batch on the loop thread
+(``call_soon_threadsafe``), then resolves the batch's futures, in submission order.
+
+Cancelling a task that awaits a swap's future cancels that future, never the copy: the copy
+runs to its end and the bookkeeping completes as if nobody had cancelled. ``wait()`` shields
+the future, so cancelling it leaves the future intact. docs/architecture.md draws the life of a
+swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from kvmgr.config import ManagerConfig
+from kvmgr.errors import (
+    ClosedError,
+    ConfigError,
+    EventLoopError,
+    GeometryError,
+    HostMemoryError,
+    InvalidArgumentError,
+    PoolExhaustedError,
+    TransferError,
+)
+from kvmgr.hooks import StepContext, StepHook
+from kvmgr.manager.backpressure import RoomWaiters
+from kvmgr.manager.bookkeeping import Bookkeeper
+from kvmgr.manager.flush import Flusher
+from kvmgr.manager.queue import Part, SwapQueue
+from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
+from kvmgr.pool.block_table import Tier
+from kvmgr.pool.layout import KVLayout
+from kvmgr.reports import (
+    KVEvent,
+    LoadResult,
+    ManagerStatistics,
+    StepReport,
+    StoreResult,
+    SwapResult,
+)
+from kvmgr.transfer import make_engine
+from kvmgr.transfer.engine import TransferEngine
+from kvmgr.transfer.host import HostEngine
+
+__all__ = ["OffloadManager"]
+
+
+class OffloadManager:
+    """Manages a KV cache across GPU memory and a CPU tier; embed one per serving loop.
+
+    Args:
+        gpu_kv_caches: the KV tensors, each with ``num_gpu_blocks`` as dim 0 and contiguous
+            blocks (``[num_blocks, ...]``; viewed as ``[num_blocks, page_bytes]``). CUDA tensors
+            for the CUDA engines, CPU tensors for the host engine. Not copied: kept alive here,
+            and they must not be resized or re-pointed afterwards (a flush that finds them moved
+            fails its batch with ``StaleKVTensorError``).
+        config: settings; ``num_cpu_blocks`` is required.
+        hooks: step hooks run in order by ``step()``.
+        engine: an engine instance to use instead of ``config.engine`` (for example a
+            ``kvmgr.testing.FaultyEngine``); the manager closes it on ``close()``.
+        tiers: lower tiers under the CPU tier, in order (``kvmgr.tiers.DiskTier``,
+            ``kvmgr.tiers.SharedTier`` or any ``TierBackend``); the caller closes them. See
+            ``fetch``, ``lookup_tiers`` and docs/tiers.md.
+        tier_namespace: the ``kvmgr.tiers.TierNamespace`` folded into every stored key (model,
+            layout, tenant salt); ``None`` = this layout, model ``"unnamed"``, no salt.
+
+    Ownership of GPU blocks: with ``manage_gpu_blocks=True`` (the default) the manager owns
+    the GPU pool and every GPU block id a swap names must be held by a request (handed out by
+    ``allocate``); naming any other block raises ``InvalidBlockError`` before anything changes,
+    so no allocation can hand out a block a queued copy still reads or writes. With
+    ``manage_gpu_blocks=False`` the caller owns the blocks and must not reuse a block before
+    the swap's future resolved.
+
+    Raises:
+        GeometryError: the tensors cannot be managed, or do not suit the engine's device.
+        ConfigError: invalid settings.
+        HostMemoryError: the CPU tier's memory could not be allocated.
+
+    Use it as ``async with OffloadManager(...) as mgr:``, or call ``await mgr.aclose()``.
+    Every public method validates its input and raises before changing any state.
+    """
+
+    def __init__(
+        self,
+        gpu_kv_caches: Sequence[torch.Tensor],
+        config: ManagerConfig,
+        *,
+        hooks: Sequence[StepHook] = (),
+        engine: TransferEngine | None = None,
+        tiers: Sequence[Any] = (),
+        tier_namespace: Any = None,
+    ) -> None:
+        if not isinstance(config, ManagerConfig):
+            raise ConfigError(f"expected a ManagerConfig, got {type(config).__name__}")
+        gpu_layout = KVLayout.from_tensors(gpu_kv_caches)
+        for hook in hooks:
+            if not isinstance(hook, StepHook):
+                raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
+        if engine is None:
+            engine = make_engine(config.engine, gpu_layout.device, config)
+        elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
+            raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
+        try:
+            self._books = Bookkeeper(config, gpu_layout, engine.allocate_host)
+        except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
+            engine.close(0)
+            num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
+            raise HostMemoryError(
+                f"could not allocate the CPU tier: num_cpu_blocks={config.num_cpu_blocks} x "
+                f"{gpu_layout.block_bytes} B = {num_bytes} B ({exc or type(exc).__name__})",
+                num_bytes=num_bytes,
+            ) from exc
+        self.config = config
+        self.engine = engine
+        self.gpu_layout = gpu_layout
+        self._hooks = list(hooks)
+        self._queue = SwapQueue(gpu_layout.num_blocks)
+        self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
+        self._room = RoomWaiters()
+        self._flusher.on_settled = self._room.wake
+        self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick_scheduled = False
+        self._closing = False
+        self._closed = False
+        self._step = 0
+
+    def _lower_tiers(
+        self, tensors: list[torch.Tensor], tiers: Sequence[Any], namespace: Any
+    ) -> Any:
+        if not tiers:
+            return None
+        from kvmgr.manager.tiering import LowerTiers, default_namespace
+        from kvmgr.tiers.base import TierBackend
+
+        for tier in tiers:
+            if not isinstance(tier, TierBackend):
+                raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
+        if namespace is None:
+            dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+            block_size = int(tensors[0].shape[1]) if tensors[0].dim() > 1 else 1
+            namespace = default_namespace(self._books, dtypes, block_size)
+        lower = LowerTiers(
+            self._books,
+            tiers,
+            namespace,
+            write_back=self.config.tier_write_back,
+            write_through=self.config.tier_write_through,
+        )
+        self._books.cpu.on_evicted = lower.on_evicted
+        self._books.on_stored = lower.on_stored
+        self._flusher.before_submit = lower.stage_evicted
+        return lower
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> OffloadManager:
+        self._loop = asyncio.get_running_loop()
+        self._flusher.loop = self._loop
+        if self._tiers is not None:
+            self._tiers.loop = self._loop
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close``/``aclose`` has been called."""
+        return self._closed
+
+    @property
+    def policy(self) -> Any:
+        """The CPU tier's eviction policy (read it; do not drive it)."""
+        return self._books.cpu.policy
+
+    @property
+    def cpu_pool(self) -> Any:
+        """The CPU tier's memory (``HostKVPool``: one ``uint8 [num_cpu_blocks, page_bytes]``
+        view per KV tensor)."""
+        return self._books.cpu_pool
+
+    async def aclose(self, timeout_s: float | None = 30.0) -> None:
+        """Close: fail queued swaps with ``ClosedError``, wait (up to ``timeout_s`` seconds) for
+        the copies in flight and apply their bookkeeping, then close the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closing = True  # from here on, new swaps raise ClosedError
+        self._room.fail(ClosedError("manager closed while the store waited for room"))
+        pending = [b.handle.future for b in self._queue.in_flight.values()]
+        if pending:
+            waits = [asyncio.wrap_future(f) for f in pending]
+            for wait in waits:  # outcomes go to the swaps' futures: mark these retrieved
+                wait.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await asyncio.wait(waits, timeout=timeout_s)
+            await asyncio.sleep(0)  # let completion callbacks scheduled by the engine run
+        if self._tiers is not None:
+            self._tiers.stage_evicted()
+            await self._tiers.drain(timeout_s)
+        self.close(timeout_s)
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        """Synchronous close: fail queued swaps, wait for the engine (bounded), then settle
+        every in-flight batch here. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
+        try:
+            self.engine.close(timeout_s)  # may raise TransferTimeoutError: copies still running
+        finally:
+            for batch in list(self._queue.in_flight.values()):
+                self._flusher.complete_batch(batch)
+            self._room.fail(ClosedError("manager closed while the store waited for room"))
+
+    def _check_open(self) -> asyncio.AbstractEventLoop:
+        if self._closed or self._closing:
+            raise ClosedError("the manager is closed")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise EventLoopError(
+                "swaps need a running asyncio event loop: call them from a coroutine "
+                "(for example inside asyncio.run(main()))"
+            ) from None
+        if loop is not self._loop:
+            if self._loop is not None and (self._queue.in_flight or len(self._queue)):
+                raise EventLoopError(
+                    "the manager has swaps queued or in flight on another event loop; "
+                    "use one manager per loop"
+                )
+            self._loop = self._flusher.loop = loop  # rebind: nothing pending on the old loop
+        return loop
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise ClosedError("the manager is closed")
+
+    def _enqueue(self, part: Part) -> None:
+        if len(part.gpu_ids) == 0:  # nothing to copy: resolve now, no batch
+            part.future.set_result(part.result)
+            return
+        self._queue.add(part)
+        if self.config.flush == "tick" and not self._tick_scheduled:
+            self._tick_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush_tick)
+
+    def _flush_tick(self) -> None:
+        self._tick_scheduled = False
+        if not self._closed:
+            self._flusher.flush()
+
+    # ------------------------------------------------------------------ keyed API
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` that are READY in the CPU tier; touches them in
+        the policy (the first key becomes the most recently used).
+
+        Raises:
+            InvalidKeyError: ``keys`` is not a sequence of bytes.
+            ClosedError: the manager is closed.
+        """
+        self._check_not_closed()
+        return self._books.lookup(keys, touch=True)
+
+    def peek(self, keys: Sequence[bytes]) -> int:
+        """Like ``lookup`` (the ready-prefix length) but touches nothing: for a router or an
+        admission check that must not change the eviction order.
+
+        Raises:
+            InvalidKeyError, ClosedError: as ``lookup``.
+        """
+        self._check_not_closed()
+        return self._books.lookup(keys, touch=False)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark READY keys as used (the first key becomes the most recent); keys not READY in
+        the CPU tier are ignored.
+
+        Raises:
+            InvalidKeyError, ClosedError: as ``lookup``.
+        """
+        self._check_not_closed()
+        self._books.touch(keys)
+
+    def invalidate(self, keys: Sequence[bytes]) -> int:
+        """Drop READY keys (and free their CPU blocks); unknown keys are ignored.
+
+        Returns:
+            Keys dropped. Each drop is a ``removed`` KV event.
+
+        Raises:
+            BlockStateError: a key has a store or loads in flight; nothing is dropped then
+                (retry after those futures resolve).
+            InvalidKeyError, ClosedError: as ``lookup``.
+        """
+        self._check_not_closed()
+        dropped = self._books.invalidate(keys)
+        self._room.wake()
+        return dropped
+
+    def clear(self) -> int:
+        """Drop every READY key without loads in flight. Keys with a store or loads in flight
+        stay (they are dropped by a later ``clear``). Returns the keys dropped.
+
+        Raises:
+            ClosedError: the manager is closed.
+        """
+        self._check_not_closed()
+        dropped = self._books.clear()
+        self._room.wake()
+        return dropped
+
+    def swap_out(
+        self,
+        gpu_block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None] | None = None,
+    ) -> asyncio.Future[SwapResult]:
+        """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
+        ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
+        by default ``keys[i]`` extends ``keys[i - 1]``. The policy uses the chains to evict the
+        leaves of a prefix before its root.
+
+        Keys already in the CPU tier (any state) are skipped, and so are keys not admitted yet
+        (``store_threshold``). The others get CPU blocks (free ones first, then by evicting
+        READY blocks without loads in flight, never a key of this call) and are PENDING until
+        the copy completes, READY after. The GPU blocks must not be overwritten before the
+        returned future resolves.
+
+        Returns:
+            A future resolving to ``SwapResult`` (``cpu_block_ids``: the blocks written), or
+            failing with ``TransferError`` (the PENDING keys are then dropped, blocks freed).
+
+        Raises:
+            InvalidBlockError: bad ids, or (owned pool) ids no request holds.
+            InvalidKeyError: bad keys, or different counts.
+            PoolExhaustedError: no room even after eviction; nothing changed (with
+                ``backpressure="wait"`` the future waits for room instead).
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        loop = self._check_open()
+        future: asyncio.Future[SwapResult] = loop.create_future()
+        try:
+            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=False)
+        except PoolExhaustedError as exc:
+            return self._when_room(exc, gpu_block_ids, keys, parents, batched=False)
+        self._enqueue(part)
+        return future
+
+    def store_many(
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+    ) -> asyncio.Future[StoreResult]:
+        """Queue one store of many requests' blocks: ONE future, array results.
+
+        Args:
+            gpu_block_ids: int ``[n]`` (numpy array or list): distinct GPU blocks to store.
+            keys: ``n`` ``bytes`` keys; ``keys[i]`` names ``gpu_block_ids[i]``. A key repeated
+                in the call (two requests that filled the same prefix block in one step) is
+                stored once, from its first occurrence; the others count as present.
+            parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
+                Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
+
+        Returns:
+            A future resolving to ``StoreResult`` (which keys were stored, which were already
+            present, the CPU blocks written), or failing with ``TransferError``.
+
+        Raises:
+            As ``swap_out``.
+        """
+        loop = self._check_open()
+        future: asyncio.Future[StoreResult] = loop.create_future()
+        try:
+            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
+        except PoolExhaustedError as exc:
+            return self._when_room(exc, gpu_block_ids, keys, parents, batched=True)
+        self._enqueue(part)
+        return future
+
+    def _when_room(
+        self,
+        exc: PoolExhaustedError,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        parents: Any,
+        *,
+        batched: bool,
+    ) -> asyncio.Future[Any]:
+        """Backpressure: fail now, or a task that retries the store until room appears."""
+        counters = self._books.counters
+        if self.config.backpressure != "wait" or exc.needed > self.config.num_cpu_blocks:
+            counters.reject(exc.reason)
+            raise exc
+        loop = self._check_open()
+        deadline = loop.time() + self.config.store_wait_s
+
+        def attempt(future: asyncio.Future[Any]) -> Part:
+            return self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+
+        return loop.create_task(
+            self._room.retry(loop, attempt, self._enqueue, deadline, self.config, counters)
+        )
+
+    def swap_in(
+        self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]
+    ) -> asyncio.Future[SwapResult]:
+        """Queue a load of READY keys into GPU blocks (``keys[i]`` into ``gpu_block_ids[i]``).
+
+        The keys' CPU blocks are pinned (not evictable) until the copy ends. Compute must not
+        read the GPU blocks before the future resolves (or before ``stream_wait_loads``).
+
+        Returns:
+            A future resolving to ``SwapResult`` (``gpu_block_ids``: the blocks written), or
+            failing with ``TransferError`` (the GPU blocks then hold undefined bytes).
+
+        Raises:
+            InvalidBlockError: bad ids, or (owned pool) ids no request holds.
+            InvalidKeyError: bad keys, or different counts.
+            UnknownKeyError: a key is not in the CPU tier. BlockStateError: a key is PENDING.
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        loop = self._check_open()
+        future: asyncio.Future[SwapResult] = loop.create_future()
+        self._enqueue(self._books.prepare_load(keys, gpu_block_ids, future, batched=False))
+        return future
+
+    def load_many(self, keys: Sequence[bytes], gpu_block_ids: Any) -> asyncio.Future[LoadResult]:
+        """Queue one load of many requests' blocks: ONE future, array results.
+
+        Args:
+            keys: ``n`` READY keys (repeats allowed).
+            gpu_block_ids: int ``[n]`` (numpy array or list), distinct GPU blocks to write.
+
+        Raises:
+            As ``swap_in``.
+        """
+        loop = self._check_open()
+        future: asyncio.Future[LoadResult] = loop.create_future()
+        self._enqueue(self._books.prepare_load(keys, gpu_block_ids, future, batched=True))
+        return future
+
+    # ------------------------------------------------------------------ lower tiers
+
+    async def fetch(self, keys: Sequence[bytes]) -> int:
+        """Stage the lower tiers' blocks of ``keys`` into the CPU tier (after its ready prefix,
+        tier by tier: one batched read per tier, every blob verified) and return the new
+        ready-prefix length; then ``swap_in``/``load_many`` the prefix as usual. A miss, a
+        corrupt value or a failing tier ends the prefix there (recompute the rest); it never
+        raises for a tier failure. Without lower tiers: ``lookup`` without the touch.
+
+        Raises:
+            InvalidKeyError, ClosedError, EventLoopError: bad keys, closed, no running loop.
+        """
+        self._check_open()
+        if self._tiers is None:
+            return self._books.lookup(keys, touch=False)
+        return await self._tiers.fetch(keys)
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> tuple[int, tuple[int, ...]]:
+        """Where the prefix of ``keys`` is: the CPU tier's ready prefix, then, for each lower
+        tier in order, how many of the following keys it holds (one batched ``contains_many``
+        each; a hint: a later ``fetch`` may still miss). Touches nothing.
+
+        Raises:
+            InvalidKeyError, ClosedError, EventLoopError: as ``fetch``.
+        """
+        self._check_open()
+        if self._tiers is None:
+            return self._books.lookup(keys, touch=False), ()
+        return await self._tiers.lookup(keys)
+
+    def tier_statistics(self) -> list[tuple[Any, Any]]:
+        """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""
+        if self._tiers is None:
+            return []
+        return [(b.statistics(), b.backend.statistics()) for b in self._tiers.bridges]
+
+    # ------------------------------------------------------------------ request-level API
+
+    def allocate(self, req_id: Hashable, num_blocks: int) -> list[int]:
+        """Allocate GPU blocks from the owned pool and append them to the request's table
+        (created on first use).
+
+        Raises:
+            ConfigError: the manager does not own GPU blocks (``manage_gpu_blocks=False``).
+            BlockStateError: the request is swapped out or moving.
+            InvalidArgumentError: ``num_blocks`` is not an int >= 0, or a bad request id.
+            PoolExhaustedError: too few free GPU blocks (reason ``"gpu_full"``); nothing changed.
+        """
+        self._check_not_closed()
+        try:
+            return self._books.requests.allocate(req_id, num_blocks)
+        except PoolExhaustedError as exc:
+            self._books.counters.reject(exc.reason)
+            raise
+
+    def append_blocks(self, req_id: Hashable, gpu_block_ids: Sequence[int]) -> None:
+        """Append caller-owned GPU blocks to the request's table (created on first use).
+
+        Raises:
+            ConfigError: the manager owns the GPU blocks (use ``allocate``).
+            InvalidBlockError: bad ids, or ids already in the table.
+            BlockStateError: the request is swapped out or moving.
+        """
+        self._check_not_closed()
+        self._books.requests.append(req_id, gpu_block_ids)
+
+    def block_table(self, req_id: Hashable) -> list[tuple[Tier, int]]:
+        """The request's blocks as ``[(tier, block_id), ...]`` in logical order.
+
+        Raises:
+            UnknownRequestError: no table for ``req_id``.
+            InvalidArgumentError: ``req_id`` is not hashable.
+        """
+        from kvmgr.manager.requests import check_req_id
+
+        check_req_id(req_id)
+        table = self._books.requests.tables.get(req_id)
+        if table is None:
+            from kvmgr.errors import UnknownRequestError
+
+            raise UnknownRequestError(f"request {req_id!r} has no block table")
+        return table.entries()
+
+    def is_moving(self, req_id: Hashable) -> bool:
+        """Whether a preempt or resume of the request is queued or in flight.
+
+        Raises:
+            UnknownRequestError, InvalidArgumentError: as ``block_table``.
+        """
+        self.block_table(req_id)
+        return self._books.requests.tables[req_id].moving
+
+    def preempt(self, req_id: Hashable) -> asyncio.Future[SwapResult]:
+        """Queue a swap-out of all the request's GPU blocks into CPU blocks (not keyed, not
+        evictable); once the copy completed the table points at the CPU blocks and the GPU
+        blocks go back to the owned pool (or to the caller).
+
+        Returns:
+            A future resolving to ``SwapResult`` (``gpu_block_ids``: the GPU blocks given back).
+
+        Raises:
+            UnknownRequestError: no table. BlockStateError: swapped out already, or moving.
+            PoolExhaustedError: no CPU room even after eviction; nothing changed.
+        """
+        loop = self._check_open()
+        future: asyncio.Future[SwapResult] = loop.create_future()
+        try:
+            part = self._books.requests.prepare_preempt(req_id, future)
+        except PoolExhaustedError as exc:
+            self._books.counters.reject(exc.reason)
+            raise
+        self._enqueue(part)
+        return future
+
+    def resume(
+        self, req_id: Hashable, gpu_block_ids: Sequence[int] | None = None
+    ) -> asyncio.Future[SwapResult]:
+        """Queue a swap-in of a preempted request into GPU blocks (allocated from the owned pool,
+        or ``gpu_block_ids`` supplied by the caller); once complete, the table points at the GPU
+        blocks and the CPU blocks are freed.
+
+        Returns:
+            A future resolving to ``SwapResult`` (``gpu_block_ids``: the blocks written).
+
+        Raises:
+            UnknownRequestError, BlockStateError: no table, not swapped out, or moving.
+            InvalidBlockError: wrong number or bad caller-supplied ids.
+            PoolExhaustedError: too few free GPU blocks; nothing changed.
+        """
+        loop = self._check_open()
+        future: asyncio.Future[SwapResult] = loop.create_future()
+        try:
+            part = self._books.requests.prepare_resume(req_id, gpu_block_ids, future)
+        except PoolExhaustedError as exc:
+            self._books.counters.reject(exc.reason)
+            raise
+        self._enqueue(part)
+        return future
+
+    def free(self, req_id: Hashable) -> None:
+        """Drop the request's table and free its blocks (owned GPU blocks or CPU blocks). An
+        owned GPU block that a queued or in-flight copy still uses goes back when it ends.
+
+        Raises:
+            UnknownRequestError: no table. BlockStateError: a preempt or resume is in flight.
+        """
+        self._check_not_closed()
+        self._books.requests.free(req_id)
+        self._room.wake()
+
+    # ------------------------------------------------------------------ step
+
+    async def step(self, ctx: StepContext | None = None) -> StepReport:
+        """Run the hooks in order on the compute stream, then submit everything queued since the
+        last step as one plan per direction (more only when a hazard forces ordered batches).
+
+        Args:
+            ctx: what the scheduler knows about the step; ``None`` = an empty context. When
+                ``ctx.stream`` is set, the batches are submitted with it as the current stream,
+                so stores wait for the work queued on it so far (docs/transfer.md, rules 3-4).
+
+        Returns:
+            The step report: batches submitted, hooks, batches completed since the last step,
+            host seconds spent here.
+
+        Raises:
+            ClosedError: the manager is closed.
+            InvalidArgumentError: ``ctx`` is not a StepContext, or a hook returned no HookReport.
+            Whatever a hook raises (the queue is left untouched then).
+        """
+        self._check_open()
+        if ctx is not None and not isinstance(ctx, StepContext):
+            raise InvalidArgumentError(f"expected a StepContext or None, got {type(ctx).__name__}")
+        start = time.perf_counter()
+        step = self._step + 1
+        if ctx is None:
+            ctx = StepContext(step=step)
+        hook_reports = tuple(hook(ctx) for hook in self._hooks)
+        self._flusher.check_hook_reports(self._hooks, hook_reports)
+        self._step = step
+        if ctx.stream is not None:  # fence the copies on the loop's compute stream
+            with torch.cuda.stream(ctx.stream):
+                d2h, h2d = self._flusher.flush()
+        else:
+            d2h, h2d = self._flusher.flush()
+        completed = self._flusher.take_completed()
+        self._books.counters.steps += 1
+        report = StepReport(
+            step=self._step if ctx.step is None else ctx.step,
+            d2h=d2h,
+            h2d=h2d,
+            hooks=hook_reports,
+            completed=completed,
+            host_s=time.perf_counter() - start,
+        )
+        await asyncio.sleep(0)
+        return report
+
+    # ------------------------------------------------------------------ waiting
+
+    async def wait(self, future: asyncio.Future[Any], timeout_s: float | None = None) -> Any:
+        """Await a swap's future with a deadline.
+
+        On timeout the copy is NOT cancelled: its blocks stay fenced (PENDING keys, pinned
+        readers, a moving block table) until the copy truly ends and its bookkeeping runs.
+        Cancelling the awaiting task likewise leaves the copy and the bookkeeping intact.
+
+        Raises:
+            InvalidArgumentError: ``future`` is not an asyncio future, or a bad ``timeout_s``.
+            TransferTimeoutError: ``timeout_s`` seconds passed first (counted in
+                ``ManagerStatistics.await_timeouts``).
+            Whatever the swap raises (``TransferError``, ``ClosedError``, ...).
+        """
+        from kvmgr.errors import TransferTimeoutError
+
+        if not asyncio.isfuture(future):
+            raise InvalidArgumentError(
+                f"expected the future of a swap, got {type(future).__name__}: {future!r}"
+            )
+        if timeout_s is not None and not (
+            isinstance(timeout_s, (int, float))
+            and not isinstance(timeout_s, bool)
+            and 0 <= timeout_s < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"expected timeout_s >= 0 seconds or None, got {timeout_s!r}"
+            )
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except asyncio.TimeoutError:
+            self._books.counters.await_timeouts += 1
+            raise TransferTimeoutError(
+                f"swap not complete after {timeout_s} s; its blocks stay fenced until it ends"
+            ) from None
+
+    # ------------------------------------------------------------------ observability
+
+    def statistics(self) -> ManagerStatistics:
+        """A snapshot of totals and gauges (see ``ManagerStatistics``)."""
+        books = self._books
+        c, cpu = books.counters, books.cpu
+        gpu_pool = books.gpu.pool
+        return ManagerStatistics(
+            lookups=c.lookups,
+            lookup_keys=c.lookup_keys,
+            lookup_hits=c.lookup_hits,
+            peeks=c.peeks,
+            stores_queued=c.stores_queued,
+            stores_completed=c.stores_completed,
+            stores_failed=c.stores_failed,
+            stores_skipped=c.stores_skipped,
+            stores_not_admitted=c.stores_not_admitted,
+            loads_queued=c.loads_queued,
+            loads_completed=c.loads_completed,
+            loads_failed=c.loads_failed,
+            evictions=c.evictions,
+            invalidated=c.invalidated,
+            rejected=dict(c.rejected),
+            await_timeouts=c.await_timeouts,
+            events_dropped=books.events.num_dropped,
+            bytes_d2h=c.bytes_d2h,
+            bytes_h2d=c.bytes_h2d,
+            device_s_d2h=c.device_s_d2h,
+            device_s_h2d=c.device_s_h2d,
+            steps=c.steps,
+            batch_blocks=c.batch_blocks.freeze(),
+            completion_s=c.completion_s.freeze(),
+            batches_in_flight=len(self._queue.in_flight),
+            queued_swaps=len(self._queue),
+            cpu_blocks_used=cpu.pool.num_allocated,
+            cpu_blocks_total=cpu.num_blocks,
+            cpu_keys_pending=cpu.num_pending,
+            cpu_keys_ready=len(cpu.index) - cpu.num_pending,
+            cpu_keys_loading=cpu.num_loading,
+            gpu_blocks_free=None if gpu_pool is None else gpu_pool.num_free,
+            policy=cpu.policy.name,
+            engine=self.engine.name,
+        )
+
+    def snapshot(self) -> ManagerSnapshot:
+        """Every block, key, table and queued or in-flight swap, as frozen values (for tests
+        and ``kvmgr.testing.check_invariants``; costs O(blocks), not for the hot path)."""
+        promoting = () if self._tiers is None else tuple(self._tiers.promoting)
+        return take_snapshot(self._books, self._queue, promoting)
+
+    def take_events(self) -> list[KVEvent]:
+        """Remove and return the KV events recorded since the last call, oldest first: a
+        ``removed`` event of the keys a store evicted comes before that store's ``stored``."""
+        return self._books.events.take()
+
+    def events(self) -> AsyncIterator[KVEvent]:
+        """An async iterator over KV events as they happen (``async for ev in mgr.events()``);
+        it drains the same stream as ``take_events``."""
+        return self._books.events.iterate()
+
+    def stream_wait_loads(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait on the device for every load
+        in flight, without blocking the host (docs/transfer.md, rule 4). No-op on the host
+        engine."""
+        from kvmgr.transfer.plan import Direction
+
+        for batch in self._queue.in_flight.values():
+            if batch.direction is Direction.H2D:
+                self.engine.stream_wait(batch.handle, stream)

@@ -1,0 +1,155 @@
+"""The GPU side of the bookkeeping: which GPU blocks copies use, and the owned pool.
+
+Private to ``kvmgr.manager``.
+
+States of a GPU block (``GpuState``), when the manager owns the pool (``manage_gpu_blocks``):
+
+- ``FREE``: in the allocator; ``allocate`` may hand it out.
+- ``HELD``: allocated to a request (``allocate``, a resume). Only held blocks may be named by a
+  swap, so no allocation can hand out a block that a queued copy still reads or writes.
+- ``DRAINING``: its request freed it (or a preempt gave it back) while a queued or in-flight
+  copy still used it; it returns to ``FREE`` when the last such copy ends.
+
+Without an owned pool every block is the caller's; only the busy count is kept. Per block the
+*busy count* is the number of queued or in-flight copies that read or write it.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+
+import numpy as np
+
+from kvmgr.errors import InvalidBlockError
+from kvmgr.pool.allocator import BlockAllocator, as_id_array
+
+__all__ = ["GpuBlocks", "GpuState"]
+
+
+class GpuState(enum.IntEnum):
+    """State of an owned GPU block (see the module docstring)."""
+
+    FREE = 0
+    HELD = 1
+    DRAINING = 2
+
+
+class GpuBlocks:
+    """Busy counts of every GPU block and, when owned, the pool and block states."""
+
+    def __init__(self, num_blocks: int, *, owned: bool) -> None:
+        self.num_blocks = num_blocks
+        self.pool: BlockAllocator | None = BlockAllocator(num_blocks, name="gpu") if owned else None
+        self.state = bytearray(num_blocks)
+        self.state_np = np.frombuffer(self.state, dtype=np.uint8)
+        self._scratch = np.zeros(num_blocks, dtype=np.int64)
+        self._positions = np.arange(num_blocks, dtype=np.int64)
+        self.busy = array.array("q", [0]) * num_blocks
+        self.busy_np = np.frombuffer(self.busy, dtype=np.int64)
+
+    # ------------------------------------------------------------------ validation
+
+    def check_small(self, ids: list[int], what: str) -> None:
+        """Validate a short list of ids (range, distinct, held when owned) without numpy.
+
+        Raises:
+            InvalidBlockError: an id is not an int, out of range, repeated, or not held.
+        """
+        n, state, owned = self.num_blocks, self.state, self.pool is not None
+        for b in ids:
+            if type(b) is not int:
+                as_id_array(ids, "gpu")  # raises the typed error for non-ints
+                b = int(b)
+            if not 0 <= b < n:
+                raise InvalidBlockError(f"gpu block id {b} out of range [0, {n})")
+            if owned and state[b] != GpuState.HELD:
+                raise self._not_held(b, what)
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise InvalidBlockError(f"duplicate gpu block ids in {ids}")
+
+    def check_array(self, ids: np.ndarray, what: str) -> None:
+        """Validate an int64 array of ids (range, distinct, held when owned).
+
+        Raises:
+            InvalidBlockError: an id is out of range, repeated, or not held.
+        """
+        if len(ids) == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_blocks:
+            raise InvalidBlockError(
+                f"gpu block id {lo if lo < 0 else hi} out of range [0, {self.num_blocks})"
+            )
+        if self.pool is not None:
+            held = self.state_np[ids] == GpuState.HELD
+            if not held.all():
+                raise self._not_held(int(ids[np.flatnonzero(~held)[0]]), what)
+        if len(ids) > 1 and not self._distinct(ids):
+            raise InvalidBlockError(f"duplicate gpu block ids in {ids.tolist()[:16]}")
+
+    def _distinct(self, ids: np.ndarray) -> bool:
+        """Whether ``ids`` (in range) are distinct: write each id's position into a scratch
+        array and read it back (a repeated id keeps only its last position); O(n), no sort."""
+        if len(ids) > self.num_blocks:
+            return False
+        positions = self._positions[: len(ids)]
+        scratch = self._scratch
+        scratch[ids] = positions
+        return bool((scratch[ids] == positions).all())
+
+    def _not_held(self, block_id: int, what: str) -> InvalidBlockError:
+        state = GpuState(self.state[block_id]).name
+        return InvalidBlockError(
+            f"gpu block {block_id} is {state}, not held by any request: with "
+            f"manage_gpu_blocks=True a {what} may name only blocks allocated with allocate() "
+            "(a free block could be handed to another request while the copy runs)"
+        )
+
+    # ------------------------------------------------------------------ pool
+
+    def allocate(self, n: int) -> np.ndarray | None:
+        """``n`` blocks from the owned pool, now HELD, or ``None``."""
+        assert self.pool is not None
+        ids = self.pool.take(n)
+        if ids is not None:
+            self.state_np[ids] = GpuState.HELD
+        return ids
+
+    def give_back(self, ids: np.ndarray) -> None:
+        """A request no longer holds these owned blocks: FREE now, or DRAINING while busy."""
+        assert self.pool is not None
+        if len(ids) == 0:
+            return
+        busy = self.busy_np[ids] > 0
+        if busy.any():
+            self.state_np[ids[busy]] = GpuState.DRAINING
+            ids = ids[~busy]
+        self.state_np[ids] = GpuState.FREE
+        self.pool.give(ids)
+
+    # ------------------------------------------------------------------ busy counts
+
+    def acquire(self, ids: list[int] | np.ndarray) -> None:
+        """A copy of these (distinct, validated) blocks was queued."""
+        if isinstance(ids, list):
+            busy = self.busy
+            for b in ids:
+                busy[b] += 1
+        else:
+            self.busy_np[ids] += 1
+
+    def release(self, ids: np.ndarray) -> None:
+        """Copies of these blocks ended (one count per occurrence); DRAINING blocks whose last
+        copy ended go back to the pool."""
+        if len(ids) == 1:
+            self.busy[int(ids[0])] -= 1
+        else:
+            np.subtract.at(self.busy_np, ids, 1)
+        if self.pool is None:
+            return
+        draining = ids[self.state_np[ids] == GpuState.DRAINING]
+        if len(draining):
+            done = np.unique(draining[self.busy_np[draining] == 0])
+            self.state_np[done] = GpuState.FREE
+            self.pool.give(done)

@@ -1,0 +1,251 @@
+"""The swap queue: queued parts in ordered generations, lanes per direction, batches in flight.
+
+Private to ``kvmgr.manager``. Every swap call becomes one ``Part`` (one future, whatever the
+number of blocks). Parts queued since the last flush sit in *generations*: one lane, and so one
+plan, per direction per generation. A part joins the newest generation unless it touches a GPU
+block that the generation already touches in a conflicting way (a load into a block a store
+still reads, a store of a block a load writes, or two loads into one block); then it opens a new
+generation, submitted after the previous one (docs/transfer.md, rule 5). The conflict test and
+the fences between batches in flight use per-GPU-block marks (the last generation that read or
+wrote a block, the last batch in flight per direction), so they cost one array operation per
+part, never a set of block ids.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import enum
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from kvmgr.transfer.engine import BatchHandle
+from kvmgr.transfer.plan import Direction
+
+__all__ = ["Batch", "Generation", "Kind", "Lane", "Part", "SwapQueue"]
+
+
+class Kind(enum.IntEnum):
+    """What a part does; the direction follows from it."""
+
+    STORE = 0  #: keyed GPU -> CPU
+    LOAD = 1  #: keyed CPU -> GPU
+    PREEMPT = 2  #: a request's blocks GPU -> CPU
+    RESUME = 3  #: a request's blocks CPU -> GPU
+
+
+class Part:
+    """One swap call's share of a lane.
+
+    Attributes:
+        kind: what it does.
+        future: resolved with ``result`` once the copy and its bookkeeping completed.
+        result: the value the future gets on success (built when the part was prepared).
+        gpu_ids / cpu_ids: its block ids (list or int64 array), GPU read/written and CPU
+            written/read, aligned.
+        keys: keyed parts: the keys copied, aligned with the ids; else ``None``.
+        req_id: request-level parts: the request; else ``None``.
+    """
+
+    __slots__ = ("cpu_ids", "future", "gpu_ids", "keys", "kind", "req_id", "result")
+
+    def __init__(
+        self,
+        kind: Kind,
+        future: asyncio.Future[Any],
+        result: object,
+        gpu_ids: Any,
+        cpu_ids: Any,
+        keys: list[bytes] | None = None,
+        req_id: Hashable | None = None,
+    ) -> None:
+        self.kind = kind
+        self.future = future
+        self.result = result
+        self.gpu_ids = gpu_ids
+        self.cpu_ids = cpu_ids
+        self.keys = keys
+        self.req_id = req_id
+
+    @property
+    def direction(self) -> Direction:
+        """D2H for stores and preempts, H2D for loads and resumes."""
+        return Direction.D2H if self.kind in (Kind.STORE, Kind.PREEMPT) else Direction.H2D
+
+
+class Lane:
+    """One direction of a generation: its parts and their block ids, accumulated cheaply.
+
+    Small parts append to Python lists, large ones add arrays; ``arrays()`` joins both once.
+    """
+
+    __slots__ = ("cpu_chunks", "cpu_small", "direction", "gpu_chunks", "gpu_small", "parts")
+
+    def __init__(self, direction: Direction) -> None:
+        self.direction = direction
+        self.parts: list[Part] = []
+        self.gpu_small: list[int] = []
+        self.cpu_small: list[int] = []
+        self.gpu_chunks: list[np.ndarray] = []
+        self.cpu_chunks: list[np.ndarray] = []
+
+    def add(self, part: Part) -> None:
+        self.parts.append(part)
+        if isinstance(part.gpu_ids, list):
+            self.gpu_small += part.gpu_ids
+            self.cpu_small += part.cpu_ids
+        else:
+            self.gpu_chunks.append(part.gpu_ids)
+            self.cpu_chunks.append(part.cpu_ids)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(GPU ids, CPU ids) of every part, int64, aligned (order: small parts first)."""
+        gpu, cpu = self.gpu_chunks, self.cpu_chunks
+        if self.gpu_small:
+            gpu = [np.array(self.gpu_small, dtype=np.int64), *gpu]
+            cpu = [np.array(self.cpu_small, dtype=np.int64), *cpu]
+        if len(gpu) == 1:
+            return gpu[0], cpu[0]
+        return np.concatenate(gpu), np.concatenate(cpu)
+
+
+class Generation:
+    """Parts that can share one plan per direction."""
+
+    __slots__ = ("lanes", "number")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.lanes = {Direction.D2H: Lane(Direction.D2H), Direction.H2D: Lane(Direction.H2D)}
+
+    def __len__(self) -> int:
+        return len(self.lanes[Direction.D2H].parts) + len(self.lanes[Direction.H2D].parts)
+
+
+class Batch:
+    """One submitted plan and the lane it completes.
+
+    Attributes:
+        seq: the manager's batch number (submission order).
+        lane: the parts completed by this batch.
+        gpu_ids / cpu_ids: int64 arrays of every part's ids, aligned.
+        handle: the engine's handle.
+        submitted_s: ``time.perf_counter()`` at submission.
+        wait_for: sequence numbers of the batches it was fenced on.
+    """
+
+    __slots__ = ("cpu_ids", "gpu_ids", "handle", "lane", "seq", "submitted_s", "wait_for")
+
+    def __init__(
+        self,
+        seq: int,
+        lane: Lane,
+        gpu_ids: np.ndarray,
+        cpu_ids: np.ndarray,
+        handle: BatchHandle,
+        submitted_s: float,
+        wait_for: tuple[int, ...],
+    ) -> None:
+        self.seq = seq
+        self.lane = lane
+        self.gpu_ids = gpu_ids
+        self.cpu_ids = cpu_ids
+        self.handle = handle
+        self.submitted_s = submitted_s
+        self.wait_for = wait_for
+
+    @property
+    def direction(self) -> Direction:
+        return self.lane.direction
+
+
+def _marks(num_blocks: int) -> tuple[array.array[int], np.ndarray]:
+    marks = array.array("q", [-1]) * num_blocks
+    return marks, np.frombuffer(marks, dtype=np.int64)
+
+
+class SwapQueue:
+    """Generations of queued parts plus the batches in flight, for a pool of GPU blocks."""
+
+    def __init__(self, num_gpu_blocks: int) -> None:
+        self._next_generation = 1
+        self.generations: list[Generation] = [Generation(0)]
+        self.num_queued = 0
+        #: batches in flight, by sequence number, in submission order
+        self.in_flight: dict[int, Batch] = {}
+        self._next_seq = 0
+        # last generation that read (store) / wrote (load) each GPU block
+        self._read, self._read_np = _marks(num_gpu_blocks)
+        self._written, self._written_np = _marks(num_gpu_blocks)
+        # last batch in flight per direction that touched each GPU block
+        self._batch_marks = {d: _marks(num_gpu_blocks) for d in Direction}
+
+    def __len__(self) -> int:
+        return self.num_queued
+
+    def add(self, part: Part) -> None:
+        """Queue a part in the newest generation, or in a new one if it conflicts."""
+        newest = self.generations[-1]
+        number = newest.number
+        ids = part.gpu_ids
+        is_store = part.kind in (Kind.STORE, Kind.PREEMPT)
+        if isinstance(ids, list):
+            read, written = self._read, self._written
+            if is_store:
+                conflict = any(written[b] == number for b in ids)
+            else:
+                conflict = any(written[b] == number or read[b] == number for b in ids)
+        else:
+            conflict = bool((self._written_np[ids] == number).any()) or (
+                not is_store and bool((self._read_np[ids] == number).any())
+            )
+        if conflict:
+            newest = Generation(self._next_generation)
+            self._next_generation += 1
+            self.generations.append(newest)
+            number = newest.number
+        if isinstance(ids, list):
+            marks = self._read if is_store else self._written
+            for b in ids:
+                marks[b] = number
+        else:
+            (self._read_np if is_store else self._written_np)[ids] = number
+        newest.lanes[part.direction].add(part)
+        self.num_queued += 1
+
+    def take(self) -> list[Generation]:
+        """Remove and return every queued generation, oldest first."""
+        taken = self.generations
+        self.generations = [Generation(self._next_generation)]
+        self._next_generation += 1
+        self.num_queued = 0
+        return taken
+
+    def queued_parts(self) -> list[Part]:
+        """Every queued part, oldest generation first."""
+        return [p for g in self.generations for lane in g.lanes.values() for p in lane.parts]
+
+    def next_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def fences(self, direction: Direction, gpu_ids: np.ndarray) -> list[Batch]:
+        """Batches in flight of the other direction that touch any of ``gpu_ids``."""
+        other = Direction.H2D if direction is Direction.D2H else Direction.D2H
+        if not self.in_flight or len(gpu_ids) == 0:
+            return []
+        seqs = np.unique(self._batch_marks[other][1][gpu_ids])
+        in_flight = self.in_flight
+        return [in_flight[s] for s in seqs.tolist() if s in in_flight]
+
+    def launched(self, batch: Batch) -> None:
+        """Record a submitted batch."""
+        self.in_flight[batch.seq] = batch
+        self._batch_marks[batch.direction][1][batch.gpu_ids] = batch.seq
+
+    def landed(self, batch: Batch) -> bool:
+        """Forget a batch; False if it was already settled."""
+        return self.in_flight.pop(batch.seq, None) is not None

@@ -1,0 +1,218 @@
+"""Request-level bookkeeping: block tables, allocate / append / free, preempt and resume.
+
+Private to ``kvmgr.manager``. A request is *resident* (every block on the GPU), *swapped out*
+(every block in CPU blocks in state ``SWAPPED``) or *moving* (a preempt or resume in flight:
+``BlockTable.moving``). Blocks are appended only while resident. ``prepare_preempt`` /
+``prepare_resume`` build the ``Part`` the queue carries; ``preempt_done`` / ``resume_done``
+apply the outcome. Between the two the request's table is marked moving, its GPU blocks are
+busy, and its CPU blocks are ``PREEMPTING`` or ``RESUMING``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvmgr.errors import (
+    BlockStateError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    PoolExhaustedError,
+    UnknownRequestError,
+)
+from kvmgr.manager.counters import Counters
+from kvmgr.manager.cpu_tier import CpuState, CpuTier
+from kvmgr.manager.gpu_pool import GpuBlocks
+from kvmgr.manager.queue import Kind, Part
+from kvmgr.pool.allocator import as_id_array
+from kvmgr.pool.block_table import BlockTable, Tier
+from kvmgr.reports import SwapResult
+
+__all__ = ["RequestTables"]
+
+
+def check_req_id(req_id: object) -> None:
+    """Raises InvalidArgumentError: ``req_id`` is not hashable."""
+    try:
+        hash(req_id)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"expected a hashable request id, got {type(req_id).__name__}"
+        ) from None
+
+
+def check_count(num_blocks: object) -> int:
+    """Raises InvalidArgumentError: not an int >= 0."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+        raise InvalidArgumentError(f"expected an int number of blocks, got {num_blocks!r}")
+    if num_blocks < 0:
+        raise InvalidArgumentError(f"expected a number of blocks >= 0, got {num_blocks}")
+    return int(num_blocks)
+
+
+class RequestTables:
+    """Block tables of the requests, over the CPU tier and the GPU blocks."""
+
+    def __init__(self, cpu: CpuTier, gpu: GpuBlocks, block_bytes: int, counters: Counters) -> None:
+        self.cpu = cpu
+        self.counters = counters
+        self.gpu = gpu
+        self.block_bytes = block_bytes
+        self.tables: dict[Hashable, BlockTable] = {}
+
+    def table(self, req_id: Hashable) -> BlockTable:
+        """The request's table, not moving.
+
+        Raises:
+            InvalidArgumentError, UnknownRequestError, BlockStateError.
+        """
+        check_req_id(req_id)
+        table = self.tables.get(req_id)
+        if table is None:
+            raise UnknownRequestError(f"request {req_id!r} has no block table")
+        if table.moving:
+            raise BlockStateError(f"request {req_id!r} has a preempt or resume in flight")
+        return table
+
+    def _resident(self, req_id: Hashable) -> BlockTable:
+        check_req_id(req_id)
+        table = self.tables.get(req_id) or BlockTable(req_id)
+        if table.moving or table.tier is not Tier.GPU:
+            raise BlockStateError(f"request {req_id!r} is swapped out or moving")
+        return table
+
+    def allocate(self, req_id: Hashable, num_blocks: object) -> list[int]:
+        """See ``OffloadManager.allocate``."""
+        if self.gpu.pool is None:
+            raise ConfigError("allocate() needs manage_gpu_blocks=True; use append_blocks()")
+        n = check_count(num_blocks)
+        table = self._resident(req_id)
+        ids = self.gpu.allocate(n)
+        if ids is None:
+            assert self.gpu.pool is not None
+            raise PoolExhaustedError(
+                f"gpu: need {n} blocks, {self.gpu.pool.num_free} free",
+                needed=n,
+                available=self.gpu.pool.num_free,
+                reason="gpu_full",
+            )
+        new = ids.tolist()
+        table.block_ids.extend(new)
+        table.gpu_owned = True
+        self.tables[req_id] = table
+        return new
+
+    def append(self, req_id: Hashable, gpu_block_ids: Sequence[int]) -> None:
+        """See ``OffloadManager.append_blocks``."""
+        if self.gpu.pool is not None:
+            raise ConfigError("append_blocks() needs manage_gpu_blocks=False; use allocate()")
+        new = as_id_array(gpu_block_ids, "gpu")
+        table = self._resident(req_id)
+        every = np.concatenate([np.array(table.block_ids, dtype=np.int64), new])
+        self.gpu.check_array(every, "block table")
+        table.block_ids.extend(new.tolist())
+        table.gpu_owned = False
+        self.tables[req_id] = table
+
+    def free(self, req_id: Hashable) -> None:
+        """See ``OffloadManager.free``."""
+        table = self.table(req_id)
+        ids = np.array(table.block_ids, dtype=np.int64)
+        if table.tier is Tier.CPU:
+            self.cpu.release(ids)
+        elif table.gpu_owned:
+            self.gpu.give_back(ids)
+        del self.tables[req_id]
+
+    # ------------------------------------------------------------------ preempt
+
+    def prepare_preempt(self, req_id: Hashable, future: asyncio.Future[Any]) -> Part:
+        """Reserve CPU blocks for the request's GPU blocks and mark the table moving.
+
+        Raises:
+            UnknownRequestError, BlockStateError, PoolExhaustedError: nothing changed then.
+        """
+        table = self.table(req_id)
+        if table.tier is not Tier.GPU:
+            raise BlockStateError(f"request {req_id!r} is already swapped out")
+        gpu = np.array(table.block_ids, dtype=np.int64)
+        cpu = self.cpu.make_room(len(gpu), ())
+        self.cpu.set_state(cpu, CpuState.PREEMPTING)
+        table.moving = True
+        self.counters.stores_queued += len(gpu)
+        self.gpu.acquire(gpu)
+        result = SwapResult(
+            len(gpu), len(gpu) * self.block_bytes, 0, tuple(cpu.tolist()), tuple(table.block_ids)
+        )
+        return Part(Kind.PREEMPT, future, result, gpu, cpu, None, req_id)
+
+    def preempt_done(self, part: Part, ok: bool) -> None:
+        """Apply a preempt's outcome (the CPU tier already moved its blocks' states)."""
+        table = self.tables[part.req_id]
+        table.moving = False
+        if not ok:
+            return
+        table.tier, table.block_ids = Tier.CPU, part.cpu_ids.tolist()
+        if table.gpu_owned:
+            self.gpu.give_back(part.gpu_ids)
+
+    # ------------------------------------------------------------------ resume
+
+    def prepare_resume(
+        self, req_id: Hashable, gpu_block_ids: Sequence[int] | None, future: asyncio.Future[Any]
+    ) -> Part:
+        """GPU blocks for a swapped-out request (owned pool, or the caller's); table moving.
+
+        Raises:
+            UnknownRequestError, BlockStateError, InvalidBlockError, PoolExhaustedError.
+        """
+        table = self.table(req_id)
+        if table.tier is not Tier.CPU:
+            raise BlockStateError(f"request {req_id!r} is not swapped out")
+        cpu = np.array(table.block_ids, dtype=np.int64)
+        if table.gpu_owned:
+            if gpu_block_ids is not None:
+                raise InvalidBlockError("this request's GPU blocks come from the owned pool")
+            gpu = self.gpu.allocate(len(cpu))
+            if gpu is None:
+                assert self.gpu.pool is not None
+                raise PoolExhaustedError(
+                    f"gpu: need {len(cpu)} blocks, {self.gpu.pool.num_free} free",
+                    needed=len(cpu),
+                    available=self.gpu.pool.num_free,
+                    reason="gpu_full",
+                )
+        else:
+            if gpu_block_ids is None:
+                raise InvalidBlockError(f"expected {len(cpu)} caller-owned gpu block ids")
+            gpu = as_id_array(gpu_block_ids, "gpu").copy()
+            if len(gpu) != len(cpu):
+                raise InvalidBlockError(
+                    f"expected {len(cpu)} caller-owned gpu block ids, got {len(gpu)}"
+                )
+            self.gpu.check_array(gpu, "resume")
+        self.cpu.set_state(cpu, CpuState.RESUMING)
+        table.moving = True
+        self.counters.loads_queued += len(cpu)
+        self.gpu.acquire(gpu)
+        result = SwapResult(
+            len(cpu), len(cpu) * self.block_bytes, 0, tuple(table.block_ids), tuple(gpu.tolist())
+        )
+        return Part(Kind.RESUME, future, result, gpu, cpu, None, req_id)
+
+    def resume_done(self, part: Part, ok: bool) -> None:
+        """Apply a resume's outcome: the table points at the GPU blocks and the CPU blocks are
+        freed, or (failure) the request stays swapped out and owned GPU blocks go back."""
+        table = self.tables[part.req_id]
+        table.moving = False
+        if ok:
+            self.cpu.release(part.cpu_ids)
+            table.tier, table.block_ids = Tier.GPU, part.gpu_ids.tolist()
+        else:
+            self.cpu.set_state(part.cpu_ids, CpuState.SWAPPED)
+            if table.gpu_owned:
+                self.gpu.give_back(part.gpu_ids)

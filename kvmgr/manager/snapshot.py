@@ -1,0 +1,207 @@
+"""A frozen picture of the manager's whole bookkeeping, for tests and invariant checks.
+
+Offers:
+    ManagerSnapshot   every block, key, table and queued or in-flight swap
+    KeySnapshot, TableSnapshot, SwapSnapshot, BatchSnapshot   its parts
+
+``OffloadManager.snapshot()`` builds one in O(blocks); ``kvmgr.testing.check_invariants``
+reads nothing else, so the checker never depends on private attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from kvmgr.manager.bookkeeping import Bookkeeper
+from kvmgr.manager.cpu_tier import CpuState
+from kvmgr.manager.gpu_pool import GpuState
+from kvmgr.manager.queue import Kind, Part, SwapQueue
+from kvmgr.pool.block_table import Tier
+from kvmgr.transfer.plan import Direction
+
+__all__ = [
+    "BatchSnapshot",
+    "KeySnapshot",
+    "ManagerSnapshot",
+    "SwapSnapshot",
+    "TableSnapshot",
+    "take_snapshot",
+]
+
+
+@attrs.frozen
+class KeySnapshot:
+    """A key of the CPU tier: its block, that block's state (``PENDING``/``READY``), readers."""
+
+    cpu_block_id: int
+    state: CpuState
+    readers: int
+
+
+@attrs.frozen
+class TableSnapshot:
+    """A request's block table."""
+
+    req_id: Hashable
+    tier: Tier
+    block_ids: tuple[int, ...]
+    gpu_owned: bool | None
+    moving: bool
+
+
+@attrs.frozen
+class SwapSnapshot:
+    """A swap not settled yet.
+
+    Attributes:
+        kind: ``"store"``, ``"load"``, ``"preempt"``, ``"resume"``, or ``"promote"`` (a lower
+            tier's blocks being read into PENDING CPU blocks by ``fetch``).
+        direction: D2H or H2D.
+        gpu_block_ids / cpu_block_ids: its blocks, aligned.
+        keys: keyed swaps: the keys copied.
+        req_id: request-level swaps: the request.
+        batch_seq: the batch carrying it, or ``None`` while queued.
+        future_done: whether its future is already resolved (only a cancelled one may be).
+        future_cancelled: whether its awaiter cancelled the future.
+    """
+
+    kind: str
+    direction: Direction
+    gpu_block_ids: tuple[int, ...]
+    cpu_block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    req_id: Hashable | None
+    batch_seq: int | None
+    future_done: bool
+    future_cancelled: bool
+
+
+@attrs.frozen
+class BatchSnapshot:
+    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences."""
+
+    seq: int
+    direction: Direction
+    engine_batch_id: int
+    gpu_block_ids: tuple[int, ...]
+    wait_for: tuple[int, ...]
+    engine_wait_for: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ManagerSnapshot:
+    """The manager's bookkeeping at one moment.
+
+    Attributes:
+        keys: key -> its CPU block, state and readers.
+        policy_keys: keys of the index that the eviction policy tracks.
+        num_policy_keys: keys the policy tracks in all (equal to ``len(keys)`` when the two
+            agree).
+        cpu_states: the state of every CPU block (``CpuState``), index = block id.
+        cpu_allocated: CPU blocks the allocator has handed out.
+        gpu_states: the state of every owned GPU block (``GpuState``), or ``None`` when the
+            caller owns the GPU pool.
+        gpu_allocated: GPU blocks the owned allocator has handed out (``None`` if not owned).
+        gpu_busy: GPU block -> queued or in-flight copies that use it (non-zero entries).
+        tables: request -> its block table.
+        swaps: queued and in-flight swaps, queued first, in order.
+        batches: batches in flight, in submission order.
+    """
+
+    keys: Mapping[bytes, KeySnapshot]
+    policy_keys: frozenset[bytes]
+    num_policy_keys: int
+    cpu_states: tuple[CpuState, ...]
+    cpu_allocated: frozenset[int]
+    gpu_states: tuple[GpuState, ...] | None
+    gpu_allocated: frozenset[int] | None
+    gpu_busy: Mapping[int, int]
+    tables: Mapping[Hashable, TableSnapshot]
+    swaps: tuple[SwapSnapshot, ...]
+    batches: tuple[BatchSnapshot, ...]
+
+
+_KIND_NAMES = {
+    Kind.STORE: "store",
+    Kind.LOAD: "load",
+    Kind.PREEMPT: "preempt",
+    Kind.RESUME: "resume",
+}
+
+
+def _ints(ids: object) -> tuple[int, ...]:
+    return tuple(int(b) for b in np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+def _swap(part: Part, batch_seq: int | None) -> SwapSnapshot:
+    return SwapSnapshot(
+        kind=_KIND_NAMES[part.kind],
+        direction=part.direction,
+        gpu_block_ids=_ints(part.gpu_ids),
+        cpu_block_ids=_ints(part.cpu_ids),
+        keys=tuple(part.keys or ()),
+        req_id=part.req_id,
+        batch_seq=batch_seq,
+        future_done=part.future.done(),
+        future_cancelled=part.future.cancelled(),
+    )
+
+
+def take_snapshot(
+    books: Bookkeeper,
+    queue: SwapQueue,
+    promoting: Sequence[tuple[list[bytes], np.ndarray]] = (),
+) -> ManagerSnapshot:
+    """Build the snapshot of a manager's bookkeeper and queue (and the promotes from lower
+    tiers in flight, shown as swaps of kind ``"promote"``)."""
+    cpu, gpu = books.cpu, books.gpu
+    keys = {
+        key: KeySnapshot(block, CpuState(cpu.state[block]), int(cpu.readers[block]))
+        for key, block in cpu.index.items()
+    }
+    swaps = [_swap(p, None) for p in queue.queued_parts()]
+    swaps += [
+        SwapSnapshot(
+            "promote", Direction.H2D, (), _ints(ids), tuple(keys), None, None, False, False
+        )
+        for keys, ids in promoting
+    ]
+    batches = []
+    for batch in queue.in_flight.values():
+        swaps += [_swap(p, batch.seq) for p in batch.lane.parts]
+        engine_waits = tuple(
+            queue.in_flight[s].handle.batch_id for s in batch.wait_for if s in queue.in_flight
+        )
+        batches.append(
+            BatchSnapshot(
+                batch.seq,
+                batch.direction,
+                batch.handle.batch_id,
+                _ints(batch.gpu_ids),
+                batch.wait_for,
+                engine_waits,
+            )
+        )
+    busy = {int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)}
+    pool = gpu.pool
+    return ManagerSnapshot(
+        keys=keys,
+        policy_keys=frozenset(k for k in cpu.index if k in cpu.policy),
+        num_policy_keys=len(cpu.policy),
+        cpu_states=tuple(CpuState(s) for s in cpu.state),
+        cpu_allocated=frozenset(np.flatnonzero(cpu.pool.allocated_mask()).tolist()),
+        gpu_states=None if pool is None else tuple(GpuState(s) for s in gpu.state),
+        gpu_allocated=None
+        if pool is None
+        else frozenset(np.flatnonzero(pool.allocated_mask()).tolist()),
+        gpu_busy=busy,
+        tables={
+            req: TableSnapshot(req, t.tier, tuple(t.block_ids), t.gpu_owned, t.moving)
+            for req, t in books.requests.tables.items()
+        },
+        swaps=tuple(swaps),
+        batches=tuple(batches),
+    )

@@ -1,0 +1,215 @@
+"""Lower tiers under the CPU tier: write-back on eviction, write-through, fetch (promote).
+
+Private to ``kvmgr.manager``; the public face is ``OffloadManager(..., tiers=[...])`` with
+``fetch``, ``lookup_tiers`` and ``tier_statistics``.
+
+- **Write-back** (``ManagerConfig.tier_write_back``): blocks the CPU tier's policy evicts are
+  gathered into blobs before anything can overwrite them (at the next flush, before any D2H
+  copy is submitted, or before a promote reuses them) and written to the first lower tier in
+  the background. A failed write drops the block (it is never half-stored).
+- **Write-through** (``ManagerConfig.tier_write_through``): the blocks of every completed store
+  are gathered when the copy completes and written to every lower tier in the background.
+- **Fetch**: keys after the CPU tier's ready prefix are looked up in each lower tier in turn;
+  hits are staged into CPU blocks (PENDING while the read runs, READY once verified); a miss,
+  corrupt value or tier error ends the usable prefix and the caller recomputes from there.
+  Nothing read from a lower tier is ever served unverified (``kvmgr.tiers.blob``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvmgr.errors import PoolExhaustedError, TierError
+from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
+from kvmgr.tiers.base import TierBackend
+from kvmgr.tiers.blob import TierNamespace
+from kvmgr.tiers.bridge import StagedBlobs, TierBridge
+
+__all__ = ["LowerTiers", "default_namespace"]
+
+#: Background writes running at once per lower tier, and waiting behind them.
+MAX_WRITES_IN_FLIGHT = 4
+MAX_WRITE_BACKLOG = 64
+
+
+def default_namespace(
+    books: Bookkeeper, dtype_names: Sequence[str], block_size: int
+) -> TierNamespace:
+    """A namespace for this manager's layout (model ``"unnamed"``, no tenant salt)."""
+    return TierNamespace(
+        model="unnamed",
+        page_bytes=tuple(books.gpu_layout.page_bytes.tolist()),
+        dtype_names=tuple(dtype_names),
+        block_size=block_size,
+    )
+
+
+class LowerTiers:
+    """The lower tiers of one manager, in order (the first one receives write-back)."""
+
+    def __init__(
+        self,
+        books: Bookkeeper,
+        backends: Sequence[TierBackend],
+        namespace: TierNamespace,
+        *,
+        write_back: bool,
+        write_through: bool,
+    ) -> None:
+        self.books = books
+        self.bridges = [TierBridge(books.cpu_pool.tensors, b, namespace) for b in backends]
+        self.write_back = write_back and bool(self.bridges)
+        self.write_through = write_through and bool(self.bridges)
+        self._evicted: list[tuple[list[bytes], np.ndarray]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: (keys, CPU ids) of promotes in flight: their keys are PENDING
+        self.promoting: list[tuple[list[bytes], np.ndarray]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.num_fetch_hits = 0
+        self.num_fetch_misses = 0
+        #: background writes waiting or running, per bridge (bounded: see ``_spawn``)
+        self._backlog = [0] * len(self.bridges)
+        self._slots = [asyncio.Semaphore(MAX_WRITES_IN_FLIGHT) for _ in self.bridges]
+        self.num_writes_dropped = 0
+
+    # ------------------------------------------------------------------ demotion
+
+    def on_evicted(self, keys: list[bytes], ids: np.ndarray) -> None:
+        """The CPU tier evicted these READY blocks (freed, not overwritten yet)."""
+        if self.write_back:
+            self._evicted.append((list(keys), ids.copy()))
+
+    def stage_evicted(self) -> None:
+        """Gather every evicted block not staged yet and write them in the background; called
+        before anything may overwrite freed CPU blocks (a D2H submit, a promote)."""
+        if not self._evicted:
+            return
+        evicted, self._evicted = self._evicted, []
+        keys = [k for ks, _ in evicted for k in ks]
+        ids = np.concatenate([i for _, i in evicted])
+        bridge = self.bridges[0]
+        self._spawn(bridge, bridge.stage(keys, ids), keys)
+
+    def on_stored(self, keys: list[bytes], ids: np.ndarray) -> None:
+        """A store completed (the blocks are READY): write them through, when configured."""
+        if not self.write_through or not keys:
+            return
+        for bridge in self.bridges:
+            self._spawn(bridge, bridge.stage(keys, ids), keys)
+
+    def _spawn(self, bridge: TierBridge, staged: StagedBlobs, keys: list[bytes]) -> None:
+        """Write in the background: at most ``MAX_WRITES_IN_FLIGHT`` writes run per tier and
+        at most ``MAX_WRITE_BACKLOG`` wait; past that a write is dropped (counted), so a slow
+        tier costs hits, never host memory or the loop's progress."""
+        i = self.bridges.index(bridge)
+        if self._backlog[i] >= MAX_WRITE_BACKLOG:
+            self.num_writes_dropped += len(keys)
+            return
+        self._backlog[i] += 1
+        loop = self.loop or asyncio.get_running_loop()
+        task = loop.create_task(self._put(i, staged, keys))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _put(self, i: int, staged: StagedBlobs, keys: list[bytes]) -> None:
+        bridge = self.bridges[i]
+        try:
+            async with self._slots[i]:
+                stored = await bridge.put_staged(staged)
+        finally:
+            self._backlog[i] -= 1
+        done = [k for k, ok in zip(keys, stored.tolist()) if ok]
+        self.books.events.emit("stored", done, bridge.backend.name)
+
+    async def drain(self, timeout_s: float | None) -> None:
+        """Wait (bounded) for the background writes."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+    # ------------------------------------------------------------------ lookup and fetch
+
+    async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[int, ...]]:
+        """(CPU ready prefix, then how many following keys each lower tier holds in a run).
+
+        A lower tier's answer is a hint (``contains_many``): the read may still miss.
+        """
+        keys = check_keys(keys, distinct=False)
+        cpu = self.books.cpu.ready_prefix(keys)
+        rest, runs = keys[cpu:], []
+        for bridge in self.bridges:
+            if not rest:
+                runs.append(0)
+                continue
+            try:
+                present = await bridge.backend.contains_many(bridge.namespace.stored_keys(rest))
+            except TierError:  # a failing tier is a miss (the backend counted it)
+                present = np.zeros(len(rest), dtype=bool)
+            run = len(rest) if present.all() else int(np.argmin(present))
+            runs.append(run)
+            rest = rest[run:]
+        return cpu, tuple(runs)
+
+    async def fetch(self, keys: Sequence[bytes]) -> int:
+        """Stage the lower tiers' blocks of the keys after the CPU ready prefix into the CPU
+        tier; returns the new ready prefix length. See the module docstring."""
+        keys = check_keys(keys, distinct=False)
+        cpu = self.books.cpu
+        prefix = cpu.ready_prefix(keys)
+        rest = []
+        seen = set()
+        for key in keys[prefix:]:
+            if key in cpu.index or key in seen:  # PENDING, or a gap: stop at it
+                break
+            seen.add(key)
+            rest.append(key)
+        for bridge in self.bridges:
+            if not rest:
+                break
+            try:  # a hint first: never evict CPU blocks for keys the tier does not hold
+                present = await bridge.backend.contains_many(bridge.namespace.stored_keys(rest))
+            except TierError:
+                continue
+            run = len(rest) if present.all() else int(np.argmin(present))
+            if run == 0:
+                continue
+            rest, later = rest[:run], rest[run:]
+            protected = set(keys[:prefix]) | set(rest)
+            try:
+                ids = cpu.make_room(len(rest), protected)
+            except PoolExhaustedError:  # fetch what fits in free blocks
+                rest = rest[: cpu.pool.num_free]
+                if not rest:
+                    break
+                ids = cpu.make_room(len(rest), protected)
+            self.stage_evicted()  # the victims' pages before the promote overwrites them
+            cpu.add_pending(rest, ids, [None, *rest[:-1]])
+            entry = (rest, ids)
+            self.promoting.append(entry)
+            try:
+                hit = await bridge.promote(rest, ids)
+            except BaseException:
+                hit = np.zeros(len(rest), dtype=bool)
+                raise
+            finally:
+                self.promoting.remove(entry)
+                self._settle(rest, ids, hit)
+            if not hit.all():
+                first_miss = int(np.argmin(hit))
+                rest = [k for k, ok in zip(rest[first_miss:], hit[first_miss:].tolist()) if not ok]
+            else:
+                rest = later
+        return cpu.ready_prefix(keys)
+
+    def _settle(self, keys: list[bytes], ids: np.ndarray, hit: np.ndarray) -> None:
+        cpu = self.books.cpu
+        ok = [k for k, h in zip(keys, hit.tolist()) if h]
+        if ok:
+            cpu.stores_landed(ids[hit])
+            self.books.events.stored(ok)
+        if not hit.all():
+            cpu.stores_failed([k for k, h in zip(keys, hit.tolist()) if not h], ids[~hit])
+        self.num_fetch_hits += len(ok)
+        self.num_fetch_misses += len(keys) - len(ok)

@@ -1,0 +1,239 @@
+"""The manager's invariants, checked over its public ``snapshot()``.
+
+Offers:
+    check_invariants  raises ``InvariantError`` naming every broken invariant
+    InvariantError    the ``AssertionError`` it raises
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmgr.manager.cpu_tier import CpuState
+from kvmgr.manager.gpu_pool import GpuState
+from kvmgr.manager.snapshot import ManagerSnapshot
+from kvmgr.pool.block_table import Tier
+from kvmgr.testing.faults import POISON_BYTE, FaultyEngine
+
+if TYPE_CHECKING:
+    from kvmgr.manager import OffloadManager
+
+__all__ = ["InvariantError", "check_invariants"]
+
+_KEYED = (CpuState.PENDING, CpuState.READY)
+
+
+class InvariantError(AssertionError):
+    """A manager invariant does not hold; the message lists every violation found."""
+
+
+def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> None:
+    """Check the manager's bookkeeping against itself; call it between steps of a test.
+
+    Checked (each violation is named in the error, with the offending keys or block ids):
+
+    - CPU tier: a block is allocated exactly when its state is not FREE; every keyed block
+      (PENDING/READY) has one key, every SWAPPED/RESUMING block is in one swapped-out table,
+      every PREEMPTING block belongs to one preempt not settled yet (no leak, no double use);
+    - index and policy track the same keys;
+    - a key is PENDING exactly while one queued or in-flight store writes its block, and its
+      reader count equals the loads of it queued or in flight (nothing pinned for ever);
+    - every moving block table has exactly one preempt or resume queued or in flight;
+    - GPU blocks: each busy count equals the unsettled copies naming the block; with the owned
+      pool, a block is allocated exactly when HELD or DRAINING, every HELD block is in one
+      resident table or one resume in flight, every DRAINING block is busy, and no block a
+      copy uses is FREE (it could be handed out while the DMA still uses it);
+    - no swap future resolved before its copy settled (cancelled ones excepted);
+    - ``statistics()`` agrees with the snapshot; with a ``FaultyEngine``: every unresolved
+      batch belongs to the manager, and two unresolved batches of opposite directions that share
+      a GPU block are ordered by ``wait_for``;
+    - with a poisoning ``FaultyEngine`` and ``scan_poison``: no READY key's pages are all
+      ``POISON_BYTE`` (a failed store treated as complete). Costs one read of every READY page.
+
+    Args:
+        manager: an ``OffloadManager`` (open or closed).
+        scan_poison: scan READY pages for the poison of failed stores.
+
+    Raises:
+        InvariantError: one or more invariants are broken.
+    """
+    snap = manager.snapshot()
+    problems = _check_keys(snap) + _check_cpu(snap) + _check_gpu(snap)
+    for swap in snap.swaps:
+        if swap.future_done and not swap.future_cancelled:
+            problems.append(f"a {swap.kind}'s future resolved before its copy settled")
+    stats = manager.statistics()
+    queued = sum(1 for s in snap.swaps if s.batch_seq is None)
+    if stats.batches_in_flight != len(snap.batches):
+        problems.append(
+            f"statistics: {stats.batches_in_flight} batches in flight, snapshot has "
+            f"{len(snap.batches)}"
+        )
+    if stats.queued_swaps != queued:
+        problems.append(f"statistics: {stats.queued_swaps} queued swaps, snapshot has {queued}")
+    if stats.cpu_blocks_used != len(snap.cpu_allocated):
+        problems.append("statistics: cpu_blocks_used differs from the allocator")
+    pending = sum(1 for k in snap.keys.values() if k.state is CpuState.PENDING)
+    if stats.cpu_keys_pending != pending:
+        problems.append(f"statistics: {stats.cpu_keys_pending} PENDING keys, snapshot {pending}")
+    loading = sum(1 for k in snap.keys.values() if k.readers)
+    if stats.cpu_keys_loading != loading:
+        problems.append(f"statistics: {stats.cpu_keys_loading} keys loading, snapshot {loading}")
+    if isinstance(manager.engine, FaultyEngine):
+        problems += _check_engine(snap, manager.engine)
+        if scan_poison and manager.engine.poisons:
+            problems += _check_poison(snap, manager.cpu_pool.tensors)
+    if problems:
+        raise InvariantError("kvmgr invariants broken:\n- " + "\n- ".join(problems))
+
+
+def _short(key: bytes) -> str:
+    return key.hex()[:16]
+
+
+def _check_keys(snap: ManagerSnapshot) -> list[str]:
+    problems: list[str] = []
+    keys = snap.keys
+    missing = [_short(k) for k in keys if k not in snap.policy_keys]
+    if missing or snap.num_policy_keys != len(keys):
+        problems.append(
+            f"index has {len(keys)} keys, policy {snap.num_policy_keys}; not in the policy: "
+            f"{missing[:8]}"
+        )
+    writes: Counter[int] = Counter()
+    reads: Counter[int] = Counter()
+    for swap in snap.swaps:
+        if swap.kind in ("store", "promote"):
+            writes.update(swap.cpu_block_ids)
+        elif swap.kind == "load":
+            reads.update(swap.cpu_block_ids)
+    for key, entry in keys.items():
+        block = entry.cpu_block_id
+        if snap.cpu_states[block] is not entry.state:
+            problems.append(f"key {_short(key)}: block {block} state differs from the key's")
+        if entry.state not in _KEYED:
+            problems.append(f"key {_short(key)} is on a {entry.state.name} block {block}")
+        pending = entry.state is CpuState.PENDING
+        if pending and writes[block] != 1:
+            problems.append(f"key {_short(key)} is PENDING with {writes[block]} stores in flight")
+        if not pending and writes[block]:
+            problems.append(f"key {_short(key)} is READY while a store still writes its block")
+        if entry.readers != reads[block]:
+            problems.append(f"key {_short(key)} has {entry.readers} readers, {reads[block]} loads")
+        if pending and entry.readers:
+            problems.append(f"key {_short(key)} is PENDING with readers")
+    return problems
+
+
+def _check_cpu(snap: ManagerSnapshot) -> list[str]:
+    problems: list[str] = []
+    owners: dict[int, list[str]] = {}
+    for key, entry in snap.keys.items():
+        owners.setdefault(entry.cpu_block_id, []).append(f"key {_short(key)}")
+    moving: Counter[object] = Counter()
+    for swap in snap.swaps:
+        if swap.kind in ("preempt", "resume"):
+            moving[swap.req_id] += 1
+        if swap.kind == "preempt":
+            for b in swap.cpu_block_ids:
+                owners.setdefault(b, []).append(f"preempt of {swap.req_id!r}")
+    for req_id, table in snap.tables.items():
+        if table.tier is Tier.CPU:
+            for b in table.block_ids:
+                owners.setdefault(b, []).append(f"request {req_id!r}")
+        if table.moving != (moving[req_id] == 1):
+            problems.append(
+                f"request {req_id!r}: moving={table.moving} with {moving[req_id]} "
+                "preempts/resumes queued or in flight"
+            )
+    shared = {b: who for b, who in owners.items() if len(who) > 1}
+    if shared:
+        problems.append(f"CPU blocks with several owners: {dict(list(shared.items())[:8])}")
+    for b, state in enumerate(snap.cpu_states):
+        allocated = b in snap.cpu_allocated
+        if allocated != (state is not CpuState.FREE):
+            problems.append(f"CPU block {b} is {state.name} but allocated={allocated}")
+        elif allocated and b not in owners:
+            problems.append(f"CPU block {b} ({state.name}) is allocated with no owner (leaked)")
+    for b in owners:
+        if b not in snap.cpu_allocated:
+            problems.append(f"CPU block {b} is in use but free in the allocator")
+    return problems
+
+
+def _check_gpu(snap: ManagerSnapshot) -> list[str]:
+    problems: list[str] = []
+    uses: Counter[int] = Counter()
+    for swap in snap.swaps:
+        uses.update(swap.gpu_block_ids)
+    if dict(uses) != dict(snap.gpu_busy):
+        diff = sorted(set(uses.items()) ^ set(snap.gpu_busy.items()))[:8]
+        problems.append(f"GPU busy counts differ from the unsettled copies: {diff}")
+    if snap.gpu_states is None or snap.gpu_allocated is None:
+        return problems
+    holders: dict[int, list[str]] = {}
+    for req_id, table in snap.tables.items():
+        if table.tier is Tier.GPU and table.gpu_owned:
+            for b in table.block_ids:
+                holders.setdefault(b, []).append(f"request {req_id!r}")
+    for swap in snap.swaps:
+        if swap.kind == "resume":
+            for b in swap.gpu_block_ids:
+                holders.setdefault(b, []).append(f"resume of {swap.req_id!r}")
+    twice = {b: who for b, who in holders.items() if len(who) > 1}
+    if twice:
+        problems.append(f"GPU blocks held twice: {dict(list(twice.items())[:8])}")
+    for b, state in enumerate(snap.gpu_states):
+        allocated = b in snap.gpu_allocated
+        if allocated != (state is not GpuState.FREE):
+            problems.append(f"GPU block {b} is {state.name} but allocated={allocated}")
+        if state is GpuState.HELD and b not in holders:
+            problems.append(f"GPU block {b} is HELD by no request and no resume (leaked)")
+        if state is not GpuState.HELD and b in holders:
+            problems.append(f"GPU block {b} is {state.name} but in {holders[b]}")
+        if state is GpuState.DRAINING and not uses[b]:
+            problems.append(f"GPU block {b} is DRAINING with no copy using it")
+        if state is GpuState.FREE and uses[b]:
+            problems.append(
+                f"GPU block {b} is FREE while a queued or in-flight copy uses it (could be "
+                "handed out mid-copy)"
+            )
+    return problems
+
+
+def _check_engine(snap: ManagerSnapshot, engine: FaultyEngine) -> list[str]:
+    problems: list[str] = []
+    known = {b.engine_batch_id for b in snap.batches}
+    stray = sorted(set(engine.unresolved_batch_ids) - known)
+    if stray:
+        problems.append(f"engine batches {stray} are unresolved but unknown to the manager")
+    waits = {b.engine_batch_id: engine.unresolved_wait_for(b.engine_batch_id) for b in snap.batches}
+    for i, later in enumerate(snap.batches):
+        later_waits = waits[later.engine_batch_id]
+        if later_waits is None:
+            continue  # its copy has ended
+        for earlier in snap.batches[:i]:
+            if earlier.direction is later.direction or waits[earlier.engine_batch_id] is None:
+                continue
+            shared = set(earlier.gpu_block_ids) & set(later.gpu_block_ids)
+            if shared and earlier.engine_batch_id not in later_waits:
+                problems.append(
+                    f"batches {earlier.engine_batch_id} and {later.engine_batch_id} share GPU "
+                    f"blocks {sorted(shared)[:8]} without a wait_for fence"
+                )
+    return problems
+
+
+def _check_poison(snap: ManagerSnapshot, pages: list[torch.Tensor]) -> list[str]:
+    ready = [(k, e.cpu_block_id) for k, e in snap.keys.items() if e.state is CpuState.READY]
+    if not ready:
+        return []
+    block_ids = torch.tensor([b for _, b in ready], dtype=torch.long)
+    poisoned = torch.ones(len(ready), dtype=torch.bool)
+    for tensor in pages:
+        poisoned &= (tensor[block_ids] == POISON_BYTE).all(dim=1)
+    bad = [_short(ready[i][0]) for i in torch.nonzero(poisoned).flatten().tolist()]
+    return [f"READY keys hold the poison of a failed store: {bad[:8]}"] if bad else []

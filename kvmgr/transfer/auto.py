@@ -1,0 +1,76 @@
+"""The per-plan choice between the copy kernel and the DMA batch.
+
+Offers:
+    ChoiceCopy      ``issue(plan, stream)``: hands each plan to ``KernelCopy`` or ``DmaCopy``
+    always_kernel   the choice of engine ``"kernel"``: every plan to the kernel
+    cost_model      the choice of engine ``"auto"``: ``kernel_or_batch`` on the plan's counts
+
+A plan goes to DMA whatever the choice says when the kernel cannot take it: no kernel (Triton
+missing, or it failed its warm-up copy) or a CPU tier that fell back to pageable memory (the
+kernel can only dereference pinned or registered host pages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
+from kvmgr.transfer.dma import DmaCopy
+from kvmgr.transfer.kernel import KernelCopy
+from kvmgr.transfer.plan import TransferPlan
+from kvmgr.transfer.streams import Issued
+
+__all__ = ["ChoiceCopy", "always_kernel", "cost_model"]
+
+#: ``(plan, num_bytes) -> True`` to copy with the kernel.
+Choice = Callable[[TransferPlan, int], bool]
+
+
+def always_kernel(plan: TransferPlan, num_bytes: int) -> bool:
+    """Engine ``"kernel"``: every plan to the copy kernel."""
+    del plan, num_bytes
+    return True
+
+
+def cost_model(calibration: Calibration) -> Choice:
+    """Engine ``"auto"``: the kernel where ``kernel_or_batch`` (copy time plus the compute the
+    copy slows, ``kvmgr.transfer.cost_model``) says so; a few float operations per plan."""
+
+    def choose(plan: TransferPlan, num_bytes: int) -> bool:
+        n = len(plan.sizes)
+        return kernel_or_batch(n, num_bytes, plan.direction, calibration) == "kernel"
+
+    return choose
+
+
+class ChoiceCopy:
+    """Sends each plan to the kernel or to DMA.
+
+    Args:
+        dma: the DMA issuer (also the fallback).
+        kernel: the kernel issuer, or ``None`` when there is no usable kernel.
+        choose: ``always_kernel`` or ``cost_model(calibration)``.
+
+    Attributes:
+        pageable_host: set by the engine when a CPU-tier allocation fell back to pageable
+            memory; from then on every plan goes to DMA.
+    """
+
+    def __init__(self, dma: DmaCopy, kernel: KernelCopy | None, choose: Choice) -> None:
+        self.dma = dma
+        self.kernel = kernel
+        self.choose = choose
+        self.pageable_host = False
+
+    def issue(self, plan: TransferPlan, stream: Any) -> Issued:
+        """Issue ``plan`` on ``stream`` with the chosen issuer."""
+        kernel = self.kernel
+        if (
+            kernel is not None
+            and not self.pageable_host
+            and len(plan.sizes)
+            and self.choose(plan, plan.num_bytes)
+        ):
+            return kernel.issue(plan, stream)
+        return self.dma.issue(plan, stream)

@@ -1,0 +1,298 @@
+"""Streams, events and completion shared by the CUDA engines.
+
+Offers:
+    Issued          what one ``issue(plan, stream)`` call enqueued: path, chunks, keep-alive, error
+    CopyIssuer      the protocol of ``issue``: ``DmaCopy`` (dma.py), ``KernelCopy`` (kernel.py),
+                    ``ChoiceCopy`` (auto.py)
+    CopyCounters    the one set of running totals of an engine (thread-safe updates)
+    CopyStreams     per-direction copy streams, compute fences, start/end events and FIFO
+                    completion threads around an issuer's work
+
+Ordering (docs/transfer.md): each direction has its own non-default copy stream, H2D at higher
+priority. Before a batch, its copy stream waits on an event recorded on the compute stream (rules
+3, 4) and on the end events of ``wait_for`` batches; start and end events bracket the issuer's
+copies. Batches of one direction therefore run and complete in FIFO order.
+
+Completion: one thread per direction sleeps in ``end_event.synchronize()`` (blocking-sync events,
+no polling, GIL released) for each batch in submission order, then drops what the issuer asked to
+keep alive (rule 7), hands its reusable buffers back, updates the totals and resolves the future.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from kvmgr.errors import TransferError, TransferTimeoutError
+from kvmgr.transfer.engine import BatchHandle, BatchResult
+from kvmgr.transfer.plan import Direction, TransferPlan
+
+__all__ = ["CopyCounters", "CopyIssuer", "CopyStreams", "Issued"]
+
+_PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the device's range
+
+
+@attrs.define(eq=False)
+class Issued:
+    """What an issuer enqueued for one plan.
+
+    Attributes:
+        path: ``"batch"``, ``"loop"`` or ``"kernel"``: reported as ``BatchResult.path``.
+        num_chunks: driver calls or launches made.
+        num_fallbacks: chunks the driver copied with the per-copy loop instead of the batch.
+        keep_alive: objects the device may still read (pointer arrays, tables) until the end event.
+        release: called once on the completion thread after the end event (returns a reusable
+            descriptor buffer to its pool), or ``None``.
+        error: a refused call, reported through the batch's future; copies enqueued before it
+            still run.
+    """
+
+    path: str
+    num_chunks: int = 1
+    num_fallbacks: int = 0
+    keep_alive: tuple[Any, ...] = ()
+    release: Callable[[], None] | None = None
+    error: TransferError | None = None
+
+
+class CopyIssuer(Protocol):
+    """Enqueues one plan's copies on a stream; everything else is ``CopyStreams``'."""
+
+    def issue(self, plan: TransferPlan, stream: Any) -> Issued:
+        """Enqueue ``plan``'s copies on ``stream`` (a ``torch.cuda.Stream``) and return at once.
+        Must not raise for a refused driver call or launch: report it in ``Issued.error``."""
+        ...
+
+
+@attrs.define
+class CopyCounters:
+    """Running totals of one engine, updated under ``lock`` (all counters only grow, except
+    ``in_flight``). Field meanings: ``CudaEngineStatistics``."""
+
+    batches_submitted: int = 0
+    batches_completed: int = 0
+    batches_failed: int = 0
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    device_s_d2h: float = 0.0
+    device_s_h2d: float = 0.0
+    in_flight: int = 0
+    chunks_submitted: int = 0
+    loop_fallbacks: int = 0
+    kernel_batches: int = 0
+    dma_batches: int = 0
+    submit_s: float = 0.0
+    issue_s: float = 0.0
+    lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False, eq=False)
+
+    def totals(self) -> dict[str, Any]:
+        """A consistent snapshot of every counter, by field name."""
+        with self.lock:
+            return {k: v for k, v in attrs.asdict(self).items() if k != "lock"}
+
+
+@attrs.define(eq=False)
+class _InFlight:
+    handle: BatchHandle
+    start: Any  # torch.cuda.Event
+    num_bytes: int
+    num_descriptors: int
+    issued: Issued
+    plan: TransferPlan | None  # kept until the end event (rule 7)
+
+
+class CopyStreams:
+    """Per-direction copy streams with fences, events and FIFO completion.
+
+    Args:
+        device: the CUDA device.
+        compute_stream: stream the copies are ordered after (and ``stream_wait`` targets by
+            default); the current stream at each submit if ``None``.
+        h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
+        name: thread name prefix.
+
+    Attributes:
+        counters: the engine's totals.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        compute_stream: Any = None,
+        *,
+        h2d_priority: str = "high",
+        name: str = "cuda",
+    ) -> None:
+        self._device = device
+        self._compute_stream = compute_stream
+        self._streams = {
+            Direction.D2H: torch.cuda.Stream(device, priority=_PRIORITIES["normal"]),
+            Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
+        }
+        self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
+        self.counters = CopyCounters()
+        self._next_batch_id = 0
+        self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
+            d: queue.SimpleQueue() for d in Direction
+        }
+        self._threads = [
+            threading.Thread(
+                target=self._complete_in_order,
+                args=(self._queues[d],),
+                name=f"kvmgr-{name}-{d.value}-done",
+                daemon=True,
+            )
+            for d in Direction
+        ]
+        for thread in self._threads:
+            thread.start()
+        self._stopped = False
+
+    def stream(self, direction: Direction) -> Any:
+        """The copy stream of a direction."""
+        return self._streams[direction]
+
+    def submit(
+        self,
+        plan: TransferPlan,
+        issuer: CopyIssuer,
+        wait_for: Sequence[BatchHandle],
+        entered: float,
+    ) -> BatchHandle:
+        """Fence, bracket ``issuer.issue(plan, stream)`` with events, queue the completion.
+
+        ``entered`` is the ``perf_counter`` at which the engine's ``submit`` began (for
+        ``submit_s``). Returns at once; the handle's future resolves on the completion thread.
+        """
+        direction = plan.direction
+        stream = self._streams[direction]
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
+        with _on_device(self._device):
+            compute = self._compute_stream or torch.cuda.current_stream(self._device)
+            fence = self._fences[direction]
+            fence.record(compute)
+            stream.wait_event(fence)
+            for other in wait_for:
+                if other.end_event is not None:
+                    stream.wait_event(other.end_event)
+            start.record(stream)
+            issued_at = time.perf_counter()
+            issued = issuer.issue(plan, stream)
+            issue_s = time.perf_counter() - issued_at
+            end.record(stream)
+        if issued.error is not None:
+            issued.error = TransferError(
+                f"batch {batch_id}: {issued.error}", fail_index=issued.error.fail_index
+            )
+        handle = BatchHandle(batch_id, direction, concurrent.futures.Future(), end_event=end)
+        item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan)
+        counters = self.counters
+        with counters.lock:  # counted before the completion thread can see the batch
+            counters.batches_submitted += 1
+            counters.in_flight += 1
+            counters.chunks_submitted += issued.num_chunks
+            counters.loop_fallbacks += issued.num_fallbacks
+            if issued.path == "kernel":
+                counters.kernel_batches += 1
+            else:
+                counters.dma_batches += 1
+            counters.issue_s += issue_s
+            counters.submit_s += time.perf_counter() - entered
+        self._queues[direction].put(item)
+        return handle
+
+    def stream_wait(self, handle: BatchHandle, stream: Any = None) -> None:
+        """Make ``stream`` (the compute stream, else the current one) wait for the batch's end
+        event on the device; the host does not block (rule 4)."""
+        if handle.end_event is None:
+            return
+        if stream is None:
+            stream = self._compute_stream or torch.cuda.current_stream(self._device)
+        stream.wait_event(handle.end_event)
+
+    def stop(self) -> None:
+        """Stop accepting batches: the threads finish what is queued, then exit. Idempotent."""
+        if not self._stopped:
+            self._stopped = True
+            for q in self._queues.values():
+                q.put(None)
+
+    def join(self, timeout_s: float | None) -> None:
+        """Wait for the completion threads (after ``stop``).
+
+        Raises:
+            TransferTimeoutError: batches were still in flight after ``timeout_s`` seconds.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            raise TransferTimeoutError(
+                f"{self.counters.in_flight} batches still in flight after {timeout_s} s"
+            )
+
+    def _complete_in_order(self, inbox: queue.SimpleQueue[_InFlight | None]) -> None:
+        """Completion thread of one direction: one event synchronize per batch, FIFO."""
+        counters = self.counters
+        while (item := inbox.get()) is not None:
+            handle, issued, device_s = item.handle, item.issued, 0.0
+            error = issued.error
+            try:
+                handle.end_event.synchronize()  # blocking-sync event: sleeps, GIL released
+                if error is None:
+                    device_s = item.start.elapsed_time(handle.end_event) / 1e3
+            except Exception as exc:  # an asynchronous CUDA error surfaced at the event
+                error = error or TransferError(
+                    f"batch {handle.batch_id} failed on the device: {exc}"
+                )
+            # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
+            item.plan, keep, release = None, issued.keep_alive, issued.release
+            issued.keep_alive, issued.release = (), None
+            del keep
+            if release is not None:
+                release()
+            with counters.lock:
+                counters.in_flight -= 1
+                if error is not None:
+                    counters.batches_failed += 1
+                elif handle.direction is Direction.D2H:
+                    counters.batches_completed += 1
+                    counters.bytes_d2h += item.num_bytes
+                    counters.device_s_d2h += device_s
+                else:
+                    counters.batches_completed += 1
+                    counters.bytes_h2d += item.num_bytes
+                    counters.device_s_h2d += device_s
+            # A cancelled future raises InvalidStateError: nobody is left to tell.
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if error is not None:
+                    handle.future.set_exception(error)
+                else:
+                    handle.future.set_result(
+                        BatchResult(
+                            batch_id=handle.batch_id,
+                            direction=handle.direction,
+                            num_bytes=item.num_bytes,
+                            num_descriptors=item.num_descriptors,
+                            device_s=device_s,
+                            path=issued.path,
+                        )
+                    )
+
+
+def _on_device(device: torch.device) -> Any:
+    """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
+    if device.index is not None and torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Consolidated GPU calls of the 2026-12-01 session. Usage: bash scripts/gpu_round2.sh a|b
+# a: the whole test suite, host path, swap / swap-kernel / MLA / c128 benches
+# b: peer baselines (MLA + swap) and the end-to-end serving-loop bench
+# One combined log ($OUT/log.txt) plus JSON files, so everything fits the files that come back.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+LOG="$OUT/log.txt"
+run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"; timeout "$secs" "$@" >"/tmp/$name.log" 2>&1; local rc=$?; cat "/tmp/$name.log" >>"$LOG"; tail -n "${TAIL:-12}" "/tmp/$name.log"; echo "=== $name rc=$rc" | tee -a "$LOG"; }
+case ${1:-a} in
+  a)
+    TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
+    TAIL=25 run pytest_all 270 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 -x tests
+    TAIL=22 run bench_host 80 python3 -m kvmgr.cli bench host --rounds 150 --steps 2000 --json "$OUT/host.json"
+    TAIL=30 run bench_swap 75 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 5 --warmup 1 --variants batch_ctypes kernel auto --json "$OUT/swap.json"
+    TAIL=30 run bench_swap_kernel 60 python3 -m kvmgr.cli bench swap-kernel --geometries qwen --blocks 512 --repeats 5 --warmup 1 --programs 8 16 32 --matmuls 10 --interference-repeats 3 --json "$OUT/swap_kernel.json"
+    TAIL=30 run bench_mla 45 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 15 --json "$OUT/mla.json"
+    TAIL=30 run bench_c128 35 python3 -m kvmgr.cli bench c128 --repeats 7 --steps 100 --json "$OUT/c128.json" ;;
+  b)
+    TAIL=40 run bench_peer 200 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
+    TAIL=30 run engine_bench 300 python3 -m examples.engine.bench --json "$OUT/engine.json" ;;
+esac
