@@ -677,6 +677,9 @@ def test_pack_declines_what_it_cannot_launch(monkeypatch, case):
     assert packed_launch.pack(launcher, compiled, [torch.empty(2), 7, 0.5, 64], {}, 0, None) is None
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the interpreter's fallback (CPU machines only)"
+)
 def test_bind_falls_back_to_triton_launches_under_the_interpreter_and_opt_out():
     from kvmgr.kernels.packed_launch import TritonLaunch
 
