@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Consolidated GPU calls of the 2026-12-01 session. Usage: bash scripts/gpu_round2.sh a|b
 # a: the whole test suite, host path, swap / swap-kernel / MLA / c128 benches
-# b: peer baselines (MLA + swap) and the end-to-end serving-loop bench
+# b: the whole suite without -x, and the peer baselines (MLA + swap)
+# c: the end-to-end serving-loop bench (examples/engine)
 # One combined log ($OUT/log.txt) plus JSON files, so everything fits the files that come back.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,6 +21,10 @@ case ${1:-a} in
     TAIL=30 run bench_mla 45 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 15 --json "$OUT/mla.json"
     TAIL=30 run bench_c128 35 python3 -m kvmgr.cli bench c128 --repeats 7 --steps 100 --json "$OUT/c128.json" ;;
   b)
-    TAIL=40 run bench_peer 200 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
-    TAIL=30 run engine_bench 300 python3 -m examples.engine.bench --json "$OUT/engine.json" ;;
+    TAIL=25 run pytest_all 230 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 tests
+    TAIL=40 run bench_peer 220 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
+    ;;
+  c)
+    TAIL=12 run pytest_engine 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_example_engine.py
+    TAIL=30 run engine_bench 420 python3 -m examples.engine.bench --json "$OUT/engine.json" ;;
 esac
