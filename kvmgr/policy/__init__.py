@@ -22,6 +22,7 @@ from kvmgr.policy.arc import ARCPolicy
 from kvmgr.policy.base import AdmissionPolicy, EvictionPolicy, KeyPredicate, _check_capacity
 from kvmgr.policy.lru import LRUPolicy
 from kvmgr.policy.opt import FutureUses, OptimalPolicy
+from kvmgr.policy.reuse import ReusePolicy
 from kvmgr.policy.s3fifo import S3FIFOPolicy
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "KeyPredicate",
     "LRUPolicy",
     "OptimalPolicy",
+    "ReusePolicy",
     "S3FIFOPolicy",
     "make_policy",
 ]
@@ -41,6 +43,7 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
+    "reuse": ReusePolicy,
     "opt": OptimalPolicy,
 }
 """Registry of policy classes by name; never mutated at run time."""
