@@ -205,6 +205,10 @@ class ManagerState(abc.ABC):
             raise InvalidKeyError(f"expected one parent per key, got {len(parents)}")
         future = self._new_future()
         fresh = [i for i, key in enumerate(keys) if key not in self.index]
+        admit = getattr(self.policy, "admit", None)
+        if admit is not None and fresh:  # admission control: declined keys are skipped
+            accepted = admit([keys[i] for i in fresh], [parents[i] for i in fresh])
+            fresh = [i for i, ok in zip(fresh, accepted) if ok]
         new_keys = [keys[i] for i in fresh]
         if len(fresh) < len(keys):
             self.policy.touch([key for key in keys if key in self.index])

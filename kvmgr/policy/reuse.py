@@ -27,7 +27,7 @@ _GAP_EDGES = np.geomspace(1.0, 1e5, 61)  # s; log-spaced bins of the reuse-gap h
 class _Segment:
     """The blocks one request stored in one go (a chain): the unit the policy learns on."""
 
-    __slots__ = ("cls", "keys", "last", "proven", "resolved", "start", "tracked", "turn")
+    __slots__ = ("cls", "grown", "keys", "last", "proven", "resolved", "start", "tracked", "turn")
 
     def __init__(self, keys: list[bytes], turn: int, now: float) -> None:
         self.keys = keys  # chain order; the tip (last) is evicted first
@@ -35,6 +35,7 @@ class _Segment:
         self.cls = _class_of(turn, len(keys))
         self.start = now  # start of the current trial: stored, or last reused
         self.last = now  # last event (store, extension, reuse)
+        self.grown = now  # last time a chunk of its prefill was stored
         self.resolved = False  # the current trial ended (reused, or judged dead)
         self.proven = False  # reused at least once: lives in the main queue
         self.tracked = 0  # keys of it still resident
@@ -218,7 +219,8 @@ class ReusePolicy:
             if seg_up is not None and self._is_tip(seg_up, up, now):
                 turn, size = seg_up.turn, len(seg_up.keys) + end - start
             else:
-                turn, size = (seg_up.turn + 1 if seg_up is not None else 1), end - start
+                turn = seg_up.turn + (now - seg_up.start > self._continue_s) if seg_up else 1
+                size = end - start
             cls = _class_of(turn, size)
             if self._trials[cls] >= self._min_trials and self._rate(cls) < self._min_reuse:
                 accept[start:end] = False
@@ -284,10 +286,8 @@ class ReusePolicy:
             assert seg is not None
             fronts[from_probation] = next(scans[from_probation], None)
             before = len(victims.keys)
-            for key in reversed(seg.keys):
-                if key in tracked and not victims.offer(key):
-                    break  # the keys before it are its ancestors: blocked as well
-                if victims.is_full:
+            for key in reversed(seg.keys):  # ancestors of a blocked key wait in the set
+                if key in tracked and victims.offer(key) and victims.is_full:
                     break
             if from_probation:
                 virtual_probation -= len(victims.keys) - before
@@ -349,20 +349,23 @@ class ReusePolicy:
 
     def _is_tip(self, seg: _Segment, key: bytes | None, now: float) -> bool:
         """Whether a chain under ``key`` continues ``seg`` (same prefill, at its tip)."""
-        return bool(seg.keys) and seg.keys[-1] == key and now - seg.last <= self._continue_s
+        return bool(seg.keys) and seg.keys[-1] == key and now - seg.grown <= self._continue_s
 
     def _attach(
         self, chain: list[bytes], up: bytes | None, now: float, back: _Segment | None
     ) -> _Segment:
         """The segment ``chain`` joins: its parent's (same prefill) or a new one."""
         seg_up = self._seg_of.get(up) if up is not None else None
+        back_turn = back.turn + 1 if back is not None else 1  # before _reuse may count it
         if seg_up is not None and self._is_tip(seg_up, up, now):
             seg_up.keys.extend(chain)  # the next chunk of the same prefill
             seg_up.cls, seg_up.last = _class_of(seg_up.turn, len(seg_up.keys)), now
+            seg_up.grown = now
             return seg_up
         if seg_up is not None:
             self._reuse(seg_up, now)  # a later request extended it: its prefix was reused
-        turn = max(seg_up.turn + 1 if seg_up is not None else 1, back.turn + 1 if back else 1)
+        # turn = requests that used the chain so far; this one was counted by _reuse
+        turn = max(seg_up.turn if seg_up is not None else 1, back_turn)
         seg = _Segment(chain, turn, now)
         self._open.append((now, seg))
         if back is not None:  # stored again after eviction: a proven conversation

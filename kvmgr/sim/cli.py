@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmgr.errors import KVMgrError
+from kvmgr.policy import POLICIES
 from kvmgr.sim.loop import SimConfig, simulate
 from kvmgr.sim.presets import MODEL_PRESETS
 from kvmgr.sim.report import render_report
@@ -113,7 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.block_size,
         help=f"tokens per block, dividing 512 (default {d.block_size})",
     )
-    m.add_argument("--policy", choices=("lru", "arc"), default=d.policy)
+    m.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=d.policy,
+        help="CPU eviction policy; opt = the offline optimum (knows the trace's future)",
+    )
     m.add_argument(
         "--write-policy",
         choices=WRITE_POLICIES,
@@ -177,7 +183,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="run these CPU capacities (default 1M,3M,6M,12M,25M,50M,100M)",
     )
-    w.add_argument("--sweep-policies", default="lru,arc", help="policies of the sweep")
+    w.add_argument(
+        "--sweep-policies",
+        default="lru,arc,s3fifo,reuse,opt",
+        help="policies of the sweep (opt: the offline optimum, the bound)",
+    )
     w.add_argument(
         "--plot",
         type=Path,
