@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
@@ -253,8 +253,8 @@ class ReusePolicy:
         unique = list(dict.fromkeys(keys))
         check_tracked(self._parent_of, unique, self.name)
         self._tree.release(map(self._parent_of.pop, unique))
-        for key in unique:
-            self._drop(self._seg_of.pop(key))
+        for seg, count in Counter(map(self._seg_of.pop, unique)).items():
+            self._drop(seg, count)
 
     def evict(
         self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
@@ -286,20 +286,21 @@ class ReusePolicy:
             assert seg is not None
             fronts[from_probation] = next(scans[from_probation], None)
             before = len(victims.keys)
-            for key in reversed(seg.keys):  # ancestors of a blocked key wait in the set
-                if key in tracked and victims.offer(key) and victims.is_full:
-                    break
+            # tip first; ancestors of a blocked key wait in the set
+            victims.offer_all(filter(tracked.__contains__, reversed(seg.keys)))
             if from_probation:
                 virtual_probation -= len(victims.keys) - before
         if not victims.is_full:
             victims.rollback()
             return None
-        for key in victims.keys:
-            del self._parent_of[key]
-            seg = tracked.pop(key)
-            self._remember([key], seg)
-            self._drop(seg)
-        return victims.keys
+        chosen = victims.keys
+        segs = list(map(tracked.pop, chosen))
+        deque(map(self._parent_of.__delitem__, chosen), 0)
+        self._ghost.update(zip(chosen, segs))
+        self._trim_ghost()
+        for seg, count in Counter(segs).items():
+            self._drop(seg, count)
+        return chosen
 
     def __len__(self) -> int:
         return len(self._parent_of)
@@ -395,11 +396,11 @@ class ReusePolicy:
             self._num_probation -= seg.tracked
             self._main[seg] = None
 
-    def _drop(self, seg: _Segment) -> None:
-        """One key of ``seg`` stopped being tracked."""
-        seg.tracked -= 1
+    def _drop(self, seg: _Segment, count: int) -> None:
+        """``count`` keys of ``seg`` stopped being tracked."""
+        seg.tracked -= count
         if not seg.proven:
-            self._num_probation -= 1
+            self._num_probation -= count
         if seg.tracked == 0:
             (self._main if seg.proven else self._probation).pop(seg, None)
         else:
@@ -453,9 +454,12 @@ class ReusePolicy:
                 self._count(seg, reused=False)
 
     def _remember(self, keys: list[bytes], seg: _Segment) -> None:
-        ghost = self._ghost
-        ghost.update(dict.fromkeys(keys, seg))
-        while len(ghost) > 4 * self.capacity:
+        self._ghost.update(dict.fromkeys(keys, seg))
+        self._trim_ghost()
+
+    def _trim_ghost(self) -> None:
+        ghost, bound = self._ghost, 4 * self.capacity
+        while len(ghost) > bound:
             ghost.popitem(last=False)
 
 
