@@ -80,7 +80,9 @@ class ManagerConfig:
     backpressure: str = attrs.field(default="fail", validator=_one_of(BACKPRESSURE_MODES))
     store_wait_s: float = attrs.field(default=1.0)
     allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=v.instance_of(Mapping))
+    policy_options: Mapping[str, Any] = attrs.field(
+        factory=dict, validator=v.instance_of(Mapping), hash=False
+    )
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:
