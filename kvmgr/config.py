@@ -112,7 +112,9 @@ class ManagerConfig:
     max_events: int = attrs.field(default=4096, validator=_non_negative)
     tier_write_back: bool = attrs.field(default=True, validator=v.instance_of(bool))
     tier_write_through: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=v.instance_of(Mapping))
+    policy_options: Mapping[str, Any] = attrs.field(
+        factory=dict, validator=v.instance_of(Mapping), hash=False
+    )
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:

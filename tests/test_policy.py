@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvmgr.errors import BlockStateError, ConfigError, UnknownKeyError
-from kvmgr.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvmgr.policy import (
+    POLICIES,
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    ReusePolicy,
+    S3FIFOPolicy,
+    make_policy,
+)
 
 a, b, c, d, e, f, g, h, i = (bytes([ch]) * 3 for ch in b"abcdefghi")
 P = TypeVar("P", bound=EvictionPolicy)
@@ -26,20 +34,36 @@ def _fill(policy: P, *keys: bytes) -> P:
 
 
 def _resident(policy: EvictionPolicy) -> list[bytes]:
-    """Tracked keys: LRU order for LRU, T1 then T2 for ARC."""
+    """Tracked keys: LRU order for LRU, T1 then T2 for ARC, small then main for S3-FIFO."""
     if isinstance(policy, ARCPolicy):
         return policy.t1 + policy.t2
+    if isinstance(policy, S3FIFOPolicy):
+        return policy.small + policy.main
+    if isinstance(policy, ReusePolicy):
+        return [k for k in [*KEYS, a, b, c, d, e, f, g, h, i] if k in policy]
     return policy.ordered_keys()  # type: ignore[attr-defined, no-any-return]
 
 
 def _snapshot(policy: EvictionPolicy) -> object:
     if isinstance(policy, ARCPolicy):
         return (policy.t1, policy.t2, policy.b1, policy.b2, policy.target)
+    if isinstance(policy, S3FIFOPolicy):
+        return (policy.small, policy.main, policy.ghost, dict(policy._freq))
     return _resident(policy)
 
 
-@pytest.fixture(params=sorted(POLICIES))
+ONLINE = sorted(name for name in POLICIES if name != "opt")
+
+
+@pytest.fixture(params=["arc", "lru"])
 def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
+    """The recency policies, whose exact orders these tests spell out."""
+    return make_policy(request.param, 8)
+
+
+@pytest.fixture(params=ONLINE)
+def online(request: pytest.FixtureRequest) -> EvictionPolicy:
+    """Every online policy (the prefix rules hold for all of them)."""
     return make_policy(request.param, 8)
 
 
@@ -102,8 +126,13 @@ def test_remove_and_bad_input(policy: EvictionPolicy) -> None:
 
 
 def test_unknown_policy_name_lists_supported() -> None:
-    with pytest.raises(ConfigError, match=r"policy 'lfu'; supported: 'arc', 'lru'$"):
+    supported = ", ".join(repr(name) for name in sorted(POLICIES))
+    with pytest.raises(ConfigError, match=f"policy 'lfu'; supported: {supported}$"):
         make_policy("lfu", 4)
+    with pytest.raises(ConfigError, match="bad options"):
+        make_policy("lru", 4, clock=lambda: 0.0)
+    with pytest.raises(ConfigError, match="offline"):
+        make_policy("opt", 4)
     for capacity in (0, -3, True, 2.0):
         with pytest.raises(ConfigError, match="policy capacity"):
             make_policy("lru", capacity)  # type: ignore[arg-type]
@@ -152,6 +181,25 @@ def test_pinned_or_protected_child_keeps_its_parent(policy: EvictionPolicy) -> N
     # a removed parent (invalidation) leaves an orphan that is evictable by itself
     policy.remove([a])
     assert policy.evict(2, ANY) == [c, b]
+
+
+def test_prefix_rules_hold_for_every_online_policy(online: EvictionPolicy) -> None:
+    # two chains in one batch, a <- b <- c and d <- e, then f extending b
+    online.insert([a, b, c, d, e], [None, a, b, None, d])
+    online.insert([f], [b])
+    assert isinstance(online, EvictionPolicy) and len(online) == 6
+    before = sorted(k for k in (a, b, c, d, e, f) if k in online)
+    # c and f pinned: a and b cannot go (their children stay), only e then d
+    assert online.evict(3, lambda key: key not in (c, f)) is None
+    assert sorted(k for k in (a, b, c, d, e, f) if k in online) == before
+    assert online.evict(2, lambda key: key not in (c, f)) == [e, d]
+    victims = online.evict(4, ANY)
+    assert victims is not None and sorted(victims) == sorted([a, b, c, f])
+    for child, parent in ((b, a), (c, b), (f, b)):
+        assert victims.index(child) < victims.index(parent)
+    assert len(online) == 0
+    with pytest.raises(UnknownKeyError):
+        online.remove([a])
 
 
 def test_batch_parents_within_and_across_batches(policy: EvictionPolicy) -> None:
@@ -347,6 +395,8 @@ class PolicyMachine(RuleBasedStateMachine):
         if isinstance(self.policy, LRUPolicy):
             assert resident == list(self.model)
             return
+        if not isinstance(self.policy, ARCPolicy):
+            return
         arc = self.policy
         assert isinstance(arc, ARCPolicy)
         t1, t2, b1, b2 = set(arc.t1), set(arc.t2), set(arc.b1), set(arc.b2)
@@ -360,7 +410,19 @@ class ARCMachine(PolicyMachine):
     policy_name = "arc"
 
 
+class S3FIFOMachine(PolicyMachine):
+    policy_name = "s3fifo"
+
+
+class ReuseMachine(PolicyMachine):
+    policy_name = "reuse"
+
+
 TestLRUStateful = PolicyMachine.TestCase
 TestARCStateful = ARCMachine.TestCase
+TestS3FIFOStateful = S3FIFOMachine.TestCase
+TestReuseStateful = ReuseMachine.TestCase
 for _case in (TestLRUStateful, TestARCStateful):
     _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+for _case in (TestS3FIFOStateful, TestReuseStateful):
+    _case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

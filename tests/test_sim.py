@@ -25,7 +25,7 @@ from kvmgr.sim.gpu_cache import GPUPrefixCache
 from kvmgr.sim.keys import KEY_BYTES, BlockKeyer, private_key
 from kvmgr.sim.loop import SimConfig, simulate
 from kvmgr.sim.pages import PageStore
-from kvmgr.sim.report import SimReport
+from kvmgr.sim.report import SimReport, render_report
 from kvmgr.sim.trace import TraceError, TraceRequest, default_trace_path, load_trace
 from kvmgr.testing import FaultyEngine
 from kvmgr.transfer import Direction, HostEngine
@@ -75,6 +75,7 @@ def _check_invariants(report: SimReport, num_requests: int) -> None:
     assert report.d2h["blocks"] == (
         c["store_blocks"]
         - c["store_skipped_blocks"]
+        - c["store_declined_blocks"]
         - c["store_dropped_blocks"]
         + c["preempt_blocks"]
     )
@@ -275,6 +276,20 @@ def test_trace_slice_end_to_end_keeps_the_invariants(
     c = report.counters
     assert c["cpu_hit_blocks"] > 0 and report.cpu_evictions > 0 and report.gpu_evictions > 0
     assert 0 < report.hit_ratio < report.ceiling_ratio
+
+
+def test_offline_optimum_and_reuse_policy_in_the_loop(mooncake: list[TraceRequest]) -> None:
+    requests = mooncake[:250]
+    reports = {
+        policy: simulate(SimConfig(gpu_tokens=200_000, cpu_tokens=600_000, policy=policy), requests)
+        for policy in ("lru", "reuse", "opt")
+    }
+    for report in reports.values():
+        _check_invariants(report, len(requests))
+    # the optimum is given the future: it bounds the online policies
+    assert reports["opt"].hit_ratio > max(reports["lru"].hit_ratio, reports["reuse"].hit_ratio)
+    assert reports["opt"].hit_ratio <= reports["opt"].ceiling_ratio
+    assert "declined by admission" in str(render_report(reports["reuse"]).columns[1]._cells)
 
 
 def test_unbounded_capacities_reach_the_trace_ceiling(mooncake: list[TraceRequest]) -> None:

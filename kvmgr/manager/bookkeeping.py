@@ -289,6 +289,10 @@ class Bookkeeper:
             cpu.add_pending(new_keys, cpu_ids, new_parents)
         if self._threshold > 1:
             self._count_sightings(new_keys, waiting)
+        if num_present:  # the resident part of the call's prefix was just used again
+            written = frozenset(new_keys)
+            index = cpu.index
+            cpu.policy.touch([k for k in keys if k in index and k not in written])
         if small:
             src: list[int] | np.ndarray = gpu if m == n else [gpu[i] for i in fresh]
         else:

@@ -6,7 +6,8 @@ Offers:
   ``remove(keys)``, ``evict(n, can_evict, protected)``, ``__len__``, ``__contains__``,
   ``name``); `AdmissionPolicy` adds ``admit(keys, parents)``. See `kvmgr.policy.base`.
 - `LRUPolicy` (``"lru"``) and `ARCPolicy` (``"arc"``), prefix-consistent
-  (`kvmgr.policy.tree`).
+  (`kvmgr.policy.tree`); `OptimalPolicy` (``"opt"``), the offline bound, which needs
+  ``future=FutureUses(...)`` (the simulator passes it).
 - `POLICIES`: the registry, name -> class; `make_policy(name, capacity, **options)` builds one.
 """
 
@@ -20,18 +21,31 @@ from kvmgr.errors import ConfigError
 from kvmgr.policy.arc import ARCPolicy
 from kvmgr.policy.base import AdmissionPolicy, EvictionPolicy, KeyPredicate, _check_capacity
 from kvmgr.policy.lru import LRUPolicy
+from kvmgr.policy.opt import FutureUses, OptimalPolicy
+from kvmgr.policy.reuse import ReusePolicy
+from kvmgr.policy.s3fifo import S3FIFOPolicy
 
 __all__ = [
     "POLICIES",
     "ARCPolicy",
     "AdmissionPolicy",
     "EvictionPolicy",
+    "FutureUses",
     "KeyPredicate",
     "LRUPolicy",
+    "OptimalPolicy",
+    "ReusePolicy",
+    "S3FIFOPolicy",
     "make_policy",
 ]
 
-POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "reuse": ReusePolicy,
+    "opt": OptimalPolicy,
+}
 """Registry of policy classes by name; never mutated at run time."""
 
 

@@ -6,7 +6,7 @@ Offers `ARCPolicy`, registered as ``"arc"``.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from itertools import repeat
 
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
@@ -180,18 +180,25 @@ class ARCPolicy:
         # skipped keys are visited at most once per call.
         victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
         scans = {True: iter(self._t1), False: iter(self._t2)}
-        t1 = self._t1
+        exhausted = {True: False, False: False}
+        t1, target = self._t1, self._target
         virtual_t1_size = len(t1)
         while not victims.is_full:
-            prefer_t1 = virtual_t1_size > self._target
-            for from_t1 in (prefer_t1, not prefer_t1):
-                before = len(victims.keys)
-                if _offer_next(scans[from_t1], victims):
-                    break
-            else:
+            prefer_t1 = virtual_t1_size > target
+            from_t1 = prefer_t1 if not exhausted[prefer_t1] else not prefer_t1
+            if exhausted[from_t1]:
                 victims.rollback()
                 return None  # fewer than n evictable keys in T1 and T2 together
-            virtual_t1_size -= sum(map(t1.__contains__, victims.keys[before:]))
+            for key in scans[from_t1]:  # take from this list while the choice holds
+                before = len(victims.keys)
+                if not victims.offer(key):
+                    continue
+                virtual_t1_size -= sum(map(t1.__contains__, victims.keys[before:]))
+                now_prefer = virtual_t1_size > target
+                if victims.is_full or (now_prefer != prefer_t1 and not exhausted[now_prefer]):
+                    break
+            else:
+                exhausted[from_t1] = True
         # Phase 2: commit all of them (the tree's counts already are).
         chosen = victims.keys
         deque(map(self._parent_of.__delitem__, chosen), 0)
@@ -259,8 +266,3 @@ class ARCPolicy:
             while excess > 0 and ghosts:
                 ghosts.popitem(last=False)
                 excess -= 1
-
-
-def _offer_next(scan: Iterator[bytes], victims: VictimSet) -> bool:
-    """Advance ``scan`` until ``victims`` takes a key; False at the end of the scan."""
-    return any(map(victims.offer, scan))

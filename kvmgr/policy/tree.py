@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from kvmgr.errors import BlockStateError, UnknownKeyError
 from kvmgr.policy.base import KeyPredicate, _as_lookup
@@ -60,6 +61,12 @@ def check_tracked(tracked: Collection[bytes], keys: Iterable[bytes], name: str) 
             raise UnknownKeyError(f"key {key!r} is not tracked by the {name} policy")
 
 
+class ParentLookup(Protocol):
+    """Anything that maps a tracked key to its parent (a dict, or a policy's own view)."""
+
+    def __getitem__(self, key: bytes, /) -> bytes | None: ...
+
+
 class PrefixTree:
     """Number of tracked children of every key (only counts > 0 are stored).
 
@@ -90,7 +97,7 @@ class PrefixTree:
             num_children.update(counts)  # type: ignore[arg-type]
         else:
             for key, count in counts.items():
-                num_children[key] = num_children.get(key, 0) + count  # type: ignore[index]
+                num_children[key] = num_children.get(key, 0) + count  # type: ignore[index, arg-type]
 
     def release(self, parents: Iterable[bytes | None]) -> None:
         """Uncount one child of each parent (the parents of keys that stopped being tracked)."""
@@ -115,8 +122,8 @@ class VictimSet:
     ----------
     tree : PrefixTree
         The policy's tree.
-    parent_of : Mapping[bytes, bytes | None]
-        Parent of every tracked key.
+    parent_of : ParentLookup
+        Parent of every tracked key (``parent_of[key]``).
     limit : int
         Stop taking keys once this many were taken.
     can_evict : KeyPredicate
@@ -128,7 +135,7 @@ class VictimSet:
     def __init__(
         self,
         tree: PrefixTree,
-        parent_of: Mapping[bytes, bytes | None],
+        parent_of: ParentLookup,
         limit: int,
         can_evict: KeyPredicate,
         protected: Collection[bytes],

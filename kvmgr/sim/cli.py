@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmgr.errors import KVMgrError
+from kvmgr.policy import POLICIES
 from kvmgr.sim.loop import SimConfig, simulate
 from kvmgr.sim.multi_cli import add_multi_arguments, run_multi, wants_multi
 from kvmgr.sim.presets import MODEL_PRESETS
@@ -122,7 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"tokens per block, dividing 512 (default {d.block_size})",
     )
     m.add_argument(
-        "--policy", choices=("lru", "arc"), default=d.policy, help="eviction policy of the CPU tier"
+        "--policy",
+        choices=sorted(POLICIES),
+        default=d.policy,
+        help="CPU eviction policy; opt = the offline optimum (knows the trace's future)",
     )
     m.add_argument(
         "--write-policy",
@@ -194,7 +198,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="run these CPU capacities (default 1M,3M,6M,12M,25M,50M,100M)",
     )
-    w.add_argument("--sweep-policies", default="lru,arc", help="policies of the sweep")
+    w.add_argument(
+        "--sweep-policies",
+        default="lru,arc,s3fifo,reuse,opt",
+        help="policies of the sweep (opt: the offline optimum, the bound)",
+    )
     w.add_argument(
         "--plot",
         type=Path,

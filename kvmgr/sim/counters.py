@@ -36,6 +36,8 @@ class SimCounters:
         decode_tokens: tokens decoded.
         store_blocks: blocks handed to ``swap_out`` (write-through or write-on-evict).
         store_skipped_blocks: of those, keys the CPU tier already held (not copied).
+        store_declined_blocks: of those, keys the policy's admission control declined (not
+            copied; 0 for policies without ``admit``).
         store_dropped_blocks: blocks not stored because the CPU tier had no room.
         store_failed_blocks: blocks whose store copy failed (``TransferError``).
         load_blocks: blocks loaded by ``swap_in`` (CPU prefix hits, first admissions and
@@ -70,6 +72,7 @@ class SimCounters:
     decode_tokens: int = 0
     store_blocks: int = 0
     store_skipped_blocks: int = 0
+    store_declined_blocks: int = 0
     store_dropped_blocks: int = 0
     store_failed_blocks: int = 0
     load_blocks: int = 0

@@ -16,6 +16,7 @@ compute). With nothing to do the clock jumps to the next arrival.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +28,11 @@ import torch
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import ConfigError
 from kvmgr.manager import OffloadManager
+from kvmgr.policy import POLICIES
+from kvmgr.policy.opt import FutureUses
 from kvmgr.sim.ceiling import reuse_ceiling
 from kvmgr.sim.counters import SimCounters
+from kvmgr.sim.keys import BlockKeyer
 from kvmgr.sim.pages import PageStore
 from kvmgr.sim.presets import MODEL_PRESETS, get_preset
 from kvmgr.sim.report import SimReport
@@ -59,7 +63,9 @@ class SimConfig:
         model: geometry preset (``MODEL_PRESETS``).
         block_size: tokens per block; divides 512.
         gpu_tokens / cpu_tokens: tier capacities in tokens (rounded up to blocks), or ``None``.
-        policy: CPU eviction policy, ``"lru"`` or ``"arc"``.
+        policy: CPU eviction policy, a name of ``kvmgr.policy.POLICIES``; ``"opt"`` is the
+            offline optimum (it is given the trace's future), policies taking a ``clock``
+            get the virtual clock.
         write_policy: ``"through"`` (store prefix blocks when filled) or ``"evict"`` (when the
             GPU cache evicts them).
         engine: ``"auto"`` (host engine without CUDA), ``"host"``, ``"cuda"``, ``"kernel"``.
@@ -117,7 +123,10 @@ class SimConfig:
                 value is None or value >= self.block_size,
                 f"{name}: expected >= block_size ({self.block_size}) or unbounded, got {value}",
             )
-        _check(self.policy in ("lru", "arc"), f"policy: expected lru or arc, got {self.policy!r}")
+        _check(
+            self.policy in POLICIES,
+            f"policy: expected one of {sorted(POLICIES)}, got {self.policy!r}",
+        )
         _check(
             self.write_policy in WRITE_POLICIES,
             f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}",
@@ -190,8 +199,14 @@ async def run_simulation(
         device,
         seed=rng.getrandbits(63),
     )
+    clock = _VirtualClock()
+    options, on_admit = _policy_options(config, requests, clock)
     manager_config = ManagerConfig(
-        num_cpu_blocks=cpu_blocks, policy=config.policy, engine=engine_name, manage_gpu_blocks=False
+        num_cpu_blocks=cpu_blocks,
+        policy=config.policy,
+        engine=engine_name,
+        manage_gpu_blocks=False,
+        policy_options=options,
     )
     if engine is None and config.fail_rate > 0:
         from kvmgr.testing import FaultyEngine
@@ -206,9 +221,14 @@ async def run_simulation(
     counters = SimCounters()
     start = time.perf_counter()
     async with OffloadManager(pages.tensors, manager_config, engine=engine) as manager:
-        scheduler = Scheduler(_scheduler_config(config, gpu_blocks), manager, pages, counters)
-        await _drive(config, requests, scheduler, manager, block_bytes, progress)
+        scheduler = Scheduler(
+            _scheduler_config(config, gpu_blocks), manager, pages, counters, on_admit=on_admit
+        )
+        await _drive(config, requests, scheduler, manager, block_bytes, progress, clock)
         stats = manager.statistics()
+        declined = int(getattr(getattr(manager, "policy", None), "num_declined", 0))
+        counters.store_declined_blocks = declined  # reported by the manager as skipped
+        counters.store_skipped_blocks -= declined
     return SimReport.build(
         config=config,
         counters=counters,
@@ -233,11 +253,13 @@ async def _drive(
     manager: Any,
     block_bytes: int,
     progress: ProgressFn | None,
+    clock: _VirtualClock,
 ) -> None:
     counters = scheduler.counters
     arrivals = [r.arrival_s * config.time_scale for r in requests]
     now_s, next_index = 0.0, 0
     while next_index < len(requests) or not scheduler.is_idle:
+        clock.now_s = now_s
         while next_index < len(requests) and arrivals[next_index] <= now_s:
             scheduler.add(SimRequest(next_index, requests[next_index]))
             next_index += 1
@@ -263,6 +285,34 @@ async def _drive(
     counters.virtual_s = now_s
     if progress is not None:
         progress(counters.requests_done + counters.requests_rejected, len(requests))
+
+
+class _VirtualClock:
+    """The simulation's virtual time in seconds, read by policies that take a ``clock``."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _policy_options(
+    config: SimConfig, requests: Sequence[TraceRequest], clock: _VirtualClock
+) -> tuple[dict[str, Any], Callable[[int], None] | None]:
+    """Constructor options of the run's policy and the scheduler's admission hook.
+
+    ``opt`` gets the future of the trace (the prefix keys of every request at the run's
+    block size) and each admitted request is consumed from it; a policy whose constructor
+    takes ``clock`` gets the virtual clock.
+    """
+    if config.policy == "opt":
+        keyer = BlockKeyer(config.block_size)
+        future = FutureUses([keyer.prefix_keys(r) for r in requests])
+        return {"future": future}, future.consume
+    if "clock" in inspect.signature(POLICIES[config.policy]).parameters:
+        return {"clock": clock}, None
+    return {}, None
 
 
 def _count_step(counters: SimCounters, report: Any) -> None:

@@ -211,7 +211,9 @@ def render_report(report: SimReport, title: str = "kvmgr simulate") -> Table:
         (
             "stores",
             f"{c['store_blocks']:,} blocks ({c['store_skipped_blocks']:,} already "
-            f"stored, {c['store_dropped_blocks']:,} dropped: CPU full, "
+            f"stored, {c['store_declined_blocks']:,} declined by admission "
+            f"({c['store_declined_blocks'] * report.settings['block_bytes'] / 2**20:,.0f} MiB "
+            f"not copied), {c['store_dropped_blocks']:,} dropped: CPU full, "
             f"{c['store_failed_blocks']:,} failed)",
         ),
         ("evictions", f"GPU cache {report.gpu_evictions:,}, CPU tier {report.cpu_evictions:,}"),

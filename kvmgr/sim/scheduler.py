@@ -24,6 +24,7 @@ One step, as ``loop.py`` drives it:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -82,10 +83,18 @@ class Scheduler:
         manager: an open ``OffloadManager`` over ``pages.tensors`` with caller-owned GPU blocks.
         pages: the GPU tensors and their fingerprints.
         counters: totals to update.
+        on_admit: called with a request's trace index each time it is admitted (the
+            offline optimum consumes the trace's future through it).
     """
 
     def __init__(
-        self, config: SchedulerConfig, manager: Any, pages: PageStore, counters: SimCounters
+        self,
+        config: SchedulerConfig,
+        manager: Any,
+        pages: PageStore,
+        counters: SimCounters,
+        *,
+        on_admit: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.pages = pages
@@ -98,6 +107,7 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._shortfall = 0
+        self._on_admit = on_admit
 
     @property
     def is_idle(self) -> bool:
@@ -224,6 +234,8 @@ class Scheduler:
             self.swaps.resume(request, len(keys), first_private)
         self._write_private(request, request.block_ids[first_private:], first_private)
         request.num_admissions += 1
+        if self._on_admit is not None:
+            self._on_admit(request.index)
         self.counters.count_admission(
             is_first=request.num_admissions == 1,
             prompt_tokens=request.trace.input_length,

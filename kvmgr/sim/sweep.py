@@ -128,8 +128,9 @@ def sweep_table(reports: Sequence[SimReport], title: str = "capacity sweep") -> 
 
 
 def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) -> Path:
-    """Write a PNG of hit ratio vs CPU capacity (log scale), one line per policy, the CPU-hit
-    part dashed, the trace's reuse ceiling as a horizontal line. Needs matplotlib.
+    """Write a PNG of hit ratio vs CPU capacity (log scale), one line per policy (the CPU-hit
+    part dashed when at most two online policies are shown), the offline optimum ``opt`` in
+    black, the trace's reuse ceiling as a horizontal line. Needs matplotlib.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install kvmgr[plot]``).
@@ -141,12 +142,21 @@ def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) ->
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
     policies = list(dict.fromkeys(r.settings["policy"] for r in reports))
+    online = [p for p in policies if p != "opt"]
     for n, policy in enumerate(policies):
         runs = sorted(
             (r for r in reports if r.settings["policy"] == policy),
             key=lambda r: r.settings["cpu_blocks"],
         )
         xs = [r.settings["cpu_blocks"] * r.settings["block_size"] / 1e6 for r in runs]
+        if policy == "opt":
+            ax.plot(
+                xs,
+                [100 * r.hit_ratio for r in runs],
+                "k^--",
+                label="opt (offline optimum): GPU + CPU hits",
+            )
+            continue
         color = f"C{n}"
         ax.plot(
             xs,
@@ -155,6 +165,8 @@ def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) ->
             color=color,
             label=f"{policy}: GPU + CPU hits",
         )
+        if len(online) > 2:
+            continue
         ax.plot(
             xs,
             [100 * r.cpu_hit_ratio for r in runs],

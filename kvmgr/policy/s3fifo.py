@@ -1,0 +1,246 @@
+"""S3-FIFO eviction (Yang et al., SOSP'23), prefix-consistent.
+
+Offers `S3FIFOPolicy`, registered as ``"s3fifo"``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from kvmgr.errors import ConfigError
+from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
+from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+
+__all__ = ["S3FIFOPolicy"]
+
+_MAX_FREQ = 3
+
+
+class S3FIFOPolicy:
+    """S3-FIFO: a small FIFO filters one-hit wonders, a main FIFO with CLOCK-style reinsertion
+    keeps the rest, and a ghost FIFO lets quickly re-stored keys skip the small queue.
+
+    Data structures
+        ``small`` and ``main``: ``OrderedDict[bytes, bytes | None]`` (key -> parent), oldest
+        first; ``ghost``: ``OrderedDict[bytes, None]`` of keys evicted from ``small``, at most
+        ``ghost_ratio * capacity`` of them; ``freq``: hits per resident key.
+        ``small`` targets ``small_ratio * capacity`` keys (at least 1), ``main`` the rest.
+
+    Flow
+        - ``insert``: a ghost key goes to ``main``, any other to ``small``, freq 0; a batch
+          is walked in reverse (its first key is the newest, so a chain leaves tip first).
+        - ``touch``: freq + 1 for tracked keys; nothing moves (FIFO).
+        - ``evict``: as in libCacheSim's ``S3FIFO.c``: while ``main`` is over its target or
+          ``small`` is empty, take ``main``'s oldest key: with freq >= 1 it is reinserted at
+          the end with ``min(freq, 3) - 1``, else it is a victim; otherwise take ``small``'s
+          oldest key: with freq >= ``move_to_main_threshold`` it moves to ``main`` with freq
+          0, else it is a victim and its key joins ``ghost``. The queue is chosen once per
+          victim and walked until it yields one. The ghost is trimmed to its bound by the
+          next ``insert`` after its ghost test, so a key evicted to make room for a ghost key
+          cannot push that key out first (libCacheSim tests the ghost at lookup, before
+          evicting: same result). Before the first eviction, a key that finds
+          ``small`` full goes to ``main`` (libCacheSim's warm-up rule). Victims go through a prefix-
+          consistent `VictimSet`; protected, non-evictable and waiting keys keep their place.
+          Every move is journaled and undone when fewer than ``n`` victims exist, so
+          ``None`` means nothing changed.
+
+    Reference
+        J. Yang, Y. Zhang, Z. Qiu, Y. Yue, R. Vinayak, "FIFO queues are all you need for cache
+        eviction", SOSP 2023; parameters and reinsertion as in libCacheSim (defaults 0.1,
+        0.9, 2).
+
+    Complexity
+        ``insert``, ``touch``, ``remove``: O(len(keys)). ``evict``: O(n + keys moved or
+        skipped); each main key is reinserted at most 3 times per call.
+
+    Parameters
+    ----------
+    capacity : int
+        Number of CPU blocks.
+    small_ratio, ghost_ratio : float
+        Size of the small queue and of the ghost, as fractions of ``capacity``.
+    move_to_main_threshold : int
+        Hits a small-queue key needs to move to ``main`` instead of being evicted.
+
+    Raises
+    ------
+    ConfigError
+        Bad capacity, a ratio outside [0, 1], or a threshold < 1.
+    """
+
+    name: str = "s3fifo"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        small_ratio: float = 0.1,
+        ghost_ratio: float = 0.9,
+        move_to_main_threshold: int = 2,
+    ) -> None:
+        self.capacity: int = _check_capacity(capacity)
+        if not (0.0 <= small_ratio <= 1.0 and 0.0 <= ghost_ratio <= 1.0):
+            raise ConfigError(f"s3fifo ratios: expected [0, 1], got {small_ratio}, {ghost_ratio}")
+        if move_to_main_threshold < 1:
+            raise ConfigError(
+                f"move_to_main_threshold: expected >= 1, got {move_to_main_threshold}"
+            )
+        self._small_target = max(1, int(small_ratio * capacity))
+        self._main_target = capacity - self._small_target
+        self._ghost_size = int(ghost_ratio * capacity)
+        self._threshold = move_to_main_threshold
+        self._small: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._main: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._freq: dict[bytes, int] = {}
+        self._tree = PrefixTree()
+        self._has_evicted = False
+
+    def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+        """Track new keys (ghosts into ``main``, others into ``small``). See
+        `EvictionPolicy.insert` (same errors)."""
+        check_new(self._freq, keys, parents, self.name)
+        self._tree.add(keys, parents)
+        ghost, small, main = self._ghost, self._small, self._main
+        for key, up in zip(reversed(keys), reversed(parents)):
+            if key in ghost:
+                del ghost[key]
+                main[key] = up
+            elif not self._has_evicted and len(small) >= self._small_target:
+                main[key] = up  # warm-up: the small queue is full, the cache is not
+            else:
+                small[key] = up
+        self._freq.update(dict.fromkeys(keys, 0))
+        while len(ghost) > self._ghost_size:
+            ghost.popitem(last=False)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Count a hit for every tracked key; untracked keys are ignored."""
+        freq = self._freq
+        for key in keys:
+            count = freq.get(key)
+            if count is not None:
+                freq[key] = count + 1
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Stop tracking ``keys`` (no ghost entries).
+
+        Raises
+        ------
+        UnknownKeyError
+            If a key is not tracked; nothing changed then.
+        """
+        unique = list(dict.fromkeys(keys))
+        check_tracked(self._freq, unique, self.name)
+        for key in unique:
+            del self._freq[key]
+            queue = self._small if key in self._small else self._main
+            self._tree.release([queue.pop(key)])
+
+    def evict(
+        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
+    ) -> list[bytes] | None:
+        """Untrack and return ``n`` victims in S3-FIFO order, or ``None`` (nothing changed).
+
+        Raises
+        ------
+        ValueError
+            If ``n`` is negative or not an ``int``.
+        """
+        _check_evict_count(n)
+        if n == 0:
+            return []
+        small, main, freq = self._small, self._main, self._freq
+        had_evicted = self._has_evicted
+        parent_of = _Parents(small, main)
+        victims = VictimSet(self._tree, parent_of, n, can_evict, protected)
+        journal: list[tuple[bool, OrderedDict[bytes, bytes | None], bytes, bytes | None]] = []
+        old_freq: dict[bytes, int] = {}
+        held: list[tuple[OrderedDict[bytes, bytes | None], bytes, bytes | None]] = []
+        from_small: set[bytes] = set()
+        self._has_evicted = True
+        while not victims.is_full and (small or main):
+            use_main = len(main) > self._main_target or not small
+            queue = main if use_main else small
+            before = len(victims.keys)
+            while queue and len(victims.keys) == before:  # one victim from this queue
+                key, up = queue.popitem(last=False)
+                journal.append((False, queue, key, up))
+                count = freq[key]
+                if use_main and count >= 1:  # CLOCK: reinsert with one hit less
+                    old_freq.setdefault(key, count)
+                    freq[key] = min(count, _MAX_FREQ) - 1
+                    main[key] = up
+                    journal.append((True, main, key, up))
+                    continue
+                if not use_main and count >= self._threshold:  # promoted, counting anew
+                    old_freq.setdefault(key, count)
+                    freq[key] = 0
+                    main[key] = up
+                    journal.append((True, main, key, up))
+                    continue
+                parent_of.popped[key] = up
+                if not use_main:
+                    from_small.add(key)
+                if not victims.offer(key):
+                    held.append((queue, key, up))
+        if not victims.is_full:
+            victims.rollback()
+            for pushed, queue, key, up in reversed(journal):  # key-based, exact in reverse
+                if pushed:
+                    del queue[key]
+                else:
+                    queue[key] = up
+                    queue.move_to_end(key, last=False)
+            freq.update(old_freq)
+            self._has_evicted = had_evicted
+            return None
+        taken = set(victims.keys)
+        for queue, key, up in reversed(held):  # skipped keys keep their place at the front
+            if key not in taken:
+                queue[key] = up
+                queue.move_to_end(key, last=False)
+        for key in victims.keys:
+            del freq[key]
+            if key in from_small:
+                self._ghost[key] = None
+        return victims.keys  # the ghost is trimmed by the next insert, after its ghost test
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+    @property
+    def small(self) -> list[bytes]:
+        """Small-queue keys, oldest first; O(len)."""
+        return list(self._small)
+
+    @property
+    def main(self) -> list[bytes]:
+        """Main-queue keys, oldest first; O(len)."""
+        return list(self._main)
+
+    @property
+    def ghost(self) -> list[bytes]:
+        """Ghost keys, oldest first; O(len)."""
+        return list(self._ghost)
+
+
+class _Parents:
+    """Parent lookup across the two queues and the keys popped during one ``evict``."""
+
+    def __init__(
+        self, small: OrderedDict[bytes, bytes | None], main: OrderedDict[bytes, bytes | None]
+    ) -> None:
+        self.small, self.main = small, main
+        self.popped: dict[bytes, bytes | None] = {}
+
+    def __getitem__(self, key: bytes) -> bytes | None:
+        if key in self.popped:
+            return self.popped[key]
+        if key in self.small:
+            return self.small[key]
+        return self.main[key]
