@@ -463,7 +463,7 @@ def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
     bound = insert._last  # the last step's launch: its arguments are that step's
     assert bound.args[0] is kv_c and bound.args[1] is k_pe and bound.args[3] is slots
     assert bound.args[5:9] == [7, kv_c.stride(0), k_pe.stride(0), slots.stride(0)]
-    assert bound.is_packed is False  # the interpreter: Triton's launch
+    assert bound.is_packed is (DEVICE == "cuda")  # packed on a GPU; the interpreter: Triton
     with pytest.raises(GeometryError, match="slot_mapping"):  # T disagrees: the checks run
         insert(kv_c, k_pe, slots[:, :3], scales)
 

@@ -318,7 +318,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr is not None
             self.sync()
             index = self.mgr.snapshot().keys
-            ready = [k for k in KEYS if k in index and index[k].state is CpuState.READY]
+            ready = [key for key in KEYS if key in index and index[key].state is CpuState.READY]
             reqs = self.requests(tier=Tier.GPU)
             if not ready or not reqs:
                 return
