@@ -4,7 +4,8 @@ Offers:
     OffloadManager      the asyncio facade: lookup, swap_out, swap_in, preempt, resume, step
     ManagerConfig       its settings (frozen attrs)
     StepContext, StepHook, HookReport      per-step hooks
-    SwapResult, StepReport, DirectionReport, ManagerStatistics   what it reports
+    SwapResult, StoreResult, LoadResult, KVEvent, StepReport, DirectionReport,
+    ManagerStatistics   what it reports
     Tier                GPU or CPU, in block tables
     errors              KVMgrError and its subclasses, re-exported here
 
@@ -19,16 +20,24 @@ from typing import TYPE_CHECKING
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     BlockStateError,
+    ClosedBeforeCopyError,
     ClosedError,
     ConfigError,
     DoubleFreeError,
+    EventLoopError,
     GeometryError,
     HazardError,
+    HostMemoryError,
     InvalidArgumentError,
     InvalidBlockError,
     InvalidKeyError,
     KVMgrError,
     PoolExhaustedError,
+    StaleKVTensorError,
+    TierError,
+    TierFullError,
+    TierTimeoutError,
+    TierUnavailableError,
     TransferError,
     TransferTimeoutError,
     UnknownKeyError,
@@ -47,7 +56,15 @@ if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports
     )
     from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
     from kvmgr.manager import OffloadManager
-    from kvmgr.reports import DirectionReport, ManagerStatistics, StepReport, SwapResult
+    from kvmgr.reports import (
+        DirectionReport,
+        KVEvent,
+        LoadResult,
+        ManagerStatistics,
+        StepReport,
+        StoreResult,
+        SwapResult,
+    )
 
 __version__ = "0.1.0"
 
@@ -59,6 +76,9 @@ _LAZY = {
     "ManagerStatistics": "kvmgr.reports",
     "StepReport": "kvmgr.reports",
     "SwapResult": "kvmgr.reports",
+    "StoreResult": "kvmgr.reports",
+    "LoadResult": "kvmgr.reports",
+    "KVEvent": "kvmgr.reports",
     "GroupedMLAInsertHook": "kvmgr.kernels.mla.hook",
     "grouped_mla_insert": "kvmgr.kernels.mla.api",
     "per_layer_mla_insert": "kvmgr.kernels.mla.api",
@@ -94,27 +114,38 @@ def __dir__() -> list[str]:
 __all__ = [
     "BlockStateError",
     "C128CompressorHook",
+    "ClosedBeforeCopyError",
     "ClosedError",
     "ConfigError",
     "DirectionReport",
     "DoubleFreeError",
+    "EventLoopError",
     "GeometryError",
     "GroupedMLAInsertHook",
     "HazardError",
     "HookReport",
+    "HostMemoryError",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidKeyError",
+    "KVEvent",
     "KVMgrError",
+    "LoadResult",
     "ManagerConfig",
     "ManagerStatistics",
     "OffloadManager",
     "PoolExhaustedError",
+    "StaleKVTensorError",
     "StepContext",
     "StepHook",
     "StepReport",
+    "StoreResult",
     "SwapResult",
     "Tier",
+    "TierError",
+    "TierFullError",
+    "TierTimeoutError",
+    "TierUnavailableError",
     "TransferError",
     "TransferTimeoutError",
     "UnknownKeyError",
