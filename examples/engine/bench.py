@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU KV cache size")
     p.add_argument("--cpu-kv-gib", type=float, default=None, help="CPU tier size")
     p.add_argument("--variants", default="recompute,auto,cuda")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="run every variant this many times in turn and report the last round (the first "
+        "pays one-time compilation and allocator warm-up, which favours whoever runs later)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -187,15 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
     }
     results: list[dict[str, Any]] = []
-    for name in variants:
-        start = time.perf_counter()
-        results.append(asyncio.run(run_variant(name, model, kv, args, cpu_blocks)))
-        print(
-            f"{name}: done in {time.perf_counter() - start:.1f} s: {results[-1]}", file=sys.stderr
-        )
-        if args.json:  # after every variant, so that a run cut short keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "results": results}, f, indent=2)
+    for round_index in range(max(1, args.rounds)):
+        results = []
+        for name in variants:
+            start = time.perf_counter()
+            results.append(asyncio.run(run_variant(name, model, kv, args, cpu_blocks)))
+            results[-1]["round"] = round_index
+            print(
+                f"round {round_index} {name}: done in {time.perf_counter() - start:.1f} s: "
+                f"{results[-1]}",
+                file=sys.stderr,
+            )
+            if args.json:  # after every variant, so that a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"meta": meta, "results": results}, f, indent=2)
     print_table(results, meta)
     return 0
 
