@@ -188,7 +188,8 @@ def build_descriptor_table(
     """Turn descriptors into the kernel's work table, slicing large ones.
 
     Args:
-        src_addrs, dst_addrs: int ``[n]`` byte addresses.
+        src_addrs: int ``[n]`` source byte addresses.
+        dst_addrs: int ``[n]`` destination byte addresses.
         sizes: int ``[n]`` bytes per descriptor; empty descriptors are dropped.
         chunk_bytes: largest slice, a positive multiple of 16 (slices keep each row's alignment).
 
@@ -292,8 +293,9 @@ def copy_pages(
     source (docs/transfer.md, rule 5).
 
     Args:
-        src_addrs, dst_addrs: int ``[n]`` addresses the kernel can dereference: device memory,
+        src_addrs: int ``[n]`` source addresses the kernel can dereference: device memory,
             or pinned / registered host memory (mapped; device pointer == host pointer).
+        dst_addrs: int ``[n]`` destination addresses, of the same kinds.
         sizes: int ``[n]`` bytes per copy.
         device: where the kernel runs: a CUDA device, or ``"cpu"`` under ``TRITON_INTERPRET=1``.
         max_programs: cap on the grid (see the module docstring).

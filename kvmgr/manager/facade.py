@@ -381,7 +381,7 @@ class OffloadManager:
             present, the CPU blocks written), or failing with ``TransferError``.
 
         Raises:
-            As ``swap_out``.
+            KVMgrError: as ``swap_out``.
         """
         loop = self._check_open()
         future: asyncio.Future[StoreResult] = loop.create_future()
@@ -447,7 +447,7 @@ class OffloadManager:
             gpu_block_ids: int ``[n]`` (numpy array or list), distinct GPU blocks to write.
 
         Raises:
-            As ``swap_in``.
+            KVMgrError: as ``swap_in``.
         """
         loop = self._check_open()
         future: asyncio.Future[LoadResult] = loop.create_future()
@@ -622,7 +622,7 @@ class OffloadManager:
         Raises:
             ClosedError: the manager is closed.
             InvalidArgumentError: ``ctx`` is not a StepContext, or a hook returned no HookReport.
-            Whatever a hook raises (the queue is left untouched then).
+            Exception: whatever a hook raises (the queue is left untouched then).
         """
         self._check_open()
         if ctx is not None and not isinstance(ctx, StepContext):
@@ -665,7 +665,7 @@ class OffloadManager:
             InvalidArgumentError: ``future`` is not an asyncio future, or a bad ``timeout_s``.
             TransferTimeoutError: ``timeout_s`` seconds passed first (counted in
                 ``ManagerStatistics.await_timeouts``).
-            Whatever the swap raises (``TransferError``, ``ClosedError``, ...).
+            TransferError: whatever the swap raises (``TransferError``, ``ClosedError``, ...).
         """
         from kvmgr.errors import TransferTimeoutError
 

@@ -76,7 +76,9 @@ class FaultyEngine(TransferEngine):
 
     Args:
         inner: the engine that really copies (closed by ``close``).
-        fail_batches, hang_batches, refuse_batches: batch numbers to fail, hang, refuse.
+        fail_batches: batch numbers to fail.
+        hang_batches: batch numbers to hang.
+        refuse_batches: batch numbers to refuse at submit.
         fail_rate: probability in ``[0, 1]`` that any other batch fails.
         delay_s: seconds between the inner copy's end and the outer completion (real time;
             waited on a worker thread started on first use and joined by ``close``).
@@ -190,7 +192,7 @@ class FaultyEngine(TransferEngine):
         Idempotent.
 
         Raises:
-            Whatever the inner engine's ``close`` raises (after the steps above).
+            TransferError: whatever the inner engine's ``close`` raises (after the steps above).
         """
         if self._closed:
             return
