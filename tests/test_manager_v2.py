@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvmgr.errors
 from kvmgr import (
     BlockStateError,
     ClosedError,
@@ -956,3 +957,34 @@ def test_a_cpu_tier_whose_bookkeeping_cannot_be_allocated_raises_host_memory_err
     cfg = ManagerConfig(num_cpu_blocks=1 << 40, engine="host")
     with pytest.raises(HostMemoryError, match=str(1 << 40)):
         OffloadManager([torch.randn(4, 64)], cfg)
+
+
+@pytest.mark.asyncio
+async def test_the_event_iterator_ends_when_the_manager_closes() -> None:
+    # found by a fresh-user pass: an `async for` over mgr.events() used to wait forever after
+    # aclose(); it now yields what was recorded, then stops
+    kv = [torch.randn(8, 4, generator=torch.Generator().manual_seed(7))]
+    mgr = OffloadManager(kv, ManagerConfig(num_cpu_blocks=4))
+    got = []
+
+    async def consume() -> None:
+        async for event in mgr.events():
+            got.append(event)
+
+    async with mgr:
+        task = asyncio.create_task(consume())
+        stored = mgr.swap_out(mgr.allocate("a", 2), [b"a", b"b"])
+        await mgr.step()
+        await stored
+    await asyncio.wait_for(task, 5)
+    assert [(e.kind, e.keys) for e in got] == [("stored", (b"a", b"b"))]
+
+
+@pytest.mark.asyncio
+async def test_a_key_cannot_be_its_own_parent() -> None:
+    kv = [torch.randn(8, 4, generator=torch.Generator().manual_seed(8))]
+    async with OffloadManager(kv, ManagerConfig(num_cpu_blocks=4)) as mgr:
+        ids = mgr.allocate("a", 1)
+        with pytest.raises(kvmgr.errors.InvalidKeyError, match="own parent"):
+            mgr.store_many(ids, [b"k"], parents=[b"k"])
+        assert mgr.statistics().stores_queued == 0

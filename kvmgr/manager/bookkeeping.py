@@ -81,9 +81,11 @@ def _parents(keys: list[bytes], parents: object) -> list[bytes | None]:
     out = list(parents)
     if len(out) != len(keys):
         raise InvalidKeyError(f"expected one parent per key, got {len(out)} for {len(keys)} keys")
-    for parent in out:
+    for key, parent in zip(keys, out):
         if parent is not None and type(parent) is not bytes:
             raise InvalidKeyError(f"expected bytes or None parents, got {parent!r}")
+        if parent == key:
+            raise InvalidKeyError(f"key {key.hex()[:16]}... is given as its own parent")
     return out
 
 

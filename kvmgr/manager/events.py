@@ -29,6 +29,7 @@ class EventStream:
         self._events: collections.deque[KVEvent] = collections.deque(maxlen=max(1, max_events))
         self.num_dropped = 0
         self._waiters: list[asyncio.Future[None]] = []
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._events) if self.enabled else 0
@@ -46,6 +47,14 @@ class EventStream:
                 if not waiter.done():
                     waiter.set_result(None)
 
+    def close(self) -> None:
+        """No more events: iterators drain what is left, then stop."""
+        self._closed = True
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     def stored(self, keys: list[bytes]) -> None:
         self.emit("stored", keys)
 
@@ -59,11 +68,14 @@ class EventStream:
         return events
 
     async def iterate(self) -> AsyncIterator[KVEvent]:
-        """Yield events as they happen, forever (cancel the consuming task to stop)."""
+        """Yield events as they happen, until the manager closes (then the iteration ends once
+        the events recorded before the close were yielded)."""
         loop = asyncio.get_running_loop()
         while True:
             while self._events:
                 yield self._events.popleft()
+            if self._closed:
+                return
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.append(waiter)
             try:

@@ -222,6 +222,7 @@ class OffloadManager:
             for batch in list(self._queue.in_flight.values()):
                 self._flusher.complete_batch(batch)
             self._room.fail(ClosedError("manager closed while the store waited for room"))
+            self._books.events.close()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         if self._closed or self._closing:
@@ -746,7 +747,7 @@ class OffloadManager:
 
     def events(self) -> AsyncIterator[KVEvent]:
         """An async iterator over KV events as they happen (``async for ev in mgr.events()``);
-        it drains the same stream as ``take_events``."""
+        it drains the same stream as ``take_events`` and ends when the manager closes."""
         return self._books.events.iterate()
 
     def stream_wait_loads(self, stream: Any = None) -> None:
