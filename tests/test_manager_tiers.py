@@ -180,3 +180,27 @@ async def test_a_dead_server_gives_misses_and_the_instance_keeps_serving(tier_se
             assert mgr.tier_statistics()[0][1].num_errors > 0
     finally:
         await shared.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_fetch_reads_before_its_own_write_back_can_push_out_a_small_tier(tmp_path) -> None:
+    # found by a fresh-user pass: with a disk tier of 4 slots, the fetch evicted 4 CPU blocks to
+    # make room, their write-back ran first and the disk's LRU dropped the very blocks the fetch
+    # was about to read (0 hits). The write-back of a fetch's victims now waits for its read.
+    kv = _kv(7)
+    disk = DiskTier(tmp_path / "small.bin", slot_bytes=_ns().blob_bytes, num_slots=4, direct=False)
+    try:
+        async with OffloadManager(
+            kv, ManagerConfig(num_cpu_blocks=4), tiers=[disk], tier_namespace=_ns()
+        ) as mgr:
+            src = mgr.allocate("a", 8)
+            keys = _keys(8, b"small")
+            await _store(mgr, src[:4], keys[:4])
+            await _store(mgr, src[4:], keys[4:])
+            await _settle(mgr)
+            assert await mgr.fetch(keys) == 4
+            check_invariants(mgr)
+            dst = await _load(mgr, keys[:4], "b")
+            assert all(torch.equal(t[src[:4]], t[dst]) for t in kv)
+    finally:
+        await disk.aclose()

@@ -159,7 +159,7 @@ class OffloadManager:
         )
         self._books.cpu.on_evicted = lower.on_evicted
         self._books.on_stored = lower.on_stored
-        self._flusher.before_submit = lower.stage_evicted
+        self._flusher.before_submit = lambda: lower.stage_evicted() and None
         return lower
 
     # ------------------------------------------------------------------ lifecycle

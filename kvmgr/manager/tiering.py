@@ -82,16 +82,25 @@ class LowerTiers:
         if self.write_back:
             self._evicted.append((list(keys), ids.copy()))
 
-    def stage_evicted(self) -> None:
-        """Gather every evicted block not staged yet and write them in the background; called
-        before anything may overwrite freed CPU blocks (a D2H submit, a promote)."""
+    def stage_evicted(
+        self, *, write: bool = True
+    ) -> list[tuple[TierBridge, StagedBlobs, list[bytes]]]:
+        """Gather every evicted block not staged yet; called before anything may overwrite
+        freed CPU blocks (a D2H submit, a promote). With ``write`` the blobs are written in the
+        background now; otherwise they are returned for the caller to write later (a fetch
+        writes them after its own read, so that the write-back cannot push out of a small tier
+        the very blocks the fetch is reading)."""
         if not self._evicted:
-            return
+            return []
         evicted, self._evicted = self._evicted, []
         keys = [k for ks, _ in evicted for k in ks]
         ids = np.concatenate([i for _, i in evicted])
         bridge = self.bridges[0]
-        self._spawn(bridge, bridge.stage(keys, ids), keys)
+        job = (bridge, bridge.stage(keys, ids), keys)
+        if write:
+            self._spawn(*job)
+            return []
+        return [job]
 
     def on_stored(self, keys: list[bytes], ids: np.ndarray) -> None:
         """A store completed (the blocks are READY): write them through, when configured."""
@@ -184,7 +193,7 @@ class LowerTiers:
                 if not rest:
                     break
                 ids = cpu.make_room(len(rest), protected)
-            self.stage_evicted()  # the victims' pages before the promote overwrites them
+            deferred = self.stage_evicted(write=False)  # victims' pages before the promote
             cpu.add_pending(rest, ids, [None, *rest[:-1]])
             entry = (rest, ids)
             self.promoting.append(entry)
@@ -196,6 +205,8 @@ class LowerTiers:
             finally:
                 self.promoting.remove(entry)
                 self._settle(rest, ids, hit)
+                for job in deferred:
+                    self._spawn(*job)
             if not hit.all():
                 first_miss = int(np.argmin(hit))
                 rest = [k for k, ok in zip(rest[first_miss:], hit[first_miss:].tolist()) if not ok]
