@@ -52,27 +52,19 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
 def make_policy(name: str, capacity: int, **options: Any) -> EvictionPolicy:
     """Build the policy registered as ``name`` for a CPU tier of ``capacity`` blocks.
 
-    Parameters
-    ----------
-    name : str
-        A key of `POLICIES`.
-    capacity : int
-        Number of CPU blocks, ``> 0``.
-    **options
-        Keyword arguments of the policy's constructor (for example ``clock``, a
-        ``Callable[[], float]`` giving seconds, for policies that measure time). Options a
-        policy does not take are an error.
+    Args:
+        name: A key of `POLICIES`.
+        capacity: Number of CPU blocks, ``> 0``.
+        **options: Keyword arguments of the policy's constructor (for example ``clock``, a
+            ``Callable[[], float]`` giving seconds, for policies that measure time). Options a
+            policy does not take are an error.
 
-    Returns
-    -------
-    EvictionPolicy
-        A new, empty policy.
+    Returns:
+        EvictionPolicy: A new, empty policy.
 
-    Raises
-    ------
-    ConfigError
-        If ``name`` is not registered (the message lists the supported names),
-        ``capacity`` is not an ``int`` greater than 0, or an option is not accepted.
+    Raises:
+        ConfigError: If ``name`` is not registered (the message lists the supported names),
+            ``capacity`` is not an ``int`` greater than 0, or an option is not accepted.
     """
     factory = POLICIES.get(name) if isinstance(name, str) else None
     if factory is None:

@@ -71,15 +71,11 @@ class ARCPolicy:
         ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected`` is not
         already a set. ``__contains__``, ``__len__``: O(1).
 
-    Parameters
-    ----------
-    capacity : int
-        Number of CPU blocks: the cap on ``target`` and the ghost bound.
+    Args:
+        capacity: Number of CPU blocks: the cap on ``target`` and the ghost bound.
 
-    Raises
-    ------
-    ConfigError
-        If ``capacity`` is not an ``int`` greater than 0.
+    Raises:
+        ConfigError: If ``capacity`` is not an ``int`` greater than 0.
     """
 
     name: str = "arc"
@@ -101,12 +97,9 @@ class ARCPolicy:
 
         The batch is walked in reverse, so its first key ends most recent in its list.
 
-        Raises
-        ------
-        BlockStateError
-            If a key is already tracked or repeated; nothing changed then.
-        ValueError
-            If ``len(parents) != len(keys)``; nothing changed then.
+        Raises:
+            BlockStateError: If a key is already tracked or repeated; nothing changed then.
+            ValueError: If ``len(parents) != len(keys)``; nothing changed then.
         """
         check_new(self._parent_of, keys, parents, self.name)
         self._tree.add(keys, parents)
@@ -146,10 +139,8 @@ class ARCPolicy:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys`` without recording ghost entries.
 
-        Raises
-        ------
-        UnknownKeyError
-            If a key is not tracked (ghost keys are not tracked); nothing changed then.
+        Raises:
+            UnknownKeyError: If a key is not tracked (ghost keys are not tracked); nothing changed then.
         """
         unique = list(dict.fromkeys(keys))
         check_tracked(self._parent_of, unique, self.name)
@@ -168,10 +159,8 @@ class ARCPolicy:
 
         See the class docstring for the order and `EvictionPolicy.evict` for the contract.
 
-        Raises
-        ------
-        ValueError
-            If ``n`` is negative or not an ``int``.
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
         """
         _check_evict_count(n)
         if n == 0:

@@ -48,20 +48,14 @@ class EvictionPolicy(Protocol):
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Start tracking keys whose store was just queued (PENDING) or completed (READY).
 
-        Parameters
-        ----------
-        keys : Sequence[bytes]
-            Block hashes in prompt order, distinct, none tracked already.
-        parents : Sequence[bytes or None]
-            ``parents[i]`` is the key that ``keys[i]`` extends (``None``: a root, or unknown).
-            A parent may be tracked, untracked, or an earlier element of ``keys``.
+        Args:
+            keys: Block hashes in prompt order, distinct, none tracked already.
+            parents: ``parents[i]`` is the key that ``keys[i]`` extends (``None``: a root, or unknown).
+                A parent may be tracked, untracked, or an earlier element of ``keys``.
 
-        Raises
-        ------
-        BlockStateError
-            If a key is already tracked or repeated; nothing changed then.
-        ValueError
-            If ``len(parents) != len(keys)``; nothing changed then.
+        Raises:
+            BlockStateError: If a key is already tracked or repeated; nothing changed then.
+            ValueError: If ``len(parents) != len(keys)``; nothing changed then.
         """
         ...
 
@@ -76,10 +70,8 @@ class EvictionPolicy(Protocol):
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking keys that left the index (failed store, invalidation).
 
-        Raises
-        ------
-        UnknownKeyError
-            If a key is not tracked; nothing changed then.
+        Raises:
+            UnknownKeyError: If a key is not tracked; nothing changed then.
         """
         ...
 
@@ -93,25 +85,17 @@ class EvictionPolicy(Protocol):
         see the module docstring). Candidates are collected without mutating; only when
         ``n`` were found are they all removed.
 
-        Parameters
-        ----------
-        n : int
-            Number of victims, ``>= 0``.
-        can_evict : KeyPredicate
-            The manager's "READY and no readers" test.
-        protected : Collection[bytes]
-            Keys never to evict (for example the keys of the store making room).
+        Args:
+            n: Number of victims, ``>= 0``.
+            can_evict: The manager's "READY and no readers" test.
+            protected: Keys never to evict (for example the keys of the store making room).
 
-        Returns
-        -------
-        list[bytes] or None
-            ``n`` distinct keys in eviction order (children before their parents), or
-            ``None`` when fewer than ``n`` keys qualify; ``None`` means nothing changed.
+        Returns:
+            list[bytes] or None: ``n`` distinct keys in eviction order (children before their parents), or
+                ``None`` when fewer than ``n`` keys qualify; ``None`` means nothing changed.
 
-        Raises
-        ------
-        ValueError
-            If ``n`` is negative or not an ``int``.
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
         """
         ...
 
@@ -135,15 +119,12 @@ class AdmissionPolicy(EvictionPolicy, Protocol):
     def admit(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> Any:
         """Which of the keys to store.
 
-        Parameters
-        ----------
-        keys, parents : as in `EvictionPolicy.insert` (keys may include tracked ones).
+        Args:
+            keys, parents:
 
-        Returns
-        -------
-        numpy.ndarray
-            ``bool`` array of shape ``[len(keys)]``, True = store it. The accepted set is
-            closed under parents within the batch: a rejected key's extensions are rejected.
+        Returns:
+            numpy.ndarray: ``bool`` array of shape ``[len(keys)]``, True = store it. The accepted set is
+                closed under parents within the batch: a rejected key's extensions are rejected.
         """
         ...
 
@@ -151,10 +132,8 @@ class AdmissionPolicy(EvictionPolicy, Protocol):
 def _check_capacity(capacity: object) -> int:
     """Validate a policy capacity (number of CPU blocks).
 
-    Raises
-    ------
-    ConfigError
-        If ``capacity`` is not an ``int`` greater than 0.
+    Raises:
+        ConfigError: If ``capacity`` is not an ``int`` greater than 0.
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise ConfigError(f"policy capacity: expected an int, got {type(capacity).__name__}")
@@ -166,10 +145,8 @@ def _check_capacity(capacity: object) -> int:
 def _check_evict_count(n: object) -> int:
     """Validate the victim count passed to ``evict``.
 
-    Raises
-    ------
-    ValueError
-        If ``n`` is not an ``int`` or is negative.
+    Raises:
+        ValueError: If ``n`` is not an ``int`` or is negative.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"evict count: expected an int, got {type(n).__name__}")

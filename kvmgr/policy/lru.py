@@ -34,15 +34,11 @@ class LRUPolicy:
         ``move_to_end`` through ``map``) except the tree's child counts on ``remove``.
         ``evict``: O(n + keys skipped) Python steps. ``__contains__``, ``__len__``: O(1).
 
-    Parameters
-    ----------
-    capacity : int
-        Number of CPU blocks; kept for the shared constructor signature (LRU needs no bound).
+    Args:
+        capacity: Number of CPU blocks; kept for the shared constructor signature (LRU needs no bound).
 
-    Raises
-    ------
-    ConfigError
-        If ``capacity`` is not an ``int`` greater than 0.
+    Raises:
+        ConfigError: If ``capacity`` is not an ``int`` greater than 0.
     """
 
     name: str = "lru"
@@ -55,12 +51,9 @@ class LRUPolicy:
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track new keys, the first most recent. See `EvictionPolicy.insert`.
 
-        Raises
-        ------
-        BlockStateError
-            If a key is already tracked or repeated.
-        ValueError
-            If ``len(parents) != len(keys)``.
+        Raises:
+            BlockStateError: If a key is already tracked or repeated.
+            ValueError: If ``len(parents) != len(keys)``.
         """
         check_new(self._order, keys, parents, self.name)
         self._tree.add(keys, parents)
@@ -74,10 +67,8 @@ class LRUPolicy:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys``.
 
-        Raises
-        ------
-        UnknownKeyError
-            If a key is not tracked; nothing changed then.
+        Raises:
+            UnknownKeyError: If a key is not tracked; nothing changed then.
         """
         unique = list(dict.fromkeys(keys))
         check_tracked(self._order, unique, self.name)
@@ -91,10 +82,8 @@ class LRUPolicy:
         See `EvictionPolicy.evict`; ``None`` means fewer than ``n`` keys qualify and nothing
         changed.
 
-        Raises
-        ------
-        ValueError
-            If ``n`` is negative or not an ``int``.
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
         """
         _check_evict_count(n)
         if n == 0:

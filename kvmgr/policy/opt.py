@@ -26,11 +26,9 @@ __all__ = ["FutureUses", "OptimalPolicy"]
 class FutureUses:
     """Which request uses which key, in request order, and which requests were served.
 
-    Parameters
-    ----------
-    request_keys : Sequence[Sequence[bytes]]
-        ``request_keys[i]``: the prefix keys request ``i`` looks up, in prompt order (key ``j``
-        extends key ``j - 1``). Requests are numbered in arrival order.
+    Args:
+        request_keys: ``request_keys[i]``: the prefix keys request ``i`` looks up, in prompt order (key ``j``
+            extends key ``j - 1``). Requests are numbered in arrival order.
 
     Notes
     -----
@@ -73,10 +71,8 @@ class FutureUses:
 
         Serving a request twice (a preempted request admitted again) changes nothing.
 
-        Raises
-        ------
-        IndexError
-            If ``request`` is not a request index.
+        Raises:
+            IndexError: If ``request`` is not a request index.
         """
         if self._served[request]:
             return
@@ -132,18 +128,13 @@ class OptimalPolicy:
     Complexity
         ``insert``: O(k log N). ``evict``: O((n + skipped + stale) log N). ``touch``: O(1).
 
-    Parameters
-    ----------
-    capacity : int
-        Number of CPU blocks (unused by the rule; shared constructor signature).
-    future : FutureUses
-        The trace's future; the caller consumes each request as it is served.
+    Args:
+        capacity: Number of CPU blocks (unused by the rule; shared constructor signature).
+        future: The trace's future; the caller consumes each request as it is served.
 
-    Raises
-    ------
-    ConfigError
-        If ``capacity`` is not an ``int`` greater than 0 or ``future`` is not a
-        `FutureUses`.
+    Raises:
+        ConfigError: If ``capacity`` is not an ``int`` greater than 0 or ``future`` is not a
+            `FutureUses`.
     """
 
     name: str = "opt"
@@ -174,10 +165,8 @@ class OptimalPolicy:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys``; their heap entries go stale.
 
-        Raises
-        ------
-        UnknownKeyError
-            If a key is not tracked; nothing changed then.
+        Raises:
+            UnknownKeyError: If a key is not tracked; nothing changed then.
         """
         unique = list(dict.fromkeys(keys))
         check_tracked(self._parent_of, unique, self.name)
@@ -188,10 +177,8 @@ class OptimalPolicy:
     ) -> list[bytes] | None:
         """Untrack and return ``n`` leaves used furthest in the future, or ``None``.
 
-        Raises
-        ------
-        ValueError
-            If ``n`` is negative or not an ``int``.
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
         """
         _check_evict_count(n)
         if n == 0:

@@ -75,32 +75,20 @@ class ReusePolicy:
         ``touch``: O(len(keys)) C-level plus O(segments touched); ``evict``: O(n + keys
         skipped) plus O(1) per segment visited.
 
-    Parameters
-    ----------
-    capacity : int
-        Number of CPU blocks.
-    clock : Callable[[], float] or None
-        Seconds (any origin, monotonic); the simulator passes its virtual clock, a serving
-        loop ``time.monotonic`` (the default).
-    probation_quantile : float
-        Quantile of the measured reuse gap that probation should cover.
-    min_probation, max_probation : float
-        Bounds of the probation target, fractions of ``capacity``.
-    min_reuse : float
-        Admission threshold on a class's reuse rate (0 disables admission control).
-    min_trials : int
-        Outcomes a class needs before ``admit`` may decline it.
-    dead_quantile : float
-        Quantile of the measured reuse gap after which an unused segment counts as dead.
-    prior : float
-        Pseudo-counts shrinking each class rate towards the overall rate.
-    continue_s : float
-        A chain extending the tip of a segment stored less than this ago joins it.
+    Args:
+        capacity: Number of CPU blocks.
+        clock: Seconds (any origin, monotonic); the simulator passes its virtual clock, a serving
+            loop ``time.monotonic`` (the default).
+        probation_quantile: Quantile of the measured reuse gap that probation should cover.
+        min_probation, max_probation: Bounds of the probation target, fractions of ``capacity``.
+        min_reuse: Admission threshold on a class's reuse rate (0 disables admission control).
+        min_trials: Outcomes a class needs before ``admit`` may decline it.
+        dead_quantile: Quantile of the measured reuse gap after which an unused segment counts as dead.
+        prior: Pseudo-counts shrinking each class rate towards the overall rate.
+        continue_s: A chain extending the tip of a segment stored less than this ago joins it.
 
-    Raises
-    ------
-    ConfigError
-        Bad capacity or an option out of range.
+    Raises:
+        ConfigError: Bad capacity or an option out of range.
     """
 
     name: str = "reuse"
@@ -196,10 +184,8 @@ class ReusePolicy:
         """Which keys to store: while the cache is full, chains of classes whose measured
         reuse rate is below ``min_reuse`` are declined, and chains extending them.
 
-        Returns
-        -------
-        numpy.ndarray
-            ``bool`` ``[len(keys)]``, True = store.
+        Returns:
+            numpy.ndarray: ``bool`` ``[len(keys)]``, True = store.
         """
         accept = np.ones(len(keys), dtype=bool)
         if self._min_reuse <= 0 or len(self._parent_of) < self.capacity:
@@ -245,10 +231,8 @@ class ReusePolicy:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys``.
 
-        Raises
-        ------
-        UnknownKeyError
-            If a key is not tracked; nothing changed then.
+        Raises:
+            UnknownKeyError: If a key is not tracked; nothing changed then.
         """
         unique = list(dict.fromkeys(keys))
         check_tracked(self._parent_of, unique, self.name)
@@ -261,10 +245,8 @@ class ReusePolicy:
     ) -> list[bytes] | None:
         """Untrack and return ``n`` victims (probation over target first), or ``None``.
 
-        Raises
-        ------
-        ValueError
-            If ``n`` is negative or not an ``int``.
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
         """
         _check_evict_count(n)
         if n == 0:

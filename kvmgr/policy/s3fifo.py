@@ -54,19 +54,13 @@ class S3FIFOPolicy:
         ``insert``, ``touch``, ``remove``: O(len(keys)). ``evict``: O(n + keys moved or
         skipped); each main key is reinserted at most 3 times per call.
 
-    Parameters
-    ----------
-    capacity : int
-        Number of CPU blocks.
-    small_ratio, ghost_ratio : float
-        Size of the small queue and of the ghost, as fractions of ``capacity``.
-    move_to_main_threshold : int
-        Hits a small-queue key needs to move to ``main`` instead of being evicted.
+    Args:
+        capacity: Number of CPU blocks.
+        small_ratio, ghost_ratio: Size of the small queue and of the ghost, as fractions of ``capacity``.
+        move_to_main_threshold: Hits a small-queue key needs to move to ``main`` instead of being evicted.
 
-    Raises
-    ------
-    ConfigError
-        Bad capacity, a ratio outside [0, 1], or a threshold < 1.
+    Raises:
+        ConfigError: Bad capacity, a ratio outside [0, 1], or a threshold < 1.
     """
 
     name: str = "s3fifo"
@@ -126,10 +120,8 @@ class S3FIFOPolicy:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys`` (no ghost entries).
 
-        Raises
-        ------
-        UnknownKeyError
-            If a key is not tracked; nothing changed then.
+        Raises:
+            UnknownKeyError: If a key is not tracked; nothing changed then.
         """
         unique = list(dict.fromkeys(keys))
         check_tracked(self._freq, unique, self.name)
@@ -143,10 +135,8 @@ class S3FIFOPolicy:
     ) -> list[bytes] | None:
         """Untrack and return ``n`` victims in S3-FIFO order, or ``None`` (nothing changed).
 
-        Raises
-        ------
-        ValueError
-            If ``n`` is negative or not an ``int``.
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
         """
         _check_evict_count(n)
         if n == 0:

@@ -32,12 +32,9 @@ def check_new(
 ) -> None:
     """Validate an ``insert`` batch without changing anything.
 
-    Raises
-    ------
-    ValueError
-        If ``len(parents) != len(keys)``.
-    BlockStateError
-        If a key is tracked already or repeated in ``keys``.
+    Raises:
+        ValueError: If ``len(parents) != len(keys)``.
+        BlockStateError: If a key is tracked already or repeated in ``keys``.
     """
     if len(parents) != len(keys):
         raise ValueError(f"expected one parent per key, got {len(parents)} for {len(keys)}")
@@ -118,18 +115,12 @@ class VictimSet:
     parent whose last child was taken is a leaf); `rollback` restores them when the caller
     gives up, `keys` is the list of victims otherwise (the tree is then already committed).
 
-    Parameters
-    ----------
-    tree : PrefixTree
-        The policy's tree.
-    parent_of : ParentLookup
-        Parent of every tracked key (``parent_of[key]``).
-    limit : int
-        Stop taking keys once this many were taken.
-    can_evict : KeyPredicate
-        The manager's test; asked at most once per offered key.
-    protected : Collection[bytes]
-        Keys never taken (not even asked about).
+    Args:
+        tree: The policy's tree.
+        parent_of: Parent of every tracked key (``parent_of[key]``).
+        limit: Stop taking keys once this many were taken.
+        can_evict: The manager's test; asked at most once per offered key.
+        protected: Keys never taken (not even asked about).
     """
 
     def __init__(

@@ -68,45 +68,30 @@ def grouped_mla_insert(
     per-call dispatch (see :mod:`kvmgr.kernels.launch`). Only enqueues work on the current
     stream.
 
-    Parameters
-    ----------
-    kv_c : torch.Tensor
-        ``[L, T, R]`` latent KV, bfloat16/float16/float32, last dim contiguous (others free).
-    k_pe : torch.Tensor
-        ``[L, T, P]`` RoPE keys, the dtype and device of ``kv_c``, last dim contiguous.
-    caches : sequence of torch.Tensor
-        L caches ``[num_blocks, block_size, R + P]`` of equal shape and strides, 16-byte aligned,
-        last dim contiguous; mutated in place. dtype: that of ``kv_c`` for ``auto``, else
-        ``float8_e4m3fn`` / ``float8_e5m2`` or ``uint8`` holding those bytes.
-    slot_mapping : torch.Tensor
-        int64 ``[T]`` shared by all layers, or ``[L, T]`` (a stride-0 expand works); < 0 is padding.
-    kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
-        ``auto`` copies exactly; FP8 stores ``fp8(clamp(x / kv_scales[l], -max, max))``.
-    kv_scales : torch.Tensor or None
-        float32 ``[L]`` on the device: required for FP8, ``None`` for ``auto``.
-    check_slots : bool
-        Also reject slots >= ``num_blocks * block_size`` (always skipped, never written). Costs a
-        reduction kernel and one device->host sync; refused under graph capture.
-    block_tokens, num_warps : int or None
-        Tuning overrides (tokens per program, warps per program); ``None`` picks by step size.
-    direct_launch : bool
-        Launch the compiled kernel directly (the default); ``False`` takes Triton's normal launch.
-    packed_launch : bool
-        With ``direct_launch``: check each step signature once and launch through
-        ``cuLaunchKernel`` from packed arguments (:mod:`kvmgr.kernels.mla.bound`; the default).
-        ``False`` checks every call and launches through the compiled kernel's own launcher
-        (the path before packed launches, kept as the benchmarks' baseline).
+    Args:
+        kv_c: ``[L, T, R]`` latent KV, bfloat16/float16/float32, last dim contiguous (others free).
+        k_pe: ``[L, T, P]`` RoPE keys, the dtype and device of ``kv_c``, last dim contiguous.
+        caches: L caches ``[num_blocks, block_size, R + P]`` of equal shape and strides, 16-byte aligned,
+            last dim contiguous; mutated in place. dtype: that of ``kv_c`` for ``auto``, else
+            ``float8_e4m3fn`` / ``float8_e5m2`` or ``uint8`` holding those bytes.
+        slot_mapping: int64 ``[T]`` shared by all layers, or ``[L, T]`` (a stride-0 expand works); < 0 is padding.
+        kv_cache_dtype: ``auto`` copies exactly; FP8 stores ``fp8(clamp(x / kv_scales[l], -max, max))``.
+        kv_scales: float32 ``[L]`` on the device: required for FP8, ``None`` for ``auto``.
+        check_slots: Also reject slots >= ``num_blocks * block_size`` (always skipped, never written). Costs a
+            reduction kernel and one device->host sync; refused under graph capture.
+        block_tokens, num_warps: Tuning overrides (tokens per program, warps per program); ``None`` picks by step size.
+        direct_launch: Launch the compiled kernel directly (the default); ``False`` takes Triton's normal launch.
+        packed_launch: With ``direct_launch``: check each step signature once and launch through
+            ``cuLaunchKernel`` from packed arguments (:mod:`kvmgr.kernels.mla.bound`; the default).
+            ``False`` checks every call and launches through the compiled kernel's own launcher
+            (the path before packed launches, kept as the benchmarks' baseline).
 
-    Raises
-    ------
-    ConfigError
-        Unknown ``kv_cache_dtype``; ``kv_scales`` missing for FP8 or given for ``auto``; bad tuning
-        overrides; ``check_slots`` or a first call for these caches under graph capture.
-    GeometryError
-        Shapes, dtypes, devices or strides that do not match; caches of unequal geometry or not
-        16-byte aligned (use :func:`per_layer_mla_insert` for those).
-    InvalidBlockError
-        ``check_slots=True`` and a slot is past the capacity.
+    Raises:
+        ConfigError: Unknown ``kv_cache_dtype``; ``kv_scales`` missing for FP8 or given for ``auto``; bad tuning
+            overrides; ``check_slots`` or a first call for these caches under graph capture.
+        GeometryError: Shapes, dtypes, devices or strides that do not match; caches of unequal geometry or not
+            16-byte aligned (use :func:`per_layer_mla_insert` for those).
+        InvalidBlockError: ``check_slots=True`` and a slot is past the capacity.
     """
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     plan = grouped_plan(caches, kv_cache_dtype)
@@ -141,10 +126,8 @@ def per_layer_mla_insert(
     Triton's normal launch, as a caller launching a kernel once per layer would). Only enqueues
     work.
 
-    Raises
-    ------
-    ConfigError, GeometryError, InvalidBlockError
-        As :func:`grouped_mla_insert`, except that unequal cache geometry is accepted.
+    Raises:
+        ConfigError, GeometryError, InvalidBlockError: As :func:`grouped_mla_insert`, except that unequal cache geometry is accepted.
     """
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     meta = check_caches(caches, kv_cache_dtype)

@@ -40,38 +40,26 @@ class GroupedMLAInsertHook:
     CUDA-graph capture (no host reads of device data) unless ``check_slots``; build the hook, and
     run one step eagerly to compile, before capturing.
 
-    Parameters
-    ----------
-    caches : sequence of torch.Tensor
-        L caches ``[num_blocks, block_size, R + P]``, mutated in place by every step.
-    kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
-        As in ``grouped_mla_insert``.
-    kv_scales : torch.Tensor or None
-        float32 ``[L]`` on the caches' device for FP8 (read on the device at every step, so it
-        may be updated in place), ``None`` for ``auto``.
-    name : str
-        The name reported in :class:`HookReport`.
-    check_slots : bool
-        Reject slots past the capacity at each step (one device->host sync per step).
-    validate : bool
-        Check each step's tensors against the caches (about 2 us of host time). ``False`` skips
-        those checks, for loops that build the tensors themselves: a tensor of the wrong shape,
-        dtype, device or layout is then read or written out of bounds instead of raising.
-    direct_launch : bool
-        Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
-        default; see :mod:`kvmgr.kernels.launch`); ``False`` takes Triton's normal launch.
-    packed_launch : bool
-        Check each step signature once and launch the grouped kernel with ``cuLaunchKernel``
-        from packed arguments updated in place (the default; :mod:`kvmgr.kernels.mla.bound`).
-        ``False`` checks every step and launches through the compiled kernel's launcher (the
-        path before packed launches; the benchmarks' baseline).
+    Args:
+        caches: L caches ``[num_blocks, block_size, R + P]``, mutated in place by every step.
+        kv_cache_dtype: As in ``grouped_mla_insert``.
+        kv_scales: float32 ``[L]`` on the caches' device for FP8 (read on the device at every step, so it
+            may be updated in place), ``None`` for ``auto``.
+        name: The name reported in :class:`HookReport`.
+        check_slots: Reject slots past the capacity at each step (one device->host sync per step).
+        validate: Check each step's tensors against the caches (about 2 us of host time). ``False`` skips
+            those checks, for loops that build the tensors themselves: a tensor of the wrong shape,
+            dtype, device or layout is then read or written out of bounds instead of raising.
+        direct_launch: Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
+            default; see :mod:`kvmgr.kernels.launch`); ``False`` takes Triton's normal launch.
+        packed_launch: Check each step signature once and launch the grouped kernel with ``cuLaunchKernel``
+            from packed arguments updated in place (the default; :mod:`kvmgr.kernels.mla.bound`).
+            ``False`` checks every step and launches through the compiled kernel's launcher (the
+            path before packed launches; the benchmarks' baseline).
 
-    Raises
-    ------
-    ConfigError
-        Bad ``kv_cache_dtype`` / ``kv_scales`` combination, or construction under graph capture.
-    GeometryError
-        Caches of mixed width, dtype or device, or ``kv_scales`` of the wrong dtype, shape or device.
+    Raises:
+        ConfigError: Bad ``kv_cache_dtype`` / ``kv_scales`` combination, or construction under graph capture.
+        GeometryError: Caches of mixed width, dtype or device, or ``kv_scales`` of the wrong dtype, shape or device.
     """
 
     def __init__(
@@ -124,14 +112,10 @@ class GroupedMLAInsertHook:
     def __call__(self, ctx: StepContext) -> HookReport:
         """Enqueue the insert of ``ctx.tensors`` on ``ctx.stream`` (or the current stream).
 
-        Raises
-        ------
-        ConfigError
-            A tensor named above is missing from ``ctx.tensors``, or ``check_slots`` under capture.
-        GeometryError
-            The step's tensors do not match the caches (see ``grouped_mla_insert``).
-        InvalidBlockError
-            ``check_slots`` and a slot is past the capacity.
+        Raises:
+            ConfigError: A tensor named above is missing from ``ctx.tensors``, or ``check_slots`` under capture.
+            GeometryError: The step's tensors do not match the caches (see ``grouped_mla_insert``).
+            InvalidBlockError: ``check_slots`` and a slot is past the capacity.
         """
         start_s = time.perf_counter()
         tensors = ctx.tensors

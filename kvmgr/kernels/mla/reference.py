@@ -38,10 +38,8 @@ def mla_insert_reference(
     before the cast (torch 2.11 turns ``|x| >= 480`` into NaN when casting to e4m3). Which token
     wins when one layer maps two valid tokens to the same slot is unspecified, as in the kernels.
 
-    Raises
-    ------
-    ConfigError, GeometryError
-        As :func:`~kvmgr.kernels.mla.api.per_layer_mla_insert`.
+    Raises:
+        ConfigError, GeometryError: As :func:`~kvmgr.kernels.mla.api.per_layer_mla_insert`.
     """
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     meta = check_caches(caches, kv_cache_dtype)
