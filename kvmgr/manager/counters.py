@@ -41,6 +41,30 @@ COMPLETION_S_BOUNDS = (1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0, 10.0)
 class Counters:
     """Every counter of ``ManagerStatistics``; each field is documented there."""
 
+    #: the plain totals, copied by name into ``ManagerStatistics``
+    TOTALS = (
+        "lookups",
+        "lookup_keys",
+        "lookup_hits",
+        "peeks",
+        "stores_queued",
+        "stores_completed",
+        "stores_failed",
+        "stores_skipped",
+        "stores_not_admitted",
+        "loads_queued",
+        "loads_completed",
+        "loads_failed",
+        "evictions",
+        "invalidated",
+        "await_timeouts",
+        "bytes_d2h",
+        "bytes_h2d",
+        "device_s_d2h",
+        "device_s_h2d",
+        "steps",
+    )
+
     __slots__ = (
         "await_timeouts",
         "batch_blocks",

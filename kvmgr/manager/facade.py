@@ -31,10 +31,12 @@ from kvmgr.errors import (
     InvalidArgumentError,
     PoolExhaustedError,
     TransferError,
+    TransferTimeoutError,
 )
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.backpressure import RoomWaiters
 from kvmgr.manager.bookkeeping import Bookkeeper
+from kvmgr.manager.counters import Counters
 from kvmgr.manager.flush import Flusher
 from kvmgr.manager.queue import Part, SwapQueue
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
@@ -51,6 +53,7 @@ from kvmgr.reports import (
 from kvmgr.transfer import make_engine
 from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.host import HostEngine
+from kvmgr.transfer.plan import Direction
 
 __all__ = ["OffloadManager"]
 
@@ -351,14 +354,7 @@ class OffloadManager:
                 ``backpressure="wait"`` the future waits for room instead).
             ClosedError, EventLoopError: closed, or no running loop.
         """
-        loop = self._check_open()
-        future: asyncio.Future[SwapResult] = loop.create_future()
-        try:
-            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=False)
-        except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, batched=False)
-        self._enqueue(part)
-        return future
+        return self._store(gpu_block_ids, keys, parents, batched=False)
 
     def store_many(
         self,
@@ -384,12 +380,18 @@ class OffloadManager:
         Raises:
             KVMgrError: as ``swap_out``.
         """
+        return self._store(gpu_block_ids, keys, parents, batched=True)
+
+    def _store(
+        self, gpu_block_ids: Any, keys: Sequence[bytes], parents: Any, *, batched: bool
+    ) -> asyncio.Future[Any]:
+        """Queue a store (per call or batched), or hand it to backpressure."""
         loop = self._check_open()
-        future: asyncio.Future[StoreResult] = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         try:
-            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
+            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, batched=True)
+            return self._when_room(exc, gpu_block_ids, keys, parents, batched=batched)
         self._enqueue(part)
         return future
 
@@ -528,15 +530,7 @@ class OffloadManager:
             UnknownRequestError: no table for ``req_id``.
             InvalidArgumentError: ``req_id`` is not hashable.
         """
-        from kvmgr.manager.requests import check_req_id
-
-        check_req_id(req_id)
-        table = self._books.requests.tables.get(req_id)
-        if table is None:
-            from kvmgr.errors import UnknownRequestError
-
-            raise UnknownRequestError(f"request {req_id!r} has no block table")
-        return table.entries()
+        return self._books.requests.lookup(req_id).entries()
 
     def is_moving(self, req_id: Hashable) -> bool:
         """Whether a preempt or resume of the request is queued or in flight.
@@ -544,8 +538,7 @@ class OffloadManager:
         Raises:
             UnknownRequestError, InvalidArgumentError: as ``block_table``.
         """
-        self.block_table(req_id)
-        return self._books.requests.tables[req_id].moving
+        return self._books.requests.lookup(req_id).moving
 
     def preempt(self, req_id: Hashable) -> asyncio.Future[SwapResult]:
         """Queue a swap-out of all the request's GPU blocks into CPU blocks (not keyed, not
@@ -668,8 +661,6 @@ class OffloadManager:
                 ``ManagerStatistics.await_timeouts``).
             TransferError: whatever the swap raises (``TransferError``, ``ClosedError``, ...).
         """
-        from kvmgr.errors import TransferTimeoutError
-
         if not asyncio.isfuture(future):
             raise InvalidArgumentError(
                 f"expected the future of a swap, got {type(future).__name__}: {future!r}"
@@ -698,28 +689,9 @@ class OffloadManager:
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
         return ManagerStatistics(
-            lookups=c.lookups,
-            lookup_keys=c.lookup_keys,
-            lookup_hits=c.lookup_hits,
-            peeks=c.peeks,
-            stores_queued=c.stores_queued,
-            stores_completed=c.stores_completed,
-            stores_failed=c.stores_failed,
-            stores_skipped=c.stores_skipped,
-            stores_not_admitted=c.stores_not_admitted,
-            loads_queued=c.loads_queued,
-            loads_completed=c.loads_completed,
-            loads_failed=c.loads_failed,
-            evictions=c.evictions,
-            invalidated=c.invalidated,
+            **{name: getattr(c, name) for name in Counters.TOTALS},
             rejected=dict(c.rejected),
-            await_timeouts=c.await_timeouts,
             events_dropped=books.events.num_dropped,
-            bytes_d2h=c.bytes_d2h,
-            bytes_h2d=c.bytes_h2d,
-            device_s_d2h=c.device_s_d2h,
-            device_s_h2d=c.device_s_h2d,
-            steps=c.steps,
             batch_blocks=c.batch_blocks.freeze(),
             completion_s=c.completion_s.freeze(),
             batches_in_flight=len(self._queue.in_flight),
@@ -754,8 +726,6 @@ class OffloadManager:
         """Make ``stream`` (default: the current CUDA stream) wait on the device for every load
         in flight, without blocking the host (docs/transfer.md, rule 4). No-op on the host
         engine."""
-        from kvmgr.transfer.plan import Direction
-
         for batch in self._queue.in_flight.values():
             if batch.direction is Direction.H2D:
                 self.engine.stream_wait(batch.handle, stream)

@@ -64,16 +64,25 @@ class RequestTables:
         self.block_bytes = block_bytes
         self.tables: dict[Hashable, BlockTable] = {}
 
+    def lookup(self, req_id: Hashable) -> BlockTable:
+        """The request's table, moving or not.
+
+        Raises:
+            InvalidArgumentError, UnknownRequestError.
+        """
+        check_req_id(req_id)
+        table = self.tables.get(req_id)
+        if table is None:
+            raise UnknownRequestError(f"request {req_id!r} has no block table")
+        return table
+
     def table(self, req_id: Hashable) -> BlockTable:
         """The request's table, not moving.
 
         Raises:
             InvalidArgumentError, UnknownRequestError, BlockStateError.
         """
-        check_req_id(req_id)
-        table = self.tables.get(req_id)
-        if table is None:
-            raise UnknownRequestError(f"request {req_id!r} has no block table")
+        table = self.lookup(req_id)
         if table.moving:
             raise BlockStateError(f"request {req_id!r} has a preempt or resume in flight")
         return table

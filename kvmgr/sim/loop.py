@@ -267,19 +267,7 @@ async def _drive(
             if next_index < len(requests):
                 now_s = max(now_s, arrivals[next_index])
             continue
-        loads_before = counters.load_blocks + counters.resume_blocks
-        plan = scheduler.schedule()
-        loaded = (counters.load_blocks + counters.resume_blocks - loads_before) * block_bytes
-        step_s = (
-            config.step_ms / 1e3
-            + plan.num_tokens / config.tokens_per_s
-            + loaded / (config.h2d_gbps * 1e9)
-        )
-        scheduler.execute(plan, now_s + step_s)
-        report = await manager.step()
-        await scheduler.swaps.settle()
-        now_s += step_s
-        _count_step(counters, report)
+        now_s += await run_step(config, scheduler, manager, block_bytes, now_s)
         if progress is not None and counters.steps % 256 == 0:
             progress(counters.requests_done + counters.requests_rejected, len(requests))
     counters.virtual_s = now_s
@@ -313,6 +301,27 @@ def _policy_options(
     if "clock" in inspect.signature(POLICIES[config.policy]).parameters:
         return {"clock": clock}, None
     return {}, None
+
+
+async def run_step(
+    config: SimConfig, scheduler: Scheduler, manager: Any, block_bytes: int, now_s: float
+) -> float:
+    """One scheduler step: schedule, compute (virtually), ``manager.step()``, settle the swaps;
+    returns the step's virtual seconds by the cost model of the module docstring."""
+    counters = scheduler.counters
+    loads_before = counters.load_blocks + counters.resume_blocks
+    plan = scheduler.schedule()
+    loaded = (counters.load_blocks + counters.resume_blocks - loads_before) * block_bytes
+    step_s = (
+        config.step_ms / 1e3
+        + plan.num_tokens / config.tokens_per_s
+        + loaded / (config.h2d_gbps * 1e9)
+    )
+    scheduler.execute(plan, now_s + step_s)
+    report = await manager.step()
+    await scheduler.swaps.settle()
+    _count_step(counters, report)
+    return step_s
 
 
 def _count_step(counters: SimCounters, report: Any) -> None:

@@ -37,7 +37,7 @@ from kvmgr.errors import ConfigError
 from kvmgr.manager import OffloadManager
 from kvmgr.sim.ceiling import reuse_ceiling
 from kvmgr.sim.counters import SimCounters
-from kvmgr.sim.loop import SimConfig, _capacities, _count_step, _scheduler_config
+from kvmgr.sim.loop import SimConfig, _capacities, _scheduler_config, run_step
 from kvmgr.sim.pages import PageStore
 from kvmgr.sim.presets import get_preset
 from kvmgr.sim.report import SimReport
@@ -91,8 +91,11 @@ def _route(route: str, index: int, request: TraceRequest, num: int) -> int:
 
 
 class _Instance:
-    def __init__(self, scheduler: Scheduler, manager: OffloadManager, pages: PageStore) -> None:
+    def __init__(
+        self, scheduler: Scheduler, manager: OffloadManager, pages: PageStore, has_tiers: bool
+    ) -> None:
         self.scheduler = scheduler
+        self.has_tiers = has_tiers
         self.manager = manager
         self.pages = pages
         self.fetched_blocks = 0
@@ -154,7 +157,7 @@ async def run_instances(
             scheduler = Scheduler(
                 _scheduler_config(config, gpu_blocks), manager, pages, counters[i]
             )
-            instances.append(_Instance(scheduler, manager, pages))
+            instances.append(_Instance(scheduler, manager, pages, bool(tiers)))
         await _drive(config, requests, instances, route, block_bytes)
         reports = []
         for i, inst in enumerate(instances):
@@ -249,19 +252,7 @@ async def _drive(
             continue
         step_s = 0.0
         for inst in busy:
-            counters = inst.scheduler.counters
-            loads_before = counters.load_blocks + counters.resume_blocks
-            plan = inst.scheduler.schedule()
-            loaded = (counters.load_blocks + counters.resume_blocks - loads_before) * block_bytes
-            inst_s = (
-                config.step_ms / 1e3
-                + plan.num_tokens / config.tokens_per_s
-                + loaded / (config.h2d_gbps * 1e9)
-            )
-            inst.scheduler.execute(plan, now_s + inst_s)
-            report = await inst.manager.step()
-            await inst.scheduler.swaps.settle()
-            _count_step(counters, report)
+            inst_s = await run_step(config, inst.scheduler, inst.manager, block_bytes, now_s)
             step_s = max(step_s, inst_s)
         now_s += step_s
     for inst in instances:
@@ -270,7 +261,7 @@ async def _drive(
 
 async def _prefetch(inst: _Instance, trace: TraceRequest) -> None:
     """Stage what the lower tiers hold of the request's prefix into the CPU tier."""
-    if inst.manager.tier_statistics() == []:
+    if not inst.has_tiers:
         return
     keys = inst.scheduler.keyer.prefix_keys(trace)
     before = inst.manager.peek(keys)
