@@ -162,7 +162,7 @@ class OffloadManager:
         )
         self._books.cpu.on_evicted = lower.on_evicted
         self._books.on_stored = lower.on_stored
-        self._flusher.before_submit = lambda: lower.stage_evicted() and None
+        self._flusher.before_submit = lower.write_evicted
         return lower
 
     # ------------------------------------------------------------------ lifecycle
@@ -208,7 +208,7 @@ class OffloadManager:
             await asyncio.wait(waits, timeout=timeout_s)
             await asyncio.sleep(0)  # let completion callbacks scheduled by the engine run
         if self._tiers is not None:
-            self._tiers.stage_evicted()
+            self._tiers.write_evicted()
             await self._tiers.drain(timeout_s)
         self.close(timeout_s)
 

@@ -102,6 +102,11 @@ class LowerTiers:
             return []
         return [job]
 
+    def write_evicted(self) -> None:
+        """Stage the evicted blocks and write them in the background (the flush's hook, run
+        before any D2H copy is submitted)."""
+        self.stage_evicted(write=True)
+
     def on_stored(self, keys: list[bytes], ids: np.ndarray) -> None:
         """A store completed (the blocks are READY): write them through, when configured."""
         if not self.write_through or not keys:
