@@ -16,6 +16,15 @@ copies. Batches of one direction therefore run and complete in FIFO order.
 Completion: one thread per direction sleeps in ``end_event.synchronize()`` (blocking-sync events,
 no polling, GIL released) for each batch in submission order, then drops what the issuer asked to
 keep alive (rule 7), hands its reusable buffers back, updates the totals and resolves the future.
+
+Host cost. With a driver that resolved ``cuEventRecord`` / ``cuStreamWaitEvent`` (every real
+one), a submit records and waits on raw handles (about 1 us per call instead of torch's 2.5,
+measured on the H200 host), reads the compute stream as a raw handle (0.1 us instead of
+``torch.cuda.current_stream()``'s 7) and takes its start/end events from a per-direction pool
+instead of creating two (6 us each with their first record). A pair goes back to the pool after
+its batch's future resolved, so a handle's ``end_event`` may later mark a newer batch of the same
+direction: waits are only issued for handles whose future has not resolved, and a wait on a
+re-recorded event waits for a later batch of the same FIFO stream, never for less.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
+from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.plan import Direction, TransferPlan
 
@@ -107,6 +117,12 @@ class _InFlight:
     num_descriptors: int
     issued: Issued
     plan: TransferPlan | None  # kept until the end event (rule 7)
+    pool: list[tuple[Any, Any]] | None  # where the (start, end) pair goes back, or None
+
+
+def _raw_stream_getter() -> Callable[[int], int] | None:
+    """torch's current raw stream of a device index (what Triton launches on), if exposed."""
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class CopyStreams:
@@ -118,6 +134,7 @@ class CopyStreams:
             default); the current stream at each submit if ``None``.
         h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
         name: thread name prefix.
+        driver: raw event calls (record, wait) when it resolved them; torch's events otherwise.
 
     Attributes:
         counters: the engine's totals.
@@ -130,6 +147,7 @@ class CopyStreams:
         *,
         h2d_priority: str = "high",
         name: str = "cuda",
+        driver: CopyDriver | None = None,
     ) -> None:
         self._device = device
         self._compute_stream = compute_stream
@@ -138,6 +156,15 @@ class CopyStreams:
             Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
         }
         self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
+        self._driver = driver if getattr(driver, "has_event_calls", False) else None
+        self._raw_stream = _raw_stream_getter() if self._driver is not None else None
+        if self._raw_stream is None:
+            self._driver = None
+        self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
+        if self._driver is not None:
+            with _on_device(device):  # create the fences' CUDA events now: raw handles from here
+                for d, fence in self._fences.items():
+                    fence.record(self._streams[d])
         self.counters = CopyCounters()
         self._next_batch_id = 0
         self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
@@ -176,6 +203,8 @@ class CopyStreams:
         stream = self._streams[direction]
         batch_id = self._next_batch_id
         self._next_batch_id += 1
+        if self._driver is not None:
+            return self._submit_raw(plan, issuer, wait_for, entered, direction, stream, batch_id)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with _on_device(self._device):
@@ -191,12 +220,69 @@ class CopyStreams:
             issued = issuer.issue(plan, stream)
             issue_s = time.perf_counter() - issued_at
             end.record(stream)
+        return self._queue(plan, issued, entered, issue_s, direction, batch_id, (start, end), None)
+
+    def _submit_raw(
+        self,
+        plan: TransferPlan,
+        issuer: CopyIssuer,
+        wait_for: Sequence[BatchHandle],
+        entered: float,
+        direction: Direction,
+        stream: Any,
+        batch_id: int,
+    ) -> BatchHandle:
+        """``submit`` through raw driver calls, with pooled events (module docstring)."""
+        driver, raw = self._driver, stream.cuda_stream
+        assert driver is not None and self._raw_stream is not None
+        pool = self._pools[direction]
+        with _on_device(self._device):
+            if self._compute_stream is not None:
+                compute = self._compute_stream.cuda_stream
+            else:
+                compute = self._raw_stream(self._device.index or 0)
+            fence = self._fences[direction].cuda_event
+            driver.event_record(fence, compute)
+            driver.stream_wait_event(raw, fence)
+            for other in wait_for:
+                if other.end_event is not None and not other.future.done():
+                    driver.stream_wait_event(raw, other.end_event.cuda_event)
+            events = pool.pop() if pool else self._new_pair(stream)
+            driver.event_record(events[0].cuda_event, raw)
+            issued_at = time.perf_counter()
+            issued = issuer.issue(plan, stream)
+            issue_s = time.perf_counter() - issued_at
+            driver.event_record(events[1].cuda_event, raw)
+        return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
+
+    @staticmethod
+    def _new_pair(stream: Any) -> tuple[Any, Any]:
+        """A (start, end) pair with its CUDA events created (recorded once on ``stream``)."""
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
+        start.record(stream)
+        end.record(stream)
+        return start, end
+
+    def _queue(
+        self,
+        plan: TransferPlan,
+        issued: Issued,
+        entered: float,
+        issue_s: float,
+        direction: Direction,
+        batch_id: int,
+        events: tuple[Any, Any],
+        pool: list[tuple[Any, Any]] | None,
+    ) -> BatchHandle:
+        """Count the submitted batch and hand it to its direction's completion thread."""
         if issued.error is not None:
             issued.error = TransferError(
                 f"batch {batch_id}: {issued.error}", fail_index=issued.error.fail_index
             )
+        start, end = events
         handle = BatchHandle(batch_id, direction, concurrent.futures.Future(), end_event=end)
-        item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan)
+        item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch
             counters.batches_submitted += 1
@@ -215,8 +301,8 @@ class CopyStreams:
     def stream_wait(self, handle: BatchHandle, stream: Any = None) -> None:
         """Make ``stream`` (the compute stream, else the current one) wait for the batch's end
         event on the device; the host does not block (rule 4)."""
-        if handle.end_event is None:
-            return
+        if handle.end_event is None or (self._driver is not None and handle.future.done()):
+            return  # (a done batch's pooled event may mark a newer batch: nothing to wait for)
         if stream is None:
             stream = self._compute_stream or torch.cuda.current_stream(self._device)
         stream.wait_event(handle.end_event)
@@ -289,6 +375,8 @@ class CopyStreams:
                             path=issued.path,
                         )
                     )
+            if item.pool is not None and error is issued.error:  # not after a device error
+                item.pool.append((item.start, handle.end_event))  # the future has resolved
 
 
 def _on_device(device: torch.device) -> Any:
