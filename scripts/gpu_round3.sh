@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU call of the third session (2026-12-01): the whole test suite, then the issue-12 benches
+# (step table, swap-kernel interference, MLA insert, c128, the C++ peers) and the submit-path
+# profile. Usage: bash scripts/gpu_round3.sh [tests|bench|all]. One combined log
+# ($OUT/log.txt) plus JSON files, so everything fits the files that come back.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+LOG="$OUT/log.txt"
+run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"; timeout "$secs" "$@" >"/tmp/$name.log" 2>&1; local rc=$?; cat "/tmp/$name.log" >>"$LOG"; tail -n "${TAIL:-12}" "/tmp/$name.log"; echo "=== $name rc=$rc" | tee -a "$LOG"; }
+what=${1:-all}
+TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
+if [ "$what" != bench ]; then
+  TAIL=6 run pytest_all 240 python3 -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests
+fi
+if [ "$what" != tests ]; then
+  TAIL=14 run bench_swap 60 python3 -m kvmgr.cli bench swap --geometries qwen --blocks 512 --repeats 7 --warmup 2 --variants kernel auto --json "$OUT/swap.json"
+  TAIL=12 run bench_swap_kernel 45 python3 -m kvmgr.cli bench swap-kernel --geometries qwen --blocks 512 --repeats 5 --warmup 1 --programs 8 32 --matmuls 10 --interference-repeats 3 --json "$OUT/swap_kernel.json"
+  TAIL=14 run bench_peer 170 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
+  TAIL=22 run bench_mla 40 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 15 --json "$OUT/mla.json"
+  TAIL=20 run bench_c128 45 python3 -m kvmgr.cli bench c128 --repeats 7 --steps 100 --json "$OUT/c128.json"
+  TAIL=3 run profile 60 python3 scripts/gpu_profile.py micro step
+fi
