@@ -468,6 +468,39 @@ def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
         insert(kv_c, k_pe, slots[:, :3], scales)
 
 
+@pytest.mark.parametrize("change", ["set_", "resize_", "as_strided_", "new list, same tensors"])
+def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: str) -> None:
+    # grouped_mla_insert remembers the last cache set; a cache swapped for new storage, resized
+    # or restrided in place between two calls must be planned again, never written through the
+    # old plan's pointer table or geometry.
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    width = rank + rope_dim
+    caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)
+    for step in range(2):  # the second call takes the memo
+        kv_c, k_pe = _inputs(171 + step, num_layers, 9, rank, rope_dim, torch.bfloat16)
+        slots = _slots(173 + step, 9, num_blocks * block_size, 2)
+        expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
+        assert _same_bytes(caches, expected)
+    fresh = _caches(175, 1, num_blocks, block_size, width, torch.bfloat16)[0]
+    if change == "set_":
+        caches[1].set_(fresh)  # same shape, new storage: a new pointer
+    elif change == "resize_":  # a smaller capacity, same pointers
+        for cache in caches:
+            cache.resize_(num_blocks - 2, block_size, width)
+    elif change == "as_strided_":  # blocks 0 and 2 as a 2-block cache: a doubled block stride
+        for cache in caches:
+            cache.as_strided_((2, block_size, width), (block_size * width * 2, width, 1))
+    else:
+        caches = list(caches)
+    capacity = min(c.shape[0] * c.shape[1] for c in caches)
+    kv_c, k_pe = _inputs(176, num_layers, 7, rank, rope_dim, torch.bfloat16)
+    slots = _slots(177, 7, capacity, 2)
+    expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
+    assert _same_bytes(caches, expected)
+    if change in ("set_", "new list, same tensors"):
+        assert _same_bytes([fresh] if change == "set_" else caches[1:2], expected[1:2])
+
+
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
     # kv_c starting one element into its storage: IO_ALIGNED must be off (a wrong hint would
     # fault or corrupt on the GPU); the result must still be exact.
