@@ -80,6 +80,7 @@ class CpuTier:
         #: called with (keys, CPU ids) of blocks the policy evicted, before they are reused
         self.on_evicted: Callable[[list[bytes], np.ndarray], None] | None = None
         self.counters = counters if counters is not None else Counters()
+        self._evictable = _evictable(self.index, self.state, self.readers)
 
     # ------------------------------------------------------------------ queries
 
@@ -119,7 +120,7 @@ class CpuTier:
     def _evict_for(self, n: int, protected: Collection[bytes]) -> None:
         shortfall = n - self.pool.num_free
         if shortfall > 0:
-            victims = self.policy.evict(shortfall, self.can_evict, protected)
+            victims = self.policy.evict(shortfall, self._evictable, protected)
             if victims is None:
                 raise PoolExhaustedError(
                     f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
@@ -154,7 +155,7 @@ class CpuTier:
                 state[block] = CpuState.FREE
                 give_one(block)
         else:
-            ids = np.fromiter((pop(k) for k in keys), dtype=np.int64, count=len(keys))
+            ids = np.fromiter(map(pop, keys), dtype=np.int64, count=len(keys))
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids)
         self._on_removed(keys)
@@ -233,3 +234,17 @@ class CpuTier:
         """Untrack and forget READY keys without readers (``invalidate``)."""
         self.policy.remove(keys)
         self._forget(keys)
+
+
+def _evictable(
+    index: dict[bytes, int], state: bytearray, readers: array.array[int]
+) -> Callable[[bytes], bool]:
+    """``CpuTier.can_evict`` as a closure over the tier's (never rebound) index and arrays: the
+    policy asks it once per candidate victim, so it skips the method's attribute lookups."""
+    get = index.get
+
+    def can_evict(key: bytes, ready: int = _READY) -> bool:
+        block = get(key)
+        return block is not None and state[block] == ready and readers[block] == 0
+
+    return can_evict
