@@ -180,12 +180,51 @@ def hook_profiles() -> None:
     print(f"   raw driver call via PyDLL {us(lambda: fn(*bound._call)):.2f} us")
 
 
+def dma_caps() -> None:
+    """The batch-DMA engine on 512 scattered blocks of 64 x 32 KiB, descriptor cap per call
+    8,192 (the default) vs one call for the whole plan, alternated in one process."""
+    from kvmgr.pool.layout import KVLayout
+    from kvmgr.transfer.cuda_engine import CudaBatchEngine
+    from kvmgr.transfer.plan import Direction, build_plan
+
+    tensors, blocks, page = 64, 512, 32 << 10
+    gpu = [
+        torch.randint(0, 256, (2 * blocks + 1, page), dtype=torch.uint8, device="cuda")
+        for _ in range(tensors)
+    ]
+    engines = {
+        cap: CudaBatchEngine(device=torch.device("cuda", 0), max_descriptors=cap)
+        for cap in (8192, 1 << 20)
+    }
+    host = engines[8192].allocate_host(tensors * blocks * page).view(tensors, blocks, page)
+    gl, hl = KVLayout.from_tensors(gpu), KVLayout.from_tensors(list(host.unbind(0)))
+    rng = np.random.default_rng(0)
+    src, dst = 2 * rng.permutation(blocks), rng.permutation(blocks)
+    times: dict[int, list[float]] = {cap: [] for cap in engines}
+    for rep in range(12):
+        for cap, engine in engines.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            plan = build_plan(Direction.D2H, gl, hl, src, dst)
+            engine.submit(plan).future.result(timeout=60)
+            if rep >= 2:
+                times[cap].append((time.perf_counter() - t) * 1e6)
+    for cap, values in times.items():
+        print(
+            f"== dma 64 x 32 KiB D2H cap {cap}: median {statistics.median(values):.0f} us, min {min(values):.0f}"
+        )
+    for engine in engines.values():
+        engine.close()
+
+
 if __name__ == "__main__":
     what = sys.argv[1:] or ["micro", "step", "hooks"]
     if "micro" in what:
         micro()
     if "hooks" in what:
         hook_profiles()
+    if "dma" in what:
+        dma_caps()
     if "step" in what:
         for engine, scattered in (("cuda", False), ("kernel", True), ("kernel", False)):
             step_profile(engine, scattered)

@@ -21,5 +21,5 @@ if [ "$what" != tests ]; then
   TAIL=14 run bench_peer 170 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
   TAIL=22 run bench_mla 40 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 15 --json "$OUT/mla.json"
   TAIL=20 run bench_c128 45 python3 -m kvmgr.cli bench c128 --repeats 7 --steps 100 --json "$OUT/c128.json"
-  TAIL=3 run profile 60 python3 scripts/gpu_profile.py micro step
+  TAIL=3 run profile 60 python3 scripts/gpu_profile.py micro dma step
 fi
