@@ -286,20 +286,22 @@ def build_plan(
         return TransferPlan(direction)
     run_s, run_d, lengths = s, d, np.ones(n, dtype=np.int64)  # one run per pair unless merged
     if merge and n > 1:
-        step_s = np.diff(s)
+        step_s = s[1:] - s[:-1]
         if not bool((step_s >= 0).all()):  # sort by source block unless already sorted
             order = np.argsort(s, kind="stable")
             s, d = s[order], d[order]
-            step_s = np.diff(s)
-        breaks = (step_s != 1) | (np.diff(d) != 1)
+            step_s = s[1:] - s[:-1]
+        breaks = (step_s != 1) | (d[1:] - d[:-1] != 1)
         if not breaks.any():  # one run: the common case of consecutive ids
             lengths = np.array([n], dtype=np.int64)
             run_s, run_d = s[:1], d[:1]
+        elif breaks.all():  # no run: the common case of scattered ids
+            run_s, run_d = s, d
         else:
             starts = np.flatnonzero(breaks)
             starts += 1
             bounds = np.concatenate(((0,), starts, (n,)))
-            lengths = np.diff(bounds)
+            lengths = bounds[1:] - bounds[:-1]
             run_s, run_d = s[bounds[:-1]], d[bounds[:-1]]
     num_dense = int(np.count_nonzero(src.is_dense & dst.is_dense))
     num_descriptors = len(lengths) * num_dense + n * (src.num_tensors - num_dense)
