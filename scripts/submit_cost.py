@@ -80,6 +80,7 @@ def _fake_cuda() -> None:
 
     kernel.new_table_slot = slot  # type: ignore[assignment]
     kernel.launch_copy_table = lambda table, n, programs: min(n, programs)  # type: ignore[assignment]
+    kernel.launch_block_table = lambda layout, runs, t, n, programs: min(t * n, programs)  # type: ignore[assignment]
 
 
 def _stub_driver() -> CopyDriver:

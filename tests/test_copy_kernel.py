@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvmgr.errors import ConfigError, GeometryError, TransferError
+from kvmgr.kernels.copy_blocks import launch_block_table
 from kvmgr.kernels.copy_pages import (
     build_descriptor_table,
     copy_pages,
@@ -30,7 +31,7 @@ from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import auto, cost_model, cuda_engine, kernel
 from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
 from kvmgr.transfer.cuda_engine import AutoEngine, CopyKernelEngine
-from kvmgr.transfer.plan import Direction, build_plan
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 POISON = 0xA5
 ODD_SIZES = [1, 3, 576, 584, 656, 17, 1152, 4096]
@@ -466,6 +467,16 @@ class FakeCuda:
         self.log.append(("kernel", num_items, max_programs))
         return launch_copy_table(table, num_items, max_programs)  # interpreter, CPU addresses
 
+    def launch_paged(
+        self, layout: torch.Tensor, runs: torch.Tensor, num_tensors: int, num_runs: int,
+        max_programs: int,
+    ) -> int:  # fmt: skip
+        if self.fail_launches:
+            self.fail_launches -= 1
+            raise RuntimeError("launch refused")
+        self.log.append(("paged", num_tensors * num_runs, max_programs))
+        return launch_block_table(layout, runs, num_tensors, num_runs, max_programs)
+
 
 def _cpu_slot(capacity: int, device: Any) -> kernel.TableSlot:
     host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
@@ -503,6 +514,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
     monkeypatch.setattr(kernel, "launch_copy_table", fake.launch)
+    monkeypatch.setattr(kernel, "launch_block_table", fake.launch_paged)
     monkeypatch.setattr(kernel, "new_table_slot", _cpu_slot)
     return fake
 
@@ -539,12 +551,12 @@ def test_kernel_engine_keeps_the_dma_engines_ordering(fake_cuda: FakeCuda) -> No
         fake_cuda.log.clear()
         second = engine.submit(load, wait_for=[first])
         h2d, fence = engine.stream(Direction.H2D), fake_cuda.log[0][1]
-        assert [e if e[0] == "kernel" else (e[0], e[2]) for e in fake_cuda.log] == [
+        assert [e if e[0] == "paged" else (e[0], e[2]) for e in fake_cuda.log] == [
             ("record", fake_cuda.compute),  # fence on the compute stream
             ("wait", fence),  # the copy stream waits on it (rules 3, 4)
             ("wait", first.end_event),  # and on the batch it depends on
             ("record", h2d),  # start event
-            ("kernel", 4, 3),  # one launch for the whole plan, capped at 3 programs
+            ("paged", 4, 3),  # one paged launch for the plan (4 runs x 1 tensor), 3 programs
             ("record", h2d),  # end event
         ]
         result = first.future.result(timeout=5)
@@ -610,7 +622,7 @@ def test_auto_engine_chooses_per_batch(
         fake_cuda.log.clear()
         paths = [engine.submit(p).future.result(timeout=5).path for p in (one, many)]
         assert paths == ["batch", "kernel"]
-        assert [e[0] for e in fake_cuda.log if e[0] in ("dma", "kernel")] == ["dma", "kernel"]
+        assert [e[0] for e in fake_cuda.log if e[0] in ("dma", "paged")] == ["dma", "paged"]
         # the model is asked once per batch, with the plan's counts
         assert asked == [(p.num_descriptors, p.num_bytes) for p in (one, many)]
         assert _same(_cpu_pages(dst1, d1), _cpu_pages(src1, s1))
@@ -618,6 +630,97 @@ def test_auto_engine_chooses_per_batch(
         stats = engine.statistics()
     assert (stats.path, stats.kernel_batches, stats.dma_batches) == ("auto", 1, 1)
     assert 0 < stats.issue_s < stats.submit_s  # host time of the driver call and the launch
+
+
+def test_plans_from_build_plan_take_the_paged_path_and_others_the_descriptors(
+    fake_cuda: FakeCuda,
+) -> None:
+    rng = np.random.default_rng(28)
+    pages = [576, 584, 4096]
+    # the GPU side holds K and V halves: its tensors are strided, the CPU side is dense
+    gpu_full = [torch.from_numpy(rng.integers(1, 256, (64, 2, p), dtype=np.uint8)) for p in pages]
+    gpu = [t[:, 0] for t in gpu_full]
+    cpu = [torch.full((80, p), POISON, dtype=torch.uint8) for p in pages]
+    gpu_layout, cpu_layout = KVLayout.from_tensors(gpu), KVLayout.from_tensors(cpu)
+    # a run of 20 consecutive blocks (split at 2 blocks per item: chunk_bytes 8 KiB) + scattered
+    gpu_ids = np.r_[np.arange(30, 50), rng.choice(30, 12, replace=False)]
+    cpu_ids = np.r_[np.arange(5, 25), rng.choice(np.arange(30, 80), 12, replace=False)]
+    engine = CopyKernelEngine(
+        driver=FakeDriver(fake_cuda.log), warmup=False, max_programs=3, chunk_bytes=8192
+    )
+    with engine:
+        kernel_copy = engine.issuer.kernel
+        plan = build_plan(Direction.D2H, gpu_layout, cpu_layout, gpu_ids, cpu_ids)
+        fake_cuda.log.clear()
+        result = engine.submit(plan).future.result(timeout=5)
+        # 13 runs (20 consecutive blocks + 12 scattered) become 10 + 12 rows, x 3 tensors
+        assert [e for e in fake_cuda.log if e[0] in ("kernel", "paged")] == [("paged", 66, 3)]
+        assert (result.path, result.num_bytes) == ("kernel", 32 * sum(pages))
+        assert plan._built is None  # the descriptors were never built
+        assert _same(_cpu_pages(cpu, cpu_ids), _cpu_pages(gpu, gpu_ids))
+        untouched = np.setdiff1d(np.arange(80), cpu_ids)
+        assert all(bool((p == POISON).all()) for p in _cpu_pages(cpu, untouched))
+        # the same layouts again: the layout table is not uploaded again
+        (layout_table,) = kernel_copy._layouts.values()
+        again = build_plan(Direction.D2H, gpu_layout, cpu_layout, gpu_ids[::-1], cpu_ids[::-1])
+        engine.submit(again).future.result(timeout=5)
+        assert list(kernel_copy._layouts.values()) == [layout_table]
+        # hand-made, edited or split plans: the descriptor table
+        for other, whole in (
+            (TransferPlan(Direction.D2H, plan.src_addrs, plan.dst_addrs, plan.sizes), True),
+            (attrs.evolve(plan, sizes=plan.sizes.copy()), True),  # counts match: still edited
+            (plan.split(plan.num_descriptors - 1)[0], False),
+        ):
+            for t in cpu:
+                t.fill_(POISON)
+            fake_cuda.log.clear()
+            assert engine.submit(other).future.result(timeout=5).path == "kernel"
+            assert [e[0] for e in fake_cuda.log if e[0] in ("kernel", "paged")] == ["kernel"]
+            assert not whole or _same(_cpu_pages(cpu, cpu_ids), _cpu_pages(gpu, gpu_ids))
+        engine.submit(plan).future.result(timeout=5)  # the whole store again, paged
+        # a load back into other GPU blocks, paged with its own layout table
+        back = np.setdiff1d(np.arange(64), gpu_ids)[:32]
+        for t in gpu:
+            t[torch.as_tensor(back)] = POISON
+        v_halves = [t[:, 1].clone() for t in gpu_full]
+        load = build_plan(Direction.H2D, cpu_layout, gpu_layout, cpu_ids, back)
+        fake_cuda.log.clear()
+        engine.submit(load).future.result(timeout=5)
+        assert _same([t[:, 1] for t in gpu_full], v_halves)  # between the strided pages: untouched
+        assert [e[0] for e in fake_cuda.log if e[0] in ("kernel", "paged")] == ["paged"]
+        assert len(kernel_copy._layouts) == 2
+        assert _same(_cpu_pages(gpu, back), _cpu_pages(gpu, gpu_ids))
+
+
+def test_paged_path_only_for_layouts_the_kernel_can_address() -> None:
+    copy = kernel.KernelCopy(torch.device("cuda", 0), FakeDriver([]))  # type: ignore[arg-type]
+
+    def layout(device: str) -> KVLayout:
+        one = np.array([4096], dtype=np.int64)
+        return KVLayout(one, one, one, 4, torch.device(device))
+
+    assert copy._addressable(layout("cpu")) and copy._addressable(layout("cuda:0"))
+    assert not copy._addressable(layout("cuda:1")) and not copy._addressable(layout("meta"))
+
+
+def test_a_refused_layout_upload_fails_its_batch_only(fake_cuda: FakeCuda) -> None:
+    class RefusingDriver(FakeDriver):
+        refuse = 1
+
+        def memcpy(self, dst: int, src: int, num_bytes: int, stream: int) -> None:
+            if self.refuse:
+                self.refuse -= 1
+                raise TransferError("upload refused")
+            super().memcpy(dst, src, num_bytes, stream)
+
+    rng = np.random.default_rng(29)
+    with CopyKernelEngine(driver=RefusingDriver(fake_cuda.log), warmup=False) as engine:
+        plan, src, dst, src_ids, dst_ids = _scattered(rng, Direction.D2H, [576], 3)
+        with pytest.raises(TransferError, match="layout upload failed: upload refused"):
+            engine.submit(plan).future.result(timeout=5)
+        assert engine.issuer.kernel._layouts == {}  # not cached: the next batch uploads it
+        assert engine.submit(plan).future.result(timeout=5).path == "kernel"
+        assert _same(_cpu_pages(dst, dst_ids), _cpu_pages(src, src_ids))
 
 
 def test_a_failed_launch_fails_its_batch_only(fake_cuda: FakeCuda) -> None:

@@ -251,3 +251,105 @@ def test_a_plan_records_its_block_pairs_until_it_is_edited_or_split() -> None:
     assert attrs.evolve(plan, sizes=plan.sizes - 1).matching_blocks() is None
     assert all(chunk.blocks is None for chunk in plan.split(1))
     assert TransferPlan(Direction.H2D).matching_blocks() is None
+
+
+# ------------------------------------------------------------------ lazy descriptors
+
+
+def _reference_descriptors(
+    src: KVLayout, dst: KVLayout, src_ids: list[int], dst_ids: list[int], merge: bool
+) -> tuple[list[int], list[int], list[int]]:
+    """The descriptors ``build_plan`` built eagerly before they became lazy, one Python loop per
+    page: pairs sorted by source (stable) and cut into runs when merging; per tensor (dense ones
+    first unless all are), one descriptor per run where dense on both sides, else per page."""
+    pairs = list(zip(src_ids, dst_ids))
+    if merge:
+        pairs.sort(key=lambda pair: pair[0])
+    runs: list[list[int]] = []  # [src, dst, length]
+    for s, d in pairs:
+        last = runs[-1] if runs else None
+        if merge and last and s == last[0] + last[2] and d == last[1] + last[2]:
+            last[2] += 1
+        else:
+            runs.append([s, d, 1])
+    dense = (src.is_dense & dst.is_dense).tolist()
+    order = list(range(src.num_tensors))
+    if not all(dense):
+        order = [t for t in order if dense[t]] + [t for t in order if not dense[t]]
+    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for t in order:
+        page = int(src.page_bytes[t])
+        items = runs if dense[t] else [[s, d, 1] for s, d in pairs]
+        for s, d, length in items:
+            out[0].append(int(src.base_addrs[t] + s * src.block_strides[t]))
+            out[1].append(int(dst.base_addrs[t] + d * dst.block_strides[t]))
+            out[2].append(page * length)
+    return out
+
+
+@st.composite
+def _layout_case(draw: st.DrawFn) -> tuple[KVLayout, KVLayout, list[int], list[int]]:
+    num_tensors = draw(st.integers(1, 4))
+    pages = draw(st.lists(st.integers(1, 5000), min_size=num_tensors, max_size=num_tensors))
+
+    def layout(num_blocks: int) -> KVLayout:
+        pads = draw(st.lists(st.sampled_from([0, 0, 8, 100]), min_size=num_tensors,
+                             max_size=num_tensors))  # fmt: skip
+        bases = [(1 << 30) * (t + 1) + draw(st.integers(0, 15)) for t in range(num_tensors)]
+        return _layout(bases, pages, [p + pad for p, pad in zip(pages, pads)], num_blocks)
+
+    nb_src, nb_dst = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    n = draw(st.integers(1, nb_dst))
+    consecutive = draw(st.booleans())  # long runs, or random ids
+    if consecutive and n <= nb_src:
+        first_s, first_d = draw(st.integers(0, nb_src - n)), draw(st.integers(0, nb_dst - n))
+        src_ids, dst_ids = list(range(first_s, first_s + n)), list(range(first_d, first_d + n))
+    else:
+        dst_ids = list(draw(st.permutations(range(nb_dst)))[:n])
+        src_ids = draw(st.lists(st.integers(0, nb_src - 1), min_size=n, max_size=n))
+    return layout(nb_src), layout(nb_dst), src_ids, dst_ids
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=_layout_case(), merge=st.booleans())
+def test_lazy_descriptors_equal_the_eager_ones(
+    case: tuple[KVLayout, KVLayout, list[int], list[int]], merge: bool
+) -> None:
+    src, dst, src_ids, dst_ids = case
+    plan = build_plan(Direction.D2H, src, dst, np.array(src_ids), np.array(dst_ids), merge=merge)
+    expected = _reference_descriptors(src, dst, src_ids, dst_ids, merge)
+    # the counts come from the runs, before any descriptor is built
+    assert plan.is_from_blocks and plan._built is None
+    assert (plan.num_descriptors, plan.num_bytes) == (len(expected[2]), sum(expected[2]))
+    assert plan.matching_blocks() is plan.blocks and plan._built is None
+    assert _arrays(plan) == expected
+    assert all(a.dtype == np.int64 for a in (plan.src_addrs, plan.dst_addrs, plan.sizes))
+    assert plan.matching_blocks() is plan.blocks  # still matching once built (and cached)
+    pairs = plan.blocks
+    assert pairs is not None
+    # the runs cover the pairs exactly
+    k = [np.arange(n) for n in pairs.run_lengths]
+    run_pairs = sorted(
+        (int(s + i), int(d + i))
+        for s, d, ks in zip(pairs.run_src_ids, pairs.run_dst_ids, k)
+        for i in ks
+    )
+    assert run_pairs == sorted(zip(src_ids, dst_ids))
+    if not merge:
+        assert pairs.num_runs == len(src_ids)
+
+
+def test_descriptors_are_built_once_and_edits_keep_the_descriptor_path() -> None:
+    plan = build_plan(Direction.D2H, SRC, DST, np.array([7, 3, 2, 4]), np.array([5, 1, 0, 2]))
+    assert plan.src_addrs is plan.src_addrs  # cached
+    edited = attrs.evolve(plan, sizes=plan.sizes * 2)
+    assert not edited.is_from_blocks and edited.matching_blocks() is None
+    assert edited.src_addrs.tolist() == plan.src_addrs.tolist()  # built from the blocks
+    assert edited.num_bytes == 2 * plan.num_bytes
+    same = attrs.evolve(plan, num_blocks=4)  # no descriptor given: still from the blocks
+    assert same.is_from_blocks and same.matching_blocks() is plan.blocks
+    hand = TransferPlan(Direction.H2D, plan.src_addrs, plan.dst_addrs, plan.sizes)
+    assert not hand.is_from_blocks and hand.matching_blocks() is None
+    assert (hand.num_descriptors, hand.num_bytes) == (plan.num_descriptors, plan.num_bytes)
+    empty = TransferPlan(Direction.H2D)
+    assert (empty.num_descriptors, empty.num_bytes, len(empty.src_addrs)) == (0, 0, 0)

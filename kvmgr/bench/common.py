@@ -5,9 +5,10 @@ Offers:
     CopyCase, Variant       what a copy variant receives and returns
     CasePool                a geometry's GPU tensors and registered host region, drawing cases
     default_variants        ``loop``, ``batch_ctypes``, ``batch_lists``: the driver's call paths
-    kernel_variant          the engines' kernel issue (``KernelCopy``) at a program cap
+    kernel_variant          the engines' kernel issue (``KernelCopy``) at a program cap: paged
+                            (a plan from ``build_plan``) or from a descriptor table
     auto_variant            the engines' per-plan choice (``ChoiceCopy`` over the cost model)
-    all_variants            the defaults plus ``kernel`` and ``auto``
+    all_variants            the defaults plus ``kernel``, ``kernel_desc`` and ``auto``
     time_issue, verify      timing with events, checking against the source
 
 Benchmarks import the library; nothing in the library imports this package.
@@ -128,14 +129,20 @@ def _released(issuer: object, case: CopyCase) -> Callable[[], None]:
     return issue
 
 
-def kernel_variant(programs: int | None = None) -> Variant:
+def kernel_variant(programs: int | None = None, *, paged: bool = True) -> Variant:
     """The copy kernel as engine ``"kernel"`` issues it (table slot, upload, direct launch) at
-    ``programs`` programs, or the per-direction defaults if ``None``."""
+    ``programs`` programs, or the per-direction defaults if ``None``. ``paged=False`` issues a
+    hand-made copy of the plan (its descriptors, built before timing), so ``KernelCopy`` takes the
+    descriptor table instead of the paged kernel's run table."""
 
     def prepare(case: CopyCase) -> Callable[[], None]:
         d2h = programs or DEFAULT_D2H_PROGRAMS
         h2d = programs or DEFAULT_H2D_PROGRAMS
         kernel = KernelCopy(case.stream.device, case.driver, d2h_programs=d2h, h2d_programs=h2d)
+        if not paged:
+            p = case.plan
+            plan = TransferPlan(p.direction, p.src_addrs, p.dst_addrs, p.sizes)
+            case = attrs.evolve(case, plan=plan)
         return _released(kernel, case)
 
     return prepare
@@ -153,10 +160,15 @@ def auto_variant(calibration: Calibration | None = None) -> Variant:
 
 
 def all_variants(calibration: Calibration | None = None) -> dict[str, Variant]:
-    """``default_variants()`` plus ``kernel`` and ``auto`` (where Triton is installed)."""
+    """``default_variants()`` plus ``kernel`` (paged), ``kernel_desc`` (the descriptor table)
+    and ``auto`` (where Triton is installed)."""
     variants = default_variants()
     if KERNEL_AVAILABLE:
-        variants |= {"kernel": kernel_variant(), "auto": auto_variant(calibration)}
+        variants |= {
+            "kernel": kernel_variant(),
+            "kernel_desc": kernel_variant(paged=False),
+            "auto": auto_variant(calibration),
+        }
     return variants
 
 

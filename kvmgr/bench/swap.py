@@ -8,7 +8,9 @@ device seconds from CUDA events around the issue (so host issue time counts when
 median of ``--repeats`` after ``--warmup`` runs. Block ids are random and never adjacent, so each
 page is one descriptor and merging cannot hide the per-descriptor cost. Every variant's result is
 checked against the source before timing (destination pages poisoned first). Columns:
-``kvmgr.bench.common.all_variants`` (the driver's call paths, the engines' kernel and auto issue).
+``kvmgr.bench.common.all_variants``: the driver's call paths, the engines' kernel issue (``kernel``:
+the paged kernel on the plan's runs; ``kernel_desc``: the same issuer from the plan's descriptor
+table, the path before the paged kernel) and ``auto``.
 
 ``step()`` host time: ``--step-swaps`` one-block stores of the Qwen geometry (48 x 4 KiB) queued,
 then one ``OffloadManager.step()`` timed, per engine (``--step-engines``) and for consecutive GPU
@@ -16,7 +18,8 @@ ids (merged into 48 descriptors) and scattered ones (one descriptor per page). M
 ``--repeats`` steps, each column on its own: ``host`` = ``StepReport.host_s``; ``engine`` = the
 engine's ``submit`` (``statistics().submit_s``), of which ``issue`` = the driver calls or the
 kernel's table staging and launch (``issue_s``); ``manager`` = host - engine (hooks, queue,
-planning, reports); ``plan`` = ``build_plan`` alone on the step's ids, timed apart; ``wall`` =
+planning, reports); ``plan`` = ``build_plan`` alone on the step's ids, timed apart (it builds no
+descriptors: the DMA issuer builds them inside ``issue``, the paged kernel never); ``wall`` =
 ``step()`` as the caller sees it; ``landed`` = from the first ``swap_out`` call to the last
 future resolved (bytes on the host). Targets (issue 12): 150 us consecutive, 300 us scattered.
 """

@@ -6,7 +6,8 @@ family):
                     ``bound``, ``api``, ``hook``)
     c128/           the DeepSeek-V4 c128 compressor (``layout``, ``gate``, ``reference``,
                     ``kernel``, ``host``, ``bounds``, ``api``, ``hook``)
-    copy_pages      the paged copy kernel of the transfer engines
+    copy_pages      the descriptor copy kernel of the transfer engines
+    copy_blocks     its paged variant: block runs, addresses computed on the device
     launch          ``DirectLauncher``: compiled Triton kernels launched past ``JITFunction.run``
     packed_launch   packed-argument launches through ``cuLaunchKernel`` (``DirectLauncher.bind``)
 """

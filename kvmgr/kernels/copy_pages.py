@@ -12,6 +12,10 @@ Offers:
     copy_pages              validate, build, upload (asynchronously) and launch; the public path
     copy_pages_reference    the same copies with ``ctypes.memmove`` (CPU addresses only)
 
+Plans from ``build_plan`` go to the paged variant instead (``kvmgr.kernels.copy_blocks``: a
+layout table and a table of block runs; addresses computed on the device); this kernel copies
+hand-made or edited plans.
+
 The kernel reads a table of raw addresses, so the host side of a copy must be mapped into the
 GPU's address space: pinned or ``cudaHostRegister``-ed memory, where (on the H200, with unified
 addressing) the device pointer equals the host pointer. Under ``TRITON_INTERPRET=1`` the same

@@ -119,6 +119,8 @@ def _cuda_device(device: int | str | torch.device | None) -> torch.device:
 def check_plan(plan: TransferPlan) -> None:
     if not isinstance(plan, TransferPlan) or not isinstance(plan.direction, Direction):
         raise ValueError(f"expected a TransferPlan with a Direction, got {plan!r}")
+    if plan.is_from_blocks:  # built by build_plan from checked ids: nothing to check, nor to build
+        return
     if not len(plan.src_addrs) == len(plan.dst_addrs) == len(plan.sizes):
         raise ValueError(
             f"expected equal descriptor arrays, got {len(plan.src_addrs)} sources, "

@@ -38,7 +38,7 @@ def cost_model(calibration: Calibration) -> Choice:
     copy slows, ``kvmgr.transfer.cost_model``) says so; a few float operations per plan."""
 
     def choose(plan: TransferPlan, num_bytes: int) -> bool:
-        n = len(plan.sizes)
+        n = plan.num_descriptors
         return kernel_or_batch(n, num_bytes, plan.direction, calibration) == "kernel"
 
     return choose
@@ -69,7 +69,7 @@ class ChoiceCopy:
         if (
             kernel is not None
             and not self.pageable_host
-            and len(plan.sizes)
+            and plan.num_descriptors
             and self.choose(plan, plan.num_bytes)
         ):
             return kernel.issue(plan, stream)

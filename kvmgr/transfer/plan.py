@@ -10,10 +10,15 @@ Offers:
 Copies inside one batch run in no order (docs/transfer.md, rule 5), so a plan may reorder its
 pages freely: ``build_plan`` sorts pairs by source block and merges runs of consecutive source and
 destination blocks into one descriptor per tensor (rule 6). Engines split plans above their
-descriptor cap with ``TransferPlan.split``. ``build_plan`` also records the block pairs and layouts
-(``TransferPlan.blocks``), so an engine that copies with tensor indexing (the host engine) need not
-walk the descriptors; a plan made or edited by hand carries ``blocks=None`` or a record whose byte
-and descriptor counts no longer match, and is copied from its descriptors.
+descriptor cap with ``TransferPlan.split``.
+
+``build_plan`` records the block pairs, their runs and the layouts (``TransferPlan.blocks``) and
+computes nothing per page: the descriptor arrays of its plans are built on first access (one numpy
+broadcast per tensor group, then cached), while ``num_descriptors`` and ``num_bytes`` come from the
+run count and the dense mask. An engine that copies from the blocks (the host engine's tensor
+indexing, the paged copy kernel) never builds them. A plan made or edited by hand carries
+``blocks=None`` or a record whose byte and descriptor counts no longer match its descriptors, and is
+copied from its descriptors.
 """
 
 from __future__ import annotations
@@ -46,9 +51,12 @@ class BlockPairs:
     Attributes:
         src, dst: layouts of the source and destination tier.
         src_block_ids, dst_block_ids: int64 ``[num_blocks]``: block ``src_block_ids[i]`` of every
-            tensor is copied to block ``dst_block_ids[i]``.
-        num_bytes, num_descriptors: what the plan's descriptors add up to when built; an engine
-            uses the pairs only while the plan still says the same.
+            tensor is copied to block ``dst_block_ids[i]`` (sorted by source block when merged).
+        num_bytes, num_descriptors: what the plan's descriptors add up to; an engine uses the
+            pairs only while the plan still says the same.
+        run_src_ids, run_dst_ids, run_lengths: int64 ``[num_runs]``: the same pairs as runs,
+            blocks ``run_src_ids[r] + k -> run_dst_ids[r] + k`` for ``k < run_lengths[r]`` (one
+            run per pair when not merged); a dense tensor's run is one descriptor.
     """
 
     src: KVLayout
@@ -57,11 +65,44 @@ class BlockPairs:
     dst_block_ids: np.ndarray
     num_bytes: int
     num_descriptors: int
+    run_src_ids: np.ndarray
+    run_dst_ids: np.ndarray
+    run_lengths: np.ndarray
+
+    @property
+    def num_runs(self) -> int:
+        """Runs of consecutive blocks (on both sides)."""
+        return len(self.run_lengths)
+
+    def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 ``[num_descriptors]`` source addresses, destination addresses and bytes,
+        tensor-major: one descriptor per run in tensors dense on both sides, listed first (unless
+        every tensor is), then one per page elsewhere."""
+        src, dst = self.src, self.dst
+        merged = self.run_lengths if self.num_runs < len(self.src_block_ids) else None
+        dense = src.is_dense & dst.is_dense
+        run_s, run_d = self.run_src_ids, self.run_dst_ids
+        if dense.all():  # the common case: every tensor dense, one descriptor per run
+            return _descriptors(src, dst, None, run_s, run_d, merged)
+        parts = []
+        if dense.any():  # one descriptor per run in dense tensors
+            parts.append(_descriptors(src, dst, dense, run_s, run_d, merged))
+        # one descriptor per page elsewhere
+        parts.append(_descriptors(src, dst, ~dense, self.src_block_ids, self.dst_block_ids, None))
+        if len(parts) == 1:
+            return parts[0]
+        srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
+        return srcs, dsts, sizes
 
 
 @attrs.frozen(eq=False)
 class TransferPlan:
     """The descriptors of one batch in one direction.
+
+    The three descriptor arrays are init arguments (``src_addrs=``, ...) and read-only
+    attributes. One left ``None`` (the default) is computed from ``blocks`` on first access and
+    cached (empty without ``blocks``): ``build_plan`` gives none, so its plans build descriptors
+    only for an engine that reads them.
 
     Attributes:
         direction: D2H or H2D.
@@ -75,30 +116,68 @@ class TransferPlan:
     """
 
     direction: Direction
-    src_addrs: np.ndarray = _EMPTY
-    dst_addrs: np.ndarray = _EMPTY
-    sizes: np.ndarray = _EMPTY
+    _src_addrs: np.ndarray | None = attrs.field(default=None, alias="src_addrs")
+    _dst_addrs: np.ndarray | None = attrs.field(default=None, alias="dst_addrs")
+    _sizes: np.ndarray | None = attrs.field(default=None, alias="sizes")
     num_blocks: int = 0
     num_pages: int = 0
     blocks: BlockPairs | None = None
+    _built: tuple[np.ndarray, np.ndarray, np.ndarray] | None = attrs.field(
+        default=None, init=False, repr=False
+    )
+
+    @property
+    def src_addrs(self) -> np.ndarray:
+        """int64 ``[num_descriptors]``: source addresses."""
+        return self._src_addrs if self._src_addrs is not None else self._from_blocks()[0]
+
+    @property
+    def dst_addrs(self) -> np.ndarray:
+        """int64 ``[num_descriptors]``: destination addresses."""
+        return self._dst_addrs if self._dst_addrs is not None else self._from_blocks()[1]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int64 ``[num_descriptors]``: bytes of each copy."""
+        return self._sizes if self._sizes is not None else self._from_blocks()[2]
+
+    @property
+    def is_from_blocks(self) -> bool:
+        """Whether every descriptor array is (to be) computed from ``blocks``: a plan from
+        ``build_plan``, not edited; it never needs its descriptors checked."""
+        given = (self._src_addrs, self._dst_addrs, self._sizes)
+        return self.blocks is not None and all(a is None for a in given)
+
+    def _from_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        built = self._built
+        if built is None:
+            built = (_EMPTY, _EMPTY, _EMPTY) if self.blocks is None else self.blocks.descriptors()
+            object.__setattr__(self, "_built", built)  # a cache: the plan stays the same value
+        return built
 
     def matching_blocks(self) -> BlockPairs | None:
         """``blocks`` if it still describes exactly the descriptors' bytes and count, else
-        ``None`` (a plan edited with ``attrs.evolve``)."""
+        ``None`` (a plan edited with ``attrs.evolve``). O(1) for a plan from ``build_plan``."""
         pairs = self.blocks
-        if pairs is None or pairs.num_descriptors != len(self.sizes):
+        if pairs is None or self.is_from_blocks:
+            return pairs
+        if pairs.num_descriptors != len(self.sizes):
             return None
         return pairs if pairs.num_bytes == self.num_bytes else None
 
     @property
     def num_descriptors(self) -> int:
-        """Descriptors after merging."""
-        return len(self.sizes)
+        """Descriptors after merging (without building them for a plan from ``build_plan``)."""
+        if self._sizes is None:
+            return 0 if self.blocks is None else self.blocks.num_descriptors
+        return len(self._sizes)
 
     @property
     def num_bytes(self) -> int:
-        """Bytes the batch moves."""
-        return int(self.sizes.sum())
+        """Bytes the batch moves (without building descriptors for a plan from ``build_plan``)."""
+        if self._sizes is None:
+            return 0 if self.blocks is None else self.blocks.num_bytes
+        return int(self._sizes.sum())
 
     def split(self, max_descriptors: int) -> list[TransferPlan]:
         """Cut the plan into consecutive chunks of at most ``max_descriptors`` descriptors.
@@ -172,7 +251,8 @@ def build_plan(
 
     Every tensor's page of each block is copied. With ``merge``, pairs are sorted by source block
     and each run of consecutive source and destination blocks becomes one descriptor per tensor,
-    for tensors that are dense on both sides (block stride == page bytes).
+    for tensors that are dense on both sides (block stride == page bytes). The work is O(pairs),
+    never O(pages): the descriptors are computed when first read (``TransferPlan``).
 
     Args:
         direction: recorded on the plan; the engine uses it to pick streams and ordering.
@@ -204,40 +284,29 @@ def build_plan(
     n = len(s)
     if n == 0:
         return TransferPlan(direction)
-    lengths: np.ndarray | None = None  # None: one page per descriptor
-    run_s, run_d = s, d
+    run_s, run_d, lengths = s, d, np.ones(n, dtype=np.int64)  # one run per pair unless merged
     if merge and n > 1:
-        step_s = np.diff(s)
+        step_s = s[1:] - s[:-1]
         if not bool((step_s >= 0).all()):  # sort by source block unless already sorted
             order = np.argsort(s, kind="stable")
             s, d = s[order], d[order]
-            step_s = np.diff(s)
-        breaks = (step_s != 1) | (np.diff(d) != 1)
+            step_s = s[1:] - s[:-1]
+        breaks = (step_s != 1) | (d[1:] - d[:-1] != 1)
         if not breaks.any():  # one run: the common case of consecutive ids
             lengths = np.array([n], dtype=np.int64)
             run_s, run_d = s[:1], d[:1]
+        elif breaks.all():  # no run: the common case of scattered ids
+            run_s, run_d = s, d
         else:
             starts = np.flatnonzero(breaks)
             starts += 1
             bounds = np.concatenate(((0,), starts, (n,)))
-            lengths = np.diff(bounds)
+            lengths = bounds[1:] - bounds[:-1]
             run_s, run_d = s[bounds[:-1]], d[bounds[:-1]]
-    dense = src.is_dense & dst.is_dense
-    if dense.all():  # the common case: every tensor dense, one descriptor per run
-        parts = [_descriptors(src, dst, None, run_s, run_d, lengths)]
-    else:
-        parts = []
-        if dense.any():  # one descriptor per run in dense tensors
-            parts.append(_descriptors(src, dst, dense, run_s, run_d, lengths))
-        # one descriptor per page elsewhere
-        parts.append(_descriptors(src, dst, ~dense, s, d, None))
-    if len(parts) == 1:
-        srcs, dsts, sizes = parts[0]
-    else:
-        srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
-    pairs = BlockPairs(src, dst, s, d, int(sizes.sum()), len(sizes))
-    return TransferPlan(direction, srcs, dsts, sizes, num_blocks=n, num_pages=n * src.num_tensors,
-                        blocks=pairs)  # fmt: skip
+    num_dense = int(np.count_nonzero(src.is_dense & dst.is_dense))
+    num_descriptors = len(lengths) * num_dense + n * (src.num_tensors - num_dense)
+    pairs = BlockPairs(src, dst, s, d, n * src.block_bytes, num_descriptors, run_s, run_d, lengths)
+    return TransferPlan(direction, num_blocks=n, num_pages=n * src.num_tensors, blocks=pairs)
 
 
 def _descriptors(
