@@ -98,6 +98,30 @@ def test_kernel_copies_odd_sizes_and_keeps_poison(skews: tuple[int, int]) -> Non
     assert (dst == POISON).sum() > 0  # bytes outside the descriptors stay poisoned
 
 
+def test_table_launches_bind_once_per_specialization_and_copy_exactly() -> None:
+    # The engines' packed launches: 1 row (a constexpr 1), 16 and 32 rows (multiples of 16) and
+    # 5 / 7 rows share bound launches by class; every launch copies exactly its rows.
+    from kvmgr.kernels.copy_pages import (
+        build_descriptor_table,
+        copy_table_launches,
+        launch_copy_table,
+    )
+
+    launches = copy_table_launches()
+    stream = torch.cuda.current_stream() if KERNEL_DEVICE == "cuda" else None
+    for step, rows in enumerate([5, 1, 16, 7, 32, 1, 5]):
+        rng = np.random.default_rng(40 + step)
+        sizes = [int(s) for s in rng.choice(ODD_SIZES, rows)]
+        src, dst, srcs, dsts, n = _plan(rng, sizes, (step % 4, 0))
+        expected = _expected(src, dst, srcs, dsts, n)
+        table = torch.from_numpy(build_descriptor_table(srcs, dsts, n)).to(KERNEL_DEVICE)
+        assert launch_copy_table(table, rows, 4, stream=stream, launches=launches) == min(4, rows)
+        if KERNEL_DEVICE == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(dst, expected)
+    assert launches.num_bound == 3
+
+
 def test_kernel_matches_memmove_reference() -> None:
     rng = np.random.default_rng(7)
     sizes = [int(s) for s in rng.integers(1, 3000, 24)]
@@ -460,7 +484,7 @@ class FakeCuda:
         self.Stream, self.Event = Stream, Event
         self.compute = Stream()
 
-    def launch(self, table: torch.Tensor, num_items: int, max_programs: int) -> int:
+    def launch(self, table: torch.Tensor, num_items: int, max_programs: int, **_: Any) -> int:
         if self.fail_launches:
             self.fail_launches -= 1
             raise RuntimeError("launch refused")
@@ -469,7 +493,7 @@ class FakeCuda:
 
     def launch_paged(
         self, layout: torch.Tensor, runs: torch.Tensor, num_tensors: int, num_runs: int,
-        max_programs: int,
+        max_programs: int, **_: Any,
     ) -> int:  # fmt: skip
         if self.fail_launches:
             self.fail_launches -= 1

@@ -5,7 +5,9 @@ Offers:
     max_run_blocks          blocks per work item so that one item copies about ``chunk_bytes``
     build_run_table         runs of blocks -> int64 ``[3, num_runs]`` work table, long runs split
     launch_copy_blocks      launch over a layout table and a run table already on the device
-    launch_block_table      the same over packed flat buffers, without checks (the engines' path)
+    launch_block_table      the same over packed flat buffers, without checks (the engines' path;
+                            packed launches on the copy stream with ``block_table_launches``)
+    block_table_launches    an issuer's packed launches of the kernel (``table_launch``)
     copy_blocks             validate, build, upload (asynchronously) and launch; the public path
     copy_blocks_reference   the same copies with ``index_copy_`` on the tensors
 
@@ -54,6 +56,7 @@ from kvmgr.kernels.copy_pages import (
     _jit,
 )
 from kvmgr.kernels.launch import shared_launcher
+from kvmgr.kernels.table_launch import TableLaunches
 from kvmgr.pool.layout import KVLayout
 
 try:
@@ -62,6 +65,7 @@ except ImportError:  # the table helpers and the reference work without Triton; 
     tl = None
 
 __all__ = [
+    "block_table_launches",
     "build_layout_table",
     "build_run_table",
     "copy_blocks",
@@ -220,7 +224,14 @@ def launch_copy_blocks(
 
 
 def launch_block_table(
-    layout: torch.Tensor, runs: torch.Tensor, num_tensors: int, num_runs: int, max_programs: int
+    layout: torch.Tensor,
+    runs: torch.Tensor,
+    num_tensors: int,
+    num_runs: int,
+    max_programs: int,
+    *,
+    stream: Any = None,
+    launches: TableLaunches | None = None,
 ) -> int:
     """Launch the kernel on the current stream over packed tables, without checks.
 
@@ -232,6 +243,8 @@ def launch_block_table(
             until the kernel has run.
         num_tensors, num_runs: columns of the two tables.
         max_programs: cap on the grid (>= 1).
+        stream: with ``launches``, the stream to launch on (None: the current stream).
+        launches: the caller's packed launches of this kernel (``block_table_launches()``).
 
     Returns:
         The number of programs launched, ``min(max_programs, num_tensors * num_runs)``.
@@ -242,11 +255,24 @@ def launch_block_table(
     if not KERNEL_AVAILABLE:
         raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
     grid = min(max_programs, num_tensors * num_runs)
-    if grid:
+    if grid and launches is not None:
+        launches(grid, stream, layout, runs, num_tensors, num_runs)
+    elif grid:
         shared_launcher(_copy_blocks_kernel)(
             (grid,), layout, runs, num_tensors, num_runs, num_warps=_NUM_WARPS
         )
     return grid
+
+
+def block_table_launches() -> TableLaunches:
+    """Packed launches of the paged kernel for one issuer (``launch_block_table``).
+
+    Raises:
+        TransferError: Triton is not installed.
+    """
+    if not KERNEL_AVAILABLE:
+        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
+    return TableLaunches(_copy_blocks_kernel, _NUM_WARPS)
 
 
 def _check_runs(

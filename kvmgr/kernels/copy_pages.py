@@ -7,7 +7,9 @@ Offers:
     build_descriptor_table  (src, dst, bytes) arrays -> int64 ``[3, num_items]`` work table
     launch_copy_pages       launch the kernel over a descriptor table already on the device
     launch_copy_table       the same over the first ``3 * num_items`` entries of a flat table
-                            (the engines' hot path: direct launch, no per-call checks)
+                            (the engines' hot path: no per-call checks; packed launches on the
+                            copy stream with ``copy_table_launches``)
+    copy_table_launches     an issuer's packed launches of the kernel (``table_launch``)
     vector_widths           the access width (16/8/4/2/1 bytes) the kernel uses for each row
     copy_pages              validate, build, upload (asynchronously) and launch; the public path
     copy_pages_reference    the same copies with ``ctypes.memmove`` (CPU addresses only)
@@ -53,6 +55,7 @@ import torch
 
 from kvmgr.errors import GeometryError, TransferError
 from kvmgr.kernels.launch import shared_launcher
+from kvmgr.kernels.table_launch import TableLaunches
 
 try:
     import triton
@@ -69,6 +72,7 @@ __all__ = [
     "build_descriptor_table",
     "copy_pages",
     "copy_pages_reference",
+    "copy_table_launches",
     "launch_copy_pages",
     "launch_copy_table",
     "vector_widths",
@@ -255,7 +259,14 @@ def launch_copy_pages(table: torch.Tensor, *, max_programs: int = DEFAULT_MAX_PR
     return launch_copy_table(table, table.shape[1], max_programs)
 
 
-def launch_copy_table(table: torch.Tensor, num_items: int, max_programs: int) -> int:
+def launch_copy_table(
+    table: torch.Tensor,
+    num_items: int,
+    max_programs: int,
+    *,
+    stream: Any = None,
+    launches: TableLaunches | None = None,
+) -> int:
     """Launch the kernel on the current stream over a packed table, without checks.
 
     Args:
@@ -265,6 +276,8 @@ def launch_copy_table(table: torch.Tensor, num_items: int, max_programs: int) ->
             It must stay alive until the kernel has run.
         num_items: rows to copy.
         max_programs: cap on the grid (>= 1).
+        stream: with ``launches``, the stream to launch on (None: the current stream).
+        launches: the caller's packed launches of this kernel (``copy_table_launches()``).
 
     Returns:
         The number of programs launched, ``min(max_programs, num_items)``.
@@ -275,9 +288,22 @@ def launch_copy_table(table: torch.Tensor, num_items: int, max_programs: int) ->
     if not KERNEL_AVAILABLE:
         raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
     grid = min(max_programs, num_items)
-    if grid:
+    if grid and launches is not None:
+        launches(grid, stream, table, num_items)
+    elif grid:
         shared_launcher(_copy_pages_kernel)((grid,), table, num_items, num_warps=_NUM_WARPS)
     return grid
+
+
+def copy_table_launches() -> TableLaunches:
+    """Packed launches of the descriptor-table kernel for one issuer (``launch_copy_table``).
+
+    Raises:
+        TransferError: Triton is not installed.
+    """
+    if not KERNEL_AVAILABLE:
+        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
+    return TableLaunches(_copy_pages_kernel, _NUM_WARPS)
 
 
 def copy_pages(

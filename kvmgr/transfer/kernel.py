@@ -38,6 +38,7 @@ import torch
 
 from kvmgr.errors import TransferError
 from kvmgr.kernels.copy_blocks import (
+    block_table_launches,
     build_layout_table,
     build_run_table,
     launch_block_table,
@@ -48,8 +49,10 @@ from kvmgr.kernels.copy_pages import (
     DEFAULT_D2H_PROGRAMS,
     DEFAULT_H2D_PROGRAMS,
     build_descriptor_table,
+    copy_table_launches,
     launch_copy_table,
 )
+from kvmgr.kernels.table_launch import TableLaunches
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.plan import BlockPairs, Direction, TransferPlan
@@ -146,6 +149,7 @@ class KernelCopy:
         self.slots = TableSlots(device)
         # (stream handle, src, dst) -> table; the key holds the layouts, so ids are not reused
         self._layouts: dict[tuple[int, KVLayout, KVLayout], _LayoutTable] = {}
+        self._table_launches: dict[str, TableLaunches] = {}
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Stage, upload and launch on ``stream`` (paged for a plan from ``build_plan`` whose
@@ -158,6 +162,19 @@ class KernelCopy:
         if pairs is not None and self._addressable(pairs.src) and self._addressable(pairs.dst):
             return self._issue_runs(plan.direction, pairs, stream)
         return self._issue_descriptors(plan, stream)
+
+    def _launches(self, kind: str) -> TableLaunches:
+        """This issuer's packed launches of the paged (``"blocks"``) or the descriptor-table
+        kernel on an explicit stream, made on first use (``kvmgr.kernels.table_launch``).
+
+        Raises:
+            TransferError: Triton is not installed.
+        """
+        launches = self._table_launches.get(kind)
+        if launches is None:
+            launches = block_table_launches() if kind == "blocks" else copy_table_launches()
+            self._table_launches[kind] = launches
+        return launches
 
     def _addressable(self, layout: KVLayout) -> bool:
         """Host memory (pinned or registered: the engine sends pageable tiers to DMA) or this
@@ -183,9 +200,9 @@ class KernelCopy:
         keep = (layout.slot, slot)
         try:
             self.driver.memcpy(slot.device_addr, slot.host_addr, 3 * n * _WORD, stream.cuda_stream)
-            with torch.cuda.stream(stream):
-                launch_block_table(layout.slot.device, slot.device, layout.num_tensors, n,
-                                   self.programs[direction])  # fmt: skip
+            launch_block_table(layout.slot.device, slot.device, layout.num_tensors, n,
+                               self.programs[direction], stream=stream,
+                               launches=self._launches("blocks"))  # fmt: skip
         except Exception as exc:  # the future fails; the stream stays ordered
             error = TransferError(f"copy kernel launch failed: {exc}")
             return Issued("kernel", keep_alive=keep, release=release, error=error)
@@ -231,8 +248,8 @@ class KernelCopy:
         release = lambda: self.slots.give(slot)  # noqa: E731  (after the end event)
         try:
             self.driver.memcpy(slot.device_addr, slot.host_addr, 3 * n * _WORD, stream.cuda_stream)
-            with torch.cuda.stream(stream):
-                launch_copy_table(slot.device, n, self.programs[plan.direction])
+            launch_copy_table(slot.device, n, self.programs[plan.direction], stream=stream,
+                              launches=self._launches("descriptors"))  # fmt: skip
         except Exception as exc:  # the future fails; the stream stays ordered
             error = TransferError(f"copy kernel launch failed: {exc}")
             return Issued("kernel", keep_alive=(slot,), release=release, error=error)
