@@ -436,51 +436,48 @@ class Bookkeeper:
     # ------------------------------------------------------------------ completion
 
     @staticmethod
-    def _store_ids(parts: list[Part], cpu_ids: np.ndarray) -> np.ndarray:
-        """CPU ids of the lane's keyed stores, aligned with their keys in part order."""
-        if len(parts) == 1:
-            return np.asarray(parts[0].cpu_ids, dtype=np.int64)
+    def _store_ids(lane: Lane, cpu_ids: np.ndarray) -> np.ndarray:
+        """CPU ids of the lane's keyed stores, aligned with ``lane.keys``."""
+        if not lane.requests:  # stores only: the lane's ids, in part order
+            return cpu_ids
         return np.concatenate(
-            [np.asarray(p.cpu_ids, dtype=np.int64) for p in parts if p.kind is Kind.STORE]
+            [np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.STORE]
         )
 
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.
 
-        ``gpu_ids``/``cpu_ids`` are the lane's ids as the batch carried them. Futures are the
-        caller's to resolve after this returns.
+        ``gpu_ids``/``cpu_ids`` are the lane's ids as the batch carried them. Array operations
+        over the lane's blocks, plus one step per request-level part; futures are the caller's
+        to resolve after this returns.
         """
-        parts = lane.parts
         cpu, counters = self.cpu, self.counters
         n = len(cpu_ids)
         self.gpu.release(gpu_ids)
+        requests = lane.requests
         if lane.direction is Direction.D2H:
-            keys = (
-                [k for p in parts if p.keys for k in p.keys]
-                if len(parts) > 1
-                else (parts[0].keys or [])
-            )
+            keys = lane.keys
             if ok:
                 cpu.stores_landed(cpu_ids)
                 counters.stores_completed += n
                 self.events.stored(keys)
                 if self.on_stored is not None and keys:
-                    self.on_stored(keys, self._store_ids(parts, cpu_ids))
+                    self.on_stored(keys, self._store_ids(lane, cpu_ids))
             else:
                 cpu.stores_failed(keys, cpu_ids)
                 counters.stores_failed += n
-            for part in parts:
-                if part.kind is Kind.PREEMPT:
-                    self.requests.preempt_done(part, ok)
+            for part in requests:
+                self.requests.preempt_done(part, ok)
             return
-        resumes = [p for p in parts if p.kind is Kind.RESUME]
-        if not resumes:
+        if not requests:
             cpu.remove_readers(cpu_ids)
         else:
-            loads = [np.asarray(p.cpu_ids, dtype=np.int64) for p in parts if p.kind is Kind.LOAD]
+            loads = [
+                np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.LOAD
+            ]
             if loads:
                 cpu.remove_readers(np.concatenate(loads))
-            for part in resumes:
+            for part in requests:
                 self.requests.resume_done(part, ok)
         if ok:
             counters.loads_completed += n
