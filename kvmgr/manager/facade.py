@@ -623,12 +623,15 @@ class OffloadManager:
             raise InvalidArgumentError(f"expected a StepContext or None, got {type(ctx).__name__}")
         start = time.perf_counter()
         step = self._step + 1
-        if ctx is None:
-            ctx = StepContext(step=step)
-        hook_reports = tuple(hook(ctx) for hook in self._hooks)
-        self._flusher.check_hook_reports(self._hooks, hook_reports)
+        hooks = self._hooks
+        hook_reports: tuple[Any, ...] = ()
+        if hooks:  # without hooks no context is needed
+            if ctx is None:
+                ctx = StepContext(step=step)
+            hook_reports = tuple(hook(ctx) for hook in hooks)
+            self._flusher.check_hook_reports(hooks, hook_reports)
         self._step = step
-        if ctx.stream is not None:  # fence the copies on the loop's compute stream
+        if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
                 d2h, h2d = self._flusher.flush()
         else:
@@ -636,7 +639,7 @@ class OffloadManager:
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
         report = StepReport(
-            step=self._step if ctx.step is None else ctx.step,
+            step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
             h2d=h2d,
             hooks=hook_reports,
