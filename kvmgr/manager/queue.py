@@ -130,16 +130,19 @@ def _raw(ids: Any) -> np.ndarray:
 
 
 class Generation:
-    """Parts that can share one plan per direction."""
+    """Parts that can share one plan per direction (``lanes`` by direction; ``d2h``/``h2d``
+    name the same lanes without hashing an enum on the per-call path)."""
 
-    __slots__ = ("lanes", "number")
+    __slots__ = ("d2h", "h2d", "lanes", "number")
 
     def __init__(self, number: int) -> None:
         self.number = number
-        self.lanes = {Direction.D2H: Lane(Direction.D2H), Direction.H2D: Lane(Direction.H2D)}
+        self.d2h = Lane(Direction.D2H)
+        self.h2d = Lane(Direction.H2D)
+        self.lanes = {Direction.D2H: self.d2h, Direction.H2D: self.h2d}
 
     def __len__(self) -> int:
-        return len(self.lanes[Direction.D2H].parts) + len(self.lanes[Direction.H2D].parts)
+        return len(self.d2h.parts) + len(self.h2d.parts)
 
 
 class Batch:
@@ -240,7 +243,7 @@ class SwapQueue:
                 marks[b] = number
         else:
             (self._read_np if is_store else self._written_np)[ids] = number
-        newest.lanes[Direction.D2H if is_store else Direction.H2D].add(part)
+        (newest.d2h if is_store else newest.h2d).add(part)
         self.num_queued += 1
 
     def take(self) -> list[Generation]:
