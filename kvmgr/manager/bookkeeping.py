@@ -341,19 +341,22 @@ class Bookkeeper:
         n = len(keys)
         if len(gpu) != n:
             return None
-        for key in keys:
-            if type(key) is not bytes:
-                return None
-        cpu = self.cpu
+        cpu, gpu_pool = self.cpu, self.gpu
         index, pool = cpu.index, cpu.pool
-        if pool.num_free < n or not index.keys().isdisjoint(keys):
-            return None
-        gpu_pool = self.gpu
-        num_gpu, owned, gpu_state = gpu_pool.num_blocks, gpu_pool.pool is not None, gpu_pool.state
-        for b in gpu:
-            if type(b) is not int or not 0 <= b < num_gpu or (owned and gpu_state[b] != 1):
+        num_gpu, gpu_state = gpu_pool.num_blocks, gpu_pool.state
+        owned = gpu_pool.pool is not None
+        for key, b in zip(keys, gpu):  # 1 = GpuState.HELD
+            if (
+                type(key) is not bytes
+                or key in index
+                or type(b) is not int
+                or not 0 <= b < num_gpu
+                or (owned and gpu_state[b] != 1)
+            ):
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
+            return None
+        if pool.num_free < n:
             return None
         take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
         cpu_ids = []
@@ -364,10 +367,12 @@ class Bookkeeper:
             state[block] = 1  # CpuState.PENDING
             busy[b] += 1
         cpu.num_pending += n
+        keys = keys[:]  # the caller may reuse its lists
         cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
         self.counters.stores_queued += n
-        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), tuple(gpu))
-        return Part(Kind.STORE, future, result, gpu[:], cpu_ids, keys[:])
+        gpu_ids = tuple(gpu)
+        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
+        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)
 
     # ------------------------------------------------------------------ load
 
