@@ -463,7 +463,7 @@ class Bookkeeper:
         if lane.direction is Direction.D2H:
             keys = lane.keys
             if ok:
-                cpu.stores_landed(cpu_ids)
+                cpu.stores_landed(cpu_ids, all_pending=not requests)  # stores stay PENDING
                 counters.stores_completed += n
                 self.events.stored(keys)
                 if self.on_stored is not None and keys:
