@@ -133,6 +133,7 @@ class OffloadManager:
         self._flusher.on_settled = self._room.wake
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_on_tick = config.flush == "tick"
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
@@ -255,7 +256,7 @@ class OffloadManager:
             part.future.set_result(part.result)
             return
         self._queue.add(part)
-        if self.config.flush == "tick" and not self._tick_scheduled:
+        if self._flush_on_tick and not self._tick_scheduled:
             self._tick_scheduled = True
             assert self._loop is not None
             self._loop.call_soon(self._flush_tick)
