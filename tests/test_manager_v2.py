@@ -265,6 +265,11 @@ def _set_storage(kv: list[torch.Tensor]) -> None:
     kv[1].set_(torch.randn(NUM_GPU, 2, 288).to(torch.bfloat16))  # type: ignore[call-overload]
 
 
+def _reshape_in_place(kv: list[torch.Tensor]) -> None:
+    # same pointer, same bytes, another shape: only the shape tells (and only the last tensor)
+    kv[1].resize_(2 * NUM_GPU, 288)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "move",
@@ -272,6 +277,7 @@ def _set_storage(kv: list[torch.Tensor]) -> None:
         pytest.param(_resize_grow, id="resize-grow"),
         pytest.param(_resize_shrink, id="resize-shrink"),
         pytest.param(_set_storage, id="set"),
+        pytest.param(_reshape_in_place, id="reshape-in-place"),
     ],
 )
 async def test_a_moved_kv_tensor_fails_the_batch_and_nothing_is_served(

@@ -341,19 +341,22 @@ class Bookkeeper:
         n = len(keys)
         if len(gpu) != n:
             return None
-        for key in keys:
-            if type(key) is not bytes:
-                return None
-        cpu = self.cpu
+        cpu, gpu_pool = self.cpu, self.gpu
         index, pool = cpu.index, cpu.pool
-        if pool.num_free < n or not index.keys().isdisjoint(keys):
-            return None
-        gpu_pool = self.gpu
-        num_gpu, owned, gpu_state = gpu_pool.num_blocks, gpu_pool.pool is not None, gpu_pool.state
-        for b in gpu:
-            if type(b) is not int or not 0 <= b < num_gpu or (owned and gpu_state[b] != 1):
+        num_gpu, gpu_state = gpu_pool.num_blocks, gpu_pool.state
+        owned = gpu_pool.pool is not None
+        for key, b in zip(keys, gpu):  # 1 = GpuState.HELD
+            if (
+                type(key) is not bytes
+                or key in index
+                or type(b) is not int
+                or not 0 <= b < num_gpu
+                or (owned and gpu_state[b] != 1)
+            ):
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
+            return None
+        if pool.num_free < n:
             return None
         take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
         cpu_ids = []
@@ -364,10 +367,12 @@ class Bookkeeper:
             state[block] = 1  # CpuState.PENDING
             busy[b] += 1
         cpu.num_pending += n
+        keys = keys[:]  # the caller may reuse its lists
         cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
         self.counters.stores_queued += n
-        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), tuple(gpu))
-        return Part(Kind.STORE, future, result, gpu[:], cpu_ids, keys[:])
+        gpu_ids = tuple(gpu)
+        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
+        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)
 
     # ------------------------------------------------------------------ load
 
@@ -436,51 +441,48 @@ class Bookkeeper:
     # ------------------------------------------------------------------ completion
 
     @staticmethod
-    def _store_ids(parts: list[Part], cpu_ids: np.ndarray) -> np.ndarray:
-        """CPU ids of the lane's keyed stores, aligned with their keys in part order."""
-        if len(parts) == 1:
-            return np.asarray(parts[0].cpu_ids, dtype=np.int64)
+    def _store_ids(lane: Lane, cpu_ids: np.ndarray) -> np.ndarray:
+        """CPU ids of the lane's keyed stores, aligned with ``lane.keys``."""
+        if not lane.requests:  # stores only: the lane's ids, in part order
+            return cpu_ids
         return np.concatenate(
-            [np.asarray(p.cpu_ids, dtype=np.int64) for p in parts if p.kind is Kind.STORE]
+            [np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.STORE]
         )
 
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.
 
-        ``gpu_ids``/``cpu_ids`` are the lane's ids as the batch carried them. Futures are the
-        caller's to resolve after this returns.
+        ``gpu_ids``/``cpu_ids`` are the lane's ids as the batch carried them. Array operations
+        over the lane's blocks, plus one step per request-level part; futures are the caller's
+        to resolve after this returns.
         """
-        parts = lane.parts
         cpu, counters = self.cpu, self.counters
         n = len(cpu_ids)
         self.gpu.release(gpu_ids)
+        requests = lane.requests
         if lane.direction is Direction.D2H:
-            keys = (
-                [k for p in parts if p.keys for k in p.keys]
-                if len(parts) > 1
-                else (parts[0].keys or [])
-            )
+            keys = lane.keys
             if ok:
-                cpu.stores_landed(cpu_ids)
+                cpu.stores_landed(cpu_ids, all_pending=not requests)  # stores stay PENDING
                 counters.stores_completed += n
                 self.events.stored(keys)
                 if self.on_stored is not None and keys:
-                    self.on_stored(keys, self._store_ids(parts, cpu_ids))
+                    self.on_stored(keys, self._store_ids(lane, cpu_ids))
             else:
                 cpu.stores_failed(keys, cpu_ids)
                 counters.stores_failed += n
-            for part in parts:
-                if part.kind is Kind.PREEMPT:
-                    self.requests.preempt_done(part, ok)
+            for part in requests:
+                self.requests.preempt_done(part, ok)
             return
-        resumes = [p for p in parts if p.kind is Kind.RESUME]
-        if not resumes:
+        if not requests:
             cpu.remove_readers(cpu_ids)
         else:
-            loads = [np.asarray(p.cpu_ids, dtype=np.int64) for p in parts if p.kind is Kind.LOAD]
+            loads = [
+                np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.LOAD
+            ]
             if loads:
                 cpu.remove_readers(np.concatenate(loads))
-            for part in resumes:
+            for part in requests:
                 self.requests.resume_done(part, ok)
         if ok:
             counters.loads_completed += n

@@ -177,9 +177,14 @@ class CpuTier:
         self.num_pending += len(keys)
         self.policy.insert(keys, parents)
 
-    def stores_landed(self, ids: np.ndarray) -> None:
+    def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
-        PREEMPTING -> SWAPPED."""
+        PREEMPTING -> SWAPPED. ``all_pending``: the caller knows every block is PENDING (keyed
+        stores only), so the states are written without being read first."""
+        if all_pending:
+            self.num_pending -= len(ids)
+            self.state_np[ids] = CpuState.READY
+            return
         states = self.state_np[ids]
         pending = states == _PENDING
         num_pending = int(np.count_nonzero(pending))

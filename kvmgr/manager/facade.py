@@ -133,6 +133,7 @@ class OffloadManager:
         self._flusher.on_settled = self._room.wake
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_on_tick = config.flush == "tick"
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
@@ -255,7 +256,7 @@ class OffloadManager:
             part.future.set_result(part.result)
             return
         self._queue.add(part)
-        if self.config.flush == "tick" and not self._tick_scheduled:
+        if self._flush_on_tick and not self._tick_scheduled:
             self._tick_scheduled = True
             assert self._loop is not None
             self._loop.call_soon(self._flush_tick)
@@ -623,12 +624,15 @@ class OffloadManager:
             raise InvalidArgumentError(f"expected a StepContext or None, got {type(ctx).__name__}")
         start = time.perf_counter()
         step = self._step + 1
-        if ctx is None:
-            ctx = StepContext(step=step)
-        hook_reports = tuple(hook(ctx) for hook in self._hooks)
-        self._flusher.check_hook_reports(self._hooks, hook_reports)
+        hooks = self._hooks
+        hook_reports: tuple[Any, ...] = ()
+        if hooks:  # without hooks no context is needed
+            if ctx is None:
+                ctx = StepContext(step=step)
+            hook_reports = tuple(hook(ctx) for hook in hooks)
+            self._flusher.check_hook_reports(hooks, hook_reports)
         self._step = step
-        if ctx.stream is not None:  # fence the copies on the loop's compute stream
+        if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
                 d2h, h2d = self._flusher.flush()
         else:
@@ -636,7 +640,7 @@ class OffloadManager:
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
         report = StepReport(
-            step=self._step if ctx.step is None else ctx.step,
+            step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
             h2d=h2d,
             hooks=hook_reports,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import operator
 import time
 from collections.abc import Callable, Sequence
 
@@ -43,6 +44,10 @@ __all__ = ["Flusher"]
 #: caller that never calls ``step()``, e.g. with ``flush="tick"``, does not grow memory).
 MAX_COMPLETED = 4096
 
+_NOTHING = DirectionReport()  # frozen: shared by every flush that submits nothing
+_data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
+
 
 class Flusher:
     """Submits queued lanes and completes batches for one manager."""
@@ -63,8 +68,8 @@ class Flusher:
         self.before_submit: Callable[[], None] = lambda: None
         self._completed: collections.deque[BatchResult] = collections.deque(maxlen=MAX_COMPLETED)
         self._tensors = tensors
-        self._ptrs = [t.data_ptr() for t in tensors]
-        self._shapes = [t.shape for t in tensors]
+        self._ptrs = list(map(_data_ptr, tensors))
+        self._shapes = list(map(_shape, tensors))
         cpu_layout = books.cpu_pool.layout
         self._layouts = {
             Direction.D2H: (books.gpu_layout, cpu_layout),
@@ -88,10 +93,14 @@ class Flusher:
         return completed
 
     def _moved_tensor(self) -> str | None:
+        """Why a KV tensor no longer matches the layout, or ``None``: its data pointer or its
+        shape changed since the manager was built (``resize_``, ``set_``, an in-place view op).
+        Exact, and 2 C calls per tensor: ``data_ptr`` and ``shape`` compared as two lists."""
         tensors = self._tensors
-        if [t.data_ptr() for t in tensors] == self._ptrs and [
-            t.shape for t in tensors
-        ] == self._shapes:
+        if (
+            list(map(_data_ptr, tensors)) == self._ptrs
+            and list(map(_shape, tensors)) == self._shapes
+        ):
             return None
         for i, (tensor, ptr, shape) in enumerate(zip(tensors, self._ptrs, self._shapes)):
             if tensor.data_ptr() != ptr or tensor.shape != shape:
@@ -106,10 +115,10 @@ class Flusher:
 
     def flush(self) -> tuple[DirectionReport, DirectionReport]:
         """Submit every queued lane; returns the (D2H, H2D) reports of this flush."""
-        reports = {Direction.D2H: DirectionReport(), Direction.H2D: DirectionReport()}
         generations = self.queue.take()
-        if not any(len(g) for g in generations):
-            return reports[Direction.D2H], reports[Direction.H2D]
+        d2h = h2d = _NOTHING
+        if not any(map(len, generations)):
+            return d2h, h2d
         moved = self._moved_tensor()
         self.before_submit()
         bug: BaseException | None = None
@@ -135,10 +144,13 @@ class Flusher:
                     self._fail_lane(lane, gpu_ids, cpu_ids, exc)
                     bug = bug or exc
                     continue
-                reports[direction] = reports[direction] + report
+                if direction is Direction.D2H:
+                    d2h = report if d2h is _NOTHING else d2h + report
+                else:
+                    h2d = report if h2d is _NOTHING else h2d + report
         if bug is not None:
             raise bug
-        return reports[Direction.D2H], reports[Direction.H2D]
+        return d2h, h2d
 
     def _submit(
         self, direction: Direction, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray
@@ -170,12 +182,13 @@ class Flusher:
                 loop.call_soon_threadsafe(self.complete_batch, batch)
 
         handle.future.add_done_callback(on_done)
+        pairs = plan.blocks  # build_plan's own record: its byte count, no second sum
         return DirectionReport(
             swaps=len(lane.parts),
             blocks=plan.num_blocks,
             pages=plan.num_pages,
             descriptors=plan.num_descriptors,
-            bytes=plan.num_bytes,
+            bytes=plan.num_bytes if pairs is None else pairs.num_bytes,
             batches=1,
         )
 
@@ -228,9 +241,10 @@ def _resolve(lane: Lane, error: BaseException | None) -> None:
     """Resolve the lane's futures (those not cancelled by their awaiters)."""
     if error is None:
         for part in lane.parts:
-            future = part.future
-            if not future.done():
-                future.set_result(part.result)
+            try:
+                part.future.set_result(part.result)
+            except asyncio.InvalidStateError:  # cancelled: its awaiter gave up
+                continue
         return
     for part in lane.parts:
         future = part.future

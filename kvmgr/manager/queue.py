@@ -78,50 +78,71 @@ class Part:
 class Lane:
     """One direction of a generation: its parts and their block ids, accumulated cheaply.
 
-    Small parts append to Python lists, large ones add arrays; ``arrays()`` joins both once.
+    Ids accumulate in part order in int64 ``array.array`` buffers (a small part's list is
+    appended in C, a large part's array copied in), so ``arrays()`` is two zero-copy views. A
+    D2H lane also accumulates its keyed stores' keys, and request-level parts (preempts,
+    resumes) are listed apart, so completion never walks every part.
+
+    Attributes:
+        parts: every part, in the order added.
+        keys: D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
+            ``requests`` is empty); H2D lanes: empty.
+        requests: the request-level parts (preempts, resumes), in part order.
     """
 
-    __slots__ = ("cpu_chunks", "cpu_small", "direction", "gpu_chunks", "gpu_small", "parts")
+    __slots__ = ("_cpu", "_gpu", "direction", "keys", "parts", "requests")
 
     def __init__(self, direction: Direction) -> None:
         self.direction = direction
         self.parts: list[Part] = []
-        self.gpu_small: list[int] = []
-        self.cpu_small: list[int] = []
-        self.gpu_chunks: list[np.ndarray] = []
-        self.cpu_chunks: list[np.ndarray] = []
+        self.keys: list[bytes] = []
+        self.requests: list[Part] = []
+        self._gpu = array.array("q")
+        self._cpu = array.array("q")
 
     def add(self, part: Part) -> None:
+        """Append a part (not after ``arrays()``: its views pin the buffers' size)."""
         self.parts.append(part)
-        if isinstance(part.gpu_ids, list):
-            self.gpu_small += part.gpu_ids
-            self.cpu_small += part.cpu_ids
+        gpu, cpu = part.gpu_ids, part.cpu_ids
+        if type(gpu) is list:
+            self._gpu.fromlist(gpu)
         else:
-            self.gpu_chunks.append(part.gpu_ids)
-            self.cpu_chunks.append(part.cpu_ids)
+            self._gpu.frombytes(_raw(gpu))
+        if type(cpu) is list:
+            self._cpu.fromlist(cpu)
+        else:
+            self._cpu.frombytes(_raw(cpu))
+        keys = part.keys
+        if keys is None:
+            self.requests.append(part)
+        elif self.direction is Direction.D2H:
+            self.keys += keys
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(GPU ids, CPU ids) of every part, int64, aligned (order: small parts first)."""
-        gpu, cpu = self.gpu_chunks, self.cpu_chunks
-        if self.gpu_small:
-            gpu = [np.array(self.gpu_small, dtype=np.int64), *gpu]
-            cpu = [np.array(self.cpu_small, dtype=np.int64), *cpu]
-        if len(gpu) == 1:
-            return gpu[0], cpu[0]
-        return np.concatenate(gpu), np.concatenate(cpu)
+        """(GPU ids, CPU ids) of every part, int64, aligned, in part order (views of the
+        lane's buffers: read them, do not write)."""
+        return np.frombuffer(self._gpu, dtype=np.int64), np.frombuffer(self._cpu, dtype=np.int64)
+
+
+def _raw(ids: Any) -> np.ndarray:
+    """The bytes of an int64 id array, for ``array.frombytes`` (no copy when already int64)."""
+    return np.ascontiguousarray(ids, dtype=np.int64).view(np.uint8)
 
 
 class Generation:
-    """Parts that can share one plan per direction."""
+    """Parts that can share one plan per direction (``lanes`` by direction; ``d2h``/``h2d``
+    name the same lanes without hashing an enum on the per-call path)."""
 
-    __slots__ = ("lanes", "number")
+    __slots__ = ("d2h", "h2d", "lanes", "number")
 
     def __init__(self, number: int) -> None:
         self.number = number
-        self.lanes = {Direction.D2H: Lane(Direction.D2H), Direction.H2D: Lane(Direction.H2D)}
+        self.d2h = Lane(Direction.D2H)
+        self.h2d = Lane(Direction.H2D)
+        self.lanes = {Direction.D2H: self.d2h, Direction.H2D: self.h2d}
 
     def __len__(self) -> int:
-        return len(self.lanes[Direction.D2H].parts) + len(self.lanes[Direction.H2D].parts)
+        return len(self.d2h.parts) + len(self.h2d.parts)
 
 
 class Batch:
@@ -190,13 +211,23 @@ class SwapQueue:
         newest = self.generations[-1]
         number = newest.number
         ids = part.gpu_ids
-        is_store = part.kind in (Kind.STORE, Kind.PREEMPT)
-        if isinstance(ids, list):
-            read, written = self._read, self._written
+        kind = part.kind
+        is_store = kind is Kind.STORE or kind is Kind.PREEMPT
+        small = type(ids) is list
+        conflict = False
+        if small:  # a few ids: plain loops, no numpy
+            written = self._written
             if is_store:
-                conflict = any(written[b] == number for b in ids)
+                for b in ids:
+                    if written[b] == number:
+                        conflict = True
+                        break
             else:
-                conflict = any(written[b] == number or read[b] == number for b in ids)
+                read = self._read
+                for b in ids:
+                    if written[b] == number or read[b] == number:
+                        conflict = True
+                        break
         else:
             conflict = bool((self._written_np[ids] == number).any()) or (
                 not is_store and bool((self._read_np[ids] == number).any())
@@ -206,13 +237,13 @@ class SwapQueue:
             self._next_generation += 1
             self.generations.append(newest)
             number = newest.number
-        if isinstance(ids, list):
+        if small:
             marks = self._read if is_store else self._written
             for b in ids:
                 marks[b] = number
         else:
             (self._read_np if is_store else self._written_np)[ids] = number
-        newest.lanes[part.direction].add(part)
+        (newest.d2h if is_store else newest.h2d).add(part)
         self.num_queued += 1
 
     def take(self) -> list[Generation]:

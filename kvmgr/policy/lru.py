@@ -57,7 +57,10 @@ class LRUPolicy:
         """
         check_new(self._order, keys, parents, self.name)
         self._tree.add(keys, parents)
-        self._order.update(zip(reversed(keys), reversed(parents)))
+        if len(keys) == 1:
+            self._order[keys[0]] = parents[0]
+        else:
+            self._order.update(zip(reversed(keys), reversed(parents)))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move the tracked ``keys`` to the MRU end, the first key last; others ignored."""

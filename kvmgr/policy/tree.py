@@ -36,14 +36,19 @@ def check_new(
         ValueError: If ``len(parents) != len(keys)``.
         BlockStateError: If a key is tracked already or repeated in ``keys``.
     """
-    if len(parents) != len(keys):
-        raise ValueError(f"expected one parent per key, got {len(parents)} for {len(keys)}")
-    if isinstance(tracked, Mapping):
-        disjoint = tracked.keys().isdisjoint(keys)
+    n = len(keys)
+    if len(parents) != n:
+        raise ValueError(f"expected one parent per key, got {len(parents)} for {n}")
+    if n == 1:  # the per-call store: one membership test
+        if keys[0] not in tracked:
+            return
     else:
-        disjoint = not any(map(tracked.__contains__, keys))
-    if disjoint and len(set(keys)) == len(keys):
-        return
+        if isinstance(tracked, (dict, Mapping)):  # dict first: no ABC check for dicts
+            disjoint = tracked.keys().isdisjoint(keys)
+        else:
+            disjoint = not any(map(tracked.__contains__, keys))
+        if disjoint and len(set(keys)) == n:
+            return
     seen: set[bytes] = set()
     for key in keys:
         if key in tracked or key in seen:
@@ -82,6 +87,11 @@ class PrefixTree:
         if not keys:
             return
         num_children = self.num_children
+        if len(keys) == 1:  # one new key: one more child of its parent, if any
+            first = parents[0]
+            if first is not None:
+                num_children[first] = num_children.get(first, 0) + 1
+            return
         if parents[1:] == keys[:-1] and num_children.keys().isdisjoint(keys):
             num_children.update(dict.fromkeys(keys[:-1], 1))  # one chain: C-level
             first = parents[0]
