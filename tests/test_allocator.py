@@ -21,11 +21,11 @@ def test_fresh_ids_first_in_order_then_freed_last_freed_first() -> None:
     # 1. fresh ids come out in increasing order
     assert alloc.allocate(2) == [0, 1]
     assert alloc.allocate(1) == [2]
-    # 2. free 1 then 0: 0 was freed last, so it is the next id reused, but only after fresh ones
+    # 2. free 1 and 0 in one batch: 0, the smallest, is the next id reused, after fresh ones
     alloc.free([1, 0])
     assert alloc.num_free == 5
     assert alloc.allocate(3) == [3, 4, 5]
-    # 3. fresh ids exhausted: freed ids in LIFO order
+    # 3. fresh ids exhausted: the freed batch in increasing order
     assert alloc.allocate(1) == [0]
     assert alloc.allocate(1) == [1]
     assert alloc.num_free == 0
@@ -112,7 +112,7 @@ def test_numpy_integer_ids_are_accepted() -> None:
     ids = alloc.allocate(2)
     alloc.free(np.asarray(ids, dtype=np.int64))
     assert alloc.num_free == 4
-    assert alloc.allocate(4) == [2, 3, 1, 0]
+    assert alloc.allocate(4) == [2, 3, 0, 1]  # a freed batch comes back smallest first
 
 
 def test_negative_count_and_bad_pool_size() -> None:
@@ -157,7 +157,7 @@ def test_allocator_matches_a_reference_model(ops: list[tuple[bool, int]]) -> Non
             chunk = held[: n + 1]
             held = held[n + 1 :]
             alloc.free(chunk)
-            freed += chunk
+            freed += sorted(chunk, reverse=True)  # one freed batch: smallest id on top
         assert alloc.num_free == num_blocks - next_fresh + len(freed)
         assert sorted(b for b in range(num_blocks) if alloc.is_allocated(b)) == sorted(held)
 
@@ -168,7 +168,7 @@ def test_array_twins_take_and_give_follow_the_same_order() -> None:
     alloc = BlockAllocator(6)
     ids = alloc.take(3)
     assert ids is not None and ids.dtype == np.int64 and ids.tolist() == [0, 1, 2]
-    alloc.give(np.array([2, 0], dtype=np.int64))  # 0 freed last: reused first
+    alloc.give(np.array([2, 0], dtype=np.int64))  # one batch: 0, the smallest, reused first
     assert alloc.allocated_mask().tolist() == [False, True, False, False, False, False]
     before = _state(alloc)
     assert alloc.take(6) is None  # 5 free: nothing changed
@@ -207,3 +207,16 @@ def test_as_id_array_accepts_lists_and_integer_arrays() -> None:
     out = as_id_array(np.array([2, 0], dtype=np.uint8), "gpu")
     assert out.dtype == np.int64 and out.tolist() == [2, 0]
     assert as_id_array([], "gpu").tolist() == []
+
+
+def test_freed_batches_are_reused_last_batch_first_each_in_increasing_order() -> None:
+    # Blocks evicted together come back as ascending runs (they merge into one descriptor per
+    # tensor), taken at once or one by one; the batch freed last is reused first.
+    alloc = BlockAllocator(8)
+    assert alloc.take(8) is not None
+    alloc.give(np.array([5, 3], dtype=np.int64))
+    alloc.give(np.array([7, 1], dtype=np.int64))
+    assert alloc.take(2).tolist() == [1, 7]  # type: ignore[union-attr]
+    assert [alloc.take_one(), alloc.take_one()] == [3, 5]
+    alloc.give(np.array([6, 4, 2, 0], dtype=np.int64))
+    assert alloc.take(4).tolist() == [0, 2, 4, 6]  # type: ignore[union-attr]

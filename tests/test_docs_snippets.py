@@ -24,7 +24,7 @@ NO_RUN = "# doc: no-run"
 #: (file, 1-based line of the opening fence) -> why it fails today. Delete an entry once fixed.
 KNOWN_BROKEN: dict[tuple[str, int], str] = {
     ("docs/policies.md", 9): "uses names it never defines (key, hit_keys, pending, ...)",
-    ("docs/copy-kernel.md", 261): "reads swap.json / swap_kernel.json from a GPU run",
+    ("docs/copy-kernel.md", 265): "reads swap.json / swap_kernel.json from a GPU run",
 }
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")

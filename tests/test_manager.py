@@ -435,10 +435,10 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
         assert (_cpu(mgr, 0), _cpu(mgr, 1)) == (_gpu(kv, 0), _gpu(kv, 1))
         stats = mgr.statistics()
         assert (stats.stores_failed, stats.cpu_blocks_used, stats.cpu_keys_pending) == (2, 2, 0)
-        # 4. the freed blocks are reused last-freed-first: 3, then 2
+        # 4. the freed blocks (one batch) are reused smallest first: 2, then 3
         retry = mgr.swap_out([2, 3], [K[2], K[3]])
         await mgr.step()
-        assert (await retry).cpu_block_ids == (3, 2)
+        assert (await retry).cpu_block_ids == (2, 3)
 
 
 @pytest.mark.asyncio
@@ -544,14 +544,14 @@ async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
         assert mgr.statistics().gpu_blocks_free == 3 and not mgr.is_moving("r")
         assert [_cpu(mgr, c) for c in (0, 1, 2)] == data
         # 4. poison the freed blocks, resume: fresh ids are used up, so the freed ones come back
-        #    last-freed-first: 2, 1, 0
+        #    as the batch they were freed in, smallest first: 0, 1, 2
         for b in (0, 1, 2):
             _fill(kv, b, value=0xA5)
         resume = mgr.resume("r")
         await mgr.step()
-        assert (await resume).gpu_block_ids == (2, 1, 0)
-        assert mgr.block_table("r") == [(Tier.GPU, 2), (Tier.GPU, 1), (Tier.GPU, 0)]
-        assert [_gpu(kv, b) for b in (2, 1, 0)] == data
+        assert (await resume).gpu_block_ids == (0, 1, 2)
+        assert mgr.block_table("r") == [(Tier.GPU, 0), (Tier.GPU, 1), (Tier.GPU, 2)]
+        assert [_gpu(kv, b) for b in (0, 1, 2)] == data
         assert _cpu_free(mgr) == 4 and mgr.statistics().gpu_blocks_free == 0
         check_invariants(mgr)
         # 5. free returns r's blocks to the pool
@@ -580,12 +580,12 @@ async def test_freed_blocks_still_being_copied_go_back_only_when_the_copy_ends()
         assert mgr.allocate("s", 6) == [2, 3, 4, 5, 6, 7]
         with pytest.raises(PoolExhaustedError):
             mgr.allocate("t", 1)
-        # 3. the copy ends: the stored bytes are r's, and 0, 1 return (reused last-freed-first)
+        # 3. the copy ends: the stored bytes are r's, and 0, 1 return (one batch: smallest first)
         engine.gate.set()
         await store
         assert [_cpu(mgr, 0), _cpu(mgr, 1)] == data
         assert mgr.statistics().gpu_blocks_free == 2
-        assert mgr.allocate("t", 2) == [1, 0]
+        assert mgr.allocate("t", 2) == [0, 1]
 
 
 @pytest.mark.asyncio

@@ -270,6 +270,11 @@ def _reshape_in_place(kv: list[torch.Tensor]) -> None:
     kv[1].resize_(2 * NUM_GPU, 288)
 
 
+def _restride_in_place(kv: list[torch.Tensor]) -> None:
+    # same pointer, same shape, the page's two halves interleaved: only the strides tell
+    kv[1].as_strided_((NUM_GPU, 2, 288), (576, 1, 2))
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "move",
@@ -278,6 +283,7 @@ def _reshape_in_place(kv: list[torch.Tensor]) -> None:
         pytest.param(_resize_shrink, id="resize-shrink"),
         pytest.param(_set_storage, id="set"),
         pytest.param(_reshape_in_place, id="reshape-in-place"),
+        pytest.param(_restride_in_place, id="restride-in-place"),
     ],
 )
 async def test_a_moved_kv_tensor_fails_the_batch_and_nothing_is_served(

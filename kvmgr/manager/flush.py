@@ -47,6 +47,7 @@ MAX_COMPLETED = 4096
 _NOTHING = DirectionReport()  # frozen: shared by every flush that submits nothing
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
+_stride = torch.Tensor.stride
 
 
 class Flusher:
@@ -70,6 +71,7 @@ class Flusher:
         self._tensors = tensors
         self._ptrs = list(map(_data_ptr, tensors))
         self._shapes = list(map(_shape, tensors))
+        self._strides = list(map(_stride, tensors))
         cpu_layout = books.cpu_pool.layout
         self._layouts = {
             Direction.D2H: (books.gpu_layout, cpu_layout),
@@ -93,21 +95,25 @@ class Flusher:
         return completed
 
     def _moved_tensor(self) -> str | None:
-        """Why a KV tensor no longer matches the layout, or ``None``: its data pointer or its
-        shape changed since the manager was built (``resize_``, ``set_``, an in-place view op).
-        Exact, and 2 C calls per tensor: ``data_ptr`` and ``shape`` compared as two lists."""
+        """Why a KV tensor no longer matches the layout, or ``None``: its data pointer, shape or
+        strides changed since the manager was built (``resize_``, ``set_``, ``as_strided_``, an
+        in-place view op). Exact, and 3 C calls per tensor compared as three lists."""
         tensors = self._tensors
         if (
             list(map(_data_ptr, tensors)) == self._ptrs
             and list(map(_shape, tensors)) == self._shapes
+            and list(map(_stride, tensors)) == self._strides
         ):
             return None
-        for i, (tensor, ptr, shape) in enumerate(zip(tensors, self._ptrs, self._shapes)):
-            if tensor.data_ptr() != ptr or tensor.shape != shape:
+        for i, (tensor, ptr, shape, stride) in enumerate(
+            zip(tensors, self._ptrs, self._shapes, self._strides)
+        ):
+            if tensor.data_ptr() != ptr or tensor.shape != shape or tensor.stride() != stride:
                 return (
                     f"KV tensor {i} moved or changed shape after the manager was built "
                     f"(data_ptr {ptr:#x} -> {tensor.data_ptr():#x}, shape {list(shape)} -> "
-                    f"{list(tensor.shape)}): resize_()/set_() on a managed KV tensor"
+                    f"{list(tensor.shape)}, strides {stride} -> {tensor.stride()}): "
+                    "resize_()/set_()/as_strided_() on a managed KV tensor"
                 )
         return None
 

@@ -1,7 +1,8 @@
 """Block allocator: hands out block ids of one pool.
 
 Offers:
-    BlockAllocator  fresh ids first, in order; then freed ids, last freed first
+    BlockAllocator  fresh ids first, in order; then freed ids, last freed batch first, each
+                    batch smallest id first
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class BlockAllocator:
 
     Order: ids never handed out come first, in increasing order; after those run out, freed ids
     are reused last-freed-first (a stack), so recently written pages are reused while still warm.
+    A batch freed in one call (``give``/``free``) is stacked smallest id on top, so its ids come
+    back in increasing order, whether taken at once or one by one: blocks evicted together are
+    reused as runs of consecutive ids, which ``build_plan`` merges into one descriptor per tensor
+    (a store of consecutive GPU blocks into LIFO-reversed ids would need one per page).
 
     Data: a cursor over fresh ids, a stack of freed ids (a list), and a state byte per id
     (fresh, allocated, freed) that catches double frees and ids this pool never handed out.
@@ -94,7 +99,7 @@ class BlockAllocator:
         return block_id
 
     def give(self, ids: np.ndarray) -> None:
-        """Return ids (an int64 array of distinct allocated ids; the last is reused first).
+        """Return ids (an int64 array of distinct allocated ids; the smallest is reused first).
 
         Raises:
             InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
@@ -103,6 +108,8 @@ class BlockAllocator:
             return
         self._check_array(ids)
         self._state[ids] = FREED
+        if len(ids) > 1:
+            ids = np.sort(ids)[::-1]  # the smallest on top of the stack
         self._freed.extend(ids.tolist())
 
     def give_one(self, block_id: int) -> None:
@@ -153,7 +160,7 @@ class BlockAllocator:
         return ids.tolist()
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Return ids to the pool; the last id in ``block_ids`` is the next one reused.
+        """Return ids to the pool; the smallest of ``block_ids`` is the next one reused.
 
         Raises:
             InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
