@@ -16,7 +16,7 @@ if [ "$what" != bench ]; then
   TAIL=6 run pytest_all 240 python3 -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests
 fi
 if [ "$what" != tests ]; then
-  TAIL=14 run bench_swap 60 python3 -m kvmgr.cli bench swap --geometries qwen --blocks 512 --repeats 7 --warmup 2 --variants kernel auto --json "$OUT/swap.json"
+  TAIL=14 run bench_swap 60 python3 -m kvmgr.cli bench swap --geometries qwen --blocks 512 --repeats 7 --warmup 2 --variants kernel kernel_desc auto --json "$OUT/swap.json"
   TAIL=12 run bench_swap_kernel 45 python3 -m kvmgr.cli bench swap-kernel --geometries qwen --blocks 512 --repeats 5 --warmup 1 --programs 8 32 --matmuls 10 --interference-repeats 3 --json "$OUT/swap_kernel.json"
   TAIL=14 run bench_peer 170 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
   TAIL=22 run bench_mla 40 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 15 --json "$OUT/mla.json"
