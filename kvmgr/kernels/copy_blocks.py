@@ -26,8 +26,8 @@ pages x tensors`` for scattered blocks): 512 scattered blocks of 48 tensors are 
 
 Work split. A work item is one (run, tensor) pair, ``item = tensor * R + run`` (tensor-major, so a
 program's items cover every tensor about equally even when page sizes differ between tensors).
-Program ``pid`` walks items ``pid, pid + P, ...`` and prefetches its next item's table entries
-while it copies. A tensor dense on both sides (block stride == page bytes) copies the run as one
+Program ``pid`` walks items ``pid, pid + P, ...`` (no prefetch of the next item's table entries:
+see the kernel's comment, a miscompile on the H200 with it). A tensor dense on both sides (block stride == page bytes) copies the run as one
 region of ``blocks x page`` bytes; any other copies it page by page. Either way each region goes
 through ``copy_pages._copy_row``, with its per-region choice of a 16/8/4/2/1-byte vector width.
 ``build_run_table`` splits runs above ``max_blocks`` (``max_run_blocks``: ``chunk_bytes`` over the
@@ -75,6 +75,9 @@ __all__ = [
     "max_run_blocks",
 ]
 
+#: Software-pipelining stages of the paged kernel (None: Triton's default).
+NUM_STAGES: int | None = None
+
 
 @_jit
 def _load_item(layout_ptr, runs_ptr, item, num_tensors, num_runs, valid):
@@ -104,30 +107,22 @@ def _load_item(layout_ptr, runs_ptr, item, num_tensors, num_runs, valid):
 def _copy_blocks_kernel(layout_ptr, runs_ptr, num_tensors, num_runs):
     # layout_ptr: int64 [5, num_tensors]: src base, dst base, src stride, dst stride, page bytes.
     # runs_ptr: int64 [3, num_runs]: first src block, first dst block, blocks.
+    # No hand prefetch of the next item (unlike copy_pages): with the loop over an item's
+    # regions, carrying the prefetched row through the outer loop miscompiled on the H200
+    # (Triton 3.6: strided tensors' pages written to the wrong places; 2026-12-01, the
+    # interpreter was right). An item copies up to chunk_bytes, so one table load per item is
+    # small beside its copy.
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     num_t = tl.cast(num_tensors, tl.int64)  # either may arrive as the constexpr 1
     num_r = tl.cast(num_runs, tl.int64)
     num_items = num_t * num_r
-    # Load this program's first item, then walk the items with a grid stride.
-    first = tl.cast(pid, tl.int64)
-    src, dst, src_step, dst_step, regions, size = _load_item(
-        layout_ptr, runs_ptr, first, num_t, num_r, first < num_items
-    )
-    for item in range(first, num_items, step):
-        # Prefetch the next item so its table latency overlaps this item's copy.
-        nxt = item + step
-        n_src, n_dst, n_src_step, n_dst_step, n_regions, n_size = _load_item(
-            layout_ptr, runs_ptr, nxt, num_t, num_r, nxt < num_items
+    for item in range(tl.cast(pid, tl.int64), num_items, step):
+        src, dst, src_step, dst_step, regions, size = _load_item(
+            layout_ptr, runs_ptr, item, num_t, num_r, item < num_items
         )
         for k in range(0, regions):
             _copy_row(src + k * src_step, dst + k * dst_step, size)
-        src = n_src
-        dst = n_dst
-        src_step = n_src_step
-        dst_step = n_dst_step
-        regions = n_regions
-        size = n_size
 
 
 def build_layout_table(src: KVLayout, dst: KVLayout) -> np.ndarray:
@@ -259,7 +254,8 @@ def launch_block_table(
         launches(grid, stream, layout, runs, num_tensors, num_runs)
     elif grid:
         shared_launcher(_copy_blocks_kernel)(
-            (grid,), layout, runs, num_tensors, num_runs, num_warps=_NUM_WARPS
+            (grid,), layout, runs, num_tensors, num_runs, num_warps=_NUM_WARPS,
+            num_stages=NUM_STAGES,
         )
     return grid
 
@@ -272,7 +268,7 @@ def block_table_launches() -> TableLaunches:
     """
     if not KERNEL_AVAILABLE:
         raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    return TableLaunches(_copy_blocks_kernel, _NUM_WARPS)
+    return TableLaunches(_copy_blocks_kernel, _NUM_WARPS, NUM_STAGES)
 
 
 def _check_runs(
