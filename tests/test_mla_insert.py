@@ -23,7 +23,7 @@ from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.kernels.launch import DirectLauncher
-from kvmgr.kernels.mla import checks, host
+from kvmgr.kernels.mla import api, checks, host
 from kvmgr.kernels.mla import kernel as mla_kernel
 from kvmgr.kernels.mla.api import grouped_mla_insert, per_layer_mla_insert
 from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
@@ -476,11 +476,12 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: st
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     width = rank + rope_dim
     caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)
-    for step in range(2):  # the second call takes the memo
+    for step in range(3):  # the third call takes the memo (the second arms it)
         kv_c, k_pe = _inputs(171 + step, num_layers, 9, rank, rope_dim, torch.bfloat16)
         slots = _slots(173 + step, 9, num_blocks * block_size, 2)
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
         assert _same_bytes(caches, expected)
+    assert api._recent_insert(caches, "auto", True) is not None  # the memo is armed
     fresh = _caches(175, 1, num_blocks, block_size, width, torch.bfloat16)[0]
     if change == "set_":
         caches[1].set_(fresh)  # same shape, new storage: a new pointer

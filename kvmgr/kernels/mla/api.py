@@ -114,19 +114,29 @@ def grouped_mla_insert(
     insert(kv_c, k_pe, slot_mapping, kv_scales, block_tokens=block_tokens, num_warps=num_warps)
 
 
-# The last cache set of a packed grouped call: (caches, ptrs, shapes, strides, dtype, direct,
+# The last cache set of a packed grouped call: (caches, ptrs, shape, strides, dtype, direct,
 # insert). A loop passes the same cache tensors every step; recognising them by identity plus the
 # three attributes an in-place change can alter (data_ptr after set_, shape after resize_, strides
 # after as_strided_) skips the plan's key and two memo lookups (~1.3 us on a 2-core CPU host).
 _RECENT: list[tuple[Any, ...]] = []
+_data_ptr = torch.Tensor.data_ptr
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)  # fmt: skip
 
 
 def _remember(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool, insert: GroupedInsert) -> None:  # fmt: skip
-    if insert.plan.meta.device >= 0 and _is_capturing():
+    """Remember a planned call's caches. Their pointers are read (and a later call may hit) only
+    when the same tensors came in the call before too, so a loop that rotates cache sets pays one
+    tuple per call; the shape and strides come from the plan (uniform caches, rows contiguous)."""
+    plan = insert.plan
+    if plan.meta.device >= 0 and _is_capturing():
         return  # a plan under capture is held by host.grouped_plan; never served from here
-    _RECENT[:] = [(tuple(caches), [c.data_ptr() for c in caches], [c.shape for c in caches],
-                   [c.stride() for c in caches], kv_cache_dtype, direct, insert)]  # fmt: skip
+    key = tuple(caches)
+    ptrs = shape = stride = None
+    if _RECENT and len(_RECENT[0][0]) == len(key) and all(map(operator.is_, key, _RECENT[0][0])):
+        capacity, block_size, stride_b, stride_s = plan.geometry
+        shape = torch.Size((capacity // block_size, block_size, plan.meta.width))
+        stride, ptrs = (stride_b, stride_s, 1), list(map(_data_ptr, caches))
+    _RECENT[:] = [(key, ptrs, shape, stride, kv_cache_dtype, direct, insert)]
 
 
 def _recent_insert(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool) -> GroupedInsert | None:  # fmt: skip
@@ -134,12 +144,12 @@ def _recent_insert(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: 
     CUDA graph is being captured (a captured plan must be held: ``host.grouped_plan``)."""
     if not _RECENT:
         return None
-    last, ptrs, shapes, strides, dtype, was_direct, insert = _RECENT[0]
-    if dtype != kv_cache_dtype or was_direct != direct or len(caches) != len(last):
+    last, ptrs, shape, stride, dtype, was_direct, insert = _RECENT[0]
+    if ptrs is None or dtype != kv_cache_dtype or was_direct != direct or len(caches) != len(last):
         return None
     if not all(map(operator.is_, caches, last)):
         return None
-    for cache, ptr, shape, stride in zip(caches, ptrs, shapes, strides):
+    for cache, ptr in zip(caches, ptrs):
         if cache.data_ptr() != ptr or cache.shape != shape or cache.stride() != stride:
             return None
     if insert.plan.meta.device >= 0 and _is_capturing():
