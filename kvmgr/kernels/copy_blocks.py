@@ -254,7 +254,12 @@ def launch_block_table(
         launches(grid, stream, layout, runs, num_tensors, num_runs)
     elif grid:
         shared_launcher(_copy_blocks_kernel)(
-            (grid,), layout, runs, num_tensors, num_runs, num_warps=_NUM_WARPS,
+            (grid,),
+            layout,
+            runs,
+            num_tensors,
+            num_runs,
+            num_warps=_NUM_WARPS,
             num_stages=NUM_STAGES,
         )
     return grid

@@ -40,8 +40,8 @@ leaves most of an SM to compute; the cap bounds how many SMs it can hold when it
 with a register-hungry GEMM. Bandwidth-delay: a program keeps one 4-8 KiB step in flight per
 ~1.5-2 us PCIe round trip, about 2-4 GB/s, so 32 programs cover the 48-55 GB/s link with margin.
 ``kvmgr bench swap-kernel --programs`` measures other caps and the effect on a concurrent matmul:
-32 programs slow a bf16 matmul by 58% during a D2H copy, 8 programs by 5% at 49 GB/s, so the
-engines default to 8 programs for D2H and 32 for H2D (``DEFAULT_D2H_PROGRAMS``,
+32 programs slow a bf16 matmul by 53-58% during a D2H copy, 12 programs by 5% at 49-50 GB/s, so
+the engines default to 12 programs for D2H and 32 for H2D (``DEFAULT_D2H_PROGRAMS``,
 ``DEFAULT_H2D_PROGRAMS``; docs/copy-kernel.md).
 """
 
@@ -80,9 +80,10 @@ __all__ = [
 
 DEFAULT_MAX_PROGRAMS = 32
 #: Program caps the engines use per direction (BENCHMARKS.md, interference with a bf16 matmul on
-#: the H200): D2H at 8 programs copies 49 GB/s alone and slows the matmul 5% (32 programs: 58%);
-#: H2D needs 32 programs for 50 GB/s (8 reach 19) and slows it 6%.
-DEFAULT_D2H_PROGRAMS = 8
+#: the H200): D2H at 12 programs copies 49-50 GB/s alone with the paged kernel and slows the
+#: matmul 4.9% (8 programs: 42.8 GB/s, 5.5%; 32 programs: 53%; 2026-12-01, third session); H2D
+#: needs 32 programs for 50 GB/s (8 reach 18) and slows it 5-6%.
+DEFAULT_D2H_PROGRAMS = 12
 DEFAULT_H2D_PROGRAMS = 32
 DEFAULT_CHUNK_BYTES = 64 << 10
 KERNEL_AVAILABLE = triton is not None

@@ -125,7 +125,7 @@ class KernelCopy:
         device: the CUDA device the kernel runs on.
         driver: resolved entry points (the table upload is one ``cuMemcpyAsync``).
         d2h_programs, h2d_programs: program cap of a launch per direction (module
-            ``kvmgr.kernels.copy_pages``; defaults 8 and 32: what a concurrent matmul loop loses
+            ``kvmgr.kernels.copy_pages``; defaults 12 and 32: what a concurrent matmul loop loses
             is in docs/copy-kernel.md).
         chunk_bytes: descriptors above this are sliced, and runs above this many bytes of the
             largest page are split, so one merged run spreads over programs.
