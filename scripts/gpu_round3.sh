@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU call of the third session (2026-12-01): the whole test suite, then the issue-12 benches
 # (step table, swap-kernel interference, MLA insert, c128, the C++ peers) and the submit-path
-# profile. Usage: bash scripts/gpu_round3.sh [tests|bench|all]. One combined log
+# profile. Usage: bash scripts/gpu_round3.sh [tests|bench|all|kernels|launch]: "kernels" is call 4
+# of BENCHMARKS.md round 3 (the copy/engine/manager GPU tests, step table, peer swaps), "launch"
+# call 5 (copy-kernel programs and interference, MLA insert, peer MLA, c128). One combined log
 # ($OUT/log.txt) plus JSON files, so everything fits the files that come back.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -12,6 +14,19 @@ LOG="$OUT/log.txt"
 run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"; timeout "$secs" "$@" >"/tmp/$name.log" 2>&1; local rc=$?; cat "/tmp/$name.log" >>"$LOG"; tail -n "${TAIL:-12}" "/tmp/$name.log"; echo "=== $name rc=$rc" | tee -a "$LOG"; }
 what=${1:-all}
 TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
+if [ "$what" = kernels ]; then
+  TAIL=4 run pytest_kernels 200 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 tests/test_copy_blocks.py tests/test_copy_kernel.py tests/test_cuda_engine.py tests/test_manager_engines.py tests/test_mla_insert.py tests/test_sim.py tests/test_reliability.py tests/test_example_engine.py
+  TAIL=32 run bench_swap 60 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 7 --warmup 2 --variants kernel kernel_desc auto --json "$OUT/swap.json"
+  TAIL=14 run bench_peer_swap 150 python3 -m kvmgr.cli bench peer --halves swap --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
+  exit 0
+fi
+if [ "$what" = launch ]; then
+  TAIL=20 run bench_swap_kernel 60 python3 -m kvmgr.cli bench swap-kernel --geometries qwen --blocks 512 --repeats 5 --warmup 1 --programs 8 12 16 32 --matmuls 10 --interference-repeats 3 --json "$OUT/swap_kernel.json"
+  TAIL=22 run bench_mla 50 python3 -m kvmgr.cli bench mla-insert --tokens 1,16,128,512,16384 --reps 15 --json "$OUT/mla.json"
+  TAIL=16 run bench_peer_mla 150 python3 -m kvmgr.cli bench peer --halves mla --mla-json "$OUT/peer_mla.json"
+  TAIL=20 run bench_c128 60 python3 -m kvmgr.cli bench c128 --repeats 7 --steps 100 --json "$OUT/c128.json"
+  exit 0
+fi
 if [ "$what" != bench ]; then
   TAIL=6 run pytest_all 240 python3 -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests
 fi
