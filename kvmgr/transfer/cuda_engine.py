@@ -131,9 +131,7 @@ class CudaEngine(TransferEngine):
         self._host_buffers: list[PinnedHostBuffer] = []
         self._host_memory = "none"  # "pinned" once allocated; "pageable" if one fell back
         self._closed = False
-        self._streams = CopyStreams(
-            device, compute_stream, h2d_priority=h2d_priority, name=name, driver=driver
-        )
+        self._streams = CopyStreams(device, compute_stream, h2d_priority=h2d_priority, name=name)
         self._released = False
 
     @property

@@ -51,8 +51,6 @@ __all__ = [
 ABI_12080 = 12080  #: 9 arguments, with ``size_t *failIdx``
 ABI_13000 = 13000  #: 8 arguments
 _CUMEMCPYASYNC_ABI = 4000  # PFN_cuMemcpyAsync_v4000
-_CUEVENTRECORD_ABI = 2000  # PFN_cuEventRecord_v2000
-_CUSTREAMWAITEVENT_ABI = 3020  # PFN_cuStreamWaitEvent_v3020
 SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 SRC_ACCESS_ORDER_ANY = 3  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 _CU_STREAM_LEGACY = 1  # CU_STREAM_LEGACY; handle 0 is the legacy default stream as well
@@ -230,14 +228,6 @@ class CopyDriver:
         if loop_address:
             proto = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, ctypes.c_size_t, _P)
             self._loop_fn = proto(int(loop_address))
-        self._event_record_fn: Any = None
-        self._stream_wait_fn: Any = None
-        record_address = resolver("cuEventRecord", _CUEVENTRECORD_ABI)
-        wait_address = resolver("cuStreamWaitEvent", _CUSTREAMWAITEVENT_ABI)
-        if record_address and wait_address:
-            self._event_record_fn = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)(int(record_address))
-            wait_proto = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, ctypes.c_uint)
-            self._stream_wait_fn = wait_proto(int(wait_address))
         self._attrs = {order: _make_attrs(order) for order in (1, 3)}
         self._attrs_addrs = {order: ctypes.addressof(a) for order, a in self._attrs.items()}
         self._attrs_idx = np.zeros(1, dtype=np.uint64)  # attrsIdxs = [0]: one entry (rule 2)
@@ -331,32 +321,6 @@ class CopyDriver:
                 f"{_error_name(code)}",
                 fail_index=failed_at,
             )
-
-    @property
-    def has_event_calls(self) -> bool:
-        """Whether ``event_record`` / ``stream_wait_event`` were resolved (real drivers)."""
-        return self._stream_wait_fn is not None
-
-    def event_record(self, event_handle: int, stream_handle: int) -> None:
-        """``cuEventRecord(event, stream)`` on raw handles (``torch.cuda.Event.cuda_event``,
-        ``torch.cuda.Stream.cuda_stream``): torch's ``record`` without its Python layers.
-
-        Raises:
-            TransferError: the driver refused the call.
-        """
-        code = self._event_record_fn(event_handle, stream_handle)
-        if code != 0:
-            raise TransferError(f"cuEventRecord failed: {_error_name(code)}")
-
-    def stream_wait_event(self, stream_handle: int, event_handle: int) -> None:
-        """``cuStreamWaitEvent(stream, event, 0)`` on raw handles.
-
-        Raises:
-            TransferError: the driver refused the call.
-        """
-        code = self._stream_wait_fn(stream_handle, event_handle, 0)
-        if code != 0:
-            raise TransferError(f"cuStreamWaitEvent failed: {_error_name(code)}")
 
     def memcpy(self, dst: int, src: int, num_bytes: int, stream_handle: int) -> None:
         """One ``cuMemcpyAsync`` of ``num_bytes`` on a stream (the copy kernel's table upload).

@@ -17,14 +17,16 @@ Completion: one thread per direction sleeps in ``end_event.synchronize()`` (bloc
 no polling, GIL released) for each batch in submission order, then drops what the issuer asked to
 keep alive (rule 7), hands its reusable buffers back, updates the totals and resolves the future.
 
-Host cost. With a driver that resolved ``cuEventRecord`` / ``cuStreamWaitEvent`` (every real
-one), a submit records and waits on raw handles (about 1 us per call instead of torch's 2.5,
-measured on the H200 host), reads the compute stream as a raw handle (0.1 us instead of
-``torch.cuda.current_stream()``'s 7) and takes its start/end events from a per-direction pool
-instead of creating two (6 us each with their first record). A pair goes back to the pool after
-its batch's future resolved, so a handle's ``end_event`` may later mark a newer batch of the same
-direction: waits are only issued for handles whose future has not resolved, and a wait on a
-re-recorded event waits for a later batch of the same FIFO stream, never for less.
+Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its start/end
+events from a per-direction pool instead of creating two (a new event with its first record cost
+3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
+with ``Event.record()`` on the current stream, so no ``torch.cuda.current_stream()`` object is
+built (4.8 us). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through ctypes were tried and
+measured slower there (5.7-8.1 us per call: ``scripts/gpu_submit_probe.py``). A pair goes back to
+the pool after its batch's future resolved (never after a device error), so a handle's
+``end_event`` may later mark a newer batch of the same direction: waits are only issued for
+handles whose future has not resolved, and a wait on a re-recorded event waits for a later batch
+of the same FIFO stream, never for less.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.plan import Direction, TransferPlan
 
@@ -120,9 +121,14 @@ class _InFlight:
     pool: list[tuple[Any, Any]] | None  # where the (start, end) pair goes back, or None
 
 
-def _raw_stream_getter() -> Callable[[int], int] | None:
-    """torch's current raw stream of a device index (what Triton launches on), if exposed."""
-    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+def _real_cuda_events() -> bool:
+    """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
+    base = getattr(torch._C, "_CudaEventBase", None)
+    return (
+        base is not None
+        and isinstance(torch.cuda.Event, type)
+        and issubclass(torch.cuda.Event, base)
+    )
 
 
 class CopyStreams:
@@ -134,7 +140,6 @@ class CopyStreams:
             default); the current stream at each submit if ``None``.
         h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
         name: thread name prefix.
-        driver: raw event calls (record, wait) when it resolved them; torch's events otherwise.
 
     Attributes:
         counters: the engine's totals.
@@ -147,7 +152,6 @@ class CopyStreams:
         *,
         h2d_priority: str = "high",
         name: str = "cuda",
-        driver: CopyDriver | None = None,
     ) -> None:
         self._device = device
         self._compute_stream = compute_stream
@@ -156,15 +160,9 @@ class CopyStreams:
             Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
         }
         self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
-        self._driver = driver if getattr(driver, "has_event_calls", False) else None
-        self._raw_stream = _raw_stream_getter() if self._driver is not None else None
-        if self._raw_stream is None:
-            self._driver = None
+        # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
+        self._pooled = _real_cuda_events()
         self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
-        if self._driver is not None:
-            with _on_device(device):  # create the fences' CUDA events now: raw handles from here
-                for d, fence in self._fences.items():
-                    fence.record(self._streams[d])
         self.counters = CopyCounters()
         self._next_batch_id = 0
         self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
@@ -203,8 +201,8 @@ class CopyStreams:
         stream = self._streams[direction]
         batch_id = self._next_batch_id
         self._next_batch_id += 1
-        if self._driver is not None:
-            return self._submit_raw(plan, issuer, wait_for, entered, direction, stream, batch_id)
+        if self._pooled:
+            return self._submit_pooled(plan, issuer, wait_for, entered, direction, stream, batch_id)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with _on_device(self._device):
@@ -222,7 +220,7 @@ class CopyStreams:
             end.record(stream)
         return self._queue(plan, issued, entered, issue_s, direction, batch_id, (start, end), None)
 
-    def _submit_raw(
+    def _submit_pooled(
         self,
         plan: TransferPlan,
         issuer: CopyIssuer,
@@ -232,37 +230,31 @@ class CopyStreams:
         stream: Any,
         batch_id: int,
     ) -> BatchHandle:
-        """``submit`` through raw driver calls, with pooled events (module docstring)."""
-        driver, raw = self._driver, stream.cuda_stream
-        assert driver is not None and self._raw_stream is not None
+        """``submit`` with pooled events and no Python stream object for the compute fence
+        (module docstring)."""
         pool = self._pools[direction]
+        events = pool.pop() if pool else self._new_pair()
         with _on_device(self._device):
-            if self._compute_stream is not None:
-                compute = self._compute_stream.cuda_stream
+            fence = self._fences[direction]
+            if self._compute_stream is None:
+                fence.record()  # the current stream, read in C++ (no torch.cuda.Stream object)
             else:
-                compute = self._raw_stream(self._device.index or 0)
-            fence = self._fences[direction].cuda_event
-            driver.event_record(fence, compute)
-            driver.stream_wait_event(raw, fence)
+                fence.record(self._compute_stream)
+            stream.wait_event(fence)
             for other in wait_for:
                 if other.end_event is not None and not other.future.done():
-                    driver.stream_wait_event(raw, other.end_event.cuda_event)
-            events = pool.pop() if pool else self._new_pair(stream)
-            driver.event_record(events[0].cuda_event, raw)
+                    stream.wait_event(other.end_event)
+            events[0].record(stream)
             issued_at = time.perf_counter()
             issued = issuer.issue(plan, stream)
             issue_s = time.perf_counter() - issued_at
-            driver.event_record(events[1].cuda_event, raw)
+            events[1].record(stream)
         return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
 
     @staticmethod
-    def _new_pair(stream: Any) -> tuple[Any, Any]:
-        """A (start, end) pair with its CUDA events created (recorded once on ``stream``)."""
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True, blocking=True)
-        start.record(stream)
-        end.record(stream)
-        return start, end
+    def _new_pair() -> tuple[Any, Any]:
+        """A (start, end) pair of timing events, the end one blocking-sync."""
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)  # fmt: skip
 
     def _queue(
         self,
@@ -301,7 +293,7 @@ class CopyStreams:
     def stream_wait(self, handle: BatchHandle, stream: Any = None) -> None:
         """Make ``stream`` (the compute stream, else the current one) wait for the batch's end
         event on the device; the host does not block (rule 4)."""
-        if handle.end_event is None or (self._driver is not None and handle.future.done()):
+        if handle.end_event is None or (self._pooled and handle.future.done()):
             return  # (a done batch's pooled event may mark a newer batch: nothing to wait for)
         if stream is None:
             stream = self._compute_stream or torch.cuda.current_stream(self._device)
