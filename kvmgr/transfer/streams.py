@@ -201,48 +201,20 @@ class CopyStreams:
         stream = self._streams[direction]
         batch_id = self._next_batch_id
         self._next_batch_id += 1
-        if self._pooled:
-            return self._submit_pooled(plan, issuer, wait_for, entered, direction, stream, batch_id)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True, blocking=True)
-        with _on_device(self._device):
-            compute = self._compute_stream or torch.cuda.current_stream(self._device)
-            fence = self._fences[direction]
-            fence.record(compute)
-            stream.wait_event(fence)
-            for other in wait_for:
-                if other.end_event is not None:
-                    stream.wait_event(other.end_event)
-            start.record(stream)
-            issued_at = time.perf_counter()
-            issued = issuer.issue(plan, stream)
-            issue_s = time.perf_counter() - issued_at
-            end.record(stream)
-        return self._queue(plan, issued, entered, issue_s, direction, batch_id, (start, end), None)
-
-    def _submit_pooled(
-        self,
-        plan: TransferPlan,
-        issuer: CopyIssuer,
-        wait_for: Sequence[BatchHandle],
-        entered: float,
-        direction: Direction,
-        stream: Any,
-        batch_id: int,
-    ) -> BatchHandle:
-        """``submit`` with pooled events and no Python stream object for the compute fence
-        (module docstring)."""
-        pool = self._pools[direction]
+        pooled = self._pooled
+        pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
         with _on_device(self._device):
             fence = self._fences[direction]
-            if self._compute_stream is None:
-                fence.record()  # the current stream, read in C++ (no torch.cuda.Stream object)
-            else:
+            if self._compute_stream is not None:
                 fence.record(self._compute_stream)
+            elif pooled:  # torch's events: the current stream, read in C++ (no Stream object)
+                fence.record()
+            else:
+                fence.record(torch.cuda.current_stream(self._device))
             stream.wait_event(fence)
             for other in wait_for:
-                if other.end_event is not None and not other.future.done():
+                if other.end_event is not None and not (pooled and other.future.done()):
                     stream.wait_event(other.end_event)
             events[0].record(stream)
             issued_at = time.perf_counter()
