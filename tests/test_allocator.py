@@ -220,3 +220,20 @@ def test_freed_batches_are_reused_last_batch_first_each_in_increasing_order() ->
     assert [alloc.take_one(), alloc.take_one()] == [3, 5]
     alloc.give(np.array([6, 4, 2, 0], dtype=np.int64))
     assert alloc.take(4).tolist() == [0, 2, 4, 6]  # type: ignore[union-attr]
+
+
+def test_take_and_give_refuse_bad_input_before_any_change() -> None:
+    # found by a fresh-user pass: take(-1) corrupted the free count and handed out id -1;
+    # give() of a bool or float array raised an untyped IndexError (or acted as a mask)
+    alloc = BlockAllocator(4)
+    ids = alloc.take(2)
+    assert ids is not None
+    before = _state(alloc)
+    for bad_n in (-1, True, 1.0):
+        with pytest.raises(InvalidBlockError):
+            alloc.take(bad_n)  # type: ignore[arg-type]
+    for bad_ids in (np.ones(4, dtype=bool), np.array([0.0, 1.0]), np.array([[0, 1]]), [0, 1]):
+        with pytest.raises(InvalidBlockError):
+            alloc.give(bad_ids)  # type: ignore[arg-type]
+    assert _state(alloc) == before
+    assert alloc.take_one() == 2

@@ -219,3 +219,37 @@ def test_paged_kernel_compiles_to_vector_loads_for_the_h200() -> None:
     }
     assert widths <= set(info["ops"])  # _copy_row's 16-, 8-, 4-, 2- and 1-byte branches
     assert (info["shared"], info["converts"]) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("runs", "match"),
+    [
+        (((0,), (2**63 - 2,), (2,)), "destination run leaves"),  # first + n wraps around int64
+        (((2**62 - 1,), (0,), (2**62 + 1,)), "source run leaves"),
+        (((2**62,), (2**62,), (2**62,)), "run leaves"),
+        (((0, 4), (0, 1), (3, 3)), "destination runs overlap"),
+        (((0,), (-1,), (1,)), "destination run leaves"),
+    ],
+)
+def test_bad_runs_raise_before_anything_is_written(runs, match) -> None:
+    # found by a fresh-user pass: an int64 wrap let a run start before the cache
+    case = _Case(7, [64], ([0], [0]), (8, 8))
+    before = case.dst_buffer.clone()
+    with pytest.raises(InvalidBlockError, match=match):
+        copy_blocks(case.src, case.dst, *(np.array(r, dtype=np.int64) for r in runs), device=DEVICE)
+    assert torch.equal(case.dst_buffer, before)
+
+
+def test_one_cache_both_ways_refuses_a_source_overlapping_a_destination() -> None:
+    case = _Case(8, [64], ([0], [0]), (8, 8))
+    with pytest.raises(InvalidBlockError, match="overlaps a destination"):
+        copy_blocks(case.src, case.src, np.array([0]), np.array([2]), np.array([3]), device=DEVICE)
+    # reading one block twice is fine
+    copy_blocks(
+        case.src, case.src, np.array([0, 0]), np.array([4, 6]), np.array([1, 1]), device=DEVICE
+    )
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(case.src[0][4], case.src[0][0]) and torch.equal(
+        case.src[0][6], case.src[0][0]
+    )

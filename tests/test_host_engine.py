@@ -216,6 +216,26 @@ def test_an_edited_plan_is_copied_from_its_descriptors(engine: HostEngine) -> No
         assert bool((d[index, -8:] == 0xA5).all())
 
 
+def test_edited_addresses_are_honoured_even_when_the_counts_still_match(engine: HostEngine) -> None:
+    # found by a fresh-user pass: with the same byte and descriptor counts, the host engine used
+    # to copy the original block pairs (into A) instead of the edited destinations (into B)
+    rng = np.random.default_rng(5)
+    src, a = _strided_pair(6, 64)
+    b = [t.clone() for t in a]
+    before_a = [t.clone() for t in a]
+    ids = rng.choice(64, 40, replace=False)
+    plan = build_plan(Direction.D2H, KVLayout.from_tensors(src), KVLayout.from_tensors(a), ids, ids, merge=False)  # fmt: skip
+    shift = np.repeat([tb.data_ptr() - ta.data_ptr() for ta, tb in zip(a, b)], len(ids))
+    moved = attrs.evolve(plan, dst_addrs=plan.dst_addrs + shift)
+    assert moved.num_bytes == plan.num_bytes and moved.num_descriptors == plan.num_descriptors
+    assert moved.matching_blocks() is None
+    engine.submit(moved).future.result(timeout=10)
+    index = torch.from_numpy(ids)
+    for s, ta, tb, ta0 in zip(src, a, b, before_a):
+        assert torch.equal(tb[index], s[index])
+        assert torch.equal(ta, ta0)  # A untouched
+
+
 def test_a_plan_over_device_tensors_is_refused_before_any_copy(engine: HostEngine) -> None:
     gpu, cpu = _pair(seed=4)
     layout = KVLayout.from_tensors(gpu)

@@ -275,6 +275,13 @@ def _restride_in_place(kv: list[torch.Tensor]) -> None:
     kv[1].as_strided_((NUM_GPU, 2, 288), (576, 1, 2))
 
 
+def _retype_in_place(kv: list[torch.Tensor]) -> None:
+    # same pointer, shape and strides, other element type over the same storage (found by a
+    # fresh-user pass): only the dtype tells
+    t = kv[1]
+    t.data = torch.tensor([], dtype=torch.float16).set_(t.untyped_storage(), 0, t.shape, t.stride())
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "move",
@@ -284,6 +291,7 @@ def _restride_in_place(kv: list[torch.Tensor]) -> None:
         pytest.param(_set_storage, id="set"),
         pytest.param(_reshape_in_place, id="reshape-in-place"),
         pytest.param(_restride_in_place, id="restride-in-place"),
+        pytest.param(_retype_in_place, id="retype-in-place"),
     ],
 )
 async def test_a_moved_kv_tensor_fails_the_batch_and_nothing_is_served(

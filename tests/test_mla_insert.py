@@ -502,6 +502,28 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: st
         assert _same_bytes([fresh] if change == "set_" else caches[1:2], expected[1:2])
 
 
+def test_the_caches_memo_sees_a_dtype_change_and_keeps_no_cache_alive() -> None:
+    # found by a fresh-user pass: ``.data =`` of another dtype kept pointer, shape and strides,
+    # and the memo held the last cache set for the life of the process
+    import gc
+    import weakref
+
+    num_layers, rank, rope_dim, num_blocks, block_size = 2, 24, 8, 6, 4
+    caches = _caches(180, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
+    for step in range(3):
+        kv_c, k_pe = _inputs(181 + step, num_layers, 5, rank, rope_dim, torch.bfloat16)
+        grouped_mla_insert(kv_c, k_pe, caches, _slots(184 + step, 5, num_blocks * block_size, 1))
+    assert api._recent_insert(caches, "auto", True) is not None
+    for cache in caches:
+        cache.data = cache.view(torch.float16)
+    with pytest.raises(GeometryError):  # as without the memo: bf16 rows into float16 caches
+        grouped_mla_insert(kv_c, k_pe, caches, _slots(190, 5, num_blocks * block_size, 1))
+    probe = weakref.ref(caches[0])
+    del caches, cache
+    gc.collect()
+    assert probe() is None
+
+
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
     # kv_c starting one element into its storage: IO_ALIGNED must be off (a wrong hint would
     # fault or corrupt on the GPU); the result must still be exact.

@@ -284,13 +284,40 @@ def _check_runs(
         raise InvalidBlockError(f"expected equal run counts, got {[len(a) for a in runs]}")
     if runs[0].size and any(a.dtype.kind not in "iu" for a in runs):
         raise InvalidBlockError(f"run tables: expected integers, got {[a.dtype for a in runs]}")
+    if runs[0].size and any(a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max for a in runs):
+        raise InvalidBlockError("run tables: a value does not fit int64")
     s, d, n = (a.astype(np.int64, copy=False) for a in runs)
     if n.size and n.min() < 1:
         raise InvalidBlockError(f"expected runs of >= 1 block, got {int(n.min())}")
     for name, first, layout in (("source", s, src), ("destination", d, dst)):
-        if first.size and (first.min() < 0 or (first + n).max() > layout.num_blocks):
+        # n <= num_blocks - first: no sum that could wrap around int64
+        if first.size and (first.min() < 0 or (n > layout.num_blocks - first).any()):
             raise InvalidBlockError(f"a {name} run leaves blocks [0, {layout.num_blocks})")
+    if _self_overlap(d, n):
+        raise InvalidBlockError("destination runs overlap (docs/transfer.md, rule 5)")
+    if bool(np.array_equal(src.base_addrs, dst.base_addrs)) and _cross_overlap(s, n, d, n):
+        raise InvalidBlockError("a source run overlaps a destination run of the same cache")
     return s, d, n
+
+
+def _self_overlap(first: np.ndarray, num: np.ndarray) -> bool:
+    """Whether two of the block ranges ``[first[i], first[i] + num[i])`` overlap."""
+    if len(first) < 2:
+        return False
+    order = np.argsort(first, kind="stable")
+    starts, ends = first[order], first[order] + num[order]
+    return bool((starts[1:] < ends[:-1]).any())
+
+
+def _cross_overlap(a_first: np.ndarray, a_num: np.ndarray, b_first: np.ndarray, b_num: np.ndarray) -> bool:  # fmt: skip
+    """Whether a range of ``a`` overlaps a range of ``b`` (the ``b`` ranges are disjoint)."""
+    if len(a_first) == 0 or len(b_first) == 0:
+        return False
+    order = np.argsort(b_first, kind="stable")
+    b_start, b_end = b_first[order], b_first[order] + b_num[order]
+    last = np.searchsorted(b_start, a_first + a_num, side="left") - 1  # last b starting before
+    hit = last >= 0
+    return bool((b_end[last[hit]] > a_first[hit]).any())
 
 
 def copy_blocks(

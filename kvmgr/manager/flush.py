@@ -48,6 +48,7 @@ _NOTHING = DirectionReport()  # frozen: shared by every flush that submits nothi
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
 _stride = torch.Tensor.stride
+_dtype = operator.attrgetter("dtype")
 
 
 class Flusher:
@@ -72,6 +73,7 @@ class Flusher:
         self._ptrs = list(map(_data_ptr, tensors))
         self._shapes = list(map(_shape, tensors))
         self._strides = list(map(_stride, tensors))
+        self._dtypes = list(map(_dtype, tensors))
         cpu_layout = books.cpu_pool.layout
         self._layouts = {
             Direction.D2H: (books.gpu_layout, cpu_layout),
@@ -96,24 +98,30 @@ class Flusher:
 
     def _moved_tensor(self) -> str | None:
         """Why a KV tensor no longer matches the layout, or ``None``: its data pointer, shape or
-        strides changed since the manager was built (``resize_``, ``set_``, ``as_strided_``, an
-        in-place view op). Exact, and 3 C calls per tensor compared as three lists."""
+        strides or dtype changed since the manager was built (``resize_``, ``set_``,
+        ``as_strided_``, ``.data =``, an in-place view op). Exact: 4 C calls per tensor compared
+        as four lists."""
         tensors = self._tensors
         if (
             list(map(_data_ptr, tensors)) == self._ptrs
             and list(map(_shape, tensors)) == self._shapes
             and list(map(_stride, tensors)) == self._strides
+            and list(map(_dtype, tensors)) == self._dtypes
         ):
             return None
-        for i, (tensor, ptr, shape, stride) in enumerate(
-            zip(tensors, self._ptrs, self._shapes, self._strides)
+        for i, (tensor, ptr, shape, stride, dtype) in enumerate(
+            zip(tensors, self._ptrs, self._shapes, self._strides, self._dtypes)
         ):
-            if tensor.data_ptr() != ptr or tensor.shape != shape or tensor.stride() != stride:
+            if (
+                tensor.data_ptr() != ptr or tensor.shape != shape
+                or tensor.stride() != stride or tensor.dtype != dtype
+            ):  # fmt: skip
                 return (
                     f"KV tensor {i} moved or changed shape after the manager was built "
                     f"(data_ptr {ptr:#x} -> {tensor.data_ptr():#x}, shape {list(shape)} -> "
-                    f"{list(tensor.shape)}, strides {stride} -> {tensor.stride()}): "
-                    "resize_()/set_()/as_strided_() on a managed KV tensor"
+                    f"{list(tensor.shape)}, strides {stride} -> {tensor.stride()}, dtype "
+                    f"{dtype} -> {tensor.dtype}): resize_()/set_()/as_strided_()/.data= on a "
+                    "managed KV tensor"
                 )
         return None
 

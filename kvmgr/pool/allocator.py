@@ -67,7 +67,13 @@ class BlockAllocator:
         return self._state == ALLOCATED
 
     def take(self, n: int) -> np.ndarray | None:
-        """Allocate ``n`` ids as an int64 array, or return ``None`` (nothing changed)."""
+        """Allocate ``n`` ids as an int64 array, or return ``None`` (nothing changed).
+
+        Raises:
+            InvalidBlockError: ``n`` is negative or not an int; nothing changed then.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise InvalidBlockError(f"{self.name}: expected an int n >= 0, got {n!r}")
         if n > self.num_free:
             return None
         num_fresh = min(n, self.num_blocks - self._next_fresh)
@@ -102,11 +108,12 @@ class BlockAllocator:
         """Return ids (an int64 array of distinct allocated ids; the smallest is reused first).
 
         Raises:
-            InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
+            InvalidBlockError, DoubleFreeError: as ``check_allocated`` (and for anything but a
+                1-D integer array); nothing is freed then.
         """
+        self._check_array(ids)
         if len(ids) == 0:
             return
-        self._check_array(ids)
         self._state[ids] = FREED
         if len(ids) > 1:
             ids = np.sort(ids)[::-1]  # the smallest on top of the stack
@@ -168,6 +175,9 @@ class BlockAllocator:
         self.give(as_id_array(block_ids, self.name))
 
     def _check_array(self, ids: np.ndarray) -> None:
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            got = f"{ids.ndim}-D {ids.dtype}" if isinstance(ids, np.ndarray) else type(ids).__name__
+            raise InvalidBlockError(f"{self.name}: expected a 1-D integer id array, got {got}")
         if len(ids) == 0:
             return
         lo, hi = int(ids.min()), int(ids.max())

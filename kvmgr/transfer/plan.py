@@ -16,9 +16,9 @@ descriptor cap with ``TransferPlan.split``.
 computes nothing per page: the descriptor arrays of its plans are built on first access (one numpy
 broadcast per tensor group, then cached), while ``num_descriptors`` and ``num_bytes`` come from the
 run count and the dense mask. An engine that copies from the blocks (the host engine's tensor
-indexing, the paged copy kernel) never builds them. A plan made or edited by hand carries
-``blocks=None`` or a record whose byte and descriptor counts no longer match its descriptors, and is
-copied from its descriptors.
+indexing, the paged copy kernel) never builds them. A plan given any descriptor array (made by
+hand, edited with ``attrs.evolve``, a ``split`` chunk) is copied from its descriptors by every
+engine (``matching_blocks()`` is then ``None``).
 """
 
 from __future__ import annotations
@@ -156,14 +156,11 @@ class TransferPlan:
         return built
 
     def matching_blocks(self) -> BlockPairs | None:
-        """``blocks`` if it still describes exactly the descriptors' bytes and count, else
-        ``None`` (a plan edited with ``attrs.evolve``). O(1) for a plan from ``build_plan``."""
-        pairs = self.blocks
-        if pairs is None or self.is_from_blocks:
-            return pairs
-        if pairs.num_descriptors != len(self.sizes):
-            return None
-        return pairs if pairs.num_bytes == self.num_bytes else None
+        """``blocks`` for a plan from ``build_plan`` that was not edited (its descriptors are
+        exactly the pairs'), else ``None``: a plan given any descriptor array (by hand,
+        ``attrs.evolve``, ``split``) is copied from those arrays, even where its byte and
+        descriptor counts still match ``blocks``. O(1)."""
+        return self.blocks if self.is_from_blocks else None
 
     @property
     def num_descriptors(self) -> int:

@@ -26,7 +26,7 @@ module) <- ``hook``; ``reference`` (the torch reference) uses ``checks`` only.
 
 from __future__ import annotations
 
-import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,13 +114,19 @@ def grouped_mla_insert(
     insert(kv_c, k_pe, slot_mapping, kv_scales, block_tokens=block_tokens, num_warps=num_warps)
 
 
-# The last cache set of a packed grouped call: (caches, ptrs, shape, strides, dtype, direct,
-# insert). A loop passes the same cache tensors every step; recognising them by identity plus the
-# three attributes an in-place change can alter (data_ptr after set_, shape after resize_, strides
-# after as_strided_) skips the plan's key and two memo lookups (~1.3 us on a 2-core CPU host).
+# The last cache set of a packed grouped call: (weak references to the caches, ptrs, shape,
+# strides, cache dtype, kv_cache_dtype, direct, insert). A loop passes the same cache tensors every
+# step; recognising them by identity plus what an in-place change can alter (data_ptr after set_,
+# shape after resize_, strides after as_strided_, dtype after ``.data =``) skips the plan's key and
+# two memo lookups (~1.3 us on a 2-core CPU host). Weak references: the memo never keeps a cache
+# set alive.
 _RECENT: list[tuple[Any, ...]] = []
 _data_ptr = torch.Tensor.data_ptr
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)  # fmt: skip
+
+
+def _same_tensors(refs: tuple[weakref.ref[torch.Tensor], ...], caches: Sequence[torch.Tensor]) -> bool:  # fmt: skip
+    return len(refs) == len(caches) and all(ref() is cache for ref, cache in zip(refs, caches))
 
 
 def _remember(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool, insert: GroupedInsert) -> None:  # fmt: skip
@@ -130,13 +136,13 @@ def _remember(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool,
     plan = insert.plan
     if plan.meta.device >= 0 and _is_capturing():
         return  # a plan under capture is held by host.grouped_plan; never served from here
-    key = tuple(caches)
+    refs = tuple(map(weakref.ref, caches))
     ptrs = shape = stride = None
-    if _RECENT and len(_RECENT[0][0]) == len(key) and all(map(operator.is_, key, _RECENT[0][0])):
+    if _RECENT and _same_tensors(_RECENT[0][0], caches):
         capacity, block_size, stride_b, stride_s = plan.geometry
         shape = torch.Size((capacity // block_size, block_size, plan.meta.width))
         stride, ptrs = (stride_b, stride_s, 1), list(map(_data_ptr, caches))
-    _RECENT[:] = [(key, ptrs, shape, stride, kv_cache_dtype, direct, insert)]
+    _RECENT[:] = [(refs, ptrs, shape, stride, plan.meta.dtype, kv_cache_dtype, direct, insert)]
 
 
 def _recent_insert(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool) -> GroupedInsert | None:  # fmt: skip
@@ -144,13 +150,16 @@ def _recent_insert(caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: 
     CUDA graph is being captured (a captured plan must be held: ``host.grouped_plan``)."""
     if not _RECENT:
         return None
-    last, ptrs, shape, stride, dtype, was_direct, insert = _RECENT[0]
-    if ptrs is None or dtype != kv_cache_dtype or was_direct != direct or len(caches) != len(last):
+    refs, ptrs, shape, stride, dtype, kv_dtype, was_direct, insert = _RECENT[0]
+    if ptrs is None or kv_dtype != kv_cache_dtype or was_direct != direct:
         return None
-    if not all(map(operator.is_, caches, last)):
+    if not _same_tensors(refs, caches):
         return None
     for cache, ptr in zip(caches, ptrs):
-        if cache.data_ptr() != ptr or cache.shape != shape or cache.stride() != stride:
+        if (
+            cache.data_ptr() != ptr or cache.shape != shape
+            or cache.stride() != stride or cache.dtype != dtype
+        ):  # fmt: skip
             return None
     if insert.plan.meta.device >= 0 and _is_capturing():
         return None
