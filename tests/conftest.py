@@ -85,3 +85,22 @@ def _interpreter_fp8_via_torch() -> Iterator[None]:
             interpreter, "_convert_float", _torch_fp8_convert(interpreter._convert_float)
         )
         yield
+
+
+@pytest.fixture
+def compile_for_sm90() -> Callable[[str], dict[str, Any]]:
+    """Run a script that compiles a Triton kernel for sm_90 (no GPU needed: Triton ships ptxas)
+    in a process without ``TRITON_INTERPRET``; return the JSON object its last line prints."""
+    import json
+    import subprocess
+    import sys
+
+    def run(script: str) -> dict[str, Any]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.splitlines()[-1])
+
+    return run

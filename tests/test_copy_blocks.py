@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -205,15 +200,9 @@ print(json.dumps({"ops": ops, "shared": kernel.metadata.shared, "converts": conv
 """
 
 
-def test_paged_kernel_compiles_to_vector_loads_for_the_h200() -> None:
+def test_paged_kernel_compiles_to_vector_loads_for_the_h200(compile_for_sm90) -> None:
     # as for copy_pages: compile for sm_90 without the interpreter and read the PTX
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    info = json.loads(out.stdout.splitlines()[-1])
+    info = compile_for_sm90(_COMPILE_FOR_SM90)
     widths = {
         f"{op}.global.{w}" for op in ("ld", "st") for w in ("v4.b32", "b64", "b32", "b16", "b8")
     }

@@ -7,8 +7,6 @@ import ctypes
 import itertools
 import json
 import os
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -201,16 +199,10 @@ print(json.dumps({"ops": ops, "shared": kernel.metadata.shared, "converts": conv
 """
 
 
-def test_kernel_compiles_to_vector_loads_for_the_h200() -> None:
+def test_kernel_compiles_to_vector_loads_for_the_h200(compile_for_sm90) -> None:
     # The interpreter cannot see vector widths: compile for sm_90 (no GPU needed; Triton ships
     # ptxas) in a process without TRITON_INTERPRET and read the PTX.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    info = json.loads(out.stdout.splitlines()[-1])
+    info = compile_for_sm90(_COMPILE_FOR_SM90)
     widths = {
         f"{op}.global.{w}" for op in ("ld", "st") for w in ("v4.b32", "b64", "b32", "b16", "b8")
     }

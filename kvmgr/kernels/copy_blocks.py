@@ -75,9 +75,6 @@ __all__ = [
     "max_run_blocks",
 ]
 
-#: Software-pipelining stages of the paged kernel (None: Triton's default).
-NUM_STAGES: int | None = None
-
 
 @_jit
 def _load_item(layout_ptr, runs_ptr, item, num_tensors, num_runs, valid):
@@ -260,7 +257,6 @@ def launch_block_table(
             num_tensors,
             num_runs,
             num_warps=_NUM_WARPS,
-            num_stages=NUM_STAGES,
         )
     return grid
 
@@ -273,7 +269,7 @@ def block_table_launches() -> TableLaunches:
     """
     if not KERNEL_AVAILABLE:
         raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    return TableLaunches(_copy_blocks_kernel, _NUM_WARPS, NUM_STAGES)
+    return TableLaunches(_copy_blocks_kernel, _NUM_WARPS)
 
 
 def _check_runs(

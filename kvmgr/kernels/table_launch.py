@@ -43,13 +43,11 @@ class TableLaunches:
     Args:
         kernel: a ``@triton.jit`` function.
         num_warps: warps per program of every launch.
-        num_stages: software-pipelining stages (None: Triton's default).
     """
 
-    def __init__(self, kernel: Any, num_warps: int, num_stages: int | None = None) -> None:
+    def __init__(self, kernel: Any, num_warps: int) -> None:
         self._launcher = shared_launcher(kernel)
         self._num_warps = num_warps
-        self._num_stages = num_stages
         self._bound: dict[tuple[Any, ...], Any] = {}
 
     @property
@@ -63,9 +61,7 @@ class TableLaunches:
         key = tuple(map(_spec, args))
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._launcher.bind(
-                (grid,), *args, num_warps=self._num_warps, num_stages=self._num_stages
-            )
+            bound = self._launcher.bind((grid,), *args, num_warps=self._num_warps)
             self._bound[key] = bound
         else:
             for index, value in enumerate(args):

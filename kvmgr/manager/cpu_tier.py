@@ -80,7 +80,8 @@ class CpuTier:
         #: called with (keys, CPU ids) of blocks the policy evicted, before they are reused
         self.on_evicted: Callable[[list[bytes], np.ndarray], None] | None = None
         self.counters = counters if counters is not None else Counters()
-        self._evictable = _evictable(self.index, self.state, self.readers)
+        #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
+        self.can_evict = _evictable(self.index, self.state, self.readers)
 
     # ------------------------------------------------------------------ queries
 
@@ -97,11 +98,6 @@ class CpuTier:
     def present(self, keys: Sequence[bytes]) -> np.ndarray:
         """bool ``[len(keys)]``: which keys are indexed (PENDING or READY)."""
         return np.fromiter(map(self.index.__contains__, keys), dtype=bool, count=len(keys))
-
-    def can_evict(self, key: bytes) -> bool:
-        """READY, no reader (the policy's ``can_evict``)."""
-        block = self.index.get(key)
-        return block is not None and self.state[block] == _READY and self.readers[block] == 0
 
     # ------------------------------------------------------------------ room
 
@@ -120,7 +116,7 @@ class CpuTier:
     def _evict_for(self, n: int, protected: Collection[bytes]) -> None:
         shortfall = n - self.pool.num_free
         if shortfall > 0:
-            victims = self.policy.evict(shortfall, self._evictable, protected)
+            victims = self.policy.evict(shortfall, self.can_evict, protected)
             if victims is None:
                 raise PoolExhaustedError(
                     f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
@@ -244,8 +240,9 @@ class CpuTier:
 def _evictable(
     index: dict[bytes, int], state: bytearray, readers: array.array[int]
 ) -> Callable[[bytes], bool]:
-    """``CpuTier.can_evict`` as a closure over the tier's (never rebound) index and arrays: the
-    policy asks it once per candidate victim, so it skips the method's attribute lookups."""
+    """Whether a key is READY without readers, as a closure over the tier's (never rebound)
+    index and arrays: the policy asks it once per candidate victim, so it skips a method's
+    attribute lookups."""
     get = index.get
 
     def can_evict(key: bytes, ready: int = _READY) -> bool:

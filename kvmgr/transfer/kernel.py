@@ -158,7 +158,7 @@ class KernelCopy:
 
         A plan given any descriptor array (by hand, ``attrs.evolve``, ``split``) is copied from
         its descriptors even where its counts still match ``blocks``: they are what it says."""
-        pairs = plan.blocks if plan.is_from_blocks else None
+        pairs = plan.matching_blocks()
         if pairs is not None and self._addressable(pairs.src) and self._addressable(pairs.dst):
             return self._issue_runs(plan.direction, pairs, stream)
         return self._issue_descriptors(plan, stream)
