@@ -22,7 +22,7 @@ events from a per-direction pool instead of creating two (a new event with its f
 3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
 with ``Event.record()`` on the current stream, so no ``torch.cuda.current_stream()`` object is
 built (4.8 us). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through ctypes were tried and
-measured slower there (5.7-8.1 us per call: ``scripts/gpu_submit_probe.py``). A pair goes back to
+measured slower there (5.7-8.1 us per call; BENCHMARKS.md, round 3). A pair goes back to
 the pool after its batch's future resolved (never after a device error), so a handle's
 ``end_event`` may later mark a newer batch of the same direction: waits are only issued for
 handles whose future has not resolved, and a wait on a re-recorded event waits for a later batch
