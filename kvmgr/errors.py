@@ -24,6 +24,7 @@ __all__ = [
     "StaleKVTensorError",
     "TierError",
     "TierFullError",
+    "TierSecurityWarning",
     "TierTimeoutError",
     "TierUnavailableError",
     "TransferError",
@@ -170,3 +171,8 @@ class TierUnavailableError(TierError):
 
 class TierFullError(TierError):
     """The tier refused a write for lack of space (``maxmemory`` with ``noeviction``, disk full)."""
+
+
+class TierSecurityWarning(UserWarning):
+    """A shared tier is set up so that tenants sharing the server are not isolated (the server's
+    ``default`` user, or a namespace without a tenant salt); see docs/tiers.md."""

@@ -118,7 +118,10 @@ async def test_two_instances_share_blocks_through_the_server(tier_server) -> Non
     """Instance A stores (write-through); instance B, with its own GPU and CPU tiers, fetches
     the same prefix from the server and gets A's bytes."""
     kv_a, kv_b = _kv(2), _kv(3)
-    shared_a, shared_b = SharedTier(tier_server.url), SharedTier(tier_server.url)
+    shared_a, shared_b = (
+        SharedTier(tier_server.url, single_tenant=True),
+        SharedTier(tier_server.url, single_tenant=True),
+    )
     config = ManagerConfig(num_cpu_blocks=8, tier_write_through=True)
     try:
         async with (
@@ -142,7 +145,10 @@ async def test_two_instances_share_blocks_through_the_server(tier_server) -> Non
 @pytest.mark.asyncio
 async def test_tenants_with_equal_prompts_share_nothing(tier_server) -> None:
     kv_a, kv_b = _kv(4), _kv(5)
-    shared_a, shared_b = SharedTier(tier_server.url), SharedTier(tier_server.url)
+    shared_a, shared_b = (
+        SharedTier(tier_server.url, single_tenant=True),
+        SharedTier(tier_server.url, single_tenant=True),
+    )
     config = ManagerConfig(num_cpu_blocks=8, tier_write_through=True)
     try:
         async with (
@@ -163,7 +169,7 @@ async def test_tenants_with_equal_prompts_share_nothing(tier_server) -> None:
 @pytest.mark.asyncio
 async def test_a_dead_server_gives_misses_and_the_instance_keeps_serving(tier_server) -> None:
     kv = _kv(6)
-    shared = SharedTier(tier_server.url, deadline_s=0.5, connect_timeout_s=0.2)
+    shared = SharedTier(tier_server.url, deadline_s=0.5, connect_timeout_s=0.2, single_tenant=True)
     config = ManagerConfig(num_cpu_blocks=4, tier_write_through=True)
     try:
         async with OffloadManager(kv, config, tiers=[shared], tier_namespace=_ns()) as mgr:

@@ -23,22 +23,22 @@ NS = TierNamespace("m", PAGES, ("bfloat16", "uint8", "uint8"), 16)
 
 def _blob(key: bytes, seed: int = 0) -> bytes:
     rows = np.random.default_rng(seed).integers(0, 256, (1, NS.blob_bytes), dtype=np.uint8)
-    encode_rows(rows, [key], NS.fingerprint)
+    encode_rows(rows, [key], NS)
     return rows[0].tobytes()
 
 
 def test_verify_rejects_every_damage() -> None:
     blob = _blob(b"k1")
-    assert bytes(verify(b"k1", blob, NS.fingerprint)) == blob[HEADER_BYTES:]
+    assert bytes(verify(b"k1", blob, NS)) == blob[HEADER_BYTES:]
     flipped = bytearray(blob)
     flipped[HEADER_BYTES + 100] ^= 1
     header_flip = bytearray(blob)
     header_flip[9] ^= 1  # inside the fingerprint
     for bad in (blob[:-1], blob + b"\0", bytes(flipped), bytes(header_flip), b"", b"KVT1", None):
-        assert verify(b"k1", bad) is None
-    assert verify(b"k2", blob) is None  # moved under another key
+        assert verify(b"k1", bad, NS) is None
+    assert verify(b"k2", blob, NS) is None  # moved under another key
     other = TierNamespace("m", PAGES, ("bfloat16", "uint8", "uint8"), 32)
-    assert verify(b"k1", blob, other.fingerprint) is None
+    assert verify(b"k1", blob, other) is None
 
 
 def test_namespace_fields_all_enter_the_key() -> None:

@@ -115,7 +115,7 @@ def _tier(kind: str, tmp_path, server) -> object:
     if kind == "disk":
         ns = _ns()
         return DiskTier(tmp_path / "tier.bin", slot_bytes=ns.blob_bytes, num_slots=4 * NUM)
-    return SharedTier(server.url, deadline_s=10.0)
+    return SharedTier(server.url, deadline_s=10.0, single_tenant=True)
 
 
 @pytest.fixture(params=["disk", "shared"])

@@ -124,8 +124,8 @@ async def _bench_case(
     else:
         from kvmgr.tiers import SharedTier
 
-        backend = SharedTier(url, deadline_s=60.0)  # type: ignore[arg-type]
-        await backend._client.flushdb()
+        backend = SharedTier(url, deadline_s=60.0, single_tenant=True)  # type: ignore[arg-type]
+        _flush(str(url))
     bridge = TierBridge(cpu, backend, ns)
     src, dst = np.arange(batch), np.arange(batch, 2 * batch)
     batches = [[f"{case}-{s}-{i}".encode() for i in range(batch)] for s in range(args.steps + 1)]
@@ -187,6 +187,17 @@ async def _bench_case(
                 row["ceiling"] = f"{key} -P {batch} {rps * ns.blob_bytes / 1e9:.2f} GB/s"
                 row["ratio"] = row["blocks_per_s"] / rps
     return {"rows": rows, "verified": verified}
+
+
+def _flush(url: str) -> None:
+    """Empty the benchmark's server (``FLUSHALL``) before a case."""
+    import redis
+
+    client = redis.Redis.from_url(url.replace("+cluster", ""))
+    try:
+        client.flushall()
+    finally:
+        client.close()
 
 
 class _RawDisk:

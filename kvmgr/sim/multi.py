@@ -224,7 +224,7 @@ def _tiers(
     if shared_url is not None:
         from kvmgr.tiers import SharedTier
 
-        tiers.append(SharedTier(shared_url))
+        tiers.append(SharedTier(shared_url, single_tenant=True))  # one simulated tenant
     return tiers
 
 

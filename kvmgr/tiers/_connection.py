@@ -1,37 +1,47 @@
-"""Connection settings of the shared tier: URL schemes, credentials kept out of sight.
+"""Connection settings of the shared tier: URL schemes, credentials kept out of sight, TLS.
 
 Offers (to ``kvmgr.tiers.shared`` only):
     Secret          a string whose repr/str never shows it
-    ServerAddress   the URL without credentials, plus username and password (Secret)
+    ServerAddress   the URL without credentials, the servers, username and password (Secret)
     parse_address   read a URL and the credential sources (URL, file, environment variable)
-    large_reads     make a redis.asyncio pool's connections read multi-MiB replies in big pieces
+    tls_context     the client's ``ssl.SSLContext`` (CA bundle, client certificate, hostname check)
+
+URLs: ``redis://[user[:password]@]HOST[:PORT][/DB]``, ``rediss://`` (TLS), ``valkey://`` and
+``valkeys://`` (the same), ``unix://[user[:password]@]/PATH[?db=N]``, and for a cluster
+``redis+cluster://HOST:PORT[,HOST:PORT...]`` (also ``rediss+``, ``valkey+``, ``valkeys+``): seed
+nodes, from which the cluster's map is read. The password may contain any character, ``@ / ? #
+:`` included: it ends at the last ``@`` (percent-encoding works too). Query options: ``db``,
+``username``, ``password``. TLS settings are constructor arguments, never URL options: a
+``?ssl_cert_reqs=none`` that silently turned verification off is refused (issue 26). No error
+message contains the URL as given (it may hold the password).
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import urllib.parse
 from pathlib import Path
-from typing import Any
 
 import attrs
 
 from kvmgr.errors import ConfigError
 
-__all__ = ["SCHEMES", "Secret", "ServerAddress", "large_reads", "parse_address"]
+__all__ = ["SCHEMES", "Secret", "ServerAddress", "parse_address", "tls_context"]
 
-#: bytes an asyncio stream may buffer before it pauses the socket (asyncio's default: 64 KiB,
-#: pausing at 128 KiB, which turns one 25 MB MGET reply into hundreds of pause/resume rounds).
-STREAM_LIMIT_BYTES = 16 << 20
-
-#: accepted URL schemes -> the scheme the redis client speaks.
+#: accepted URL schemes -> (TLS, cluster)
 SCHEMES = {
-    "redis": "redis",
-    "rediss": "rediss",
-    "valkey": "redis",
-    "valkeys": "rediss",
-    "unix": "unix",
+    "redis": (False, False),
+    "valkey": (False, False),
+    "rediss": (True, False),
+    "valkeys": (True, False),
+    "unix": (False, False),
+    "redis+cluster": (False, True),
+    "valkey+cluster": (False, True),
+    "rediss+cluster": (True, True),
+    "valkeys+cluster": (True, True),
 }
+_QUERY = ("db", "username", "password")
 
 
 class Secret:
@@ -43,7 +53,7 @@ class Secret:
         self._value = value
 
     def reveal(self) -> str:
-        """The secret itself (only for handing to the client library)."""
+        """The secret itself (only for the ``AUTH`` command)."""
         return self._value
 
     def __repr__(self) -> str:
@@ -54,26 +64,32 @@ class Secret:
     def __format__(self, spec: str) -> str:
         return "***"
 
-    def __reduce__(
-        self,
-    ) -> tuple[object, ...]:  # never pickle a credential into a report or a cache
+    def __reduce__(self) -> tuple[object, ...]:  # never pickle a credential into a report
         raise TypeError("Secret cannot be pickled")
 
 
 @attrs.frozen
 class ServerAddress:
-    """Where the server is and who we are.
+    """Where the servers are and who we are.
 
     Attributes:
-        url: URL the client connects to, scheme normalised, no credentials.
-        is_tls: ``rediss``/``valkeys``.
-        username: ACL user, or ``None`` (the ``default`` user).
+        url: the URL as the tier reports it: scheme normalised (``redis``, ``rediss``,
+            ``unix``, ``redis+cluster``, ``rediss+cluster``), no credentials.
+        servers: ``(host, port)`` of the server, or the cluster's seed nodes.
+        unix_path: the socket path of a ``unix://`` URL, else ``None``.
+        db: database index (0 for a cluster).
+        is_tls, is_cluster: from the scheme.
+        username: ACL user, or ``None`` (the server's ``default`` user).
         password: ``Secret`` or ``None``.
         password_source: ``"url"``, ``"file"``, ``"env"`` or ``None`` (for reports).
     """
 
     url: str
+    servers: tuple[tuple[str, int], ...]
+    unix_path: str | None
+    db: int
     is_tls: bool
+    is_cluster: bool
     username: str | None
     password: Secret | None = attrs.field(repr=False)
     password_source: str | None
@@ -86,83 +102,146 @@ def parse_address(
     password_file: str | os.PathLike[str] | None = None,
     password_env: str | None = "KVMGR_TIER_PASSWORD",
 ) -> ServerAddress:
-    """Split ``url`` into a credential-free URL and credentials.
+    """Split ``url`` into servers, options and credentials (see the module docstring).
 
-    Password, first found: the URL's ``user:password@``, then ``password_file`` (its first line,
-    stripped), then the environment variable ``password_env``. Username: the URL's, else
-    ``username``.
+    Password, first found: the URL's, then ``password_file`` (its first line, stripped), then
+    the environment variable ``password_env``. Username: the URL's, else ``username``.
 
     Raises:
-        ConfigError: unknown scheme, no host, or an unreadable password file (the message names
-            the file, never its content).
+        ConfigError: not a str, unknown scheme, no host, a bad port or db, an unknown or TLS
+            query option, or an unreadable password file (the message names the file, never
+            its content). No message shows the URL's credentials.
     """
-    parts = urllib.parse.urlsplit(url)
-    scheme = SCHEMES.get(parts.scheme.lower())
-    if scheme is None:
-        raise ConfigError(
-            f"tier URL: expected scheme in {sorted(SCHEMES)}, got {parts.scheme or '(none)'!r}"
-        )
-    if scheme != "unix" and not parts.hostname:
+    if not isinstance(url, str):
+        raise ConfigError(f"tier URL: expected a str, got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        shown = scheme.lower() if sep else "(none)"
+        raise ConfigError(f"tier URL: expected scheme in {sorted(SCHEMES)}, got {shown!r}")
+    scheme = scheme.lower()
+    is_tls, is_cluster = SCHEMES[scheme]
+    userinfo, at, rest = rest.rpartition("@")  # the password may hold any character but "@"...
+    if not at:  # ...and with "@" inside, the last one still ends it
+        userinfo = ""
+    url_user, url_password = _userinfo(userinfo) if at else (None, None)
+    location, _, query = rest.partition("?")
+    options = _query(query)
+    url_user = url_user or options.get("username")
+    if url_password is None:
+        url_password = options.get("password")
+    if scheme == "unix":
+        if not location.startswith("/"):
+            raise ConfigError("tier URL: expected unix:///absolute/path.sock")
+        servers, unix_path, db = (), location, _db(options.get("db", "0"))
+    else:
+        hosts, _, path = location.partition("/")
+        servers = tuple(_host_port(h) for h in hosts.split(",")) if hosts else ()
+        if not servers:
+            raise ConfigError("tier URL: expected a host (redis://HOST:PORT/DB)")
+        if len(servers) > 1 and not is_cluster:
+            raise ConfigError("tier URL: several hosts need a cluster scheme (redis+cluster://)")
+        unix_path, db = None, _db(options.get("db", path or "0"))
+        if is_cluster and db:
+            raise ConfigError(f"tier URL: a cluster has only db 0, got {db}")
+    password, source = _password(url_password, password_file, password_env)
+    clean_scheme = ("rediss" if is_tls else "redis") if scheme != "unix" else "unix"
+    if is_cluster:
+        clean_scheme += "+cluster"
+    if unix_path is not None:
+        clean = f"unix://{unix_path}" + (f"?db={db}" if db else "")
+    else:
+        hosts_text = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers)
+        clean = f"{clean_scheme}://{hosts_text}" + ("" if is_cluster else f"/{db}")
+    return ServerAddress(
+        url=clean,
+        servers=servers,
+        unix_path=unix_path,
+        db=db,
+        is_tls=is_tls,
+        is_cluster=is_cluster,
+        username=(url_user or username) or None,
+        password=password,
+        password_source=source,
+    )
+
+
+def _userinfo(text: str) -> tuple[str | None, str | None]:
+    user, colon, password = text.partition(":")
+    return (urllib.parse.unquote(user) or None, urllib.parse.unquote(password) if colon else None)
+
+
+def _query(query: str) -> dict[str, str]:
+    options = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+    for name in options:
+        if name.startswith("ssl") or name.startswith("tls"):
+            raise ConfigError(
+                f"tier URL: TLS option {name!r} is not read from the URL; pass ssl_ca_certs=, "
+                "ssl_certfile=, ssl_keyfile=, ssl_check_hostname= to SharedTier"
+            )
+        if name not in _QUERY:
+            raise ConfigError(f"tier URL: unknown option {name!r} (expected one of {_QUERY})")
+    return options
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    if text.startswith("["):  # [IPv6]:port
+        host, _, port_text = text[1:].partition("]")
+        port_text = port_text.removeprefix(":")
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
         raise ConfigError("tier URL: expected a host (redis://HOST:PORT/DB)")
-    # credentials may also sit in the query (redis-py reads ?password=); take them out of the URL
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    query_creds = {k: v for k, v in query if k in ("username", "password")}
-    parts = parts._replace(
-        query=urllib.parse.urlencode([(k, v) for k, v in query if k not in query_creds])
-    )
-    url_user = (
-        urllib.parse.unquote(parts.username) if parts.username else query_creds.get("username")
-    )
-    url_password = (
-        urllib.parse.unquote(parts.password)
-        if parts.password is not None
-        else query_creds.get("password")
-    )
-    user = url_user or username
-    password, source = None, None
+    if not port_text:
+        return host, 6379
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"tier URL: expected a port in 1..65535, got {port_text[:8]!r}")
+    return host, int(port_text)
+
+
+def _db(text: str) -> int:
+    if not text.isdigit():
+        raise ConfigError(f"tier URL: expected a database number, got {text[:8]!r}")
+    return int(text)
+
+
+def _password(
+    url_password: str | None,
+    password_file: str | os.PathLike[str] | None,
+    password_env: str | None,
+) -> tuple[Secret | None, str | None]:
     if url_password is not None:
-        password, source = Secret(url_password), "url"
-    elif password_file is not None:
+        return Secret(url_password), "url"
+    if password_file is not None:
         try:
             first = Path(password_file).read_text().splitlines()
         except OSError as exc:
             raise ConfigError(
                 f"tier password file {os.fspath(password_file)!r}: {exc.strerror}"
             ) from None
-        password, source = Secret(first[0].strip() if first else ""), "file"
-    elif password_env and os.environ.get(password_env):
-        password, source = Secret(os.environ[password_env]), "env"
-    host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    if scheme == "unix":  # (urlunsplit would drop the "//" of a netloc-less URL)
-        clean = f"unix://{parts.path}" + (f"?{parts.query}" if parts.query else "")
-    else:
-        clean = urllib.parse.urlunsplit((scheme, netloc, parts.path, parts.query, ""))
-    return ServerAddress(
-        url=clean,
-        is_tls=scheme == "rediss",
-        username=user or None,
-        password=password,
-        password_source=source,
-    )
+        return Secret(first[0].strip() if first else ""), "file"
+    if password_env and os.environ.get(password_env):
+        return Secret(os.environ[password_env]), "env"
+    return None, None
 
 
-def large_reads(pool: Any) -> None:
-    """Let the connections of ``pool`` (a ``redis.asyncio.ConnectionPool``) buffer 16 MiB.
+def tls_context(
+    ca_certs: str | None,
+    certfile: str | None,
+    keyfile: str | None,
+    check_hostname: bool,
+) -> ssl.SSLContext:
+    """A client TLS context: the CA bundle (``None``: the system store), an optional client
+    certificate (mutual TLS), certificate verification always on, hostname check as asked.
 
-    ``redis.asyncio`` opens its streams with asyncio's default limit; raising the limit of each
-    new connection's ``StreamReader`` (its ``_limit``, read by ``feed_data`` to decide when to
-    pause) cut a 25 MB ``MGET`` by ~20% on loopback. If a future asyncio drops the attribute,
-    this does nothing.
+    Raises:
+        ConfigError: a file that cannot be read or a key that does not match the certificate.
     """
-    base = pool.connection_class
-
-    async def _connect(conn: Any) -> None:
-        await base._connect(conn)
-        reader = getattr(conn, "_reader", None)
-        if reader is not None and isinstance(getattr(reader, "_limit", None), int):
-            reader._limit = max(reader._limit, STREAM_LIMIT_BYTES)
-
-    pool.connection_class = type(f"LargeRead{base.__name__}", (base,), {"_connect": _connect})
+    try:
+        context = ssl.create_default_context(cafile=ca_certs)
+        context.check_hostname = check_hostname
+        if certfile is not None:
+            context.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"SharedTier TLS files: {reason}") from None
+    return context

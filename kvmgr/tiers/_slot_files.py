@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from kvmgr.tiers.base import Buffer
-from kvmgr.tiers.blob import verify
+from kvmgr.tiers.blob import blob_length
 
 __all__ = ["ALIGN_BYTES", "MAX_RUN_BYTES", "SlotFiles", "load_index", "save_index"]
 
@@ -122,7 +122,8 @@ class SlotFiles:
     ) -> list[memoryview | None]:
         """Read consecutive slots from ``offset``; ``items`` = (blob bytes, stored key) each.
 
-        Returns each verified blob (a view of a fresh buffer) or ``None`` (short or corrupt).
+        Returns each blob (a view of a fresh buffer; the caller verifies it) or ``None`` (a
+        short read, or a header that does not claim exactly ``blob bytes``).
 
         Raises:
             OSError: the read failed.
@@ -137,7 +138,7 @@ class SlotFiles:
         for i, (length, key) in enumerate(items):
             lo = i * self.slot_bytes
             blob = whole[lo : lo + length] if lo + length <= got else None
-            out.append(blob if blob is not None and verify(key, blob) is not None else None)
+            out.append(blob if blob is not None and blob_length(blob) == length else None)
         return out
 
     def _is_aligned_slot(self, view: memoryview) -> bool:

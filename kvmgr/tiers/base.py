@@ -13,8 +13,10 @@ Offers:
 
 Semantics shared by all backends:
     - Keys are the *stored* keys (``TierNamespace.stored_keys``), ``bytes``; values are blobs made
-      by ``kvmgr.tiers.blob`` (header + pages + checksum). A backend verifies each blob it returns
-      (``blob.verify``): missing, truncated or corrupted = ``None`` (a miss), counted.
+      by ``kvmgr.tiers.blob`` (header + pages + checksum + MAC). A backend returns what it
+      stored (``None`` where absent); ``TierBridge`` verifies every blob against its namespace
+      (``blob.verify``: checksum, layout, the tenant's MAC) before any byte reaches a CPU
+      block that is served. Only the bridge knows the namespace's keys.
     - Every operation has a deadline. A slow or dead backend raises a ``TierError`` subclass
       (``TierTimeoutError``, ``TierUnavailableError``, ``TierFullError``) and counts it; it never
       hangs. Callers (``TierBridge``) turn errors into misses.
@@ -24,6 +26,12 @@ Semantics shared by all backends:
       direct I/O without a copy; the header's length says where the blob ends) and
       ``chunk_bytes`` (int: take a batch in chunks of about this many bytes, so gather/scatter
       overlaps the I/O; only for backends where a call is not a network round trip).
+    - Optional zero-copy methods (``SharedTier`` has them; ``TierBridge`` uses them when
+      present): ``put_vectors(keys, vectors, prepare)`` writes blob ``i`` from the buffers
+      ``vectors[i]`` (a header and the block's pages, never joined), calling ``prepare(i)``
+      just before; ``get_into(keys, vectors, check)`` receives blob ``i`` into ``vectors[i]``
+      and returns bool hits, ``check(i)`` judging each landed blob. Both read or write the
+      buffers until their await ends, and not after (``join_worker``).
 """
 
 from __future__ import annotations
@@ -78,17 +86,24 @@ class TierStatistics:
 
     Attributes:
         name: backend kind (``"disk"``, ``"shared"``).
-        io_mode: how it does I/O (``"direct"``/``"buffered"`` for disk, ``"redis"`` for shared).
+        io_mode: how it does I/O (``"direct"``/``"buffered"`` for disk, ``"resp"`` for one
+            Valkey/Redis server, ``"cluster"`` for a cluster).
         num_put_batches / num_get_batches: calls of ``put_many`` / ``get_many``.
         num_stored: blobs written.
         num_hits: blobs returned, verified.
         num_misses: keys asked for and not returned (absent, evicted, corrupt, or failed call).
-        num_corrupt: values found but rejected by ``blob.verify`` (part of ``num_misses``).
+        num_corrupt: values found but rejected: a length that is not the expected blob's, or
+            (zero-copy reads) the bridge's check failed in the worker; part of ``num_misses``.
+            Every checksum or MAC failure is also in ``BridgeStatistics.num_corrupt``.
         num_timeouts: calls that passed their deadline.
         num_errors: calls that failed otherwise (connection, authentication, I/O).
         num_full: writes refused for lack of space.
         num_evicted: blobs the backend itself dropped to make room (disk LRU; the shared
             server's own evictions are not visible here).
+        num_already_present: blobs not written because the backend held the key already.
+        num_fail_fast: calls (or a cluster call's per-node parts) refused without touching the
+            network because the server's breaker was open (also counted in ``num_errors``).
+        num_redirects: cluster ``MOVED``/``ASK`` redirections followed.
         bytes_written / bytes_read: blob bytes moved.
         put_s / get_s: total seconds inside ``put_many`` / ``get_many``.
         max_put_s / max_get_s: the slowest single call.
@@ -107,6 +122,9 @@ class TierStatistics:
     num_errors: int = 0
     num_full: int = 0
     num_evicted: int = 0
+    num_already_present: int = 0
+    num_fail_fast: int = 0
+    num_redirects: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
     put_s: float = 0.0
@@ -132,6 +150,9 @@ class TierCounters:
     num_errors: int = 0
     num_full: int = 0
     num_evicted: int = 0
+    num_already_present: int = 0
+    num_fail_fast: int = 0
+    num_redirects: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
     put_s: float = 0.0
@@ -177,7 +198,7 @@ class TierBackend(Protocol):
         ...
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """The verified blob of each key, ``None`` where absent or corrupt.
+        """The stored blob of each key, ``None`` where absent (or malformed).
 
         Raises:
             InvalidKeyError: a key is not bytes.

@@ -2,27 +2,41 @@
 
 Offers:
     TierNamespace    model + KV layout (page bytes per tensor, dtype names, block size) + tenant
-                     salt; turns caller keys into stored keys and carries the layout fingerprint
-    HEADER_BYTES     bytes of the blob header (48)
-    encode_rows      write headers and checksums into a ``[n, HEADER_BYTES + payload]`` array
-                     whose payload columns are already filled
+                     salt; turns caller keys into stored keys, carries the layout fingerprint and
+                     the tenant's sealing keys
+    HEADER_BYTES     bytes of the blob header (64)
+    encode_rows      write headers into a ``[n, HEADER_BYTES + payload]`` array whose payload
+                     columns are already filled
+    encode_header    write one header for a payload given as several buffers (no gather)
     verify           check one stored value; returns its payload or ``None``
+    verify_parts     the same for a header and a payload spread over several buffers
+    blob_length      the blob length a header claims (for padded, aligned buffers)
 
 Blob layout (little endian)::
 
     offset  size  field
     0       4     magic b"KVT1"
-    4       2     format version (1)
-    6       2     flags (0)
+    4       2     format version (2)
+    6       2     flags (bit 0: sealed, the MAC field is set)
     8       16    layout fingerprint (TierNamespace.fingerprint)
     24      8     payload bytes P
-    32      16    xxh3_128 of bytes[0:32] + stored key + payload
-    48      P     payload: block's page of tensor 0, then tensor 1, ... (no padding)
+    32      16    XXH3-128 of bytes[0:32] + stored key + payload, seeded with the tenant's seed
+    48      16    MAC: BLAKE2b-128 keyed with the tenant's MAC key over bytes[0:48] + stored key
+                  (zeros when not sealed)
+    64      P     payload: block's page of tensor 0, then tensor 1, ... (no padding)
 
 The checksum binds the value to its stored key, so a value copied or moved under another key is
-rejected like a corrupted or truncated one. It is xxHash's XXH3-128 (the ``xxhash`` package),
-~30 GB/s: it detects accidents (bit rot, truncation, torn writes), not an adversary with write
-access to the store; the trust boundary is the server's ACLs (docs/tiers.md).
+rejected like a corrupted or truncated one. It is xxHash's XXH3-128 (the ``xxhash`` package,
+several GB/s per core): it detects accidents (bit rot, truncation, torn writes).
+
+**Sealing (tenants).** A namespace with a tenant salt seals every blob: the checksum is seeded
+with a 64-bit secret derived from the salt, and a keyed BLAKE2b MAC covers the header (checksum
+included) and the stored key. Whoever can write to the server but lacks the tenant's salt can
+neither compute a valid MAC nor predict the seeded checksum of a payload they chose, so a blob
+they plant or alter is rejected (``verify`` returns ``None``) and never reaches a CPU block. The
+payload itself is bound through the seeded XXH3, which is not a cryptographic hash: forging it
+needs a collision of XXH3-128 under an unknown 64-bit seed. The server's ACLs stay the first
+line (reading a tenant's KV needs read access to its keys; sealing does not encrypt).
 
 A blob handed to a backend may be followed by padding up to an alignment the backend asks for
 (``blob_alignment``, the disk tier's direct I/O); backends store and return only
@@ -38,9 +52,11 @@ fingerprint, hence other keys, and a blob whose fingerprint differs is never dec
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections.abc import Iterable, Sequence
 from functools import cached_property
+from typing import Any
 
 import attrs
 import numpy as np
@@ -54,30 +70,65 @@ __all__ = [
     "MAGIC",
     "TierNamespace",
     "blob_length",
+    "encode_header",
     "encode_rows",
     "verify",
+    "verify_parts",
 ]
 
 MAGIC = b"KVT1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FLAG_SEALED = 1
 _PREFIX = struct.Struct("<4sHH16sQ")  # magic, version, flags, fingerprint, payload bytes
-HEADER_BYTES = _PREFIX.size + 16
+_SUM_END = _PREFIX.size + 16  # the checksum: bytes [32, 48)
+HEADER_BYTES = _SUM_END + 16  # the MAC: bytes [48, 64)
 _DIGEST_BYTES = 20
+_NO_MAC = bytes(16)
 
 
 def _positive_ints(
     _inst: object, attr: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]
 ) -> None:
-    if not value or any(not isinstance(v, int) or v < 1 for v in value):
+    if not value or any(not _is_int(v) or v < 1 for v in value):
         raise ConfigError(f"{attr.name}: expected a non-empty tuple of ints >= 1, got {value!r}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _block_size(_inst: object, _attr: object, value: object) -> None:
+    if not _is_int(value) or int(value) < 1:  # type: ignore[call-overload]
+        raise ConfigError(f"block_size: expected an int >= 1, got {value!r}")
+
+
+def _bytes_field(_inst: object, attr: attrs.Attribute[bytes], value: object) -> None:
+    if not isinstance(value, bytes):
+        shown = "a str (hidden)" if attr.name == "tenant_salt" else repr(value)
+        raise ConfigError(
+            f"{attr.name}: expected bytes (for example b'...' or 'text'.encode()), got {shown}"
+        )
+
+
+def _model(_inst: object, _attr: object, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"model: expected a non-empty str, got {value!r}")
+
+
 def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(values)
+    try:
+        return tuple(values)
+    except TypeError:
+        raise ConfigError(f"page_bytes: expected a tuple of ints, got {values!r}") from None
 
 
 def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
-    return tuple(values)
+    if isinstance(values, str):
+        raise ConfigError(f"dtype_names: expected a tuple of names, got the str {values!r}")
+    try:
+        return tuple(values)
+    except TypeError:
+        raise ConfigError(f"dtype_names: expected a tuple of names, got {values!r}") from None
 
 
 @attrs.frozen
@@ -90,25 +141,22 @@ class TierNamespace:
         dtype_names: dtype of each KV tensor as its torch name (``"bfloat16"``,
             ``"float8_e4m3fn"``); one per tensor.
         block_size: tokens per block.
-        tenant_salt: per-tenant secret-ish salt (like vLLM's ``cache_salt``); ``b""`` = one
-            tenant. Never logged.
+        tenant_salt: per-tenant secret (like vLLM's ``cache_salt``); ``b""`` = one tenant.
+            Non-empty: stored keys are keyed by it and every blob is sealed (see the module
+            docstring). Never logged or printed.
         key_prefix: readable prefix of every stored key (``SCAN MATCH kvmgr:*``).
 
     Raises:
-        ConfigError: empty or non-positive page sizes, dtype count differs from tensor count,
-            block size < 1, or a salt/prefix that is not bytes.
+        ConfigError: an empty model, empty or non-positive page sizes, dtype count differs from
+            tensor count, block size not an int >= 1, or a salt/prefix that is not ``bytes``.
     """
 
-    model: str
+    model: str = attrs.field(validator=_model)
     page_bytes: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_positive_ints)
     dtype_names: tuple[str, ...] = attrs.field(converter=_str_tuple)
-    block_size: int = attrs.field(validator=attrs.validators.gt(0))
-    tenant_salt: bytes = attrs.field(
-        default=b"", repr=False, validator=attrs.validators.instance_of(bytes)
-    )
-    key_prefix: bytes = attrs.field(
-        default=b"kvmgr:", validator=attrs.validators.instance_of(bytes)
-    )
+    block_size: int = attrs.field(validator=_block_size)
+    tenant_salt: bytes = attrs.field(default=b"", repr=False, validator=_bytes_field)
+    key_prefix: bytes = attrs.field(default=b"kvmgr:", validator=_bytes_field)
 
     @dtype_names.validator
     def _check_dtypes(self, _attr: object, value: tuple[str, ...]) -> None:
@@ -127,6 +175,11 @@ class TierNamespace:
         """Bytes of one encoded blob: ``HEADER_BYTES + payload_bytes``."""
         return HEADER_BYTES + self.payload_bytes
 
+    @property
+    def is_sealed(self) -> bool:
+        """Whether blobs carry a MAC (a tenant salt is set)."""
+        return bool(self.tenant_salt)
+
     @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes: BLAKE2b of model, page bytes, dtype names and block size (no salt)."""
@@ -136,8 +189,22 @@ class TierNamespace:
 
     @cached_property
     def _mac_key(self) -> bytes:
+        return self._derive(b"kvmgr-tenant")
+
+    @cached_property
+    def _seal_key(self) -> bytes:
+        return self._derive(b"kvmgr-seal")
+
+    @cached_property
+    def checksum_seed(self) -> int:
+        """The XXH3 seed of this namespace's checksums: 0 unsealed, else a secret of the salt."""
+        if not self.is_sealed:
+            return 0
+        return int.from_bytes(self._derive(b"kvmgr-seed")[:8], "little")
+
+    def _derive(self, person: bytes) -> bytes:
         return hashlib.blake2b(
-            self.fingerprint + self.tenant_salt, digest_size=32, person=b"kvmgr-tenant"
+            self.fingerprint + self.tenant_salt, digest_size=32, person=person
         ).digest()
 
     def stored_keys(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -148,47 +215,64 @@ class TierNamespace:
             for k in keys
         ]
 
+    def _mac(self, head: bytes | memoryview, key: bytes) -> bytes:
+        mac = hashlib.blake2b(head, key=self._seal_key, digest_size=16, person=b"kvmgr-mac")
+        mac.update(key)
+        return mac.digest()
 
-def _checksum(prefix: memoryview | bytes, key: bytes, payload: memoryview) -> bytes:
-    h = xxhash.xxh3_128()
+
+def _checksum(seed: int, prefix: Any, key: bytes, payload: Iterable[Any]) -> bytes:
+    h = xxhash.xxh3_128(seed=seed)
     h.update(prefix)
     h.update(key)
-    h.update(payload)
+    for part in payload:
+        h.update(part)
     return h.digest()
 
 
-def encode_rows(rows: np.ndarray, stored_keys: Sequence[bytes], fingerprint: bytes) -> None:
+def _prefix(namespace: TierNamespace, payload_bytes: int) -> bytes:
+    flags = FLAG_SEALED if namespace.is_sealed else 0
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, namespace.fingerprint, payload_bytes)
+
+
+def encode_rows(rows: np.ndarray, stored_keys: Sequence[bytes], namespace: TierNamespace) -> None:
     """Fill the header of each row of ``rows`` in place (its payload columns already written).
 
     Args:
         rows: uint8 ``[n, HEADER_BYTES + P]``, each row contiguous (rows may be further apart, as
             in a slice of a padded, aligned buffer); ``rows[i, HEADER_BYTES:]`` is block
             ``i``'s payload. Columns ``[0, HEADER_BYTES)`` are overwritten.
-        stored_keys: ``n`` stored keys (the checksum binds each row to its key).
-        fingerprint: 16-byte layout fingerprint.
+        stored_keys: ``n`` stored keys (the checksum and the MAC bind each row to its key).
+        namespace: the layout fingerprint and the tenant's sealing keys.
     """
     assert rows.dtype == np.uint8 and rows.ndim == 2 and rows.strides[1] == 1
-    payload_bytes = rows.shape[1] - HEADER_BYTES
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, fingerprint, payload_bytes)
-    rows[:, : _PREFIX.size] = np.frombuffer(prefix, np.uint8)
     for i, key in enumerate(stored_keys):
         row = memoryview(rows[i])
-        row[_PREFIX.size : HEADER_BYTES] = _checksum(prefix, key, row[HEADER_BYTES:])
+        encode_header(row[:HEADER_BYTES], key, [row[HEADER_BYTES:]], namespace)
 
 
-def verify(
-    stored_key: bytes,
-    value: object,
-    fingerprint: bytes | None = None,
-    *,
-    checksum: bool = True,
-) -> memoryview | None:
-    """The payload of ``value`` if it is an intact blob stored under ``stored_key``, else ``None``.
+def encode_header(
+    header: Any, stored_key: bytes, payload: Sequence[Any], namespace: TierNamespace
+) -> None:
+    """Write the ``HEADER_BYTES`` header of a blob whose payload is the concatenation of the
+    buffers ``payload`` (a block's pages, read in place: no gather) into the writable buffer
+    ``header`` (uint8, ``HEADER_BYTES`` long)."""
+    view = memoryview(header).cast("B")
+    prefix = _prefix(namespace, sum(memoryview(p).nbytes for p in payload))
+    view[: _PREFIX.size] = prefix
+    view[_PREFIX.size : _SUM_END] = _checksum(namespace.checksum_seed, prefix, stored_key, payload)
+    view[_SUM_END:HEADER_BYTES] = (
+        namespace._mac(view[:_SUM_END], stored_key) if namespace.is_sealed else _NO_MAC
+    )
+
+
+def verify(stored_key: bytes, value: object, namespace: TierNamespace) -> memoryview | None:
+    """The payload of ``value`` if it is an intact blob of ``namespace`` stored under
+    ``stored_key``, else ``None``.
 
     ``None`` for: not a buffer, shorter than the header, wrong magic or version, a payload length
-    that differs from the bytes present (truncated or extended), a checksum mismatch, or (when
-    ``fingerprint`` is given) another layout's fingerprint. ``checksum=False`` checks the header
-    only (for a blob a backend has already verified).
+    that differs from the bytes present (truncated or extended), another layout's fingerprint, a
+    checksum mismatch, or (sealed namespaces) a missing or wrong MAC.
     """
     try:
         view = memoryview(value).cast("B")  # type: ignore[arg-type]
@@ -196,19 +280,31 @@ def verify(
         return None
     if view.nbytes < HEADER_BYTES:
         return None
-    magic, version, _flags, found_fp, payload_bytes = _PREFIX.unpack_from(view)
-    if magic != MAGIC or version != FORMAT_VERSION or payload_bytes != view.nbytes - HEADER_BYTES:
-        return None
-    if fingerprint is not None and found_fp != fingerprint:
-        return None
     payload = view[HEADER_BYTES:]
-    if (
-        checksum
-        and _checksum(view[: _PREFIX.size], stored_key, payload)
-        != view[_PREFIX.size : HEADER_BYTES]
+    return payload if verify_parts(stored_key, view[:HEADER_BYTES], [payload], namespace) else None
+
+
+def verify_parts(
+    stored_key: bytes, header: Any, payload: Sequence[Any], namespace: TierNamespace
+) -> bool:
+    """Whether ``header`` (``HEADER_BYTES``) and the buffers ``payload`` (concatenated) form an
+    intact blob of ``namespace`` under ``stored_key`` (the checks of ``verify``)."""
+    view = memoryview(header).cast("B")
+    if view.nbytes != HEADER_BYTES:
+        return False
+    magic, version, flags, found_fp, payload_bytes = _PREFIX.unpack_from(view)
+    if magic != MAGIC or version != FORMAT_VERSION or found_fp != namespace.fingerprint:
+        return False
+    if payload_bytes != sum(memoryview(p).nbytes for p in payload):
+        return False
+    if bool(flags & FLAG_SEALED) != namespace.is_sealed:
+        return False  # an unsealed blob in a sealed namespace: planted without the key
+    if namespace.is_sealed and not hmac.compare_digest(
+        namespace._mac(view[:_SUM_END], stored_key), view[_SUM_END:HEADER_BYTES]
     ):
-        return None
-    return payload
+        return False
+    found = _checksum(namespace.checksum_seed, view[: _PREFIX.size], stored_key, payload)
+    return found == view[_PREFIX.size : _SUM_END]
 
 
 def blob_length(value: object) -> int | None:

@@ -8,9 +8,13 @@ Offers:
 The manager calls it for write-back demotion on CPU eviction, for write-through, and to stage a
 lower-tier hit through CPU blocks before the H2D copy. Gather and scatter are array programs:
 one numpy ``take``/fancy assignment per KV tensor per batch, run in a worker thread when the batch
-is larger than ``offload_bytes`` so the event loop keeps serving. Tier errors never escape
-``demote``/``promote``: they become ``False`` entries (recompute) and are counted here and in the
-backend's statistics.
+is larger than ``offload_bytes`` so the event loop keeps serving. A backend with the zero-copy
+methods (``put_vectors``/``get_into``: the shared tier) skips both: blobs go out from the pages
+themselves and come back straight into them. Tier errors never escape ``demote``/``promote``:
+they become ``False`` entries (recompute) and are counted here and in the backend's statistics.
+
+Every blob read is verified here, against the namespace (``blob.verify_parts``: layout, the
+checksum, the tenant's MAC), before its block counts as a hit.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import functools
 import logging
 import mmap
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,9 +32,15 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.errors import GeometryError, InvalidBlockError, InvalidKeyError, TierError
+from kvmgr.errors import (
+    GeometryError,
+    InvalidBlockError,
+    InvalidKeyError,
+    TierError,
+    TierSecurityWarning,
+)
 from kvmgr.tiers.base import TierBackend, check_keys, join_worker
-from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_rows, verify
+from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_header, encode_rows, verify_parts
 
 __all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
 
@@ -45,7 +56,9 @@ class BridgeStatistics:
         num_demote_failed: blocks a failed ``put_many`` did not store.
         num_promoted: blocks read, verified and scattered into CPU blocks.
         num_promote_misses: blocks asked for and not promoted (miss, corrupt, error).
-        num_layout_mismatch: blobs intact but of another layout (never scattered).
+        num_layout_mismatch: blobs of another layout (another fingerprint; never served).
+        num_corrupt: blobs rejected by verification: damaged, truncated, moved under another
+            key, or (sealed namespaces) without the tenant's valid MAC. Never served.
         num_errors: tier errors turned into ``False`` results.
         bytes_demoted / bytes_promoted: payload bytes moved.
     """
@@ -55,6 +68,7 @@ class BridgeStatistics:
     num_promoted: int = 0
     num_promote_misses: int = 0
     num_layout_mismatch: int = 0
+    num_corrupt: int = 0
     num_errors: int = 0
     bytes_demoted: int = 0
     bytes_promoted: int = 0
@@ -84,6 +98,7 @@ class _Counters:
     num_promoted: int = 0
     num_promote_misses: int = 0
     num_layout_mismatch: int = 0
+    num_corrupt: int = 0
     num_errors: int = 0
     bytes_demoted: int = 0
     bytes_promoted: int = 0
@@ -104,14 +119,21 @@ class TierBridge:
         GeometryError: tensors not uint8 CPU 2-D, differing block counts, page bytes that differ
             from ``namespace.page_bytes``, or backend slots (``slot_bytes``) too small for a blob.
 
+    Warns:
+        TierSecurityWarning: a namespace without a tenant salt over a backend that declares
+            ``single_tenant = False`` (a shared server not declared single-tenant): anyone who
+            can write to the server can plant blobs this instance would load.
+
     The caller keeps the CPU blocks of an in-flight ``demote`` unmodified and of an in-flight
     ``promote`` unread until the await ends. However it ends (a result, an error, a
     cancellation, an ``asyncio.wait_for`` budget), no worker thread reads or writes the blocks
-    afterwards: a cancellation takes effect only once the gather/scatter thread in progress has
-    finished its copy (milliseconds for one batch), so the caller may hand the blocks out again
-    at once. What a cancelled ``promote`` leaves in its blocks is unspecified (some may hold
-    verified pages, the rest are untouched); a cancelled ``demote`` may still store blobs that
-    were gathered before the cancellation (each complete and verified).
+    afterwards: a cancellation takes effect only once the gather/scatter (or zero-copy I/O)
+    thread in progress has let go (one batch's copy, or the backend's deadline), so the caller
+    may hand the blocks out again at once. What a cancelled ``promote`` leaves in its blocks is
+    unspecified (some may hold verified pages); a cancelled ``demote`` may still store blobs
+    that were complete before the cancellation. A block whose blob misses or fails
+    verification is never reported a hit; with a zero-copy backend its bytes may have been
+    overwritten by the rejected value (the manager drops such blocks).
     """
 
     def __init__(
@@ -164,6 +186,19 @@ class TierBridge:
         )
         self._spare_stage: list[np.ndarray] = []
         self._spare_lock = threading.Lock()  # worker threads of concurrent calls share the lists
+        # zero-copy backends: blobs leave from and land in the pages themselves
+        self._vectored = callable(getattr(backend, "put_vectors", None)) and callable(
+            getattr(backend, "get_into", None)
+        )
+        if not namespace.is_sealed and getattr(backend, "single_tenant", True) is False:
+            message = (
+                f"TierBridge over {type(backend).__name__}: the namespace has no tenant_salt, so "
+                "its blobs are not sealed and anyone who can write to the server can plant KV "
+                "this instance loads; set TierNamespace(tenant_salt=...) or declare the backend "
+                "single_tenant=True (docs/tiers.md)"
+            )
+            _log.warning(message)
+            warnings.warn(message, TierSecurityWarning, stacklevel=2)
 
     def statistics(self) -> BridgeStatistics:
         """Totals since construction."""
@@ -190,6 +225,10 @@ class TierBridge:
         if not keys:
             return stored
         stored_keys = self.namespace.stored_keys(keys)
+        if self._vectored:
+            stored = await self._demote_vectored(stored_keys, ids)
+            self._count_demoted(stored)
+            return stored
         # gather chunk k + 1 while chunk k is being written (one chunk for round-trip backends)
         puts = []
         for lo in range(0, len(keys), self._chunk_blocks):
@@ -277,9 +316,22 @@ class TierBridge:
         if not keys:
             return hit
         stored_keys = self.namespace.stored_keys(keys)
+        if self._vectored:
+            hit = await self._promote_vectored(stored_keys, ids)
+        else:
+            hit = await self._promote_copied(stored_keys, ids)
+        num_hits = int(hit.sum())
+        self._counters.num_promoted += num_hits
+        self._counters.num_promote_misses += len(keys) - num_hits
+        self._counters.bytes_promoted += num_hits * self.namespace.payload_bytes
+        return hit
+
+    async def _promote_copied(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
+        """Read blobs, then verify and scatter them (in a worker thread for large batches)."""
+        hit = np.zeros(len(stored_keys), dtype=bool)
         # all chunks' reads start at once; chunk k is scattered while later ones are read
         gets = []
-        for lo in range(0, len(keys), self._chunk_blocks):
+        for lo in range(0, len(stored_keys), self._chunk_blocks):
             part = slice(lo, lo + self._chunk_blocks)
             task = asyncio.ensure_future(self.backend.get_many(stored_keys[part]))
             task.add_done_callback(_retrieve)
@@ -292,27 +344,98 @@ class TierBridge:
                 self._report_failure("promote", num, exc)
                 continue
             self._failing = False
-            positions, payloads = [], []
-            for i, blob in enumerate(blobs, start=lo):
-                if blob is None:
-                    continue
-                payload = verify(stored_keys[i], blob, self.namespace.fingerprint, checksum=False)
-                if payload is None or payload.nbytes != self.namespace.payload_bytes:
-                    self._counters.num_layout_mismatch += 1
-                    continue
-                positions.append(i)
-                payloads.append(payload)
-            if payloads:
-                part_ids = ids[positions]
-                await self._maybe_thread(
-                    len(payloads), functools.partial(self._scatter, part_ids, payloads)
-                )
-                hit[positions] = True
-        num_hits = int(hit.sum())
-        self._counters.num_promoted += num_hits
-        self._counters.num_promote_misses += len(keys) - num_hits
-        self._counters.bytes_promoted += num_hits * self.namespace.payload_bytes
+            positions = [i for i, blob in enumerate(blobs, start=lo) if blob is not None]
+            if not positions:
+                continue
+            verdict = np.zeros(len(positions), dtype=np.int8)
+            scatter = functools.partial(
+                self._verify_scatter,
+                [stored_keys[i] for i in positions],
+                ids[positions],
+                [blobs[i - lo] for i in positions],
+                verdict,
+            )
+            await self._maybe_thread(len(positions), scatter)
+            self._count_verdicts(verdict)
+            hit[np.asarray(positions)[verdict == _OK]] = True
         return hit
+
+    async def _promote_vectored(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
+        """Zero-copy: each blob is received into a header row and the block's pages, and
+        verified there by the backend's worker (``check``)."""
+        headers = np.empty((len(ids), HEADER_BYTES), dtype=np.uint8)
+        pages = [self._pages(block) for block in ids.tolist()]
+        vectors = [[headers[i], *pages[i]] for i in range(len(ids))]
+        verdict = np.zeros(len(ids), dtype=np.int8)
+
+        def check(i: int) -> bool:
+            verdict[i] = self._judge(stored_keys[i], headers[i], pages[i])
+            return bool(verdict[i] == _OK)
+
+        get_into = self.backend.get_into  # type: ignore[attr-defined]
+        try:
+            hit = await get_into(stored_keys, vectors, check)
+        except TierError as exc:
+            self._report_failure("promote", len(ids), exc)
+            return np.zeros(len(ids), dtype=bool)
+        self._failing = False
+        self._count_verdicts(verdict)
+        return np.asarray(hit, dtype=bool) & (verdict == _OK)
+
+    async def _demote_vectored(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
+        """Zero-copy: blob ``i`` is sent as its header row and the block's pages; the header
+        (checksum, MAC) is computed by the backend's worker just before (``prepare``)."""
+        headers = np.empty((len(ids), HEADER_BYTES), dtype=np.uint8)
+        pages = [self._pages(block) for block in ids.tolist()]
+        vectors = [[headers[i], *pages[i]] for i in range(len(ids))]
+
+        def prepare(i: int) -> None:
+            encode_header(headers[i], stored_keys[i], pages[i], self.namespace)
+
+        put_vectors = self.backend.put_vectors  # type: ignore[attr-defined]
+        try:
+            result = await put_vectors(stored_keys, vectors, prepare)
+        except TierError as exc:
+            self._report_failure("demote", len(ids), exc)
+            return np.zeros(len(ids), dtype=bool)
+        self._failing = False
+        return np.asarray(result.stored, dtype=bool)
+
+    def _pages(self, block: int) -> list[np.ndarray]:
+        """Block ``block``'s page of every tensor, in tensor order (views, no copy)."""
+        if self._stack is not None:
+            return list(self._stack[:, block])
+        return [arr[block] for arr in self._arrays]
+
+    def _judge(self, stored_key: bytes, header: Any, payload: Sequence[Any]) -> int:
+        """``_OK``, ``_LAYOUT`` (another fingerprint or size) or ``_CORRUPT`` for one blob."""
+        if verify_parts(stored_key, header, payload, self.namespace):
+            return _OK
+        fingerprint = bytes(memoryview(header).cast("B")[8:24])
+        return _LAYOUT if fingerprint != self.namespace.fingerprint else _CORRUPT
+
+    def _count_verdicts(self, verdict: np.ndarray) -> None:
+        self._counters.num_layout_mismatch += int(np.count_nonzero(verdict == _LAYOUT))
+        self._counters.num_corrupt += int(np.count_nonzero(verdict == _CORRUPT))
+
+    def _verify_scatter(
+        self, stored_keys: list[bytes], ids: np.ndarray, blobs: list[Any], verdict: np.ndarray
+    ) -> None:
+        """Verify each blob (``verdict[i]``), then scatter the good ones into ``ids``."""
+        good, payloads = [], []
+        for i, blob in enumerate(blobs):
+            view = memoryview(blob).cast("B")
+            if view.nbytes < HEADER_BYTES:
+                verdict[i] = _CORRUPT
+                continue
+            verdict[i] = self._judge(stored_keys[i], view[:HEADER_BYTES], [view[HEADER_BYTES:]])
+            if verdict[i] == _OK and view.nbytes != self.namespace.blob_bytes:
+                verdict[i] = _LAYOUT  # (cannot pass with the namespace's fingerprint)
+            if verdict[i] == _OK:
+                good.append(i)
+                payloads.append(view[HEADER_BYTES:])
+        if good:
+            self._scatter(ids[good], payloads)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -378,7 +501,7 @@ class TierBridge:
             for t, arr in enumerate(self._arrays):
                 lo, hi = HEADER_BYTES + self._offsets[t], HEADER_BYTES + self._offsets[t + 1]
                 np.take(arr, ids, axis=0, out=rows[:, lo:hi], mode="clip")
-        encode_rows(rows, stored_keys, self.namespace.fingerprint)
+        encode_rows(rows, stored_keys, self.namespace)
 
     def _scatter(self, ids: np.ndarray, payloads: list[memoryview]) -> None:
         if self._stack is not None:  # one copy per block, straight from the blob
@@ -395,6 +518,9 @@ class TierBridge:
         for t, arr in enumerate(self._arrays):
             arr[ids] = stage[:, self._offsets[t] : self._offsets[t + 1]]
         self._spare_stage.append(buffer)
+
+
+_OK, _LAYOUT, _CORRUPT = 1, 2, 3  # verdicts of one blob (0: not judged)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -11,7 +11,7 @@ never evicted or reused), ``_pending`` (keys whose write is in flight: not reada
 Flow: ``put_many`` reserves slots (evicting LRU entries that no read pins), writes runs of
 consecutive slots with one ``os.pwritev`` per run in worker threads, and only then enters the
 keys into the index; a failed write frees its slots. ``get_many`` pins the slots, reads runs with
-``os.preadv`` and verifies each blob's checksum in the worker, unpins. A call past its deadline
+``os.preadv`` (the bridge verifies each blob), unpins. A call past its deadline
 raises ``TierTimeoutError`` while its I/O finishes in the background and is committed or
 released then (a timed-out write may still become readable).
 
@@ -204,7 +204,7 @@ class DiskTier:
         return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """Read and verify the blobs; see ``TierBackend.get_many``."""
+        """Read the blobs (structure checked; the bridge verifies them); see ``TierBackend.get_many``."""
         keys = check_keys(keys)
         self._check_open()
         start = time.perf_counter()

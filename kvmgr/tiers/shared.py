@@ -1,81 +1,97 @@
-"""The tier many serving instances share: blobs on a Valkey or Redis server.
+"""The tier many serving instances share: blobs on a Valkey or Redis server, or a cluster of them.
 
 Offers:
-    SharedTier   ``TierBackend`` over ``redis.asyncio`` (hiredis parser when installed)
+    SharedTier   ``TierBackend`` over RESP (``kvmgr.tiers._resp``), with the zero-copy hints
+                 ``put_vectors``/``get_into`` that ``TierBridge`` uses
 
-One batch = one pipeline = one round trip per direction: writes are ``MSET`` (or ``SET .. PX``
-with a TTL) in chunks of at most ``max_command_bytes``, reads ``MGET`` in chunks of
-``max_keys_per_command``, all chunks in one pipeline. Eviction and TTL are the server's
-(``maxmemory-policy allkeys-lru``, docs/tiers.md): a key the server dropped is a miss.
+One batch = one pipeline per server: ``GET`` per key, received straight into the caller's
+buffers; ``EXISTS`` per key then ``SET key blob NX [PX ttl]`` for the keys the server lacks,
+sent straight from the caller's buffers. Calls run in worker threads (one per server a batch
+touches, at most ``max_connections`` at once); the event loop only waits. Eviction and TTL are
+the server's (``maxmemory-policy allkeys-lru``, docs/tiers.md): a key the server dropped is a
+miss.
 
-Failure handling: every call runs under ``deadline_s``; a cancelled command closes its
-connection (redis-py discards a connection interrupted mid-reply), so no stale reply is ever
-read. Connection errors retry once on a fresh connection (a restarted server), then raise
-``TierUnavailableError`` and, for ``reconnect_backoff_s``, later calls fail fast without touching
-the network; after that the pool reconnects by itself. Credentials never appear in ``repr``,
-statistics, log records or error messages.
+Failure handling: every call has a deadline (``deadline_s``; ``hint_deadline_s`` for
+``contains_many``, a lookup used as a hint). A call that waits for a free connection waits
+within its deadline. Each server has a breaker: a refused connection, or ``trip_after_timeouts``
+timeouts in a row (a frozen or black-holed server), makes later calls fail fast for
+``reconnect_backoff_s`` (doubling up to ``max_backoff_s`` while it stays down); then one call
+probes. A connection with any error is closed, so no late reply is ever read as the answer to a
+later command. A cancelled call returns once its worker threads have let go of the buffers.
+
+Cluster (``redis+cluster://`` URLs): the slot map comes from ``CLUSTER SLOTS``; a batch is split
+by hash slot owner and pipelined per node, in parallel; ``MOVED`` updates the slot and retries
+there, ``ASK`` retries once with ``ASKING``; a node that fails costs misses of its keys (its
+breaker opens) until the cluster has failed over and a refresh finds the new primary.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+import math
 import os
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
-import redis.exceptions as rexc
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.credentials import UsernamePasswordCredentialProvider
 
-from kvmgr.errors import (
-    ConfigError,
-    InvalidKeyError,
-    TierError,
-    TierFullError,
-    TierTimeoutError,
-    TierUnavailableError,
-)
-from kvmgr.tiers._connection import ServerAddress, large_reads, parse_address
-from kvmgr.tiers.base import (
-    Buffer,
-    PutResult,
-    TierCounters,
-    TierStatistics,
-    check_keys,
-    with_deadline,
-)
-from kvmgr.tiers.blob import verify
+from kvmgr.errors import ConfigError, InvalidKeyError, TierError, TierSecurityWarning
+from kvmgr.tiers._connection import ServerAddress, parse_address, tls_context
+from kvmgr.tiers._nodes import Breaker, NodePool, SlotMap
+from kvmgr.tiers._resp import Endpoint
+from kvmgr.tiers._shared_calls import Dispatcher
+from kvmgr.tiers._shared_io import FAILED, JobResult, get_job, keys_job, put_job
+from kvmgr.tiers.base import Buffer, PutResult, TierCounters, TierStatistics, check_keys
 
 __all__ = ["SharedTier"]
 
+_log = logging.getLogger(__name__)
+
 
 class SharedTier:
-    """Blobs on a Valkey/Redis server, shared by every instance that uses the same namespace.
+    """Blobs on a Valkey/Redis server (or cluster), shared by every instance of a namespace.
 
     Args:
-        url: ``redis://HOST:PORT/DB``, ``rediss://`` (TLS), ``valkey://``, ``valkeys://`` or
-            ``unix:///path.sock``; may carry ``user:password@`` (prefer a file or env var).
+        url: ``redis://HOST:PORT/DB``, ``rediss://`` (TLS), ``valkey://``, ``valkeys://``,
+            ``unix:///path.sock``, or ``redis+cluster://HOST:PORT[,HOST:PORT]`` (also
+            ``rediss+cluster``, ``valkey+cluster``, ``valkeys+cluster``); may carry
+            ``user:password@`` (prefer a file or env var). See docs/tiers.md.
         username: ACL user when the URL names none.
         password_file: file whose first line is the password (used when the URL has none).
         password_env: environment variable holding the password (used when neither has one).
         ttl_s: expire every stored key after this many seconds; ``None`` = the server's policy.
-        deadline_s: deadline of every call (seconds).
+        deadline_s: deadline of every call (seconds), the wait for a free connection included.
+        hint_deadline_s: deadline of ``contains_many`` (lookups are hints: a slow answer is
+            worth less than a miss).
         connect_timeout_s: TCP/TLS connect timeout (seconds).
-        max_connections: connection pool size.
-        max_command_bytes: split one batch's writes into commands of at most this many bytes
-            (the server's ``proto-max-bulk-len``/query buffer limits); still one round trip.
-        max_keys_per_command: keys per ``MGET``/``EXISTS`` chunk.
-        reconnect_backoff_s: after a connection failure, fail fast for this long.
-        ssl_ca_certs: CA bundle for ``rediss://`` (``None`` = system store).
+        max_connections: connections per server, and worker threads of this tier.
+        reconnect_backoff_s: a breaker's first fail-fast period; ``max_backoff_s`` its cap.
+        trip_after_timeouts: consecutive timeouts that trip a server's breaker.
+        ssl_ca_certs: CA bundle for TLS URLs (``None`` = the system store).
+        ssl_certfile, ssl_keyfile: client certificate and key (mutual TLS).
+        ssl_check_hostname: check the server certificate's name (verification is always on).
+        single_tenant: the server holds one tenant's keys only; silences the warning about the
+            ``default`` user (``kvmgr.errors.TierSecurityWarning``).
+        skip_present: ``EXISTS`` before ``SET``: blobs the server holds are not sent again.
 
     Raises:
-        ConfigError: bad URL or non-positive limits.
+        ConfigError: a bad URL, TLS arguments with a plain URL or unreadable TLS files, or
+            non-positive limits.
+
+    Warns:
+        TierSecurityWarning: connecting as the server's ``default`` user (no ``username``)
+            without ``single_tenant=True``: every client with that password can list, read and
+            overwrite every key.
     """
 
     name = "shared"
+    #: ``TierBridge`` reads tenancy from here: warn about an unsalted namespace unless set
+    single_tenant: bool
 
     def __init__(
         self,
@@ -86,49 +102,75 @@ class SharedTier:
         password_env: str | None = "KVMGR_TIER_PASSWORD",
         ttl_s: float | None = None,
         deadline_s: float = 2.0,
+        hint_deadline_s: float = 0.25,
         connect_timeout_s: float = 1.0,
         max_connections: int = 16,
-        max_command_bytes: int = 64 << 20,
-        max_keys_per_command: int = 64,
         reconnect_backoff_s: float = 0.25,
+        max_backoff_s: float = 5.0,
+        trip_after_timeouts: int = 2,
         ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_check_hostname: bool = True,
+        single_tenant: bool = False,
+        skip_present: bool = True,
     ) -> None:
-        if min(deadline_s, connect_timeout_s, max_connections, max_command_bytes) <= 0:
-            raise ConfigError("SharedTier: deadlines, pool size and command bytes must be > 0")
-        if max_keys_per_command < 1 or (ttl_s is not None and ttl_s <= 0):
-            raise ConfigError("SharedTier: expected max_keys_per_command >= 1 and ttl_s > 0")
-        self._address: ServerAddress = parse_address(
+        _check_limits(
+            deadline_s=deadline_s,
+            hint_deadline_s=hint_deadline_s,
+            connect_timeout_s=connect_timeout_s,
+            reconnect_backoff_s=(reconnect_backoff_s, True),
+            max_backoff_s=(max_backoff_s, True),
+            ttl_s=(ttl_s, None),
+        )
+        for name, value in (("max_connections", max_connections),
+                            ("trip_after_timeouts", trip_after_timeouts)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SharedTier: expected {name} an int >= 1, got {value!r}")
+        address = parse_address(
             url, username=username, password_file=password_file, password_env=password_env
         )
-        credentials = None
-        if self._address.password is not None or self._address.username is not None:
-            credentials = UsernamePasswordCredentialProvider(
-                self._address.username,
-                self._address.password.reveal() if self._address.password else None,
+        tls_args = (ssl_ca_certs, ssl_certfile, ssl_keyfile)
+        if not address.is_tls and any(a is not None for a in tls_args):
+            raise ConfigError(
+                "SharedTier: TLS arguments (ssl_ca_certs, ssl_certfile, ssl_keyfile) given with "
+                f"the plain URL {address.url}: use rediss:// (or valkeys://) for TLS"
             )
-        extra: dict[str, Any] = {}
-        if self._address.is_tls and ssl_ca_certs is not None:
-            extra["ssl_ca_certs"] = ssl_ca_certs
-        self._client = aioredis.Redis.from_url(
-            self._address.url,
-            credential_provider=credentials,
-            socket_timeout=deadline_s * 1.5,
-            socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            max_connections=max_connections,
-            socket_read_size=1 << 20,  # blobs are 0.1-2 MiB: read them in few large chunks
-            decode_responses=False,
-            **extra,
-        )
-        large_reads(self._client.connection_pool)
+        context = tls_context(*tls_args, ssl_check_hostname) if address.is_tls else None
+        host, port = address.servers[0] if address.servers else ("", 0)
+        endpoint = Endpoint(
+            host, port, address.unix_path, context, address.username, address.password,
+            address.db, connect_timeout_s,
+        )  # fmt: skip
+        self._address: ServerAddress = address
+        self.single_tenant = single_tenant
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._deadline_s = deadline_s
-        self._max_command_bytes = max_command_bytes
-        self._max_keys = max_keys_per_command
-        self._backoff_s = reconnect_backoff_s
-        self._down_until = 0.0
-        self._counters = TierCounters(name="shared", io_mode="resp")
+        self._hint_deadline_s = hint_deadline_s
+        self._skip_present = skip_present
+        self._executor = ThreadPoolExecutor(max_connections, thread_name_prefix="kvmgr-shared")
+        self._counters = TierCounters(
+            name="shared", io_mode="cluster" if address.is_cluster else "resp"
+        )
+        self._calls = Dispatcher(
+            endpoint,
+            lambda: Breaker(reconnect_backoff_s, max_backoff_s, trip_after_timeouts),
+            max_connections,
+            SlotMap(list(address.servers)) if address.is_cluster else None,
+            self._executor,
+            self._counters,
+            self.url,
+        )
         self._closed = False
+        if address.username is None and not single_tenant:
+            message = (
+                f"SharedTier({self.url}): connecting as the server's default user; every client "
+                "with its password can list, read and overwrite every tenant's keys. Use one ACL "
+                "user per tenant (docs/tiers.md), or pass single_tenant=True if this server is "
+                "yours alone."
+            )
+            _log.warning(message)
+            warnings.warn(message, TierSecurityWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         user = f", user={self._address.username!r}" if self._address.username else ""
@@ -143,146 +185,171 @@ class SharedTier:
     # ---- the protocol -------------------------------------------------------------------
 
     async def put_many(self, keys: Sequence[bytes], blobs: Sequence[Buffer]) -> PutResult:
-        """Store the blobs, one pipeline; see ``TierBackend.put_many``."""
-        keys = check_keys(keys, distinct=True)
+        """Store the blobs (``SET .. NX``, after an ``EXISTS``); see ``TierBackend.put_many``.
+
+        A key the server already holds counts as stored and is not sent again; its value and
+        TTL (another writer's) are kept.
+        """
         if len(blobs) != len(keys):
             raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {len(keys)}")
-        views = [memoryview(b).cast("B") for b in blobs]
+        return await self.put_vectors(keys, [[memoryview(b).cast("B")] for b in blobs])
+
+    async def put_vectors(
+        self,
+        keys: Sequence[bytes],
+        vectors: Sequence[Sequence[Any]],
+        prepare: Callable[[int], None] | None = None,
+    ) -> PutResult:
+        """``put_many`` of blobs given as buffer lists (``vectors[i]`` concatenated is blob
+        ``i``), sent without joining them; ``prepare(i)`` runs in the worker just before blob
+        ``i`` is sent. The buffers are read until the await ends, however it ends.
+
+        Raises:
+            InvalidKeyError: keys not distinct bytes, or one vector per key missing.
+            TierTimeoutError, TierUnavailableError, TierFullError, TierError: no blob could
+                be stored (with a cluster: on any node; otherwise ``stored`` says which).
+        """
+        keys = check_keys(keys, distinct=True)
+        if len(vectors) != len(keys):
+            raise InvalidKeyError(f"expected one blob per key, got {len(vectors)} for {len(keys)}")
         start = time.perf_counter()
+        stored = np.zeros(len(keys), dtype=bool)
+        num_bytes = 0
         try:
             if keys:
-                await self._call(self._put_pipeline(keys, views), "put_many")
+                job = functools.partial(
+                    _put, vectors=vectors, prepare=prepare, ttl_ms=self._ttl_ms,
+                    skip_present=self._skip_present,
+                )  # fmt: skip
+                outcome = await self._calls.run(keys, job, self._deadline_s, "put_many")
+                for i, value in enumerate(outcome):
+                    stored[i] = value is not FAILED
+                    if value == "stored":
+                        num_bytes += sum(memoryview(b).nbytes for b in vectors[i])
+                        self._counters.num_stored += 1
+                    elif value == "present":
+                        self._counters.num_already_present += 1
         finally:
             self._counters.add_put_time(time.perf_counter() - start)
-        num_bytes = sum(v.nbytes for v in views)
-        self._counters.num_stored += len(keys)
         self._counters.bytes_written += num_bytes
-        stored = np.ones(len(keys), dtype=bool)
-        return PutResult(stored, len(keys), num_bytes, time.perf_counter() - start)
+        return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """Verified blobs, ``None`` where missing or corrupt; see ``TierBackend.get_many``."""
+        """The stored values (``None`` where absent); see ``TierBackend.get_many``."""
+        values = await self._get(check_keys(keys), None, None)
+        return [v if isinstance(v, bytearray) else None for v in values]
+
+    async def get_into(
+        self,
+        keys: Sequence[bytes],
+        vectors: Sequence[Sequence[Any]],
+        check: Callable[[int], bool] | None = None,
+    ) -> np.ndarray:
+        """Receive the value of ``keys[i]`` straight into the buffers ``vectors[i]`` (it must be
+        exactly their total length), then ``check(i)`` in the worker; bool ``[n]`` hits. The
+        buffers of a miss may have been written; none is touched after the await ends.
+
+        Raises:
+            InvalidKeyError: a key is not bytes, or one vector per key missing.
+            TierTimeoutError, TierUnavailableError, TierError: the read failed everywhere.
+        """
         keys = check_keys(keys)
-        start = time.perf_counter()
-        try:
-            values = await self._call(self._get_pipeline(keys), "get_many") if keys else []
-        except TierError:
-            self._counters.num_misses += len(keys)
-            raise
-        finally:
-            self._counters.add_get_time(time.perf_counter() - start)
-        out: list[Buffer | None] = []
-        for key, value in zip(keys, values):
-            payload = None if value is None else verify(key, value)
-            if payload is None:
-                self._counters.num_misses += 1
-                self._counters.num_corrupt += value is not None
-                out.append(None)
-            else:
-                self._counters.num_hits += 1
-                self._counters.bytes_read += len(value)
-                out.append(value)
-        return out
+        if len(vectors) != len(keys):
+            raise InvalidKeyError(f"expected one vector per key, got {len(vectors)}")
+        values = await self._get(keys, vectors, check)
+        return np.array([v is True for v in values], dtype=bool)
 
     async def contains_many(self, keys: Sequence[bytes]) -> np.ndarray:
-        """bool ``[n]`` from one pipeline of ``EXISTS``; see ``TierBackend.contains_many``."""
+        """bool ``[n]`` from ``EXISTS`` per key, under ``hint_deadline_s``."""
         keys = check_keys(keys)
         if not keys:
             return np.zeros(0, dtype=bool)
-
-        async def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            return await pipe.execute()
-
-        return np.asarray(await self._call(run(), "contains_many"), dtype=np.int64) > 0
+        job = functools.partial(_keys, verb=b"EXISTS")
+        outcome = await self._calls.run(keys, job, self._hint_deadline_s, "contains_many")
+        return np.array([isinstance(v, int) and v > 0 for v in outcome], dtype=bool)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """``UNLINK`` the keys; returns how many existed."""
         keys = check_keys(keys)
         if not keys:
             return 0
-        return int(await self._call(self._client.unlink(*keys), "delete_many"))
+        job = functools.partial(_keys, verb=b"UNLINK")
+        outcome = await self._calls.run(keys, job, self._deadline_s, "delete_many")
+        return sum(v for v in outcome if isinstance(v, int))
 
     async def aclose(self) -> None:
-        """Close the connection pool; idempotent."""
-        if not self._closed:
-            self._closed = True
-            await self._client.aclose()
+        """Wait for the worker threads (each ends by its deadline), close the connections;
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._calls.closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        self._calls.close()
 
     def statistics(self) -> TierStatistics:
-        """Totals since construction (``io_mode="resp"``)."""
+        """Totals since construction (``io_mode`` ``"resp"``, or ``"cluster"``)."""
         return self._counters.snapshot()
 
     # ---- internals ----------------------------------------------------------------------
 
-    async def _put_pipeline(self, keys: list[bytes], views: list[memoryview]) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        chunk: dict[bytes, memoryview] = {}
-        chunk_bytes = 0
-        for key, view in zip(keys, views):
-            if self._ttl_ms is not None:
-                pipe.set(key, view, px=self._ttl_ms)
-                continue
-            if chunk and chunk_bytes + view.nbytes > self._max_command_bytes:
-                pipe.mset(chunk)
-                chunk, chunk_bytes = {}, 0
-            chunk[key] = view
-            chunk_bytes += view.nbytes
-        if chunk:
-            pipe.mset(chunk)
-        await pipe.execute()
-
-    async def _get_pipeline(self, keys: list[bytes]) -> list[bytes | None]:
-        pipe = self._client.pipeline(transaction=False)
-        for i in range(0, len(keys), self._max_keys):
-            pipe.mget(keys[i : i + self._max_keys])
-        replies = await pipe.execute()
-        return [value for reply in replies for value in reply]
-
-    async def _call(self, awaitable: Any, what: str) -> Any:
-        """Run one server call under the deadline; map every failure to a typed, counted error."""
-        if self._closed:
-            awaitable.close()
-            raise TierUnavailableError(f"{what}: SharedTier is closed")
-        if time.monotonic() < self._down_until:
-            awaitable.close()
-            self._counters.num_errors += 1
-            raise TierUnavailableError(f"{what}: server {self.url} unreachable (backing off)")
+    async def _get(
+        self,
+        keys: list[bytes],
+        vectors: Sequence[Sequence[Any]] | None,
+        check: Callable[[int], bool] | None,
+    ) -> list[Any]:
+        start = time.perf_counter()
         try:
-            return await with_deadline(awaitable, self._deadline_s, f"{what} on {self.url}")
-        except TierTimeoutError as exc:
-            self._count(exc, "num_timeouts")
+            if not keys:
+                return []
+            job = functools.partial(_get, vectors=vectors, check=check)
+            values = await self._calls.run(keys, job, self._deadline_s, "get_many")
+        except TierError:
+            self._counters.num_misses += len(keys)
             raise
-        except rexc.RedisError as exc:
-            error, counter = self._classify(exc, what)
-        except OSError as exc:
-            error, counter = (
-                TierUnavailableError(f"{what} on {self.url}: {type(exc).__name__}"),
-                "num_errors",
-            )
-        self._count(error, counter)
-        if isinstance(error, TierUnavailableError):
-            self._down_until = time.monotonic() + self._backoff_s
-        raise error
+        finally:
+            self._counters.add_get_time(time.perf_counter() - start)
+        for value in values:
+            if value is True or isinstance(value, bytearray):
+                self._counters.num_hits += 1
+                self._counters.bytes_read += len(value) if isinstance(value, bytearray) else 0
+            else:
+                self._counters.num_misses += 1
+                self._counters.num_corrupt += value is False
+        if vectors is not None:
+            hits = [i for i, v in enumerate(values) if v is True]
+            self._counters.bytes_read += sum(memoryview(b).nbytes for i in hits for b in vectors[i])
+        return values
 
-    def _classify(self, exc: rexc.RedisError, what: str) -> tuple[TierError, str]:
-        """The typed error and the counter for a client error (messages carry no secrets)."""
-        where = f"{what} on {self.url}"
-        if isinstance(exc, rexc.TimeoutError):
-            return TierTimeoutError(f"{where}: socket timeout"), "num_timeouts"
-        if isinstance(exc, rexc.OutOfMemoryError):
-            return TierFullError(f"{where}: server out of memory (maxmemory)"), "num_full"
-        if isinstance(exc, rexc.AuthenticationError):
-            return TierUnavailableError(f"{where}: authentication failed"), "num_errors"
-        if isinstance(exc, rexc.ConnectionError):
-            return TierUnavailableError(f"{where}: {type(exc).__name__}"), "num_errors"
-        text = str(exc).split("\n")[0][:120]
-        if text.startswith("OOM"):
-            return TierFullError(f"{where}: {text}"), "num_full"
-        return TierError(f"{where}: {type(exc).__name__}: {text}"), "num_errors"
 
-    def _count(self, exc: TierError, counter: str) -> None:
-        setattr(self._counters, counter, getattr(self._counters, counter) + 1)
-        self._counters.last_error = str(exc)
+def _get(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+         vectors: Any, check: Any) -> JobResult:  # fmt: skip
+    sub_vectors = None if vectors is None else [vectors[p] for p in positions]
+    sub_check = None if check is None else (lambda i: check(positions[i]))
+    return get_job(pool, keys, deadline, asking, sub_vectors, sub_check)
+
+
+def _put(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+         vectors: Any, prepare: Any, ttl_ms: int | None, skip_present: bool) -> JobResult:  # fmt: skip
+    sub_prepare = None if prepare is None else (lambda i: prepare(positions[i]))
+    sub_vectors = [vectors[p] for p in positions]
+    return put_job(pool, keys, deadline, asking, sub_vectors, sub_prepare, ttl_ms, skip_present)
+
+
+def _keys(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+          verb: bytes) -> JobResult:  # fmt: skip
+    return keys_job(pool, keys, deadline, asking, verb)
+
+
+def _check_limits(**limits: Any) -> None:
+    """Each limit is a float > 0 (a ``(value, True)`` pair may be 0; ``(value, None)`` may be
+    ``None``), finite."""
+    for name, spec in limits.items():
+        value, allowed = spec if isinstance(spec, tuple) else (spec, False)
+        if value is None and allowed is None:
+            continue
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and (value > 0 or (allowed is True and value == 0))
+        if not ok:
+            raise ConfigError(f"SharedTier: expected {name} a finite number > 0, got {value!r}")

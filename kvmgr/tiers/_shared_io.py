@@ -1,0 +1,189 @@
+"""What the shared tier's worker threads do: one pipelined batch of commands to one server
+(private to ``kvmgr.tiers.shared``).
+
+Offers:
+    JobResult   per-item outcomes of one batch, its redirections and the error that stopped it
+    get_job     ``GET`` per key, each value received into its buffers (or into a fresh buffer)
+    put_job     ``EXISTS`` per key, then ``SET key blob NX [PX ttl]`` for the absent ones
+    keys_job    ``EXISTS`` or ``UNLINK`` per key
+
+Every job is blocking, runs in a worker thread, sends its whole batch in one write and reads the
+replies in order (one round trip; the put's ``EXISTS`` adds one), and ends by the deadline. A
+connection taken from the pool that fails before any reply is read (the server restarted since
+it was used) is replaced once by a fresh one; any other failure stops the job: the items without
+an outcome count as failed. ``MOVED``/``ASK`` replies are returned, not followed (the caller
+sends those items to the named node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvmgr.errors import TierError, TierUnavailableError
+from kvmgr.tiers._nodes import NodePool, parse_redirect
+from kvmgr.tiers._resp import Connection, ReplyError, command
+
+__all__ = ["FAILED", "JobResult", "get_job", "keys_job", "put_job"]
+
+#: the outcome of an item the job could not finish
+FAILED = object()
+_ASKING = command(b"ASKING")
+
+
+@attrs.define
+class JobResult:
+    """Outcomes of one job.
+
+    Attributes:
+        outcome: one per item: the reply's value (see each job), or ``FAILED``.
+        redirects: ``(item, slot, (host, port), is_ask)`` per ``MOVED``/``ASK`` reply.
+        refused: other error replies (``OOM``, ``NOPERM``, ``READONLY``...), as ``ReplyError``.
+        error: the tier error that stopped the job, or ``None``.
+    """
+
+    outcome: list[Any]
+    redirects: list[tuple[int, int, tuple[str, int], bool]] = attrs.Factory(list)
+    refused: list[ReplyError] = attrs.Factory(list)
+    error: TierError | None = None
+
+
+def _run(
+    pool: NodePool,
+    num_items: int,
+    deadline: float,
+    exchange: Callable[[Connection, JobResult], None],
+) -> JobResult:
+    result = JobResult([FAILED] * num_items)
+    for attempt in (0, 1):
+        try:
+            conn, reused = pool.acquire(deadline)
+        except TierError as exc:
+            result.error = exc
+            return result
+        try:
+            exchange(conn, result)
+            return result
+        except TierError as exc:
+            untouched = all(o is FAILED for o in result.outcome)
+            if attempt == 0 and reused and untouched and isinstance(exc, TierUnavailableError):
+                continue  # a pooled connection the server dropped: once more, on a fresh one
+            result.error = exc
+            return result
+        finally:
+            pool.release(conn)
+    return result  # (not reached)
+
+
+def _settle(result: JobResult, item: int, reply: Any) -> Any:
+    """Record an error reply (a redirection or a refusal); returns ``FAILED`` for it."""
+    if not isinstance(reply, ReplyError):
+        return reply
+    redirect = parse_redirect(reply)
+    if redirect is not None:
+        result.redirects.append((item, redirect[0], redirect[1], reply.kind == "ASK"))
+    else:
+        result.refused.append(reply)
+    return FAILED
+
+
+def get_job(
+    pool: NodePool,
+    keys: Sequence[bytes],
+    deadline: float,
+    asking: bool,
+    vectors: Sequence[Sequence[Any]] | None = None,
+    check: Callable[[int], bool] | None = None,
+) -> JobResult:
+    """``GET`` each key. With ``vectors``: value ``i`` is received into ``vectors[i]`` (exactly
+    their length, else dropped) and ``check(i)`` judges it; outcome ``True``/``False``
+    (landed and checked, or not) or ``None`` (no such key). Without: outcome ``bytearray`` or
+    ``None``."""
+
+    def exchange(conn: Connection, result: JobResult) -> None:
+        out: list[Any] = []
+        for key in keys:
+            out += [*_ASKING, *command(b"GET", key)] if asking else command(b"GET", key)
+        conn.send(out, deadline)
+        for i in range(len(keys)):
+            if asking:
+                conn.read_reply(deadline)
+            if vectors is None:
+                reply = conn.read_reply(deadline)
+            else:
+                reply = conn.read_bulk_into(vectors[i], deadline)
+                if reply is True and check is not None:
+                    reply = bool(check(i))
+            result.outcome[i] = _settle(result, i, reply)
+
+    return _run(pool, len(keys), deadline, exchange)
+
+
+def put_job(
+    pool: NodePool,
+    keys: Sequence[bytes],
+    deadline: float,
+    asking: bool,
+    vectors: Sequence[Sequence[Any]],
+    prepare: Callable[[int], None] | None,
+    ttl_ms: int | None,
+    skip_present: bool,
+) -> JobResult:
+    """Store blob ``i`` (the buffers ``vectors[i]``, concatenated) under ``keys[i]`` unless the
+    server has the key (``EXISTS`` first, one round trip, when ``skip_present``; ``SET .. NX``
+    in any case, so a key another writer set, with its TTL, is never overwritten).
+    ``prepare(i)`` runs just before blob ``i`` is framed (the bridge writes its header there).
+    Outcome per item: ``"stored"``, ``"present"`` or ``FAILED``."""
+    extra = [b"NX"] + ([b"PX", ttl_ms] if ttl_ms is not None else [])
+
+    def exchange(conn: Connection, result: JobResult) -> None:
+        todo = list(range(len(keys)))
+        if skip_present:
+            out = []
+            for key in keys:
+                out += [*_ASKING, *command(b"EXISTS", key)] if asking else command(b"EXISTS", key)
+            conn.send(out, deadline)
+            todo = []
+            for i in range(len(keys)):
+                if asking:
+                    conn.read_reply(deadline)
+                reply = _settle(result, i, conn.read_reply(deadline))
+                if reply is FAILED:
+                    continue
+                if reply:
+                    result.outcome[i] = "present"
+                else:
+                    todo.append(i)
+        for i in todo:  # one write per blob, right after its header: hashing overlaps sending
+            if prepare is not None:
+                prepare(i)
+            out = command(b"SET", keys[i], list(vectors[i]), *extra)
+            conn.send([*_ASKING, *out] if asking else out, deadline)
+        for i in todo:
+            if asking:
+                conn.read_reply(deadline)
+            reply = _settle(result, i, conn.read_reply(deadline))
+            if reply is not FAILED:
+                result.outcome[i] = "stored" if reply is not None else "present"
+
+    return _run(pool, len(keys), deadline, exchange)
+
+
+def keys_job(
+    pool: NodePool, keys: Sequence[bytes], deadline: float, asking: bool, verb: bytes
+) -> JobResult:
+    """``verb`` (``EXISTS`` or ``UNLINK``) per key; outcome: the integer reply."""
+
+    def exchange(conn: Connection, result: JobResult) -> None:
+        out: list[Any] = []
+        for key in keys:
+            out += [*_ASKING, *command(verb, key)] if asking else command(verb, key)
+        conn.send(out, deadline)
+        for i in range(len(keys)):
+            if asking:
+                conn.read_reply(deadline)
+            result.outcome[i] = _settle(result, i, conn.read_reply(deadline))
+
+    return _run(pool, len(keys), deadline, exchange)
