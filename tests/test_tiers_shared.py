@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("redis")
 
-from tiers_server import random_cpu_tensors
+from tiers_server import make_certs, random_cpu_tensors
 
 from kvmgr.errors import (
     ConfigError,
@@ -357,33 +357,11 @@ def test_url_schemes_and_bad_urls() -> None:
         SharedTier("redis://h:1/0", password_file="/nonexistent/pw", single_tenant=True)
 
 
-def _make_certs(tmp_path) -> tuple[str, str, str]:  # type: ignore[no-untyped-def]
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make test certificates")
-    ca_key, ca, key, csr, crt = (
-        str(tmp_path / n) for n in ("ca.key", "ca.crt", "s.key", "s.csr", "s.crt")
-    )
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    for cmd in (
-        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=kvmgr-test-ca"],
-        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
-        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt,
-         "-days", "1", "-extfile", str(ext)],
-    ):  # fmt: skip
-        subprocess.run(["openssl", *cmd], check=True, capture_output=True)
-    return ca, crt, key
-
-
 @pytest.mark.asyncio
 async def test_tls_round_trip(tier_server_factory, tmp_path) -> None:
     # rediss:// to a TLS-only server (plain port off), server certificate checked against our CA
-    ca, crt, key = _make_certs(tmp_path)
+    certs = make_certs(tmp_path)
+    ca, crt, key = certs["ca"], certs["crt"], certs["key"]
     server = tier_server_factory("--port", "0", "--tls-auth-clients", "no",
                                  "--tls-cert-file", crt, "--tls-key-file", key,
                                  "--tls-ca-cert-file", ca, tls=True)  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -21,7 +22,13 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["TierServer", "server_binary", "tier_server", "tier_server_factory"]
+__all__ = [
+    "TierServer",
+    "make_certs",
+    "server_binary",
+    "tier_server",
+    "tier_server_factory",
+]
 
 _INSTALL_HINT = (
     "needs valkey-server or redis-server on PATH: `apt-get install -y redis-server` "
@@ -87,12 +94,23 @@ class TierServer:
 
     def kill(self) -> None:
         """SIGKILL (a crash): the data is gone, the port is free."""
+        self.thaw()
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(5)
         if self.process is not None and self.process.stderr:
             self.process.stderr.close()
         self.process = None
+
+    def freeze(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a frozen host)."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after ``freeze``."""
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
 
     def command(self, *args: str | bytes) -> object:
         """Run one command on a fresh synchronous connection (for test setup and tampering)."""
@@ -138,3 +156,25 @@ def random_cpu_tensors(page_bytes: tuple[int, ...], num_blocks: int, seed: int) 
     return [
         torch.randint(0, 256, (num_blocks, p), dtype=torch.uint8, generator=gen) for p in page_bytes
     ]
+
+
+def make_certs(tmp_path: Path) -> dict[str, str]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, made with
+    the openssl CLI (skips without it). Keys: ca, crt, key (server), client_crt, client_key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make test certificates")
+    names = ("ca.key", "ca.crt", "s.key", "s.csr", "s.crt", "c.key", "c.csr", "c.crt")
+    ca_key, ca, key, csr, crt, ckey, ccsr, ccrt = (str(tmp_path / n) for n in names)
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    sign = ["-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1"]
+    for cmd in (
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=kvmgr-test-ca"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", csr, *sign, "-out", crt, "-extfile", str(ext)],
+        ["req", *ec, "-keyout", ckey, "-out", ccsr, "-subj", "/CN=kvmgr-client"],
+        ["x509", "-req", "-in", ccsr, *sign, "-out", ccrt],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True)
+    return {"ca": ca, "crt": crt, "key": key, "client_crt": ccrt, "client_key": ckey}

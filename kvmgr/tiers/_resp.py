@@ -306,7 +306,7 @@ class Connection:
             raise TimeoutError("deadline")
         self.sock.settimeout(left)
 
-    def _io(self, deadline: float, what: str) -> _IOGuard:
+    def _io(self, _deadline: float, what: str) -> _IOGuard:
         return _IOGuard(self, what)
 
 
@@ -380,6 +380,11 @@ def connect(endpoint: Endpoint, deadline: float) -> Connection:
             sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
     except TimeoutError:
         _close(sock)
+        if sock is not None and endpoint.tls is not None:
+            raise TierTimeoutError(
+                f"{where}: TLS handshake timed out (is this a plain-TCP port? use redis:// "
+                "for it, rediss:// for TLS)"
+            ) from None
         raise TierTimeoutError(f"{where}: connect timed out") from None
     except ssl.SSLError as exc:
         _close(sock)

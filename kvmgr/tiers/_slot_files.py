@@ -135,7 +135,7 @@ class SlotFiles:
         got = os.preadv(self.fds[file], [buf], offset)
         whole = memoryview(buf)
         out: list[memoryview | None] = []
-        for i, (length, key) in enumerate(items):
+        for i, (length, _key) in enumerate(items):
             lo = i * self.slot_bytes
             blob = whole[lo : lo + length] if lo + length <= got else None
             out.append(blob if blob is not None and blob_length(blob) == length else None)
