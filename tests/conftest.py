@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest_plugins = ["tiers_server"]  # the real Valkey/Redis server fixtures (tests/tiers_server.py)
+pytest_plugins = ["tiers_server", "mounts"]  # real servers and filesystems for the tier tests
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -3,40 +3,59 @@
 Offers (to ``kvmgr.tiers.disk`` only):
     ALIGN_BYTES     slot size unit and direct-I/O alignment (4 KiB)
     MAX_RUN_BYTES   one ``pwritev``/``preadv`` covers at most this many bytes
-    SlotFiles       preallocated files of slots; runs of consecutive slots; blocking I/O calls
-                    meant for worker threads
-    save_index, load_index   the ``PATH.index`` file written on a clean close
+    SlotFiles       preallocated, locked files of slots; runs of consecutive slots; blocking I/O
+                    calls meant for worker threads; closed only once no I/O call uses them
+    FileInUseError  another tier (another process) holds the files' lock
 
 Slot ``s`` lives in file ``s % num_files`` at offset ``(s // num_files) * slot_bytes``.
+
+Preallocation is real or refused: ``posix_fallocate`` must succeed (a sparse file would fail
+writes later, when the disk fills). The first file carries an exclusive ``flock`` for the tier's
+lifetime, so two tiers (two processes) never share the files. A write that the kernel cuts short
+is continued; a real error (``ENOSPC``) surfaces with its errno. ``close`` while an I/O call is
+still in a worker thread (a stuck disk) defers closing the descriptors to the end of that call:
+a descriptor number is never reused while a thread may still write through it.
 """
 
 from __future__ import annotations
 
 import errno
-import json
+import fcntl
 import mmap
 import os
-from collections import OrderedDict
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from kvmgr.tiers.base import Buffer
 from kvmgr.tiers.blob import blob_length
 
-__all__ = ["ALIGN_BYTES", "MAX_RUN_BYTES", "SlotFiles", "load_index", "save_index"]
+__all__ = [
+    "ALIGN_BYTES",
+    "MAX_RUN_BYTES",
+    "FileInUseError",
+    "SlotFiles",
+]
+
+
+class FileInUseError(OSError):
+    """The tier's first file is locked by another open tier."""
+
 
 ALIGN_BYTES = 4096
 #: several runs go to the worker threads at once, so one run's copy overlaps another's transfer
 MAX_RUN_BYTES = 4 << 20
-_INDEX_VERSION = 1
 
 
 class SlotFiles:
     """Preallocated files of ``slot_bytes`` slots, opened ``O_DIRECT`` where the filesystem allows.
 
     Raises:
-        OSError: a file cannot be created or preallocated (the caller maps it to a tier error).
+        FileInUseError: another tier holds the first file's lock.
+        OSError: a file cannot be created or preallocated (the caller maps it to a tier error);
+            files this call created are removed again.
     """
 
     def __init__(self, paths: list[Path], slot_bytes: int, num_slots: int, direct: bool) -> None:
@@ -45,14 +64,25 @@ class SlotFiles:
         self.max_run_slots = max(1, MAX_RUN_BYTES // slot_bytes)
         size = -(-num_slots // len(paths)) * slot_bytes
         self.fds: list[int] = []
+        self._lock = threading.Lock()
+        self._busy = 0  # I/O calls in worker threads
+        self._closing = False
         modes: list[bool] = []
+        created = [not p.exists() for p in paths]
+        self._lock_fd: int | None = None
         try:
+            self._lock_fd = _lock(paths[0])  # first, before anything is resized
             for path in paths:
                 fd, is_direct = _open(path, size, direct)
                 self.fds.append(fd)
                 modes.append(is_direct)
-        except OSError:
-            self.close()
+        except OSError as exc:
+            if isinstance(exc, FileInUseError):
+                created = [False] * len(paths)  # another tier's files: leave them
+            self._close_now()
+            for path, new in zip(paths, created):
+                if new:
+                    path.unlink(missing_ok=True)
             raise
         self.is_direct = all(modes)
         if any(modes) and not self.is_direct:  # one mode for all files
@@ -61,11 +91,37 @@ class SlotFiles:
                 self.fds[i] = os.open(paths[i], os.O_RDWR)
         self._spare_buffers: list[mmap.mmap] = []  # aligned write staging, reused
 
-    def close(self) -> None:
-        """Close every file; idempotent."""
-        for fd in self.fds:
+    def close(self) -> bool:
+        """Close every file (releasing the lock) now, or, if an I/O call is still running in a
+        worker thread, when the last one ends. Returns whether they are closed now. Idempotent.
+        """
+        with self._lock:
+            self._closing = True
+            if self._busy:
+                return False
+        self._close_now()
+        return True
+
+    def _close_now(self) -> None:
+        fds, self.fds = self.fds, []
+        if self._lock_fd is not None:
+            fds.append(self._lock_fd)
+            self._lock_fd = None
+        for fd in fds:
             os.close(fd)
-        self.fds = []
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closing:
+                raise OSError(errno.EBADF, "the disk tier's files are closed")
+            self._busy += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            last = self._closing and not self._busy
+        if last:
+            self._close_now()
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(file index, byte offset) of ``slot``."""
@@ -92,8 +148,16 @@ class SlotFiles:
         through an aligned staging buffer. Buffered: the views, padded to slot boundaries.
 
         Raises:
-            OSError: the write failed or was short.
+            OSError: the write failed (``ENOSPC`` when the disk is full, even after a part of it
+                was written: a short write is continued until the kernel says why it stops).
         """
+        self._enter()
+        try:
+            self._pwrite_run(file, offset, views)
+        finally:
+            self._leave()
+
+    def _pwrite_run(self, file: int, offset: int, views: list[memoryview]) -> None:
         buf = None
         if self.is_direct and all(self._is_aligned_slot(v) for v in views):
             buffers: list[Buffer] = list(views)
@@ -109,13 +173,12 @@ class SlotFiles:
                 buffers.append(view)
                 if i + 1 < len(views) and view.nbytes < self.slot_bytes:
                     buffers.append(pad[: self.slot_bytes - view.nbytes])
-        expected = sum(memoryview(b).nbytes for b in buffers)
-        written = os.pwritev(self.fds[file], buffers, offset)
-        if buf is not None:
-            buffers.clear()
-            self._spare_buffers.append(buf)
-        if written != expected:
-            raise OSError(errno.EIO, f"short write {written} of {expected} B")
+        try:
+            _pwrite_all(self.fds[file], buffers, offset)
+        finally:
+            if buf is not None:
+                buffers.clear()
+                self._spare_buffers.append(buf)
 
     def pread_run(
         self, file: int, offset: int, items: list[tuple[int, bytes]]
@@ -128,6 +191,15 @@ class SlotFiles:
         Raises:
             OSError: the read failed.
         """
+        self._enter()
+        try:
+            return self._pread_run(file, offset, items)
+        finally:
+            self._leave()
+
+    def _pread_run(
+        self, file: int, offset: int, items: list[tuple[int, bytes]]
+    ) -> list[memoryview | None]:
         populate = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once
         buf = mmap.mmap(
             -1, len(items) * self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
@@ -158,36 +230,42 @@ class SlotFiles:
         return buf
 
 
-def save_index(path: Path, geometry: list[int], index: OrderedDict[bytes, tuple[int, int]]) -> None:
-    """Write ``index`` (LRU order kept) and the tier geometry to ``path`` atomically."""
-    entries = [[k.hex(), s, n] for k, (s, n) in index.items()]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"geometry": [_INDEX_VERSION, *geometry], "entries": entries}))
-    os.replace(tmp, path)
+def _pwrite_all(fd: int, buffers: list[Any], offset: int) -> None:
+    """``pwritev`` all of ``buffers`` at ``offset``, continuing after short writes."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        if written == 0:
+            raise OSError(errno.ENOSPC, "no progress writing to the disk tier")
+        offset += written
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
 
 
-def load_index(
-    path: Path, geometry: list[int], num_slots: int, slot_bytes: int
-) -> OrderedDict[bytes, tuple[int, int]] | None:
-    """The index saved at ``path`` for the same geometry (the file is removed), else ``None``."""
+def _lock(path: Path) -> int:
+    """Open (creating) ``path`` and take its exclusive ``flock``; returns the descriptor.
+
+    Raises:
+        FileInUseError: another open tier holds the lock.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        saved = json.loads(path.read_text())
-        path.unlink()
-    except (OSError, ValueError):
-        return None
-    if saved.get("geometry") != [_INDEX_VERSION, *geometry]:
-        return None
-    index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-    used = set()
-    for key_hex, slot, length in saved["entries"]:
-        if 0 <= slot < num_slots and slot not in used and 0 < length <= slot_bytes:
-            index[bytes.fromhex(key_hex)] = (slot, length)
-            used.add(slot)
-    return index
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FileInUseError(errno.EBUSY, "locked by another open disk tier") from None
+    return fd
 
 
 def _open(path: Path, size: int, direct: bool) -> tuple[int, bool]:
-    """Open (creating) and preallocate ``path``; returns the fd and whether it is O_DIRECT."""
+    """Open (creating) and preallocate ``path``; returns the fd and whether it is O_DIRECT.
+
+    Raises:
+        OSError: open or ``posix_fallocate`` failed (never left sparse).
+    """
     flags = os.O_RDWR | os.O_CREAT
     fd = -1
     if direct and hasattr(os, "O_DIRECT"):
@@ -198,11 +276,11 @@ def _open(path: Path, size: int, direct: bool) -> tuple[int, bool]:
     is_direct = fd >= 0
     if fd < 0:
         fd = os.open(path, flags, 0o600)
-    if os.fstat(fd).st_size < size:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError:
-            os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)  # (also fills holes of an existing file)
+    except OSError:
+        os.close(fd)
+        raise
     if is_direct:
         probe = mmap.mmap(-1, ALIGN_BYTES)
         try:

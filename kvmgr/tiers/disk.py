@@ -24,12 +24,20 @@ are, others through aligned staging buffers. Files and I/O: ``kvmgr.tiers._slot_
 Restart: ``aclose()`` saves the index beside the first file (``PATH.index``); the next
 ``DiskTier`` with the same geometry loads it and removes the file. A stale or torn entry cannot
 give wrong KV (the checksum binds each blob to its key); it reads as ``corrupt``.
+
+Faults (issue 26): the files are preallocated for real (``TierFullError`` when the disk has no
+room for them, nothing left behind), locked against a second tier (``TierUnavailableError``), a
+full disk during a write is ``TierFullError``; ``aclose`` waits at most ``deadline_s`` for I/O
+in flight (a stuck disk: then it skips the index, lets the threads go and closes the files when
+their last call returns, raising ``TierTimeoutError``), and on a full disk it still releases the
+files and threads before raising ``TierFullError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import os
 import time
 from collections import OrderedDict
@@ -48,13 +56,8 @@ from kvmgr.errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from kvmgr.tiers._slot_files import (
-    ALIGN_BYTES,
-    MAX_RUN_BYTES,
-    SlotFiles,
-    load_index,
-    save_index,
-)
+from kvmgr.tiers._disk_index import load_index, save_index
+from kvmgr.tiers._slot_files import ALIGN_BYTES, MAX_RUN_BYTES, FileInUseError, SlotFiles
 from kvmgr.tiers.base import (
     Buffer,
     PutResult,
@@ -83,8 +86,10 @@ class DiskTier:
         persist_index: save the index on ``aclose`` and load it on open.
 
     Raises:
-        ConfigError: non-positive sizes.
-        TierUnavailableError: a file cannot be created or preallocated.
+        ConfigError: sizes that are not ints >= 1, a deadline that is not a finite number > 0.
+        TierFullError: the filesystem has no room for the preallocated files.
+        TierUnavailableError: a file cannot be created, or another open ``DiskTier`` (in this
+            or another process) holds it.
     """
 
     name = "disk"
@@ -107,10 +112,7 @@ class DiskTier:
         deadline_s: float = 5.0,
         persist_index: bool = True,
     ) -> None:
-        if min(slot_bytes, num_slots, num_files, io_threads) < 1 or deadline_s <= 0:
-            raise ConfigError(
-                "DiskTier: expected slot_bytes, num_slots, num_files, io_threads >= 1"
-            )
+        _check_config(path, slot_bytes, num_slots, num_files, io_threads, deadline_s)
         self.slot_bytes = -(-slot_bytes // ALIGN_BYTES) * ALIGN_BYTES
         self.num_slots = num_slots
         self._paths = [Path(path)] + [Path(f"{path}.{i}") for i in range(1, num_files)]
@@ -118,8 +120,18 @@ class DiskTier:
         self._persist = persist_index
         try:
             self._files = SlotFiles(self._paths, self.slot_bytes, num_slots, direct)
+        except FileInUseError:
+            raise TierUnavailableError(
+                f"disk tier {os.fspath(path)}: in use by another open DiskTier (its files are "
+                "locked; one tier per file, one process per tier)"
+            ) from None
         except OSError as exc:
-            raise TierUnavailableError(f"disk tier {path}: {exc.strerror}") from None
+            size_gb = self.slot_bytes * num_slots / 1e9
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFullError(
+                    f"disk tier {os.fspath(path)}: no room to preallocate {size_gb:.3g} GB"
+                ) from None
+            raise TierUnavailableError(f"disk tier {os.fspath(path)}: {exc.strerror}") from None
         self.is_direct = self._files.is_direct
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvmgr-disk")
         self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
@@ -257,16 +269,50 @@ class DiskTier:
         return num
 
     async def aclose(self) -> None:
-        """Wait for in-flight I/O, save the index (``persist_index``), close files and threads."""
+        """Wait (at most ``deadline_s``) for in-flight I/O, save the index (``persist_index``),
+        close the files and stop the threads; idempotent. The files and threads are released
+        whatever happens.
+
+        Raises:
+            TierTimeoutError: I/O was still stuck after ``deadline_s`` (a stuck disk): the index
+                was not saved (the tier restarts empty) and the files close when the stuck calls
+                return.
+            TierFullError: the index could not be saved for lack of space (no partial file is
+                left; the tier restarts empty).
+            TierError: the index could not be saved otherwise.
+        """
         if self._closed:
             return
         self._closed = True
+        stuck = False
         if self._inflight:
-            await asyncio.gather(*self._inflight, return_exceptions=True)
-        if self._persist:
+            _done, pending = await asyncio.wait(list(self._inflight), timeout=self._deadline_s)
+            stuck = bool(pending)
+        error: TierError | None = None
+        try:
+            if stuck:
+                error = TierTimeoutError(
+                    f"disk tier {os.fspath(self._paths[0])}: I/O still stuck after "
+                    f"{self._deadline_s:g} s at close; index not saved"
+                )
+            elif self._persist:
+                error = self._save_index()
+        finally:
+            self._pool.shutdown(wait=not stuck, cancel_futures=True)
+            self._files.close()  # (deferred to the last stuck call's return)
+        if error is not None:
+            self._counters.last_error = str(error)
+            raise error
+
+    def _save_index(self) -> TierError | None:
+        try:
             save_index(self._index_path(), self._geometry(), self._index)
-        self._pool.shutdown(wait=True)
-        self._files.close()
+        except OSError as exc:
+            where = f"disk tier {os.fspath(self._paths[0])}: index not saved"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return TierFullError(f"{where}: the disk is full")
+            return TierError(f"{where}: {exc.strerror or exc}")
+        return None
 
     def statistics(self) -> TierStatistics:
         """Totals since construction (``io_mode`` ``"direct"`` or ``"buffered"``)."""
@@ -328,7 +374,7 @@ class DiskTier:
                 self._index[key] = (slot, length)
         if errors:
             exc = errors[0]
-            full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
             self._counters.num_full += len(writes) if full else 0
             self._counters.num_errors += 0 if full else 1
             message = f"disk write failed: {getattr(exc, 'strerror', None) or exc!r}"
@@ -388,3 +434,23 @@ class DiskTier:
 
     def _geometry(self) -> list[int]:
         return [self.slot_bytes, self.num_slots, len(self._paths)]
+
+
+def _check_config(
+    path: object,
+    slot_bytes: object,
+    num_slots: object,
+    num_files: object,
+    io_threads: object,
+    deadline_s: object,
+) -> None:
+    """Raise ``ConfigError`` for a bad ``DiskTier`` argument (before anything is opened)."""
+    if not isinstance(path, str | os.PathLike):
+        raise ConfigError(f"DiskTier: expected path a str or PathLike, got {type(path).__name__}")
+    for name, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots),
+                        ("num_files", num_files), ("io_threads", io_threads)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"DiskTier: expected {name} an int >= 1, got {value!r}")
+    ok = isinstance(deadline_s, int | float) and not isinstance(deadline_s, bool)
+    if not ok or not math.isfinite(deadline_s) or deadline_s <= 0:  # type: ignore[arg-type]
+        raise ConfigError(f"DiskTier: expected deadline_s a finite number > 0, got {deadline_s!r}")
