@@ -34,7 +34,8 @@ def add_multi_arguments(parser: argparse.ArgumentParser) -> None:
         "--shared",
         default=None,
         metavar="URL",
-        help="a Valkey/Redis server the instances share (redis://, rediss://, valkey://)",
+        help="a Valkey/Redis server or cluster the instances share (redis://, rediss://, "
+        "valkey://, redis+cluster://HOST:PORT[,HOST:PORT])",
     )
     g.add_argument("--disk", default=None, metavar="DIR", help="a local disk tier per instance")
     g.add_argument(
