@@ -38,7 +38,7 @@ import attrs
 
 from kvmgr.errors import TierError, TierTimeoutError, TierUnavailableError
 
-__all__ = ["Connection", "Endpoint", "ReplyError", "command", "connect"]
+__all__ = ["Connection", "Endpoint", "ReplyError", "command", "connect", "nbytes"]
 
 _BUFFER_BYTES = 4096  # replies' headers are read through this buffer (and what comes with them)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
@@ -89,15 +89,28 @@ class ReplyError:
         return f"ReplyError({self.text[:80]!r})"
 
 
+def nbytes(buffer: Any) -> int:
+    """Bytes of a buffer (numpy arrays and memoryviews carry ``nbytes``; bytes use ``len``)."""
+    size = getattr(buffer, "nbytes", None)
+    return len(buffer) if size is None else int(size)
+
+
 def command(*args: Any) -> list[Any]:
     """The RESP encoding of one command as buffers: ``bytes``/``str``/``int`` arguments are
     framed inline; a ``list`` argument is one bulk string made of its buffers (a blob's header
-    and pages, sent as they are)."""
+    and pages, sent as they are); a ``(list, size)`` tuple the same with its length given."""
     out: list[Any] = []
     head = [b"*%d\r\n" % len(args)]
     for arg in args:
+        if isinstance(arg, tuple):
+            arg, size = arg
+            head.append(b"$%d\r\n" % size)
+            out.append(b"".join(head))
+            out.extend(arg)
+            head = [_CRLF]
+            continue
         if isinstance(arg, list):
-            size = sum(memoryview(b).nbytes for b in arg)
+            size = sum(map(nbytes, arg))
             head.append(b"$%d\r\n" % size)
             out.append(b"".join(head))
             out.extend(arg)
@@ -122,6 +135,7 @@ class Connection:
         self.broken = False
         self._buf = bytearray(_BUFFER_BYTES)
         self._view = memoryview(self._buf)
+        self._crlf = bytearray(2)
         self._lo = self._hi = 0
 
     def close(self) -> None:
@@ -149,7 +163,7 @@ class Connection:
                 self._timeout(deadline)
                 sent = self.sock.sendmsg(bufs[i : i + _IOV_MAX])
                 while sent:
-                    size = memoryview(bufs[i]).nbytes
+                    size = nbytes(bufs[i])
                     if sent >= size:
                         sent -= size
                         i += 1
@@ -185,8 +199,11 @@ class Connection:
         with self._io(deadline, "read"):
             return self._reply(deadline)
 
-    def read_bulk_into(self, buffers: Sequence[Any], deadline: float) -> Any:
-        """A bulk reply of exactly the buffers' total length, received into them.
+    def read_bulk_into(
+        self, buffers: Sequence[Any], deadline: float, total: int | None = None
+    ) -> Any:
+        """A bulk reply of exactly the buffers' total length (``total``, when the caller knows
+        it), received into them.
 
         Returns ``True`` (landed in ``buffers``), ``None`` (nil: no such key), a ``ReplyError``,
         or ``False`` (a value of another length, read and dropped; the buffers untouched).
@@ -201,12 +218,10 @@ class Connection:
             size = int(line[1:])
             if size < 0:
                 return None
-            total = sum(memoryview(b).nbytes for b in buffers)
-            if size != total:
+            if size != (sum(map(nbytes, buffers)) if total is None else total):
                 self._skip(size + 2, deadline)
                 return False
-            self._read_into(buffers, deadline)
-            self._skip(2, deadline)
+            self._read_into([*buffers, self._crlf], deadline)  # the value and its CRLF at once
             return True
 
     def _reply(self, deadline: float) -> Any:

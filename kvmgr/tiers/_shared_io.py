@@ -31,6 +31,8 @@ __all__ = ["FAILED", "JobResult", "get_job", "keys_job", "put_job"]
 #: the outcome of an item the job could not finish
 FAILED = object()
 _ASKING = command(b"ASKING")
+#: a put sends once this many buffers are framed (one sendmsg's worth: ~10 blobs of 48 pages)
+_SEND_BUFFERS = 512
 
 
 @attrs.define
@@ -96,11 +98,12 @@ def get_job(
     asking: bool,
     vectors: Sequence[Sequence[Any]] | None = None,
     check: Callable[[int], bool] | None = None,
+    blob_bytes: int | None = None,
 ) -> JobResult:
     """``GET`` each key. With ``vectors``: value ``i`` is received into ``vectors[i]`` (exactly
-    their length, else dropped) and ``check(i)`` judges it; outcome ``True``/``False``
-    (landed and checked, or not) or ``None`` (no such key). Without: outcome ``bytearray`` or
-    ``None``."""
+    their length, ``blob_bytes`` when given, else dropped) and ``check(i)`` judges it; outcome
+    ``True``/``False`` (landed and checked, or not) or ``None`` (no such key). Without: outcome
+    ``bytearray`` or ``None``."""
 
     def exchange(conn: Connection, result: JobResult) -> None:
         out: list[Any] = []
@@ -113,7 +116,7 @@ def get_job(
             if vectors is None:
                 reply = conn.read_reply(deadline)
             else:
-                reply = conn.read_bulk_into(vectors[i], deadline)
+                reply = conn.read_bulk_into(vectors[i], deadline, blob_bytes)
                 if reply is True and check is not None:
                     reply = bool(check(i))
             result.outcome[i] = _settle(result, i, reply)
@@ -130,6 +133,7 @@ def put_job(
     prepare: Callable[[int], None] | None,
     ttl_ms: int | None,
     skip_present: bool,
+    blob_bytes: int | None = None,
 ) -> JobResult:
     """Store blob ``i`` (the buffers ``vectors[i]``, concatenated) under ``keys[i]`` unless the
     server has the key (``EXISTS`` first, one round trip, when ``skip_present``; ``SET .. NX``
@@ -156,11 +160,21 @@ def put_job(
                     result.outcome[i] = "present"
                 else:
                     todo.append(i)
-        for i in todo:  # one write per blob, right after its header: hashing overlaps sending
+        out = []
+        for i in todo:  # written in groups as the headers are made: hashing overlaps sending
             if prepare is not None:
                 prepare(i)
-            out = command(b"SET", keys[i], list(vectors[i]), *extra)
-            conn.send([*_ASKING, *out] if asking else out, deadline)
+            blob = list(vectors[i]) if blob_bytes is None else (vectors[i], blob_bytes)
+            out += (
+                [*_ASKING, *command(b"SET", keys[i], blob, *extra)]
+                if asking
+                else command(b"SET", keys[i], blob, *extra)
+            )
+            if len(out) >= _SEND_BUFFERS:
+                conn.send(out, deadline)
+                out = []
+        if out:
+            conn.send(out, deadline)
         for i in todo:
             if asking:
                 conn.read_reply(deadline)

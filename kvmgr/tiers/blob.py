@@ -221,6 +221,11 @@ class TierNamespace:
         return mac.digest()
 
 
+def _nbytes(buffer: Any) -> int:
+    size = getattr(buffer, "nbytes", None)
+    return memoryview(buffer).nbytes if size is None else int(size)
+
+
 def _checksum(seed: int, prefix: Any, key: bytes, payload: Iterable[Any]) -> bytes:
     h = xxhash.xxh3_128(seed=seed)
     h.update(prefix)
@@ -252,13 +257,18 @@ def encode_rows(rows: np.ndarray, stored_keys: Sequence[bytes], namespace: TierN
 
 
 def encode_header(
-    header: Any, stored_key: bytes, payload: Sequence[Any], namespace: TierNamespace
+    header: Any,
+    stored_key: bytes,
+    payload: Sequence[Any],
+    namespace: TierNamespace,
+    payload_bytes: int | None = None,
 ) -> None:
     """Write the ``HEADER_BYTES`` header of a blob whose payload is the concatenation of the
-    buffers ``payload`` (a block's pages, read in place: no gather) into the writable buffer
-    ``header`` (uint8, ``HEADER_BYTES`` long)."""
+    buffers ``payload`` (a block's pages, read in place: no gather; ``payload_bytes`` long, when
+    the caller knows it) into the writable buffer ``header`` (uint8, ``HEADER_BYTES`` long)."""
     view = memoryview(header).cast("B")
-    prefix = _prefix(namespace, sum(memoryview(p).nbytes for p in payload))
+    size = sum(_nbytes(p) for p in payload) if payload_bytes is None else payload_bytes
+    prefix = _prefix(namespace, size)
     view[: _PREFIX.size] = prefix
     view[_PREFIX.size : _SUM_END] = _checksum(namespace.checksum_seed, prefix, stored_key, payload)
     view[_SUM_END:HEADER_BYTES] = (
@@ -285,17 +295,22 @@ def verify(stored_key: bytes, value: object, namespace: TierNamespace) -> memory
 
 
 def verify_parts(
-    stored_key: bytes, header: Any, payload: Sequence[Any], namespace: TierNamespace
+    stored_key: bytes,
+    header: Any,
+    payload: Sequence[Any],
+    namespace: TierNamespace,
+    payload_bytes: int | None = None,
 ) -> bool:
-    """Whether ``header`` (``HEADER_BYTES``) and the buffers ``payload`` (concatenated) form an
-    intact blob of ``namespace`` under ``stored_key`` (the checks of ``verify``)."""
+    """Whether ``header`` (``HEADER_BYTES``) and the buffers ``payload`` (concatenated;
+    ``payload_bytes`` long, when the caller knows it) form an intact blob of ``namespace`` under
+    ``stored_key`` (the checks of ``verify``)."""
     view = memoryview(header).cast("B")
     if view.nbytes != HEADER_BYTES:
         return False
-    magic, version, flags, found_fp, payload_bytes = _PREFIX.unpack_from(view)
+    magic, version, flags, found_fp, claimed = _PREFIX.unpack_from(view)
     if magic != MAGIC or version != FORMAT_VERSION or found_fp != namespace.fingerprint:
         return False
-    if payload_bytes != sum(memoryview(p).nbytes for p in payload):
+    if claimed != (sum(_nbytes(p) for p in payload) if payload_bytes is None else payload_bytes):
         return False
     if bool(flags & FLAG_SEALED) != namespace.is_sealed:
         return False  # an unsealed blob in a sealed namespace: planted without the key

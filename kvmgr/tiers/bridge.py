@@ -374,7 +374,7 @@ class TierBridge:
 
         get_into = self.backend.get_into  # type: ignore[attr-defined]
         try:
-            hit = await get_into(stored_keys, vectors, check)
+            hit = await get_into(stored_keys, vectors, check, self.namespace.blob_bytes)
         except TierError as exc:
             self._report_failure("promote", len(ids), exc)
             return np.zeros(len(ids), dtype=bool)
@@ -389,12 +389,14 @@ class TierBridge:
         pages = [self._pages(block) for block in ids.tolist()]
         vectors = [[headers[i], *pages[i]] for i in range(len(ids))]
 
+        payload_bytes = self._payload_bytes(pages[0]) if pages else None
+
         def prepare(i: int) -> None:
-            encode_header(headers[i], stored_keys[i], pages[i], self.namespace)
+            encode_header(headers[i], stored_keys[i], pages[i], self.namespace, payload_bytes)
 
         put_vectors = self.backend.put_vectors  # type: ignore[attr-defined]
         try:
-            result = await put_vectors(stored_keys, vectors, prepare)
+            result = await put_vectors(stored_keys, vectors, prepare, self.namespace.blob_bytes)
         except TierError as exc:
             self._report_failure("demote", len(ids), exc)
             return np.zeros(len(ids), dtype=bool)
@@ -409,10 +411,14 @@ class TierBridge:
 
     def _judge(self, stored_key: bytes, header: Any, payload: Sequence[Any]) -> int:
         """``_OK``, ``_LAYOUT`` (another fingerprint or size) or ``_CORRUPT`` for one blob."""
-        if verify_parts(stored_key, header, payload, self.namespace):
+        if verify_parts(stored_key, header, payload, self.namespace, self._payload_bytes(payload)):
             return _OK
         fingerprint = bytes(memoryview(header).cast("B")[8:24])
         return _LAYOUT if fingerprint != self.namespace.fingerprint else _CORRUPT
+
+    def _payload_bytes(self, payload: Sequence[Any]) -> int | None:
+        """The payload's length when it is one page of every tensor (no need to add it up)."""
+        return self.namespace.payload_bytes if len(payload) == len(self._arrays) > 1 else None
 
     def _count_verdicts(self, verdict: np.ndarray) -> None:
         self._counters.num_layout_mismatch += int(np.count_nonzero(verdict == _LAYOUT))

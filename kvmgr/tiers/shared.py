@@ -43,7 +43,7 @@ import numpy as np
 from kvmgr.errors import ConfigError, InvalidKeyError, TierError, TierSecurityWarning
 from kvmgr.tiers._connection import ServerAddress, parse_address, tls_context
 from kvmgr.tiers._nodes import Breaker, NodePool, SlotMap
-from kvmgr.tiers._resp import Endpoint
+from kvmgr.tiers._resp import Endpoint, nbytes
 from kvmgr.tiers._shared_calls import Dispatcher
 from kvmgr.tiers._shared_io import FAILED, JobResult, get_job, keys_job, put_job
 from kvmgr.tiers.base import Buffer, PutResult, TierCounters, TierStatistics, check_keys
@@ -199,10 +199,12 @@ class SharedTier:
         keys: Sequence[bytes],
         vectors: Sequence[Sequence[Any]],
         prepare: Callable[[int], None] | None = None,
+        blob_bytes: int | None = None,
     ) -> PutResult:
         """``put_many`` of blobs given as buffer lists (``vectors[i]`` concatenated is blob
-        ``i``), sent without joining them; ``prepare(i)`` runs in the worker just before blob
-        ``i`` is sent. The buffers are read until the await ends, however it ends.
+        ``i``; ``blob_bytes`` long each, when given), sent without joining them; ``prepare(i)``
+        runs in the worker just before blob ``i`` is sent. The buffers are read until the await
+        ends, however it ends.
 
         Raises:
             InvalidKeyError: keys not distinct bytes, or one vector per key missing.
@@ -219,13 +221,13 @@ class SharedTier:
             if keys:
                 job = functools.partial(
                     _put, vectors=vectors, prepare=prepare, ttl_ms=self._ttl_ms,
-                    skip_present=self._skip_present,
+                    skip_present=self._skip_present, blob_bytes=blob_bytes,
                 )  # fmt: skip
                 outcome = await self._calls.run(keys, job, self._deadline_s, "put_many")
                 for i, value in enumerate(outcome):
                     stored[i] = value is not FAILED
                     if value == "stored":
-                        num_bytes += sum(memoryview(b).nbytes for b in vectors[i])
+                        num_bytes += blob_bytes or sum(map(nbytes, vectors[i]))
                         self._counters.num_stored += 1
                     elif value == "present":
                         self._counters.num_already_present += 1
@@ -236,7 +238,7 @@ class SharedTier:
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """The stored values (``None`` where absent); see ``TierBackend.get_many``."""
-        values = await self._get(check_keys(keys), None, None)
+        values = await self._get(check_keys(keys), None, None, None)
         return [v if isinstance(v, bytearray) else None for v in values]
 
     async def get_into(
@@ -244,10 +246,12 @@ class SharedTier:
         keys: Sequence[bytes],
         vectors: Sequence[Sequence[Any]],
         check: Callable[[int], bool] | None = None,
+        blob_bytes: int | None = None,
     ) -> np.ndarray:
         """Receive the value of ``keys[i]`` straight into the buffers ``vectors[i]`` (it must be
-        exactly their total length), then ``check(i)`` in the worker; bool ``[n]`` hits. The
-        buffers of a miss may have been written; none is touched after the await ends.
+        exactly their total length: ``blob_bytes`` for every vector when given), then
+        ``check(i)`` in the worker; bool ``[n]`` hits. The buffers of a miss may have been
+        written; none is touched after the await ends.
 
         Raises:
             InvalidKeyError: a key is not bytes, or one vector per key missing.
@@ -256,7 +260,7 @@ class SharedTier:
         keys = check_keys(keys)
         if len(vectors) != len(keys):
             raise InvalidKeyError(f"expected one vector per key, got {len(vectors)}")
-        values = await self._get(keys, vectors, check)
+        values = await self._get(keys, vectors, check, blob_bytes)
         return np.array([v is True for v in values], dtype=bool)
 
     async def contains_many(self, keys: Sequence[bytes]) -> np.ndarray:
@@ -298,12 +302,13 @@ class SharedTier:
         keys: list[bytes],
         vectors: Sequence[Sequence[Any]] | None,
         check: Callable[[int], bool] | None,
+        blob_bytes: int | None,
     ) -> list[Any]:
         start = time.perf_counter()
         try:
             if not keys:
                 return []
-            job = functools.partial(_get, vectors=vectors, check=check)
+            job = functools.partial(_get, vectors=vectors, check=check, blob_bytes=blob_bytes)
             values = await self._calls.run(keys, job, self._deadline_s, "get_many")
         except TierError:
             self._counters.num_misses += len(keys)
@@ -319,22 +324,24 @@ class SharedTier:
                 self._counters.num_corrupt += value is False
         if vectors is not None:
             hits = [i for i, v in enumerate(values) if v is True]
-            self._counters.bytes_read += sum(memoryview(b).nbytes for i in hits for b in vectors[i])
+            self._counters.bytes_read += sum(sum(map(nbytes, vectors[i])) for i in hits)
         return values
 
 
 def _get(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
-         vectors: Any, check: Any) -> JobResult:  # fmt: skip
+         vectors: Any, check: Any, blob_bytes: int | None) -> JobResult:  # fmt: skip
     sub_vectors = None if vectors is None else [vectors[p] for p in positions]
     sub_check = None if check is None else (lambda i: check(positions[i]))
-    return get_job(pool, keys, deadline, asking, sub_vectors, sub_check)
+    return get_job(pool, keys, deadline, asking, sub_vectors, sub_check, blob_bytes)
 
 
 def _put(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
-         vectors: Any, prepare: Any, ttl_ms: int | None, skip_present: bool) -> JobResult:  # fmt: skip
+         vectors: Any, prepare: Any, ttl_ms: int | None, skip_present: bool,
+         blob_bytes: int | None) -> JobResult:  # fmt: skip
     sub_prepare = None if prepare is None else (lambda i: prepare(positions[i]))
     sub_vectors = [vectors[p] for p in positions]
-    return put_job(pool, keys, deadline, asking, sub_vectors, sub_prepare, ttl_ms, skip_present)
+    return put_job(pool, keys, deadline, asking, sub_vectors, sub_prepare, ttl_ms, skip_present,
+                   blob_bytes)  # fmt: skip
 
 
 def _keys(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
