@@ -7,8 +7,8 @@ Offers:
     SharedTier                               Valkey/Redis over redis.asyncio (shared.py)
     TierBridge, BridgeStatistics             CPU-tier pages <-> a backend (bridge.py)
 
-``SharedTier`` needs the ``tiers`` extra (``redis``, ``hiredis``); it is imported lazily so the
-rest of kvmgr works without it. See docs/tiers.md.
+``SharedTier`` needs the ``tiers`` extra (``redis`` for cluster hash slots); it is imported
+lazily so the rest of kvmgr works without it. See docs/tiers.md.
 """
 
 from __future__ import annotations
