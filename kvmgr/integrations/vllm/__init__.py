@@ -8,8 +8,6 @@ docs/guides/vllm.md):
     tiers       kvmgr's ``DiskTier`` and ``SharedTier`` (Valkey/Redis) as vLLM
                 ``SecondaryTierManager`` classes, loaded through ``secondary_tiers``
                 (``type`` + ``module_path``) of ``TieringOffloadingSpec``
-    admission   a ``CPUOffloadingSpec`` whose manager asks an admission-aware kvmgr policy
-                (``ReusePolicy``) before storing
 
 This package is imported by vLLM's factories, never by the rest of kvmgr.
 """

@@ -7,8 +7,8 @@ Offers:
     KvmgrLRUPolicy      ``"lru"``        least recently used leaf first
     KvmgrARCPolicy      ``"arc"``        ARC (Megiddo & Modha, FAST'03), prefix-consistent
     KvmgrS3FIFOPolicy   ``"s3fifo"``     S3-FIFO (Yang et al., SOSP'23)
-    KvmgrReusePolicy    ``"reuse"``      kvmgr's reuse-aware policy (its eviction half; admission
-                        needs `kvmgr.integrations.vllm.admission`)
+    KvmgrReusePolicy    ``"reuse"``      kvmgr's reuse-aware policy (its eviction half: vLLM's
+                        ``CachePolicy`` is not asked before a store, so ``admit`` is not used)
     kvmgr_<name>        any other policy in ``kvmgr.policy.POLICIES`` (module ``__getattr__``)
 
 vLLM loads a class of this module by name, without registration::
@@ -239,8 +239,9 @@ class KvmgrS3FIFOPolicy(KvmgrCachePolicy):
 class KvmgrReusePolicy(KvmgrCachePolicy):
     """kvmgr's reuse-aware policy (``kvmgr.policy.ReusePolicy``) inside vLLM: eviction only.
 
-    Its admission (``admit``) needs a manager that asks before storing:
-    ``kvmgr.integrations.vllm.admission.AdmissionCPUOffloadingSpec``.
+    vLLM's ``CPUOffloadingManager`` decides what to store before it calls the policy (its own
+    admission filter is ``store_threshold``), so the policy's ``admit`` is never asked here;
+    segments, probation and ghosts work as in kvmgr.
     """
 
     policy_name = "reuse"
