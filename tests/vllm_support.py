@@ -353,6 +353,9 @@ class VllmRig:
         num_gpu_blocks: blocks of the "GPU" KV cache (tokens = blocks x ``block_size``).
         block_size: tokens per GPU block.
         enable_kv_events: turn on vLLM's KV cache events (``take_events`` then has them).
+        model_dir: where to write the model's ``config.json`` (default ``directory /
+            "tiny-llama"``); instances that must share a tier share it (the model name is its
+            path, and it is part of what a shared tier's keys are made of).
 
     Attributes:
         scheduler: vLLM's ``Scheduler``; ``scheduler.connector`` is the scheduler side.
@@ -374,8 +377,9 @@ class VllmRig:
         block_size: int = 16,
         max_num_batched_tokens: int = 512,
         enable_kv_events: bool = False,
+        model_dir: Path | None = None,
     ) -> None:
-        model_dir = write_tiny_llama(Path(directory) / "tiny-llama")
+        model_dir = write_tiny_llama(Path(model_dir or Path(directory) / "tiny-llama"))
         self.block_size = block_size
         self.vllm_config = make_vllm_config(
             model_dir,

@@ -138,7 +138,8 @@ class KvmgrTierManager(SecondaryTierManager):
             (``primary_kv_view``: uint8 ``[num_chunks, row_bytes]`` over the CPU tier).
         tenant_salt: folded into every stored key (tenants with equal prompts share nothing).
         key_prefix: readable prefix of the stored keys.
-        max_known_keys: keys this tier remembers as present (it stored or loaded them), LRU;
+        max_known_keys: keys this tier remembers as present (it stored or loaded them), and as
+            absent (a load of them failed: MISS until stored again), each an LRU of this size;
             lookups of other keys ask the backend asynchronously (RETRY, then HIT/MISS).
         locality: ``"LOCAL"`` or ``"REMOTE"`` (vLLM's ``Locality``; per-request tier filters).
 
@@ -174,6 +175,7 @@ class KvmgrTierManager(SecondaryTierManager):
             raise
         self._lookups = _Lookups(self)
         self._known: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._absent: OrderedDict[OffloadKey, None] = OrderedDict()  # a load of it failed
         self._max_known = max_known_keys
         self._futures: dict[int, concurrent.futures.Future[_Outcome]] = {}
         self._results: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
@@ -192,6 +194,8 @@ class KvmgrTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._known:
             return LookupResult.HIT
+        if key in self._absent:
+            return LookupResult.MISS
         found = self._lookups.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -302,7 +306,9 @@ class KvmgrTierManager(SecondaryTierManager):
         ok = bool(done.all()) and not outcome.crashed
         c.num_unexpected_errors += outcome.crashed
         good = [k for k, d in zip(keys, done) if d]
-        self._remember(good)
+        _remember(self._known, good, self._max_known)
+        for key in good:
+            self._absent.pop(key, None)
         if not outcome.is_load:
             c.num_store_failed += not ok
             c.num_blocks_stored += outcome.num_moved
@@ -314,22 +320,26 @@ class KvmgrTierManager(SecondaryTierManager):
         c.num_load_failed += not ok
         c.num_blocks_loaded += len(good)
         c.num_blocks_missed += len(keys) - len(good)
-        if not ok:  # forget what did not arrive: the next lookup must not promise it again
+        if not ok:  # what did not arrive is a MISS until stored again (no promotion loop)
             missed = [k for k, d in zip(keys, done) if not d]
             for key in missed:
                 self._known.pop(key, None)
+            _remember(self._absent, missed, self._max_known)
             self._lookups.mark_miss(missed)
         return JobResult(
             outcome.job_id, ok, None if ok else good, outcome.seconds, outcome.num_bytes
         )
 
-    def _remember(self, keys: Collection[OffloadKey]) -> None:
-        known = self._known
-        for key in keys:
-            known[key] = None
-            known.move_to_end(key)
-        while len(known) > self._max_known:
-            known.popitem(last=False)
+
+def _remember(
+    keys_seen: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey], limit: int
+) -> None:
+    """Add ``keys`` at the recent end of a bounded LRU set."""
+    for key in keys:
+        keys_seen[key] = None
+        keys_seen.move_to_end(key)
+    while len(keys_seen) > limit:
+        keys_seen.popitem(last=False)
 
 
 def _namespace(spec: Any, row_bytes: int, tenant_salt: str, key_prefix: str) -> TierNamespace:
