@@ -328,6 +328,19 @@ class HostTieringOffloadingSpec(TieringOffloadingSpec):
         return self._worker  # type: ignore[return-value]
 
 
+class _RecordingPublisher:
+    """Stands in for vLLM's event publisher: appends every published ``KVEventBatch``."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def publish(self, events: Any) -> None:
+        self.batches.append(events)
+
+    def shutdown(self) -> None:
+        return
+
+
 def _token_rows(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
     """float32 ``[stop - start, layers, heads, 2 * head_dim]``: the KV the fake model writes for
     tokens ``start..stop`` (a function of the whole prefix up to each token, never zero)."""
@@ -352,7 +365,7 @@ class VllmRig:
         extra_config: ``kv_connector_extra_config`` (``spec_name``, ``spec_module_path``, ...).
         num_gpu_blocks: blocks of the "GPU" KV cache (tokens = blocks x ``block_size``).
         block_size: tokens per GPU block.
-        enable_kv_events: turn on vLLM's KV cache events (``take_events`` then has them).
+        enable_kv_events: turn on vLLM's KV cache events (kept in `event_batches`).
         model_dir: where to write the model's ``config.json`` (default ``directory /
             "tiny-llama"``); instances that must share a tier share it (the model name is its
             path, and it is part of what a shared tier's keys are made of).
@@ -366,6 +379,8 @@ class VllmRig:
             prefix-cache hits plus connector loads; only loads after `drop_gpu_prefix_cache`).
         mismatched_blocks: ``(request id, block index)`` of every full block whose bytes did
             not equal `expected_block` when the request first ran after a load.
+        event_batches: with ``enable_kv_events``, every ``KVEventBatch`` the scheduler
+            published (GPU prefix-cache events and the connector's, vLLM's own classes).
     """
 
     def __init__(
@@ -421,6 +436,9 @@ class VllmRig:
                 for name in self.layer_names
             }
             self.worker_connector.register_kv_caches(self.kv_caches)
+        self.event_batches: list[Any] = []
+        if enable_kv_events:  # keep what the scheduler publishes (KVEventBatch per step)
+            self.scheduler.kv_event_publisher = _RecordingPublisher(self.event_batches)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(block_size, sha256)
         self._forward = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
@@ -429,6 +447,7 @@ class VllmRig:
         self.loaded_tokens: dict[str, int] = {}
         self.mismatched_blocks: list[tuple[str, int]] = []
         self.num_steps = 0
+        self.num_preemptions = 0
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -520,6 +539,7 @@ class VllmRig:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
+        self.num_preemptions += len(out.preempted_req_ids or ())
         self.scheduler.update_from_output(out, runner_output)
         self.num_steps += 1
         return out
