@@ -211,3 +211,19 @@ def test_server_killed_mid_job(rig_factory, tier_server) -> None:
     _settle(manager, tier)
     assert tier.statistics().num_blocks_stored == 3
     manager.on_request_finished(ctx)
+
+
+def test_disk_tier_sizes_and_bad_options(rig_factory, tmp_path: Path) -> None:
+    from kvmgr.errors import ConfigError
+
+    slot = 12288  # one 8 KiB chunk + the 48-byte header, rounded up to 4 KiB
+    rig = rig_factory(
+        tiering_config(
+            {"type": "KvmgrDiskTier", "path": str(tmp_path / "a"), "capacity_bytes": 10 * slot}
+        )
+    )
+    tier = rig.manager.secondary_tiers[0]
+    assert (tier.backend.slot_bytes, tier.backend.num_slots) == (slot, 10)
+    assert tier.medium.value == "STORAGE" and tier.locality.value == "LOCAL"
+    with pytest.raises(ConfigError, match="exactly one of num_slots and capacity_bytes"):
+        rig_factory(tiering_config({"type": "KvmgrDiskTier", "path": str(tmp_path / "b")}))
