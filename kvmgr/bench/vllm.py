@@ -16,19 +16,23 @@ completion:
   of resident prefixes, per call on both sides.
 
 vLLM's requests get a ``ReqContext`` with the key positions the scheduler would have set (made
-outside the timed region, as the scheduler makes them when a request arrives). Reported: p50 /
-p99 microseconds per step over ``--steps`` steps after 10 warm-up steps, with the garbage
-collector on, and the ratio kvmgr / vLLM of the p50s (below 1: kvmgr is cheaper).
+outside the timed region, as the scheduler makes them when a request arrives). The variants of
+one scenario take turns step by step (vLLM, then each kvmgr API), so load from other processes
+hits them alike. Reported: p50 / p99 microseconds per step over ``--steps`` steps after 10
+warm-up steps, with the garbage collector on, and the ratio kvmgr / vLLM of the p50s (below 1:
+kvmgr is cheaper).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import platform
 import sys
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -133,14 +137,13 @@ class _Vllm:
 # -- kvmgr's side ---------------------------------------------------------------------------------
 
 
-async def _kvmgr_steps(policy: str, scenario: str, api: str, steps: int) -> list[float]:
-    """Per-step seconds of kvmgr's facade (calls + ``step()`` + completion) in one scenario."""
+async def _kvmgr_steps(policy: str, scenario: str, api: str) -> AsyncIterator[float]:
+    """Seconds of each step of kvmgr's facade (calls + ``step()`` + completion), endlessly."""
     kv = [torch.empty(NUM_GPU_BLOCKS, PAGE_BYTES, dtype=torch.uint8) for _ in range(NUM_TENSORS)]
     mgr = OffloadManager(
         kv, ManagerConfig(num_cpu_blocks=NUM_CPU_BLOCKS, policy=policy), engine=NullEngine()
     )
     fresh = _Keys()
-    samples = []
     async with mgr:
         held = mgr.allocate("bench", NUM_GPU_BLOCKS)
         fill = np.array(held[:64], dtype=np.int64)
@@ -150,7 +153,7 @@ async def _kvmgr_steps(policy: str, scenario: str, api: str, steps: int) -> list
             await mgr.step()
             await fut
         store_ids, load_ids = held[:512], held[512:]
-        for i in range(steps + WARMUP):
+        while True:
             t0 = time.perf_counter()
             last: Any = None
             if scenario == "store 512 x 1":
@@ -173,13 +176,11 @@ async def _kvmgr_steps(policy: str, scenario: str, api: str, steps: int) -> list
                     last = mgr.swap_in(chain[:n], load_ids[r * 16 : r * 16 + n])
             await mgr.step()
             await last
-            if i >= WARMUP:
-                samples.append(time.perf_counter() - t0)
-    return samples
+            yield time.perf_counter() - t0
 
 
-def _vllm_steps(policy: str, scenario: str, steps: int) -> list[float]:
-    """Per-step seconds of vLLM's ``CPUOffloadingManager`` on the same calls."""
+def _vllm_steps(policy: str, scenario: str) -> Iterator[float]:
+    """Seconds of each step of vLLM's ``CPUOffloadingManager`` on the same calls, endlessly."""
     side = _Vllm(policy)
     fresh = _Keys()
     fresh.take(NUM_CPU_BLOCKS)  # the fill's keys
@@ -187,8 +188,7 @@ def _vllm_steps(policy: str, scenario: str, steps: int) -> list[float]:
         [_vllm_key(i.to_bytes(8, "little")) for i in range(s, s + 64)]
         for s in range(0, NUM_CPU_BLOCKS, 64)
     ]
-    samples = []
-    for i in range(steps + WARMUP):
+    for i in itertools.count():
         if scenario == "store 512 x 1":
             chains = [[_vllm_key(k)] for k in fresh.take(512)]
             ctxs = _contexts(f"s{i}", chains)
@@ -207,9 +207,7 @@ def _vllm_steps(policy: str, scenario: str, steps: int) -> list[float]:
             t0 = time.perf_counter()
             side.stores(stores, sctx)
             side.loads(loads, lctx)
-        if i >= WARMUP:
-            samples.append(time.perf_counter() - t0)
-    return samples
+        yield time.perf_counter() - t0
 
 
 SCENARIOS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -224,14 +222,36 @@ def _summary(samples: list[float]) -> dict[str, float]:
     return {"p50_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99))}
 
 
-def measure(steps: int) -> list[dict[str, Any]]:
-    """Every scenario, API and policy; one dict per row (see the module docstring)."""
+async def _interleaved(
+    policy: str, scenario: str, apis: tuple[str, ...], steps: int
+) -> dict[str, list[float]]:
+    """Step vLLM's manager and each kvmgr variant in turn, so machine noise hits all alike."""
+    theirs = _vllm_steps(policy, scenario)
+    ours = {api: _kvmgr_steps(policy, scenario, api) for api in apis}
+    samples: dict[str, list[float]] = {"vllm": [], **{api: [] for api in apis}}
+    try:
+        for i in range(steps + WARMUP):
+            times = {"vllm": next(theirs)}
+            for api, gen in ours.items():
+                times[api] = await gen.__anext__()
+            if i >= WARMUP:
+                for name, seconds in times.items():
+                    samples[name].append(seconds)
+    finally:
+        for gen in ours.values():
+            await gen.aclose()
+    return samples
+
+
+def measure(steps: int, policies: tuple[str, ...] = ("lru", "arc")) -> list[dict[str, Any]]:
+    """Every scenario and API for each policy; one dict per row (see the module docstring)."""
     rows = []
-    for policy in ("lru", "arc"):
+    for policy in policies:
         for scenario, apis in SCENARIOS:
-            theirs = _summary(_vllm_steps(policy, scenario, steps))
+            samples = asyncio.run(_interleaved(policy, scenario, apis, steps))
+            theirs = _summary(samples["vllm"])
             for api in apis:
-                ours = _summary(asyncio.run(_kvmgr_steps(policy, scenario, api, steps)))
+                ours = _summary(samples[api])
                 rows.append(
                     {
                         "policy": policy,
