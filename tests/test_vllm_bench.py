@@ -18,4 +18,4 @@ def test_bench_vllm_measures_every_variant() -> None:
     }
     assert got == want
     assert all(r["kvmgr_p50_us"] > 0 and r["vllm_p50_us"] > 0 and r["ratio"] > 0 for r in rows)
-    assert "| lru | store 512 x 1 | batched |" in bench._table(rows)
+    assert "| arc | store 512 x 1 | batched |" in bench._table(rows)
