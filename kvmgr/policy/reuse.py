@@ -237,8 +237,12 @@ class ReusePolicy:
         unique = list(dict.fromkeys(keys))
         check_tracked(self._parent_of, unique, self.name)
         self._tree.release(map(self._parent_of.pop, unique))
-        for seg, count in Counter(map(self._seg_of.pop, unique)).items():
+        tracked = self._seg_of
+        for seg, count in Counter(map(tracked.pop, unique)).items():
             self._drop(seg, count)
+            if seg.tracked:  # a key left from inside the chain: drop it from the key list, so
+                # that a key stored again (into another segment) is never listed twice
+                seg.keys = [k for k in seg.keys if tracked.get(k) is seg]
 
     def evict(
         self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
