@@ -1089,3 +1089,27 @@ async def _stored_now(mgr: OffloadManager, blocks: list[int], keys: list[bytes])
     store = mgr.swap_out(blocks, keys)
     await mgr.step()
     await store
+
+
+@pytest.mark.parametrize("owned", [True, False])
+@pytest.mark.asyncio
+async def test_preempt_and_resume_of_a_request_without_blocks(owned: bool) -> None:
+    kv = _kv(seed=41)
+    async with _open(kv, _cfg(num_cpu_blocks=4, manage_gpu_blocks=owned)) as mgr:
+        # 1. a request with an empty table (allocate(r, 0) / append_blocks(r, []))
+        if owned:
+            assert mgr.allocate("r", 0) == []
+        else:
+            mgr.append_blocks("r", [])
+        # 2. its preempt has nothing to copy: it resolves at once and the request is swapped
+        #    out, not moving (it used to stay moving for ever and free() raised)
+        result = await asyncio.wait_for(mgr.preempt("r"), 5.0)
+        assert result.num_blocks == 0 and not mgr.is_moving("r")
+        check_invariants(mgr)
+        # 3. resume the same way, then free
+        await asyncio.wait_for(mgr.resume("r", None if owned else []), 5.0)
+        assert not mgr.is_moving("r") and mgr.block_table("r") == []
+        await asyncio.wait_for(mgr.preempt("r"), 5.0)
+        mgr.free("r")
+        check_invariants(mgr)
+        assert mgr.snapshot().tables == {}
