@@ -442,3 +442,19 @@ for _case in (TestLRUStateful, TestARCStateful):
     _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 for _case in (TestS3FIFOStateful, TestReuseStateful):
     _case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("root", [None, KEYS[0]])
+def test_reuse_key_stored_again_is_offered_once(root: bytes | None) -> None:
+    """A key evicted from inside a segment and stored again (as a root, or under the tip it was
+    once the root of) is listed by its old segment too; eviction must offer it only once
+    (found by TestReuseStateful: VictimSet counted it twice and raised KeyError)."""
+    machine = ReuseMachine()
+    a, b, c = KEYS[2], KEYS[1], KEYS[0]
+    machine.insert_chain(keys=[a, b, c], root=None, is_pending=True)
+    machine.complete_store(key=a)
+    machine.remove(keys=[b])
+    machine.evict(n=1, pinned=[], protected=[])  # a: a leaf now, READY
+    machine.insert_chain(keys=[a], root=root, is_pending=False)
+    machine.evict(n=2, pinned=[], protected=[])  # raised KeyError before the fix
+    machine.resident_keys_match_model_and_ghosts_are_bounded()
