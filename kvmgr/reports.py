@@ -6,7 +6,7 @@ Offers:
     LoadResult          what one ``load_many`` call moved
     DirectionReport     one direction's batches in one step
     StepReport          what one ``step()`` did
-    KVEvent             one entry of the KV event stream (``stored`` / ``removed``)
+    KVEvent             one entry of the KV event stream (``stored`` / ``removed`` / ``cleared``)
     Histogram           fixed-bucket counts (batch sizes, completion latency)
     ManagerStatistics   totals since the manager was created (counters only grow) and gauges
 
@@ -161,15 +161,27 @@ class KVEvent:
     """One change of what a tier holds, for a KV-aware router or an external index.
 
     Attributes:
-        kind: ``"stored"`` (the keys became READY in ``tier``) or ``"removed"`` (they left it:
-            evicted, invalidated, cleared).
+        kind: ``"stored"`` (the keys became READY in ``tier``: their copy has landed),
+            ``"removed"`` (they left it: evicted, invalidated, cleared; emitted before the
+            block is reused) or ``"cleared"`` (the manager closed: it serves nothing any more,
+            in any tier; ``keys`` is empty and ``tier`` is ``"all"``).
         keys: the keys, in the order of the call that caused the event.
-        tier: ``"cpu"`` (lower tiers name themselves).
+        tier: ``"cpu"`` (lower tiers name themselves), ``"all"`` for ``"cleared"``.
+        parents: ``stored`` events of the CPU tier: ``parents[i]`` is the key ``keys[i]``
+            extends (``None``: a root), as the store gave it (by default each key of a call
+            extends the previous one); ``None`` where unknown (lower tiers, promotions).
+        token_ids: ``stored`` events whose stores passed ``token_ids``: int32
+            ``[len(keys), block_size]``, row ``i`` the tokens of ``keys[i]`` (read it, do not
+            write it); ``None`` otherwise.
+
+    ``parents`` and ``token_ids`` are detail for routers: they take no part in ``==``.
     """
 
     kind: str
     keys: tuple[bytes, ...]
     tier: str = "cpu"
+    parents: tuple[bytes | None, ...] | None = attrs.field(default=None, eq=False)
+    token_ids: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

@@ -28,6 +28,7 @@ import torch
 
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
+from kvmgr.events.tokens import check_token_ids
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.cpu_tier import CpuTier
 from kvmgr.manager.events import EventStream
@@ -230,11 +231,16 @@ class Bookkeeper:
         future: asyncio.Future[Any],
         *,
         batched: bool,
+        token_ids: object = None,
     ) -> Part:
         """Reserve CPU blocks for the keys not in the CPU tier yet; they become PENDING.
 
+        ``token_ids`` (see ``kvmgr.events.tokens.check_token_ids``) ride in the part to the
+        ``stored`` event, the rows of the keys actually stored.
+
         Raises:
             InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
+            InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed.
         """
         if (
@@ -242,6 +248,7 @@ class Bookkeeper:
             and type(gpu_block_ids) is list
             and type(keys) is list
             and parents is None
+            and token_ids is None
             and 0 < len(keys) <= SMALL
             and self._plain_admission
         ):
@@ -256,6 +263,7 @@ class Bookkeeper:
                 f"expected one key per gpu block, got {n} keys and {len(gpu)} blocks"
             )
         all_parents = _parents(keys, parents)
+        tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         cpu = self.cpu
         if n <= SMALL:
             index = cpu.index
@@ -286,9 +294,11 @@ class Bookkeeper:
         cpu_ids: list[int] | np.ndarray = (
             cpu.make_room_small(m, keys) if small else cpu.make_room(m, keys)
         )
+        new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
         if m:
-            new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
             cpu.add_pending(new_keys, cpu_ids, new_parents)
+        if tokens is not None:
+            tokens = None if m == 0 else tokens if m == n else tokens[fresh]
         if self._threshold > 1:
             self._count_sightings(new_keys, waiting)
         if num_present:  # the resident part of the call's prefix was just used again
@@ -328,7 +338,10 @@ class Bookkeeper:
             result = SwapResult(
                 m, m * self.block_bytes, n - m, tuple(cpu_ids.tolist()), tuple(src.tolist())
             )
-        return Part(Kind.STORE, future, result, src, cpu_ids, new_keys)
+        return Part(
+            Kind.STORE, future, result, src, cpu_ids, new_keys,
+            parents=new_parents, token_ids=tokens,
+        )  # fmt: skip
 
     def _store_small(
         self, gpu: list[int], keys: list[bytes], future: asyncio.Future[Any]
@@ -368,11 +381,12 @@ class Bookkeeper:
             busy[b] += 1
         cpu.num_pending += n
         keys = keys[:]  # the caller may reuse its lists
-        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
+        parents: list[bytes | None] = [None, *keys[:-1]] if n > 1 else [None]
+        cpu.policy.insert(keys, parents)
         self.counters.stores_queued += n
         gpu_ids = tuple(gpu)
         result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
-        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)
+        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys, parents=parents)
 
     # ------------------------------------------------------------------ load
 
@@ -449,6 +463,26 @@ class Bookkeeper:
             [np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.STORE]
         )
 
+    def _emit_stored(self, lane: Lane) -> None:
+        """The ``stored`` event of a landed D2H lane: one for the lane, with the token ids
+        concatenated when every keyed store gave them (of one block size) or none did; one per
+        store otherwise, so that no event mixes rows with and without tokens."""
+        events, keys = self.events, lane.keys
+        if not events.enabled or not keys:
+            return
+        if lane.num_token_parts == 0:
+            events.stored(keys, lane.parents)
+            return
+        stores = [p for p in lane.parts if p.kind is Kind.STORE and p.keys]
+        tokens = [p.token_ids for p in stores if p.token_ids is not None]
+        if len(tokens) == len(stores) and len({t.shape[1] for t in tokens}) == 1:
+            events.stored(
+                keys, lane.parents, np.concatenate(tokens) if len(tokens) > 1 else tokens[0]
+            )
+            return
+        for part in stores:
+            events.stored(part.keys, part.parents, part.token_ids)  # type: ignore[arg-type]
+
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.
 
@@ -465,7 +499,7 @@ class Bookkeeper:
             if ok:
                 cpu.stores_landed(cpu_ids, all_pending=not requests)  # stores stay PENDING
                 counters.stores_completed += n
-                self.events.stored(keys)
+                self._emit_stored(lane)
                 if self.on_stored is not None and keys:
                     self.on_stored(keys, self._store_ids(lane, cpu_ids))
             else:

@@ -226,6 +226,7 @@ class OffloadManager:
             for batch in list(self._queue.in_flight.values()):
                 self._flusher.complete_batch(batch)
             self._room.fail(ClosedError("manager closed while the store waited for room"))
+            self._books.events.cleared()
             self._books.events.close()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
@@ -332,6 +333,8 @@ class OffloadManager:
         gpu_block_ids: Sequence[int],
         keys: Sequence[bytes],
         parents: Sequence[bytes | None] | None = None,
+        *,
+        token_ids: Any = None,
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
         ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
@@ -351,11 +354,12 @@ class OffloadManager:
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
             InvalidKeyError: bad keys, or different counts.
+            InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead).
             ClosedError, EventLoopError: closed, or no running loop.
         """
-        return self._store(gpu_block_ids, keys, parents, batched=False)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=False)
 
     def store_many(
         self,
@@ -363,6 +367,7 @@ class OffloadManager:
         keys: Sequence[bytes],
         *,
         parents: Sequence[bytes | None] | None = None,
+        token_ids: Any = None,
     ) -> asyncio.Future[StoreResult]:
         """Queue one store of many requests' blocks: ONE future, array results.
 
@@ -373,6 +378,8 @@ class OffloadManager:
                 stored once, from its first occurrence; the others count as present.
             parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
                 Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
+            token_ids: optional int ``[n, block_size]``: the tokens of each block, for the
+                ``stored`` KV event (as ``swap_out``).
 
         Returns:
             A future resolving to ``StoreResult`` (which keys were stored, which were already
@@ -381,18 +388,26 @@ class OffloadManager:
         Raises:
             KVMgrError: as ``swap_out``.
         """
-        return self._store(gpu_block_ids, keys, parents, batched=True)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=True)
 
     def _store(
-        self, gpu_block_ids: Any, keys: Sequence[bytes], parents: Any, *, batched: bool
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        parents: Any,
+        token_ids: Any,
+        *,
+        batched: bool,
     ) -> asyncio.Future[Any]:
         """Queue a store (per call or batched), or hand it to backpressure."""
         loop = self._check_open()
         future: asyncio.Future[Any] = loop.create_future()
         try:
-            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+            part = self._books.prepare_store(
+                gpu_block_ids, keys, parents, future, batched=batched, token_ids=token_ids
+            )
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, batched=batched)
+            return self._when_room(exc, gpu_block_ids, keys, parents, token_ids, batched=batched)
         self._enqueue(part)
         return future
 
@@ -402,6 +417,7 @@ class OffloadManager:
         gpu_block_ids: Any,
         keys: Sequence[bytes],
         parents: Any,
+        token_ids: Any,
         *,
         batched: bool,
     ) -> asyncio.Future[Any]:
@@ -414,7 +430,9 @@ class OffloadManager:
         deadline = loop.time() + self.config.store_wait_s
 
         def attempt(future: asyncio.Future[Any]) -> Part:
-            return self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+            return self._books.prepare_store(
+                gpu_block_ids, keys, parents, future, batched=batched, token_ids=token_ids
+            )
 
         return loop.create_task(
             self._room.retry(loop, attempt, self._enqueue, deadline, self.config, counters)
