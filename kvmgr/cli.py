@@ -33,9 +33,11 @@ BENCHES = {
     "tiers": "kvmgr.bench.tiers",
     "peer": "kvmgr.bench.peer",
     "peer-mla": "kvmgr.bench.peer_mla",
+    "pin": "kvmgr.bench.pin",
 }
-#: benchmarks that run without a GPU (every other one needs a CUDA GPU).
-CPU_BENCHES = frozenset({"host", "tiers"})
+#: benchmarks that run without a GPU (every other one needs a CUDA GPU; ``pin`` measures only
+#: allocation and first touch without one).
+CPU_BENCHES = frozenset({"host", "tiers", "pin"})
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
@@ -87,8 +89,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             p.set_defaults(run=mod.run)
     bench = sub.add_parser(
         "bench",
-        help="micro-benchmarks (all but host and tiers need a CUDA GPU)",
-        description="micro-benchmarks (all but host and tiers need a CUDA GPU)",
+        help="micro-benchmarks (all but host, tiers and pin need a CUDA GPU)",
+        description="micro-benchmarks (all but host, tiers and pin need a CUDA GPU)",
         formatter_class=HelpFormatter,
     )
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvmgr.hooks import HookReport
 from kvmgr.transfer.engine import BatchResult
+from kvmgr.transfer.pinning import PinStatistics
 
 __all__ = [
     "DirectionReport",
@@ -218,7 +219,8 @@ class ManagerStatistics:
         loads_queued / loads_completed / loads_failed: blocks loaded (loads + resumes).
         evictions: CPU blocks evicted by the policy. invalidated: keys dropped by
             ``invalidate``/``clear``.
-        rejected: calls refused, by reason (``"cpu_full"``, ``"gpu_full"``, ``"timeout"``).
+        rejected: calls refused, by reason (``"cpu_full"``, ``"cpu_pinning"``, ``"gpu_full"``,
+            ``"timeout"``).
         await_timeouts: ``wait()`` calls that passed their deadline.
         events_dropped: KV events lost because nobody drained the bounded stream.
         bytes_d2h / bytes_h2d: bytes of completed batches. device_s_d2h / device_s_h2d: their
@@ -229,6 +231,12 @@ class ManagerStatistics:
     Gauges:
         batches_in_flight: batches submitted and not completed. queued_swaps: swaps not flushed.
         cpu_blocks_used / cpu_blocks_total: CPU tier occupancy (keyed + request blocks).
+        cpu_blocks_ready: CPU blocks whose memory is usable (page-locked) now; below
+            ``cpu_blocks_total`` while the engine pins the tier in the background (stores that
+            find no room then fail with reason ``"cpu_pinning"``), or after a piece failed.
+        cpu_pinning: how the CPU tier was page-locked (``PinStatistics``: bytes, pieces,
+            seconds per phase, ``pin_s`` in total, an error), or ``None`` for engines that do
+            not pin (host engine).
         cpu_keys_pending / cpu_keys_ready: keyed blocks by state; cpu_keys_loading: READY keys
             with loads in flight (a subset of cpu_keys_ready).
         gpu_blocks_free: free blocks of the owned GPU pool (``None`` when not owned).
@@ -263,6 +271,8 @@ class ManagerStatistics:
     queued_swaps: int = 0
     cpu_blocks_used: int = 0
     cpu_blocks_total: int = 0
+    cpu_blocks_ready: int = 0
+    cpu_pinning: PinStatistics | None = None
     cpu_keys_pending: int = 0
     cpu_keys_ready: int = 0
     cpu_keys_loading: int = 0

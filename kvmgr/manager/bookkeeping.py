@@ -36,7 +36,7 @@ from kvmgr.manager.gpu_pool import GpuBlocks
 from kvmgr.manager.queue import Kind, Lane, Part
 from kvmgr.manager.requests import RequestTables
 from kvmgr.pool.allocator import as_id_array
-from kvmgr.pool.host_pool import HostKVPool
+from kvmgr.pool.host_pool import HostKVPool, HostRegion, HostRegionLayout
 from kvmgr.pool.layout import KVLayout
 from kvmgr.reports import LoadResult, StoreResult, SwapResult
 from kvmgr.transfer.plan import Direction
@@ -97,6 +97,8 @@ class Bookkeeper:
         config: the manager's settings.
         gpu_layout: the GPU-tier KV tensors' layout.
         allocate_host: the engine's ``allocate_host`` (the CPU tier's memory).
+        allocate_region: the engine's ``allocate_host_region`` where it has one (memory that
+            becomes usable block range by block range; used instead of ``allocate_host``).
     """
 
     def __init__(
@@ -104,24 +106,30 @@ class Bookkeeper:
         config: ManagerConfig,
         gpu_layout: KVLayout,
         allocate_host: Callable[[int], torch.Tensor],
+        allocate_region: Callable[[HostRegionLayout], HostRegion] | None = None,
     ) -> None:
         self.config = config
         self.gpu_layout = gpu_layout
         self.block_bytes = gpu_layout.block_bytes
         self.events = EventStream(config.max_events)
         self.counters = Counters()
+        self.cpu_pool = HostKVPool(
+            gpu_layout.page_bytes.tolist(),
+            config.num_cpu_blocks,
+            allocate_host,
+            allocate_region=allocate_region,
+        )
+        memory = self.cpu_pool.memory
         self.cpu = CpuTier(
             config.num_cpu_blocks,
             config.policy,
             self.events.removed,
             config.policy_options,
             self.counters,
+            blocks_ready=None if memory is None else lambda: memory.num_blocks_ready,
         )
         self.gpu = GpuBlocks(gpu_layout.num_blocks, owned=config.manage_gpu_blocks)
         self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes, self.counters)
-        self.cpu_pool = HostKVPool(
-            gpu_layout.page_bytes.tolist(), config.num_cpu_blocks, allocate_host
-        )
         self._threshold = config.store_threshold
         #: no admission control: the per-call fast path may be used
         self._plain_admission = config.store_threshold == 1 and not hasattr(

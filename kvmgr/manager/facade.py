@@ -114,7 +114,12 @@ class OffloadManager:
         elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
             raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
         try:
-            self._books = Bookkeeper(config, gpu_layout, engine.allocate_host)
+            self._books = Bookkeeper(
+                config,
+                gpu_layout,
+                engine.allocate_host,
+                getattr(engine, "allocate_host_region", None),
+            )
         except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
             engine.close(0)
             num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
@@ -657,6 +662,8 @@ class OffloadManager:
             d2h, h2d = self._flusher.flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
+            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
@@ -710,6 +717,7 @@ class OffloadManager:
         books = self._books
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
+        memory = books.cpu_pool.memory
         return ManagerStatistics(
             **{name: getattr(c, name) for name in Counters.TOTALS},
             rejected=dict(c.rejected),
@@ -720,6 +728,8 @@ class OffloadManager:
             queued_swaps=len(self._queue),
             cpu_blocks_used=cpu.pool.num_allocated,
             cpu_blocks_total=cpu.num_blocks,
+            cpu_blocks_ready=books.cpu_pool.num_blocks_ready,
+            cpu_pinning=None if memory is None else memory.statistics(),
             cpu_keys_pending=cpu.num_pending,
             cpu_keys_ready=len(cpu.index) - cpu.num_pending,
             cpu_keys_loading=cpu.num_loading,
