@@ -346,9 +346,10 @@ class Bookkeeper:
             result = SwapResult(
                 m, m * self.block_bytes, n - m, tuple(cpu_ids.tolist()), tuple(src.tolist())
             )
+        chain = parents is None and m == n  # the default chain: the lane rebuilds it
         return Part(
             Kind.STORE, future, result, src, cpu_ids, new_keys,
-            parents=new_parents, token_ids=tokens,
+            parents=None if chain else new_parents, token_ids=tokens,
         )  # fmt: skip
 
     def _store_small(
@@ -389,12 +390,11 @@ class Bookkeeper:
             busy[b] += 1
         cpu.num_pending += n
         keys = keys[:]  # the caller may reuse its lists
-        parents: list[bytes | None] = [None, *keys[:-1]] if n > 1 else [None]
-        cpu.policy.insert(keys, parents)
+        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
         self.counters.stores_queued += n
         gpu_ids = tuple(gpu)
         result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
-        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys, parents=parents)
+        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)  # a default chain
 
     # ------------------------------------------------------------------ load
 
@@ -489,7 +489,9 @@ class Bookkeeper:
             )
             return
         for part in stores:
-            events.stored(part.keys, part.parents, part.token_ids)  # type: ignore[arg-type]
+            keys = part.keys  # type: ignore[assignment]
+            parents = part.parents if part.parents is not None else [None, *keys[:-1]]
+            events.stored(keys, parents, part.token_ids)
 
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.

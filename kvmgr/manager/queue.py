@@ -48,7 +48,8 @@ class Part:
         keys: keyed parts: the keys copied, aligned with the ids; else ``None``.
         req_id: request-level parts: the request; else ``None``.
         parents: keyed stores: ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root),
-            for the ``stored`` event; else ``None``.
+            for the ``stored`` event; ``None`` for the default chain (``keys[i]`` extends
+            ``keys[i - 1]``, ``keys[0]`` a root: no list kept per queued call) and for others.
         token_ids: keyed stores given token ids: int32 ``[len(keys), block_size]`` (the
             caller's copy, rows of the keys stored); else ``None``.
     """
@@ -98,7 +99,7 @@ class Lane:
         parts: every part, in the order added.
         keys: D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
             ``requests`` is empty); H2D lanes: empty.
-        parents: D2H lanes: one parent per entry of ``keys`` (``None`` where a part gave none).
+        parents: D2H lanes: one parent per entry of ``keys`` (``None``: a root).
         num_token_parts: keyed stores of the lane that carry token ids.
         requests: the request-level parts (preempts, resumes), in part order.
     """
@@ -134,7 +135,11 @@ class Lane:
             self.requests.append(part)
         elif self.direction is Direction.D2H:
             self.keys += keys
-            self.parents += part.parents if part.parents is not None else [None] * len(keys)
+            if part.parents is not None:
+                self.parents += part.parents
+            elif keys:  # the default chain
+                self.parents.append(None)
+                self.parents += keys[:-1]
             if part.token_ids is not None:
                 self.num_token_parts += 1
 
