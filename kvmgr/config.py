@@ -87,10 +87,12 @@ class ManagerConfig:
         store_wait_s: bound of the wait, seconds.
         allow_pageable: CUDA engines may fall back (logged) to pageable host memory when
             registration fails, instead of raising.
-        pin_host: CUDA engines page-lock the CPU tier ``"background"`` (the first GiB before
-            the manager is built, the rest on a thread while it runs: blocks become usable
-            piece by piece, ``ManagerStatistics.cpu_blocks_ready``) or ``"sync"`` (all of it
-            before the constructor returns). docs/guides/pinned-tier.md.
+        pin_host: the CUDA engines the manager builds page-lock the CPU tier
+            ``"background"`` (the first GiB before the manager is built, the rest on a thread
+            while it runs: blocks become usable piece by piece,
+            ``ManagerStatistics.cpu_blocks_ready``) or ``"sync"`` (all of it before the
+            constructor returns); an engine passed in keeps its own ``pin`` option.
+            docs/guides/pinned-tier.md.
         store_threshold: a key is stored only once a store of it was asked this many times
             (vLLM's ``store_threshold``); 1 stores on first sight. Keys held back are counted in
             ``ManagerStatistics.stores_not_admitted``.

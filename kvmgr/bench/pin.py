@@ -206,7 +206,7 @@ def _table(rows: list[dict[str, Any]], num_bytes: int) -> str:
         if r["variant"].startswith("manager"):
             continue
         parts = [r.get("alloc_s"), r.get("touch_s"), r.get("register_s")]
-        total = r.get("total_s") or (None if None in parts else sum(parts))
+        total = r.get("total_s") or (None if None in parts else sum(p for p in parts if p))
         lines.append(
             f"| {r['variant']} | {_per_gib(r.get('alloc_s'), num_bytes)} | "
             f"{_per_gib(r.get('touch_s'), num_bytes)} | {_per_gib(r.get('register_s'), num_bytes)}"

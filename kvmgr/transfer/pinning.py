@@ -341,13 +341,14 @@ class _Toucher:
         self, ranges: list[tuple[int, int]]
     ) -> list[concurrent.futures.Future[None]] | None:
         """Populate ``(address, num_bytes)`` ranges, split over the threads."""
-        if self._pool is None:
+        if self._pool is None or self._libc is None:
             return None
+        libc = self._libc
         total = sum(size for _, size in ranges)
         chunk = max(_HUGE_BYTES, min(_TOUCH_CHUNK_BYTES, total // self._num_threads))
         chunk = -(-chunk // PAGE_BYTES) * PAGE_BYTES
         return [
-            self._pool.submit(_populate, self._libc, address + at, min(chunk, size - at))
+            self._pool.submit(_populate, libc, address + at, min(chunk, size - at))
             for address, size in ranges
             for at in range(0, size, chunk)
         ]
