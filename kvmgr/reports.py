@@ -230,6 +230,7 @@ class ManagerStatistics:
         completion_s: histogram of seconds from submission to completion per batch.
     Gauges:
         batches_in_flight: batches submitted and not completed. queued_swaps: swaps not flushed.
+        stores_waiting: stores waiting for room (``backpressure="wait"``), not in queued_swaps.
         cpu_blocks_used / cpu_blocks_total: CPU tier occupancy (keyed + request blocks).
         cpu_blocks_ready: CPU blocks whose memory is usable (page-locked) now; below
             ``cpu_blocks_total`` while the engine pins the tier in the background (stores that
@@ -269,6 +270,7 @@ class ManagerStatistics:
     completion_s: Histogram | None = None
     batches_in_flight: int = 0
     queued_swaps: int = 0
+    stores_waiting: int = 0
     cpu_blocks_used: int = 0
     cpu_blocks_total: int = 0
     cpu_blocks_ready: int = 0

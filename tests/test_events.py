@@ -210,3 +210,31 @@ async def test_close_ends_the_stream_with_one_cleared_event() -> None:
     await asyncio.wait_for(task, timeout=10)
     assert seen == [KVEvent("stored", (K[0],)), KVEvent("cleared", (), "all")]
     assert mgr.take_events() == []
+
+
+@pytest.mark.asyncio
+async def test_a_store_waiting_for_room_keeps_a_copy_of_its_token_ids() -> None:
+    engine = NullEngine(hold=True)
+    cfg = _cfg(num_cpu_blocks=1, backpressure="wait", store_wait_s=30.0)
+    async with OffloadManager(_kv(8), cfg, engine=engine) as mgr:
+        # 1. K0 READY, then a load of it in flight: its block cannot be evicted
+        st = mgr.swap_out([0], [K[0]])
+        await mgr.step()
+        engine.complete_next()
+        await st
+        load = mgr.swap_in([K[0]], [5])
+        await mgr.step()
+        mgr.take_events()
+        # 2. a store of K1 with tokens waits for room; the caller reuses its buffer meanwhile
+        tokens = _tokens(1, 9)
+        original = tokens.copy()
+        waiting = mgr.swap_out([1], [K[1]], token_ids=tokens)
+        tokens[:] = 0
+        # 3. the load ends: room; the store is queued, flushed, lands with the original tokens
+        engine.release()
+        await load
+        await mgr.step()
+        await waiting
+        removed, stored = mgr.take_events()
+        assert removed.keys == (K[0],) and stored.keys == (K[1],)
+        np.testing.assert_array_equal(stored.token_ids, original)
