@@ -117,6 +117,7 @@ def test_our_bytes_are_vllms_bytes_and_vllm_decodes_them(ve, hash_format, group,
         hash_format=hash_format,
         block_size=BLOCK_SIZE,
         media={"cpu": TierMedium(medium="CPU"),
+               "disk": TierMedium(medium="STORAGE", ownership="disk"),
                "shared": TierMedium(medium="STORAGE", locality="REMOTE", ownership="valkey")},
         **group_kw,
     )  # fmt: skip
@@ -128,6 +129,16 @@ def test_our_bytes_are_vllms_bytes_and_vllm_decodes_them(ve, hash_format, group,
     assert ours == msgspec.msgpack.Encoder().encode(expected)  # what vLLM's publisher sends
     decoded = msgspec.msgpack.Decoder(type=ve.KVEventBatch).decode(ours)
     assert decoded == expected
+
+
+def test_only_the_tiers_listed_are_published(ve) -> None:  # type: ignore[no-untyped-def]
+    # lower tiers drop keys on their own, unheard: by default only the CPU tier is published
+    batch = VllmEventFormat().batch(_sample_events(), ts=1.0)
+    kinds = [(type(e).__name__, getattr(e, "medium", None)) for e in batch.events]
+    assert kinds == [("BlockRemoved", "CPU"), ("BlockStored", "CPU"), ("BlockStored", "CPU"),
+                     ("AllBlocksCleared", None)]  # fmt: skip
+    decoded = msgspec.msgpack.Decoder(type=ve.KVEventBatch).decode(encode_batch(batch))
+    assert len(decoded.events) == 4
 
 
 def test_int_hashes_are_vllms_conversion() -> None:

@@ -21,8 +21,10 @@ take a map16 header, not a fixmap), and the bytes are to be vLLM's.
 A ``stored`` event becomes one ``BlockStored`` per *chain run*: ``BlockStored.block_hashes``
 must be a chain (each block extends the one before, the first extends ``parent_block_hash``),
 while one kvmgr event covers every store of a batch, so it is cut wherever ``parents[i]`` is not
-``keys[i - 1]``. Events without parents (lower tiers, promotions) become one ``BlockStored`` per
-key with no parent and no token ids, like vLLM's placeholder events.
+``keys[i - 1]``. Events without parents (promotions from a lower tier; a lower tier's own
+events where published) become one ``BlockStored`` per key with no parent and no token ids,
+like vLLM's placeholder events. Only the tiers listed in ``VllmEventFormat.media`` are
+published (the CPU tier by default).
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ class VllmEventFormat:
         kv_cache_spec_kind: vLLM's ``KVCacheSpecKind`` value of that group
             (``"full_attention"``, ``"mla_attention"``, ``"sliding_window"``, ...) or ``None``.
         sliding_window: the group's window in tokens, or ``None``.
-        media: kvmgr tier name -> ``TierMedium``; a tier not listed is ``STORAGE`` owned by its
-            name. Default: ``{"cpu": TierMedium(medium="CPU")}``.
+        media: kvmgr tier name -> ``TierMedium``: the tiers whose events are published.
+            Default: ``{"cpu": TierMedium(medium="CPU")}``. The events of a tier not listed are
+            left out: lower tiers (disk, a shared Valkey) drop keys on their own (capacity,
+            ``maxmemory``) and kvmgr hears of no such removal, so advertising their stores would
+            leave a router routing to blocks that are gone. List one (``"disk":
+            TierMedium(medium="STORAGE", ownership="disk")``) only where that is acceptable.
 
     Raises:
         ConfigError: an unknown ``hash_format`` or a negative size or index.
@@ -164,10 +170,9 @@ class VllmEventFormat:
         """The ``ExternalBlockHash`` of a kvmgr key."""
         return int.from_bytes(key[-8:], "big") if self.hash_format == "int" else key
 
-    def medium_of(self, tier: str) -> TierMedium:
-        """The medium, locality and ownership of a kvmgr tier."""
-        found = self.media.get(tier)
-        return found if found is not None else TierMedium(medium="STORAGE", ownership=tier)
+    def medium_of(self, tier: str) -> TierMedium | None:
+        """The medium, locality and ownership of a kvmgr tier, or ``None``: not published."""
+        return self.media.get(tier)
 
     def batch(
         self,
@@ -188,10 +193,15 @@ class VllmEventFormat:
         Raises:
             ValueError: an event kind kvmgr does not emit.
         """
+        if event.kind == "cleared":
+            yield AllBlocksCleared()
+            return
+        where = self.medium_of(event.tier)
+        if where is None:  # a tier not published
+            return
         if event.kind == "stored":
-            yield from self._stored(event)
+            yield from self._stored(event, where)
         elif event.kind == "removed":
-            where = self.medium_of(event.tier)
             yield BlockRemoved(
                 [self.block_hash(k) for k in event.keys],
                 where.medium,
@@ -199,13 +209,10 @@ class VllmEventFormat:
                 where.locality,
                 where.ownership,
             )
-        elif event.kind == "cleared":
-            yield AllBlocksCleared()
         else:
             raise ValueError(f"unknown KV event kind {event.kind!r}")
 
-    def _stored(self, event: KVEvent) -> Iterator[BlockStored]:
-        where = self.medium_of(event.tier)
+    def _stored(self, event: KVEvent, where: TierMedium) -> Iterator[BlockStored]:
         keys, parents, tokens = event.keys, event.parents, event.token_ids
         block_size = self.block_size if tokens is None else int(tokens.shape[1])
         runs = _chain_runs(keys, parents) if parents is not None else _singles(len(keys))
