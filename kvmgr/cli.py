@@ -34,9 +34,11 @@ BENCHES = {
     "peer": "kvmgr.bench.peer",
     "peer-mla": "kvmgr.bench.peer_mla",
     "vllm": "kvmgr.bench.vllm",
+    "pin": "kvmgr.bench.pin",
 }
-#: benchmarks that run without a GPU (every other one needs a CUDA GPU).
-CPU_BENCHES = frozenset({"host", "tiers", "vllm"})
+#: benchmarks that run without a GPU (every other one needs a CUDA GPU; ``pin`` measures only
+#: allocation and first touch without one).
+CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin"})
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
@@ -88,8 +90,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             p.set_defaults(run=mod.run)
     bench = sub.add_parser(
         "bench",
-        help="micro-benchmarks (all but host, tiers and vllm need a CUDA GPU)",
-        description="micro-benchmarks (all but host, tiers and vllm need a CUDA GPU)",
+        help="micro-benchmarks (all but host, tiers, vllm and pin need a CUDA GPU)",
+        description="micro-benchmarks (all but host, tiers, vllm and pin need a CUDA GPU)",
         formatter_class=HelpFormatter,
     )
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -34,6 +34,7 @@ from kvmgr.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from kvmgr.events.tokens import check_token_ids
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
 from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
@@ -115,7 +116,12 @@ class OffloadManager:
         elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
             raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
         try:
-            self._books = Bookkeeper(config, gpu_layout, engine.allocate_host)
+            self._books = Bookkeeper(
+                config,
+                gpu_layout,
+                engine.allocate_host,
+                getattr(engine, "allocate_host_region", None),
+            )
         except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
             engine.close(0)
             num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
@@ -227,6 +233,7 @@ class OffloadManager:
             for batch in list(self._queue.in_flight.values()):
                 self._flusher.complete_batch(batch)
             self._room.fail(ClosedError("manager closed while the store waited for room"))
+            self._books.events.cleared()
             self._books.events.close()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
@@ -333,6 +340,8 @@ class OffloadManager:
         gpu_block_ids: Sequence[int],
         keys: Sequence[bytes],
         parents: Sequence[bytes | None] | None = None,
+        *,
+        token_ids: Any = None,
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
         ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
@@ -352,12 +361,13 @@ class OffloadManager:
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
             InvalidKeyError: bad keys, or different counts.
+            InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
                 blocks like a queued store; cancelling it drops the store).
             ClosedError, EventLoopError: closed, or no running loop.
         """
-        return self._store(gpu_block_ids, keys, parents, batched=False)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=False)
 
     def store_many(
         self,
@@ -365,6 +375,7 @@ class OffloadManager:
         keys: Sequence[bytes],
         *,
         parents: Sequence[bytes | None] | None = None,
+        token_ids: Any = None,
     ) -> asyncio.Future[StoreResult]:
         """Queue one store of many requests' blocks: ONE future, array results.
 
@@ -375,6 +386,8 @@ class OffloadManager:
                 stored once, from its first occurrence; the others count as present.
             parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
                 Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
+            token_ids: optional int ``[n, block_size]``: the tokens of each block, for the
+                ``stored`` KV event (as ``swap_out``).
 
         Returns:
             A future resolving to ``StoreResult`` (which keys were stored, which were already
@@ -383,18 +396,26 @@ class OffloadManager:
         Raises:
             KVMgrError: as ``swap_out``.
         """
-        return self._store(gpu_block_ids, keys, parents, batched=True)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=True)
 
     def _store(
-        self, gpu_block_ids: Any, keys: Sequence[bytes], parents: Any, *, batched: bool
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        parents: Any,
+        token_ids: Any,
+        *,
+        batched: bool,
     ) -> asyncio.Future[Any]:
         """Queue a store (per call or batched), or hand it to backpressure."""
         loop = self._check_open()
         future: asyncio.Future[Any] = loop.create_future()
         try:
-            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+            part = self._books.prepare_store(
+                gpu_block_ids, keys, parents, future, batched=batched, token_ids=token_ids
+            )
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, batched=batched)
+            return self._when_room(exc, gpu_block_ids, keys, parents, token_ids, batched=batched)
         self._enqueue(part)
         return future
 
@@ -404,6 +425,7 @@ class OffloadManager:
         gpu_block_ids: Any,
         keys: Sequence[bytes],
         parents: Any,
+        token_ids: Any,
         *,
         batched: bool,
     ) -> asyncio.Future[Any]:
@@ -419,9 +441,12 @@ class OffloadManager:
         gpu = books.gpu_ids(gpu_block_ids, "store")
         keys = check_keys(keys, distinct=False)
         parents = None if parents is None else list(parents)
+        tokens = None if token_ids is None or not keys else check_token_ids(token_ids, len(keys))
 
         def attempt(future: asyncio.Future[Any]) -> Part:
-            return books.prepare_store(gpu, keys, parents, future, batched=batched, held=True)
+            return books.prepare_store(
+                gpu, keys, parents, future, batched=batched, held=True, token_ids=tokens
+            )
 
         future = WaitingFuture(loop=loop)
         held = np.array(gpu, dtype=np.int64)
@@ -649,6 +674,8 @@ class OffloadManager:
             d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
+            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
@@ -714,6 +741,7 @@ class OffloadManager:
         books = self._books
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
+        memory = books.cpu_pool.memory
         return ManagerStatistics(
             **{name: getattr(c, name) for name in Counters.TOTALS},
             rejected=dict(c.rejected),
@@ -725,6 +753,8 @@ class OffloadManager:
             stores_waiting=len(self._room),
             cpu_blocks_used=cpu.pool.num_allocated,
             cpu_blocks_total=cpu.num_blocks,
+            cpu_blocks_ready=books.cpu_pool.num_blocks_ready,
+            cpu_pinning=None if memory is None else memory.statistics(),
             cpu_keys_pending=cpu.num_pending,
             cpu_keys_ready=len(cpu.index) - cpu.num_pending,
             cpu_keys_loading=cpu.num_loading,
