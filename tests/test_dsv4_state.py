@@ -279,3 +279,25 @@ async def test_offload_refuses_bad_tables_and_unknown_restore_points_before_queu
     # 3. managers that do not manage the layout's tensors
     with pytest.raises(GeometryError):
         DeepSeekV4Offload(TINY, {"compressed": engine.offload.managers["compressed"]})
+
+
+# --- the benchmark -------------------------------------------------------------------------
+
+
+def test_bench_dsv4_runs_and_restores_bit_exact(tmp_path, capsys):
+    import json
+
+    from kvmgr.cli import main
+
+    out = tmp_path / "dsv4.json"
+    args = ["bench", "dsv4", "--preset", "tiny", "--boundaries", "301", "--repeats", "2"]
+    assert main([*args, "--hidden-size", "256", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["restored_bit_exact"] is True
+    (row,) = result["rows"]
+    assert row["tail_tokens"] == {"swa": 127, "c4_state": 5, "c128_state": 45}
+    layout = DeepSeekV4Layout(compress_ratios=(0, 4, 128, 128), head_dim=128)
+    partial = layout.group("compressed").page_bytes  # 301 % 256: one partial block
+    window = sum(len(layout.blocks_at(g.name, 301)) * g.page_bytes for g in layout.groups[1:])
+    assert row["sidecar_bytes"] == partial + window
+    assert "| 301 |" in capsys.readouterr().out
