@@ -107,139 +107,166 @@ async def _main(
     return layout, device, rows, ok
 
 
+class _Restore:
+    """One boundary's caches, block tables and keys; stores and reloads its sidecar."""
+
+    def __init__(self, layout: DeepSeekV4Layout, n: int, device: torch.device, gen: torch.Generator) -> None:  # fmt: skip
+        self.layout, self.n, self.device, self.gen = layout, n, device, gen
+        self.need = {g.name: len(layout.blocks_at(g.name, n)) for g in layout.groups}
+        self.caches = allocate_caches(layout, {g: 2 * k + 1 for g, k in self.need.items()},
+                                      device=device)  # fmt: skip
+        for tensors in self.caches.values():
+            for t in tensors:
+                _random_(t, gen)
+        self.full = n // layout.block_size
+        self.block_keys = [b"prefix-%d-%d" % (n, i) for i in range(self.full)]
+        # the live blocks are ids 0..k-1 of each group; they come back into ids k..2k-1
+        self.tables = {g: [-1] * layout.blocks_at(g, n).start + list(range(k))
+                       for g, k in self.need.items()}  # fmt: skip
+        self.fresh = {g: list(range(k, 2 * k)) for g, k in self.need.items()}
+        groups = {g.name: g for g in layout.groups}
+        self.sidecar_bytes = sum(k * groups[g].page_bytes for g, k in self.need.items())
+        self.sidecar_bytes -= self.full * groups["compressed"].page_bytes
+
+    async def round(self, offload: DeepSeekV4Offload, r: int) -> tuple[float, float, bool]:
+        """Store the sidecar of a new boundary key, poison, reload it elsewhere, check it."""
+        boundary, full = b"boundary-%d-%d" % (self.n, r), self.full
+        keys = offload.keys(self.n, self.block_keys, boundary)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        stored = offload.store(self.n, self.tables, self.block_keys, boundary)
+        await offload.step()
+        await stored
+        t1 = time.perf_counter()
+        cut = {g: full if g == "compressed" else 0 for g in keys}  # the prefix stays stored
+        side = {g: (keys[g][cut[g] :], self.fresh[g][cut[g] :]) for g in keys}
+        for g, (_, ids) in side.items():
+            for t in self.caches[g]:
+                _poison_blocks(t, ids, self.gen)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        futures = [offload.managers[g].swap_in(k, ids) for g, (k, ids) in side.items() if k]
+        await offload.step()
+        await asyncio.gather(*futures)
+        _sync(self.device)
+        t3 = time.perf_counter()
+        exact = True
+        for g, (k, ids) in side.items():
+            src = list(range(cut[g], self.need[g]))
+            for t in self.caches[g]:
+                exact &= bool(torch.equal(t[ids].view(torch.uint8), t[src].view(torch.uint8)))
+            offload.managers[g].invalidate(k)
+        return t1 - t0, t3 - t2, exact
+
+
 async def _sidecar(
     layout: DeepSeekV4Layout, n: int, repeats: int, device: torch.device, gen: torch.Generator
 ) -> dict[str, Any]:
     """Store + load of the restore point's sidecar at ``n`` (the prefix stored beforehand)."""
-    need = {g.name: len(layout.blocks_at(g.name, n)) for g in layout.groups}
-    caches = allocate_caches(layout, {g: 2 * k + 1 for g, k in need.items()}, device=device)
-    for tensors in caches.values():
-        for t in tensors:
-            _random_(t, gen)
+    point = _Restore(layout, n, device, gen)
     engine = "auto" if device.type == "cuda" else "host"
-    cpu = {g: k + 2 for g, k in need.items()}
-    full = n // layout.block_size
-    block_keys = [b"prefix-%d-%d" % (n, i) for i in range(full)]
-    tables = {g: list(range(k)) for g, k in need.items()}
-    tables.update({g: [-1] * layout.blocks_at(g, n).start + list(range(k))
-                   for g, k in need.items() if g != "compressed"})  # fmt: skip
-    fresh = {g: list(range(k, 2 * k)) for g, k in need.items()}
+    cpu = {g: k + 2 for g, k in point.need.items()}
     store_s, load_s, exact = [], [], True
-    async with DeepSeekV4Offload.create(layout, caches, cpu, engine=engine) as offload:
+    async with DeepSeekV4Offload.create(layout, point.caches, cpu, engine=engine) as offload:
         mgr = offload.managers["compressed"]
-        first = mgr.swap_out(list(range(full)), block_keys)
+        first = mgr.swap_out(list(range(point.full)), point.block_keys)
         await mgr.step()
         await first
         for r in range(repeats + 1):
-            boundary = b"boundary-%d-%d" % (n, r)
-            keys = offload.keys(n, block_keys, boundary)
-            _sync(device)
-            t0 = time.perf_counter()
-            stored = offload.store(n, tables, block_keys, boundary)
-            await offload.step()
-            await stored
-            t1 = time.perf_counter()
-            side = {g: (keys[g][full:], fresh[g][full:]) if g == "compressed" else (keys[g], fresh[g])
-                    for g in keys}  # fmt: skip
-            for g, (_, ids) in side.items():  # poison the destinations
-                for t in caches[g]:
-                    _poison_blocks(t, ids, gen)
-            _sync(device)
-            t2 = time.perf_counter()
-            futures = [offload.managers[g].swap_in(k, ids) for g, (k, ids) in side.items() if k]
-            await offload.step()
-            await asyncio.gather(*futures)
-            _sync(device)
-            t3 = time.perf_counter()
-            for g, (k, ids) in side.items():
-                src = (
-                    tables[g][full:]
-                    if g == "compressed"
-                    else [tables[g][i] for i in layout.blocks_at(g, n)]
-                )
-                for t in caches[g]:
-                    exact &= bool(torch.equal(t[ids].view(torch.uint8), t[src].view(torch.uint8)))
-                offload.managers[g].invalidate(k)
+            store, load, same = await point.round(offload, r)
+            exact &= same
             if r:  # the first round warms up
-                store_s.append(t1 - t0)
-                load_s.append(t3 - t2)
-    groups = {g.name: g for g in layout.groups}
-    sidecar_bytes = sum(need[g] * groups[g].page_bytes for g in need if g != "compressed")
-    sidecar_bytes += (need["compressed"] - full) * groups["compressed"].page_bytes
+                store_s.append(store)
+                load_s.append(load)
     store, load = statistics.median(store_s), statistics.median(load_s)
-    return {"sidecar_bytes": sidecar_bytes, "sidecar_store_us": store * 1e6,
-            "sidecar_load_us": load * 1e6, "sidecar_load_gbps": sidecar_bytes / load / 1e9,
+    return {"sidecar_bytes": point.sidecar_bytes, "sidecar_store_us": store * 1e6,
+            "sidecar_load_us": load * 1e6, "sidecar_load_gbps": point.sidecar_bytes / load / 1e9,
             "bit_exact": exact}  # fmt: skip
+
+
+class _Tail:
+    """The tail tokens' projections and cache writers of every layer (recompute's lower bound)."""
+
+    def __init__(self, layout: DeepSeekV4Layout, n: int, hidden: int, device: torch.device) -> None:  # fmt: skip
+        self.layout, self.device = layout, device
+        d, di = layout.head_dim, layout.index_head_dim
+        self.tail = {g: n - layout.live_start(g, n) for g in ("swa", "c4_state", "c128_state")}
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.h = torch.randn(self.tail["swa"], hidden, device=device, dtype=dtype)
+        self.weights = {w: torch.randn(hidden, c, device=device, dtype=dtype) / hidden**0.5
+                        for w, c in (("swa", d), ("c4", 4 * d), ("idx", 4 * di), ("c128", 2 * d))}  # fmt: skip
+        self.pos = {g: torch.arange(n - t, n, device=device) for g, t in self.tail.items()}
+        self.slots = {g: torch.arange(t, device=device) for g, t in self.tail.items()}
+        self.cos_sin = rope_cos_sin_cache(n + 1, device=device)
+        rows = {g: max(1, t) for g, t in self.tail.items()}
+        self.swa = torch.zeros(rows["swa"], 1, layout.entry_bytes, dtype=torch.uint8, device=device)
+        self.states = {"c4": torch.zeros(rows["c4_state"], 1, 4 * d, device=device),
+                       "idx": torch.zeros(rows["c4_state"], 1, 4 * di, device=device),
+                       "c128": torch.zeros(rows["c128_state"], 1, 2 * d, device=device)}  # fmt: skip
+        self.ape = {"c4": torch.randn(4, 2 * d, device=device),
+                    "idx": torch.randn(4, 2 * di, device=device),
+                    "c128": torch.randn(128, d, device=device)}  # fmt: skip
+        self.write128: Any = c128_state_write_ref
+        if device.type == "cuda":
+            from kvmgr.kernels.c128.api import c128_state_write
+
+            self.write128 = c128_state_write
+
+    def gemms(self) -> list[tuple[str, torch.Tensor]]:
+        """Each layer's projections of its tail tokens, as (kind, [tokens, 2 x width])."""
+        h, w, t = self.h, self.weights, self.tail
+        out = []
+        for r in self.layout.compress_ratios:
+            out.append(("swa", h @ w["swa"]))
+            if r == 4:
+                out += [
+                    ("c4", h[-t["c4_state"] :] @ w["c4"]),
+                    ("idx", h[-t["c4_state"] :] @ w["idx"]),
+                ]
+            elif r == 128 and t["c128_state"]:
+                out.append(("c128", h[-t["c128_state"] :] @ w["c128"]))
+        return out
+
+    def writers(self, out: list[tuple[str, torch.Tensor]]) -> None:
+        """The cache writers over the projections (SWA insert, state writes)."""
+        group = {"c4": "c4_state", "idx": "c4_state", "c128": "c128_state"}
+        for kind, kv in out:
+            if kind == "swa":
+                swa_insert_ref(kv, self.pos["swa"], self.slots["swa"], self.cos_sin, self.swa)
+                continue
+            half, g = kv.shape[1] // 2, group[kind]
+            args = (
+                kv[:, :half],
+                kv[:, half:],
+                self.ape[kind],
+                self.pos[g],
+                self.slots[g],
+                self.states[kind],
+            )
+            if kind == "c128":
+                self.write128(*args)
+            else:
+                compressor_state_write_ref(*args, ratio=4)
 
 
 def _recompute(layout: DeepSeekV4Layout, n: int, repeats: int, hidden: int, device: torch.device) -> dict[str, Any]:  # fmt: skip
     """Projection GEMMs + cache writers over the tail tokens (a lower bound of recompute)."""
-    d, di = layout.head_dim, layout.index_head_dim
-    tail = {g: n - layout.live_start(g, n) for g in ("swa", "c4_state", "c128_state")}
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    h = torch.randn(tail["swa"], hidden, device=device, dtype=dtype)
-    weights = {w: torch.randn(hidden, cols, device=device, dtype=dtype) / hidden**0.5
-               for w, cols in (("swa", d), ("c4", 4 * d), ("idx", 4 * di), ("c128", 2 * d))}  # fmt: skip
-    pos = {g: torch.arange(n - t, n, device=device) for g, t in tail.items()}
-    cs = rope_cos_sin_cache(n + 1, device=device)
-    swa = torch.zeros(tail["swa"], 1, layout.entry_bytes, dtype=torch.uint8, device=device)
-    c4 = torch.zeros(max(1, tail["c4_state"]), 1, 4 * d, device=device)
-    idx = torch.zeros(max(1, tail["c4_state"]), 1, 4 * di, device=device)
-    c128 = torch.zeros(max(1, tail["c128_state"]), 1, 2 * d, device=device)
-    ape4, ape_i, ape128 = (
-        torch.randn(r, c, device=device) for r, c in ((4, 2 * d), (4, 2 * di), (128, d))
-    )
-    write128 = c128_state_write_ref
-    if device.type == "cuda":
-        from kvmgr.kernels.c128.api import c128_state_write as write128
-
-    def gemms() -> list[torch.Tensor]:
-        out = []
-        for r in layout.compress_ratios:
-            out.append(h @ weights["swa"])
-            if r == 4:
-                out += [
-                    h[-tail["c4_state"] :] @ weights["c4"],
-                    h[-tail["c4_state"] :] @ weights["idx"],
-                ]
-            elif r == 128 and tail["c128_state"]:
-                out.append(h[-tail["c128_state"] :] @ weights["c128"])
-        return out
-
-    def writers(out: list[torch.Tensor]) -> None:
-        it = iter(out)
-        for r in layout.compress_ratios:
-            swa_insert_ref(next(it), pos["swa"], torch.arange(tail["swa"], device=device), cs, swa)
-            if r == 4:
-                slots = torch.arange(tail["c4_state"], device=device)
-                kv = next(it)
-                compressor_state_write_ref(
-                    kv[:, : 2 * d], kv[:, 2 * d :], ape4, pos["c4_state"], slots, c4, ratio=4
-                )
-                kv = next(it)
-                compressor_state_write_ref(
-                    kv[:, : 2 * di], kv[:, 2 * di :], ape_i, pos["c4_state"], slots, idx, ratio=4
-                )
-            elif r == 128 and tail["c128_state"]:
-                kv = next(it)
-                slots = torch.arange(tail["c128_state"], device=device)
-                write128(kv[:, :d], kv[:, d:], ape128, pos["c128_state"], slots, c128)
-
+    tail = _Tail(layout, n, hidden, device)
     gemm_s, write_s = [], []
     for r in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
-        out = gemms()
+        out = tail.gemms()
         _sync(device)
         t1 = time.perf_counter()
-        writers(out)
+        tail.writers(out)
         _sync(device)
-        if r:
+        if r:  # the first round warms up
             gemm_s.append(t1 - t0)
             write_s.append(time.perf_counter() - t1)
     gemm, write = statistics.median(gemm_s), statistics.median(write_s)
-    return {"tail_tokens": tail, "recompute_gemm_us": gemm * 1e6, "recompute_write_us": write * 1e6,
-            "recompute_lower_bound_us": (gemm + write) * 1e6}  # fmt: skip
+    return {"tail_tokens": tail.tail, "recompute_gemm_us": gemm * 1e6,
+            "recompute_write_us": write * 1e6, "recompute_lower_bound_us": (gemm + write) * 1e6}  # fmt: skip
 
 
 def _forward_estimate(layout: DeepSeekV4Layout, args: argparse.Namespace) -> dict[str, float]:
