@@ -26,6 +26,7 @@ transfer_device_seconds_total      counter  direction      their device (or copy
 steps_total                        counter                 ``step()`` calls
 copies_in_flight                   gauge                   batches submitted, not completed
 queued_swaps                       gauge                   swaps waiting for the next flush
+stores_waiting                     gauge                   stores waiting for room (backpressure)
 cpu_blocks                         gauge    state          CPU tier blocks ``used`` / ``free``
 cpu_keys                           gauge    state          keyed CPU blocks ``pending`` / ``ready``
                                                            / ``loading`` (READY with loads)
@@ -149,6 +150,7 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
     add("steps_total", counter, "step() calls", st.steps)
     add("copies_in_flight", gauge, "batches submitted and not completed", st.batches_in_flight)
     add("queued_swaps", gauge, "swaps waiting for the next flush", st.queued_swaps)
+    add("stores_waiting", gauge, "stores waiting for room (backpressure)", st.stores_waiting)
     free = st.cpu_blocks_total - st.cpu_blocks_used
     add("cpu_blocks", gauge, "CPU tier blocks by state", st.cpu_blocks_used, state="used")
     add("cpu_blocks", gauge, "CPU tier blocks by state", free, state="free")

@@ -216,6 +216,7 @@ class ManagerStatistics:
         completion_s: histogram of seconds from submission to completion per batch.
     Gauges:
         batches_in_flight: batches submitted and not completed. queued_swaps: swaps not flushed.
+        stores_waiting: stores waiting for room (``backpressure="wait"``), not in queued_swaps.
         cpu_blocks_used / cpu_blocks_total: CPU tier occupancy (keyed + request blocks).
         cpu_keys_pending / cpu_keys_ready: keyed blocks by state; cpu_keys_loading: READY keys
             with loads in flight (a subset of cpu_keys_ready).
@@ -249,6 +250,7 @@ class ManagerStatistics:
     completion_s: Histogram | None = None
     batches_in_flight: int = 0
     queued_swaps: int = 0
+    stores_waiting: int = 0
     cpu_blocks_used: int = 0
     cpu_blocks_total: int = 0
     cpu_keys_pending: int = 0

@@ -230,8 +230,13 @@ class Bookkeeper:
         future: asyncio.Future[Any],
         *,
         batched: bool,
+        held: bool = False,
     ) -> Part:
         """Reserve CPU blocks for the keys not in the CPU tier yet; they become PENDING.
+
+        ``held``: ``gpu_block_ids`` were validated by an earlier call and a waiting store holds
+        them (``backpressure``), so they are not checked again (an owned block may be
+        ``DRAINING`` by now: its request was freed while the store waited).
 
         Raises:
             InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
@@ -239,6 +244,7 @@ class Bookkeeper:
         """
         if (
             not batched
+            and not held
             and type(gpu_block_ids) is list
             and type(keys) is list
             and parents is None
@@ -248,7 +254,7 @@ class Bookkeeper:
             part = self._store_small(gpu_block_ids, keys, future)
             if part is not None:
                 return part
-        gpu = self.gpu_ids(gpu_block_ids, "store")
+        gpu: Any = gpu_block_ids if held else self.gpu_ids(gpu_block_ids, "store")
         keys = check_keys(keys, distinct=not batched)
         n = len(keys)
         if n != len(gpu):

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvmgr.config import ManagerConfig
@@ -34,8 +35,8 @@ from kvmgr.errors import (
     TransferTimeoutError,
 )
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.manager.backpressure import RoomWaiters
-from kvmgr.manager.bookkeeping import Bookkeeper
+from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
+from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.flush import Flusher
 from kvmgr.manager.queue import Part, SwapQueue
@@ -129,7 +130,7 @@ class OffloadManager:
         self._hooks = list(hooks)
         self._queue = SwapQueue(gpu_layout.num_blocks)
         self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
-        self._room = RoomWaiters()
+        self._room = RoomWaiters(self._books.gpu, self._books.counters, self._enqueue)
         self._flusher.on_settled = self._room.wake
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -352,7 +353,8 @@ class OffloadManager:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
             InvalidKeyError: bad keys, or different counts.
             PoolExhaustedError: no room even after eviction; nothing changed (with
-                ``backpressure="wait"`` the future waits for room instead).
+                ``backpressure="wait"`` the future waits for room instead, holding its GPU
+                blocks like a queued store; cancelling it drops the store).
             ClosedError, EventLoopError: closed, or no running loop.
         """
         return self._store(gpu_block_ids, keys, parents, batched=False)
@@ -405,20 +407,28 @@ class OffloadManager:
         *,
         batched: bool,
     ) -> asyncio.Future[Any]:
-        """Backpressure: fail now, or a task that retries the store until room appears."""
+        """Backpressure: fail now, or register the store to wait for room (it holds its GPU
+        blocks meanwhile, like a queued store; see ``backpressure``)."""
         counters = self._books.counters
         if self.config.backpressure != "wait" or exc.needed > self.config.num_cpu_blocks:
             counters.reject(exc.reason)
             raise exc
         loop = self._check_open()
-        deadline = loop.time() + self.config.store_wait_s
+        books = self._books
+        # validated again (cheap, and it copies what the caller may reuse): the ids are held
+        gpu = books.gpu_ids(gpu_block_ids, "store")
+        keys = check_keys(keys, distinct=False)
+        parents = None if parents is None else list(parents)
 
         def attempt(future: asyncio.Future[Any]) -> Part:
-            return self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+            return books.prepare_store(gpu, keys, parents, future, batched=batched, held=True)
 
-        return loop.create_task(
-            self._room.retry(loop, attempt, self._enqueue, deadline, self.config, counters)
+        future = WaitingFuture(loop=loop)
+        held = np.array(gpu, dtype=np.int64)
+        self._room.wait(
+            loop, WaitingStore(future, attempt, held, keys, exc), self.config.store_wait_s
         )
+        return future
 
     def swap_in(
         self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]
@@ -634,9 +644,9 @@ class OffloadManager:
         self._step = step
         if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
-                d2h, h2d = self._flusher.flush()
+                d2h, h2d = self._flush()
         else:
-            d2h, h2d = self._flusher.flush()
+            d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
         report = StepReport(
@@ -649,6 +659,18 @@ class OffloadManager:
         )
         await asyncio.sleep(0)
         return report
+
+    def _flush(self) -> tuple[Any, Any]:
+        """Flush the queue; once more if a lane failed at submit freed room for waiting
+        stores during this flush (they were queued behind it and would wait a whole step)."""
+        room = self._room
+        room.num_requeued = 0
+        d2h, h2d = self._flusher.flush()
+        if room.num_requeued and len(self._queue):
+            room.num_requeued = 0
+            more_d2h, more_h2d = self._flusher.flush()
+            d2h, h2d = _sum_reports(d2h, more_d2h), _sum_reports(h2d, more_h2d)
+        return d2h, h2d
 
     # ------------------------------------------------------------------ waiting
 
@@ -700,6 +722,7 @@ class OffloadManager:
             completion_s=c.completion_s.freeze(),
             batches_in_flight=len(self._queue.in_flight),
             queued_swaps=len(self._queue),
+            stores_waiting=len(self._room),
             cpu_blocks_used=cpu.pool.num_allocated,
             cpu_blocks_total=cpu.num_blocks,
             cpu_keys_pending=cpu.num_pending,
@@ -714,7 +737,7 @@ class OffloadManager:
         """Every block, key, table and queued or in-flight swap, as frozen values (for tests
         and ``kvmgr.testing.check_invariants``; costs O(blocks), not for the hot path)."""
         promoting = () if self._tiers is None else tuple(self._tiers.promoting)
-        return take_snapshot(self._books, self._queue, promoting)
+        return take_snapshot(self._books, self._queue, promoting, self._room.stores)
 
     def take_events(self) -> list[KVEvent]:
         """Remove and return the KV events recorded since the last call, oldest first: a
@@ -733,3 +756,12 @@ class OffloadManager:
         for batch in self._queue.in_flight.values():
             if batch.direction is Direction.H2D:
                 self.engine.stream_wait(batch.handle, stream)
+
+
+def _sum_reports(a: Any, b: Any) -> Any:
+    """Two flushes' ``DirectionReport`` of one direction, summed (an empty one is the unit)."""
+    if not b.batches:
+        return a
+    if not a.batches:
+        return b
+    return a + b
