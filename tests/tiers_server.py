@@ -93,8 +93,7 @@ class TierServer:
         raise RuntimeError(f"tier server did not listen on port {self.port}")
 
     def kill(self) -> None:
-        """SIGKILL (a crash): the data is gone, the port is free."""
-        self.thaw()
+        """SIGKILL (a crash, also of a frozen server): the data is gone, the port is free."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(5)

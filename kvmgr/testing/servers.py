@@ -102,8 +102,7 @@ class LocalServer:
     def kill(self) -> None:
         """SIGKILL (a crash; the data is gone)."""
         if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
-            self.process.kill()
+            self.process.kill()  # (SIGKILL also ends a frozen process, without waking it)
             self.process.wait(10)
         if self.process is not None and self.process.stderr:
             self.process.stderr.close()

@@ -173,7 +173,9 @@ class PinnedRegion:
         self._on_pageable = on_pageable
         self._thread_init = thread_init
         self._start = time.perf_counter()
-        self._mmap, self.tensor, self._hugepages = allocate_pages(layout.num_bytes, options.hugepages)
+        self._mmap, self.tensor, self._hugepages = allocate_pages(
+            layout.num_bytes, options.hugepages
+        )
         self._alloc_s = time.perf_counter() - self._start
         self._base = self.tensor.data_ptr()
         self._pieces = plan_pieces(layout, first_piece_bytes=options.first_piece_bytes,

@@ -72,8 +72,9 @@ class TierJobStatistics:
         num_blocks_skipped: blocks of store jobs already in the tier (not written again).
         num_blocks_loaded / num_blocks_missed: blocks of load jobs verified / not delivered.
         num_unexpected_errors: jobs that raised something other than a tier error (a bug).
-        backend: the backend's own counters (timeouts, errors, corrupt blobs, last error).
-        bridge: the bridge's counters (layout mismatches, tier errors turned into misses).
+        backend: the backend's own counters (timeouts, errors, malformed values, last error).
+        bridge: the bridge's counters (layout mismatches, corrupt or unsealed blobs, tier errors
+            turned into misses).
     """
 
     num_store_jobs: int

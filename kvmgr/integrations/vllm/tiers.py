@@ -108,8 +108,9 @@ class KvmgrSharedTier(KvmgrTierManager):
         ttl_s: expire stored chunks after this many seconds (``None``: the server's policy).
         deadline_s: deadline of every server call, seconds.
         **options: the other ``SharedTier`` arguments (``username``, ``password_file``,
-            ``password_env``, ``connect_timeout_s``, ``max_connections``, ``max_command_bytes``,
-            ``max_keys_per_command``, ``reconnect_backoff_s``, ``ssl_ca_certs``) and
+            ``password_env``, ``connect_timeout_s``, ``hint_deadline_s``, ``max_connections``,
+            ``reconnect_backoff_s``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+            ``single_tenant``...; see ``SharedTier``) and
             ``tenant_salt``, ``key_prefix``, ``max_known_keys``, ``locality``
             (`KvmgrTierManager`).
 
