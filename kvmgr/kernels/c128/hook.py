@@ -78,7 +78,6 @@ class C128CompressorHook:
         gated: bool = True,
         check_slots: bool = False,
         direct_launch: bool = True,
-        packed_launch: bool = True,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
 
@@ -95,14 +94,9 @@ class C128CompressorHook:
             check_slots: check every step's slots, table rows and table entries against the
                 caches and raise :class:`~kvmgr.errors.InvalidBlockError` for an index the
                 device would skip (one device->host sync per kernel; not under capture).
-            direct_launch: launch the compiled kernels directly, past Triton's per-call
-                dispatch (:mod:`kvmgr.kernels.launch`: keyed by everything Triton
-                specializes on, falling back to Triton's normal launch where its internals
-                differ). ``False`` takes Triton's normal launch on every step.
-            packed_launch: with ``direct_launch``, bind each kernel's launch once per
-                specialization and then launch it with ``cuLaunchKernel`` from packed
-                arguments updated in place (:mod:`kvmgr.kernels.packed_launch`; the default).
-                ``False`` launches through the compiled kernel's own launcher.
+            direct_launch: bind each kernel's launch once per step signature and launch it with
+                ``cuLaunchKernelEx`` from packed arguments (:mod:`kvmgr.kernels.launch`; the
+                default). ``False`` takes Triton's own launch on every step.
 
         Raises:
             GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,
@@ -111,8 +105,7 @@ class C128CompressorHook:
         """
         self._layer = Layer(state_cache, ape=ape, norm_weight=norm_weight,
                              cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
-                             eps=eps, direct_launch=direct_launch,
-                             packed_launch=packed_launch)  # fmt: skip
+                             eps=eps, direct_launch=direct_launch)  # fmt: skip
         self.name = name
         self.gated = gated
         self.check_slots = check_slots
