@@ -33,9 +33,10 @@ BENCHES = {
     "tiers": "kvmgr.bench.tiers",
     "peer": "kvmgr.bench.peer",
     "peer-mla": "kvmgr.bench.peer_mla",
+    "launch-host": "kvmgr.bench.launch_host",
 }
 #: benchmarks that run without a GPU (every other one needs a CUDA GPU).
-CPU_BENCHES = frozenset({"host", "tiers"})
+CPU_BENCHES = frozenset({"host", "tiers", "launch-host"})
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
@@ -87,8 +88,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             p.set_defaults(run=mod.run)
     bench = sub.add_parser(
         "bench",
-        help="micro-benchmarks (all but host and tiers need a CUDA GPU)",
-        description="micro-benchmarks (all but host and tiers need a CUDA GPU)",
+        help="micro-benchmarks (all but host, tiers and launch-host need a CUDA GPU)",
+        description="micro-benchmarks (all but host, tiers and launch-host need a CUDA GPU)",
         formatter_class=HelpFormatter,
     )
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -586,6 +586,24 @@ def test_a_first_call_under_capture_is_refused(monkeypatch: pytest.MonkeyPatch) 
         plan.make_plan((key[0], 0, *key[2:]))
 
 
+def test_hook_reports_are_ordinary_frozen_reports() -> None:
+    # the hooks build their reports with HookReport.of (the per-step path): the same value as
+    # the keyword constructor's, frozen, evolvable
+    import attrs
+
+    from kvmgr.hooks import HookReport
+
+    caches = _caches(159, 2, 3, 4, 32, torch.bfloat16)
+    kv_c, k_pe = _inputs(158, 2, 5, 24, 8, torch.bfloat16)
+    report = GroupedMLAInsertHook(caches)(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": _slots(157, 5, 12, 1)}))  # fmt: skip
+    expected = HookReport(name="mla_insert", launches=1, host_s=report.host_s, extra={"num_tokens": 5, "grouped": True})  # fmt: skip
+    assert report == expected and report.host_s > 0 and type(report) is HookReport
+    assert HookReport.of("x", 2, 1, 0.5, {"a": 1}) == HookReport(name="x", launches=2, skips=1, host_s=0.5, extra={"a": 1})  # fmt: skip
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        report.launches = 3  # type: ignore[misc]
+    assert attrs.evolve(report, skips=1).skips == 1
+
+
 def test_hook_without_per_step_checks_inserts_the_same() -> None:
     num_layers, num_tokens, rank, rope_dim = 2, 9, 16, 8
     kv_c, k_pe = _inputs(150, num_layers, num_tokens, rank, rope_dim, torch.float16)

@@ -14,6 +14,7 @@ non-boundary tokens on the device.
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -25,6 +26,8 @@ from kvmgr.kernels.c128.gate import c128_boundary
 from kvmgr.kernels.c128.host import Layer
 
 __all__ = ["C128CompressorHook"]
+
+_now = time.perf_counter
 
 _STEP_TENSORS = (  # the order __call__ unpacks them in
     "positions",
@@ -115,6 +118,7 @@ class C128CompressorHook:
         self.num_launches = 0
         self.num_skips = 0
         self._keys = (*_STEP_TENSORS, f"{name}.kv", f"{name}.score")
+        self._step_tensors = operator.itemgetter(*self._keys)
 
     def __call__(self, ctx: StepContext) -> HookReport:
         """Enqueue this step's state write and, unless gated off, its compression.
@@ -136,10 +140,9 @@ class C128CompressorHook:
             ConfigError: ``check_slots`` under CUDA-graph capture. The compress inputs are only checked when
                 the compress launch is issued.
         """
-        start_s = time.perf_counter()
+        start_s = _now()
         try:
-            pos, state_slots, table, req, slots, kv, score = map(ctx.tensors.__getitem__,
-                                                                 self._keys)  # fmt: skip
+            pos, state_slots, table, req, slots, kv, score = self._step_tensors(ctx.tensors)
         except KeyError:
             missing = [k for k in self._keys if k not in ctx.tensors]
             got = sorted(ctx.tensors)
@@ -157,18 +160,16 @@ class C128CompressorHook:
             check_write_bounds(layer, pos, state_slots)
             if not skip:
                 check_compress_bounds(layer, table, req, pos, slots)
+        launches = 0
         if num_tokens:
-            write.launch((num_tokens, 1, 1), ctx.stream)
+            grid, stream = (num_tokens, 1, 1), ctx.stream
+            write.launch(grid, stream)
+            launches = 1
             if not skip:
-                compress.launch((num_tokens, 1, 1), ctx.stream)
-        launches = 0 if num_tokens == 0 else 1 + (not skip)
+                compress.launch(grid, stream)
+                launches = 2
         self.num_steps += 1
         self.num_launches += launches
         self.num_skips += skip
-        return HookReport(
-            name=self.name,
-            launches=launches,
-            skips=int(skip),
-            host_s=time.perf_counter() - start_s,
-            extra={"boundary": boundary, "num_tokens": num_tokens},
-        )
+        return HookReport.of(self.name, launches, int(skip), _now() - start_s,
+                             {"boundary": boundary, "num_tokens": num_tokens})  # fmt: skip

@@ -174,7 +174,7 @@ class PackedLaunch(TritonLaunch):
             RuntimeError: the driver refused the launch (its error name in the message).
         """
         self._changed = args
-        if not self._can_launch():
+        if self._blocked():
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
@@ -182,7 +182,7 @@ class PackedLaunch(TritonLaunch):
             self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)
         except struct.error as exc:
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
-        self._call_driver()
+        self._fire()
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
         """Write ``values`` (the varying arguments' packed values) for the next launches; ``args``
@@ -198,13 +198,14 @@ class PackedLaunch(TritonLaunch):
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
 
     def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
-        """Launch with the values last written (:meth:`set` or :meth:`run`)."""
-        if not self._can_launch():
+        """Launch with the values last written (:meth:`set` or :meth:`run`); raises as
+        :meth:`run`."""
+        if self._blocked():
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
         self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
-        self._call_driver()
+        self._fire()
 
     def value(self, index: int) -> Any:
         """The packed value of argument ``index`` (an int or float; None for a constexpr)."""
@@ -214,25 +215,25 @@ class PackedLaunch(TritonLaunch):
         fmt = "<Q" if ty[0] == "*" else "<" + _CELL[ty][0]
         return struct.unpack_from(fmt, self._buffer, self._offset[index])[0]
 
-    def _can_launch(self) -> bool:
-        """No Triton launch hook, the bound device current, and the kernel's context current on
-        this thread (a new thread is adopted when its context is the kernel's)."""
+    def _blocked(self) -> bool:
+        """Whether this call must take Triton's own launch: a Triton launch hook is set (a
+        callable, or a non-empty ``HookChain``), the bound device is not current, or this thread's
+        current CUDA context is not the kernel's (a new thread in that context is adopted)."""
         knobs = self._knobs
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-        # a hook is a callable or a HookChain (empty by default: then its calls list is falsy)
-        if enter is not None and getattr(enter, "calls", enter):
-            return False
-        if leave is not None and getattr(leave, "calls", leave):
-            return False
+        if (enter is not None and getattr(enter, "calls", enter)) or (
+            leave is not None and getattr(leave, "calls", leave)
+        ):
+            return True
         if self._get_device() != self.device:
-            return False
+            return True
         if threading.get_ident() != self._thread:
             if self._driver.current_context() != self._context:
-                return False
+                return True
             self._thread = threading.get_ident()
-        return True
+        return False
 
-    def _call_driver(self) -> None:
+    def _fire(self) -> None:
         result = self._driver.launch(*self._call)
         if result:
             raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")

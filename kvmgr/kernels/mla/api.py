@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvmgr.kernels.mla import plan
 from kvmgr.kernels.mla.checks import (
     KV_CACHE_DTYPES,
     check_caches,
@@ -40,7 +41,6 @@ from kvmgr.kernels.mla.checks import (
     check_step,
 )
 from kvmgr.kernels.mla.memo import InsertMemo
-from kvmgr.kernels.mla.plan import IS_INTERPRETED, launch_per_layer
 from kvmgr.kernels.mla.reference import mla_insert_reference
 
 __all__ = ["KV_CACHE_DTYPES", "grouped_mla_insert", "mla_insert_reference", "per_layer_mla_insert"]
@@ -99,7 +99,7 @@ def grouped_mla_insert(
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)
     if check_slots:
         step = check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, insert.plan.meta,
-                          allow_cpu=IS_INTERPRETED)  # fmt: skip
+                          allow_cpu=plan.IS_INTERPRETED)  # fmt: skip
         check_slot_range(step, caches)
     insert(kv_c, k_pe, slot_mapping, kv_scales, block_tokens=block_tokens, num_warps=num_warps)
 
@@ -130,8 +130,10 @@ def per_layer_mla_insert(
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     meta = check_caches(caches, kv_cache_dtype)
     step = check_step(
-        kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, meta, allow_cpu=IS_INTERPRETED
+        kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, meta, allow_cpu=plan.IS_INTERPRETED
     )
     if check_slots:
         check_slot_range(step, caches)
-    launch_per_layer(step, kv_c, k_pe, caches, kv_scales, kv_cache_dtype, block_tokens, num_warps)
+    plan.launch_per_layer(
+        step, kv_c, k_pe, caches, kv_scales, kv_cache_dtype, block_tokens, num_warps
+    )

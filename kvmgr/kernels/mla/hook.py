@@ -9,6 +9,7 @@ Importing this module does not import Triton; constructing a hook does.
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from kvmgr.hooks import HookReport, StepContext
 __all__ = ["GroupedMLAInsertHook"]
 
 _TENSOR_NAMES = ("kv_c", "k_pe", "slot_mapping")
+_step_tensors = operator.itemgetter(*_TENSOR_NAMES)
+_now = time.perf_counter
 
 
 class GroupedMLAInsertHook:
@@ -119,28 +122,29 @@ class GroupedMLAInsertHook:
             GeometryError: The step's tensors do not match the caches (see ``grouped_mla_insert``).
             InvalidBlockError: ``check_slots`` and a slot is past the capacity.
         """
-        start_s = time.perf_counter()
-        tensors = ctx.tensors
+        start_s = _now()
         try:
-            kv_c, k_pe, slots = tensors["kv_c"], tensors["k_pe"], tensors["slot_mapping"]
+            kv_c, k_pe, slots = _step_tensors(ctx.tensors)
         except KeyError:
-            missing = [name for name in _TENSOR_NAMES if name not in tensors]
+            missing = [name for name in _TENSOR_NAMES if name not in ctx.tensors]
             raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}") from None  # fmt: skip
-        checks, caches, scales = self._checks, self._caches, self._kv_scales
+        insert, scales = self._insert, self._kv_scales
+        if insert is not None and not self._check_slots:  # the per-step path
+            num_tokens = insert(kv_c, k_pe, slots, scales, self._validate, ctx.stream)
+            return HookReport.of(self.name, 0 if num_tokens == 0 else 1, 0, _now() - start_s,
+                                 {"num_tokens": num_tokens, "grouped": True})  # fmt: skip
+        return self._checked_step(ctx, kv_c, k_pe, slots, start_s)
+
+    def _checked_step(self, ctx: StepContext, kv_c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, start_s: float) -> HookReport:  # fmt: skip
+        """A step with ``check_slots``, or through the per-layer fallback."""
+        checks, caches, scales, dtype = self._checks, self._caches, self._kv_scales, self._kv_cache_dtype  # fmt: skip
         if self._insert is not None:
-            if self._check_slots:
-                step = checks.check_step(kv_c, k_pe, slots, scales, self._kv_cache_dtype,
-                                         self._meta, allow_cpu=self._allow_cpu)  # fmt: skip
-                checks.check_slot_range(step, caches)
-            num_tokens = self._insert(kv_c, k_pe, slots, scales, validate=self._validate,
-                                      stream=ctx.stream)  # fmt: skip
-            return HookReport(
-                name=self.name,
-                launches=0 if num_tokens == 0 else 1,
-                host_s=time.perf_counter() - start_s,
-                extra={"num_tokens": num_tokens, "grouped": True},
-            )
-        dtype = self._kv_cache_dtype
+            step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
+                                     allow_cpu=self._allow_cpu)  # fmt: skip
+            checks.check_slot_range(step, caches)
+            num_tokens = self._insert(kv_c, k_pe, slots, scales, self._validate, ctx.stream)
+            return HookReport.of(self.name, 0 if num_tokens == 0 else 1, 0, _now() - start_s,
+                                 {"num_tokens": num_tokens, "grouped": True})  # fmt: skip
         if self._validate:
             step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
                                      allow_cpu=self._allow_cpu)  # fmt: skip
@@ -151,9 +155,6 @@ class GroupedMLAInsertHook:
         stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
         with stream:
             self._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
-        return HookReport(
-            name=self.name,
-            launches=0 if step.num_tokens == 0 else len(caches),
-            host_s=time.perf_counter() - start_s,
-            extra={"num_tokens": step.num_tokens, "grouped": False},
-        )
+        launches = 0 if step.num_tokens == 0 else len(caches)
+        return HookReport.of(self.name, launches, 0, _now() - start_s,
+                             {"num_tokens": step.num_tokens, "grouped": False})  # fmt: skip

@@ -30,9 +30,10 @@ import torch
 
 from kvmgr.kernels.launch import Launches
 from kvmgr.kernels.launch.rule import Unsupported
+from kvmgr.kernels.mla import plan as plans
 from kvmgr.kernels.mla.checks import check_step, unchecked_step
 from kvmgr.kernels.mla.kernel import grouped_insert_kernel
-from kvmgr.kernels.mla.plan import IS_INTERPRETED, Plan, grouped_constexprs, launch_config
+from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
 
 __all__ = ["GroupedInsert"]
 
@@ -79,11 +80,11 @@ class GroupedInsert:
         k_pe: torch.Tensor,
         slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None,
-        *,
         validate: bool = True,
+        stream: Any = None,
+        *,
         block_tokens: int | None = None,
         num_warps: int | None = None,
-        stream: Any = None,
     ) -> int:
         """Enqueue one insert on ``stream`` (None: the current one); returns ``T``. Inputs as
         :func:`~kvmgr.kernels.mla.api.grouped_mla_insert`.
@@ -116,7 +117,8 @@ class GroupedInsert:
                 classes, len(ks), num_layers, ks[2], kt[1], kt[2], kv_c.get_device(), len(ps),
                 ps[0], ps[2], pt[1], pt[2], k_pe.get_device(), slot_rank,
                 ss[0] if slot_rank == 2 else -1, st[-1], slot_mapping.get_device(), aligned,
-                tile, num_warps, self._scales_part(kv_scales),
+                tile, num_warps,
+                None if kv_scales is None else self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales),
             )  # fmt: skip
             bound = self._launches.get(key) if ps[1] == num_tokens == ss[-1] else None
         except (AttributeError, IndexError, TypeError, Unsupported):  # not tensors of rank 3
@@ -134,13 +136,10 @@ class GroupedInsert:
                           (values[0], values[1], values[2], num_tokens), grid, bound)  # fmt: skip
         return num_tokens
 
-    def _scales_part(self, kv_scales: torch.Tensor | None) -> Any:
-        """The scales' part of the signature (read once per scales tensor object)."""
-        if kv_scales is None:
-            return None
-        if kv_scales is not self._scales:
-            self._scales = kv_scales
-            self._scales_key = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
+    def _scales_part(self, kv_scales: torch.Tensor) -> Any:
+        """The scales' part of the signature, read once per scales tensor object."""
+        self._scales = kv_scales
+        self._scales_key = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
         return self._scales_key
 
     def _bind(
@@ -153,7 +152,7 @@ class GroupedInsert:
         plan = self.plan
         if validate:
             step = check_step(kv_c, k_pe, slot_mapping, kv_scales, plan.kv_cache_dtype,
-                              plan.meta, allow_cpu=IS_INTERPRETED)  # fmt: skip
+                              plan.meta, allow_cpu=plans.IS_INTERPRETED)  # fmt: skip
         else:
             step = unchecked_step(kv_c, k_pe, slot_mapping, kv_scales, plan.kv_cache_dtype)
         tile, warps = launch_config(step.num_tokens * step.num_layers, block_tokens, num_warps)

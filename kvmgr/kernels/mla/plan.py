@@ -91,8 +91,8 @@ def cache_key(caches: Sequence[torch.Tensor], kv_cache_dtype: str) -> CacheKey |
     if len(shape) != 3 or strides[2] != 1 or dtype not in accepted:
         return None
     ptrs = tuple(map(_data_ptr, caches))
-    for cache, ptr in zip(caches, ptrs):
-        if ptr & 15 or cache.dtype != dtype or cache.shape != shape or cache.stride() != strides:
+    for cache, ptr in zip(caches, ptrs):  # torch dtypes are singletons: ``is`` compares them
+        if ptr & 15 or cache.dtype is not dtype or cache.shape != shape or cache.stride() != strides:  # fmt: skip
             return None
         if cache.get_device() != device:
             return None
