@@ -485,76 +485,12 @@ def test_launches_bind_once_per_class_and_drop_the_oldest(runtime):
 
 _STUB_RUN = textwrap.dedent(
     """
-    import ctypes, json, os, struct, sys
+    import json, os, struct, sys
     import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import GPUDriver
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import JITFunction
-
-    triton_launches, jit_launches, calls = [], [], []
-
-    class Launcher:  # Triton's C launcher: must never be called (every launch is packed)
-        def __init__(self, src, metadata):
-            pass
-        def __call__(self, *args):
-            triton_launches.append(len(args))
-
-    class Utils:
-        def load_binary(self, name, kernel, shared, device):
-            return (1, 1, 32, 0, 1024)
-        def get_device_properties(self, device):
-            return {"max_shared_mem": 232448, "multiprocessor_count": 132,
-                    "max_num_regs": 65536, "warpSize": 32}
-
-    class StubDriver(GPUDriver):
-        def __init__(self):
-            self.get_current_device = lambda: 0
-            self.get_current_stream = lambda device=0: 7
-            self.set_current_device = lambda device: None
-            self.utils, self.launcher_cls = Utils(), Launcher
-        @staticmethod
-        def is_active():
-            return True
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-        def map_python_to_cpp_type(self, ty):
-            return ty
-        def get_benchmarker(self):
-            raise NotImplementedError
-        def get_device_interface(self):
-            return torch.cuda
-
-    def snapshot(address):  # a cell as each width could read it, at the time of the launch
-        raw = ctypes.string_at(address, 8)
-        return {"f32": struct.unpack("<f", raw[:4])[0], "i32": struct.unpack("<i", raw[:4])[0],
-                "u64": struct.unpack("<Q", raw)[0]}
-
-    class FakeLibcuda:  # libcuda's three entry points: records each launch
-        def launch(self, config, function, params, extra):
-            head = struct.unpack("<7I4xQQI4x", ctypes.string_at(config.value, 56))
-            calls.append({"grid": list(head[:3]), "block": list(head[3:6]), "stream": head[7],
-                          "attrs": head[8:], "function": function.value, "extra": extra,
-                          "params": [snapshot(params[i]) for i in range(len(params))]})
-            return 0
-        def current_context(self):
-            return 1
-        def error_name(self, result):
-            return str(result)
-
-    driver.set_active(StubDriver())
-    run = JITFunction.run
-    def counting_run(self, *args, grid, warmup, **kw):
-        if not warmup:
-            jit_launches.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kw)
-    JITFunction.run = counting_run
-    torch._C._cuda_getDevice = lambda: 0
-    torch._C._cuda_getCurrentRawStream = lambda device: 7
 
     sys.path.insert(0, os.getcwd())
+    from kvmgr.bench import stub_gpu
+    seen = stub_gpu.install(record=True)
     from kvmgr.hooks import StepContext
     from kvmgr.kernels.c128 import kernel as c128_kernel
     from kvmgr.kernels.c128.hook import C128CompressorHook
@@ -562,10 +498,10 @@ _STUB_RUN = textwrap.dedent(
     from kvmgr.kernels.launch import launcher as launcher_module, shared_launcher
     from kvmgr.kernels.mla import kernel as mla_kernel
     from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
-    launcher_module.driver = lambda: FakeLibcuda()
 
-    def read(cell, expected):  # small ints are i32 cells, addresses u64 cells
-        return cell["f32" if isinstance(expected, float) else "i32" if expected < 2**20 else "u64"]
+    def read(cell, expected):  # a cell's bytes: small ints are i32 cells, addresses u64 cells
+        fmt = "<f" if isinstance(expected, float) else "<i" if expected < 2**20 else "<Q"
+        return struct.unpack_from(fmt, cell)[0]
 
     gen = torch.Generator().manual_seed(0)
     D, S = 128, 8
@@ -612,9 +548,10 @@ _STUB_RUN = textwrap.dedent(
         "compiled": [lau.num_compiled for lau in launchers],
         "packed": [b.is_packed for b in [*mla._insert.bound(), *hook._layer._write.bound(),
                                          *hook._layer._compress.bound()]],
-        "triton_launches": triton_launches, "jit_launches": jit_launches, "expected": expected,
+        "triton_launches": seen.triton_launches, "jit_launches": seen.jit_launches,
+        "expected": expected,
         "calls": [{**c, "params": [read(a, e) for a, e in zip(c["params"], exp)],
-                   "num_params": len(c["params"])} for c, exp in zip(calls, expected)],
+                   "num_params": len(c["params"])} for c, exp in zip(seen.calls, expected)],
     }))
     """
 )
@@ -622,8 +559,8 @@ _STUB_RUN = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def stub_run(tmp_path_factory) -> dict[str, object]:
-    """The hooks' kernels compiled by Triton (sm_90) and launched through a fake libcuda, in a
-    subprocess (the stub driver replaces Triton's for the whole process)."""
+    """The hooks' kernels compiled by Triton (sm_90) and launched through a recording stand-in
+    of libcuda (:mod:`kvmgr.bench.stub_gpu`), in a subprocess (the stand-in stays installed)."""
     if torch.cuda.is_available():
         pytest.skip("the gpu tests launch for real")
     script = tmp_path_factory.mktemp("stub") / "stub_run.py"
@@ -657,6 +594,24 @@ def test_real_compile_packed_cells_hold_each_steps_arguments(stub_run):
         assert call["params"][:-1] == pytest.approx(want[:-1]) and call["params"][-1] == 0
         assert call["extra"] is None and call["function"] == 1
     assert stub_run["calls"][2]["block"] == [64, 1, 1] and stub_run["calls"][1]["block"] == [128, 1, 1]  # fmt: skip
+
+
+def test_bench_launch_host_runs_every_row_packed_on_the_stand_in(tmp_path):
+    # kvmgr bench launch-host: every MLA and c128 row measured through packed launches (a row
+    # on Triton's launch would measure the wrong path)
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests launch for real")
+    out = tmp_path / "launch_host.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    argv = ["--tokens", "1", "--sets", "2", "--calls", "4", "--rounds", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, "-m", "kvmgr.cli", "bench", "launch-host", *argv],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    launch_rows = [r for r in rows if "alone" not in r["row"] and "(in every" not in r["row"]]
+    assert len(rows) == 6 + 5 + 2 and len(launch_rows) == 10
+    assert all(r["packed"] and 0 < r["min_us"] <= r["median_us"] for r in launch_rows)
 
 
 # --- GPU -------------------------------------------------------------------------------------

@@ -75,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timed(name: str, calls: list[Callable[[], object]], args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def _timed(name: str, calls: list[Callable[[], object]], args: argparse.Namespace, bound: Callable[[], list[Any]]) -> dict[str, Any]:  # fmt: skip
     """Host us per call of ``calls`` (called in turn; the thread's CPU time), the minimum and
-    median over ``--rounds`` short samples of about ``--calls`` calls each."""
+    median over ``--rounds`` short samples of about ``--calls`` calls each; ``bound()`` lists the
+    bound launches the calls used (``packed``: every one a packed launch)."""
     repeats = max(1, args.calls // len(calls))
     for call in calls * 2:  # warm up: compile, bind
         call()
@@ -88,7 +89,9 @@ def _timed(name: str, calls: list[Callable[[], object]], args: argparse.Namespac
             for call in calls:
                 call()
         samples.append((time.thread_time() - start) * 1e6 / (repeats * len(calls)))
-    return {"row": name, "min_us": min(samples), "median_us": statistics.median(samples)}
+    launches = bound()
+    packed = bool(launches) and all(b.is_packed for b in launches)
+    return {"row": name, "min_us": min(samples), "median_us": statistics.median(samples), "packed": packed}  # fmt: skip
 
 
 def _mla_sets(args: argparse.Namespace, num_tokens: int) -> list[dict[str, Any]]:
@@ -111,7 +114,7 @@ def _mla_sets(args: argparse.Namespace, num_tokens: int) -> list[dict[str, Any]]
 
 def _mla_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvmgr.hooks import StepContext
-    from kvmgr.kernels.mla.api import grouped_mla_insert
+    from kvmgr.kernels.mla.api import _MEMO, grouped_mla_insert
     from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
 
     def grouped(s: dict[str, Any], caches: list[torch.Tensor]) -> Callable[[], None]:
@@ -135,9 +138,11 @@ def _mla_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             "one hook, new step tensors": [lambda c=c, h=hooks[0]: h(c) for c in contexts],
             "hook per set, validate=False": [lambda h=h, c=c: h(c) for h, c in zip(unchecked, contexts)],
         }  # fmt: skip
+        memo_bound = lambda sets=sets: [b for s in sets for b in _MEMO.insert_for(s["caches"], args.kv_cache_dtype, True).bound()]  # noqa: E731  # fmt: skip
+        hook_bound = lambda hooks=hooks: [b for h in hooks for b in h._insert.bound()]  # noqa: E731
         for name, calls in cases.items():
             label = f"{tag}: {'grouped_mla_insert, ' if 'hook' not in name else ''}{name}"
-            rows.append(_timed(label, calls, args))
+            rows.append(_timed(label, calls, args, hook_bound if "hook" in name else memo_bound))
     return rows
 
 
@@ -176,7 +181,11 @@ def _c128_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         "c128 gate alone (c128_boundary)": [lambda: c128_boundary(meta["num_computed_tokens"], meta["query_start_loc"])],
         "c128 state write checks + arguments (prepare_write)": [lambda: gated._layer.prepare_write(*write)],
     }  # fmt: skip
-    return [_timed(name, calls, args) for name, calls in cases.items()]
+
+    def bound() -> list[Any]:
+        return [*gated._layer._write.bound(), *ungated._layer._compress.bound()]
+
+    return [_timed(name, calls, args, bound) for name, calls in cases.items()]
 
 
 def _floor_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -191,7 +200,7 @@ def _floor_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         "stub cuLaunchKernelEx through ctypes (in every launch row)": [lambda: libcuda.launch(*call)],
         "HookReport(...) (in every hook row)": [lambda: HookReport(name="x", launches=1, host_s=0.0, extra={"num_tokens": 1})],
     }  # fmt: skip
-    return [_timed(name, calls, args) for name, calls in cases.items()]
+    return [_timed(name, calls, args, lambda: []) for name, calls in cases.items()]
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
@@ -199,8 +208,9 @@ def _print(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="host CPU us per call, stub driver (no GPU time; add ~5.6-7.1 us per launch on the H200 host)")  # fmt: skip
-    for column in ("path", "min us", "median us"):
+    for column in ("path", "min us", "median us", "packed"):
         table.add_column(column, justify="left" if column == "path" else "right")
     for row in rows:
-        table.add_row(row["row"], f"{row['min_us']:.2f}", f"{row['median_us']:.2f}")
+        packed = "yes" if row["packed"] else "-" if "alone" in row["row"] or "(in every" in row["row"] else "NO"  # fmt: skip
+        table.add_row(row["row"], f"{row['min_us']:.2f}", f"{row['median_us']:.2f}", packed)
     Console(width=150).print(table)
