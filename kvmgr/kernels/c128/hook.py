@@ -151,23 +151,26 @@ class C128CompressorHook:
         if self.gated and not ctx.is_capturing:
             boundary = c128_boundary(ctx.num_computed_tokens, ctx.query_start_loc)
         skip = boundary is False
-        # validate everything that will launch before launching anything
         layer = self._layer
-        write, num_tokens = layer.prepare_write(kv, score, pos, state_slots)
-        if not skip:
-            compress, _ = layer.prepare_compress(table, req, pos, slots)
-        if self.check_slots:
-            check_write_bounds(layer, pos, state_slots)
+        if skip and not self.check_slots:  # the gated step: one launch, checked just before
+            num_tokens = layer.launch_write(kv, score, pos, state_slots, ctx.stream)
+            launches = 1 if num_tokens else 0
+        else:  # validate everything that will launch before launching anything
+            write, num_tokens = layer.prepare_write(kv, score, pos, state_slots)
             if not skip:
-                check_compress_bounds(layer, table, req, pos, slots)
-        launches = 0
-        if num_tokens:
-            grid, stream = (num_tokens, 1, 1), ctx.stream
-            write.launch(grid, stream)
-            launches = 1
-            if not skip:
-                compress.launch(grid, stream)
-                launches = 2
+                compress, _ = layer.prepare_compress(table, req, pos, slots)
+            if self.check_slots:
+                check_write_bounds(layer, pos, state_slots)
+                if not skip:
+                    check_compress_bounds(layer, table, req, pos, slots)
+            launches = 0
+            if num_tokens:
+                grid, stream = (num_tokens, 1, 1), ctx.stream
+                write.launch(grid, stream)
+                launches = 1
+                if not skip:
+                    compress.launch(grid, stream)
+                    launches = 2
         self.num_steps += 1
         self.num_launches += launches
         self.num_skips += skip
