@@ -41,9 +41,11 @@ from kvmgr.kernels.launch import (
     Launches,
     PackedLaunch,
     TritonLaunch,
+    libcuda,
     packed,
     rule,
     shared_launcher,
+    signature,
 )
 from kvmgr.kernels.launch import launcher as launcher_module
 
@@ -372,7 +374,7 @@ def test_shared_launcher_is_one_per_kernel_and_mode():
 
 def _packed(runtime, kernel=None, args=None, varying=(0, 1)):
     types = ("*i32", "i32", "i32", "fp32", "u1", None)
-    packing = packed.Packing(types, 2, 1234, 128, 96)
+    packing = signature.Packing(types, 2, 1234, 128, 96)
     words = torch.arange(8, dtype=torch.int32)
     args = list(args or (words, 7, 9, 0.25, True, 64))
     return packed.PackedLaunch(kernel or RecordingJIT(_body), args, {}, varying, packing, 0,
@@ -440,12 +442,12 @@ def test_a_new_thread_with_the_kernels_context_is_adopted(runtime):
 
 
 def test_param_types_and_ptx_sizes():
-    assert packed.ptx_param_sizes(_PTX) == [8, 4, 4, 4, 1, 8, 8]
-    assert packed.ptx_param_sizes("no entry here") is None
-    signature = {"a": "*bf16", "b": "i64", "c": "constexpr", "d": "u1"}
-    assert packed.param_ctypes(signature, ["a", "b", "c", "d"]) == ["*bf16", "i64", None, "u1"]
-    assert packed.param_ctypes(signature, ["a", "b", "d", "c"]) is None  # another order
-    assert packed.param_ctypes({"a": "nvTmaDesc"}, ["a"]) is None  # not packed
+    assert signature.ptx_param_sizes(_PTX) == [8, 4, 4, 4, 1, 8, 8]
+    assert signature.ptx_param_sizes("no entry here") is None
+    compiled = {"a": "*bf16", "b": "i64", "c": "constexpr", "d": "u1"}
+    assert signature.param_ctypes(compiled, ["a", "b", "c", "d"]) == ["*bf16", "i64", None, "u1"]
+    assert signature.param_ctypes(compiled, ["a", "b", "d", "c"]) is None  # another order
+    assert signature.param_ctypes({"a": "nvTmaDesc"}, ["a"]) is None  # not packed
 
 
 @pytest.mark.parametrize("case", ["global_scratch", "profile_scratch", "clusters", "pdl", "ptx_differs", "names"])  # fmt: skip
@@ -460,8 +462,8 @@ def test_packing_declines_what_it_cannot_launch(case):
         compiled.asm["ptx"] = _PTX.replace(".param .u32 k_param_1", ".param .u64 k_param_1")
     if case == "names":
         names = ["n", "x_ptr", *names[2:]]
-    assert packed.packing_of(FakeCompiled(), list(_BODY_SIGNATURE)) is not None
-    assert packed.packing_of(compiled, names) is None
+    assert signature.packing_of(FakeCompiled(), list(_BODY_SIGNATURE)) is not None
+    assert signature.packing_of(compiled, names) is None
 
 
 # --- an owner's launches ---------------------------------------------------------------------
@@ -620,7 +622,7 @@ def test_bench_launch_host_runs_every_row_packed_on_the_stand_in(tmp_path):
 @pytest.mark.gpu
 def test_gpu_packed_launches_are_enabled_here():
     # on the NVIDIA machine every check must pass; a silent fallback would void the benchmarks
-    assert launcher_module._direct_runtime() is not None and packed.driver() is not None
+    assert launcher_module._direct_runtime() is not None and libcuda.driver() is not None
     launcher = Launcher(_scale_kernel)
     x = torch.randn(100, device="cuda")
     out = torch.empty_like(x)

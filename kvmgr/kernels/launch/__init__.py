@@ -13,7 +13,8 @@ parses every argument in Python on every launch: 13-30 us of host time per launc
 host, most of an eager decode step's kernel hooks. Here a step costs its owner's key (a dict
 lookup), one ``struct.pack_into`` of its changing values and one ``cuLaunchKernelEx``.
 
-Modules, dependencies one-way: ``rule`` (the specialization rule; torch only) <- ``packed``
+Modules, dependencies one-way: ``rule`` (the specialization rule; torch only), ``signature``
+(how a compiled kernel is packed) and ``libcuda`` (the driver's entry points) <- ``packed``
 (bound launches; ctypes) <- ``launcher`` (compile, bind) <- ``launches`` (an owner's set). The
 kernel families (``kvmgr.kernels.copy``, ``mla``, ``c128``) use this package; it uses none of
 them. Importing the package imports no Triton (only a bind does).

@@ -35,8 +35,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvmgr.kernels.launch.packed import PackedLaunch, Packing, TritonLaunch, driver, packing_of
+from kvmgr.kernels.launch.libcuda import driver
+from kvmgr.kernels.launch.packed import PackedLaunch, TritonLaunch
 from kvmgr.kernels.launch.rule import Unsupported, param_kinds, reader, rules_agree
+from kvmgr.kernels.launch.signature import Packing, packing_of
 
 __all__ = ["Launcher", "shared_launcher"]
 
