@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="1,64,512", help="comma-separated MLA step sizes T")
     parser.add_argument("--layers", type=int, default=5, help="MLA layers L")
     parser.add_argument("--sets", type=int, default=16, help="rotating MLA cache sets")
-    parser.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["auto", "fp8_e4m3"])
+    parser.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["auto", "fp8_e4m3"],
+                        help="the MLA caches' kv_cache_dtype")  # fmt: skip
     parser.add_argument("--calls", type=int, default=256, help="calls per timed sample")
     parser.add_argument("--rounds", type=int, default=60, help="timed samples (min and median)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
