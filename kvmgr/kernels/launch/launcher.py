@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from kvmgr.kernels.launch.libcuda import driver
 from kvmgr.kernels.launch.packed import PackedLaunch, TritonLaunch
-from kvmgr.kernels.launch.rule import Unsupported, param_kinds, reader, rules_agree
+from kvmgr.kernels.launch.rule import Unsupported, declared_kinds, param_kinds, reader, rules_agree
 from kvmgr.kernels.launch.signature import Packing, packing_of
 
 __all__ = ["Launcher", "shared_launcher"]
@@ -62,12 +62,15 @@ class Launcher:
         kernel: the kernel, as given.
         kinds: each parameter's kind (:mod:`~kvmgr.kernels.launch.rule`), or None where launches
             never go past Triton.
+        declared: each parameter's kind as the kernel declares it, also under the interpreter
+            (owners key their launches on it everywhere); None for anything else.
         direct: whether binds may still return packed launches (module docstring).
     """
 
     def __init__(self, kernel: Any, *, direct: bool = True) -> None:
         self.kernel = kernel
         self.kinds = param_kinds(kernel) if direct else None
+        self.declared = declared_kinds(kernel)
         self._read = None if self.kinds is None else reader(self.kinds)
         self.direct = self.kinds is not None
         self._pre_run_hooks: list[Any] = getattr(kernel, "pre_run_hooks", [])

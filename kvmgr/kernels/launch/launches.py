@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmgr.kernels.launch.launcher import BoundLaunch, shared_launcher
-from kvmgr.kernels.launch.rule import SPECIALIZED, declared_kinds, reader
+from kvmgr.kernels.launch.rule import SPECIALIZED, reader
 
 __all__ = ["Launches"]
 
@@ -53,7 +53,7 @@ class Launches:
         self.launcher = shared_launcher(kernel, direct)
         # the kernel's declared kinds also where launches are Triton's (the interpreter), so
         # owners key their launches alike everywhere; unknown: the specialized rule, the finer
-        kinds = declared_kinds(kernel)
+        kinds = self.launcher.declared
         self.read = reader([SPECIALIZED if kinds is None else kinds[i] for i in varying], hints)
         self.varying = tuple(varying)
         self._num_warps = num_warps
