@@ -45,14 +45,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.errors import GeometryError, TransferError
+from kvmgr.errors import GeometryError
 from kvmgr.kernels.copy.row import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_PROGRAMS,
-    KERNEL_AVAILABLE,
-    NUM_WARPS,
     copy_row,
     jit,
+    launch_programs,
+    table_launches,
+    tl,
 )
 from kvmgr.kernels.copy.tables import (
     build_layout_table,
@@ -60,13 +61,8 @@ from kvmgr.kernels.copy.tables import (
     check_runs,
     max_run_blocks,
 )
-from kvmgr.kernels.launch import Launches, shared_launcher
+from kvmgr.kernels.launch import Launches
 from kvmgr.pool.layout import KVLayout
-
-try:
-    import triton.language as tl
-except ImportError:  # the table helpers and the reference work without Triton; the kernel does not
-    tl = None
 
 __all__ = [
     "block_table_launches",
@@ -184,16 +180,8 @@ def launch_block_table(
     Raises:
         TransferError: Triton is not installed.
     """
-    if not KERNEL_AVAILABLE:
-        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    grid = min(max_programs, num_tensors * num_runs)
-    if grid and launches is not None:
-        launches((grid, 1, 1), stream, layout, runs, num_tensors, num_runs)
-    elif grid:
-        shared_launcher(_copy_blocks_kernel).launch(
-            (grid, 1, 1), layout, runs, num_tensors, num_runs, num_warps=NUM_WARPS, stream=stream
-        )
-    return grid
+    return launch_programs(_copy_blocks_kernel, min(max_programs, num_tensors * num_runs), stream,
+                           launches, layout, runs, num_tensors, num_runs)  # fmt: skip
 
 
 def block_table_launches() -> Launches:
@@ -202,9 +190,7 @@ def block_table_launches() -> Launches:
     Raises:
         TransferError: Triton is not installed.
     """
-    if not KERNEL_AVAILABLE:
-        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    return Launches(_copy_blocks_kernel, (0, 1, 2, 3), "ttii", num_warps=NUM_WARPS)
+    return table_launches(_copy_blocks_kernel, "ttii")
 
 
 def copy_blocks(

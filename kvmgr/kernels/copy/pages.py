@@ -38,17 +38,14 @@ from kvmgr.kernels.copy.row import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_PROGRAMS,
     KERNEL_AVAILABLE,
-    NUM_WARPS,
     copy_row,
     jit,
+    launch_programs,
+    table_launches,
+    tl,
 )
 from kvmgr.kernels.copy.tables import build_descriptor_table, check_descriptors
-from kvmgr.kernels.launch import Launches, shared_launcher
-
-try:
-    import triton.language as tl
-except ImportError:  # the table helpers and the reference work without Triton; the kernel does not
-    tl = None
+from kvmgr.kernels.launch import Launches
 
 __all__ = [
     "copy_pages",
@@ -140,15 +137,8 @@ def launch_copy_table(
     Raises:
         TransferError: Triton is not installed.
     """
-    if not KERNEL_AVAILABLE:
-        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    grid = min(max_programs, num_items)
-    if grid and launches is not None:
-        launches((grid, 1, 1), stream, table, num_items)
-    elif grid:
-        shared_launcher(_copy_pages_kernel).launch((grid, 1, 1), table, num_items,
-                                                   num_warps=NUM_WARPS, stream=stream)  # fmt: skip
-    return grid
+    return launch_programs(_copy_pages_kernel, min(max_programs, num_items), stream, launches,
+                           table, num_items)  # fmt: skip
 
 
 def copy_table_launches() -> Launches:
@@ -157,9 +147,7 @@ def copy_table_launches() -> Launches:
     Raises:
         TransferError: Triton is not installed.
     """
-    if not KERNEL_AVAILABLE:
-        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    return Launches(_copy_pages_kernel, (0, 1), "ti", num_warps=NUM_WARPS)
+    return table_launches(_copy_pages_kernel, "ti")
 
 
 def copy_pages(

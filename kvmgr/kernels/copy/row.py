@@ -8,6 +8,9 @@ Offers (to :mod:`kvmgr.kernels.copy`):
     DEFAULT_CHUNK_BYTES     largest slice of a descriptor (or run) one program copies at a time
     KERNEL_AVAILABLE        whether Triton is installed (everything else works without it)
     NUM_WARPS               warps per program of both kernels
+    launch_programs         one launch of a copy kernel over its packed tables (an owner's
+                            ``Launches``, or a one-off bind)
+    table_launches          an owner's packed launches of a copy kernel
 
 Vector width. Per row, the widest of 16/8/4/2/1 bytes that divides the source address, the
 destination address and the size is chosen with a branch. Each branch marks its pointers with
@@ -31,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from kvmgr.errors import TransferError
+from kvmgr.kernels.launch import Launches, shared_launcher
+
 try:
     import triton
     import triton.language as tl
@@ -46,6 +52,9 @@ __all__ = [
     "NUM_WARPS",
     "copy_row",
     "jit",
+    "launch_programs",
+    "table_launches",
+    "tl",
     "vector_widths",
 ]
 
@@ -111,3 +120,34 @@ def vector_widths(table: np.ndarray) -> np.ndarray:
     (int64 ``[3, num_items]``): the largest of 16, 8, 4, 2, 1 dividing src, dst and size."""
     bits = np.bitwise_or.reduce(np.asarray(table, dtype=np.int64), axis=0) | 16
     return np.asarray(bits & -bits, dtype=np.int64)
+
+
+def _require_triton() -> None:
+    if not KERNEL_AVAILABLE:
+        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
+
+
+def launch_programs(kernel: Any, programs: int, stream: Any, launches: Launches | None, *args: Any) -> int:  # fmt: skip
+    """Enqueue ``kernel(*args)`` over ``programs`` programs (none when 0) on ``stream`` (a torch
+    stream; None: the current one), through ``launches`` or a one-off bind; returns ``programs``.
+
+    Raises:
+        TransferError: Triton is not installed.
+    """
+    _require_triton()
+    if programs and launches is not None:
+        launches((programs, 1, 1), stream, *args)
+    elif programs:
+        shared_launcher(kernel).launch((programs, 1, 1), *args, num_warps=NUM_WARPS, stream=stream)
+    return programs
+
+
+def table_launches(kernel: Any, hints: str) -> Launches:
+    """An owner's packed launches of a copy kernel, every argument varying (``hints``: per
+    argument ``"t"`` a tensor, ``"i"`` an int).
+
+    Raises:
+        TransferError: Triton is not installed.
+    """
+    _require_triton()
+    return Launches(kernel, tuple(range(len(hints))), hints, num_warps=NUM_WARPS)

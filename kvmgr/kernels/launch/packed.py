@@ -120,6 +120,7 @@ class PackedLaunch(TritonLaunch):
         order = [*self._varying, *fixed]
         self._pack = struct.Struct(_HEADER + "".join(cells[i] for i in self._varying)).pack_into
         self._pack_header = struct.Struct(_HEADER[:-3]).pack_into
+        self._header: tuple[Any, int] | None = None  # (grid, stream handle) in the buffer
         self._pack_values = struct.Struct("<" + "".join(cells[i] for i in self._varying)).pack_into
         size = _HEADER_BYTES + 8 * (len(order) + packing.num_hidden)
         self._buffer = (ctypes.c_uint64 * (size // 8))()
@@ -158,7 +159,9 @@ class PackedLaunch(TritonLaunch):
         try:
             self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)
         except struct.error as exc:
+            self._header = None
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
+        self._header = (grid, handle)
         self._fire()
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
@@ -181,8 +184,13 @@ class PackedLaunch(TritonLaunch):
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
-        self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
-        self._fire()
+        header = (grid, handle)
+        if header != self._header:  # a loop relaunches with the same grid and stream
+            self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
+            self._header = header
+        result = self._driver.launch(*self._call)
+        if result:
+            raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
 
     def value(self, index: int) -> Any:
         """The packed value of argument ``index`` (an int or float; None for a constexpr)."""
