@@ -109,27 +109,13 @@ def _triton_driver(seen: StubGpu) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import GPUDriver
 
-    class Launcher:  # Triton's C launcher, minus the driver call
-        def __init__(self, src: Any, metadata: Any) -> None:
-            pass
-
-        def __call__(self, *args: Any) -> None:
-            seen.triton_launches.append(len(args))
-
-    class Utils:
-        def load_binary(self, name: Any, kernel: Any, shared: Any, device: Any) -> tuple[int, ...]:
-            return (1, 1, 32, 0, 1024)  # module, function, registers, spills, max threads
-
-        def get_device_properties(self, device: Any) -> dict[str, int]:
-            return {"max_shared_mem": 232448, "multiprocessor_count": 132,
-                    "max_num_regs": 65536, "warpSize": 32}  # fmt: skip
-
     class StubDriver(GPUDriver):  # type: ignore[misc]
         def __init__(self) -> None:
             self.get_current_device = lambda: 0
             self.get_current_stream = lambda device=0: _STREAM
             self.set_current_device = lambda device: None
-            self.utils, self.launcher_cls = Utils(), Launcher
+            self.utils = _Utils()
+            self.launcher_cls = lambda src, metadata: _Launcher(seen)
 
         @staticmethod
         def is_active() -> bool:
@@ -151,3 +137,24 @@ def _triton_driver(seen: StubGpu) -> Any:
             return torch.cuda
 
     return StubDriver()
+
+
+class _Launcher:
+    """Triton's C launcher, minus the driver call: records that it was called."""
+
+    def __init__(self, seen: StubGpu) -> None:
+        self._seen = seen
+
+    def __call__(self, *args: Any) -> None:
+        self._seen.triton_launches.append(len(args))
+
+
+class _Utils:
+    """The driver utilities a compile asks for: a loaded binary, the device's properties."""
+
+    def load_binary(self, name: Any, kernel: Any, shared: Any, device: Any) -> tuple[int, ...]:
+        return (1, 1, 32, 0, 1024)  # module, function, registers, spills, max threads
+
+    def get_device_properties(self, device: Any) -> dict[str, int]:
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32}  # fmt: skip
