@@ -29,14 +29,19 @@ BENCHES = {
     "swap-kernel": "kvmgr.bench.swap_kernel",
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
+    "dsv4": "kvmgr.bench.dsv4",
     "host": "kvmgr.bench.host",
     "tiers": "kvmgr.bench.tiers",
     "peer": "kvmgr.bench.peer",
     "peer-mla": "kvmgr.bench.peer_mla",
+    "vllm": "kvmgr.bench.vllm",
+    "pin": "kvmgr.bench.pin",
     "launch-host": "kvmgr.bench.launch_host",
 }
-#: benchmarks that run without a GPU (every other one needs a CUDA GPU).
-CPU_BENCHES = frozenset({"host", "tiers", "launch-host"})
+#: benchmarks that run without a GPU (every other one needs a CUDA GPU; ``pin`` measures only
+#: allocation and first touch without one).
+CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin", "dsv4", "launch-host"})
+_BENCH_HELP = f"micro-benchmarks (all but {', '.join(sorted(CPU_BENCHES))} need a CUDA GPU)"
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
@@ -88,8 +93,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             p.set_defaults(run=mod.run)
     bench = sub.add_parser(
         "bench",
-        help="micro-benchmarks (all but host, tiers and launch-host need a CUDA GPU)",
-        description="micro-benchmarks (all but host, tiers and launch-host need a CUDA GPU)",
+        help=_BENCH_HELP,
+        description=_BENCH_HELP,
         formatter_class=HelpFormatter,
     )
     bench_sub = bench.add_subparsers(dest="bench", required=True)

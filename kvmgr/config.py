@@ -21,6 +21,8 @@ __all__ = ["FLUSH_MODES", "ManagerConfig"]
 FLUSH_MODES = ("step", "tick")
 #: What a store that cannot make room does: fail at once, or wait (bounded) for room.
 BACKPRESSURE_MODES = ("fail", "wait")
+#: How CUDA engines page-lock the CPU tier: the rest in the background, or all before returning.
+PIN_MODES = ("background", "sync")
 
 
 def _policy_name(instance: Any, attribute: Any, value: str) -> None:
@@ -85,6 +87,12 @@ class ManagerConfig:
         store_wait_s: bound of the wait, seconds.
         allow_pageable: CUDA engines may fall back (logged) to pageable host memory when
             registration fails, instead of raising.
+        pin_host: the CUDA engines the manager builds page-lock the CPU tier
+            ``"background"`` (the first GiB before the manager is built, the rest on a thread
+            while it runs: blocks become usable piece by piece,
+            ``ManagerStatistics.cpu_blocks_ready``) or ``"sync"`` (all of it before the
+            constructor returns); an engine passed in keeps its own ``pin`` option.
+            docs/guides/pinned-tier.md.
         store_threshold: a key is stored only once a store of it was asked this many times
             (vLLM's ``store_threshold``); 1 stores on first sight. Keys held back are counted in
             ``ManagerStatistics.stores_not_admitted``.
@@ -108,6 +116,7 @@ class ManagerConfig:
     backpressure: str = attrs.field(default="fail", validator=_one_of(BACKPRESSURE_MODES))
     store_wait_s: float = attrs.field(default=1.0)
     allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    pin_host: str = attrs.field(default="background", validator=_one_of(PIN_MODES))
     store_threshold: int = attrs.field(default=1, validator=_positive)
     max_events: int = attrs.field(default=4096, validator=_non_negative)
     tier_write_back: bool = attrs.field(default=True, validator=v.instance_of(bool))

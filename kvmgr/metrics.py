@@ -26,7 +26,10 @@ transfer_device_seconds_total      counter  direction      their device (or copy
 steps_total                        counter                 ``step()`` calls
 copies_in_flight                   gauge                   batches submitted, not completed
 queued_swaps                       gauge                   swaps waiting for the next flush
-cpu_blocks                         gauge    state          CPU tier blocks ``used`` / ``free``
+stores_waiting                     gauge                   stores waiting for room (backpressure)
+cpu_blocks                         gauge    state          CPU tier blocks ``used`` / ``free`` /
+                                                           ``unpinned`` (not page-locked yet)
+cpu_pin_seconds                    gauge                   seconds page-locking the CPU tier took
 cpu_keys                           gauge    state          keyed CPU blocks ``pending`` / ``ready``
                                                            / ``loading`` (READY with loads)
 gpu_blocks_free                    gauge                   free owned GPU blocks (if owned)
@@ -149,9 +152,14 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
     add("steps_total", counter, "step() calls", st.steps)
     add("copies_in_flight", gauge, "batches submitted and not completed", st.batches_in_flight)
     add("queued_swaps", gauge, "swaps waiting for the next flush", st.queued_swaps)
-    free = st.cpu_blocks_total - st.cpu_blocks_used
+    add("stores_waiting", gauge, "stores waiting for room (backpressure)", st.stores_waiting)
+    free = st.cpu_blocks_ready - st.cpu_blocks_used
+    unpinned = st.cpu_blocks_total - st.cpu_blocks_ready
     add("cpu_blocks", gauge, "CPU tier blocks by state", st.cpu_blocks_used, state="used")
     add("cpu_blocks", gauge, "CPU tier blocks by state", free, state="free")
+    add("cpu_blocks", gauge, "CPU tier blocks by state", unpinned, state="unpinned")
+    pin_s = 0.0 if st.cpu_pinning is None else st.cpu_pinning.pin_s
+    add("cpu_pin_seconds", gauge, "seconds spent page-locking the CPU tier so far", pin_s)
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_pending, state="pending")
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_ready, state="ready")
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_loading, state="loading")

@@ -6,7 +6,7 @@ Offers:
     LoadResult          what one ``load_many`` call moved
     DirectionReport     one direction's batches in one step
     StepReport          what one ``step()`` did
-    KVEvent             one entry of the KV event stream (``stored`` / ``removed``)
+    KVEvent             one entry of the KV event stream (``stored`` / ``removed`` / ``cleared``)
     Histogram           fixed-bucket counts (batch sizes, completion latency)
     ManagerStatistics   totals since the manager was created (counters only grow) and gauges
 
@@ -24,6 +24,7 @@ import numpy as np
 
 from kvmgr.hooks import HookReport
 from kvmgr.transfer.engine import BatchResult
+from kvmgr.transfer.pinning import PinStatistics
 
 __all__ = [
     "DirectionReport",
@@ -161,15 +162,27 @@ class KVEvent:
     """One change of what a tier holds, for a KV-aware router or an external index.
 
     Attributes:
-        kind: ``"stored"`` (the keys became READY in ``tier``) or ``"removed"`` (they left it:
-            evicted, invalidated, cleared).
+        kind: ``"stored"`` (the keys became READY in ``tier``: their copy has landed),
+            ``"removed"`` (they left it: evicted, invalidated, cleared; emitted before the
+            block is reused) or ``"cleared"`` (the manager closed: it serves nothing any more,
+            in any tier; ``keys`` is empty and ``tier`` is ``"all"``).
         keys: the keys, in the order of the call that caused the event.
-        tier: ``"cpu"`` (lower tiers name themselves).
+        tier: ``"cpu"`` (lower tiers name themselves), ``"all"`` for ``"cleared"``.
+        parents: ``stored`` events of the CPU tier: ``parents[i]`` is the key ``keys[i]``
+            extends (``None``: a root), as the store gave it (by default each key of a call
+            extends the previous one); ``None`` where unknown (lower tiers, promotions).
+        token_ids: ``stored`` events whose stores passed ``token_ids``: int32
+            ``[len(keys), block_size]``, row ``i`` the tokens of ``keys[i]`` (read it, do not
+            write it); ``None`` otherwise.
+
+    ``parents`` and ``token_ids`` are detail for routers: they take no part in ``==``.
     """
 
     kind: str
     keys: tuple[bytes, ...]
     tier: str = "cpu"
+    parents: tuple[bytes | None, ...] | None = attrs.field(default=None, eq=False)
+    token_ids: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -206,7 +219,8 @@ class ManagerStatistics:
         loads_queued / loads_completed / loads_failed: blocks loaded (loads + resumes).
         evictions: CPU blocks evicted by the policy. invalidated: keys dropped by
             ``invalidate``/``clear``.
-        rejected: calls refused, by reason (``"cpu_full"``, ``"gpu_full"``, ``"timeout"``).
+        rejected: calls refused, by reason (``"cpu_full"``, ``"cpu_pinning"``, ``"gpu_full"``,
+            ``"timeout"``).
         await_timeouts: ``wait()`` calls that passed their deadline.
         events_dropped: KV events lost because nobody drained the bounded stream.
         bytes_d2h / bytes_h2d: bytes of completed batches. device_s_d2h / device_s_h2d: their
@@ -216,7 +230,14 @@ class ManagerStatistics:
         completion_s: histogram of seconds from submission to completion per batch.
     Gauges:
         batches_in_flight: batches submitted and not completed. queued_swaps: swaps not flushed.
+        stores_waiting: stores waiting for room (``backpressure="wait"``), not in queued_swaps.
         cpu_blocks_used / cpu_blocks_total: CPU tier occupancy (keyed + request blocks).
+        cpu_blocks_ready: CPU blocks whose memory is usable (page-locked) now; below
+            ``cpu_blocks_total`` while the engine pins the tier in the background (stores that
+            find no room then fail with reason ``"cpu_pinning"``), or after a piece failed.
+        cpu_pinning: how the CPU tier was page-locked (``PinStatistics``: bytes, pieces,
+            seconds per phase, ``pin_s`` in total, an error), or ``None`` for engines that do
+            not pin (host engine).
         cpu_keys_pending / cpu_keys_ready: keyed blocks by state; cpu_keys_loading: READY keys
             with loads in flight (a subset of cpu_keys_ready).
         gpu_blocks_free: free blocks of the owned GPU pool (``None`` when not owned).
@@ -249,8 +270,11 @@ class ManagerStatistics:
     completion_s: Histogram | None = None
     batches_in_flight: int = 0
     queued_swaps: int = 0
+    stores_waiting: int = 0
     cpu_blocks_used: int = 0
     cpu_blocks_total: int = 0
+    cpu_blocks_ready: int = 0
+    cpu_pinning: PinStatistics | None = None
     cpu_keys_pending: int = 0
     cpu_keys_ready: int = 0
     cpu_keys_loading: int = 0

@@ -237,3 +237,48 @@ def test_take_and_give_refuse_bad_input_before_any_change() -> None:
             alloc.give(bad_ids)  # type: ignore[arg-type]
     assert _state(alloc) == before
     assert alloc.take_one() == 2
+
+
+def test_only_ready_ids_are_handed_out_and_the_bound_only_grows() -> None:
+    # the CPU tier's memory is pinned piece by piece: ids past num_ready are never handed out,
+    # by any path (take, take_one, allocate), until make_ready raises the bound
+    alloc = BlockAllocator(10, num_ready=3)
+    assert (alloc.num_free, alloc.num_ready) == (3, 3)
+    assert alloc.take(4) is None and alloc.try_allocate(4) is None
+    with pytest.raises(PoolExhaustedError):
+        alloc.allocate(4)
+    assert alloc.take(2).tolist() == [0, 1]  # type: ignore[union-attr]
+    assert alloc.take_one() == 2 and alloc.take_one() is None
+    alloc.give(np.array([1], dtype=np.int64))  # a freed ready id comes back as usual
+    alloc.make_ready(6)
+    alloc.make_ready(4)  # a smaller bound changes nothing
+    assert (alloc.num_free, alloc.num_ready) == (4, 6)
+    assert alloc.take(4).tolist() == [3, 4, 5, 1]  # type: ignore[union-attr]
+    assert alloc.take_one() is None
+    alloc.make_ready(10)
+    assert alloc.allocate(4) == [6, 7, 8, 9]
+    for bad in (-1, 11, True, 2.0):
+        with pytest.raises(InvalidBlockError):
+            alloc.make_ready(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidBlockError):
+        BlockAllocator(4, num_ready=5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(0, 40), max_size=12), st.data())
+def test_no_id_beyond_the_ready_bound_ever_leaves(
+    num_blocks: int, bounds: list[int], data: st.DataObject
+) -> None:
+    alloc = BlockAllocator(num_blocks, num_ready=0)
+    held: list[int] = []
+    for bound in bounds:
+        alloc.make_ready(min(bound, num_blocks))
+        n = data.draw(st.integers(0, num_blocks))
+        ids = alloc.take(n)
+        if ids is not None:
+            assert (ids < alloc.num_ready).all()
+            held += ids.tolist()
+        if held and data.draw(st.booleans()):
+            alloc.give(np.array(held[: len(held) // 2 + 1], dtype=np.int64))
+            del held[: len(held) // 2 + 1]
+        assert alloc.num_free + alloc.num_allocated == alloc.num_ready

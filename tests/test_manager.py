@@ -1056,3 +1056,60 @@ async def test_a_failing_hook_leaves_the_queue_untouched() -> None:
         report = await mgr.step()
         assert report.d2h.swaps == 1
         assert (await store).cpu_block_ids == (0,)
+
+
+# ------------------------------------------------------------------ issue 20: stuck states
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "reuse"])
+@pytest.mark.asyncio
+async def test_root_invalidated_and_stored_again_keeps_index_and_policy_in_step(
+    policy: str,
+) -> None:
+    kv = _kv(seed=40)
+    async with _open(kv, _cfg(num_cpu_blocks=4, policy=policy)) as mgr:
+        _hold(mgr)
+        # 1. a chain K0 <- K1 is stored; its root K0 is invalidated (K1 stays), then stored again
+        await _stored_now(mgr, [0, 1], K[:2])
+        assert mgr.invalidate([K[0]]) == 1
+        await _stored_now(mgr, [2], [K[0]])
+        # 2. stores that need every block evict each key once (reuse used to raise KeyError)
+        await _stored_now(mgr, [3, 4], K[2:4])
+        await _stored_now(mgr, [5, 6, 7], K[4:7])
+        check_invariants(mgr)
+        # 3. the manager stays usable: clear drops what is left, index and policy agree
+        resident = len(mgr.snapshot().keys)
+        assert resident > 0 and mgr.clear() == resident
+        snap = mgr.snapshot()
+        assert len(snap.keys) == snap.num_policy_keys == 0
+        check_invariants(mgr)
+
+
+async def _stored_now(mgr: OffloadManager, blocks: list[int], keys: list[bytes]) -> None:
+    store = mgr.swap_out(blocks, keys)
+    await mgr.step()
+    await store
+
+
+@pytest.mark.parametrize("owned", [True, False])
+@pytest.mark.asyncio
+async def test_preempt_and_resume_of_a_request_without_blocks(owned: bool) -> None:
+    kv = _kv(seed=41)
+    async with _open(kv, _cfg(num_cpu_blocks=4, manage_gpu_blocks=owned)) as mgr:
+        # 1. a request with an empty table (allocate(r, 0) / append_blocks(r, []))
+        if owned:
+            assert mgr.allocate("r", 0) == []
+        else:
+            mgr.append_blocks("r", [])
+        # 2. its preempt has nothing to copy: it resolves at once and the request is swapped
+        #    out, not moving (it used to stay moving for ever and free() raised)
+        result = await asyncio.wait_for(mgr.preempt("r"), 5.0)
+        assert result.num_blocks == 0 and not mgr.is_moving("r")
+        check_invariants(mgr)
+        # 3. resume the same way, then free
+        await asyncio.wait_for(mgr.resume("r", None if owned else []), 5.0)
+        assert not mgr.is_moving("r") and mgr.block_table("r") == []
+        await asyncio.wait_for(mgr.preempt("r"), 5.0)
+        mgr.free("r")
+        check_invariants(mgr)
+        assert mgr.snapshot().tables == {}

@@ -982,7 +982,7 @@ def test_a_cpu_tier_whose_bookkeeping_cannot_be_allocated_raises_host_memory_err
 @pytest.mark.asyncio
 async def test_the_event_iterator_ends_when_the_manager_closes() -> None:
     # found by a fresh-user pass: an `async for` over mgr.events() used to wait forever after
-    # aclose(); it now yields what was recorded, then stops
+    # aclose(); it now yields what was recorded (the close's `cleared` last), then stops
     kv = [torch.randn(8, 4, generator=torch.Generator().manual_seed(7))]
     mgr = OffloadManager(kv, ManagerConfig(num_cpu_blocks=4))
     got = []
@@ -997,7 +997,7 @@ async def test_the_event_iterator_ends_when_the_manager_closes() -> None:
         await mgr.step()
         await stored
     await asyncio.wait_for(task, 5)
-    assert [(e.kind, e.keys) for e in got] == [("stored", (b"a", b"b"))]
+    assert [(e.kind, e.keys) for e in got] == [("stored", (b"a", b"b")), ("cleared", ())]
 
 
 @pytest.mark.asyncio

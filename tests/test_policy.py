@@ -77,6 +77,22 @@ def test_touch_walks_in_reverse_first_key_most_recent(policy: EvictionPolicy) ->
     assert policy.evict(4, ANY) == [b, d, a, c] and len(policy) == 0
 
 
+def test_a_root_stored_again_after_its_removal_is_one_victim(online: EvictionPolicy) -> None:
+    # issue 20: reuse listed the re-stored root in two segments, offered it twice, and evict
+    # raised KeyError halfway through committing
+    # 1. a chain a <- b; the root a leaves (invalidated, or its store failed); b stays
+    online.insert([a, b], [None, a])
+    online.remove([a])
+    # 2. a is stored again (a new root), then an unrelated c
+    online.insert([a], [None])
+    online.insert([c], [None])
+    # 3. evicting everything returns each key once and leaves the policy empty and usable
+    victims = online.evict(3, ANY)
+    assert victims is not None and sorted(victims) == sorted([a, b, c]) and len(online) == 0
+    online.insert([a, b], [None, a])
+    assert sorted(online.evict(2, ANY) or []) == sorted([a, b])
+
+
 def test_evict_is_atomic(policy: EvictionPolicy) -> None:
     _fill(policy, a, b, c, d, e)
     before = _snapshot(policy)
@@ -426,3 +442,19 @@ for _case in (TestLRUStateful, TestARCStateful):
     _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 for _case in (TestS3FIFOStateful, TestReuseStateful):
     _case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("root", [None, KEYS[0]])
+def test_reuse_key_stored_again_is_offered_once(root: bytes | None) -> None:
+    """A key evicted from inside a segment and stored again (as a root, or under the tip it was
+    once the root of) is listed by its old segment too; eviction must offer it only once
+    (found by TestReuseStateful: VictimSet counted it twice and raised KeyError)."""
+    machine = ReuseMachine()
+    a, b, c = KEYS[2], KEYS[1], KEYS[0]
+    machine.insert_chain(keys=[a, b, c], root=None, is_pending=True)
+    machine.complete_store(key=a)
+    machine.remove(keys=[b])
+    machine.evict(n=1, pinned=[], protected=[])  # a: a leaf now, READY
+    machine.insert_chain(keys=[a], root=root, is_pending=False)
+    machine.evict(n=2, pinned=[], protected=[])  # raised KeyError before the fix
+    machine.resident_keys_match_model_and_ghosts_are_bounded()

@@ -28,6 +28,7 @@ import torch
 
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
+from kvmgr.events.tokens import check_token_ids
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.cpu_tier import CpuTier
 from kvmgr.manager.events import EventStream
@@ -35,7 +36,7 @@ from kvmgr.manager.gpu_pool import GpuBlocks
 from kvmgr.manager.queue import Kind, Lane, Part
 from kvmgr.manager.requests import RequestTables
 from kvmgr.pool.allocator import as_id_array
-from kvmgr.pool.host_pool import HostKVPool
+from kvmgr.pool.host_pool import HostKVPool, HostRegion, HostRegionLayout
 from kvmgr.pool.layout import KVLayout
 from kvmgr.reports import LoadResult, StoreResult, SwapResult
 from kvmgr.transfer.plan import Direction
@@ -96,6 +97,8 @@ class Bookkeeper:
         config: the manager's settings.
         gpu_layout: the GPU-tier KV tensors' layout.
         allocate_host: the engine's ``allocate_host`` (the CPU tier's memory).
+        allocate_region: the engine's ``allocate_host_region`` where it has one (memory that
+            becomes usable block range by block range; used instead of ``allocate_host``).
     """
 
     def __init__(
@@ -103,24 +106,30 @@ class Bookkeeper:
         config: ManagerConfig,
         gpu_layout: KVLayout,
         allocate_host: Callable[[int], torch.Tensor],
+        allocate_region: Callable[[HostRegionLayout], HostRegion] | None = None,
     ) -> None:
         self.config = config
         self.gpu_layout = gpu_layout
         self.block_bytes = gpu_layout.block_bytes
         self.events = EventStream(config.max_events)
         self.counters = Counters()
+        self.cpu_pool = HostKVPool(
+            gpu_layout.page_bytes.tolist(),
+            config.num_cpu_blocks,
+            allocate_host,
+            allocate_region=allocate_region,
+        )
+        memory = self.cpu_pool.memory
         self.cpu = CpuTier(
             config.num_cpu_blocks,
             config.policy,
             self.events.removed,
             config.policy_options,
             self.counters,
+            blocks_ready=None if memory is None else lambda: memory.num_blocks_ready,
         )
         self.gpu = GpuBlocks(gpu_layout.num_blocks, owned=config.manage_gpu_blocks)
         self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes, self.counters)
-        self.cpu_pool = HostKVPool(
-            gpu_layout.page_bytes.tolist(), config.num_cpu_blocks, allocate_host
-        )
         self._threshold = config.store_threshold
         #: no admission control: the per-call fast path may be used
         self._plain_admission = config.store_threshold == 1 and not hasattr(
@@ -230,25 +239,37 @@ class Bookkeeper:
         future: asyncio.Future[Any],
         *,
         batched: bool,
+        held: bool = False,
+        token_ids: object = None,
     ) -> Part:
         """Reserve CPU blocks for the keys not in the CPU tier yet; they become PENDING.
 
+        ``held``: ``gpu_block_ids`` were validated by an earlier call and a waiting store holds
+        them (``backpressure``), so they are not checked again (an owned block may be
+        ``DRAINING`` by now: its request was freed while the store waited).
+
+        ``token_ids`` (see ``kvmgr.events.tokens.check_token_ids``) ride in the part to the
+        ``stored`` event, the rows of the keys actually stored.
+
         Raises:
             InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
+            InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed.
         """
         if (
             not batched
+            and not held
             and type(gpu_block_ids) is list
             and type(keys) is list
             and parents is None
+            and token_ids is None
             and 0 < len(keys) <= SMALL
             and self._plain_admission
         ):
             part = self._store_small(gpu_block_ids, keys, future)
             if part is not None:
                 return part
-        gpu = self.gpu_ids(gpu_block_ids, "store")
+        gpu: Any = gpu_block_ids if held else self.gpu_ids(gpu_block_ids, "store")
         keys = check_keys(keys, distinct=not batched)
         n = len(keys)
         if n != len(gpu):
@@ -256,6 +277,7 @@ class Bookkeeper:
                 f"expected one key per gpu block, got {n} keys and {len(gpu)} blocks"
             )
         all_parents = _parents(keys, parents)
+        tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         cpu = self.cpu
         if n <= SMALL:
             index = cpu.index
@@ -286,9 +308,11 @@ class Bookkeeper:
         cpu_ids: list[int] | np.ndarray = (
             cpu.make_room_small(m, keys) if small else cpu.make_room(m, keys)
         )
+        new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
         if m:
-            new_parents = [all_parents[i] for i in fresh] if len(fresh) != n else all_parents
             cpu.add_pending(new_keys, cpu_ids, new_parents)
+        if tokens is not None:
+            tokens = None if m == 0 else tokens if m == n else tokens[fresh]
         if self._threshold > 1:
             self._count_sightings(new_keys, waiting)
         if num_present:  # the resident part of the call's prefix was just used again
@@ -328,7 +352,11 @@ class Bookkeeper:
             result = SwapResult(
                 m, m * self.block_bytes, n - m, tuple(cpu_ids.tolist()), tuple(src.tolist())
             )
-        return Part(Kind.STORE, future, result, src, cpu_ids, new_keys)
+        chain = parents is None and m == n  # the default chain: the lane rebuilds it
+        return Part(
+            Kind.STORE, future, result, src, cpu_ids, new_keys,
+            parents=None if chain else new_parents, token_ids=tokens,
+        )  # fmt: skip
 
     def _store_small(
         self, gpu: list[int], keys: list[bytes], future: asyncio.Future[Any]
@@ -372,7 +400,7 @@ class Bookkeeper:
         self.counters.stores_queued += n
         gpu_ids = tuple(gpu)
         result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
-        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)
+        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)  # a default chain
 
     # ------------------------------------------------------------------ load
 
@@ -449,6 +477,28 @@ class Bookkeeper:
             [np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.STORE]
         )
 
+    def _emit_stored(self, lane: Lane) -> None:
+        """The ``stored`` event of a landed D2H lane: one for the lane, with the token ids
+        concatenated when every keyed store gave them (of one block size) or none did; one per
+        store otherwise, so that no event mixes rows with and without tokens."""
+        events, keys = self.events, lane.keys
+        if not events.enabled or not keys:
+            return
+        if lane.num_token_parts == 0:
+            events.stored(keys, lane.parents)
+            return
+        stores = [p for p in lane.parts if p.kind is Kind.STORE and p.keys]
+        tokens = [p.token_ids for p in stores if p.token_ids is not None]
+        if len(tokens) == len(stores) and len({t.shape[1] for t in tokens}) == 1:
+            events.stored(
+                keys, lane.parents, np.concatenate(tokens) if len(tokens) > 1 else tokens[0]
+            )
+            return
+        for part in stores:
+            keys = part.keys  # type: ignore[assignment]
+            parents = part.parents if part.parents is not None else [None, *keys[:-1]]
+            events.stored(keys, parents, part.token_ids)
+
     def complete(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool) -> None:
         """Apply the outcome of a lane's copy (``ok``: it completed) to every part of it.
 
@@ -465,7 +515,7 @@ class Bookkeeper:
             if ok:
                 cpu.stores_landed(cpu_ids, all_pending=not requests)  # stores stay PENDING
                 counters.stores_completed += n
-                self.events.stored(keys)
+                self._emit_stored(lane)
                 if self.on_stored is not None and keys:
                     self.on_stored(keys, self._store_ids(lane, cpu_ids))
             else:

@@ -56,6 +56,8 @@ class CpuTier:
         on_removed: called with the keys evicted, in eviction order (the KV event stream).
         policy_options: keyword arguments of the policy's constructor.
         counters: where evictions are counted.
+        blocks_ready: how many leading blocks the memory lets the allocator hand out now (the
+            region is still being pinned); ``None``: all of them. Asked when room runs short.
     """
 
     def __init__(
@@ -65,9 +67,12 @@ class CpuTier:
         on_removed: Callable[[list[bytes]], None],
         policy_options: Mapping[str, Any] | None = None,
         counters: Counters | None = None,
+        blocks_ready: Callable[[], int] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
-        self.pool = BlockAllocator(num_blocks, name="cpu")
+        ready = num_blocks if blocks_ready is None else blocks_ready()
+        self.pool = BlockAllocator(num_blocks, name="cpu", num_ready=ready)
+        self._blocks_ready = blocks_ready if ready < num_blocks else None
         self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
         self.state = bytearray(num_blocks)
@@ -113,17 +118,33 @@ class CpuTier:
         assert ids is not None
         return ids
 
+    def grow(self) -> bool:
+        """Let the allocator hand out the blocks pinned since the last call; whether any."""
+        if self._blocks_ready is None:
+            return False
+        ready = self._blocks_ready()
+        if ready <= self.pool.num_ready:
+            return False
+        self.pool.make_ready(ready)
+        if ready >= self.num_blocks:
+            self._blocks_ready = None  # all pinned: never ask again
+        return True
+
     def _evict_for(self, n: int, protected: Collection[bytes]) -> None:
         shortfall = n - self.pool.num_free
+        if shortfall > 0 and self.grow():
+            shortfall = n - self.pool.num_free
         if shortfall > 0:
             victims = self.policy.evict(shortfall, self.can_evict, protected)
             if victims is None:
+                pinning = self.pool.num_ready < self.num_blocks
                 raise PoolExhaustedError(
                     f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
-                    "evictable (READY without loads in flight)",
+                    "evictable (READY without loads in flight)"
+                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning),
                     needed=n,
                     available=self.pool.num_free,
-                    reason="cpu_full",
+                    reason="cpu_pinning" if pinning else "cpu_full",
                 )
             if self.on_evicted is not None:
                 self.on_evicted(victims, self._ids_of(victims))

@@ -4,13 +4,21 @@ Private to ``kvmgr.manager``; ``OffloadManager.take_events()`` and ``OffloadMana
 are its public face. A KV-aware router or an external index drains it to know which prefixes an
 instance holds (the role of vLLM's KV events). The stream is bounded: when nobody drains it,
 the oldest events are dropped and counted (``ManagerStatistics.events_dropped``).
+
+Order is the promise a router relies on (vllm #57159: never advertise a block the tier cannot
+serve): ``stored`` only once the copy has landed, ``removed`` before the block is reused (the
+eviction is recorded when the store that needs the room is prepared, before its copy is
+submitted), ``cleared`` last, when the manager closes. ``kvmgr.events`` turns the stream into
+vLLM's wire format and publishes it over ZMQ.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
 
 from kvmgr.reports import KVEvent
 
@@ -34,13 +42,26 @@ class EventStream:
     def __len__(self) -> int:
         return len(self._events) if self.enabled else 0
 
-    def emit(self, kind: str, keys: list[bytes], tier: str = "cpu") -> None:
-        """Append one event (no-op when disabled or ``keys`` is empty)."""
+    def emit(
+        self,
+        kind: str,
+        keys: list[bytes],
+        tier: str = "cpu",
+        parents: Sequence[bytes | None] | None = None,
+        token_ids: np.ndarray | None = None,
+    ) -> None:
+        """Append one event (no-op when disabled or ``keys`` is empty). ``parents`` and
+        ``token_ids`` (aligned with ``keys``) are the router detail of a ``stored`` event."""
         if not self.enabled or not keys:
             return
+        self._append(
+            KVEvent(kind, tuple(keys), tier, None if parents is None else tuple(parents), token_ids)
+        )
+
+    def _append(self, event: KVEvent) -> None:
         if len(self._events) == self._events.maxlen:
             self.num_dropped += 1
-        self._events.append(KVEvent(kind, tuple(keys), tier))
+        self._events.append(event)
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:
@@ -55,11 +76,21 @@ class EventStream:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def stored(self, keys: list[bytes]) -> None:
-        self.emit("stored", keys)
+    def stored(
+        self,
+        keys: list[bytes],
+        parents: Sequence[bytes | None] | None = None,
+        token_ids: np.ndarray | None = None,
+    ) -> None:
+        self.emit("stored", keys, "cpu", parents, token_ids)
 
     def removed(self, keys: list[bytes]) -> None:
         self.emit("removed", keys)
+
+    def cleared(self) -> None:
+        """The manager closed: every key it advertised, in every tier, is gone for it."""
+        if self.enabled and not self._closed:
+            self._append(KVEvent("cleared", (), "all"))
 
     def take(self) -> list[KVEvent]:
         """Remove and return every event, oldest first."""

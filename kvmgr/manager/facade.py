@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvmgr.config import ManagerConfig
@@ -33,9 +34,10 @@ from kvmgr.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from kvmgr.events.tokens import check_token_ids
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.manager.backpressure import RoomWaiters
-from kvmgr.manager.bookkeeping import Bookkeeper
+from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
+from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.flush import Flusher
 from kvmgr.manager.queue import Part, SwapQueue
@@ -114,7 +116,12 @@ class OffloadManager:
         elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
             raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
         try:
-            self._books = Bookkeeper(config, gpu_layout, engine.allocate_host)
+            self._books = Bookkeeper(
+                config,
+                gpu_layout,
+                engine.allocate_host,
+                getattr(engine, "allocate_host_region", None),
+            )
         except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
             engine.close(0)
             num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
@@ -129,7 +136,7 @@ class OffloadManager:
         self._hooks = list(hooks)
         self._queue = SwapQueue(gpu_layout.num_blocks)
         self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
-        self._room = RoomWaiters()
+        self._room = RoomWaiters(self._books.gpu, self._books.counters, self._enqueue)
         self._flusher.on_settled = self._room.wake
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -226,6 +233,7 @@ class OffloadManager:
             for batch in list(self._queue.in_flight.values()):
                 self._flusher.complete_batch(batch)
             self._room.fail(ClosedError("manager closed while the store waited for room"))
+            self._books.events.cleared()
             self._books.events.close()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
@@ -332,6 +340,8 @@ class OffloadManager:
         gpu_block_ids: Sequence[int],
         keys: Sequence[bytes],
         parents: Sequence[bytes | None] | None = None,
+        *,
+        token_ids: Any = None,
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
         ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
@@ -351,11 +361,13 @@ class OffloadManager:
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
             InvalidKeyError: bad keys, or different counts.
+            InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
-                ``backpressure="wait"`` the future waits for room instead).
+                ``backpressure="wait"`` the future waits for room instead, holding its GPU
+                blocks like a queued store; cancelling it drops the store).
             ClosedError, EventLoopError: closed, or no running loop.
         """
-        return self._store(gpu_block_ids, keys, parents, batched=False)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=False)
 
     def store_many(
         self,
@@ -363,6 +375,7 @@ class OffloadManager:
         keys: Sequence[bytes],
         *,
         parents: Sequence[bytes | None] | None = None,
+        token_ids: Any = None,
     ) -> asyncio.Future[StoreResult]:
         """Queue one store of many requests' blocks: ONE future, array results.
 
@@ -373,6 +386,8 @@ class OffloadManager:
                 stored once, from its first occurrence; the others count as present.
             parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
                 Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
+            token_ids: optional int ``[n, block_size]``: the tokens of each block, for the
+                ``stored`` KV event (as ``swap_out``).
 
         Returns:
             A future resolving to ``StoreResult`` (which keys were stored, which were already
@@ -381,18 +396,26 @@ class OffloadManager:
         Raises:
             KVMgrError: as ``swap_out``.
         """
-        return self._store(gpu_block_ids, keys, parents, batched=True)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=True)
 
     def _store(
-        self, gpu_block_ids: Any, keys: Sequence[bytes], parents: Any, *, batched: bool
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        parents: Any,
+        token_ids: Any,
+        *,
+        batched: bool,
     ) -> asyncio.Future[Any]:
         """Queue a store (per call or batched), or hand it to backpressure."""
         loop = self._check_open()
         future: asyncio.Future[Any] = loop.create_future()
         try:
-            part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+            part = self._books.prepare_store(
+                gpu_block_ids, keys, parents, future, batched=batched, token_ids=token_ids
+            )
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, batched=batched)
+            return self._when_room(exc, gpu_block_ids, keys, parents, token_ids, batched=batched)
         self._enqueue(part)
         return future
 
@@ -402,23 +425,35 @@ class OffloadManager:
         gpu_block_ids: Any,
         keys: Sequence[bytes],
         parents: Any,
+        token_ids: Any,
         *,
         batched: bool,
     ) -> asyncio.Future[Any]:
-        """Backpressure: fail now, or a task that retries the store until room appears."""
+        """Backpressure: fail now, or register the store to wait for room (it holds its GPU
+        blocks meanwhile, like a queued store; see ``backpressure``)."""
         counters = self._books.counters
         if self.config.backpressure != "wait" or exc.needed > self.config.num_cpu_blocks:
             counters.reject(exc.reason)
             raise exc
         loop = self._check_open()
-        deadline = loop.time() + self.config.store_wait_s
+        books = self._books
+        # validated again (cheap, and it copies what the caller may reuse): the ids are held
+        gpu = books.gpu_ids(gpu_block_ids, "store")
+        keys = check_keys(keys, distinct=False)
+        parents = None if parents is None else list(parents)
+        tokens = None if token_ids is None or not keys else check_token_ids(token_ids, len(keys))
 
         def attempt(future: asyncio.Future[Any]) -> Part:
-            return self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=batched)
+            return books.prepare_store(
+                gpu, keys, parents, future, batched=batched, held=True, token_ids=tokens
+            )
 
-        return loop.create_task(
-            self._room.retry(loop, attempt, self._enqueue, deadline, self.config, counters)
+        future = WaitingFuture(loop=loop)
+        held = np.array(gpu, dtype=np.int64)
+        self._room.wait(
+            loop, WaitingStore(future, attempt, held, keys, exc), self.config.store_wait_s
         )
+        return future
 
     def swap_in(
         self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]
@@ -634,11 +669,13 @@ class OffloadManager:
         self._step = step
         if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
-                d2h, h2d = self._flusher.flush()
+                d2h, h2d = self._flush()
         else:
-            d2h, h2d = self._flusher.flush()
+            d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
+            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
@@ -649,6 +686,18 @@ class OffloadManager:
         )
         await asyncio.sleep(0)
         return report
+
+    def _flush(self) -> tuple[Any, Any]:
+        """Flush the queue; once more if a lane failed at submit freed room for waiting
+        stores during this flush (they were queued behind it and would wait a whole step)."""
+        room = self._room
+        room.num_requeued = 0
+        d2h, h2d = self._flusher.flush()
+        if room.num_requeued and len(self._queue):
+            room.num_requeued = 0
+            more_d2h, more_h2d = self._flusher.flush()
+            d2h, h2d = _sum_reports(d2h, more_d2h), _sum_reports(h2d, more_h2d)
+        return d2h, h2d
 
     # ------------------------------------------------------------------ waiting
 
@@ -692,6 +741,7 @@ class OffloadManager:
         books = self._books
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
+        memory = books.cpu_pool.memory
         return ManagerStatistics(
             **{name: getattr(c, name) for name in Counters.TOTALS},
             rejected=dict(c.rejected),
@@ -700,8 +750,11 @@ class OffloadManager:
             completion_s=c.completion_s.freeze(),
             batches_in_flight=len(self._queue.in_flight),
             queued_swaps=len(self._queue),
+            stores_waiting=len(self._room),
             cpu_blocks_used=cpu.pool.num_allocated,
             cpu_blocks_total=cpu.num_blocks,
+            cpu_blocks_ready=books.cpu_pool.num_blocks_ready,
+            cpu_pinning=None if memory is None else memory.statistics(),
             cpu_keys_pending=cpu.num_pending,
             cpu_keys_ready=len(cpu.index) - cpu.num_pending,
             cpu_keys_loading=cpu.num_loading,
@@ -714,7 +767,7 @@ class OffloadManager:
         """Every block, key, table and queued or in-flight swap, as frozen values (for tests
         and ``kvmgr.testing.check_invariants``; costs O(blocks), not for the hot path)."""
         promoting = () if self._tiers is None else tuple(self._tiers.promoting)
-        return take_snapshot(self._books, self._queue, promoting)
+        return take_snapshot(self._books, self._queue, promoting, self._room.stores)
 
     def take_events(self) -> list[KVEvent]:
         """Remove and return the KV events recorded since the last call, oldest first: a
@@ -733,3 +786,12 @@ class OffloadManager:
         for batch in self._queue.in_flight.values():
             if batch.direction is Direction.H2D:
                 self.engine.stream_wait(batch.handle, stream)
+
+
+def _sum_reports(a: Any, b: Any) -> Any:
+    """Two flushes' ``DirectionReport`` of one direction, summed (an empty one is the unit)."""
+    if not b.batches:
+        return a
+    if not a.batches:
+        return b
+    return a + b

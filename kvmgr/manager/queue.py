@@ -47,9 +47,16 @@ class Part:
             written/read, aligned.
         keys: keyed parts: the keys copied, aligned with the ids; else ``None``.
         req_id: request-level parts: the request; else ``None``.
+        parents: keyed stores: ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root),
+            for the ``stored`` event; ``None`` for the default chain (``keys[i]`` extends
+            ``keys[i - 1]``, ``keys[0]`` a root: no list kept per queued call) and for others.
+        token_ids: keyed stores given token ids: int32 ``[len(keys), block_size]`` (the
+            caller's copy, rows of the keys stored); else ``None``.
     """
 
-    __slots__ = ("cpu_ids", "future", "gpu_ids", "keys", "kind", "req_id", "result")
+    __slots__ = (
+        "cpu_ids", "future", "gpu_ids", "keys", "kind", "parents", "req_id", "result", "token_ids"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -60,6 +67,9 @@ class Part:
         cpu_ids: Any,
         keys: list[bytes] | None = None,
         req_id: Hashable | None = None,
+        *,
+        parents: list[bytes | None] | None = None,
+        token_ids: np.ndarray | None = None,
     ) -> None:
         self.kind = kind
         self.future = future
@@ -68,6 +78,8 @@ class Part:
         self.cpu_ids = cpu_ids
         self.keys = keys
         self.req_id = req_id
+        self.parents = parents
+        self.token_ids = token_ids
 
     @property
     def direction(self) -> Direction:
@@ -87,15 +99,21 @@ class Lane:
         parts: every part, in the order added.
         keys: D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
             ``requests`` is empty); H2D lanes: empty.
+        parents: D2H lanes: one parent per entry of ``keys`` (``None``: a root).
+        num_token_parts: keyed stores of the lane that carry token ids.
         requests: the request-level parts (preempts, resumes), in part order.
     """
 
-    __slots__ = ("_cpu", "_gpu", "direction", "keys", "parts", "requests")
+    __slots__ = (
+        "_cpu", "_gpu", "direction", "keys", "num_token_parts", "parents", "parts", "requests"
+    )  # fmt: skip
 
     def __init__(self, direction: Direction) -> None:
         self.direction = direction
         self.parts: list[Part] = []
         self.keys: list[bytes] = []
+        self.parents: list[bytes | None] = []
+        self.num_token_parts = 0
         self.requests: list[Part] = []
         self._gpu = array.array("q")
         self._cpu = array.array("q")
@@ -117,6 +135,13 @@ class Lane:
             self.requests.append(part)
         elif self.direction is Direction.D2H:
             self.keys += keys
+            if part.parents is not None:
+                self.parents += part.parents
+            elif keys:  # the default chain
+                self.parents.append(None)
+                self.parents += keys[:-1]
+            if part.token_ids is not None:
+                self.num_token_parts += 1
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(GPU ids, CPU ids) of every part, int64, aligned, in part order (views of the

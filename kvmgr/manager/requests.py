@@ -149,6 +149,9 @@ class RequestTables:
         if table.tier is not Tier.GPU:
             raise BlockStateError(f"request {req_id!r} is already swapped out")
         gpu = np.array(table.block_ids, dtype=np.int64)
+        if not len(gpu):  # nothing to copy: swapped out at once (never left moving)
+            table.tier = Tier.CPU
+            return Part(Kind.PREEMPT, future, SwapResult(0, 0, 0, (), ()), gpu, gpu, None, req_id)
         cpu = self.cpu.make_room(len(gpu), ())
         self.cpu.set_state(cpu, CpuState.PREEMPTING)
         table.moving = True
@@ -183,6 +186,11 @@ class RequestTables:
         if table.tier is not Tier.CPU:
             raise BlockStateError(f"request {req_id!r} is not swapped out")
         cpu = np.array(table.block_ids, dtype=np.int64)
+        if not len(cpu):  # nothing to copy: resident at once (never left moving)
+            if gpu_block_ids is not None and len(as_id_array(gpu_block_ids, "gpu")):
+                raise InvalidBlockError("expected 0 gpu block ids: the request has no blocks")
+            table.tier = Tier.GPU
+            return Part(Kind.RESUME, future, SwapResult(0, 0, 0, (), ()), cpu, cpu, None, req_id)
         if table.gpu_owned:
             if gpu_block_ids is not None:
                 raise InvalidBlockError("this request's GPU blocks come from the owned pool")

@@ -15,6 +15,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import attrs
 import numpy as np
 
+from kvmgr.manager.backpressure import WaitingStore
 from kvmgr.manager.bookkeeping import Bookkeeper
 from kvmgr.manager.cpu_tier import CpuState
 from kvmgr.manager.gpu_pool import GpuState
@@ -57,8 +58,10 @@ class SwapSnapshot:
     """A swap not settled yet.
 
     Attributes:
-        kind: ``"store"``, ``"load"``, ``"preempt"``, ``"resume"``, or ``"promote"`` (a lower
-            tier's blocks being read into PENDING CPU blocks by ``fetch``).
+        kind: ``"store"``, ``"load"``, ``"preempt"``, ``"resume"``, ``"promote"`` (a lower
+            tier's blocks being read into PENDING CPU blocks by ``fetch``), or ``"waiting"`` (a
+            store waiting for room with ``backpressure="wait"``: it holds its GPU blocks, one
+            busy count each, and has no CPU blocks yet).
         direction: D2H or H2D.
         gpu_block_ids / cpu_block_ids: its blocks, aligned.
         keys: keyed swaps: the keys copied.
@@ -154,9 +157,11 @@ def take_snapshot(
     books: Bookkeeper,
     queue: SwapQueue,
     promoting: Sequence[tuple[list[bytes], np.ndarray]] = (),
+    waiting: Sequence[WaitingStore] = (),
 ) -> ManagerSnapshot:
     """Build the snapshot of a manager's bookkeeper and queue (and the promotes from lower
-    tiers in flight, shown as swaps of kind ``"promote"``)."""
+    tiers in flight, shown as swaps of kind ``"promote"``, and the stores waiting for room,
+    of kind ``"waiting"``)."""
     cpu, gpu = books.cpu, books.gpu
     keys = {
         key: KeySnapshot(block, CpuState(cpu.state[block]), int(cpu.readers[block]))
@@ -168,6 +173,20 @@ def take_snapshot(
             "promote", Direction.H2D, (), _ints(ids), tuple(keys), None, None, False, False
         )
         for keys, ids in promoting
+    ]
+    swaps += [
+        SwapSnapshot(
+            "waiting",
+            Direction.D2H,
+            _ints(w.gpu_ids),
+            (),
+            tuple(w.keys),
+            None,
+            None,
+            w.future.done(),
+            w.future.cancelled(),
+        )
+        for w in waiting
     ]
     batches = []
     for batch in queue.in_flight.values():

@@ -12,7 +12,9 @@ Private to ``kvmgr.manager``; the public face is ``OffloadManager(..., tiers=[..
 - **Fetch**: keys after the CPU tier's ready prefix are looked up in each lower tier in turn;
   hits are staged into CPU blocks (PENDING while the read runs, READY once verified); a miss,
   corrupt value or tier error ends the usable prefix and the caller recomputes from there.
-  Nothing read from a lower tier is ever served unverified (``kvmgr.tiers.blob``).
+  Nothing read from a lower tier is ever served unverified (``kvmgr.tiers.blob``). A cancelled
+  fetch (``task.cancel()``, ``asyncio.wait_for``) frees its staged blocks only after the
+  promote's scatter thread has finished with them (``TierBridge``), then re-raises.
 """
 
 from __future__ import annotations
@@ -202,7 +204,8 @@ class LowerTiers:
             cpu.add_pending(rest, ids, [None, *rest[:-1]])
             entry = (rest, ids)
             self.promoting.append(entry)
-            try:
+            try:  # (promote ends, cancelled or not, only after its scatter thread let go of
+                # the blocks, so settling them here never frees memory a worker still writes)
                 hit = await bridge.promote(rest, ids)
             except BaseException:
                 hit = np.zeros(len(rest), dtype=bool)

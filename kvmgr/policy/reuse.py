@@ -237,8 +237,12 @@ class ReusePolicy:
         unique = list(dict.fromkeys(keys))
         check_tracked(self._parent_of, unique, self.name)
         self._tree.release(map(self._parent_of.pop, unique))
-        for seg, count in Counter(map(self._seg_of.pop, unique)).items():
+        tracked = self._seg_of
+        for seg, count in Counter(map(tracked.pop, unique)).items():
             self._drop(seg, count)
+            if seg.tracked:  # a key left from inside the chain: drop it from the key list, so
+                # that a key stored again (into another segment) is never listed twice
+                seg.keys = [k for k in seg.keys if tracked.get(k) is seg]
 
     def evict(
         self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
@@ -255,6 +259,7 @@ class ReusePolicy:
         tracked, target = self._seg_of, self._probation_target()
         scans = {True: iter(self._probation), False: iter(self._main)}
         virtual_probation = self._num_probation
+        offered: set[bytes] = set()
         fronts = {True: next(scans[True], None), False: next(scans[False], None)}
         if not self._is_filtering():  # the cache outlasts the gap: plain LRU by key
             victims.offer_all(self._parent_of)
@@ -269,7 +274,14 @@ class ReusePolicy:
             fronts[from_probation] = next(scans[from_probation], None)
             before = len(victims.keys)
             # tip first; ancestors of a blocked key wait in the set
-            victims.offer_all(filter(tracked.__contains__, reversed(seg.keys)))
+            # each key once (VictimSet's contract), from the segment that owns it now: a key
+            # evicted or removed and stored again may still be listed by its old segment, or
+            # twice by one segment it rejoined
+            victims.offer_all(
+                k
+                for k in reversed(seg.keys)
+                if tracked.get(k) is seg and k not in offered and not offered.add(k)  # type: ignore[func-returns-value]
+            )
             if from_probation:
                 virtual_probation -= len(victims.keys) - before
         if not victims.is_full:

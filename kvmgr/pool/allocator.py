@@ -34,15 +34,31 @@ class BlockAllocator:
     The state bytes live in a ``bytearray`` (fast single-id access) viewed as a numpy array
     (one operation per batch): ``take``/``give`` take and return int64 arrays without a Python
     loop per id; ``allocate``/``free`` are the list-based twins.
+
+    Progressive availability: with ``num_ready < num_blocks`` only the ids below ``num_ready``
+    are handed out (the CPU tier's memory beyond them is still being pinned); ``make_ready``
+    raises the bound as more memory becomes usable. Ids are handed out fresh in increasing
+    order, so the bound is a cap on the fresh cursor and costs nothing per call.
+
+    Args:
+        num_blocks: ids ``[0, num_blocks)``.
+        name: for error messages.
+        num_ready: ids below it may be handed out now; ``num_blocks`` if ``None``.
     """
 
-    def __init__(self, num_blocks: int, *, name: str = "pool") -> None:
+    def __init__(
+        self, num_blocks: int, *, name: str = "pool", num_ready: int | None = None
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
             raise InvalidBlockError(f"{name}: expected an int num_blocks, got {num_blocks!r}")
         if num_blocks < 1:
             raise InvalidBlockError(f"{name}: expected num_blocks >= 1, got {num_blocks}")
         self.name = name
         self.num_blocks = int(num_blocks)
+        self._num_ready = self.num_blocks
+        if num_ready is not None:
+            self._num_ready = 0
+            self.make_ready(num_ready)
         self._next_fresh = 0
         self._freed: list[int] = []
         self._bytes = bytearray(self.num_blocks)
@@ -50,8 +66,30 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        """Ids available to ``allocate``."""
-        return self.num_blocks - self._next_fresh + len(self._freed)
+        """Ids available to ``allocate`` now (only ready ids count)."""
+        return self._num_ready - self._next_fresh + len(self._freed)
+
+    @property
+    def num_ready(self) -> int:
+        """Ids below this may be handed out (``num_blocks`` once all are ready)."""
+        return self._num_ready
+
+    def make_ready(self, num_ready: int) -> None:
+        """Let ids below ``num_ready`` be handed out (a smaller value changes nothing: the
+        bound only grows).
+
+        Raises:
+            InvalidBlockError: ``num_ready`` is not an int in ``[0, num_blocks]``.
+        """
+        if (
+            isinstance(num_ready, bool)
+            or not isinstance(num_ready, (int, np.integer))
+            or not 0 <= num_ready <= self.num_blocks
+        ):
+            raise InvalidBlockError(
+                f"{self.name}: expected num_ready in [0, {self.num_blocks}], got {num_ready!r}"
+            )
+        self._num_ready = max(self._num_ready, int(num_ready))
 
     @property
     def num_allocated(self) -> int:
@@ -76,7 +114,7 @@ class BlockAllocator:
             raise InvalidBlockError(f"{self.name}: expected an int n >= 0, got {n!r}")
         if n > self.num_free:
             return None
-        num_fresh = min(n, self.num_blocks - self._next_fresh)
+        num_fresh = min(n, self._num_ready - self._next_fresh)
         start = self._next_fresh
         self._next_fresh += num_fresh
         rest = n - num_fresh
@@ -94,7 +132,7 @@ class BlockAllocator:
 
     def take_one(self) -> int | None:
         """Allocate one id, or return ``None``."""
-        if self._next_fresh < self.num_blocks:
+        if self._next_fresh < self._num_ready:
             block_id = self._next_fresh
             self._next_fresh += 1
         elif self._freed:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["InvariantError", "check_invariants"]
 
 _KEYED = (CpuState.PENDING, CpuState.READY)
+#: swaps that sit in the manager's queue until a flush (promotes and waiting stores do not)
+_QUEUED_KINDS = frozenset({"store", "load", "preempt", "resume"})
 
 
 class InvariantError(AssertionError):
@@ -66,7 +68,7 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
         if swap.future_done and not swap.future_cancelled:
             problems.append(f"a {swap.kind}'s future resolved before its copy settled")
     stats = manager.statistics()
-    queued = sum(1 for s in snap.swaps if s.batch_seq is None)
+    queued = sum(1 for s in snap.swaps if s.batch_seq is None and s.kind in _QUEUED_KINDS)
     if stats.batches_in_flight != len(snap.batches):
         problems.append(
             f"statistics: {stats.batches_in_flight} batches in flight, snapshot has "

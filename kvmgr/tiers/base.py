@@ -9,6 +9,7 @@ Offers:
     TierCounters     the mutable counters a backend keeps and snapshots
     check_keys       key validation shared by the backends
     with_deadline    run one awaitable under a deadline, raising ``TierTimeoutError``
+    join_worker      await a worker thread; a cancellation waits for the worker to end first
 
 Semantics shared by all backends:
     - Keys are the *stored* keys (``TierNamespace.stored_keys``), ``bytes``; values are blobs made
@@ -43,6 +44,7 @@ __all__ = [
     "TierCounters",
     "TierStatistics",
     "check_keys",
+    "join_worker",
     "with_deadline",
 ]
 
@@ -233,3 +235,30 @@ async def with_deadline(awaitable: Awaitable[T], deadline_s: float, what: str) -
         return await asyncio.wait_for(awaitable, deadline_s)
     except asyncio.TimeoutError:
         raise TierTimeoutError(f"{what} passed its {deadline_s:g} s deadline") from None
+
+
+async def join_worker(future: asyncio.Future[T]) -> T:
+    """Await a worker thread's ``future``; if the awaiting task is cancelled (once or more),
+    keep waiting until the worker has ended, then raise the ``CancelledError``.
+
+    For work that reads or writes memory the caller hands out again after the await: a
+    cancellation must not settle before the worker let go (issue 26: a cancelled fetch freed CPU
+    blocks its scatter thread still wrote, and the next store served those bytes). The delay a
+    cancellation takes is what is left of the worker's own run (a copy of one batch).
+    ``asyncio.wait`` never cancels the future it waits on, so the worker is never interrupted.
+
+    Raises:
+        asyncio.CancelledError: the awaiting task was cancelled (raised after the worker ended).
+        Exception: whatever the worker raised, when the task was not cancelled.
+    """
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller is gone, the cancellation wins
+        raise cancelled
+    return future.result()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvmgr.errors import GeometryError, InvalidBlockError, InvalidKeyError, TierError
-from kvmgr.tiers.base import TierBackend, check_keys
+from kvmgr.tiers.base import TierBackend, check_keys, join_worker
 from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_rows, verify
 
 __all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
@@ -105,8 +105,13 @@ class TierBridge:
             from ``namespace.page_bytes``, or backend slots (``slot_bytes``) too small for a blob.
 
     The caller keeps the CPU blocks of an in-flight ``demote`` unmodified and of an in-flight
-    ``promote`` unread until the await returns (a cancelled await: a promote may still write the
-    blocks it was given; treat them as garbage).
+    ``promote`` unread until the await ends. However it ends (a result, an error, a
+    cancellation, an ``asyncio.wait_for`` budget), no worker thread reads or writes the blocks
+    afterwards: a cancellation takes effect only once the gather/scatter thread in progress has
+    finished its copy (milliseconds for one batch), so the caller may hand the blocks out again
+    at once. What a cancelled ``promote`` leaves in its blocks is unspecified (some may hold
+    verified pages, the rest are untouched); a cancelled ``demote`` may still store blobs that
+    were gathered before the cancellation (each complete and verified).
     """
 
     def __init__(
@@ -347,9 +352,14 @@ class TierBridge:
         return keys, ids
 
     async def _maybe_thread(self, num_blocks: int, fn: Callable[[], None]) -> None:
-        """Run ``fn`` in a worker thread when the batch is large, else inline."""
+        """Run ``fn`` in a worker thread when the batch is large, else inline.
+
+        ``fn`` reads or writes CPU blocks, so a cancelled await returns only after the worker
+        has finished (``join_worker``): the caller may reuse the blocks as soon as it regains
+        control, however the call ended.
+        """
         if num_blocks * self.namespace.payload_bytes > self._offload_bytes:
-            await asyncio.to_thread(fn)
+            await join_worker(asyncio.get_running_loop().run_in_executor(None, fn))
         else:
             fn()
 

@@ -22,6 +22,7 @@ import torch
 from kvmgr.errors import ConfigError, GeometryError
 from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
 from kvmgr.transfer.host import HostEngine
+from kvmgr.transfer.pinning import PinOptions
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan, check_hazards
 
 __all__ = [
@@ -52,6 +53,7 @@ def _cuda_options(name: str, device: torch.device, config: Any) -> dict[str, Any
     options: dict[str, Any] = {"device": device}
     if config is not None:
         options["allow_pageable"] = config.allow_pageable
+        options["pin"] = PinOptions(background=config.pin_host == "background")
         if config.max_descriptors is not None:
             options["max_descriptors"] = config.max_descriptors
     return options
@@ -95,7 +97,8 @@ def make_engine(name: str, device: torch.device, config: Any = None) -> Transfer
     Args:
         name: a key of ``ENGINES``: ``"host"``, ``"cuda"``, ``"kernel"`` or ``"auto"``.
         device: device of the GPU-tier KV tensors.
-        config: a ``ManagerConfig`` (its ``max_descriptors`` and ``allow_pageable`` are used).
+        config: a ``ManagerConfig`` (its ``max_descriptors``, ``allow_pageable`` and
+            ``pin_host`` are used).
 
     Raises:
         ConfigError: unknown name.

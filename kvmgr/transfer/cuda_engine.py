@@ -29,6 +29,8 @@ import torch
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError
 from kvmgr.kernels.copy.row import KERNEL_AVAILABLE
+from kvmgr.pool.host_pool import HostRegionLayout
+from kvmgr.transfer import pinned
 from kvmgr.transfer._options import (
     DEFAULT_MAX_DESCRIPTORS,
     check_plan,
@@ -41,7 +43,7 @@ from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.engine import BatchHandle, EngineStatistics, TransferEngine
 from kvmgr.transfer.kernel import KernelCopy
-from kvmgr.transfer.pinned import PinnedHostBuffer
+from kvmgr.transfer.pinning import PinnedRegion, PinOptions, PinStatistics
 from kvmgr.transfer.plan import Direction, TransferPlan
 from kvmgr.transfer.streams import CopyIssuer, CopyStreams
 
@@ -74,6 +76,7 @@ class CudaEngineStatistics(EngineStatistics):
         issue_s: the part of ``submit_s`` spent issuing the copies themselves: driver calls, or
             the copy kernel's table staging, upload and launch. The rest is events, stream
             waits and bookkeeping.
+        pinning: one ``PinStatistics`` per host region allocated, in allocation order.
     """
 
     host_memory: str = "none"
@@ -86,6 +89,7 @@ class CudaEngineStatistics(EngineStatistics):
     max_programs: tuple[int, int] = (0, 0)
     submit_s: float = 0.0
     issue_s: float = 0.0
+    pinning: tuple[PinStatistics, ...] = ()
 
 
 #: The kernel engines report the same statistics (kept as a name for callers).
@@ -105,6 +109,8 @@ class CudaEngine(TransferEngine):
         allow_pageable: if pinning the CPU tier fails, warn and use pageable memory.
         h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
         path: what ``statistics().path`` reports.
+        pin: how host regions are page-locked (``PinOptions()``: the first GiB before
+            ``allocate_host_region`` returns, the rest in the background).
     """
 
     def __init__(
@@ -119,6 +125,7 @@ class CudaEngine(TransferEngine):
         allow_pageable: bool = False,
         h2d_priority: str = "high",
         path: str = "batch",
+        pin: PinOptions | None = None,
     ) -> None:
         self._released = True  # nothing to release until the threads start
         self.name = name
@@ -128,7 +135,8 @@ class CudaEngine(TransferEngine):
         self._driver = driver
         self._allow_pageable = allow_pageable
         self._path = path
-        self._host_buffers: list[PinnedHostBuffer] = []
+        self._pin = pin or PinOptions()
+        self._regions: list[PinnedRegion] = []
         self._host_memory = "none"  # "pinned" once allocated; "pageable" if one fell back
         self._closed = False
         self._streams = CopyStreams(device, compute_stream, h2d_priority=h2d_priority, name=name)
@@ -149,25 +157,53 @@ class CudaEngine(TransferEngine):
         return self._streams.stream(direction)
 
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
-        """One page-locked ``uint8 [num_bytes]`` CPU tensor, unregistered at ``close``. If it
-        ended up pageable, the kernel engines copy every later batch by DMA.
+        """One page-locked ``uint8 [num_bytes]`` CPU tensor (registered in pieces of at most
+        64 GiB before returning), unregistered at ``close``. If it ended up pageable, the
+        kernel engines copy every later batch by DMA.
 
         Raises:
             ClosedError: the engine is closed.
             ValueError: ``num_bytes < 1``.
             TransferError: registration failed and ``allow_pageable`` is false.
         """
+        if num_bytes < 1:
+            raise ValueError(f"expected num_bytes >= 1, got {num_bytes}")
+        flat = HostRegionLayout((0,), (1,), num_bytes, num_bytes)
+        return self._region(flat, attrs.evolve(self._pin, background=False)).tensor
+
+    def allocate_host_region(self, layout: HostRegionLayout) -> PinnedRegion:
+        """The CPU tier laid out as ``layout``, page-locked piece by piece (``PinOptions``):
+        ``num_blocks_ready`` counts the blocks usable so far; unregistered at ``close``.
+
+        Raises:
+            ClosedError: the engine is closed.
+            TransferError: the pieces pinned before returning failed and ``allow_pageable``
+                is false.
+        """
+        return self._region(layout, self._pin)
+
+    def _region(self, layout: HostRegionLayout, options: PinOptions) -> PinnedRegion:
         if self._closed:
             raise ClosedError(f"{self.name} engine is closed")
-        buffer = PinnedHostBuffer(num_bytes, allow_pageable=self._allow_pageable)
-        self._host_buffers.append(buffer)
-        if not buffer.is_registered:
-            self._host_memory = "pageable"
-            if isinstance(self._issuer, ChoiceCopy):
-                self._issuer.pageable_host = True
-        elif self._host_memory == "none":
+        device = self._device
+        region = PinnedRegion(
+            layout,
+            lambda: pinned.torch_registrar(),  # looked up per call: tests substitute it
+            options,
+            allow_pageable=self._allow_pageable,
+            on_pageable=self._fell_back_to_pageable,
+            thread_init=lambda: torch.cuda.set_device(device),
+        )
+        self._regions.append(region)
+        if self._host_memory == "none":
             self._host_memory = "pinned"
-        return buffer.tensor
+        return region
+
+    def _fell_back_to_pageable(self) -> None:
+        """A region has pageable blocks (before any is handed out): DMA only from now on."""
+        self._host_memory = "pageable"
+        if isinstance(self._issuer, ChoiceCopy):
+            self._issuer.pageable_host = True
 
     def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
         """Enqueue the plan on its direction's copy stream and return at once.
@@ -210,8 +246,8 @@ class CudaEngine(TransferEngine):
         self._closed = True
         self._streams.stop()
         self._streams.join(timeout_s)
-        for buffer in self._host_buffers:
-            buffer.close()
+        for region in self._regions:
+            region.close()
         self._released = True
 
     async def aclose(self) -> None:
@@ -241,6 +277,7 @@ class CudaEngine(TransferEngine):
             batch_abi=self._driver.batch_abi,
             batch_call=dma.batch_call if dma.path == "batch" else "",
             max_programs=programs,
+            pinning=tuple(region.statistics() for region in self._regions),
         )
 
     def __del__(self) -> None:

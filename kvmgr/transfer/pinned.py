@@ -1,4 +1,4 @@
-"""Pinned host memory: one region allocated and page-locked once, then viewed as the CPU tier.
+"""Pinned host memory: one page-aligned region page-locked before use (tools, benchmarks, tests).
 
 Offers:
     PinnedHostBuffer    a page-aligned ``uint8`` CPU tensor registered with ``cudaHostRegister``
@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError
+from kvmgr.transfer.pin_plan import MAX_REGISTER_BYTES
 
 __all__ = ["HostRegistrar", "PinnedHostBuffer", "mapped_device_pointer", "torch_registrar"]
 
@@ -133,10 +134,15 @@ class PinnedHostBuffer:
         self.is_registered = False
         self.register_s = 0.0
         start = time.perf_counter()
+        base = self._region.data_ptr()
+        self._chunks: list[int] = []  # registered addresses (<= 64 GiB each: vllm #51080)
         try:
             self._registrar = registrar or torch_registrar()
-            self._registrar.register(self._region.data_ptr(), registered_bytes)
+            for at in range(0, registered_bytes, MAX_REGISTER_BYTES):
+                self._registrar.register(base + at, min(MAX_REGISTER_BYTES, registered_bytes - at))
+                self._chunks.append(base + at)
         except RuntimeError as exc:
+            self._unregister_chunks()
             message = (
                 f"could not page-lock {registered_bytes} B of host memory for the CPU tier: {exc} "
                 "(check `ulimit -l` and free memory, or pass allow_pageable=True to accept "
@@ -165,8 +171,17 @@ class PinnedHostBuffer:
         if not self.is_registered:
             return
         self.is_registered = False
-        assert self._registrar is not None
-        try:
-            self._registrar.unregister(self._region.data_ptr())
-        except RuntimeError as exc:
-            raise TransferError(f"could not unregister the CPU tier: {exc}") from exc
+        errors = self._unregister_chunks()
+        if errors:
+            raise TransferError(f"could not unregister the CPU tier: {'; '.join(errors)}")
+
+    def _unregister_chunks(self) -> list[str]:
+        errors = []
+        while self._chunks:
+            address = self._chunks.pop()
+            try:
+                assert self._registrar is not None
+                self._registrar.unregister(address)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        return errors
