@@ -66,6 +66,26 @@ class HookReport:
     host_s: float = 0.0
     extra: Mapping[str, Any] = attrs.field(factory=dict)
 
+    @classmethod
+    def of(cls, name: str, launches: int, skips: int, host_s: float, extra: Mapping[str, Any]) -> HookReport:  # fmt: skip
+        """The same report, every field given positionally: for hooks on the per-step hot path
+        (about half the host time of the keyword constructor's ~1 us on a 2-core CPU host)."""
+        report = _new(cls)
+        _set_name(report, name)
+        _set_launches(report, launches)
+        _set_skips(report, skips)
+        _set_host_s(report, host_s)
+        _set_extra(report, extra)
+        return report
+
+
+# HookReport.of writes the slots directly (the frozen class's own __init__ does the same through
+# object.__setattr__), bound once here
+_new = object.__new__
+_set_name, _set_launches, _set_skips, _set_host_s, _set_extra = (
+    HookReport.__dict__[field.name].__set__ for field in attrs.fields(HookReport)
+)
+
 
 @runtime_checkable
 class StepHook(Protocol):

@@ -70,7 +70,7 @@ def micro() -> None:
 
         print(f"micro {name:34s} {us(fn):7.2f} us", flush=True)
     # raw driver launch floor: libcuda via CDLL (GIL released) and PyDLL (kept)
-    from kvmgr.kernels.copy_pages import launch_copy_table
+    from kvmgr.kernels.copy.pages import launch_copy_table
 
     table = torch.zeros(3 * 64, dtype=torch.int64, device="cuda")
     print(
@@ -152,10 +152,8 @@ def hook_profiles() -> None:
         hook = GroupedMLAInsertHook(caches, kv_cache_dtype=dtype, kv_scales=scales, validate=False)
         ctx = StepContext(tensors={"kv_c": kv, "k_pe": pe, "slot_mapping": slots})
         ins = hook._insert
-        bound = ins._last
         hook(ctx)
-        bound = ins._last
-        grid = ins._last_step[5]
+        bound, grid = ins._last[-1], ins._last[5]
         print(
             f"== mla {dtype}: hook {us(lambda: hook(ctx)):.2f} us; GroupedInsert {us(lambda: ins(kv, pe, slots, scales)):.2f}; bound.launch {us(lambda: bound.launch(grid, None)):.2f}; raw driver call {us(lambda: bound._driver.launch(*bound._call)):.2f}"
         )
@@ -175,7 +173,7 @@ def hook_profiles() -> None:
         print(out.getvalue()[-2500:], flush=True)
     # raw driver floor with PyDLL (GIL kept)
     lib = ctypes.PyDLL("libcuda.so.1")
-    fn = lib.cuLaunchKernel
+    fn = lib.cuLaunchKernelEx
     fn.restype = ctypes.c_int
     print(f"   raw driver call via PyDLL {us(lambda: fn(*bound._call)):.2f} us")
 

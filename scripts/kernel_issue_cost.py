@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from kvmgr.kernels.copy import staging
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import kernel
 from kvmgr.transfer.plan import Direction, build_plan
@@ -38,17 +39,16 @@ class _Driver:
         pass
 
 
-def _cpu_slot(capacity: int, device: Any) -> kernel.TableSlot:
+def _cpu_slot(capacity: int, device: Any) -> staging.TableSlot:
     host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
-    return kernel.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
+    return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
 
 
 def _stub_cuda() -> None:
     torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
-    kernel.new_table_slot = _cpu_slot  # type: ignore[assignment]
+    staging.new_table_slot = _cpu_slot  # type: ignore[assignment]
     for name in ("launch_copy_table", "launch_block_table"):  # the descriptor and paged launches
-        if hasattr(kernel, name):
-            setattr(kernel, name, lambda *args: 1)
+        setattr(staging, name, lambda *args, **kw: 1)
 
 
 def _case(blocks: int, tensors: int, scattered: bool, repeats: int) -> dict[str, list[float]]:

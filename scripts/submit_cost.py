@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvmgr import ManagerConfig, OffloadManager
-from kvmgr.transfer import kernel
+from kvmgr.kernels.copy import staging
 from kvmgr.transfer.driver import CopyDriver
 
 
@@ -73,14 +73,14 @@ def _fake_cuda() -> None:
     torch.cuda.device = lambda device: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
 
-    def slot(capacity: int, device: Any) -> kernel.TableSlot:
+    def slot(capacity: int, device: Any) -> staging.TableSlot:
         host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
-        return kernel.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(),
-                                table.data_ptr())  # fmt: skip
+        return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(),
+                                 table.data_ptr())  # fmt: skip
 
-    kernel.new_table_slot = slot  # type: ignore[assignment]
-    kernel.launch_copy_table = lambda table, n, programs: min(n, programs)  # type: ignore[assignment]
-    kernel.launch_block_table = lambda layout, runs, t, n, programs: min(t * n, programs)  # type: ignore[assignment]
+    staging.new_table_slot = slot  # type: ignore[assignment]
+    staging.launch_copy_table = lambda table, n, programs, **kw: min(n, programs)  # type: ignore[assignment]
+    staging.launch_block_table = lambda layout, runs, t, n, programs, **kw: min(t * n, programs)  # type: ignore[assignment]
 
 
 def _stub_driver() -> CopyDriver:

@@ -580,20 +580,23 @@ def test_gated_skip_does_not_check_compress_inputs():
 
 
 def test_hook_launches_through_the_shared_launchers():
-    # direct launches by default, one launcher per kernel for every layer; direct_launch=False
-    # takes Triton's normal launch (under the interpreter both launch normally)
+    # each layer binds its own launches over one process-wide launcher per kernel (every layer
+    # shares its compiled kernels); packed by default, Triton's own launch with
+    # direct_launch=False (under the interpreter both take Triton's launch)
     from kvmgr.kernels.c128 import kernel as kernels
     from kvmgr.kernels.launch import shared_launcher
 
     step = Step(63, [(127, 1)])
     default, normal = make_hook(step)._layer, make_hook(step, direct_launch=False)._layer
-    assert default._write is shared_launcher(kernels.state_write_kernel, True)
-    assert default._compress is shared_launcher(kernels.compress_kernel, True)
-    assert make_hook(step)._layer._compress is default._compress
-    assert normal._write is shared_launcher(kernels.state_write_kernel, False)
-    assert not normal._write.direct and not normal._compress.direct
-    for launcher in (default._write, default._compress):
-        assert launcher.direct is (DEV == "cuda")  # never direct under the interpreter
+    assert default._write.launcher is shared_launcher(kernels.state_write_kernel, True)
+    assert default._compress.launcher is shared_launcher(kernels.compress_kernel, True)
+    other = make_hook(step)._layer
+    assert other._compress is not default._compress
+    assert other._compress.launcher is default._compress.launcher
+    assert normal._write.launcher is shared_launcher(kernels.state_write_kernel, False)
+    assert not normal._write.launcher.direct and not normal._compress.launcher.direct
+    for launches in (default._write, default._compress):
+        assert launches.launcher.direct is (DEV == "cuda")  # never past Triton when interpreted
 
 
 def test_gate_module_is_triton_free_and_reexported():
@@ -701,8 +704,10 @@ def test_gpu_direct_launch_matches_reference_across_guards():
         assert torch.equal(hook.state_cache, state_ref)
         assert_entries_match(hook.compressed_cache, comp_ref, step.compressed_cache,
                              step.boundary_slots())  # fmt: skip
-    assert hook._layer._write.direct and hook._layer._compress.direct  # never fell back
-    assert hook._layer._write.num_compiled >= 2  # bf16 and fp32 rows: two keys at least
+    layer = hook._layer
+    assert layer._write.launcher.direct and layer._compress.launcher.direct  # never fell back
+    assert all(b.is_packed for b in [*layer._write.bound(), *layer._compress.bound()])
+    assert layer._write.launcher.num_compiled >= 2  # bf16 and fp32 rows: two keys at least
 
 
 def test_bench_without_cuda_exits_2(capsys, monkeypatch):
@@ -769,23 +774,20 @@ def test_bench_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
     assert bench.run(parser.parse_args(argv)) == 0
     result = json.loads(out.read_text())
     assert result["output_matches_reference"] is True
-    # 2 batches x 2 steps x (2 eager JIT + 2 direct + 2 packed + 2 one-step + 2 two-step graphs)
-    assert len(result["decode"]) == 40
+    # 2 batches x 2 steps x (2 eager Triton + 2 packed + 2 one-step + 2 two-step graphs)
+    assert len(result["decode"]) == 32
     launches = {(r["batch"], r["step"], r["mode"], r["gated"]): r["launches"]
                 for r in result["decode"]}  # fmt: skip
     assert launches[(3, "non-boundary", "eager", True)] == 1
     assert launches[(3, "boundary", "eager", True)] == 2
     targets = {(r["batch"], r["mode"], r["per_replay"]): r["target"] for r in result["ratios"]}
-    assert targets == {(1, "eager", 1): 3.0, (1, "eager direct", 1): 3.0,
-                       (1, "eager packed", 1): 3.0, (1, "graph", 1): None, (1, "graph", 2): 1.8,
-                       (3, "eager", 1): None, (3, "eager direct", 1): None,
-                       (3, "eager packed", 1): None, (3, "graph", 1): None,
-                       (3, "graph", 2): None}  # fmt: skip
+    assert targets == {(1, "eager", 1): 3.0, (1, "eager packed", 1): 3.0, (1, "graph", 1): None,
+                       (1, "graph", 2): 1.8, (3, "eager", 1): None, (3, "eager packed", 1): None,
+                       (3, "graph", 1): None, (3, "graph", 2): None}  # fmt: skip
     parts = {r["part"]: r for r in result["host_breakdown"]}
-    assert len(parts) == 17 and parts["gate: c128_boundary"]["host_us"] > 0
-    # the interpreter has no compiled kernels: the direct launcher falls back to the JIT launch
-    assert parts["launch: compress, direct"]["note"] == "fell back to the Triton JIT launch"
-    assert parts["launch: compress, packed"]["note"] == "fell back to the compiled launcher"
+    assert len(parts) == 13 and parts["gate: c128_boundary"]["host_us"] > 0
+    # the interpreter has no compiled kernels: the bound launches are Triton's
+    assert parts["launch: compress, packed"]["note"] == "fell back to Triton's launch"
     assert "target <= 10 us" in parts["hook step, gated, packed"]["note"]
     assert [r["boundaries"] for r in result["prefill"]] == [0, 1]
     printed = capsys.readouterr().out
@@ -808,7 +810,7 @@ def test_state_write_binds_once_per_signature_and_checks_t_agreement():
         assert layer.launch_write(*rows) == hi - lo
         c128_state_write_ref(*rows[:2], base.ape, *rows[2:], expected)
     assert torch.equal(layer.state_cache, expected)
-    assert len(layer._writes) == 1
+    assert layer._write.num_bound == 1
     with pytest.raises(GeometryError, match=r"kv: expected shape \[3, 512\], got \[2, 512\]"):
         layer.launch_write(base.kv[:2], base.score[:3], base.positions[:3], base.state_slot_mapping[:3])  # fmt: skip
     assert torch.equal(layer.state_cache, expected)

@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from kvmgr.errors import GeometryError, InvalidBlockError
-from kvmgr.kernels.copy_blocks import (
-    build_layout_table,
-    build_run_table,
-    copy_blocks,
-    copy_blocks_reference,
-    launch_copy_blocks,
-    max_run_blocks,
-)
+from kvmgr.kernels.copy.blocks import copy_blocks, copy_blocks_reference, launch_copy_blocks
+from kvmgr.kernels.copy.tables import build_layout_table, build_run_table, max_run_blocks
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.plan import Direction, build_plan
 
@@ -183,8 +177,8 @@ _COMPILE_FOR_SM90 = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvmgr.kernels.copy_pages import _NUM_WARPS
-from kvmgr.kernels.copy_blocks import _copy_blocks_kernel
+from kvmgr.kernels.copy.row import NUM_WARPS as _NUM_WARPS
+from kvmgr.kernels.copy.blocks import _copy_blocks_kernel
 target, options = GPUTarget("cuda", 90, 32), {"num_warps": _NUM_WARPS}
 names = ("num_tensors", "num_runs")
 # counts equal to 1 reach the kernel as constexprs (Triton specializes the integer 1)
@@ -201,7 +195,7 @@ print(json.dumps({"ops": ops, "shared": kernel.metadata.shared, "converts": conv
 
 
 def test_paged_kernel_compiles_to_vector_loads_for_the_h200(compile_for_sm90) -> None:
-    # as for copy_pages: compile for sm_90 without the interpreter and read the PTX
+    # as for the descriptor kernel: compile for sm_90 without the interpreter and read the PTX
     info = compile_for_sm90(_COMPILE_FOR_SM90)
     widths = {
         f"{op}.global.{w}" for op in ("ld", "st") for w in ("v4.b32", "b64", "b32", "b16", "b8")

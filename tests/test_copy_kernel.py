@@ -16,15 +16,16 @@ import pytest
 import torch
 
 from kvmgr.errors import ConfigError, GeometryError, TransferError
-from kvmgr.kernels.copy_blocks import launch_block_table
-from kvmgr.kernels.copy_pages import (
-    build_descriptor_table,
+from kvmgr.kernels.copy import staging
+from kvmgr.kernels.copy.blocks import launch_block_table
+from kvmgr.kernels.copy.pages import (
     copy_pages,
     copy_pages_reference,
     launch_copy_pages,
     launch_copy_table,
-    vector_widths,
 )
+from kvmgr.kernels.copy.row import vector_widths
+from kvmgr.kernels.copy.tables import build_descriptor_table
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import auto, cost_model, cuda_engine, kernel
 from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
@@ -99,11 +100,7 @@ def test_kernel_copies_odd_sizes_and_keeps_poison(skews: tuple[int, int]) -> Non
 def test_table_launches_bind_once_per_specialization_and_copy_exactly() -> None:
     # The engines' packed launches: 1 row (a constexpr 1), 16 and 32 rows (multiples of 16) and
     # 5 / 7 rows share bound launches by class; every launch copies exactly its rows.
-    from kvmgr.kernels.copy_pages import (
-        build_descriptor_table,
-        copy_table_launches,
-        launch_copy_table,
-    )
+    from kvmgr.kernels.copy.pages import copy_table_launches
 
     launches = copy_table_launches()
     stream = torch.cuda.current_stream() if KERNEL_DEVICE == "cuda" else None
@@ -186,7 +183,8 @@ _COMPILE_FOR_SM90 = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvmgr.kernels.copy_pages import _NUM_WARPS, _copy_pages_kernel
+from kvmgr.kernels.copy.pages import _copy_pages_kernel
+from kvmgr.kernels.copy.row import NUM_WARPS as _NUM_WARPS
 target, options = GPUTarget("cuda", 90, 32), {"num_warps": _NUM_WARPS}
 # num_items == 1 reaches the kernel as a constexpr (Triton specializes the integer 1)
 one = ASTSource(_copy_pages_kernel, {"table_ptr": "*i64", "num_items": "constexpr"}, {"num_items": 1})
@@ -494,9 +492,9 @@ class FakeCuda:
         return launch_block_table(layout, runs, num_tensors, num_runs, max_programs)
 
 
-def _cpu_slot(capacity: int, device: Any) -> kernel.TableSlot:
+def _cpu_slot(capacity: int, device: Any) -> staging.TableSlot:
     host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
-    return kernel.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
+    return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
 
 
 class FakeDriver:
@@ -529,9 +527,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
-    monkeypatch.setattr(kernel, "launch_copy_table", fake.launch)
-    monkeypatch.setattr(kernel, "launch_block_table", fake.launch_paged)
-    monkeypatch.setattr(kernel, "new_table_slot", _cpu_slot)
+    monkeypatch.setattr(staging, "launch_copy_table", fake.launch)
+    monkeypatch.setattr(staging, "launch_block_table", fake.launch_paged)
+    monkeypatch.setattr(staging, "new_table_slot", _cpu_slot)
     return fake
 
 
@@ -677,10 +675,10 @@ def test_plans_from_build_plan_take_the_paged_path_and_others_the_descriptors(
         untouched = np.setdiff1d(np.arange(80), cpu_ids)
         assert all(bool((p == POISON).all()) for p in _cpu_pages(cpu, untouched))
         # the same layouts again: the layout table is not uploaded again
-        (layout_table,) = kernel_copy._layouts.values()
+        (layout_table,) = kernel_copy.stager._layouts.values()
         again = build_plan(Direction.D2H, gpu_layout, cpu_layout, gpu_ids[::-1], cpu_ids[::-1])
         engine.submit(again).future.result(timeout=5)
-        assert list(kernel_copy._layouts.values()) == [layout_table]
+        assert list(kernel_copy.stager._layouts.values()) == [layout_table]
         # hand-made, edited or split plans: the descriptor table
         for other, whole in (
             (TransferPlan(Direction.D2H, plan.src_addrs, plan.dst_addrs, plan.sizes), True),
@@ -704,7 +702,7 @@ def test_plans_from_build_plan_take_the_paged_path_and_others_the_descriptors(
         engine.submit(load).future.result(timeout=5)
         assert _same([t[:, 1] for t in gpu_full], v_halves)  # between the strided pages: untouched
         assert [e[0] for e in fake_cuda.log if e[0] in ("kernel", "paged")] == ["paged"]
-        assert len(kernel_copy._layouts) == 2
+        assert len(kernel_copy.stager._layouts) == 2
         assert _same(_cpu_pages(gpu, back), _cpu_pages(gpu, gpu_ids))
 
 
@@ -734,7 +732,7 @@ def test_a_refused_layout_upload_fails_its_batch_only(fake_cuda: FakeCuda) -> No
         plan, src, dst, src_ids, dst_ids = _scattered(rng, Direction.D2H, [576], 3)
         with pytest.raises(TransferError, match="layout upload failed: upload refused"):
             engine.submit(plan).future.result(timeout=5)
-        assert engine.issuer.kernel._layouts == {}  # not cached: the next batch uploads it
+        assert engine.issuer.kernel.stager._layouts == {}  # not cached: the next batch uploads it
         assert engine.submit(plan).future.result(timeout=5).path == "kernel"
         assert _same(_cpu_pages(dst, dst_ids), _cpu_pages(src, src_ids))
 
@@ -801,7 +799,7 @@ def test_auto_engine_falls_back_to_dma_when_the_warmup_copy_fails(
 
 
 def test_launcher_without_triton_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmgr.kernels import copy_pages as module
+    from kvmgr.kernels.copy import pages as module
 
     monkeypatch.setattr(module, "KERNEL_AVAILABLE", False)
     with pytest.raises(TransferError, match="needs Triton"):
@@ -988,8 +986,8 @@ def test_the_cost_model_charges_the_compute_a_copy_slows() -> None:
 
 
 def test_table_slots_come_in_size_classes_and_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel, "new_table_slot", _cpu_slot)
-    slots = kernel.TableSlots(torch.device("cpu"))
+    monkeypatch.setattr(staging, "new_table_slot", _cpu_slot)
+    slots = staging.TableSlots(torch.device("cpu"))
     small, large = slots.take(10), slots.take(5000)
     assert (small.capacity, large.capacity, slots.num_allocated) == (4096, 8192, 2)
     slots.give(small)

@@ -22,11 +22,12 @@ from triton.runtime.jit import JITFunction
 from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels.launch import DirectLauncher
-from kvmgr.kernels.mla import api, checks, host
+from kvmgr.kernels.launch import rule, shared_launcher
+from kvmgr.kernels.mla import api, memo, plan
 from kvmgr.kernels.mla import kernel as mla_kernel
 from kvmgr.kernels.mla.api import grouped_mla_insert, per_layer_mla_insert
 from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
+from kvmgr.kernels.mla.insert import GroupedInsert
 from kvmgr.kernels.mla.reference import mla_insert_reference
 
 KERNELS = {"grouped": grouped_mla_insert, "per_layer": per_layer_mla_insert}
@@ -393,8 +394,8 @@ def test_tile_overrides_cover_tails(block_tokens: int, num_warps: int | None) ->
 
 
 def test_tile_heuristic_follows_the_h200_sweep() -> None:
-    # T x L rows -> (tokens per program, warps); 2 warps up to 4-token tiles (see _launch_config).
-    launch_config = host._launch_config
+    # T x L rows -> (tokens per program, warps); 2 warps up to 4-token tiles (see launch_config).
+    launch_config = plan.launch_config
     assert launch_config(5 * 16384, None, None) == (4, 2)  # 78% of the HBM peak on the H200
     assert launch_config(5 * 4096, None, None) == (2, 2)
     assert launch_config(5 * 512, None, None) == (1, 2)
@@ -403,53 +404,30 @@ def test_tile_heuristic_follows_the_h200_sweep() -> None:
     assert launch_config(7, None, 4) == (1, 4)
 
 
-def test_one_compiled_kernel_serves_every_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The grouped kernel takes no value-specialized runtime argument, so steps of any T (same
-    # tile) share one launch key, hence one compiled kernel; each step must still match the
-    # reference exactly. The key is computed for a JITFunction twin of the kernel (under the
-    # interpreter the kernel itself is never launched directly).
+def _insert(caches: Sequence[torch.Tensor], kv_cache_dtype: str) -> GroupedInsert:
+    return GroupedInsert(plan.make_plan(plan.checked_key(caches, kv_cache_dtype)))
+
+
+def test_packed_path_checks_and_binds_once_per_step_signature_for_one_compiled_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Steps of any T (same tile) share one signature per slot layout ([T] or [L, T]): bound
+    # once each, then only pointers, T, layer strides and the grid change; every step exact.
+    # Both signatures are one specialization of the kernel (its runtime arguments are all
+    # do_not_specialize), so one compiled kernel serves every step: the classes of each bound
+    # launch's arguments are read with the rule over a JITFunction twin of the kernel (under the
+    # interpreter the kernel itself is never compiled).
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
-    caches = _caches(120, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
-    kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(121, num_layers)}
-    host._grouped_constexprs.cache_clear()
-    launches: list[tuple[object, ...]] = []
-    real = host.grouped_launcher(True)
-
-    def recording(direct: bool) -> Callable[..., None]:
-        def launch(grid: tuple[int, ...], *args: object, **options: int) -> None:
-            launches.append(args)
-            real(grid, *args, **options)
-
-        return launch
-
-    monkeypatch.setattr(host, "grouped_launcher", recording)
-    for step, num_tokens in enumerate([5, 1, 16, 11, 2]):
-        kv_c, k_pe = _inputs(122 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
-        slots = _slots(130 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
-        if step % 2:  # [L, T] on odd steps
-            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
-        insert = functools.partial(grouped_mla_insert, packed_launch=False)  # the per-call path
-        expected = _run_both(insert, kv_c, k_pe, caches, slots, **kwargs)
-        assert _same_bytes(caches, expected)
-    assert host._grouped_constexprs.cache_info().currsize == 1
+    caches = _caches(150, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    scales = _scales(151, num_layers)
+    insert = _insert(caches, "fp8_e4m3")
+    specializations = set()
     kernel = mla_kernel.grouped_insert_kernel
     if not isinstance(kernel, JITFunction):  # the interpreter's InterpretedFunction
         kernel = JITFunction(kernel.fn, do_not_specialize=mla_kernel.GROUPED_RUNTIME_ARGS)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    keyer = DirectLauncher(kernel)._key
-    assert keyer is not None and len(launches) == 5
-    assert len({keyer(None, args) for args in launches}) == 1
-
-
-def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
-    # Steps of any T (same tile) share one signature per slot layout ([T] or [L, T]): bound
-    # once each, then only pointers, T, layer strides and the grid change; every step exact.
-    from kvmgr.kernels.mla.bound import GroupedInsert
-
-    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
-    caches = _caches(150, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
-    scales = _scales(151, num_layers)
-    insert = GroupedInsert(host.grouped_plan(caches, "fp8_e4m3"), "fp8_e4m3")
+    kinds = rule.param_kinds(kernel)
+    assert kinds is not None
     for step, num_tokens in enumerate([5, 1, 16, 11, 2, 7]):
         kv_c, k_pe = _inputs(152 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
         slots = _slots(160 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
@@ -459,8 +437,9 @@ def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
         mla_insert_reference(kv_c, k_pe, expected, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
         assert insert(kv_c, k_pe, slots, scales) == num_tokens
         assert _same_bytes(caches, expected)
-    assert insert.num_bound == 2
-    bound = insert._last  # the last step's launch: its arguments are that step's
+        specializations |= {rule.reader(kinds)(*b.args)[0] for b in insert.bound()}
+    assert insert.num_bound == 2 and len(specializations) == 1
+    bound = insert._last[-1]  # the last step's launch: its arguments are that step's
     assert bound.args[0] is kv_c and bound.args[1] is k_pe and bound.args[3] is slots
     assert bound.args[5:9] == [7, kv_c.stride(0), k_pe.stride(0), slots.stride(0)]
     assert bound.is_packed is (DEVICE == "cuda")  # packed on a GPU; the interpreter: Triton
@@ -468,20 +447,38 @@ def test_packed_path_checks_and_binds_once_per_step_signature() -> None:
         insert(kv_c, k_pe, slots[:, :3], scales)
 
 
+def test_the_same_step_tensors_again_only_relaunch() -> None:
+    # persistent step buffers: the second call with the very same tensors skips the signature
+    # and writes again what the buffers hold now
+    num_layers, rank, rope_dim, num_blocks, block_size = 2, 24, 8, 6, 4
+    caches = _caches(156, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
+    insert = _insert(caches, "auto")
+    kv_c, k_pe = _inputs(157, num_layers, 9, rank, rope_dim, torch.bfloat16)
+    slots = _slots(158, 9, num_blocks * block_size, 2)
+    for seed in (159, 160):
+        kv_c.copy_(_inputs(seed, num_layers, 9, rank, rope_dim, torch.bfloat16)[0])
+        expected = [cache.clone() for cache in caches]
+        mla_insert_reference(kv_c, k_pe, expected, slots)
+        assert insert(kv_c, k_pe, slots, None) == 9
+        assert _same_bytes(caches, expected) and insert.num_bound == 1
+
+
 @pytest.mark.parametrize("change", ["set_", "resize_", "as_strided_", "new list, same tensors"])
 def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: str) -> None:
-    # grouped_mla_insert remembers the last cache set; a cache swapped for new storage, resized
-    # or restrided in place between two calls must be planned again, never written through the
-    # old plan's pointer table or geometry.
+    # grouped_mla_insert remembers its cache sets by what a plan is made of (shape, strides,
+    # dtype, device, pointers); a cache swapped for new storage, resized or restrided in place
+    # between two calls must be planned again, never written through the old plan's pointer
+    # table or geometry. A new list holding the same caches is the same set.
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     width = rank + rope_dim
     caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)
-    for step in range(3):  # the third call takes the memo (the second arms it)
+    for step in range(3):
         kv_c, k_pe = _inputs(171 + step, num_layers, 9, rank, rope_dim, torch.bfloat16)
         slots = _slots(173 + step, 9, num_blocks * block_size, 2)
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
         assert _same_bytes(caches, expected)
-    assert api._recent_insert(caches, "auto", True) is not None  # the memo is armed
+    remembered = api._MEMO.insert_for(caches, "auto", True)
+    assert remembered.num_bound == 1  # the three calls went through one insert
     fresh = _caches(175, 1, num_blocks, block_size, width, torch.bfloat16)[0]
     if change == "set_":
         caches[1].set_(fresh)  # same shape, new storage: a new pointer
@@ -493,6 +490,8 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: st
             cache.as_strided_((2, block_size, width), (block_size * width * 2, width, 1))
     else:
         caches = list(caches)
+    is_same_set = change == "new list, same tensors"
+    assert (api._MEMO.insert_for(caches, "auto", True) is remembered) is is_same_set
     capacity = min(c.shape[0] * c.shape[1] for c in caches)
     kv_c, k_pe = _inputs(176, num_layers, 7, rank, rope_dim, torch.bfloat16)
     slots = _slots(177, 7, capacity, 2)
@@ -513,9 +512,10 @@ def test_the_caches_memo_sees_a_dtype_change_and_keeps_no_cache_alive() -> None:
     for step in range(3):
         kv_c, k_pe = _inputs(181 + step, num_layers, 5, rank, rope_dim, torch.bfloat16)
         grouped_mla_insert(kv_c, k_pe, caches, _slots(184 + step, 5, num_blocks * block_size, 1))
-    assert api._recent_insert(caches, "auto", True) is not None
+    remembered = api._MEMO.insert_for(caches, "auto", True)
     for cache in caches:
         cache.data = cache.view(torch.float16)
+    assert api._MEMO.insert_for(caches, "auto", True) is not remembered
     with pytest.raises(GeometryError):  # as without the memo: bf16 rows into float16 caches
         grouped_mla_insert(kv_c, k_pe, caches, _slots(190, 5, num_blocks * block_size, 1))
     probe = weakref.ref(caches[0])
@@ -537,49 +537,71 @@ def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
     slots = _slots(142, num_tokens, num_blocks * block_size, 2)
     expected = _run_both(grouped_mla_insert, shifted, k_pe, caches, slots)
     assert _same_bytes(caches, expected)
-    # The launch key says IO_ALIGNED for the aligned copy only.
-    plan = host.grouped_plan(caches, "auto")
-    for inputs, is_aligned in ((shifted, False), (kv_c, True)):
-        step = checks.check_step(inputs, k_pe, slots, None, "auto", plan.meta, allow_cpu=True)  # fmt: skip
-        assert host._launch_spec(plan, step, inputs, k_pe, 1)[-1] is is_aligned
+    # IO_ALIGNED (the last constexpr) is set for the aligned copy only.
+    expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
+    assert _same_bytes(caches, expected)
+    insert = api._MEMO.insert_for(caches, "auto", True)
+    assert sorted(bound.args[-1] for bound in insert.bound()) == [False, True]
 
 
-def test_plan_held_for_graphs_outlives_the_eager_memo() -> None:
-    # A graph replays its pointer table long after capture; the held plan must survive the
-    # eager memo forgetting it (32 newer cache sets, here a clear) and keep the same table.
-    caches = _caches(200, 3, 5, 4, 20, torch.float16)
-    key = host._clean_key(caches, "auto")
-    assert key is not None
-    held = host._plan_held_for_graphs(*key)
-    try:
-        table_before = held.table.clone()
-        host._plan_for.cache_clear()
-        host._pointer_table.cache_clear()
-        assert host._plan_held_for_graphs(*key) is held
-        assert host._plan_for(*key).table is not held.table  # the eager memo rebuilt one
-        assert torch.equal(held.table, table_before)
-        assert held.table.tolist() == [cache.data_ptr() for cache in caches]
-    finally:
-        host._plan_held_for_graphs.cache_clear()
+def _cuda_memo(monkeypatch: pytest.MonkeyPatch, capturing: list[bool], max_sets: int) -> memo.InsertMemo:  # fmt: skip
+    """A memo that takes CPU caches for caches on cuda:0 (plans still built on the CPU) and sees
+    a capturing stream while ``capturing[0]``."""
+    key_of, make = memo.cache_key, memo.make_plan
+    monkeypatch.setattr(memo, "cache_key", lambda *a: (lambda k: (k[0], 0, *k[2:]))(key_of(*a)))
+    monkeypatch.setattr(memo, "make_plan", lambda key: make((key[0], -1, *key[2:])))
+    monkeypatch.setattr(memo, "_is_capturing", lambda: capturing[0])
+    return memo.InsertMemo(max_sets=max_sets)
 
 
 @pytest.mark.parametrize("capturing", [False, True])
-def test_grouped_plan_holds_plans_used_under_capture(
+def test_a_cache_set_used_under_capture_outlives_the_recent_sets(
     monkeypatch: pytest.MonkeyPatch, capturing: bool
 ) -> None:
-    # Only a CUDA plan looked up while the stream captures goes to the held memo (the GPU test
-    # below replays such a graph); CPU caches are pretended to live on cuda:0 here.
-    caches = _caches(201, 2, 3, 4, 20, torch.float16)
-    key = host._clean_key(caches, "auto")
-    assert key is not None
-    cuda_key = (key[0], 0, *key[2:])
-    calls: list[str] = []
-    monkeypatch.setattr(host, "_clean_key", lambda *_: cuda_key)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    monkeypatch.setattr(host, "_plan_for", lambda *k: calls.append("eager") or k)
-    monkeypatch.setattr(host, "_plan_held_for_graphs", lambda *k: calls.append("held") or k)
-    assert host.grouped_plan(caches, "auto") == cuda_key
-    assert calls == (["held"] if capturing else ["eager"])
+    # A graph replays its pointer table long after capture: the insert (its plan, its table)
+    # looked up while the stream captures must survive newer cache sets pushing it out of the
+    # recent ones; one never used under capture is dropped. CPU caches stand in for cuda:0.
+    state = [False]
+    memo_ = _cuda_memo(monkeypatch, state, max_sets=2)
+    caches = _caches(200, 3, 5, 4, 20, torch.float16)
+    first = memo_.insert_for(caches, "auto", True)  # eager: builds the table
+    state[0] = capturing
+    assert memo_.insert_for(caches, "auto", True) is first
+    state[0] = False
+    table_before = first.plan.table.clone()
+    newer = [_caches(seed, 3, 5, 4, 20, torch.float16) for seed in (201, 202)]
+    for others in newer:  # two newer sets: the first leaves the recent ones
+        memo_.insert_for(others, "auto", True)
+    again = memo_.insert_for(caches, "auto", True)
+    assert (again is first) is capturing
+    assert torch.equal(first.plan.table, table_before)
+    assert first.plan.table.tolist() == [cache.data_ptr() for cache in caches]
+
+
+def test_a_first_call_under_capture_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = _caches(203, 2, 3, 4, 20, torch.float16)
+    key = plan.checked_key(caches, "auto")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ConfigError, match="before CUDA-graph capture"):
+        plan.make_plan((key[0], 0, *key[2:]))
+
+
+def test_hook_reports_are_ordinary_frozen_reports() -> None:
+    # the hooks build their reports with HookReport.of (the per-step path): the same value as
+    # the keyword constructor's, frozen, evolvable
+    import attrs
+
+    from kvmgr.hooks import HookReport
+
+    caches = _caches(159, 2, 3, 4, 32, torch.bfloat16)
+    kv_c, k_pe = _inputs(158, 2, 5, 24, 8, torch.bfloat16)
+    report = GroupedMLAInsertHook(caches)(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": _slots(157, 5, 12, 1)}))  # fmt: skip
+    expected = HookReport(name="mla_insert", launches=1, host_s=report.host_s, extra={"num_tokens": 5, "grouped": True})  # fmt: skip
+    assert report == expected and report.host_s > 0 and type(report) is HookReport
+    assert HookReport.of("x", 2, 1, 0.5, {"a": 1}) == HookReport(name="x", launches=2, skips=1, host_s=0.5, extra={"a": 1})  # fmt: skip
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        report.launches = 3  # type: ignore[misc]
+    assert attrs.evolve(report, skips=1).skips == 1
 
 
 def test_hook_without_per_step_checks_inserts_the_same() -> None:
@@ -675,8 +697,10 @@ def test_gpu_direct_launch_is_exact_across_step_sizes_and_layouts(kv_cache_dtype
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots, **kwargs)
         torch.cuda.synchronize()
         assert _same_bytes(caches, expected), f"step {step}, T = {num_tokens}"
-    launcher = host.grouped_launcher(True)
+    launcher = shared_launcher(mla_kernel.grouped_insert_kernel)
     assert launcher.direct and launcher.num_compiled >= 3  # aligned, misaligned, fused: 3 keys
+    insert = api._MEMO.insert_for(caches, kv_cache_dtype, True)
+    assert all(bound.is_packed for bound in insert.bound())
 
 
 @pytest.mark.gpu
@@ -699,7 +723,7 @@ def test_gpu_direct_and_normal_launches_write_the_same_bytes(kv_cache_dtype: str
         assert _same_bytes(caches, expected)
         results.append(caches)
     assert _same_bytes(results[0], results[1]) and _same_bytes(results[1], results[2])
-    assert host.grouped_launcher(True).direct
+    assert shared_launcher(mla_kernel.grouped_insert_kernel).direct
 
 
 @pytest.mark.gpu
@@ -708,9 +732,7 @@ def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 5, 300, 512, 64, 40, 16
     width = rank + rope_dim
     # Forget tables of earlier tests: freed caches' addresses may come back for `fresh` below.
-    host._pointer_table.cache_clear()
-    host._plan_for.cache_clear()
-    host._plan_held_for_graphs.cache_clear()
+    api._MEMO.clear()
     # Static buffers the graph reads; each replay gets new contents.
     kv_c, k_pe = _inputs(70, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots = _slots(71, num_tokens, num_blocks * block_size, 20)
@@ -764,8 +786,7 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     # eager memo drops the table after 32 newer cache sets; the capture must keep it alive.
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 40, 512, 64, 8, 16
     width, capacity = rank + rope_dim, num_blocks * block_size
-    for memo in (host._pointer_table, host._plan_for, host._plan_held_for_graphs):  # fmt: skip
-        memo.cache_clear()
+    api._MEMO.clear()
     kv_c, k_pe = _inputs(210, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots = _slots(211, num_tokens, capacity, 4)
     caches = _caches(212, num_layers, num_blocks, block_size, width, torch.bfloat16)
@@ -778,9 +799,10 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
-    # 2. The eager memo forgets these caches (as 32 newer cache sets would make it do).
-    host._plan_for.cache_clear()
-    host._pointer_table.cache_clear()
+    # 2. 32 newer cache sets push these out of the memo's recent ones.
+    newer = [_caches(300 + seed, num_layers, 1, block_size, width, torch.bfloat16) for seed in range(32)]  # fmt: skip
+    for others in newer:
+        grouped_mla_insert(kv_c[:, :1], k_pe[:, :1], others, slots[:1] % block_size)
     # 3. Tables pointing at a decoy cache take any freed table memory on the same stream, so a
     #    freed table would send the replay's writes to the decoy instead of faulting.
     decoy = _caches(213, 1, num_blocks, block_size, width, torch.bfloat16)[0]
@@ -802,7 +824,7 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     assert _same_bytes(caches, expected)
     assert torch.equal(decoy.view(torch.uint8), decoy_before.view(torch.uint8))
     del decoy_tables
-    host._plan_held_for_graphs.cache_clear()
+    api._MEMO.clear()
 
 
 @pytest.mark.gpu
@@ -849,7 +871,7 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
     assert result["hbm_copy_peak_gbps"] > 100
     assert len(result["rows"]) == 2 * 2 * 2  # kv dtypes x token counts x modes
     assert all(row["grouped_us"] > 0 and row["per_layer_us"] > 0 for row in result["rows"])
-    hosts = ("per_layer_host_us", "grouped_host_us", "grouped_old_host_us", "hook_host_us",
-             "hook_old_host_us", "hook_unchecked_host_us")  # fmt: skip
+    hosts = ("per_layer_host_us", "grouped_host_us", "grouped_triton_host_us", "grouped_same_host_us",
+             "hook_host_us", "hook_triton_host_us", "hook_unchecked_host_us")  # fmt: skip
     for row in result["rows"]:  # host timings for eager rows only
         assert all((row[key] is None) == (row["mode"] == "graph") for key in hosts)

@@ -8,14 +8,14 @@ Cases (head dim 512, state block size 8, bf16 ``kv``/``score``, random non-zero 
 
 - **non-boundary decode step**: B = 1 at position 126; B > 1 at random positions in [0, 512)
   that complete no window. Eager ``C128CompressorHook`` gated (state write only) vs ungated
-  (state write + compress), launching through Triton's dispatcher ("eager"), the compiled
-  kernel's launcher (``direct_launch``, "eager direct", the path before packed launches) and
-  packed arguments through ``cuLaunchKernel`` ("eager packed", the default). Under CUDA graphs "gated" is a graph captured for a step
-  known to be non-boundary (the state write alone) and "ungated" also holds the compress launch.
+  (state write + compress), launching through Triton's own launch (``direct_launch=False``,
+  "eager") and from packed arguments through ``cuLaunchKernelEx`` ("eager packed", the default).
+  Under CUDA graphs "gated" is a graph captured for a step known to be non-boundary (the state
+  write alone) and "ungated" also holds the compress launch.
 - **boundary decode step**: the same with request 0 on a boundary (127 for B = 1).
 - **host breakdown** (B = 1, host us per call): the gate, the step checks, each launch through
-  the dispatcher, direct and packed, a tiny torch op, and whole hook steps of each path (target:
-  the gated packed step <= 10 us).
+  Triton and packed, a tiny torch op, and whole hook steps of each path (target: the gated
+  packed step <= 10 us).
 - **prefill** of 1..1024 tokens of one request from position 0.
 
 Timing. Eager steps are launch-bound: a timed run issues ``--steps`` steps back to back between
@@ -61,13 +61,9 @@ _DEVICE = "cuda"  # the CPU dry-run test points this at "cpu"
 _TARGETS = {"eager": 3.0, "graph": 1.8}  # ungated / gated, non-boundary step, batch 1
 _TARGET_BATCH = 1
 _TARGET_HOST_US = 10.0  # gated non-boundary hook step, packed launches, batch 1
-# eager launch paths: Triton's dispatcher; the compiled kernel's launcher ("direct", the path
-# before packed launches); packed arguments through cuLaunchKernel ("packed", the default)
-_EAGER_MODES = {
-    "eager": (False, False),
-    "eager direct": (True, False),
-    "eager packed": (True, True),
-}
+# eager launch paths (direct_launch): Triton's own launch; packed arguments through
+# cuLaunchKernelEx (the default)
+_EAGER_MODES = {"eager": False, "eager packed": True}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,14 +143,12 @@ class _Case:
         return StepContext(num_computed_tokens=self.starts, query_start_loc=self.query_start_loc,
                            tensors=self.tensors)  # fmt: skip
 
-    def hook(
-        self, *, gated: bool, direct: bool = False, packed: bool = False
-    ) -> C128CompressorHook:
+    def hook(self, *, gated: bool, direct: bool = False) -> C128CompressorHook:
         lay = self.layer
         return C128CompressorHook(
             state_cache=lay["state_cache"], compressed_cache=lay["compressed_cache"],
             ape=lay["ape"], norm_weight=lay["norm_weight"], cos_sin_cache=lay["cos_sin_cache"],
-            gated=gated, direct_launch=direct, packed_launch=packed,
+            gated=gated, direct_launch=direct,
         )  # fmt: skip
 
     def write(self) -> None:
@@ -237,8 +231,7 @@ def _decode_rows(
         case = _decode_case(gen, rng, batch, label == "boundary")
         base = {"batch": batch, "step": label}
         for mode, gated in itertools.product(_EAGER_MODES, (True, False)):
-            direct, packed = _EAGER_MODES[mode]
-            hook, ctx = case.hook(gated=gated, direct=direct, packed=packed), case.context()
+            hook, ctx = case.hook(gated=gated, direct=_EAGER_MODES[mode]), case.context()
             launches = hook(ctx).launches
             device_us, host_us = _time_steps(functools.partial(hook, ctx), args)
             rows.append({**base, "mode": mode, "per_replay": 1, "gated": gated,
@@ -291,38 +284,32 @@ def _host_breakdown(gen: torch.Generator, args: argparse.Namespace) -> list[dict
     """Where a batch-1 decode step's host time goes (the eager rows are host-bound)."""
     case = _Case(gen, [126], [1])
     t, ctx = case.tensors, case.context()
-    hooks = {(g, m): case.hook(gated=g, direct=d, packed=p)
-             for g in (True, False) for m, (d, p) in _EAGER_MODES.items()}  # fmt: skip
-    jit, direct = hooks[True, "eager"]._layer, hooks[True, "eager direct"]._layer
-    packed = hooks[True, "eager packed"]._layer
+    hooks = {(g, m): case.hook(gated=g, direct=d)
+             for g in (True, False) for m, d in _EAGER_MODES.items()}  # fmt: skip
+    triton_layer, packed = hooks[True, "eager"]._layer, hooks[True, "eager packed"]._layer
     write = (t["c128.kv"], t["c128.score"], t["positions"], t["c128.state_slot_mapping"])
     comp = (t["c128.state_block_table"], t["c128.req_indices"], t["positions"],
             t["c128.slot_mapping"])  # fmt: skip
     tiny = torch.zeros(4, device=_DEVICE)
     parts: list[tuple[str, Callable[[], object]]] = [
         ("gate: c128_boundary", functools.partial(c128_boundary, case.starts, case.query_start_loc)),
-        ("step checks: state write", functools.partial(jit.check_write, *write)),
+        ("step checks: state write", functools.partial(packed.check_write, *write)),
         ("cached step checks + args: state write, packed", functools.partial(packed.prepare_write, *write)),
-        ("step checks: compress", functools.partial(jit.check_compress, *comp)),
-        ("launch: state write, Triton JIT", functools.partial(jit.launch_write, *write)),
-        ("launch: compress, Triton JIT", functools.partial(jit.launch_compress, *comp)),
-        ("launch: state write, direct", functools.partial(direct.launch_write, *write)),
-        ("launch: compress, direct", functools.partial(direct.launch_compress, *comp)),
+        ("step checks: compress", functools.partial(packed.check_compress, *comp)),
+        ("launch: state write, Triton", functools.partial(triton_layer.launch_write, *write)),
+        ("launch: compress, Triton", functools.partial(triton_layer.launch_compress, *comp)),
         ("launch: state write, packed", functools.partial(packed.launch_write, *write)),
         ("launch: compress, packed", functools.partial(packed.launch_compress, *comp)),
         ("tiny torch op (add_)", functools.partial(tiny.add_, 1)),
     ]  # fmt: skip
     for (gated, mode), hook in hooks.items():
-        path = {"eager": "JIT", "eager direct": "direct", "eager packed": "packed"}[mode]
+        path = {"eager": "Triton", "eager packed": "packed"}[mode]
         parts.append((f"hook step, {'gated' if gated else 'ungated'}, {path}", functools.partial(hook, ctx)))  # fmt: skip
     rows: list[dict[str, Any]] = [
         {"part": name, "host_us": _host_us(fn, args)} for name, fn in parts
     ]
-    for row in rows:  # measured first: a direct launcher decides on its first launches
-        is_direct = "direct" in row["part"] and "launch" in row["part"]
-        row["note"] = _direct_note(direct) if is_direct else ""
-        if "packed" in row["part"]:
-            row["note"] = _packed_note(packed)
+    for row in rows:  # measured first: a launcher decides on its first binds
+        row["note"] = _packed_note(packed) if "packed" in row["part"] else ""
         if row["part"] == "hook step, gated, packed":
             met = row["host_us"] <= _TARGET_HOST_US
             row["note"] += f"; target <= {_TARGET_HOST_US:.0f} us: {'met' if met else 'NOT met'}"
@@ -330,15 +317,10 @@ def _host_breakdown(gen: torch.Generator, args: argparse.Namespace) -> list[dict
 
 
 def _packed_note(layer: Any) -> str:
-    bound = [*layer._writes.values(), *layer._compresses.values()]
+    bound = [*layer._write.bound(), *layer._compress.bound()]
     if bound and all(b.is_packed for b in bound):
-        return "packed (cuLaunchKernel)"
-    return "fell back to the compiled launcher" if bound else "not launched"
-
-
-def _direct_note(layer: Any) -> str:
-    active = layer._write.direct and layer._compress.direct
-    return "direct" if active else "fell back to the Triton JIT launch"
+        return "packed (cuLaunchKernelEx)"
+    return "fell back to Triton's launch" if bound else "not launched"
 
 
 def _prefill_row(gen: torch.Generator, num_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -356,10 +338,11 @@ def _prefill_row(gen: torch.Generator, num_tokens: int, args: argparse.Namespace
 
 
 def _check_boundary_step(gen: torch.Generator, rng: np.random.Generator, batch: int) -> bool:
-    """One boundary step through the launchers, then through a direct-launch hook, vs the reference.
+    """One boundary step through the launchers, then through a packed-launch hook, vs the
+    reference.
 
-    The hook runs twice from the same poisoned caches: its first call compiles through Triton's
-    dispatcher, the second launches directly, and that second result is compared.
+    The hook runs twice from the same poisoned caches: its first call binds (compiles), the
+    second relaunches the bound launch, and that second result is compared.
     """
     case = _decode_case(gen, rng, batch, True)
     state, comp = case.layer["state_cache"], case.layer["compressed_cache"]

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.kernels.copy_pages import DEFAULT_D2H_PROGRAMS, DEFAULT_H2D_PROGRAMS, KERNEL_AVAILABLE
+from kvmgr.kernels.copy.row import DEFAULT_D2H_PROGRAMS, DEFAULT_H2D_PROGRAMS, KERNEL_AVAILABLE
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.auto import ChoiceCopy, cost_model
 from kvmgr.transfer.cost_model import Calibration

@@ -20,9 +20,13 @@ inserts.
 Host columns (eager only): wall-clock host microseconds per insert call, timed with
 ``perf_counter`` from an idle GPU (synchronised before each sample, so nothing waits on the GPU):
 checks, Triton dispatch and the driver's enqueue. ``per-layer`` is L ordinary Triton launches
-after one check of all inputs; ``grouped`` is the public function (all checks, one launch);
-``hook unchecked`` is :class:`GroupedMLAInsertHook` with ``validate=False`` (caches checked at
-construction, nothing per step): the launch alone.
+after one check of all inputs; ``grouped`` is the public function over the rotating sets (a new
+cache set every call: the memo's lookup, the step's signature, one launch); ``grouped same
+caches`` the public function with the first set's caches and each set's step tensors (a serving
+loop: one model's caches, new step tensors every step); ``hook`` is
+:class:`GroupedMLAInsertHook` (caches checked at construction; the step's signature per call);
+``hook unchecked`` the hook with ``validate=False``: the launch alone. The ``Triton`` columns are
+the same calls with ``direct_launch=False`` (Triton's own launch, the baseline).
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ _MAX_SETS = 16  # the pointer-table memo must hold every set captured in one gra
 _MIN_INSERTS_PER_SAMPLE = 16
 _HOST_CAPTION = (
     "host µs: CPU wall time per insert call from an idle GPU (checks + dispatch + enqueue). "
-    "per-layer: one check, L ordinary Triton launches; grouped: the public function; hook: "
-    "GroupedMLAInsertHook; launch-only: the hook with validate=False. new: packed launches "
-    "(checks once per step signature, cuLaunchKernel from a packed buffer); old: every call "
-    "checked, launched through the compiled kernel's launcher (packed_launch=False)."
+    "per-layer: one check, L ordinary Triton launches; grouped: the public function, a new cache "
+    "set each call; same caches: the public function, one cache set, new step tensors; hook: "
+    "GroupedMLAInsertHook; launch-only: the hook with validate=False. packed: checks once per "
+    "step signature, cuLaunchKernelEx from packed arguments (the default); Triton: "
+    "direct_launch=False, Triton's own launch."
 )
 _TARGET_HOST_US, _TARGET_HOST_MAX_T = 10.0, 512
 _TARGET_SPEEDUP, _TARGET_SPEEDUP_MAX_T = 6.0, 512
@@ -101,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
         for num_tokens in tokens:
             sets = _make_sets(args, kv_cache_dtype, num_tokens)
             calls = {name: _calls(fn, sets) for name, fn in variants.items()}
-            calls["grouped_old"] = _calls(
-                functools.partial(mla_insert.grouped_mla_insert, packed_launch=False), sets
-            )
+            triton_grouped = functools.partial(mla_insert.grouped_mla_insert, direct_launch=False)
+            calls["grouped_triton"] = _calls(triton_grouped, sets)
+            calls["grouped_same"] = _calls(mla_insert.grouped_mla_insert, sets, same_caches=True)
             calls["hook"] = _hook_calls(sets, validate=True)
-            calls["hook_old"] = _hook_calls(sets, validate=True, packed_launch=False)
+            calls["hook_triton"] = _hook_calls(sets, validate=True, direct_launch=False)
             calls["hook_unchecked"] = _hook_calls(sets)
             for mode in modes:
                 time_us = {name: _time_us(calls[name], mode, args.reps) for name in variants}
@@ -182,14 +187,16 @@ def _make_sets(
     return sets
 
 
-def _calls(fn: Callable[..., None], sets: list[dict[str, Any]], **tuning: Any) -> list[Any]:
-    """One zero-argument insert per set, arguments bound up front."""
-    return [
-        functools.partial(
-            fn, s["kv_c"], s["k_pe"], s["caches"], s["slots"], **s["kwargs"], **tuning
-        )
-        for s in sets
-    ]
+def _calls(
+    fn: Callable[..., None], sets: list[dict[str, Any]], *, same_caches: bool = False, **tuning: Any
+) -> list[Any]:
+    """One zero-argument insert per set, arguments bound up front (``same_caches``: every call
+    into the first set's caches)."""
+    calls = []
+    for s in sets:
+        caches = sets[0]["caches"] if same_caches else s["caches"]
+        calls.append(functools.partial(fn, s["kv_c"], s["k_pe"], caches, s["slots"], **s["kwargs"], **tuning))  # fmt: skip
+    return calls
 
 
 def _hook_calls(sets: list[dict[str, Any]], **options: Any) -> list[Any]:
@@ -320,7 +327,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
     for key in sorted({r["kv_cache_dtype"] for r in rows if r["mode"] == "eager"}):
         mine = [r for r in rows if r["kv_cache_dtype"] == key and r["mode"] == "eager"]
-        for name in ("grouped", "hook"):
+        for name in ("grouped", "grouped_same", "hook"):
             host = [r[f"{name}_host_us"] for r in mine if r["tokens"] <= _TARGET_HOST_MAX_T]
             if host:
                 out.append(
@@ -369,17 +376,18 @@ def _print(
         "grouped µs",
         "speedup",
         "host per-layer µs",
-        "host grouped new µs",
-        "host grouped old µs",
-        "host hook new µs",
-        "host hook old µs",
+        "host grouped µs",
+        "host grouped Triton µs",
+        "host same caches µs",
+        "host hook µs",
+        "host hook Triton µs",
         "host launch-only µs",
         "grouped GB/s",
         "% peak",
     ):
         table.add_column(column, justify="right")
     for r in rows:
-        hosts = [r[f"{name}_host_us"] for name in ("per_layer", "grouped", "grouped_old", "hook", "hook_old", "hook_unchecked")]  # fmt: skip
+        hosts = [r[f"{name}_host_us"] for name in ("per_layer", "grouped", "grouped_triton", "grouped_same", "hook", "hook_triton", "hook_unchecked")]  # fmt: skip
         table.add_row(
             r["kv_cache_dtype"],
             r["mode"],

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvmgr.errors import ConfigError, GeometryError, TransferError
-from kvmgr.kernels.copy_pages import (
+from kvmgr.kernels.copy.row import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_D2H_PROGRAMS,
     DEFAULT_H2D_PROGRAMS,

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError
-from kvmgr.kernels.copy_pages import KERNEL_AVAILABLE
+from kvmgr.kernels.copy.row import KERNEL_AVAILABLE
 from kvmgr.pool.host_pool import HostRegionLayout
 from kvmgr.transfer import pinned
 from kvmgr.transfer._options import (

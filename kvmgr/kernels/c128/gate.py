@@ -22,6 +22,8 @@ from kvmgr.kernels.c128.layout import C128_RATIO
 __all__ = ["C128_RATIO", "c128_boundary"]
 
 _GATE_SCAN_MAX = 32  # up to this many requests a Python scan beats numpy's per-call cost
+_NDARRAY = np.ndarray
+_WIDE_INTS = frozenset({np.dtype(np.int32), np.dtype(np.int64)})
 
 
 def c128_boundary(
@@ -52,14 +54,12 @@ def c128_boundary(
         return None
     start, loc = num_computed_tokens, query_start_loc
     if not (
-        type(start) is np.ndarray
-        and type(loc) is np.ndarray
+        type(start) is _NDARRAY
+        and type(loc) is _NDARRAY
+        and start.dtype in _WIDE_INTS  # int32/int64: no overflow in the sums below
+        and loc.dtype in _WIDE_INTS
         and start.ndim == 1
         and loc.ndim == 1
-        and start.dtype.kind == "i"
-        and loc.dtype.kind == "i"
-        and start.itemsize >= 4  # int32/int64: no overflow in the sums below
-        and loc.itemsize >= 4
         and loc.shape[0] == start.shape[0] + 1
     ):
         start = _host_ints(num_computed_tokens, "num_computed_tokens")
@@ -67,22 +67,19 @@ def c128_boundary(
         if loc.shape[0] != start.shape[0] + 1:
             raise _fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
     if start.shape[0] <= _GATE_SCAN_MAX:
-        return _crosses_scan(start.tolist(), loc.tolist())
+        starts, locs = start.tolist(), loc.tolist()
+        crosses, prev = False, locs[0]
+        for first, end in zip(starts, locs[1:]):  # every request checked before answering
+            qlen, prev = end - prev, end
+            if first < 0 or qlen < 0:
+                raise _bad_counts(starts, [b - a for a, b in itertools.pairwise(locs)])
+            if first % C128_RATIO + qlen >= C128_RATIO:
+                crosses = True
+        return crosses
     qlen = loc[1:] - loc[:-1]
     if (start | qlen).min() < 0:  # the sign bit of either
         raise _bad_counts(start.tolist(), qlen.tolist())
     return bool(((start & (C128_RATIO - 1)) + qlen).max() >= C128_RATIO)
-
-
-def _crosses_scan(starts: list[int], locs: list[int]) -> bool:
-    """The gate over Python ints; checks every request before answering."""
-    crosses, prev = False, locs[0]
-    for start, end in zip(starts, locs[1:], strict=True):
-        qlen, prev = end - prev, end
-        if start < 0 or qlen < 0:
-            raise _bad_counts(starts, [b - a for a, b in itertools.pairwise(locs)])
-        crosses = crosses or start % C128_RATIO + qlen >= C128_RATIO
-    return crosses
 
 
 def _fail(name: str, expected: str, got: object) -> GeometryError:

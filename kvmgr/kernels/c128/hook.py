@@ -14,6 +14,7 @@ non-boundary tokens on the device.
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -25,6 +26,8 @@ from kvmgr.kernels.c128.gate import c128_boundary
 from kvmgr.kernels.c128.host import Layer
 
 __all__ = ["C128CompressorHook"]
+
+_now = time.perf_counter
 
 _STEP_TENSORS = (  # the order __call__ unpacks them in
     "positions",
@@ -78,7 +81,6 @@ class C128CompressorHook:
         gated: bool = True,
         check_slots: bool = False,
         direct_launch: bool = True,
-        packed_launch: bool = True,
     ) -> None:
         """Check and keep one layer's tensors; each step then checks only its own tensors.
 
@@ -95,14 +97,9 @@ class C128CompressorHook:
             check_slots: check every step's slots, table rows and table entries against the
                 caches and raise :class:`~kvmgr.errors.InvalidBlockError` for an index the
                 device would skip (one device->host sync per kernel; not under capture).
-            direct_launch: launch the compiled kernels directly, past Triton's per-call
-                dispatch (:mod:`kvmgr.kernels.launch`: keyed by everything Triton
-                specializes on, falling back to Triton's normal launch where its internals
-                differ). ``False`` takes Triton's normal launch on every step.
-            packed_launch: with ``direct_launch``, bind each kernel's launch once per
-                specialization and then launch it with ``cuLaunchKernel`` from packed
-                arguments updated in place (:mod:`kvmgr.kernels.packed_launch`; the default).
-                ``False`` launches through the compiled kernel's own launcher.
+            direct_launch: bind each kernel's launch once per step signature and launch it with
+                ``cuLaunchKernelEx`` from packed arguments (:mod:`kvmgr.kernels.launch`; the
+                default). ``False`` takes Triton's own launch on every step.
 
         Raises:
             GeometryError: a layer tensor has the wrong type, shape, dtype, device or layout,
@@ -111,8 +108,7 @@ class C128CompressorHook:
         """
         self._layer = Layer(state_cache, ape=ape, norm_weight=norm_weight,
                              cos_sin_cache=cos_sin_cache, compressed_cache=compressed_cache,
-                             eps=eps, direct_launch=direct_launch,
-                             packed_launch=packed_launch)  # fmt: skip
+                             eps=eps, direct_launch=direct_launch)  # fmt: skip
         self.name = name
         self.gated = gated
         self.check_slots = check_slots
@@ -122,6 +118,7 @@ class C128CompressorHook:
         self.num_launches = 0
         self.num_skips = 0
         self._keys = (*_STEP_TENSORS, f"{name}.kv", f"{name}.score")
+        self._step_tensors = operator.itemgetter(*self._keys)
 
     def __call__(self, ctx: StepContext) -> HookReport:
         """Enqueue this step's state write and, unless gated off, its compression.
@@ -143,10 +140,9 @@ class C128CompressorHook:
             ConfigError: ``check_slots`` under CUDA-graph capture. The compress inputs are only checked when
                 the compress launch is issued.
         """
-        start_s = time.perf_counter()
+        start_s = _now()
         try:
-            pos, state_slots, table, req, slots, kv, score = map(ctx.tensors.__getitem__,
-                                                                 self._keys)  # fmt: skip
+            pos, state_slots, table, req, slots, kv, score = self._step_tensors(ctx.tensors)
         except KeyError:
             missing = [k for k in self._keys if k not in ctx.tensors]
             got = sorted(ctx.tensors)
@@ -155,27 +151,28 @@ class C128CompressorHook:
         if self.gated and not ctx.is_capturing:
             boundary = c128_boundary(ctx.num_computed_tokens, ctx.query_start_loc)
         skip = boundary is False
-        # validate everything that will launch before launching anything
         layer = self._layer
-        write, num_tokens = layer.prepare_write(kv, score, pos, state_slots)
-        if not skip:
-            compress, _ = layer.prepare_compress(table, req, pos, slots)
-        if self.check_slots:
-            check_write_bounds(layer, pos, state_slots)
+        if skip and not self.check_slots:  # the gated step: one launch, checked just before
+            num_tokens = layer.launch_write(kv, score, pos, state_slots, ctx.stream)
+            launches = 1 if num_tokens else 0
+        else:  # validate everything that will launch before launching anything
+            write, num_tokens = layer.prepare_write(kv, score, pos, state_slots)
             if not skip:
-                check_compress_bounds(layer, table, req, pos, slots)
-        if num_tokens:
-            write.launch((num_tokens, 1, 1), ctx.stream)
-            if not skip:
-                compress.launch((num_tokens, 1, 1), ctx.stream)
-        launches = 0 if num_tokens == 0 else 1 + (not skip)
+                compress, _ = layer.prepare_compress(table, req, pos, slots)
+            if self.check_slots:
+                check_write_bounds(layer, pos, state_slots)
+                if not skip:
+                    check_compress_bounds(layer, table, req, pos, slots)
+            launches = 0
+            if num_tokens:
+                grid, stream = (num_tokens, 1, 1), ctx.stream
+                write.launch(grid, stream)
+                launches = 1
+                if not skip:
+                    compress.launch(grid, stream)
+                    launches = 2
         self.num_steps += 1
         self.num_launches += launches
         self.num_skips += skip
-        return HookReport(
-            name=self.name,
-            launches=launches,
-            skips=int(skip),
-            host_s=time.perf_counter() - start_s,
-            extra={"boundary": boundary, "num_tokens": num_tokens},
-        )
+        return HookReport.of(self.name, launches, int(skip), _now() - start_s,
+                             {"boundary": boundary, "num_tokens": num_tokens})  # fmt: skip

@@ -4,7 +4,8 @@ Offers (to :mod:`kvmgr.kernels.c128.api` and :mod:`kvmgr.kernels.c128.hook`):
     Layer   one compressor layer's tensors, checked once; per-step checks and launches
 
 Dependencies: :mod:`~kvmgr.kernels.c128.kernel`, :mod:`~kvmgr.kernels.c128.layout` and
-:mod:`kvmgr.kernels.launch`; nothing above.
+:mod:`kvmgr.kernels.launch` (each kernel's bound launches: :class:`~kvmgr.kernels.launch.Launches`,
+keyed by the step signature and the specialization rule's classes); nothing above.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ import torch
 from kvmgr.errors import GeometryError
 from kvmgr.kernels.c128.kernel import HAS_TRITON, WINDOW_CHUNK, compress_kernel, state_write_kernel
 from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
-from kvmgr.kernels.launch import shared_launcher
+from kvmgr.kernels.launch import Launches
+from kvmgr.kernels.launch.rule import Unsupported
 
 __all__ = ["Layer"]
 
 _INDEX = (torch.int32, torch.int64)
+# the arguments a step changes: kv, score, positions, state slots, kv and score row strides
+_WRITE_VARYING = (0, 1, 3, 4, 6, 7)
+# table, req_indices, positions, compressed slots, table row stride, table rows and width
+_COMPRESS_VARYING = (1, 2, 3, 4, 10, 12, 13)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -83,14 +89,15 @@ class Layer:
     when a check fails is the slow path run that names the offending tensor. ``launch_*``
     enqueue a kernel without checking, so a caller checks everything a step needs first.
     Tensors left ``None`` are not checked and must not be needed by the launches asked for.
-    Both kernels launch through the process-wide :func:`~kvmgr.kernels.launch.shared_launcher`
-    of their kernel: direct launches, or Triton's normal launch with ``direct_launch=False``.
+    Each kernel's launches are bound per step signature (:class:`~kvmgr.kernels.launch.Launches`
+    of this layer; the compiled kernels are shared by every layer): packed launches through
+    ``cuLaunchKernelEx``, or Triton's own launch with ``direct_launch=False``.
     """
 
     def __init__(
         self, state_cache: object, *, ape: object = None, norm_weight: object = None,
         cos_sin_cache: object = None, compressed_cache: object = None, eps: float = 1e-6,
-        direct_launch: bool = True, packed_launch: bool = True,
+        direct_launch: bool = True,
     ) -> None:  # fmt: skip
         if not HAS_TRITON:
             raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
@@ -126,11 +133,9 @@ class Layer:
         if not (isinstance(eps, float | int) and eps > 0):
             raise _fail("eps", "a float > 0", eps)
         self.eps = float(eps)
-        self._write = shared_launcher(state_write_kernel, direct_launch)
-        self._compress = shared_launcher(compress_kernel, direct_launch)
-        self.packed = packed_launch and direct_launch
-        self._writes: dict[tuple[object, ...], Any] = {}  # specialization -> bound launch
-        self._compresses: dict[tuple[object, ...], Any] = {}
+        self._write = Launches(state_write_kernel, _WRITE_VARYING, "ttttii", direct=direct_launch)
+        self._compress = Launches(compress_kernel, _COMPRESS_VARYING, "ttttiii", num_warps=4,
+                                  direct=direct_launch)  # fmt: skip
         # the last step's tensors, their pointers and T, and its bound launch: a step that
         # passes the very same tensor objects (persistent buffers) skips even the signature
         self._last_write: tuple[Any, ...] | None = None
@@ -187,12 +192,11 @@ class Layer:
         """The state write's bound launch with this step's arguments set, and ``T``.
 
         Checks (:meth:`check_write`) run once per step signature: ranks, the sizes other than
-        ``T``, dtypes, devices, strides (``T`` excluded) and pointer alignments; a repeated
-        signature only compares ``T`` across the tensors, and a step that passes the same tensor
-        objects as the last one (with the same ``data_ptr()``s and ``T``; in-place metadata
-        changes such as ``set_`` between steps are not seen) skips even that. The launch is bound per signature
-        (:meth:`~kvmgr.kernels.launch.DirectLauncher.bind`). Nothing is enqueued; ``(None, 0)``
-        for an empty step.
+        ``T``, devices, strides (``T`` excluded) and the rule's classes (dtypes, pointer
+        alignments, stride classes); a repeated signature only compares ``T`` across the
+        tensors, and a step that passes the same tensor objects as the last one (with the same
+        ``data_ptr()``s and ``T``; in-place metadata changes such as ``set_`` between steps are
+        not seen) skips even that. Nothing is enqueued; ``(None, 0)`` for an empty step.
 
         Raises:
             GeometryError: as :meth:`check_write`.
@@ -208,38 +212,30 @@ class Layer:
             kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
             kvt, sct = kv.stride(), score.stride()
             num_tokens = ps[0]
-            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
-            key: tuple[Any, ...] | None = (
-                len(ps), positions.dtype, positions.get_device(), positions.stride(0),
-                len(ss), state_slot_mapping.dtype, state_slot_mapping.get_device(),
-                state_slot_mapping.stride(0), len(kvs), kvs[1], kvt[1], kv.dtype,
-                kv.get_device(), len(scs), scs[1], sct[1], score.dtype, score.get_device(),
-                kvt[0] == 1, kvt[0] & 15, sct[0] == 1, sct[0] & 15, ptrs[0] & 15 == 0,
-                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
+            args = (kv, score, positions, state_slot_mapping, kvt[0], sct[0])
+            classes, values = self._write.read(*args)
+            key: Any = (
+                classes, len(ps), positions.get_device(), positions.stride()[0], len(ss),
+                state_slot_mapping.get_device(), state_slot_mapping.stride()[0], len(kvs), kvs[1],
+                kvt[1], kv.get_device(), len(scs), scs[1], sct[1], score.get_device(),
             )  # fmt: skip
             same = num_tokens > 0 and kvs[0] == num_tokens == scs[0] == ss[0]
-        except (AttributeError, IndexError, TypeError):  # not tensors of the expected ranks
-            key, same = None, False
-        bound = self._writes.get(key) if same and key is not None else None
+            bound = self._write.get(key) if same else None
+        except (AttributeError, IndexError, TypeError, Unsupported):  # not the expected ranks
+            key, bound = None, None
         if bound is None:
             num_tokens = self.check_write(kv, score, positions, state_slot_mapping)
             if num_tokens == 0:
                 return None, 0
-            bound = self._write.bind(
-                (num_tokens,), kv, score, self.ape, positions, state_slot_mapping,
-                self.state_cache, kvt[0], sct[0], *self.state_strides, self.state_capacity,
-                self.block_size, self.head_dim, C128_RATIO, packed=self.packed,
-            )  # fmt: skip
-            if key is not None:
-                self._writes[key] = bound
-            ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr(), num_tokens)  # fmt: skip
-        bound.set_tensor_at(0, kv, ptrs[0])
-        bound.set_tensor_at(1, score, ptrs[1])
-        bound.set_tensor_at(3, positions, ptrs[2])
-        bound.set_tensor_at(4, state_slot_mapping, ptrs[3])
-        bound.set_int(6, kvt[0])
-        bound.set_int(7, sct[0])
-        self._last_write = (kv, score, positions, state_slot_mapping, ptrs, bound)
+            args = (kv, score, positions, state_slot_mapping, kv.stride(0), score.stride(0))
+            classes, values = self._write.read(*args)
+            full = (kv, score, self.ape, positions, state_slot_mapping, self.state_cache,
+                    *args[4:], *self.state_strides, self.state_capacity, self.block_size,
+                    self.head_dim, C128_RATIO)  # fmt: skip
+            bound = self._write.bind(classes if key is None else key, (num_tokens, 1, 1), full)
+        bound.set(values, args)
+        self._last_write = (kv, score, positions, state_slot_mapping, (*values[:4], num_tokens),
+                            bound, (num_tokens, 1, 1))  # fmt: skip
         return bound, num_tokens
 
     def prepare_compress(self, state_block_table: Any, req_indices: Any, positions: Any, compressed_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
@@ -260,47 +256,46 @@ class Layer:
         ):  # fmt: skip
             return last[5], last[4][-1]
         try:
-            tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape  # fmt: skip
+            tsh, ts, ps, rs, ss = table.shape, table.stride(), pos.shape, req.shape, slots.shape
             num_tokens, (num_reqs, width) = ps[0], tsh
-            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), tsh, num_tokens)  # fmt: skip
-            key: tuple[Any, ...] | None = (
-                table.dtype, table.get_device(), ts[1], len(ps), pos.dtype, pos.get_device(),
-                pos.stride(0), len(rs), req.dtype, req.get_device(), req.stride(0), len(ss),
-                slots.dtype, slots.get_device(), slots.stride(0), ptrs[0] & 15 == 0,
-                ptrs[1] & 15 == 0, ptrs[2] & 15 == 0, ptrs[3] & 15 == 0,
+            args = (table, req, pos, slots, ts[0], num_reqs, width)
+            classes, values = self._compress.read(*args)
+            key: Any = (
+                classes, table.get_device(), ts[1], len(ps), pos.get_device(), pos.stride()[0],
+                len(rs), req.get_device(), req.stride()[0], len(ss), slots.get_device(),
+                slots.stride()[0],
             )  # fmt: skip
             same = num_tokens > 0 and num_reqs * width > 0 and rs[0] == num_tokens == ss[0]
-        except (AttributeError, IndexError, TypeError, ValueError):  # not of the expected ranks
-            key, same = None, False
-        bound = self._compresses.get(key) if same and key is not None else None
+            bound = self._compress.get(key) if same else None
+        except (AttributeError, IndexError, TypeError, ValueError, Unsupported):  # other ranks
+            key, bound = None, None
         if bound is None:
             num_tokens = self.check_compress(table, req, pos, slots)
             if num_tokens == 0:
                 return None, 0
             num_reqs, width = table.shape
-            bound = self._compress.bind(
-                (num_tokens,), self.state_cache, table, req, pos, slots, self.norm_weight,
-                self.cos_sin_cache, self.compressed_cache, *self.state_strides,
-                table.stride(0), self.eps, num_reqs, width, self.num_state_blocks,
-                self.num_rope_positions, self.compressed_capacity, self.block_size,
-                self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK, self.entry_bytes,
-                num_warps=4, packed=self.packed,
-            )  # fmt: skip
-            if key is not None:
-                self._compresses[key] = bound
-            ptrs = (table.data_ptr(), req.data_ptr(), pos.data_ptr(), slots.data_ptr(), table.shape, num_tokens)  # fmt: skip
-        bound.set_tensor_at(1, table, ptrs[0])
-        bound.set_tensor_at(2, req, ptrs[1])
-        bound.set_tensor_at(3, pos, ptrs[2])
-        bound.set_tensor_at(4, slots, ptrs[3])
-        bound.set_int(10, table.stride(0))
-        bound.set_int(12, num_reqs)
-        bound.set_int(13, width)
-        self._last_compress = (table, req, pos, slots, ptrs, bound)
+            args = (table, req, pos, slots, table.stride(0), num_reqs, width)
+            classes, values = self._compress.read(*args)
+            full = (self.state_cache, table, req, pos, slots, self.norm_weight,
+                    self.cos_sin_cache, self.compressed_cache, *self.state_strides,
+                    table.stride(0), self.eps, num_reqs, width, self.num_state_blocks,
+                    self.num_rope_positions, self.compressed_capacity, self.block_size,
+                    self.head_dim, C128_ROPE_DIM, C128_RATIO, WINDOW_CHUNK, self.entry_bytes)  # fmt: skip
+            bound = self._compress.bind(classes if key is None else key, (num_tokens, 1, 1), full)
+        bound.set(values, args)
+        self._last_compress = (table, req, pos, slots, (*values[:4], table.shape, num_tokens), bound)  # fmt: skip
         return bound, num_tokens
 
     def launch_write(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state_slot_mapping: torch.Tensor, stream: torch.cuda.Stream | None = None) -> int:  # fmt: skip
         """Check (cached) and enqueue the state write on ``stream`` (current if None); ``T``."""
+        last = self._last_write  # as prepare_write's first test, without the call
+        if (
+            last is not None and kv is last[0] and score is last[1] and positions is last[2]
+            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])
+        ):  # fmt: skip
+            last[5].launch(last[6], stream)
+            return last[4][-1]
         bound, num_tokens = self.prepare_write(kv, score, positions, state_slot_mapping)
         if num_tokens:
             bound.launch((num_tokens, 1, 1), stream)

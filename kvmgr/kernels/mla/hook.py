@@ -9,6 +9,7 @@ Importing this module does not import Triton; constructing a hook does.
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from kvmgr.hooks import HookReport, StepContext
 __all__ = ["GroupedMLAInsertHook"]
 
 _TENSOR_NAMES = ("kv_c", "k_pe", "slot_mapping")
+_step_tensors = operator.itemgetter(*_TENSOR_NAMES)
+_now = time.perf_counter
 
 
 class GroupedMLAInsertHook:
@@ -50,12 +53,9 @@ class GroupedMLAInsertHook:
         validate: Check each step's tensors against the caches (about 2 us of host time). ``False`` skips
             those checks, for loops that build the tensors themselves: a tensor of the wrong shape,
             dtype, device or layout is then read or written out of bounds instead of raising.
-        direct_launch: Launch the compiled grouped kernel directly, past Triton's per-call dispatch (the
-            default; see :mod:`kvmgr.kernels.launch`); ``False`` takes Triton's normal launch.
-        packed_launch: Check each step signature once and launch the grouped kernel with ``cuLaunchKernel``
-            from packed arguments updated in place (the default; :mod:`kvmgr.kernels.mla.bound`).
-            ``False`` checks every step and launches through the compiled kernel's launcher (the
-            path before packed launches; the benchmarks' baseline).
+        direct_launch: Check each step signature once and launch the grouped kernel with
+            ``cuLaunchKernelEx`` from packed arguments (the default; :mod:`kvmgr.kernels.mla.insert`).
+            ``False`` takes Triton's own launch every step (the benchmarks' baseline).
 
     Raises:
         ConfigError: Bad ``kv_cache_dtype`` / ``kv_scales`` combination, or construction under graph capture.
@@ -72,9 +72,8 @@ class GroupedMLAInsertHook:
         check_slots: bool = False,
         validate: bool = True,
         direct_launch: bool = True,
-        packed_launch: bool = True,
     ) -> None:
-        from kvmgr.kernels.mla import bound, checks, host
+        from kvmgr.kernels.mla import checks, insert, plan
 
         caches = tuple(caches)
         checks.check_dtype_and_scales(kv_cache_dtype, kv_scales)
@@ -89,20 +88,26 @@ class GroupedMLAInsertHook:
             raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
         self.name = name
         self._checks: Any = checks  # modules held, so that importing this one imports no Triton
-        self._host: Any = host
+        self._allow_cpu = plan.IS_INTERPRETED
+        self._launch_per_layer = plan.launch_per_layer
         self._caches = caches
         self._kv_cache_dtype = kv_cache_dtype
         self._kv_scales = kv_scales
         self._check_slots = check_slots
         self._validate = validate
-        self._direct = direct_launch
         self._meta = meta
         self._is_grouped = checks.is_uniform(caches)
-        # The hook holds its plan, so a captured graph's pointer table lives as long as the hook.
-        self._plan = host.grouped_plan(caches, kv_cache_dtype) if self._is_grouped else None
-        self._insert: Any = None  # the packed path: the hook's own bound launches
-        if self._plan is not None and packed_launch:
-            self._insert = bound.GroupedInsert(self._plan, kv_cache_dtype, direct=direct_launch)
+        # the hook's own insert: it holds the plan, so a captured graph's pointer table lives as
+        # long as the hook; None for the per-layer fallback
+        self._insert: Any = None
+        if self._is_grouped:
+            key = plan.checked_key(caches, kv_cache_dtype)
+            self._insert = insert.GroupedInsert(plan.make_plan(key), direct=direct_launch)
+
+    @property
+    def plan(self) -> Any:
+        """The caches' plan (pointer table, geometry) of the grouped path; None per layer."""
+        return None if self._insert is None else self._insert.plan
 
     @property
     def is_grouped(self) -> bool:
@@ -117,41 +122,39 @@ class GroupedMLAInsertHook:
             GeometryError: The step's tensors do not match the caches (see ``grouped_mla_insert``).
             InvalidBlockError: ``check_slots`` and a slot is past the capacity.
         """
-        start_s = time.perf_counter()
-        tensors = ctx.tensors
+        start_s = _now()
         try:
-            kv_c, k_pe, slots = tensors["kv_c"], tensors["k_pe"], tensors["slot_mapping"]
+            kv_c, k_pe, slots = _step_tensors(ctx.tensors)
         except KeyError:
-            missing = [name for name in _TENSOR_NAMES if name not in tensors]
+            missing = [name for name in _TENSOR_NAMES if name not in ctx.tensors]
             raise ConfigError(f"ctx.tensors: expected {list(_TENSOR_NAMES)}, missing {missing}") from None  # fmt: skip
-        host, checks, caches = self._host, self._checks, self._caches
-        dtype, scales = self._kv_cache_dtype, self._kv_scales
-        if self._insert is not None and not self._check_slots:
-            num_tokens = self._insert(kv_c, k_pe, slots, scales, validate=self._validate,
-                                      stream=ctx.stream)  # fmt: skip
-            return HookReport(
-                name=self.name,
-                launches=0 if num_tokens == 0 else 1,
-                host_s=time.perf_counter() - start_s,
-                extra={"num_tokens": num_tokens, "grouped": True},
-            )
+        insert, scales = self._insert, self._kv_scales
+        if insert is not None and not self._check_slots:  # the per-step path
+            num_tokens = insert(kv_c, k_pe, slots, scales, self._validate, ctx.stream)
+            return HookReport.of(self.name, 0 if num_tokens == 0 else 1, 0, _now() - start_s,
+                                 {"num_tokens": num_tokens, "grouped": True})  # fmt: skip
+        return self._checked_step(ctx, kv_c, k_pe, slots, start_s)
+
+    def _checked_step(self, ctx: StepContext, kv_c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, start_s: float) -> HookReport:  # fmt: skip
+        """A step with ``check_slots``, or through the per-layer fallback."""
+        checks, caches, scales, dtype = self._checks, self._caches, self._kv_scales, self._kv_cache_dtype  # fmt: skip
+        if self._insert is not None:
+            step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
+                                     allow_cpu=self._allow_cpu)  # fmt: skip
+            checks.check_slot_range(step, caches)
+            num_tokens = self._insert(kv_c, k_pe, slots, scales, self._validate, ctx.stream)
+            return HookReport.of(self.name, 0 if num_tokens == 0 else 1, 0, _now() - start_s,
+                                 {"num_tokens": num_tokens, "grouped": True})  # fmt: skip
         if self._validate:
             step = checks.check_step(kv_c, k_pe, slots, scales, dtype, self._meta,
-                                     allow_cpu=host.IS_INTERPRETED)  # fmt: skip
+                                     allow_cpu=self._allow_cpu)  # fmt: skip
         else:
             step = checks.unchecked_step(kv_c, k_pe, slots, scales, dtype)
         if self._check_slots:
             checks.check_slot_range(step, caches)
         stream = contextlib.nullcontext() if ctx.stream is None else torch.cuda.stream(ctx.stream)
         with stream:
-            if self._plan is not None:
-                host.launch_grouped(self._plan, step, kv_c, k_pe, scales, direct=self._direct)
-            else:
-                host.launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
-        num_launches = 0 if step.num_tokens == 0 else (1 if self._is_grouped else len(caches))
-        return HookReport(
-            name=self.name,
-            launches=num_launches,
-            host_s=time.perf_counter() - start_s,
-            extra={"num_tokens": step.num_tokens, "grouped": self._is_grouped},
-        )
+            self._launch_per_layer(step, kv_c, k_pe, caches, scales, dtype)
+        launches = 0 if step.num_tokens == 0 else len(caches)
+        return HookReport.of(self.name, launches, 0, _now() - start_s,
+                             {"num_tokens": step.num_tokens, "grouped": False})  # fmt: skip

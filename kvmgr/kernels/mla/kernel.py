@@ -7,7 +7,7 @@ Offers:
     layer_insert_kernel     grid (token tiles,): one layer's cache
     GROUPED_RUNTIME_ARGS    the grouped kernel's runtime parameters, in order
 
-The launchers and checks are in :mod:`kvmgr.kernels.mla.host`; the semantics in
+The checks are in :mod:`kvmgr.kernels.mla.checks`, the launches in ``plan`` and ``insert``; the semantics in
 :mod:`kvmgr.kernels.mla.api`. Imports nothing of kvmgr.
 """
 

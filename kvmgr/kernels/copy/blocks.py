@@ -1,17 +1,16 @@
 """Paged SM copy kernel: runs of whole KV blocks, with page addresses computed on the device.
 
 Offers:
-    build_layout_table      two layouts -> int64 ``[5, num_tensors]`` (uploaded once per pair)
-    max_run_blocks          blocks per work item so that one item copies about ``chunk_bytes``
-    build_run_table         runs of blocks -> int64 ``[3, num_runs]`` work table, long runs split
     launch_copy_blocks      launch over a layout table and a run table already on the device
-    launch_block_table      the same over packed flat buffers, without checks (the engines' path;
-                            packed launches on the copy stream with ``block_table_launches``)
-    block_table_launches    an issuer's packed launches of the kernel (``table_launch``)
+    launch_block_table      the same over packed flat buffers, without checks (the engines' path,
+                            through an owner's ``block_table_launches()`` on a given stream)
+    block_table_launches    an owner's packed launches of the kernel
     copy_blocks             validate, build, upload (asynchronously) and launch; the public path
     copy_blocks_reference   the same copies with ``index_copy_`` on the tensors
 
-Where ``kvmgr.kernels.copy_pages`` reads one ``(src, dst, bytes)`` row per page, this kernel reads
+Its tables (``build_layout_table``, ``build_run_table``, ``max_run_blocks``) are built on the host
+by :mod:`kvmgr.kernels.copy.tables`. Where the descriptor kernel (:mod:`kvmgr.kernels.copy.pages`)
+reads one ``(src, dst, bytes)`` row per page, this kernel reads
 a *layout table*, fixed for a pair of KV caches, and a *run table* per batch:
 
 - layout ``[5, T]``, one column per tensor: source base address, destination base address, source
@@ -29,12 +28,12 @@ program's items cover every tensor about equally even when page sizes differ bet
 Program ``pid`` walks items ``pid, pid + P, ...`` (no prefetch of the next item's table entries:
 see the kernel's comment, a miscompile on the H200 with it). A tensor dense on both sides (block stride == page bytes) copies the run as one
 region of ``blocks x page`` bytes; any other copies it page by page. Either way each region goes
-through ``copy_pages._copy_row``, with its per-region choice of a 16/8/4/2/1-byte vector width.
+through :func:`kvmgr.kernels.copy.row.copy_row`, with its per-region choice of a 16/8/4/2/1-byte vector width.
 ``build_run_table`` splits runs above ``max_blocks`` (``max_run_blocks``: ``chunk_bytes`` over the
 largest page, at least 1) so that one long run of consecutive blocks still spreads over every
 program: 512 consecutive blocks of 4 KiB pages are 32 runs of 16 blocks, 32 x 48 items of 64 KiB.
 
-Addresses are raw, as in ``copy_pages``: host pages must be pinned or registered (device pointer ==
+Addresses are raw, as in the descriptor kernel: host pages must be pinned or registered (device pointer ==
 host pointer), and under ``TRITON_INTERPRET=1`` the kernel copies between CPU tensors.
 """
 
@@ -46,37 +45,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.errors import GeometryError, InvalidBlockError, TransferError
-from kvmgr.kernels.copy_pages import (
-    _NUM_WARPS,
+from kvmgr.errors import GeometryError
+from kvmgr.kernels.copy.row import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_PROGRAMS,
-    KERNEL_AVAILABLE,
-    _copy_row,
-    _jit,
+    copy_row,
+    jit,
+    launch_programs,
+    table_launches,
+    tl,
 )
-from kvmgr.kernels.launch import shared_launcher
-from kvmgr.kernels.table_launch import TableLaunches
+from kvmgr.kernels.copy.tables import (
+    build_layout_table,
+    build_run_table,
+    check_runs,
+    max_run_blocks,
+)
+from kvmgr.kernels.launch import Launches
 from kvmgr.pool.layout import KVLayout
-
-try:
-    import triton.language as tl
-except ImportError:  # the table helpers and the reference work without Triton; the kernel does not
-    tl = None
 
 __all__ = [
     "block_table_launches",
-    "build_layout_table",
-    "build_run_table",
     "copy_blocks",
     "copy_blocks_reference",
     "launch_block_table",
     "launch_copy_blocks",
-    "max_run_blocks",
 ]
 
 
-@_jit
+@jit
 def _load_item(layout_ptr, runs_ptr, item, num_tensors, num_runs, valid):
     # The copy of one work item: (source, destination, strides, regions, bytes per region).
     t = item // num_runs
@@ -100,7 +97,7 @@ def _load_item(layout_ptr, runs_ptr, item, num_tensors, num_runs, valid):
     return src, dst, src_stride, dst_stride, num_regions, region_bytes
 
 
-@_jit
+@jit
 def _copy_blocks_kernel(layout_ptr, runs_ptr, num_tensors, num_runs):
     # layout_ptr: int64 [5, num_tensors]: src base, dst base, src stride, dst stride, page bytes.
     # runs_ptr: int64 [3, num_runs]: first src block, first dst block, blocks.
@@ -119,69 +116,7 @@ def _copy_blocks_kernel(layout_ptr, runs_ptr, num_tensors, num_runs):
             layout_ptr, runs_ptr, item, num_t, num_r, item < num_items
         )
         for k in range(0, regions):
-            _copy_row(src + k * src_step, dst + k * dst_step, size)
-
-
-def build_layout_table(src: KVLayout, dst: KVLayout) -> np.ndarray:
-    """The kernel's layout table of a pair of KV caches.
-
-    Args:
-        src, dst: layouts of the source and destination caches, equal page bytes per tensor.
-
-    Returns:
-        int64 ``[5, num_tensors]``, C-contiguous: source base addresses, destination base
-        addresses, source block strides, destination block strides, page bytes.
-
-    Raises:
-        GeometryError: the layouts differ in tensor count or page bytes.
-    """
-    if src.num_tensors != dst.num_tensors or not np.array_equal(src.page_bytes, dst.page_bytes):
-        raise GeometryError(
-            f"expected equal page bytes per tensor, got {src.page_bytes.tolist()} and "
-            f"{dst.page_bytes.tolist()}"
-        )
-    return np.stack(
-        [src.base_addrs, dst.base_addrs, src.block_strides, dst.block_strides, src.page_bytes]
-    ).astype(np.int64, copy=False)
-
-
-def max_run_blocks(page_bytes: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Blocks per work item so that no item copies more than ``chunk_bytes`` in any tensor
-    (at least 1: a page larger than ``chunk_bytes`` is one item)."""
-    largest = int(np.max(page_bytes)) if len(page_bytes) else 0
-    return max(1, chunk_bytes // max(largest, 1))
-
-
-def build_run_table(
-    src_block_ids: np.ndarray, dst_block_ids: np.ndarray, num_blocks: np.ndarray, max_blocks: int
-) -> np.ndarray:
-    """Turn runs of blocks into the kernel's run table, splitting runs above ``max_blocks``.
-
-    O(runs + blocks / max_blocks), a few numpy operations in all; no Python loop per run.
-
-    Args:
-        src_block_ids, dst_block_ids: int64 ``[num_runs]``: first block of each run.
-        num_blocks: int64 ``[num_runs]``: blocks of each run (>= 1).
-        max_blocks: most blocks per row (>= 1).
-
-    Returns:
-        int64 ``[3, rows]``, C-contiguous: first source block, first destination block and blocks
-        of each row; the rows of one run are consecutive, in run order.
-    """
-    count = len(num_blocks)
-    if count == 0 or int(num_blocks.max()) <= max_blocks:  # the common case: nothing to split
-        table = np.empty((3, count), dtype=np.int64)
-        table[0], table[1], table[2] = src_block_ids, dst_block_ids, num_blocks
-        return table
-    pieces = (num_blocks + (max_blocks - 1)) // max_blocks
-    owner = np.repeat(np.arange(count), pieces)
-    offsets = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    offsets *= max_blocks
-    table = np.empty((3, len(owner)), dtype=np.int64)
-    np.add(src_block_ids[owner], offsets, out=table[0])
-    np.add(dst_block_ids[owner], offsets, out=table[1])
-    np.minimum(num_blocks[owner] - offsets, max_blocks, out=table[2])
-    return table
+            copy_row(src + k * src_step, dst + k * dst_step, size)
 
 
 def launch_copy_blocks(
@@ -223,9 +158,9 @@ def launch_block_table(
     max_programs: int,
     *,
     stream: Any = None,
-    launches: TableLaunches | None = None,
+    launches: Launches | None = None,
 ) -> int:
-    """Launch the kernel on the current stream over packed tables, without checks.
+    """Launch the kernel over packed tables, without checks.
 
     Args:
         layout: int64, contiguous, at least ``5 * num_tensors`` entries where the kernel runs,
@@ -235,8 +170,9 @@ def launch_block_table(
             until the kernel has run.
         num_tensors, num_runs: columns of the two tables.
         max_programs: cap on the grid (>= 1).
-        stream: with ``launches``, the stream to launch on (None: the current stream).
-        launches: the caller's packed launches of this kernel (``block_table_launches()``).
+        stream: the torch stream to launch on (None: the current stream).
+        launches: the caller's packed launches of this kernel (``block_table_launches()``);
+            None: a one-off bind.
 
     Returns:
         The number of programs launched, ``min(max_programs, num_tensors * num_runs)``.
@@ -244,76 +180,17 @@ def launch_block_table(
     Raises:
         TransferError: Triton is not installed.
     """
-    if not KERNEL_AVAILABLE:
-        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    grid = min(max_programs, num_tensors * num_runs)
-    if grid and launches is not None:
-        launches(grid, stream, layout, runs, num_tensors, num_runs)
-    elif grid:
-        shared_launcher(_copy_blocks_kernel)(
-            (grid,),
-            layout,
-            runs,
-            num_tensors,
-            num_runs,
-            num_warps=_NUM_WARPS,
-        )
-    return grid
+    return launch_programs(_copy_blocks_kernel, min(max_programs, num_tensors * num_runs), stream,
+                           launches, layout, runs, num_tensors, num_runs)  # fmt: skip
 
 
-def block_table_launches() -> TableLaunches:
-    """Packed launches of the paged kernel for one issuer (``launch_block_table``).
+def block_table_launches() -> Launches:
+    """An owner's packed launches of the paged kernel (``launch_block_table``).
 
     Raises:
         TransferError: Triton is not installed.
     """
-    if not KERNEL_AVAILABLE:
-        raise TransferError("the copy kernel needs Triton: pip install 'kvmgr[kernels]'")
-    return TableLaunches(_copy_blocks_kernel, _NUM_WARPS)
-
-
-def _check_runs(
-    src: KVLayout, dst: KVLayout, src_block_ids: Any, dst_block_ids: Any, num_blocks: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    runs = [np.asarray(a).reshape(-1) for a in (src_block_ids, dst_block_ids, num_blocks)]
-    if not len(runs[0]) == len(runs[1]) == len(runs[2]):
-        raise InvalidBlockError(f"expected equal run counts, got {[len(a) for a in runs]}")
-    if runs[0].size and any(a.dtype.kind not in "iu" for a in runs):
-        raise InvalidBlockError(f"run tables: expected integers, got {[a.dtype for a in runs]}")
-    if runs[0].size and any(a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max for a in runs):
-        raise InvalidBlockError("run tables: a value does not fit int64")
-    s, d, n = (a.astype(np.int64, copy=False) for a in runs)
-    if n.size and n.min() < 1:
-        raise InvalidBlockError(f"expected runs of >= 1 block, got {int(n.min())}")
-    for name, first, layout in (("source", s, src), ("destination", d, dst)):
-        # n <= num_blocks - first: no sum that could wrap around int64
-        if first.size and (first.min() < 0 or (n > layout.num_blocks - first).any()):
-            raise InvalidBlockError(f"a {name} run leaves blocks [0, {layout.num_blocks})")
-    if _self_overlap(d, n):
-        raise InvalidBlockError("destination runs overlap (docs/transfer.md, rule 5)")
-    if bool(np.array_equal(src.base_addrs, dst.base_addrs)) and _cross_overlap(s, n, d, n):
-        raise InvalidBlockError("a source run overlaps a destination run of the same cache")
-    return s, d, n
-
-
-def _self_overlap(first: np.ndarray, num: np.ndarray) -> bool:
-    """Whether two of the block ranges ``[first[i], first[i] + num[i])`` overlap."""
-    if len(first) < 2:
-        return False
-    order = np.argsort(first, kind="stable")
-    starts, ends = first[order], first[order] + num[order]
-    return bool((starts[1:] < ends[:-1]).any())
-
-
-def _cross_overlap(a_first: np.ndarray, a_num: np.ndarray, b_first: np.ndarray, b_num: np.ndarray) -> bool:  # fmt: skip
-    """Whether a range of ``a`` overlaps a range of ``b`` (the ``b`` ranges are disjoint)."""
-    if len(a_first) == 0 or len(b_first) == 0:
-        return False
-    order = np.argsort(b_first, kind="stable")
-    b_start, b_end = b_first[order], b_first[order] + b_num[order]
-    last = np.searchsorted(b_start, a_first + a_num, side="left") - 1  # last b starting before
-    hit = last >= 0
-    return bool((b_end[last[hit]] > a_first[hit]).any())
+    return table_launches(_copy_blocks_kernel, "ttii")
 
 
 def copy_blocks(
@@ -358,7 +235,7 @@ def copy_blocks(
         raise GeometryError(f"max_programs: expected >= 1, got {max_programs}")
     src_layout, dst_layout = KVLayout.from_tensors(src), KVLayout.from_tensors(dst)
     layout = build_layout_table(src_layout, dst_layout)
-    s, d, n = _check_runs(src_layout, dst_layout, src_block_ids, dst_block_ids, num_blocks)
+    s, d, n = check_runs(src_layout, dst_layout, src_block_ids, dst_block_ids, num_blocks)
     runs = build_run_table(s, d, n, max_run_blocks(src_layout.page_bytes, chunk_bytes))
     target = torch.device(device)
     tables = [torch.from_numpy(t) for t in (layout, runs)]
@@ -383,7 +260,7 @@ def copy_blocks_reference(
     """
     src_layout, dst_layout = KVLayout.from_tensors(src), KVLayout.from_tensors(dst)
     build_layout_table(src_layout, dst_layout)  # the geometry check
-    s, d, n = _check_runs(src_layout, dst_layout, src_block_ids, dst_block_ids, num_blocks)
+    s, d, n = check_runs(src_layout, dst_layout, src_block_ids, dst_block_ids, num_blocks)
     offsets = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
     src_ids = torch.from_numpy(np.repeat(s, n) + offsets)
     dst_ids = torch.from_numpy(np.repeat(d, n) + offsets)

@@ -1,0 +1,237 @@
+"""Bound launches: one compiled specialization with its arguments packed, launched by the driver.
+
+Offers (to the rest of :mod:`kvmgr.kernels.launch`):
+    PackedLaunch    the arguments in one ctypes buffer; ``run`` / ``launch`` call
+                    ``cuLaunchKernelEx`` with the step's values written in one ``pack_into``
+    TritonLaunch    the same interface over Triton's own launch (the fallback)
+
+How a compiled kernel is packed (:class:`~kvmgr.kernels.launch.signature.Packing`) is read from
+its signature and PTX by :mod:`kvmgr.kernels.launch.signature`; the driver's entry points come
+from :mod:`kvmgr.kernels.launch.libcuda`.
+
+Why: Triton's launch parses every argument in Python on every call (10-20 us on the H200 host,
+past ``JITFunction.run``'s own dispatch). A bound launch keeps the arguments where the driver
+reads them; a step writes its few changing values and calls the driver once.
+
+**Buffer.** One ctypes buffer holds, in order: the ``CUlaunchConfig`` (grid, block
+``32 * num_warps``, shared bytes, stream, no attributes: what Triton's launcher passes for these
+kernels); one 8-byte cell per *varying* argument (the positions the owner changes per step; a
+scratch cell where the compiled signature has none, e.g. an int equal to 1, which Triton turns
+into a constant); the other arguments' cells; and the hidden scratch pointers Triton appends
+(one, or two from Triton 3.5), passed NULL. A step then costs one ``struct.pack_into`` (grid, stream and values) and one ctypes call. The
+driver copies the parameters at the call, so later writes never change an enqueued or captured
+launch.
+
+**Fallback per call** (Triton's own launch, with the same Python arguments): a Triton launch hook
+is set (profilers), the current device is not the bound one, or the calling thread's current CUDA
+context is not the one the kernel was loaded in.
+
+**Contract.** Values may change only within the specialization the launch was bound for (the
+owner keys its bound launches on :func:`kvmgr.kernels.launch.rule.reader`'s classes); a value
+that does not fit its cell raises ``OverflowError``. One bound launch is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvmgr.kernels.launch.libcuda import Libcuda
+from kvmgr.kernels.launch.signature import CELL, Packing
+
+__all__ = ["PackedLaunch", "TritonLaunch"]
+
+_HEADER = "<7I4xQ16x"  # CUlaunchConfig: grid, block, shared, pad, stream, attrs NULL, 0 attrs
+_HEADER_BYTES = struct.calcsize(_HEADER)  # 56
+
+
+class TritonLaunch:
+    """A reusable launch through Triton's own ``kernel[grid](*args)`` (the fallback).
+
+    Same interface as :class:`PackedLaunch`. Attributes: ``args`` (the Python arguments of the
+    last launch, in parameter order).
+    """
+
+    is_packed = False
+
+    def __init__(self, kernel: Any, args: Sequence[Any], options: dict[str, int], varying: Sequence[int]) -> None:  # fmt: skip
+        self._kernel = kernel
+        self._args = list(args)
+        self._options = options
+        self._varying = tuple(varying)
+        self._changed: Sequence[Any] | None = None  # varying args not yet merged into _args
+
+    @property
+    def args(self) -> list[Any]:
+        """The Python arguments of the last launch, in parameter order."""
+        if self._changed is not None:
+            for index, value in zip(self._varying, self._changed, strict=True):
+                self._args[index] = value
+            self._changed = None
+        return self._args
+
+    def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
+        """The next launches take the varying arguments ``args`` (``values``: their packed form,
+        unused here)."""
+        self._changed = args
+
+    def run(self, grid: tuple[int, int, int], stream: Any, values: Sequence[Any], args: Sequence[Any]) -> None:  # fmt: skip
+        """:meth:`set`, then launch over ``grid`` on ``stream`` (a torch stream; None: the
+        current stream)."""
+        self._changed = args
+        self._triton(grid, stream)
+
+    def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
+        """Launch again with the arguments of the last launch."""
+        self._triton(grid, stream)
+
+    def _triton(self, grid: tuple[int, int, int], stream: Any) -> None:
+        if stream is None:
+            self._kernel[grid](*self.args, **self._options)
+        else:
+            with torch.cuda.stream(stream):
+                self._kernel[grid](*self.args, **self._options)
+
+
+class PackedLaunch(TritonLaunch):
+    """One compiled kernel's arguments in one buffer, launched with ``cuLaunchKernelEx``.
+
+    Built by the launcher's ``bind``. Attributes: ``args`` (as :class:`TritonLaunch`), ``params``
+    (the ``void *`` array handed to the driver), ``device`` (the device index it was loaded on).
+    """
+
+    is_packed = True
+
+    def __init__(
+        self, kernel: Any, args: Sequence[Any], options: dict[str, int], varying: Sequence[int],
+        packing: Packing, device: int, libcuda: Libcuda, knobs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(kernel, args, options, varying)
+        types = packing.types
+        if len(types) != len(args):
+            raise ValueError(f"expected {len(types)} arguments, got {len(args)}")
+        fixed = [i for i in range(len(args)) if i not in self._varying and types[i] is not None]
+        cells = [CELL[ty] if ty and ty[0] != "*" else "Q" if ty else "q" for ty in types]
+        order = [*self._varying, *fixed]
+        self._pack = struct.Struct(_HEADER + "".join(cells[i] for i in self._varying)).pack_into
+        self._pack_header = struct.Struct(_HEADER[:-3]).pack_into
+        self._header: tuple[Any, int] | None = None  # (grid, stream handle) in the buffer
+        self._pack_values = struct.Struct("<" + "".join(cells[i] for i in self._varying)).pack_into
+        size = _HEADER_BYTES + 8 * (len(order) + packing.num_hidden)
+        self._buffer = (ctypes.c_uint64 * (size // 8))()
+        base = ctypes.addressof(self._buffer)
+        offset = {index: _HEADER_BYTES + 8 * slot for slot, index in enumerate(order)}
+        for index in order:
+            struct.pack_into("<" + cells[index], self._buffer, offset[index], _value(args[index]))
+        hidden = [base + _HEADER_BYTES + 8 * (len(order) + k) for k in range(packing.num_hidden)]
+        addresses = [base + offset[i] for i, ty in enumerate(types) if ty is not None] + hidden
+        self.params = (ctypes.c_void_p * len(addresses))(*addresses)
+        self._types, self._offset = types, offset
+        self.device = device
+        self._block, self._shared = packing.block, packing.shared
+        self._call = (ctypes.c_void_p(base), ctypes.c_void_p(packing.function), self.params, None)
+        self._driver = libcuda
+        self._knobs = knobs
+        self._context = libcuda.current_context()
+        self._thread = threading.get_ident()
+        self._get_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+        self._get_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def run(self, grid: tuple[int, int, int], stream: Any, values: Sequence[Any], args: Sequence[Any]) -> None:  # fmt: skip
+        """:meth:`set` and :meth:`launch` in one write: ``values`` (the varying arguments' packed
+        values, from the rule's reader), then a launch over ``grid`` on ``stream`` (a torch
+        stream; None: the bound device's current one).
+
+        Raises:
+            OverflowError: a value does not fit its cell (another specialization).
+            RuntimeError: the driver refused the launch (its error name in the message).
+        """
+        self._changed = args
+        if self._blocked():
+            self._triton(grid, stream)
+            return
+        handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
+        try:
+            self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)
+        except struct.error as exc:
+            self._header = None
+            raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
+        self._header = (grid, handle)
+        self._fire()
+
+    def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
+        """Write ``values`` (the varying arguments' packed values) for the next launches; ``args``
+        are the same arguments as Python objects (for Triton's launch, the fallback).
+
+        Raises:
+            OverflowError: a value does not fit its cell (another specialization).
+        """
+        self._changed = args
+        try:
+            self._pack_values(self._buffer, _HEADER_BYTES, *values)
+        except struct.error as exc:
+            raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
+
+    def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
+        """Launch with the values last written (:meth:`set` or :meth:`run`); raises as
+        :meth:`run`."""
+        if self._blocked():
+            self._triton(grid, stream)
+            return
+        handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
+        header = (grid, handle)
+        if header != self._header:  # a loop relaunches with the same grid and stream
+            self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
+            self._header = header
+        result = self._driver.launch(*self._call)
+        if result:
+            raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
+
+    def value(self, index: int) -> Any:
+        """The packed value of argument ``index`` (an int or float; None for a constexpr)."""
+        ty = self._types[index]
+        if ty is None:
+            return None
+        fmt = "<Q" if ty[0] == "*" else "<" + CELL[ty][0]
+        return struct.unpack_from(fmt, self._buffer, self._offset[index])[0]
+
+    def _blocked(self) -> bool:
+        """Whether this call must take Triton's own launch: a Triton launch hook is set (a
+        callable, or a non-empty ``HookChain``), the bound device is not current, or this thread's
+        current CUDA context is not the kernel's (a new thread in that context is adopted)."""
+        knobs = self._knobs
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        if (enter is not None and getattr(enter, "calls", enter)) or (
+            leave is not None and getattr(leave, "calls", leave)
+        ):
+            return True
+        if self._get_device() != self.device:
+            return True
+        if threading.get_ident() != self._thread:
+            if self._driver.current_context() != self._context:
+                return True
+            self._thread = threading.get_ident()
+        return False
+
+    def _fire(self) -> None:
+        result = self._driver.launch(*self._call)
+        if result:
+            raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
+
+
+def _value(arg: Any) -> Any:
+    """An argument as its cell holds it: a tensor's address, 0 for None, else the number."""
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    if arg is None:
+        return 0
+    if isinstance(arg, bool):
+        return int(arg)
+    if isinstance(arg, int | float):
+        return arg
+    raise TypeError(f"launch argument: expected a tensor, number or None, got {type(arg).__name__}")

@@ -1,0 +1,169 @@
+"""The grouped MLA insert of one plan, its checks and launch bound per step signature (private).
+
+Offers (to :mod:`kvmgr.kernels.mla.memo`, ``api`` and ``hook``):
+    GroupedInsert   one plan's grouped launches: checks once per step signature, then writes the
+                    step's pointers, ``T`` and layer strides into a bound launch and launches it
+
+**Step signature.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
+constexprs depend on, except the values that are runtime arguments of the kernel: ranks, ``L``,
+``R``, ``P``, token and column strides, devices, ``slot_mapping``'s leading dims, the scales'
+shape, stride and device (read once per scales tensor object), whether ``IO_ALIGNED`` holds, the
+tile (a function of ``T * L``) and the classes the specialization rule gives the runtime
+arguments (:func:`kvmgr.kernels.launch.rule.reader`: their dtypes, the ints' widths). ``T``
+itself, the layer strides and the pointers are not part of it: the grouped kernel takes them as
+``do_not_specialize`` runtime arguments. A step whose signature was checked before skips the
+checks, save the one they do not cover: that ``kv_c``, ``k_pe`` and ``slot_mapping`` agree on
+``T``. A new signature is checked in full (raising as
+:func:`~kvmgr.kernels.mla.api.grouped_mla_insert` does) and bound (compiled if needed).
+
+A call with the very same tensor objects as the last one (same ``data_ptr()``s and ``T``) skips
+even the signature: persistent step buffers cost one launch (in-place metadata changes such as
+``set_`` between such calls are not seen). Under ``TRITON_INTERPRET=1``, or where packing is
+unavailable, the same flow ends in Triton's launch (a ``TritonLaunch``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvmgr.kernels.launch import Launches
+from kvmgr.kernels.launch.rule import Unsupported
+from kvmgr.kernels.mla import plan as plans
+from kvmgr.kernels.mla.checks import check_step, unchecked_step
+from kvmgr.kernels.mla.kernel import grouped_insert_kernel
+from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
+
+__all__ = ["GroupedInsert"]
+
+_MAX_SIGNATURES = 64  # bound launches kept per plan (a loop sees a handful: tiles x layouts)
+# the runtime arguments (kv_c, k_pe, slot_mapping, kv_scales, T and the three layer strides);
+# position 2, the pointer table, is the plan's
+_VARYING = (0, 1, 3, 4, 5, 6, 7, 8)
+
+
+class GroupedInsert:
+    """The grouped launches of one plan (uniform caches), bound once per step signature.
+
+    Args:
+        plan: the caches' plan (pointer table, geometry); held for the insert's life.
+        direct: False takes Triton's own launch every call.
+
+    Attributes:
+        plan: as given.
+        num_bound: step signatures bound so far (at most 64 kept).
+    """
+
+    def __init__(self, plan: Plan, *, direct: bool = True) -> None:
+        self.plan = plan
+        self._launches = Launches(grouped_insert_kernel, _VARYING, "ttt?iiii", direct=direct,
+                                  max_bound=_MAX_SIGNATURES)  # fmt: skip
+        self._read = self._launches.read
+        # the last call's tensors, (pointers, T), grid and launch: the same objects again skip
+        # everything but the launch
+        self._last: tuple[Any, ...] | None = None
+        self._scales: torch.Tensor | None = None  # the last scales tensor and its key part
+        self._scales_key: Any = None
+
+    @property
+    def num_bound(self) -> int:
+        return self._launches.num_bound
+
+    def bound(self) -> list[Any]:
+        """The bound launches held (``PackedLaunch`` on a GPU, ``TritonLaunch`` otherwise)."""
+        return self._launches.bound()
+
+    def __call__(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None,
+        validate: bool = True,
+        stream: Any = None,
+        *,
+        block_tokens: int | None = None,
+        num_warps: int | None = None,
+    ) -> int:
+        """Enqueue one insert on ``stream`` (None: the current one); returns ``T``. Inputs as
+        :func:`~kvmgr.kernels.mla.api.grouped_mla_insert`.
+
+        ``validate=False`` checks nothing, even for a new signature (the hook's opt-out).
+
+        Raises:
+            GeometryError, ConfigError: as :func:`~kvmgr.kernels.mla.api.grouped_mla_insert`.
+        """
+        last = self._last  # the same tensor objects as the last call: only launch
+        if (
+            last is not None and kv_c is last[0] and k_pe is last[1] and slot_mapping is last[2]
+            and kv_scales is last[3] and block_tokens is None and num_warps is None
+            and last[4] == (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), kv_c.shape[1])
+        ):  # fmt: skip
+            last[6].launch(last[5], stream)
+            return last[4][3]
+        try:
+            ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
+            kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
+            num_layers, num_tokens, slot_rank = ks[0], ks[1], len(ss)
+            args = (kv_c, k_pe, slot_mapping, kv_scales, num_tokens, kt[0], pt[0],
+                    st[0] if slot_rank == 2 else 0)  # fmt: skip
+            classes, values = self._read(*args)
+            # IO_ALIGNED: both bases and both layer strides (in bytes) are multiples of 16
+            aligned = (values[0] | values[1]) & 15 == 0 and ((kt[0] | pt[0]) * kv_c.itemsize) & 15 == 0  # fmt: skip
+            rows = num_tokens * num_layers  # the tile rule of plan.launch_config, inlined
+            tile = block_tokens or (1 if rows < 16384 else 2 if rows < 32768 else 4)
+            key: tuple[Any, ...] | None = (
+                classes, len(ks), num_layers, ks[2], kt[1], kt[2], kv_c.get_device(), len(ps),
+                ps[0], ps[2], pt[1], pt[2], k_pe.get_device(), slot_rank,
+                ss[0] if slot_rank == 2 else -1, st[-1], slot_mapping.get_device(), aligned,
+                tile, num_warps,
+                None if kv_scales is None else self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales),
+            )  # fmt: skip
+            bound = self._launches.get(key) if ps[1] == num_tokens == ss[-1] else None
+        except (AttributeError, IndexError, TypeError, Unsupported):  # not tensors of rank 3
+            key, bound = None, None
+        if bound is None:  # a new signature, or T disagrees: the full checks (they raise)
+            bound, args, values, tile = self._bind(key, kv_c, k_pe, slot_mapping, kv_scales,
+                                                   validate, block_tokens, num_warps)  # fmt: skip
+            num_layers, num_tokens = args[0].shape[0], args[4]
+        if num_tokens == 0:
+            return 0
+        grid = (-(-num_tokens // tile), num_layers, 1)
+        bound.run(grid, stream, values, args)
+        if block_tokens is None and num_warps is None:
+            self._last = (kv_c, k_pe, slot_mapping, kv_scales,
+                          (values[0], values[1], values[2], num_tokens), grid, bound)  # fmt: skip
+        return num_tokens
+
+    def _scales_part(self, kv_scales: torch.Tensor) -> Any:
+        """The scales' part of the signature, read once per scales tensor object."""
+        self._scales = kv_scales
+        self._scales_key = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
+        return self._scales_key
+
+    def _bind(
+        self, key: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, validate: bool,
+        block_tokens: int | None, num_warps: int | None,
+    ) -> tuple[Any, tuple[Any, ...], tuple[Any, ...], int]:  # fmt: skip
+        """Check a new signature in full and bind its launch (compiles if needed);
+        ``(bound, varying arguments, their values, tile)``."""
+        plan = self.plan
+        if validate:
+            step = check_step(kv_c, k_pe, slot_mapping, kv_scales, plan.kv_cache_dtype,
+                              plan.meta, allow_cpu=plans.IS_INTERPRETED)  # fmt: skip
+        else:
+            step = unchecked_step(kv_c, k_pe, slot_mapping, kv_scales, plan.kv_cache_dtype)
+        tile, warps = launch_config(step.num_tokens * step.num_layers, block_tokens, num_warps)
+        args = (kv_c, k_pe, slot_mapping, kv_scales, step.num_tokens, step.kv_strides[0],
+                step.pe_strides[0], step.slot_strides[0])  # fmt: skip
+        _, values = self._read(*args)
+        is_aligned = (values[0] | values[1]) & 15 == 0 and (
+            (step.kv_strides[0] | step.pe_strides[0]) * kv_c.itemsize
+        ) & 15 == 0
+        constexprs = grouped_constexprs(plan, step, kv_c.dtype, tile, is_aligned)
+        grid = (max(1, -(-step.num_tokens // tile)), step.num_layers, 1)
+        full = (*args[:2], plan.table, *args[2:4], max(step.num_tokens, 1), *args[5:], *constexprs)
+        bound = self._launches.bind(key if key is not None else object(), grid, full, warps)
+        return bound, args, values, tile

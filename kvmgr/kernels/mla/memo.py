@@ -1,0 +1,120 @@
+"""The public grouped insert's cache sets: the one owner of their plans and bound launches.
+
+Offers (to :mod:`kvmgr.kernels.mla.api`):
+    InsertMemo      cache set -> :class:`~kvmgr.kernels.mla.insert.GroupedInsert` (its plan,
+                    pointer table and bound launches), for ``grouped_mla_insert``
+
+``grouped_mla_insert`` is a function: what it learns about a set of caches (the checks, the
+device pointer table, the bound launches per step signature) has to outlive the call, so one
+:class:`InsertMemo` holds it, for the process. A hook holds its own
+:class:`~kvmgr.kernels.mla.insert.GroupedInsert` instead and never touches the memo.
+
+**Key.** :func:`~kvmgr.kernels.mla.plan.cache_key`: one pass of attribute reads over the caches
+(shape, strides, dtype, device, ``data_ptr()`` of each), so a cache that was resized, re-strided,
+re-typed or given new storage in place maps to another entry, and two lists holding the same
+storage map to one. The memo keeps the 32 most recently used sets. A list seen before (by
+``id``, a hint only) whose caches are the very tensors of that call, with the same
+``data_ptr()``, shape, strides and dtype each, skips building and hashing the key (a loop passes
+the same list every step; the memo holds weak references, never a cache).
+
+**CUDA graphs.** A captured launch reads its plan's pointer table at every replay, so an entry
+looked up while the stream is capturing is also held for the life of the process (one
+``int64 [L]`` device tensor per cache set ever captured): the graph stays valid after any number
+of newer cache sets. That costs one capture query per call on CUDA. A first call for a cache set
+under capture raises ``ConfigError`` (:func:`~kvmgr.kernels.mla.plan.make_plan`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvmgr.kernels.mla.insert import GroupedInsert
+from kvmgr.kernels.mla.plan import CacheKey, cache_key, checked_key, make_plan
+
+__all__ = ["InsertMemo"]
+
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)  # fmt: skip
+
+
+class InsertMemo:
+    """Grouped inserts by cache set, most recently used last.
+
+    Args:
+        max_sets: cache sets kept (those used under graph capture are kept regardless).
+    """
+
+    def __init__(self, max_sets: int = 32) -> None:
+        self._max_sets = max_sets
+        self._recent: OrderedDict[tuple[CacheKey, bool], GroupedInsert] = OrderedDict()
+        self._held: dict[tuple[CacheKey, bool], GroupedInsert] = {}  # used under capture
+        # id(list) -> (kv_cache_dtype, direct, weak refs, ptrs, shape, strides, dtype, key, insert)
+        self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+
+    @property
+    def num_sets(self) -> int:
+        """Cache sets held (recent ones and those held for graphs)."""
+        return len(self._recent.keys() | self._held.keys())
+
+    def insert_for(self, caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool) -> GroupedInsert:  # fmt: skip
+        """The grouped insert of ``caches`` (checked, planned and kept on first sight).
+
+        Raises:
+            GeometryError: the caches are unfit for the grouped kernel (as ``checked_key``).
+            ConfigError: the first call for these caches happens under CUDA-graph capture.
+        """
+        seen = self._lists.get(id(caches))
+        if seen is not None and seen[0] == kv_cache_dtype and seen[1] == direct and _unchanged(seen, caches):  # fmt: skip
+            key, insert = seen[-2], seen[-1]
+        else:
+            key, insert = self._lookup(caches, kv_cache_dtype, bool(direct))
+        if key[0][1] >= 0 and _is_capturing():
+            self._held[key] = insert  # a graph may replay it after it leaves the recent sets
+        return insert
+
+    def _lookup(self, caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool) -> tuple[tuple[CacheKey, bool], GroupedInsert]:  # fmt: skip
+        """The insert by key (made if new), remembered for this list too."""
+        found = cache_key(caches, kv_cache_dtype)
+        key = (checked_key(caches, kv_cache_dtype) if found is None else found, direct)
+        recent = self._recent
+        insert = recent.get(key)
+        if insert is not None:
+            recent.move_to_end(key)
+        else:
+            insert = self._held.get(key) or GroupedInsert(make_plan(key[0]), direct=direct)
+            recent[key] = insert
+            if len(recent) > self._max_sets:
+                recent.popitem(last=False)
+        _, _, shape, strides, dtype, ptrs = key[0]
+        refs = tuple(map(weakref.ref, caches))
+        self._lists[id(caches)] = (kv_cache_dtype, direct, refs, ptrs, shape, strides, dtype, key, insert)  # fmt: skip
+        self._lists.move_to_end(id(caches))
+        if len(self._lists) > self._max_sets:
+            self._lists.popitem(last=False)
+        return key, insert
+
+    def clear(self) -> None:
+        """Forget every cache set, those held for graphs too (tests; graphs must be gone)."""
+        self._recent.clear()
+        self._held.clear()
+        self._lists.clear()
+
+
+def _unchanged(seen: tuple[Any, ...], caches: Sequence[torch.Tensor]) -> bool:
+    """Whether ``caches`` are the very tensors remembered in ``seen``, each with the same pointer,
+    shape, strides and dtype (what an in-place ``set_``, ``resize_``, ``as_strided_`` or
+    ``.data =`` changes)."""
+    _, _, refs, ptrs, shape, strides, dtype, _, _ = seen
+    if len(refs) != len(caches):
+        return False
+    for ref, ptr, cache in zip(refs, ptrs, caches):
+        if (
+            ref() is not cache or cache.data_ptr() != ptr or cache.shape != shape
+            or cache.stride() != strides or cache.dtype is not dtype
+        ):  # fmt: skip
+            return False
+    return True
