@@ -667,6 +667,8 @@ class OffloadManager:
             hook_reports = tuple(hook(ctx) for hook in hooks)
             self._flusher.check_hook_reports(hooks, hook_reports)
         self._step = step
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry,
+            self._room.wake()  # and those that find room are submitted by this very step
         if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
                 d2h, h2d = self._flush()
@@ -674,8 +676,6 @@ class OffloadManager:
             d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
-        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
-            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
