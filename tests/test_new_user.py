@@ -7,19 +7,33 @@
    stores of one direction run in order), and still flags a load fenced on neither.
 3. With ``backpressure="wait"``, the step that lets a waiting store find room (the next piece
    of a tier pinned in the background) also submits it.
+4. Arguments of the wrong type (config fields, step contexts, engines, namespaces, tiers,
+   nested tensors) raise kvmgr's typed errors, before anything is built.
+5. ``PoolExhaustedError`` says what to do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
 from collections.abc import AsyncIterator
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
-from kvmgr import InvalidKeyError, ManagerConfig, OffloadManager
+from kvmgr import (
+    ConfigError,
+    GeometryError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    ManagerConfig,
+    OffloadManager,
+    PoolExhaustedError,
+)
+from kvmgr.hooks import StepContext
 from kvmgr.testing import FaultyEngine, check_invariants
 from kvmgr.testing.invariants import InvariantError
 from kvmgr.transfer import HostEngine
@@ -205,7 +219,6 @@ async def test_check_invariants_still_flags_an_unfenced_load(
 async def test_the_step_that_sees_the_next_pinned_piece_submits_the_waiting_store() -> None:
     import threading
 
-    import numpy as np
     from test_pinning import FakeRegistrar, PiecewiseHostEngine, _keys, _options
     from test_pinning import _kv as pinning_kv
 
@@ -227,3 +240,85 @@ async def test_the_step_that_sees_the_next_pinned_piece_submits_the_waiting_stor
         result = await asyncio.wait_for(waiting, 30)
         assert result.stored.all()
         check_invariants(mgr)
+
+
+# ====================================================================== 4. typed errors
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"manage_gpu_blocks": 1},
+        {"merge": "yes"},
+        {"tier_write_through": None},
+        {"tier_write_back": 0},
+        {"allow_pageable": "no"},
+        {"policy_options": []},
+        {"policy_options": {1: 2}},
+        {"store_wait_s": float("inf")},
+        {"store_wait_s": float("nan")},
+    ],
+)
+def test_a_config_field_of_the_wrong_type_is_a_config_error(field: dict[str, object]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ManagerConfig(num_cpu_blocks=2, **field)  # type: ignore[arg-type]
+    assert isinstance(caught.value, ValueError) and next(iter(field)) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "ctx", [{"step": "x"}, {"step": -1}, {"step": True}, {"is_capturing": 1}, {"tensors": []}]
+)
+def test_a_bad_step_context_is_an_invalid_argument(ctx: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        StepContext(**ctx)  # type: ignore[arg-type]
+    StepContext(step=np.int64(3))  # numpy ints are ints
+
+
+@pytest.mark.parametrize("what", ["engine", "tier_namespace", "tiers", "nested"])
+def test_bad_manager_arguments_are_typed_and_allocate_nothing(
+    what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[object] = []
+    real = HostEngine.__init__
+    monkeypatch.setattr(
+        HostEngine, "__init__", lambda self, *a, **k: built.append(self) or real(self, *a, **k)
+    )
+    cfg = ManagerConfig(num_cpu_blocks=2, engine="host")
+    kv: list[torch.Tensor] = _kv()
+    kwargs: dict[str, object] = {}
+    if what == "engine":
+        kwargs["engine"] = object()
+    elif what == "tier_namespace":
+        kwargs["tier_namespace"] = object()
+    elif what == "tiers":
+        kwargs["tiers"] = [object()]
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kv = [torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(3, 3)])]
+    error = GeometryError if what == "nested" else ConfigError
+    with pytest.raises(error):
+        OffloadManager(kv, cfg, **kwargs)  # type: ignore[arg-type]
+    assert built == []  # refused before any engine (and CPU tier) was built
+
+
+# ====================================================================== 5. messages
+
+
+@pytest.mark.asyncio
+async def test_pool_exhausted_says_what_to_do() -> None:
+    async with _manager(num_cpu_blocks=1) as (mgr, engine):
+        gpu = mgr.allocate("r", 8)
+        with pytest.raises(PoolExhaustedError) as caught:
+            mgr.allocate("s", 1)
+        assert "free()" in str(caught.value) and "preempt()" in str(caught.value)
+        engine.hold()
+        store = mgr.swap_out(gpu[:1], K[:1])
+        await mgr.step()
+        with pytest.raises(PoolExhaustedError) as caught:
+            mgr.swap_out(gpu[1:2], K[1:2])
+        message = str(caught.value)
+        for hint in ("free()", "invalidate()", 'backpressure="wait"', "num_cpu_blocks"):
+            assert hint in message
+        engine.release()
+        await store

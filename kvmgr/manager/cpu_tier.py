@@ -144,7 +144,12 @@ class CpuTier:
                 raise PoolExhaustedError(
                     f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
                     "evictable (READY without loads in flight)"
-                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning),
+                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning)
+                    + "; nothing changed. Room appears when stores and loads in flight complete"
+                    " (step(), then await them), when requests are freed or resumed (free(),"
+                    " resume()) and keys invalidated (invalidate(), clear()); or store fewer"
+                    ' blocks per call, raise num_cpu_blocks, or set backpressure="wait" to let'
+                    " the store wait up to store_wait_s seconds for room",
                     needed=n,
                     available=self.pool.num_free,
                     reason="cpu_pinning" if pinning else "cpu_full",
