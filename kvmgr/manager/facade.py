@@ -88,7 +88,8 @@ class OffloadManager:
 
     Raises:
         GeometryError: the tensors cannot be managed, or do not suit the engine's device.
-        ConfigError: invalid settings.
+        ConfigError: invalid settings, or ``engine``, ``hooks``, ``tiers`` or ``tier_namespace``
+            of the wrong type (raised before any memory is allocated).
         HostMemoryError: the CPU tier's memory could not be allocated.
 
     Use it as ``async with OffloadManager(...) as mgr:``, or call ``await mgr.aclose()``.
@@ -111,6 +112,22 @@ class OffloadManager:
         for hook in hooks:
             if not isinstance(hook, StepHook):
                 raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
+        if tiers:
+            from kvmgr.tiers.base import TierBackend
+
+            for tier in tiers:
+                if not isinstance(tier, TierBackend):
+                    raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
+        if engine is not None and not isinstance(engine, TransferEngine):
+            raise ConfigError(f"engine: expected a TransferEngine, got {type(engine).__name__}")
+        if tier_namespace is not None:
+            from kvmgr.tiers.blob import TierNamespace
+
+            if not isinstance(tier_namespace, TierNamespace):
+                raise ConfigError(
+                    f"tier_namespace: expected a kvmgr.tiers.TierNamespace or None, got "
+                    f"{type(tier_namespace).__name__}"
+                )
         if engine is None:
             engine = make_engine(config.engine, gpu_layout.device, config)
         elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
@@ -152,11 +169,7 @@ class OffloadManager:
         if not tiers:
             return None
         from kvmgr.manager.tiering import LowerTiers, default_namespace
-        from kvmgr.tiers.base import TierBackend
 
-        for tier in tiers:
-            if not isinstance(tier, TierBackend):
-                raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
         if namespace is None:
             dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
             block_size = int(tensors[0].shape[1]) if tensors[0].dim() > 1 else 1
@@ -667,6 +680,8 @@ class OffloadManager:
             hook_reports = tuple(hook(ctx) for hook in hooks)
             self._flusher.check_hook_reports(hooks, hook_reports)
         self._step = step
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry,
+            self._room.wake()  # and those that find room are submitted by this very step
         if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
                 d2h, h2d = self._flush()
@@ -674,8 +689,6 @@ class OffloadManager:
             d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
-        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
-            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,

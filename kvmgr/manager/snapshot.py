@@ -112,6 +112,8 @@ class ManagerSnapshot:
         tables: request -> its block table.
         swaps: queued and in-flight swaps, queued first, in order.
         batches: batches in flight, in submission order.
+        key_parents: key -> the key it extends (``None``: a root), as the manager records it
+            for every indexed key (the parents a store named).
     """
 
     keys: Mapping[bytes, KeySnapshot]
@@ -125,6 +127,7 @@ class ManagerSnapshot:
     tables: Mapping[Hashable, TableSnapshot]
     swaps: tuple[SwapSnapshot, ...]
     batches: tuple[BatchSnapshot, ...]
+    key_parents: Mapping[bytes, bytes | None] = attrs.field(factory=dict)
 
 
 _KIND_NAMES = {
@@ -223,4 +226,5 @@ def take_snapshot(
         },
         swaps=tuple(swaps),
         batches=tuple(batches),
+        key_parents=dict(cpu.chains.parent),
     )
