@@ -52,9 +52,8 @@ from kvmgr.errors import (
 )
 from kvmgr.manager import CpuState, GpuState
 from kvmgr.reports import KVEvent, LoadResult, StoreResult
-from kvmgr.testing import NullEngine, check_invariants
+from kvmgr.testing import NullEngine, ScriptedEngine, check_invariants
 from kvmgr.transfer import HostEngine
-from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.plan import TransferPlan
 
 NUM_GPU = 16
@@ -833,17 +832,19 @@ async def test_transfer_timeout_error_is_not_the_builtin_timeout_error() -> None
         assert (await st).num_blocks == 1
 
 
-class _BuggyEngine(HostEngine):
+def _buggy_engine() -> ScriptedEngine:
     """A host engine whose submit has a bug (not a kvmgr error)."""
 
-    def submit(self, plan: TransferPlan, *, wait_for: Any = ()) -> BatchHandle:
+    def bug(_batch_id: int, _plan: TransferPlan) -> None:
         raise ZeroDivisionError("engine bug")
+
+    return ScriptedEngine(HostEngine(), on_submit=bug)
 
 
 @pytest.mark.asyncio
 async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
     kv = _kv(seed=24)
-    async with OffloadManager(kv, _cfg(), engine=_BuggyEngine()) as mgr:
+    async with OffloadManager(kv, _cfg(), engine=_buggy_engine()) as mgr:
         _hold(mgr)
         st = mgr.swap_out([0], [K[0]])
         with pytest.raises(ZeroDivisionError):

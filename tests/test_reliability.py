@@ -15,7 +15,6 @@ a swap is known settled when it left ``snapshot().swaps``. Profiles: ``KVMGR_STA
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hashlib
 import importlib
@@ -47,8 +46,8 @@ from kvmgr import (
 )
 from kvmgr.manager import CpuState, SwapSnapshot
 from kvmgr.metrics import PrometheusExporter, metrics_snapshot
-from kvmgr.testing import FaultyEngine, VirtualClock, check_invariants
-from kvmgr.transfer import BatchHandle, HostEngine, make_engine
+from kvmgr.testing import FaultyEngine, ScriptedEngine, VirtualClock, check_invariants
+from kvmgr.transfer import HostEngine, make_engine
 
 NUM_GPU, NUM_CPU = 20, 10
 KEYS = [f"key-{i:02d}".encode() for i in range(14)]
@@ -741,28 +740,14 @@ async def test_close_waits_for_copies_then_fails_the_rest_and_leaves_nothing() -
         await mgr.step()
 
 
-class _StuckEngine(HostEngine):
+def _stuck_engine() -> ScriptedEngine:
     """Batches never complete and ``close`` times out: a CUDA engine with a hung stream."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stuck: list[concurrent.futures.Future[Any]] = []
-
-    def submit(self, plan: Any, *, wait_for: Any = ()) -> BatchHandle:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        self.stuck.append(future)
-        return BatchHandle(len(self.stuck) - 1, plan.direction, future)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        super().close(timeout_s)
-        if any(not f.done() for f in self.stuck):
-            raise TransferTimeoutError(f"batches still in flight after {timeout_s} s")
+    return ScriptedEngine(HostEngine(), hold=True, close_hangs=True)
 
 
 @pytest.mark.asyncio
 async def test_close_fails_every_await_even_when_the_engine_close_times_out() -> None:
-    mgr = OffloadManager(make_kv(14), ManagerConfig(num_cpu_blocks=4), engine=_StuckEngine())
+    mgr = OffloadManager(make_kv(14), ManagerConfig(num_cpu_blocks=4), engine=_stuck_engine())
     await mgr.__aenter__()
     store = mgr.swap_out(mgr.allocate("r", 2), KEYS[:2])
     await mgr.step()

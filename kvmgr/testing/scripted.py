@@ -13,9 +13,7 @@ the testing guide uses.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
-import random
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -24,14 +22,11 @@ import torch
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
 from kvmgr.testing._order import Batch, BatchOrder, closed_before_copy
+from kvmgr.testing._script import POISON_BYTE, FaultScript
 from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
 from kvmgr.transfer.plan import Direction, TransferPlan
 
 __all__ = ["POISON_BYTE", "ScriptedEngine"]
-
-#: Byte written over every destination page of a failed store (GPU -> CPU) after its copy ran,
-#: so a manager that treated the store as complete would serve this instead of the KV.
-POISON_BYTE = 0xA5
 
 #: ``on_submit(batch_id, plan)``: observe a batch (return ``None``), replace the plan its copy
 #: runs (return the new plan), or raise (``submit`` raises it: an engine with a bug).
@@ -109,43 +104,37 @@ class ScriptedEngine(TransferEngine):
     ) -> None:
         if inner is not None and not isinstance(inner, TransferEngine):
             raise ConfigError(f"expected a TransferEngine, got {type(inner).__name__}")
-        if not 0.0 <= fail_rate <= 1.0:
-            raise ConfigError(f"fail_rate: expected a probability in [0, 1], got {fail_rate!r}")
         if not delay_s >= 0.0:
             raise ConfigError(f"delay_s: expected seconds >= 0, got {delay_s!r}")
         self.inner = inner
         self.name = name or ("null" if inner is None else f"faulty({inner.name})")
         if inner is not None:
             self.max_descriptors = inner.max_descriptors
-        self._fail_batches = frozenset(fail_batches)
-        self._hang_batches = frozenset(hang_batches)
-        self._refuse_batches = frozenset(refuse_batches)
-        self._fail_when = fail_when
-        self._fail_rate = fail_rate
-        self._fail_directions = frozenset(fail_directions)
-        self._poison = poison
+        self._script = FaultScript(
+            fail_batches=fail_batches,
+            hang_batches=hang_batches,
+            refuse_batches=refuse_batches,
+            fail_when=fail_when,
+            fail_rate=fail_rate,
+            fail_directions=fail_directions,
+            seed=seed,
+            poison=poison,
+        )
+        self.injected = self._script.injected  #: batch id -> "fail", "hang" or "refuse"
         self._on_submit = on_submit
         self._close_hangs = close_hangs
-        self._rng = random.Random(seed)
         self._order = BatchOrder(self._start, delay_s)
         self._holding = hold
         self._closed = False
         self._next_batch_id = 0
         self._totals = {"completed": 0, "failed": 0, Direction.D2H: 0, Direction.H2D: 0}
-        self.injected: dict[int, str] = {}  #: batch id -> "fail", "hang" or "refuse"
         #: with ``record``: ``(plan, wait_for, handle)`` per submitted batch, in order
         self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
         self._record = record
         # nothing scripted and no copy: a batch resolves inside submit, without the ordering
         # machinery (the host-path benchmarks time the manager, not this engine)
-        self._plain = (
-            inner is None
-            and not (
-                fail_batches or fail_when or fail_rate or delay_s or hang_batches or refuse_batches
-            )
-            and on_submit is None
-            and not record
-        )
+        self._plain = inner is None and self._script.is_empty and not delay_s
+        self._plain &= on_submit is None and not record
 
     # ------------------------------------------------------------------ engine protocol
 
@@ -179,7 +168,7 @@ class ScriptedEngine(TransferEngine):
             if self._on_submit is not None:
                 copy_plan = self._on_submit(batch_id, plan) or plan
             self._next_batch_id += 1
-            fate = self._fate(batch_id, plan)
+            fate = self._script.fate(batch_id, plan)
             future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
             future.set_running_or_notify_cancel()  # like an executor's: cannot be cancelled
             handle = BatchHandle(batch_id, plan.direction, future)
@@ -244,10 +233,8 @@ class ScriptedEngine(TransferEngine):
                 path=self.name,
             )
         inner = self.inner.statistics()
-        failed = sum(1 for fate in self.injected.values() if fate == "fail")
-        return attrs.evolve(
-            inner, batches_failed=inner.batches_failed + failed, in_flight=in_flight
-        )
+        failed = inner.batches_failed + self._script.num_failed
+        return attrs.evolve(inner, batches_failed=failed, in_flight=in_flight)
 
     def stream_wait(self, handle: BatchHandle, stream: Any = None) -> None:
         """Forward to the inner engine once the batch's copy started.
@@ -287,9 +274,22 @@ class ScriptedEngine(TransferEngine):
                 batch.gated = False
                 if fail:
                     batch.fate = "fail"
-                    self.injected[batch.handle.batch_id] = "fail"
+                    self._script.fail(batch.handle.batch_id)
             self._order.start_ready()
         return [batch.handle for batch in chosen]
+
+    def fail_later(self, batch_id: int) -> None:
+        """Make a batch whose copy has not started fail once it has run.
+
+        Raises:
+            ValueError: batch ``batch_id`` is resolved, started, or was never submitted.
+        """
+        with self._order.lock:
+            batch = self._order.by_id.get(batch_id)
+            if batch is None or batch.started:
+                raise ValueError(f"batch {batch_id} is not waiting")
+            batch.fate = "fail"
+            self._script.fail(batch_id)
 
     def release(self) -> list[BatchHandle]:
         """Stop holding and start every gated batch, hung ones included. Returns their handles."""
@@ -322,7 +322,7 @@ class ScriptedEngine(TransferEngine):
     @property
     def poisons(self) -> bool:
         """Whether failed stores' destination pages are overwritten with ``POISON_BYTE``."""
-        return self._poison
+        return self._script.poison
 
     @property
     def num_submitted(self) -> int:
@@ -330,22 +330,6 @@ class ScriptedEngine(TransferEngine):
         return self._next_batch_id
 
     # ------------------------------------------------------------------ internals
-
-    def _fate(self, batch_id: int, plan: TransferPlan) -> str:
-        """``"ok"``, ``"fail"`` or ``"hang"`` (recorded in ``injected``); raises for a refusal."""
-        failed_draw = self._rng.random() < self._fail_rate  # drawn for every batch
-        failed_draw &= plan.direction in self._fail_directions
-        if batch_id in self._refuse_batches:
-            self.injected[batch_id] = "refuse"
-            raise TransferError(f"injected fault: batch {batch_id} refused at submit")
-        fate = "hang" if batch_id in self._hang_batches else "ok"
-        if fate == "ok" and (batch_id in self._fail_batches or failed_draw):
-            fate = "fail"
-        if fate == "ok" and self._fail_when is not None and self._fail_when(batch_id, plan):
-            fate = "fail"
-        if fate != "ok":
-            self.injected[batch_id] = fate
-        return fate
 
     def _complete_now(self, plan: TransferPlan) -> BatchHandle:
         """An unscripted batch of the no-copy engine with nothing before it: done at once."""
@@ -374,10 +358,8 @@ class ScriptedEngine(TransferEngine):
     def _finish(self, batch: Batch, future: concurrent.futures.Future[BatchResult] | None) -> None:
         """The copy ended (any thread): poison a failed store, count, then resolve or delay."""
         exc = None if future is None else future.exception()
-        store = batch.plan.direction is Direction.D2H  # its destination is host memory
-        if exc is None and batch.fate == "fail" and self._poison and store and future:
-            for addr, size in zip(batch.plan.dst_addrs.tolist(), batch.plan.sizes.tolist()):
-                ctypes.memset(addr, POISON_BYTE, size)
+        if exc is None and batch.fate == "fail" and future is not None:
+            self._script.poison_store(batch.plan)
         outcome: BatchResult | BaseException
         if exc is not None:
             outcome = exc
