@@ -47,7 +47,7 @@ from kvmgr import (
 from kvmgr.manager import CpuState, SwapSnapshot
 from kvmgr.metrics import PrometheusExporter, metrics_snapshot
 from kvmgr.testing import FaultyEngine, ScriptedEngine, VirtualClock, check_invariants
-from kvmgr.transfer import HostEngine, make_engine
+from kvmgr.transfer import ENGINES, HostEngine, make_engine
 
 NUM_GPU, NUM_CPU = 20, 10
 KEYS = [f"key-{i:02d}".encode() for i in range(14)]
@@ -526,20 +526,30 @@ TestStatefulManager.settings = settings(
 )
 
 
-class CudaManagerMachine(ManagerMachine):
-    """The same model on CUDA tensors with the batched-DMA engine."""
+def _gpu_machine(engine: str) -> Any:
+    """The same model on CUDA tensors with engine ``engine`` under the FaultyEngine."""
+    machine = type(f"{engine.title()}ManagerMachine", (ManagerMachine,), {})
+    machine.DEVICE, machine.ENGINE = "cuda", engine
+    case = machine.TestCase
+    case.settings = settings(
+        max_examples=int(os.environ.get("KVMGR_STATEFUL_GPU_EXAMPLES", "25")),
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    return pytest.mark.gpu(case)
 
-    DEVICE, ENGINE = "cuda", "cuda"
 
-
-TestStatefulManagerCuda = CudaManagerMachine.TestCase
-TestStatefulManagerCuda.settings = settings(
-    max_examples=int(os.environ.get("KVMGR_STATEFUL_GPU_EXAMPLES", "25")),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+#: The state machine over every engine ``make_engine`` builds: host on CPU tensors (above),
+#: the others on CUDA tensors (GPU runs only).
+GPU_ENGINES = ("cuda", "kernel", "auto")
+TestStatefulManagerCuda, TestStatefulManagerKernel, TestStatefulManagerAuto = map(
+    _gpu_machine, GPU_ENGINES
 )
-TestStatefulManagerCuda = pytest.mark.gpu(TestStatefulManagerCuda)
+
+
+def test_the_state_machine_covers_every_engine() -> None:
+    assert {ManagerMachine.ENGINE, *GPU_ENGINES} == set(ENGINES), "a new engine: add a machine"
 
 
 @pytest.fixture(scope="module", autouse=True)
