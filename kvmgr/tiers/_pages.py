@@ -153,9 +153,6 @@ class CpuPages:
         if good:
             self.scatter(ids[good], payloads)
 
-    def _scatter(self, ids: np.ndarray, payloads: list[memoryview]) -> None:
-        self._pages.scatter(ids, payloads)
-
 
 OK, LAYOUT, CORRUPT = 1, 2, 3  # verdicts of one blob (0: not judged)
 
