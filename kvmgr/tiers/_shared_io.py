@@ -24,7 +24,8 @@ import attrs
 
 from kvmgr.errors import TierError, TierUnavailableError
 from kvmgr.tiers._nodes import NodePool, parse_redirect
-from kvmgr.tiers._resp import Connection, ReplyError, command
+from kvmgr.tiers._resp import ReplyError, command
+from kvmgr.tiers._resp_conn import Connection
 
 __all__ = ["FAILED", "JobResult", "get_job", "keys_job", "put_job"]
 
