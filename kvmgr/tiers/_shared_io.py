@@ -6,6 +6,7 @@ Offers:
     get_job     ``GET`` per key, each value received into its buffers (or into a fresh buffer)
     put_job     ``EXISTS`` per key, then ``SET key blob NX [PX ttl]`` for the absent ones
     keys_job    ``EXISTS`` or ``UNLINK`` per key
+    get_part, put_part, keys_part   the same for the items of one node (``Dispatcher.run``)
 
 Every job is blocking, runs in a worker thread, sends its whole batch in one write and reads the
 replies in order (one round trip; the put's ``EXISTS`` adds one), and ends by the deadline. A
@@ -27,7 +28,16 @@ from kvmgr.tiers._nodes import NodePool, parse_redirect
 from kvmgr.tiers._resp import ReplyError, command
 from kvmgr.tiers._resp_conn import Connection
 
-__all__ = ["FAILED", "JobResult", "get_job", "keys_job", "put_job"]
+__all__ = [
+    "FAILED",
+    "JobResult",
+    "get_job",
+    "get_part",
+    "keys_job",
+    "keys_part",
+    "put_job",
+    "put_part",
+]
 
 #: the outcome of an item the job could not finish
 FAILED = object()
@@ -130,17 +140,14 @@ def put_job(
     keys: Sequence[bytes],
     deadline: float,
     asking: bool,
-    vectors: Sequence[Sequence[Any]],
-    prepare: Callable[[int], None] | None,
+    blobs: Sequence[Any],
     ttl_ms: int | None,
     skip_present: bool,
-    blob_bytes: int | None = None,
 ) -> JobResult:
-    """Store blob ``i`` (the buffers ``vectors[i]``, concatenated) under ``keys[i]`` unless the
-    server has the key (``EXISTS`` first, one round trip, when ``skip_present``; ``SET .. NX``
-    in any case, so a key another writer set, with its TTL, is never overwritten).
-    ``prepare(i)`` runs just before blob ``i`` is framed (the bridge writes its header there).
-    Outcome per item: ``"stored"``, ``"present"`` or ``FAILED``."""
+    """Store ``blobs[i]`` (one buffer, sent as it is) under ``keys[i]`` unless the server has
+    the key (``EXISTS`` first, one round trip, when ``skip_present``; ``SET .. NX`` in any case,
+    so a key another writer set, with its TTL, is never overwritten). Outcome per item:
+    ``"stored"``, ``"present"`` or ``FAILED``."""
     extra = [b"NX"] + ([b"PX", ttl_ms] if ttl_ms is not None else [])
 
     def exchange(conn: Connection, result: JobResult) -> None:
@@ -162,10 +169,8 @@ def put_job(
                 else:
                     todo.append(i)
         out = []
-        for i in todo:  # written in groups as the headers are made: hashing overlaps sending
-            if prepare is not None:
-                prepare(i)
-            blob = list(vectors[i]) if blob_bytes is None else (vectors[i], blob_bytes)
+        for i in todo:  # sent in groups of buffers
+            blob = [blobs[i]]
             out += (
                 [*_ASKING, *command(b"SET", keys[i], blob, *extra)]
                 if asking
@@ -202,3 +207,25 @@ def keys_job(
             result.outcome[i] = _settle(result, i, conn.read_reply(deadline))
 
     return _run(pool, len(keys), deadline, exchange)
+
+
+# ---- the jobs as ``Dispatcher.run`` calls them: one node's part of a batch ----------------
+
+
+def get_part(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+         vectors: Any, check: Any, blob_bytes: int | None) -> JobResult:  # fmt: skip
+    """``get_job`` of the items at ``positions`` (the ``Dispatcher``'s call for one node)."""
+    sub_vectors = None if vectors is None else [vectors[p] for p in positions]
+    sub_check = None if check is None else (lambda i: check(positions[i]))
+    return get_job(pool, keys, deadline, asking, sub_vectors, sub_check, blob_bytes)
+
+
+def put_part(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+         blobs: Any, ttl_ms: int | None, skip_present: bool) -> JobResult:  # fmt: skip
+    return put_job(pool, keys, deadline, asking, [blobs[p] for p in positions], ttl_ms,
+                   skip_present)  # fmt: skip
+
+
+def keys_part(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+          verb: bytes) -> JobResult:  # fmt: skip
+    return keys_job(pool, keys, deadline, asking, verb)
