@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvmgr.tiers.base import PutResult, TierBackend, TierStatistics
-from kvmgr.tiers.namespace import TierNamespace
 from kvmgr.tiers.bridge import BridgeStatistics, TierBridge
 from kvmgr.tiers.disk import DiskTier
+from kvmgr.tiers.namespace import TierNamespace
 
 if TYPE_CHECKING:
     from kvmgr.tiers.shared import SharedTier

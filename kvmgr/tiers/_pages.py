@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.errors import GeometryError
+from kvmgr.errors import GeometryError, InvalidBlockError, InvalidKeyError
 from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_rows, verify_parts
 
 __all__ = ["CORRUPT", "LAYOUT", "OK", "CpuPages"]
@@ -73,6 +73,33 @@ class CpuPages:
     def num_tensors(self) -> int:
         """KV tensors (pages per block)."""
         return len(self._arrays)
+
+    def check_ids(
+        self, cpu_block_ids: Sequence[int] | np.ndarray, num_keys: int, *, distinct: bool
+    ) -> np.ndarray:
+        """``cpu_block_ids`` as int64 ``[num_keys]``, every id in range (and distinct).
+
+        Raises:
+            InvalidBlockError: not a 1-D int array, an id out of range, or repeated ids where
+                ``distinct``.
+            InvalidKeyError: not one id per key.
+        """
+        ids = np.asarray(cpu_block_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise InvalidBlockError(f"cpu_block_ids: expected a 1-D int array, got {ids.dtype}")
+        ids = ids.astype(np.int64)
+        if len(ids) != num_keys:
+            raise InvalidKeyError(
+                f"expected one cpu block id per key, got {len(ids)} for {num_keys}"
+            )
+        bad = (ids < 0) | (ids >= self.num_blocks)
+        if bad.any():
+            raise InvalidBlockError(
+                f"cpu block id {int(ids[bad][0])} out of range [0, {self.num_blocks})"
+            )
+        if distinct and len(np.unique(ids)) != len(ids):
+            raise InvalidBlockError("cpu_block_ids: expected distinct ids for promote")
+        return ids
 
     def take_rows(self, num: int, row_bytes: int, *, aligned: bool) -> np.ndarray:
         """A uint8 ``[>= num, row_bytes]`` staging array (a spare one when there is one);

@@ -37,11 +37,10 @@ import torch
 
 from kvmgr.errors import (
     GeometryError,
-    InvalidBlockError,
-    InvalidKeyError,
     TierError,
     TierSecurityWarning,
 )
+from kvmgr.tiers._bridge_records import BridgeCounters, BridgeStatistics, StagedBlobs
 from kvmgr.tiers._pages import CORRUPT, LAYOUT, OK, CpuPages
 from kvmgr.tiers.base import TierBackend, check_keys, join_worker
 from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace
@@ -49,60 +48,6 @@ from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace
 __all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
 
 _log = logging.getLogger(__name__)
-
-
-@attrs.define
-class _BridgeTotals:
-    """The counter fields of one bridge, declared once (``BridgeStatistics`` documents them)."""
-
-    num_demoted: int = 0
-    num_demote_failed: int = 0
-    num_promoted: int = 0
-    num_promote_misses: int = 0
-    num_layout_mismatch: int = 0
-    num_corrupt: int = 0
-    num_errors: int = 0
-    bytes_demoted: int = 0
-    bytes_promoted: int = 0
-
-
-@attrs.frozen
-class BridgeStatistics(_BridgeTotals):
-    """Totals since construction.
-
-    Attributes:
-        num_demoted: blocks written to the backend.
-        num_demote_failed: blocks a failed ``put_many`` did not store.
-        num_promoted: blocks read, verified and scattered into CPU blocks.
-        num_promote_misses: blocks asked for and not promoted (miss, corrupt, error).
-        num_layout_mismatch: blobs of another layout (another fingerprint; never served).
-        num_corrupt: blobs rejected by verification: damaged, truncated, moved under another
-            key, or (sealed namespaces) without the tenant's valid MAC. Never served.
-        num_errors: tier errors turned into ``False`` results.
-        bytes_demoted / bytes_promoted: payload bytes moved.
-    """
-
-
-@attrs.frozen(eq=False)
-class StagedBlobs:
-    """Blobs gathered by ``TierBridge.stage``, not written yet.
-
-    Attributes:
-        stored_keys: the namespaced keys, one per blob.
-        buffer: the staging array (reused after a successful write).
-        padded: ``buffer``'s first rows, each a blob padded to the backend's row size.
-        rows: the same rows cut to ``blob_bytes``.
-    """
-
-    stored_keys: list[bytes]
-    buffer: np.ndarray
-    padded: np.ndarray
-    rows: np.ndarray
-
-
-@attrs.define
-class _BridgeCounters(_BridgeTotals):
-    """The running totals of one bridge (frozen by ``statistics()``)."""
 
 
 class TierBridge:
@@ -155,7 +100,7 @@ class TierBridge:
         self.backend = backend
         self.namespace = namespace
         self._offload_bytes = offload_bytes
-        self._counters = _BridgeCounters()
+        self._counters = BridgeCounters()
         self._failing = False  # the last call failed (log once per run of failures)
         # a backend doing direct I/O asks for aligned blobs padded to its alignment, which it
         # then writes without another copy (pwritev straight from these rows)
@@ -373,21 +318,7 @@ class TierBridge:
         distinct_keys: bool = False,
     ) -> tuple[list[bytes], np.ndarray]:
         keys = check_keys(keys, distinct=distinct_keys)
-        ids = np.asarray(cpu_block_ids)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise InvalidBlockError(f"cpu_block_ids: expected a 1-D int array, got {ids.dtype}")
-        ids = ids.astype(np.int64)
-        if len(ids) != len(keys):
-            raise InvalidKeyError(
-                f"expected one cpu block id per key, got {len(ids)} for {len(keys)}"
-            )
-        bad = (ids < 0) | (ids >= self.num_blocks)
-        if bad.any():
-            raise InvalidBlockError(
-                f"cpu block id {int(ids[bad][0])} out of range [0, {self.num_blocks})"
-            )
-        if distinct_ids and len(np.unique(ids)) != len(ids):
-            raise InvalidBlockError("cpu_block_ids: expected distinct ids for promote")
+        ids = self._pages.check_ids(cpu_block_ids, len(keys), distinct=distinct_ids)
         return keys, ids
 
     async def _maybe_thread(self, num_blocks: int, fn: Callable[[], None]) -> None:
