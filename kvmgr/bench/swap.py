@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmgr.bench import _tables as tables
 from kvmgr.bench.common import (
     GEOMETRIES,
     CasePool,
@@ -267,19 +268,10 @@ def _plan_s(mgr: Any, gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> float:
 
 
 def _print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    table = tables.table
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
-
-    def table(title: str, header: str, rows: list[list[str]]) -> Table:
-        out = Table(title=title)
-        for column in header.split(","):
-            out.add_column(column, justify="right")
-        for row in rows:
-            out.add_row(*row)
-        return out
 
     peak = [
         [r["memory"], r["direction"], fmt(r["us"] / 1e3, ".2f"), fmt(r["gbps"], ".1f")]
@@ -300,7 +292,7 @@ def _print_tables(result: dict[str, Any]) -> None:
         if "error" not in r else [r["engine"], r["ids"], f"[red]{r['error']}[/red]"] + [""] * 11
         for r in result["step"]
     ]  # fmt: skip
-    console = Console(width=170)  # not wrapped when the output is a log file
+    console = tables.console()
     console.print(table("pinned copy peak (1 GiB, one cuMemcpyAsync)", "memory,direction,ms,GB/s",
                         peak))  # fmt: skip
     console.print(table("page copies (scattered block ids; x loop = loop us / variant us)",
