@@ -29,18 +29,34 @@ def connect(endpoint: Endpoint, deadline: float) -> Connection:
         TierUnavailableError: refused, unreachable, TLS failure (the reason named), or the
             credentials were refused ("authentication failed").
     """
-    where = f"server {endpoint.address}"
     limit = min(deadline, time.monotonic() + endpoint.connect_timeout_s)
-    left = limit - time.monotonic()
-    if left <= 0:
-        raise TierTimeoutError(f"{where}: no time left to connect")
+    if limit - time.monotonic() <= 0:
+        raise TierTimeoutError(f"server {endpoint.address}: no time left to connect")
+    sock = _open_socket(endpoint, limit)
+    conn = Connection(sock, endpoint)
+    try:
+        _handshake(conn, endpoint, deadline)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _open_socket(endpoint: Endpoint, limit: float) -> socket.socket:
+    """The connected (and TLS-wrapped) socket, by ``limit`` (``time.monotonic()`` seconds).
+
+    Raises:
+        TierTimeoutError, TierUnavailableError: as ``connect``.
+    """
+    where = f"server {endpoint.address}"
     sock: socket.socket | None = None
     try:
         if endpoint.unix_path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(left)
+            sock.settimeout(max(1e-3, limit - time.monotonic()))
             sock.connect(endpoint.unix_path)
         else:
+            left = max(1e-3, limit - time.monotonic())
             sock = socket.create_connection((endpoint.host, endpoint.port), timeout=left)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if endpoint.tls is not None:
@@ -61,13 +77,7 @@ def connect(endpoint: Endpoint, deadline: float) -> Connection:
         _close(sock)
         reason = exc.strerror or type(exc).__name__
         raise TierUnavailableError(f"{where}: connect failed: {reason}") from None
-    conn = Connection(sock, endpoint)
-    try:
-        _handshake(conn, endpoint, deadline)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return sock
 
 
 def _handshake(conn: Connection, endpoint: Endpoint, deadline: float) -> None:

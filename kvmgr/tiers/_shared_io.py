@@ -102,6 +102,11 @@ def _settle(result: JobResult, item: int, reply: Any) -> Any:
     return FAILED
 
 
+def _asked(cmd: list[Any], asking: bool) -> list[Any]:
+    """``cmd``, preceded by ``ASKING`` when it follows an ``ASK`` redirection."""
+    return [*_ASKING, *cmd] if asking else cmd
+
+
 def get_job(
     pool: NodePool,
     keys: Sequence[bytes],
@@ -119,7 +124,7 @@ def get_job(
     def exchange(conn: Connection, result: JobResult) -> None:
         out: list[Any] = []
         for key in keys:
-            out += [*_ASKING, *command(b"GET", key)] if asking else command(b"GET", key)
+            out += _asked(command(b"GET", key), asking)
         conn.send(out, deadline)
         for i in range(len(keys)):
             if asking:
@@ -133,6 +138,29 @@ def get_job(
             result.outcome[i] = _settle(result, i, reply)
 
     return _run(pool, len(keys), deadline, exchange)
+
+
+def _absent(
+    conn: Connection, keys: Sequence[bytes], asking: bool, deadline: float, result: JobResult
+) -> list[int]:
+    """``EXISTS`` per key (one round trip): the positions the server lacks; those it holds get
+    the outcome ``"present"``, failed ones ``FAILED``."""
+    out = []
+    for key in keys:
+        out += _asked(command(b"EXISTS", key), asking)
+    conn.send(out, deadline)
+    todo = []
+    for i in range(len(keys)):
+        if asking:
+            conn.read_reply(deadline)
+        reply = _settle(result, i, conn.read_reply(deadline))
+        if reply is FAILED:
+            continue
+        if reply:
+            result.outcome[i] = "present"
+        else:
+            todo.append(i)
+    return todo
 
 
 def put_job(
@@ -153,29 +181,10 @@ def put_job(
     def exchange(conn: Connection, result: JobResult) -> None:
         todo = list(range(len(keys)))
         if skip_present:
-            out = []
-            for key in keys:
-                out += [*_ASKING, *command(b"EXISTS", key)] if asking else command(b"EXISTS", key)
-            conn.send(out, deadline)
-            todo = []
-            for i in range(len(keys)):
-                if asking:
-                    conn.read_reply(deadline)
-                reply = _settle(result, i, conn.read_reply(deadline))
-                if reply is FAILED:
-                    continue
-                if reply:
-                    result.outcome[i] = "present"
-                else:
-                    todo.append(i)
+            todo = _absent(conn, keys, asking, deadline, result)
         out = []
         for i in todo:  # sent in groups of buffers
-            blob = [blobs[i]]
-            out += (
-                [*_ASKING, *command(b"SET", keys[i], blob, *extra)]
-                if asking
-                else command(b"SET", keys[i], blob, *extra)
-            )
+            out += _asked(command(b"SET", keys[i], [blobs[i]], *extra), asking)
             if len(out) >= _SEND_BUFFERS:
                 conn.send(out, deadline)
                 out = []
@@ -199,7 +208,7 @@ def keys_job(
     def exchange(conn: Connection, result: JobResult) -> None:
         out: list[Any] = []
         for key in keys:
-            out += [*_ASKING, *command(verb, key)] if asking else command(verb, key)
+            out += _asked(command(verb, key), asking)
         conn.send(out, deadline)
         for i in range(len(keys)):
             if asking:

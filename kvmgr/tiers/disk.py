@@ -173,6 +173,28 @@ class DiskTier:
         self._check_open()
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
+        writes, positions = self._plan_writes(keys, views, stored)
+        self._slots.pending.update(w[1] for w in writes)
+        task = asyncio.ensure_future(self._write_and_commit(writes))
+        self._track(task)
+        try:
+            await with_deadline(asyncio.shield(task), self._deadline_s, "disk put_many")
+        except TierTimeoutError as exc:
+            self._counters.num_timeouts += 1
+            self._counters.last_error = str(exc)
+            raise
+        finally:
+            self._counters.add_put_time(time.perf_counter() - start)
+        stored[positions] = True
+        num_bytes = sum(w[3] for w in writes)
+        return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
+
+    def _plan_writes(
+        self, keys: list[bytes], views: list[memoryview], stored: np.ndarray
+    ) -> tuple[list[tuple[int, bytes, memoryview, int]], list[int]]:
+        """``(slot, key, view, blob bytes)`` per blob to write, and the blobs' positions;
+        ``stored[i]`` set where the key is there already. Blobs that find no slot are counted
+        in ``num_full`` and not written."""
         new: list[tuple[int, bytes, memoryview]] = []  # (position, key, view)
         for i, key in enumerate(keys):
             if self._slots.is_stored(key):
@@ -188,20 +210,7 @@ class DiskTier:
             (slot, key, view, blob_length(view) or view.nbytes)
             for slot, (_i, key, view) in zip(slots, new)
         ]
-        self._slots.pending.update(w[1] for w in writes)
-        task = asyncio.ensure_future(self._write_and_commit(writes))
-        self._track(task)
-        try:
-            await with_deadline(asyncio.shield(task), self._deadline_s, "disk put_many")
-        except TierTimeoutError as exc:
-            self._counters.num_timeouts += 1
-            self._counters.last_error = str(exc)
-            raise
-        finally:
-            self._counters.add_put_time(time.perf_counter() - start)
-        stored[[i for i, _k, _v in new]] = True
-        num_bytes = sum(w[3] for w in writes)
-        return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
+        return writes, [i for i, _k, _v in new]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Read the blobs (structure checked; the bridge verifies them); see ``TierBackend.get_many``."""
