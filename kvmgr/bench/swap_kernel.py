@@ -38,8 +38,8 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.bench import _tables as tables
 from kvmgr.bench._interference import interference_rows
+from kvmgr.bench._swap_print import print_swap_kernel
 from kvmgr.bench.common import (
     GEOMETRIES,
     CasePool,
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         result["calibration"] = attrs.asdict(fitted)
     except ConfigError as exc:
         result["errors"].append(f"calibration fit: {exc}")
-    _print(result)
+    print_swap_kernel(result)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
@@ -176,37 +176,3 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _check(check: str, value: float, goal: float, at_least: bool) -> dict[str, Any]:
     ok = value >= goal if at_least else value <= goal
     return {"check": check, "value": value, "goal": goal, "ok": ok}
-
-
-def _print(result: dict[str, Any]) -> None:
-    table = tables.table
-    ok = {True: "ok", False: "[red]NO[/red]"}
-    copies = [
-        [r["geometry"], r["direction"], str(r["blocks"]), str(r["descriptors"]),
-         f"{r['bytes'] / 2**20:.1f}", r["variant"], r["path"], f"{r['us']:.0f}",
-         f"{r['host_us']:.0f}", f"{r['gbps']:.1f}", ok[r["ok"]]]
-        for r in result["copies"]
-    ]  # fmt: skip
-    inter = [
-        [r["variant"], r["direction"], str(r["copies"]), f"{r['copy_gbps_alone']:.1f}",
-         f"{r['copy_gbps_during']:.1f}", f"{r['matmul_us_alone'] / 1e3:.2f}",
-         f"{r['matmul_us_during'] / 1e3:.2f}", f"{r['slowdown_pct']:.1f}",
-         f"{r['slowdown_pct_min']:.1f}..{r['slowdown_pct_max']:.1f}", f"{r['covered_pct']:.0f}",
-         ok[r["gate_ok"]]]
-        for r in result["interference"]
-    ]  # fmt: skip
-    targets = [
-        [t["check"], f"{t['value']:.2f}", f"{t['goal']:.2f}", ok[t["ok"]]]
-        for t in result["targets"]
-    ]
-    console = tables.console()
-    console.print(table("page copies: batched DMA vs copy kernel vs auto (scattered block ids)",
-                        "geometry,dir,blocks,descs,MiB,variant,path,us,host us,GB/s,ok", copies))  # fmt: skip
-    console.print(table("interference: bf16 matmul loop on the compute stream while copying "
-                        "(medians of gated window triples)",
-                        "variant,dir,copies,copy GB/s alone,copy GB/s during,matmul ms alone,"
-                        "loop+offload ms,slowdown %,range %,covered %,gate ok", inter))  # fmt: skip
-    console.print(table("targets", "check,value,goal,ok", targets))
-    console.print(f"fitted calibration: {result.get('calibration')}")
-    for error in result["errors"]:
-        console.print(f"[red]error[/red]: {error}")
