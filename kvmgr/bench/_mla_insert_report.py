@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from kvmgr.bench import _tables as tables
+
 __all__ = ["meta", "print_tables", "target_rows"]
 
 _HOST_CAPTION = (
@@ -91,64 +93,43 @@ def print_tables(
     tuning: list[dict[str, Any]],
 ) -> None:
     """The rows, the targets and the tile sweep as tables."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=190)  # not 80 when piped: keep every column readable
-    title = f"MLA insert, L={args.layers} R={args.rank} P={args.rope_dim} block={args.block_size} {args.dtype}; HBM copy peak {peak_gbps:,.0f} GB/s"
-    table = Table(title=title, caption=_HOST_CAPTION)
-    for column in (
-        "kv dtype",
-        "mode",
-        "T",
-        "per-layer µs",
-        "grouped µs",
-        "speedup",
-        "host per-layer µs",
-        "host grouped µs",
-        "host grouped Triton µs",
-        "host same caches µs",
-        "host hook µs",
-        "host hook Triton µs",
-        "host launch-only µs",
-        "grouped GB/s",
-        "% peak",
-    ):
-        table.add_column(column, justify="right")
-    for r in rows:
-        hosts = [r[f"{name}_host_us"] for name in ("per_layer", "grouped", "grouped_triton", "grouped_same", "hook", "hook_triton", "hook_unchecked")]  # fmt: skip
-        table.add_row(
-            r["kv_cache_dtype"],
-            r["mode"],
-            str(r["tokens"]),
-            f"{r['per_layer_us']:.1f}",
-            f"{r['grouped_us']:.1f}",
-            f"{r['speedup']:.2f}x",
-            *("-" if us is None else f"{us:.1f}" for us in hosts),
-            f"{r['grouped_gbps']:,.0f}",
-            f"{r['peak_fraction']:.1%}",
-        )
-    console.print(table)
-    checks = Table(title="Targets")
-    for column in ("kv dtype", "mode", "target", "got", "met"):
-        checks.add_column(column)
-    for t in targets:
-        checks.add_row(
-            t["kv_cache_dtype"], t["mode"], t["target"], t["got"], "yes" if t["met"] else "NO"
-        )
-    console.print(checks)
+    console = tables.console(190)  # not 80 when piped: keep every column readable
+    title = (
+        f"MLA insert, L={args.layers} R={args.rank} P={args.rope_dim} block={args.block_size} "
+        f"{args.dtype}; HBM copy peak {peak_gbps:,.0f} GB/s"
+    )
+    console.print(tables.table(title, _COLUMNS, map(_row, rows), caption=_HOST_CAPTION))
+    checks = [
+        [t["kv_cache_dtype"], t["mode"], t["target"], t["got"], "yes" if t["met"] else "NO"]
+        for t in targets
+    ]
+    columns = ("kv dtype", "mode", "target", "got", "met")
+    console.print(tables.table("Targets", columns, checks, justify="left"))
     if tuning:
-        tune = Table(
-            title=f"Grouped tile sweep at T={max(int(t) for t in args.tokens.split(','))} (graph)"
-        )
-        for column in ("kv dtype", "block_tokens", "num_warps", "µs", "% peak"):
-            tune.add_column(column, justify="right")
-        for t in tuning:
-            tune.add_row(
-                t["kv_cache_dtype"],
-                str(t["block_tokens"]),
-                str(t["num_warps"]),
-                f"{t['us']:.1f}",
-                f"{t['peak_fraction']:.1%}",
-            )
-        console.print(tune)
+        top = max(int(t) for t in args.tokens.split(","))
+        tune = [
+            [t["kv_cache_dtype"], t["block_tokens"], t["num_warps"], f"{t['us']:.1f}",
+             f"{t['peak_fraction']:.1%}"]
+            for t in tuning
+        ]  # fmt: skip
+        columns = ("kv dtype", "block_tokens", "num_warps", "µs", "% peak")
+        console.print(tables.table(f"Grouped tile sweep at T={top} (graph)", columns, tune))
+
+
+_COLUMNS = (
+    "kv dtype", "mode", "T", "per-layer µs", "grouped µs", "speedup", "host per-layer µs",
+    "host grouped µs", "host grouped Triton µs", "host same caches µs", "host hook µs",
+    "host hook Triton µs", "host launch-only µs", "grouped GB/s", "% peak",
+)  # fmt: skip
+_HOSTS = ("per_layer", "grouped", "grouped_triton", "grouped_same", "hook", "hook_triton",
+          "hook_unchecked")  # fmt: skip
+
+
+def _row(r: dict[str, Any]) -> list[object]:
+    hosts = [r[f"{name}_host_us"] for name in _HOSTS]
+    return [
+        r["kv_cache_dtype"], r["mode"], r["tokens"], f"{r['per_layer_us']:.1f}",
+        f"{r['grouped_us']:.1f}", f"{r['speedup']:.2f}x",
+        *("-" if us is None else f"{us:.1f}" for us in hosts),
+        f"{r['grouped_gbps']:,.0f}", f"{r['peak_fraction']:.1%}",
+    ]  # fmt: skip

@@ -14,14 +14,21 @@ from typing import Any
 __all__ = ["cell", "console", "table"]
 
 
-def table(title: str, columns: str | Sequence[str], rows: Iterable[Sequence[object]]) -> Any:
+def table(
+    title: str,
+    columns: str | Sequence[str],
+    rows: Iterable[Sequence[object]],
+    *,
+    caption: str | None = None,
+    justify: str = "right",
+) -> Any:
     """A ``rich`` table: ``columns`` as names or one comma-separated string; every cell
     through ``cell`` (strings are kept as given, ``rich`` markup included)."""
     from rich.table import Table
 
-    out = Table(title=title)
+    out = Table(title=title, caption=caption)
     for column in columns.split(",") if isinstance(columns, str) else columns:
-        out.add_column(column, justify="right")
+        out.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in rows:
         out.add_row(*(cell(v) for v in row))
     return out
