@@ -45,7 +45,7 @@ from kvmgr.transfer.engine import BatchHandle, EngineStatistics, TransferEngine
 from kvmgr.transfer.kernel import KernelCopy
 from kvmgr.transfer.pinning import PinnedRegion, PinOptions, PinStatistics
 from kvmgr.transfer.plan import Direction, TransferPlan
-from kvmgr.transfer.streams import CopyIssuer, CopyStreams
+from kvmgr.transfer.streams import CopyIssuer, CopyStreams, StreamTotals
 
 __all__ = [
     "DEFAULT_MAX_DESCRIPTORS",
@@ -61,8 +61,8 @@ _LOG = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
-class CudaEngineStatistics(EngineStatistics):
-    """``EngineStatistics`` (totals) plus:
+class CudaEngineStatistics(StreamTotals, EngineStatistics):
+    """``EngineStatistics`` (totals) plus the stream totals and:
 
     Attributes:
         host_memory: ``"pinned"``, ``"pageable"`` (a registration fell back) or ``"none"``.
@@ -82,13 +82,7 @@ class CudaEngineStatistics(EngineStatistics):
     host_memory: str = "none"
     batch_abi: int | None = None
     batch_call: str = ""
-    chunks_submitted: int = 0
-    loop_fallbacks: int = 0
-    kernel_batches: int = 0
-    dma_batches: int = 0
     max_programs: tuple[int, int] = (0, 0)
-    submit_s: float = 0.0
-    issue_s: float = 0.0
     pinning: tuple[PinStatistics, ...] = ()
 
 
