@@ -261,6 +261,8 @@ class GroupIndex:
     def _needs(self, boundary: _Node, g: int, depth: int) -> bool:
         """Whether the boundary after ``boundary`` needs group ``g``'s block ending at ``depth``."""
         n_tokens = (boundary.depth + 1) * self.layout.hash_block_size
+        if n_tokens % self.layout.boundary_tokens:
+            return False
         block = (depth + 1) // self._per[g] - 1
         return block in self.layout.groups[g].live_blocks(n_tokens)
 
