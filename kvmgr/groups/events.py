@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import attrs
+
 from kvmgr.groups.errors import GroupKeyError
 from kvmgr.groups.spec import GroupedLayout, GroupKind, split_offload_key
 
