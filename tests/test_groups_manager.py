@@ -225,3 +225,24 @@ async def test_events_decode_as_vllms_with_hash_and_group_apart() -> None:
     )
     got = {e.group_idx: e for e in decoded.events if isinstance(e, ve.BlockStored)}
     assert got[2].block_hashes == [hs[1], hs[3]] and got[1].kv_cache_spec_sliding_window == 33
+
+
+@pytest.mark.asyncio
+async def test_index_resyncs_when_a_groups_event_stream_dropped_events() -> None:
+    kv = caches(torch.Generator().manual_seed(9))
+    cfg = ManagerConfig(num_cpu_blocks=1, engine="host", manage_gpu_blocks=False, max_events=1)
+    hs = chain(8)
+    async with GroupedManager.create(LAYOUT, kv, {"full": 64, "swa": 64, "mamba": 32}, cfg) as mgr:
+        f = mgr.store(hs, tables(8))
+        await mgr.step()
+        await f
+        # two removals behind the grouped manager's back: the one-event stream keeps one
+        swa = mgr.managers[1]
+        swa.invalidate([offload_key(hs[2], 1)])
+        swa.invalidate([offload_key(hs[7], 1)])
+        assert swa.statistics().events_dropped == 1
+        await mgr.step()  # sees the drop and rebuilds the group's index from its tier
+        in_tier = {k for m in mgr.managers for k in m.snapshot().keys}
+        assert set(mgr.index.held_keys()) == in_tier
+        # boundary 128 needs window block 7 (gone), 96 needs block 5 and 4; 64 needs 2 (gone)
+        assert mgr.lookup(hs).num_tokens == 96

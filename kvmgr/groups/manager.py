@@ -21,6 +21,7 @@ can no longer restore. docs/hybrid-models.md describes the rules.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -92,7 +93,11 @@ class GroupedManager:
         self.layout = layout
         self.managers = managers
         self.index = GroupIndex(layout)
-        self._events: list[KVEvent] = []
+        # the groups' events for take_events, bounded like theirs (oldest dropped)
+        self._events: collections.deque[KVEvent] = collections.deque(
+            maxlen=sum(m.config.max_events for m in managers)
+        )
+        self._events_lost = [0] * len(managers)  # each manager's events_dropped, last seen
         self._deferred: set[bytes] = set()  # orphans with loads in flight: retried each sync
         self.num_orphans_dropped = 0
 
@@ -303,7 +308,31 @@ class GroupedManager:
         index applies what landed and what left. Returns the groups' ``StepReport``s."""
         reports = [await mgr.step(ctx) for mgr in self.managers]
         self.sync()
+        for g, mgr in enumerate(self.managers):
+            lost = mgr.statistics().events_dropped
+            if lost != self._events_lost[g]:  # the index missed events: rebuild it from the tier
+                self._events_lost[g] = lost
+                self._resync(g)
         return reports
+
+    def _resync(self, g: int) -> None:
+        """Bring group ``g``'s part of the index in line with its manager's tier (after its
+        bounded event stream dropped events), then drop the orphans."""
+        in_tier = self.managers[g].snapshot().keys
+        mine = [k for k in self.index.held_keys() if self.index.split(k)[1] == g]
+        landed = [
+            k
+            for k in mine
+            if k in in_tier and in_tier[k].state.name == "READY" and not self.index.is_ready(k)
+        ]
+        orphans = self.index.landed(landed)
+        orphans += self.index.removed([k for k in mine if k not in in_tier])
+        by_group: dict[int, list[bytes]] = {}
+        for key in orphans:
+            by_group.setdefault(self.index.split(key)[1], []).append(key)
+        for h, keys in by_group.items():
+            self._drop(h, keys)
+        self.sync()
 
     # ------------------------------------------------------------------ events, orphans
 
@@ -361,7 +390,8 @@ class GroupedManager:
         """The groups' KV events since the last call, in the order the index applied them;
         keys are ``OffloadKey`` bytes (``block_hash + group id``)."""
         self.sync()
-        out, self._events = self._events, []
+        out = list(self._events)
+        self._events.clear()
         return out
 
     def statistics(self) -> list[Any]:
