@@ -212,13 +212,14 @@ class GroupedManager:
         queued: list[bytes] = []
         for g, ids, keys, parents in work:
             try:
-                futures[g] = self.managers[g].swap_out(ids, keys, parents)
+                future = self.managers[g].swap_out(ids, keys, parents)
             except PoolExhaustedError:
                 self.index.recheck(queued)  # landed alone, they restore nothing
                 raise
             self.index.add_pending(hashes, g, keys)
             queued.extend(keys)
-            futures[g].add_done_callback(self._store_done(keys))
+            future.add_done_callback(self._store_done(keys))
+            futures[g] = future
         self.sync()  # the stores' evictions
         return asyncio.ensure_future(self._gather(futures))
 
@@ -293,8 +294,8 @@ class GroupedManager:
                 raise UnknownKeyError(f"group {spec.name!r}: a planned block left the tier")
             work.append((g, list(keys), ids))
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
-        for g, keys, ids in work:
-            futures[g] = self.managers[g].swap_in(keys, ids)
+        for g, group_keys, ids in work:
+            futures[g] = self.managers[g].swap_in(group_keys, ids)
         return asyncio.ensure_future(self._gather_loads(futures))
 
     @staticmethod

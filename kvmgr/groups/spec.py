@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -105,6 +105,14 @@ def _positive(what: str, value: object) -> None:
         raise GroupSpecError(f"{what}: expected a positive int, got {value!r}")
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+def _spec_tuple(values: Iterable[GroupSpec]) -> tuple[GroupSpec, ...]:
+    return tuple(values)
+
+
 def _kind(value: Any) -> GroupKind:
     try:
         return value if isinstance(value, GroupKind) else GroupKind(value)
@@ -137,7 +145,7 @@ class GroupSpec:
     name: str
     kind: GroupKind = attrs.field(converter=_kind)
     block_size: int
-    page_bytes: tuple[int, ...] = attrs.field(converter=tuple)
+    page_bytes: tuple[int, ...] = attrs.field(converter=_int_tuple)
     window: int | None = None
     ratio: int | None = None
     group_id: int | None = None
@@ -237,7 +245,7 @@ class GroupedLayout:
             multiple of ``hash_block_size``.
     """
 
-    groups: tuple[GroupSpec, ...] = attrs.field(converter=tuple)
+    groups: tuple[GroupSpec, ...] = attrs.field(converter=_spec_tuple)
     hash_block_size: int = 16
     boundary_tokens: int = attrs.field(init=False)
     _ids: tuple[int, ...] = attrs.field(init=False, repr=False)

@@ -193,15 +193,15 @@ async def _run_variant(
                 loaded += sum(
                     len(b) * g.block_bytes for b, g in zip(plan.blocks, real.groups, strict=True)
                 )
-                tables = {
+                dst = {
                     g.name: list(range(b.stop))
                     for g, b in zip(tiny.groups, plan.blocks, strict=True)
                 }
-                done = mgr.load(plan, tables)
+                done = mgr.load(plan, dst)
                 await mgr.step()
                 await done
             n = len(hashes)
-            tables = {}
+            tables: dict[str, list[int | None]] = {}
             for g, spec in enumerate(tiny.groups):
                 keep = _stored_blocks(spec, tiny.num_blocks(g, n), tail)
                 tables[spec.name] = [j if j in keep else None for j in range(keep.stop)]

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 from rich.console import Console
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
 
 
-def _row(r: VariantResult) -> dict[str, float | int | str]:
+def _row(r: VariantResult) -> dict[str, Any]:
     return {
         "variant": r.variant,
         "hit_ratio": round(r.hit_ratio, 4),
