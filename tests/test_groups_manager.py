@@ -174,12 +174,17 @@ async def test_pool_exhausted_in_one_group_leaves_no_orphans() -> None:
     kv = caches(torch.Generator().manual_seed(6))
     hs = chain(8)
     async with make(kv, {"full": 64, "swa": 64, "mamba": 2}) as mgr:
-        with pytest.raises(PoolExhaustedError):
+        with pytest.raises(PoolExhaustedError, match="mamba"):
             mgr.store(hs, tables(8))  # mamba needs 4 blocks, has 2
-        await mgr.step()
-        mgr.sync()
+        # all or nothing: no group's store was queued
+        assert all(m.statistics().queued_swaps == 0 for m in mgr.managers)
         assert mgr.index.num_held() == 0
+        await mgr.step()
         assert all(m.statistics().cpu_blocks_used == 0 for m in mgr.managers)
+        ok = mgr.store(hs[:4], tables(4))  # 2 states fit
+        await mgr.step()
+        await ok
+        assert mgr.lookup(hs).num_tokens == 64
 
 
 def test_layout_and_managers_must_agree() -> None:

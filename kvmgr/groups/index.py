@@ -74,6 +74,14 @@ class GroupIndex:
         """Whether a grouped key is READY (loadable now)."""
         return key in self._ready
 
+    def is_held(self, key: bytes) -> bool:
+        """Whether a grouped key is PENDING or READY."""
+        node = self._nodes.get(key[:-GROUP_ID_BYTES])
+        return (
+            node is not None
+            and self._id_to_index.get(int.from_bytes(key[-GROUP_ID_BYTES:], "big"), -1) in node.held
+        )
+
     def num_held(self) -> int:
         """Grouped keys held, PENDING or READY."""
         return sum(len(n.held) for n in self._nodes.values())

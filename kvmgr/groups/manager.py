@@ -28,8 +28,9 @@ from typing import Any
 import attrs
 
 from kvmgr.config import ManagerConfig
-from kvmgr.errors import BlockStateError, InvalidBlockError, PoolExhaustedError, UnknownKeyError
-from kvmgr.groups.errors import GroupKeyError, GroupSpecError
+from kvmgr.errors import BlockStateError, PoolExhaustedError, UnknownKeyError
+from kvmgr.groups._tables import load_work, store_work
+from kvmgr.groups.errors import GroupSpecError
 from kvmgr.groups.index import GroupIndex
 from kvmgr.groups.restore import RestorePlan, find_restorable
 from kvmgr.groups.spec import GroupedLayout
@@ -200,14 +201,17 @@ class GroupedManager:
         Raises:
             GroupKeyError: bad hashes (or hashes contradicting a stored chain), an unknown
                 group, or a table entry that is not an int or ``None``; nothing changed.
-            PoolExhaustedError: a group had no room. Earlier groups' stores stay queued; their
-                blocks are dropped when they land unless a restorable boundary needs them.
+            PoolExhaustedError: a group has no room (free plus evictable blocks, checked for
+                every group before any store is queued: nothing changed). Should a group's
+                manager still refuse, the earlier groups' stores stay queued and their blocks
+                are dropped when they land, unless a restorable boundary needs them.
             InvalidBlockError, ClosedError, EventLoopError: as ``OffloadManager.swap_out``.
         """
         self.sync()
         hashes = self.layout.check_hashes(block_hashes)
         self.index.check_chain(hashes)
-        work = self._store_work(hashes, block_tables)
+        work = store_work(self.layout, hashes, block_tables)
+        self._check_room(work)
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         queued: list[bytes] = []
         for g, ids, keys, parents in work:
@@ -223,32 +227,27 @@ class GroupedManager:
         self.sync()  # the stores' evictions
         return asyncio.ensure_future(self._gather(futures))
 
-    def _store_work(
-        self, hashes: list[bytes], tables: Mapping[str, Sequence[int | None]]
-    ) -> list[tuple[int, list[int], list[bytes], list[bytes | None]]]:
-        """Per group: GPU ids, keys and parents to store; validates every table first."""
-        if not isinstance(tables, Mapping):
-            raise GroupKeyError(f"block_tables: expected a mapping, got {type(tables).__name__}")
-        work = []
-        for name, table in tables.items():
-            g = self.layout.index(name)
-            n = min(len(table), self.layout.num_blocks(g, len(hashes)))
-            blocks = []
-            for j in range(n):
-                gpu = table[j]
-                if gpu is None:
-                    continue
-                if isinstance(gpu, bool) or not isinstance(gpu, int):
-                    raise GroupKeyError(f"block_tables[{name!r}][{j}]: expected int or None")
-                blocks.append((j, gpu))
-            if not blocks:
+    def _check_room(self, work: list[tuple[int, list[int], list[bytes], Any]]) -> None:
+        """All or nothing: raise ``PoolExhaustedError`` before queueing any group's store if a
+        group cannot find room for its new blocks (free blocks plus READY blocks without loads
+        in flight, less this store's own READY keys, which are never evicted for it)."""
+        for g, _, keys, _ in work:
+            new = sum(not self.index.is_held(k) for k in keys)
+            if not new:
                 continue
-            keys = self.layout.keys(g, hashes, [j for j, _ in blocks])
-            parents: list[bytes | None] = [
-                None if j == 0 else self.layout.keys(g, hashes, [j - 1])[0] for j, _ in blocks
-            ]
-            work.append((g, [gpu for _, gpu in blocks], keys, parents))
-        return work
+            stats = self.managers[g].statistics()
+            protected = sum(self.index.is_ready(k) for k in keys)
+            evictable = max(0, stats.cpu_keys_ready - stats.cpu_keys_loading - protected)
+            room = max(0, stats.cpu_blocks_ready - stats.cpu_blocks_used) + evictable
+            if room < new:
+                name = self.layout.groups[g].name
+                raise PoolExhaustedError(
+                    f"group {name!r}: need {new} CPU blocks, {room} free or evictable; "
+                    "no group's store was queued",
+                    needed=new,
+                    available=room,
+                    reason="cpu_full",
+                )
 
     def _store_done(self, keys: list[bytes]) -> Any:
         def done(future: asyncio.Future[SwapResult]) -> None:
@@ -278,21 +277,11 @@ class GroupedManager:
             InvalidBlockError, ClosedError, EventLoopError: as ``OffloadManager.swap_in``.
         """
         self.sync()
-        work = []
-        for g, (spec, blocks, keys) in enumerate(
-            zip(self.layout.groups, plan.blocks, plan.keys, strict=True)
-        ):
-            if not keys:
-                continue
-            table = block_tables.get(spec.name)
-            if table is None or len(table) < blocks.stop:
-                raise GroupKeyError(f"block_tables[{spec.name!r}] must name blocks {blocks}")
-            ids = [table[j] for j in blocks]
-            if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-                raise InvalidBlockError(f"block_tables[{spec.name!r}]: expected int block ids")
-            if self.managers[g].peek(list(keys)) != len(keys):
-                raise UnknownKeyError(f"group {spec.name!r}: a planned block left the tier")
-            work.append((g, list(keys), ids))
+        work = load_work(self.layout, plan, block_tables)
+        for g, keys, _ in work:
+            if self.managers[g].peek(keys) != len(keys):
+                name = self.layout.groups[g].name
+                raise UnknownKeyError(f"group {name!r}: a planned block left the tier")
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         for g, group_keys, ids in work:
             futures[g] = self.managers[g].swap_in(group_keys, ids)
