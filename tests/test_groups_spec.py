@@ -210,3 +210,12 @@ def test_find_restorable_is_the_brute_force_maximum(
 def test_scheduler_side_imports_no_torch() -> None:
     code = "import sys, kvmgr.groups; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_explicit_group_ids_name_the_keys() -> None:
+    layout = GroupedLayout([full(group_id=7), swa(33, bs=16)])
+    hs = hashes(2)
+    assert layout.keys(0, hs, [1]) == [offload_key(hs[1], 7)]
+    assert layout.keys(1, hs, [1]) == [offload_key(hs[1], 1)]
+    ready = {offload_key(h, 7) for h in hs} | {offload_key(h, 1) for h in hs}
+    assert find_restorable(layout, hs, ready.__contains__).num_tokens == 32
