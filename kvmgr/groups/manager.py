@@ -21,15 +21,15 @@ can no longer restore. docs/hybrid-models.md describes the rules.
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from kvmgr.config import ManagerConfig
-from kvmgr.errors import BlockStateError, PoolExhaustedError, UnknownKeyError
+from kvmgr.errors import PoolExhaustedError, UnknownKeyError
 from kvmgr.groups._tables import load_work, store_work
+from kvmgr.groups._tracker import IndexTracker
 from kvmgr.groups.errors import GroupSpecError
 from kvmgr.groups.index import GroupIndex
 from kvmgr.groups.restore import RestorePlan, find_restorable
@@ -93,14 +93,8 @@ class GroupedManager:
                 )
         self.layout = layout
         self.managers = managers
-        self.index = GroupIndex(layout)
-        # the groups' events for take_events, bounded like theirs (oldest dropped)
-        self._events: collections.deque[KVEvent] = collections.deque(
-            maxlen=sum(m.config.max_events for m in managers)
-        )
-        self._events_lost = [0] * len(managers)  # each manager's events_dropped, last seen
-        self._deferred: set[bytes] = set()  # orphans with loads in flight: retried each sync
-        self.num_orphans_dropped = 0
+        self._tracker = IndexTracker(layout, managers)
+        self.index: GroupIndex = self._tracker.index
 
     @classmethod
     def create(
@@ -298,91 +292,26 @@ class GroupedManager:
         index applies what landed and what left. Returns the groups' ``StepReport``s."""
         reports = [await mgr.step(ctx) for mgr in self.managers]
         self.sync()
-        for g, mgr in enumerate(self.managers):
-            lost = mgr.statistics().events_dropped
-            if lost != self._events_lost[g]:  # the index missed events: rebuild it from the tier
-                self._events_lost[g] = lost
-                self._resync(g)
+        self._tracker.check_lost()
         return reports
-
-    def _resync(self, g: int) -> None:
-        """Bring group ``g``'s part of the index in line with its manager's tier (after its
-        bounded event stream dropped events), then drop the orphans."""
-        in_tier = self.managers[g].snapshot().keys
-        mine = [k for k in self.index.held_keys() if self.index.split(k)[1] == g]
-        landed = [
-            k
-            for k in mine
-            if k in in_tier and in_tier[k].state.name == "READY" and not self.index.is_ready(k)
-        ]
-        orphans = self.index.landed(landed)
-        orphans += self.index.removed([k for k in mine if k not in in_tier])
-        by_group: dict[int, list[bytes]] = {}
-        for key in orphans:
-            by_group.setdefault(self.index.split(key)[1], []).append(key)
-        for h, keys in by_group.items():
-            self._drop(h, keys)
-        self.sync()
-
-    # ------------------------------------------------------------------ events, orphans
 
     def sync(self) -> None:
         """Apply the managers' KV events to the index and drop the orphans they leave.
 
         Called by every public method; call it yourself after awaiting a store's future
-        outside ``step``. Removal events are kept for ``take_events``."""
-        retry, self._deferred = self._deferred, set()
-        drop: dict[int, list[bytes]] = {}
-        for key in retry:
-            if self.index.is_ready(key):
-                drop.setdefault(self.index.split(key)[1], []).append(key)
-        while True:
-            events = [e for mgr in self.managers for e in mgr.take_events()]
-            for key in self._apply(events):
-                drop.setdefault(self.index.split(key)[1], []).append(key)
-            if not drop:
-                return
-            for g, keys in drop.items():
-                self._drop(g, keys)
-            drop = {}
+        outside ``step``."""
+        self._tracker.sync()
 
-    def _apply(self, events: list[KVEvent]) -> list[bytes]:
-        orphans: list[bytes] = []
-        for event in events:
-            self._events.append(event)
-            if event.kind == "stored" and event.tier == "cpu":
-                orphans.extend(self.index.landed(event.keys))
-            elif event.kind == "removed" and event.tier == "cpu":
-                orphans.extend(self.index.removed(event.keys))  # dropped orphans: not held
-        return orphans
-
-    def _drop(self, g: int, keys: list[bytes]) -> None:
-        """Invalidate orphans of group ``g``; those with loads in flight wait for a later
-        sync. Dropped keys leave the index now, so their removal events sweep nothing."""
-        mgr = self.managers[g]
-        keys = list(dict.fromkeys(keys))
-        try:
-            mgr.invalidate(keys)
-        except BlockStateError:  # some have loads in flight: one by one, retry the rest later
-            dropped = []
-            for key in keys:
-                try:
-                    mgr.invalidate([key])
-                except BlockStateError:
-                    self._deferred.add(key)
-                else:
-                    dropped.append(key)
-            keys = dropped
-        self.index.forget(keys)
-        self.num_orphans_dropped += len(keys)
+    @property
+    def num_orphans_dropped(self) -> int:
+        """Blocks dropped because no restorable boundary needed them any more (a total)."""
+        return self._tracker.num_orphans_dropped
 
     def take_events(self) -> list[KVEvent]:
         """The groups' KV events since the last call, in the order the index applied them;
         keys are ``OffloadKey`` bytes (``block_hash + group id``)."""
         self.sync()
-        out = list(self._events)
-        self._events.clear()
-        return out
+        return self._tracker.take_events()
 
     def statistics(self) -> list[Any]:
         """Every group's ``ManagerStatistics``, in layout order."""
