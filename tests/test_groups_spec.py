@@ -219,3 +219,15 @@ def test_explicit_group_ids_name_the_keys() -> None:
     assert layout.keys(1, hs, [1]) == [offload_key(hs[1], 1)]
     ready = {offload_key(h, 7) for h in hs} | {offload_key(h, 1) for h in hs}
     assert find_restorable(layout, hs, ready.__contains__).num_tokens == 32
+
+
+def test_mla_and_compressed_groups_need_the_whole_prefix() -> None:
+    mla = GroupSpec(name="mla", kind="mla", block_size=16, page_bytes=(576 * 16,))
+    c4 = GroupSpec(name="c4", kind="compressed", block_size=64, page_bytes=(584 * 16,), ratio=4)
+    layout = GroupedLayout([mla, c4])
+    hs = hashes(8)
+    assert layout.boundary_tokens == 64
+    ready = set(layout.keys(0, hs, range(8))) | set(layout.keys(1, hs, range(2)))
+    assert find_restorable(layout, hs, ready.__contains__).blocks == (range(8), range(2))
+    ready.discard(offload_key(hs[3], 1))  # compressed block 0 (named by hash 3) left
+    assert find_restorable(layout, hs, ready.__contains__).num_tokens == 0
