@@ -99,15 +99,34 @@ def test_split_rejects_foreign_group() -> None:
 
 # ---------------------------------------------------------------- property vs brute force
 
+LAYOUTS = [
+    LAYOUT,
+    GroupedLayout(
+        [  # a coarser full group, a wider window, a state per block
+            GroupSpec(name="swa", kind="sliding_window", block_size=16, page_bytes=(8,), window=70),
+            GroupSpec(name="full", kind="full", block_size=32, page_bytes=(8,)),
+            GroupSpec(name="m", kind="recurrent", block_size=16, page_bytes=(8,)),
+        ]
+    ),
+    GroupedLayout(
+        [  # no prefix group at all
+            GroupSpec(name="swa", kind="sliding_window", block_size=16, page_bytes=(8,), window=40),
+            GroupSpec(name="m", kind="recurrent", block_size=32, page_bytes=(8,)),
+        ]
+    ),
+]
 
-def brute_needed(held: set[tuple[bytes, int]], trees: list[list[bytes]]) -> set[tuple[bytes, int]]:
+
+def brute_needed(
+    layout: GroupedLayout, held: set[tuple[bytes, int]], trees: list[list[bytes]]
+) -> set[tuple[bytes, int]]:
     """Every held block some restorable boundary needs, by the definition."""
     needed: set[tuple[bytes, int]] = set()
     for hs in trees:
-        for n in range(LAYOUT.boundary_tokens, len(hs) * 16 + 1, LAYOUT.boundary_tokens):
+        for n in range(layout.boundary_tokens, len(hs) * 16 + 1, layout.boundary_tokens):
             need = {
-                (hs[LAYOUT.block_hash_index(g, j)], g)
-                for g, spec in enumerate(LAYOUT.groups)
+                (hs[layout.block_hash_index(g, j)], g)
+                for g, spec in enumerate(layout.groups)
                 for j in spec.live_blocks(n)
             }
             if need <= held:
@@ -115,19 +134,25 @@ def brute_needed(held: set[tuple[bytes, int]], trees: list[list[bytes]]) -> set[
     return needed
 
 
-@settings(max_examples=120, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), removals=st.integers(1, 4))
-def test_removed_returns_exactly_the_newly_unneeded_blocks(seed: int, removals: int) -> None:
-    rng = random.Random(seed)
+@settings(max_examples=80, deadline=None)
+@given(
+    which=st.integers(0, len(LAYOUTS) - 1),
+    seed=st.integers(0, 2**32 - 1),
+    removals=st.integers(1, 4),
+)
+def test_removed_returns_exactly_the_newly_unneeded_blocks(
+    which: int, seed: int, removals: int
+) -> None:
+    layout, rng = LAYOUTS[which], random.Random(seed)
     trees = [chain(rng.randint(2, 10))]
     for k in range(rng.randint(0, 3)):
         base = rng.choice(trees)
         trees.append(chain(rng.randint(1, 12), base[: rng.randint(0, len(base))], b"%d" % k))
-    index = GroupIndex(LAYOUT)
+    index = GroupIndex(layout)
     for hs in trees:
-        for g in range(3):
-            blocks = [j for j in range(LAYOUT.num_blocks(g, len(hs))) if rng.random() < 0.9]
-            keys = LAYOUT.keys(g, hs, blocks)
+        for g in range(len(layout.groups)):
+            blocks = [j for j in range(layout.num_blocks(g, len(hs))) if rng.random() < 0.9]
+            keys = layout.keys(g, hs, blocks)
             index.add_pending(hs, g, keys)
             index.landed(keys)
     for _ in range(removals):
@@ -135,9 +160,9 @@ def test_removed_returns_exactly_the_newly_unneeded_blocks(seed: int, removals: 
         if not held:
             break
         victim = rng.choice(sorted(held))
-        before = brute_needed(held, trees)
+        before = brute_needed(layout, held, trees)
         orphans = {index.split(k) for k in index.removed([offload_key(victim[0], victim[1])])}
-        after = brute_needed(held - {victim}, trees)
+        after = brute_needed(layout, held - {victim}, trees)
         assert not orphans & after, "an orphan is still needed"
         assert (before - after - {victim}) <= orphans, "a newly unneeded block was missed"
         index.forget(offload_key(h, g) for h, g in orphans)
