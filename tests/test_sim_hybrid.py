@@ -62,6 +62,8 @@ def test_config_rejects_bad_values() -> None:
         HybridSimConfig(block_size=100)
     with pytest.raises(ConfigError):
         HybridSimConfig(variants=("full", "half"))
+    with pytest.raises(ConfigError):
+        HybridSimConfig(policy="nope")
     assert set(HYBRID_PRESETS) >= {"gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b"}
 
 

@@ -80,6 +80,7 @@ class HybridSimConfig:
             raise ConfigError(f"block_size: expected a divisor of {TRACE_BLOCK_TOKENS}")
         if self.cpu_bytes < 1:
             raise ConfigError(f"cpu_bytes: expected > 0, got {self.cpu_bytes}")
+        ManagerConfig(num_cpu_blocks=1, engine="host", policy=self.policy)  # a known policy
 
 
 @attrs.frozen(kw_only=True)
