@@ -252,3 +252,29 @@ async def test_index_resyncs_when_a_groups_event_stream_dropped_events() -> None
         assert set(mgr.index.held_keys()) == in_tier
         # boundary 128 needs window block 7 (gone), 96 needs block 5 and 4; 64 needs 2 (gone)
         assert mgr.lookup(hs).num_tokens == 96
+
+
+@pytest.mark.asyncio
+async def test_a_failed_store_in_one_group_drops_the_others_orphans() -> None:
+    from kvmgr import OffloadManager, TransferError
+    from kvmgr.testing import FaultyEngine
+    from kvmgr.transfer.host import HostEngine
+
+    kv = caches(torch.Generator().manual_seed(10))
+    cfg = ManagerConfig(num_cpu_blocks=64, engine="host", manage_gpu_blocks=False)
+    managers = [
+        OffloadManager(kv["full"], cfg),
+        OffloadManager(kv["swa"], cfg, engine=FaultyEngine(HostEngine(), fail_batches={0})),
+        OffloadManager(kv["mamba"], cfg),
+    ]
+    hs = chain(4)
+    async with GroupedManager(LAYOUT, managers) as mgr:
+        stored = mgr.store(hs, tables(4))
+        await mgr.step()
+        with pytest.raises(TransferError):
+            await stored  # raised once every group's copy ended: full and mamba landed
+        mgr.sync()
+        assert mgr.lookup(hs).num_tokens == 0
+        # the full and mamba blocks restore nothing without the window: dropped, memory free
+        assert mgr.index.num_held() == 0
+        assert all(m.statistics().cpu_blocks_used == 0 for m in mgr.managers)

@@ -45,6 +45,14 @@ class IndexTracker:
                 self._events_lost[g] = lost
                 self._resync(g)
 
+    def defer(self, keys: list[bytes]) -> None:
+        """Drop these orphans at the next sync (READY ones; PENDING ones when they land)."""
+        for key in keys:
+            if self.index.is_ready(key):
+                self._deferred.add(key)
+            else:
+                self.index.recheck([key])
+
     def take_events(self) -> list[Any]:
         """The events applied since the last call (oldest first)."""
         self.sync()

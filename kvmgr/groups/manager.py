@@ -244,16 +244,31 @@ class GroupedManager:
                 )
 
     def _store_done(self, keys: list[bytes]) -> Any:
+        """A failed store's PENDING keys leave the index; the orphans that leaves behind are
+        dropped at the next sync. (The futures are never cancelled: ``_gather`` shields them.)"""
+
         def done(future: asyncio.Future[SwapResult]) -> None:
-            if future.cancelled() or future.exception() is not None:
-                self.index.forget(k for k in keys if not self.index.is_ready(k))
+            if not future.cancelled() and future.exception() is not None:
+                failed = [k for k in keys if self.index.is_held(k) and not self.index.is_ready(k)]
+                self._tracker.defer(self.index.removed(failed))
 
         return done
 
     @staticmethod
-    async def _gather(futures: list[asyncio.Future[SwapResult] | None]) -> GroupedStore:
-        results = [None if f is None else await f for f in futures]
-        return GroupedStore(tuple(results))
+    async def _results(futures: list[asyncio.Future[SwapResult] | None]) -> list[Any]:
+        """Every group's result, in group order (``None`` where none), once all completed;
+        raises the first group's error. Cancelling the caller leaves the copies running."""
+        live = [f for f in futures if f is not None]
+        done = await asyncio.gather(*(asyncio.shield(f) for f in live), return_exceptions=True)
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
+        it = iter(done)
+        return [None if f is None else next(it) for f in futures]
+
+    @classmethod
+    async def _gather(cls, futures: list[asyncio.Future[SwapResult] | None]) -> GroupedStore:
+        return GroupedStore(tuple(await cls._results(futures)))
 
     def load(
         self, plan: RestorePlan, block_tables: Mapping[str, Sequence[int]]
@@ -279,13 +294,7 @@ class GroupedManager:
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         for g, group_keys, ids in work:
             futures[g] = self.managers[g].swap_in(group_keys, ids)
-        return asyncio.ensure_future(self._gather_loads(futures))
-
-    @staticmethod
-    async def _gather_loads(
-        futures: list[asyncio.Future[SwapResult] | None],
-    ) -> list[SwapResult | None]:
-        return [None if f is None else await f for f in futures]
+        return asyncio.ensure_future(self._results(futures))
 
     async def step(self, ctx: Any = None) -> list[Any]:
         """One scheduler step of every group's manager (hooks, then one flush each); then the
