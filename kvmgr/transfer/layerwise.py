@@ -418,4 +418,3 @@ class LayerwiseStore:
         if self._next < self.num_layers:
             self._next = self.num_layers
             self.batches.close()
-
