@@ -136,8 +136,12 @@ class Flusher:
         moved = self._moved_tensor()
         self.before_submit()
         bug: BaseException | None = None
+        duplex = getattr(self.engine, "plan_duplex", None)  # engine "auto": paths per step
         for generation in generations:
-            for direction, lane in generation.lanes.items():
+            lanes = generation.lanes
+            if duplex is not None and lanes[Direction.D2H].parts and lanes[Direction.H2D].parts:
+                lanes = {d: lanes[d] for d in duplex(*self._counts(lanes))}
+            for direction, lane in lanes.items():
                 if not lane.parts:
                     continue
                 gpu_ids, cpu_ids = lane.arrays()
@@ -165,6 +169,16 @@ class Flusher:
         if bug is not None:
             raise bug
         return d2h, h2d
+
+    def _counts(self, lanes: dict[Direction, Lane]) -> tuple[tuple[int, int], ...]:
+        """(descriptors, bytes) of each direction's lane, D2H first: one descriptor per page
+        (scattered blocks; merging can only lower it)."""
+        layout = self.books.gpu_layout
+        counts = []
+        for direction in (Direction.D2H, Direction.H2D):
+            blocks = len(lanes[direction].arrays()[0])
+            counts.append((blocks * layout.num_tensors, blocks * layout.block_bytes))
+        return tuple(counts)
 
     def _submit(
         self, direction: Direction, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray
