@@ -59,7 +59,6 @@ if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports
     )
     from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
     from kvmgr.manager import OffloadManager
-    from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
     from kvmgr.reports import (
         DirectionReport,
         KVEvent,
@@ -69,6 +68,7 @@ if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports
         StoreResult,
         SwapResult,
     )
+    from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 
 __version__ = "0.1.0"
 

@@ -61,7 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU KV cache size")
     p.add_argument("--cpu-kv-gib", type=float, default=None, help="CPU tier size")
-    p.add_argument("--variants", default="recompute,auto,cuda")
+    p.add_argument(
+        "--variants",
+        default="recompute,auto,cuda",
+        help="comma-separated: recompute, auto, cuda, kernel; a -layerwise suffix (auto-layerwise)"
+        " loads prefixes layer by layer",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -123,7 +128,8 @@ async def run_variant(
     cpu_blocks: int,
 ) -> dict[str, Any]:
     offload = name != "recompute"
-    engine_name = "auto" if name == "recompute" else name
+    layerwise = name.endswith("-layerwise")  # e.g. "auto-layerwise": prefixes load layer by layer
+    engine_name = "auto" if name == "recompute" else name.removesuffix("-layerwise")
     config = ManagerConfig(num_cpu_blocks=cpu_blocks if offload else 1, engine=engine_name)
     requests = make_requests(args, model.config.vocab_size)
     econf = EngineConfig(
@@ -132,6 +138,7 @@ async def run_variant(
         max_num_seqs=args.max_num_seqs,
         offload=offload,
         realtime=True,
+        layerwise=layerwise,
     )
     async with OffloadManager(kv, config) as mgr:
         warm = [Request(-1 - i, r.prompt, 2) for i, r in enumerate(requests[:2])]
@@ -163,6 +170,14 @@ async def run_variant(
         "offload_device_share": (ms.device_s_d2h + ms.device_s_h2d) / stats.wall_s,
         "bytes_d2h": ms.bytes_d2h,
         "bytes_h2d": ms.bytes_h2d,
+        "layerwise_steps": stats.layerwise_steps,
+        "layerwise_step_s": stats.layerwise_step_s,
+        "layerwise_load_s": stats.layerwise_load_s,
+        "layerwise_failed": stats.layerwise_failed,
+        # a layerwise step against its own loads' device time (1.0: the step took the load's time)
+        "layerwise_step_over_load": (
+            stats.layerwise_step_s / stats.layerwise_load_s if stats.layerwise_load_s else None
+        ),
     }
 
 

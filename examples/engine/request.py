@@ -55,6 +55,9 @@ class EngineConfig:
         offload: use kvmgr's CPU tier (prefix loads, stores, preempt/resume). False: no CPU
             tier; preemption frees the blocks and recomputes (the baseline).
         realtime: honour ``Request.arrival_s`` (seconds after the run starts).
+        layerwise: load a hit's prefix layer by layer in the step that computes its suffix
+            (``OffloadManager.load_layerwise``; the model waits for layer ``i`` before its
+            attention), instead of loading the whole prefix first and computing a step later.
     """
 
     block_size: int = 16
@@ -62,6 +65,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     offload: bool = True
     realtime: bool = False
+    layerwise: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,3 +106,7 @@ class EngineStats:
     stores_rejected: int = 0
     kvmgr_host_s: float = 0.0
     wall_s: float = 0.0
+    layerwise_steps: int = 0  # steps that loaded a prefix layer by layer
+    layerwise_step_s: float = 0.0  # their forward's wall time (waits on the loads included)
+    layerwise_load_s: float = 0.0  # their loads' device time (summed over the layer groups)
+    layerwise_failed: int = 0  # loads that failed (their requests recompute)
