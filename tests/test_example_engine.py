@@ -78,7 +78,12 @@ def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch
 
 
 async def _serve(
-    model: PagedDecoder, prompts: list[list[int]], *, offload: bool, engine_name: str = "host"
+    model: PagedDecoder,
+    prompts: list[list[int]],
+    *,
+    offload: bool,
+    engine_name: str = "host",
+    layerwise: bool = False,
 ):
     device = next(model.parameters()).device
     kv = new_kv_caches(model.config, 32, BLOCK_SIZE, torch.float32, device)
@@ -90,7 +95,13 @@ async def _serve(
             model,
             kv,
             mgr,
-            EngineConfig(block_size=BLOCK_SIZE, token_budget=16, max_num_seqs=4, offload=offload),
+            EngineConfig(
+                block_size=BLOCK_SIZE,
+                token_budget=16,
+                max_num_seqs=4,
+                offload=offload,
+                layerwise=layerwise,
+            ),
             on_step=check_invariants,
         )
         requests = [Request(i, p, MAX_NEW_TOKENS) for i, p in enumerate(prompts)]
@@ -122,6 +133,20 @@ def test_engine_is_token_exact_with_preemption_and_cpu_hits(kind: str) -> None:
     assert stats.prefill_tokens < base_stats.prefill_tokens
 
 
+def test_layerwise_prefix_loads_are_token_exact() -> None:
+    """Hits load layer by layer in the step that computes their suffix: same tokens as HF."""
+    hf = _hf_model("llama")
+    model = PagedDecoder.from_hf(hf, dtype=torch.float32, device="cpu")
+    prompts = _prompts()
+    served, stats, mgr_stats = asyncio.run(_serve(model, prompts, offload=True, layerwise=True))
+    assert stats.layerwise_steps > 0 and stats.hit_tokens > 0, stats
+    assert stats.layerwise_failed == 0 and mgr_stats.loads_completed > 0
+    for req, prompt in zip(served, prompts):
+        tokens, logits = _reference(hf, prompt)
+        assert req.output == tokens, f"request {req.req_id}: layerwise engine vs HF generate"
+        torch.testing.assert_close(req.first_logits, logits, atol=LOGITS_ATOL, rtol=0)
+
+
 def test_block_keys_chain_prefixes() -> None:
     a = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     b = block_keys([1, 2, 3, 4, 5, 6, 7, 0], 4)
@@ -143,7 +168,9 @@ def test_bench_tiny_runs_and_reuses_prefixes(tmp_path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("engine_name", ["auto", "cuda", "kernel"])
+@pytest.mark.parametrize(
+    "engine_name", ["auto", "cuda", "kernel", "auto-layerwise", "cuda-layerwise"]
+)
 def test_engine_on_cuda_equals_its_run_without_offload(engine_name: str) -> None:
     # the same scenario on the GPU (no transformers needed): a random float32 model, the KV
     # moved by the real copy engines; outputs must equal the run that never offloads
@@ -152,8 +179,10 @@ def test_engine_on_cuda_equals_its_run_without_offload(engine_name: str) -> None
     config = bench.TINY
     model = PagedDecoder.random(config, seed=3, dtype=torch.float32, device="cuda", std=0.2)
     prompts = [[t % config.vocab_size for t in p] for p in _prompts()]
+    layerwise = engine_name.endswith("-layerwise")
+    engine_name = engine_name.removesuffix("-layerwise")
     served, stats, mgr_stats = asyncio.run(
-        _serve(model, prompts, offload=True, engine_name=engine_name)
+        _serve(model, prompts, offload=True, engine_name=engine_name, layerwise=layerwise)
     )
     assert stats.preemptions >= 1 and mgr_stats.loads_completed > 0, (stats, mgr_stats)
     baseline, _, _ = asyncio.run(_serve(model, prompts, offload=False, engine_name=engine_name))
