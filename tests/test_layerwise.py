@@ -203,7 +203,7 @@ async def test_misuse_raises_typed_errors() -> None:
             store.save_layer(0)  # twice
         for layer in range(1, NUM_LAYERS):
             store.save_layer(layer)
-        with pytest.raises(ClosedError):
+        with pytest.raises(LayerOrderError, match="every layer"):
             store.save_layer(0)  # complete
         await store
         check_invariants(mgr)
@@ -299,6 +299,7 @@ async def test_abort_and_close_fail_unsaved_stores() -> None:
         store = mgr.store_layerwise(mgr.allocate("a", 3), keys, layers=2)
         store.save_layer(0)
         store.abort()
+        store.save_layer(1)  # after abort: nothing more is copied, the forward goes on
         with pytest.raises(LayerLoadError, match="1 of 4"):
             await store
         assert mgr.peek(keys) == 0  # the keys of a failed store are dropped
@@ -330,4 +331,20 @@ async def test_load_flushes_what_was_queued_first() -> None:
         for layer in range(NUM_LAYERS):
             empty.wait_layer(layer)
         await empty
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_refused_store_layer_fails_the_store_not_the_forward() -> None:
+    caches = _caches()
+    keys = _keys(3, salt=13)
+    engine = FaultyEngine(HostEngine(), refuse_batches={1})
+    async with _manager(caches, engine) as mgr:
+        store = mgr.store_layerwise(mgr.allocate("a", 3), keys, layers=2)
+        for layer in range(NUM_LAYERS):
+            store.save_layer(layer)  # layer 1 is refused; later layers are not copied, no raise
+        assert len(store.batches.handles) == 1
+        with pytest.raises(LayerLoadError, match="could not submit"):
+            await store
+        assert mgr.peek(keys) == 0
         check_invariants(mgr)

@@ -179,7 +179,7 @@ class LayerBatches:
     def submit(self, group: int, submit: Callable[[], BatchHandle]) -> BatchHandle | None:
         """Submit group ``group`` (the next one) through ``submit()``; a refusal (an exception,
         or a handle whose issue was refused) fails the operation and closes it. Returns the
-        handle, or ``None`` if it was refused."""
+        handle, or ``None`` if it was refused (then no later group may be submitted)."""
         assert group == len(self.handles) and not self._closed
         try:
             handle = submit()
@@ -197,7 +197,7 @@ class LayerBatches:
         handle.future.add_done_callback(lambda f, g=group: self._ended_one(g, f))
         if len(self.handles) == self.num_groups or refused is not None:
             self.close()
-        return handle
+        return None if refused is not None else handle
 
     def close(self) -> None:
         """No more groups will be submitted; fewer than ``num_groups`` fails the operation."""
@@ -369,6 +369,7 @@ class LayerwiseStore:
         self._submit_group = submit_group
         self._is_open = is_open
         self._next = 0  # the next layer to save
+        self._aborted = False
 
     @property
     def num_layers(self) -> int:
@@ -390,22 +391,27 @@ class LayerwiseStore:
     def save_layer(self, layer: int) -> None:
         """Layer ``layer`` wrote its KV: copy it out, after the work queued so far on the compute
         stream (a fence recorded there now). Layers are saved once each, in order; the group's
-        batch is submitted when its last layer is saved.
+        batch is submitted when its last layer is saved. Once the store failed (a group was
+        refused) or was aborted, this does nothing: the forward goes on, the store's future
+        fails.
 
         Raises:
-            LayerOrderError: ``layer`` is not the next layer to save, or the current stream is
-                capturing a CUDA graph.
-            ClosedError: the store was aborted or failed, or its manager is closed.
+            LayerOrderError: ``layer`` is not the next layer to save (or every layer was saved),
+                or the current stream is capturing a CUDA graph.
+            ClosedError: the manager is closed.
         """
+        if not self._is_open():
+            raise ClosedError("the layerwise store's manager is closed")
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
         layer = int(layer)
-        if self._next >= self.num_layers or self.batches.failed or not self._is_open():
-            raise ClosedError("the layerwise store is complete, failed, aborted or closed")
+        if self._aborted or self.batches.failed:
+            return
         if layer != self._next:
-            raise LayerOrderError(
-                f"layer {layer} saved out of order: the next layer to save is {self._next}"
+            expected = (
+                "none: every layer was saved" if self._next >= self.num_layers else self._next
             )
+            raise LayerOrderError(f"layer {layer} saved out of order: the next layer to save is {expected}")  # fmt: skip
         _check_not_capturing("save_layer")
         self._next += 1
         group = int(self.groups.group_of[layer])
@@ -415,6 +421,6 @@ class LayerwiseStore:
     def abort(self) -> None:
         """Give up the layers not saved yet: the store fails (``LayerLoadError``) once the groups
         already submitted ended, and its keys are dropped. Idempotent; a no-op once complete."""
-        if self._next < self.num_layers:
-            self._next = self.num_layers
+        if self._next < self.num_layers and not self._aborted:
+            self._aborted = True
             self.batches.close()
