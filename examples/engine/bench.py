@@ -50,6 +50,15 @@ TINY = ModelConfig(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.engine.bench", description=__doc__)
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke run)")
+    p.add_argument(
+        "--slice",
+        choices=("mooncake", "multiturn"),
+        default="mooncake",
+        help="requests: the Mooncake trace slice, or synthetic multi-turn conversations (each "
+        "turn's prompt = the previous turn's prompt + --turn-tokens new tokens: high reuse)",
+    )
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--turn-gap", type=float, default=1.0, help="multiturn: seconds between turns")
     p.add_argument("--requests", type=int, default=None, help="requests from the trace")
     p.add_argument("--start", type=int, default=0, help="first trace line used")
     p.add_argument("--max-prompt-blocks", type=int, default=3, help="trace blocks per prompt")
@@ -96,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Request]:
     """The trace slice as requests: synthesised prompts, capped lengths, rescaled arrivals."""
+    if args.slice == "multiturn":
+        return make_multiturn(args, vocab_size)
     trace = load_trace(default_trace_path(), limit=args.start + args.requests)[args.start :]
     tb = args.trace_block_tokens
     blocks: dict[int, list[int]] = {}
@@ -113,6 +124,26 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Request]:
         prompt = [t for h in ids for t in blocks[h]][: max(length, 2)]
         out = min(row.output_length, args.max_output)
         requests.append(Request(i, prompt, out, arrival_s=(row.arrival_s - t0) * scale))
+    return requests
+
+
+def make_multiturn(args: argparse.Namespace, vocab_size: int) -> list[Request]:
+    """``--requests`` requests as conversations of ``--turns`` turns: the first prompt is
+    ``--max-prompt-blocks`` trace blocks of tokens, every later turn adds one more block;
+    conversations arrive at ``--rate`` / ``--turns`` per second, their turns ``--turn-gap``
+    seconds apart. Token ids from a generator seeded by (seed, conversation)."""
+    tb, turns = args.trace_block_tokens, max(1, args.turns)
+    conversations = max(1, args.requests // turns)
+    first = args.max_prompt_blocks * tb
+    requests = []
+    for c in range(conversations):
+        rng = np.random.default_rng([args.seed, 1 << 20, c])
+        tokens = rng.integers(1, vocab_size, first + turns * tb).tolist()
+        start = c * turns / args.rate
+        for k in range(turns):
+            prompt = tokens[: first + k * tb]
+            arrival = start + k * args.turn_gap
+            requests.append(Request(len(requests), prompt, args.max_output, arrival_s=arrival))
     return requests
 
 
@@ -206,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_blocks": gpu_blocks,
         "cpu_blocks": cpu_blocks,
         "block_size": args.block_size,
+        "slice": args.slice,
         "args": vars(args),
     }
     results: list[dict[str, Any]] = []
