@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run every variant this many times in turn and report the last round (the first "
         "pays one-time compilation and allocator warm-up, which favours whoever runs later)",
     )
+    p.add_argument(
+        "--eager-decode",
+        action="store_true",
+        help="decode eagerly on the GPU too (default there: decode-only steps in CUDA graphs)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -170,6 +175,7 @@ async def run_variant(
         offload=offload,
         realtime=True,
         layerwise=layerwise,
+        decode_graphs=kv[0].is_cuda and not args.eager_decode,
     )
     async with OffloadManager(kv, config) as mgr:
         warm = [Request(-1 - i, r.prompt, 2) for i, r in enumerate(requests[:2])]
@@ -198,6 +204,9 @@ async def run_variant(
         "stores_rejected": stats.stores_rejected,
         "steps": stats.steps,
         "offload_host_share": stats.kvmgr_host_s / stats.wall_s,
+        "offload_host_us_per_step": 1e6 * stats.kvmgr_host_s / max(stats.steps, 1),
+        "forward_share": stats.forward_s / stats.wall_s,
+        "graph_steps": stats.graph_steps,
         "offload_device_share": (ms.device_s_d2h + ms.device_s_h2d) / stats.wall_s,
         "bytes_d2h": ms.bytes_d2h,
         "bytes_h2d": ms.bytes_h2d,
@@ -271,6 +280,9 @@ def print_table(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         ("prefix tokens loaded", "hit_tokens", "{:d}"),
         ("preemptions (recomputed)", None, None),
         ("offload share, host", "offload_host_share", "{:.1%}"),
+        ("offload host us per step", "offload_host_us_per_step", "{:.0f}"),
+        ("forward share (model + sampling)", "forward_share", "{:.1%}"),
+        ("decode steps in CUDA graphs", "graph_steps", "{:d}"),
         ("offload share, copy device time", "offload_device_share", "{:.1%}"),
         ("wall s", "wall_s", "{:.1f}"),
     ]

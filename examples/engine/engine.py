@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from examples.engine.graphs import DecodeGraphs
 from examples.engine.model import PagedDecoder, StepBatch
 from examples.engine.request import (
     FINISHED,
@@ -40,6 +41,8 @@ from examples.engine.request import (
 from kvmgr import LayerLoadError, OffloadManager, PoolExhaustedError, StepContext
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Request", "block_keys"]
+
+_PAD = "decode-graph padding"  # the request id holding DecodeGraphs' scratch block
 
 
 class Engine:
@@ -67,6 +70,7 @@ class Engine:
         self._loads: list[tuple[Request, int]] = []  # admitted this step: (request, hit blocks)
         self._layerwise: Any = None  # this step's LayerwiseLoad (config.layerwise)
         self._layerwise_reqs: list[Request] = []
+        self._graphs: DecodeGraphs | None = None
         self._t0 = 0.0
 
     # ------------------------------------------------------------------ the loop
@@ -76,6 +80,14 @@ class Engine:
         arrivals = collections.deque(sorted(requests, key=lambda r: r.arrival_s))
         for req in arrivals:
             req.keys = block_keys(req.prompt, self.config.block_size)
+        if self.config.decode_graphs and arrivals:
+            bs = self.config.block_size
+            longest = max(len(r.prompt) + r.max_new_tokens for r in arrivals)
+            pad = self.mgr.allocate(_PAD, 1)  # a block only padding rows write
+            self._graphs = DecodeGraphs(
+                self.model, self.kv_caches, max_blocks=-(-longest // bs), pad_slot=pad[0] * bs,
+                capture=self.device.type == "cuda", max_batch=self.config.max_num_seqs,
+            )  # fmt: skip
         self._t0 = time.perf_counter()
         while arrivals or self.waiting or self.active:
             now = self._now()
@@ -94,6 +106,9 @@ class Engine:
                 await self._idle(arrivals)
         if self._stores:  # drain: the stores of the last steps land before we report
             await asyncio.wait(list(self._stores))
+        if self._graphs is not None:
+            self.mgr.free(_PAD)
+            self._graphs = None
         self.stats.wall_s = time.perf_counter() - self._t0
         return self.stats
 
@@ -310,14 +325,27 @@ class Engine:
         )
         load, self._layerwise = self._layerwise, None
         started = time.perf_counter()
+        graphs = self._graphs
         try:
-            logits = self.model(batch, self.kv_caches, None if load is None else load.wait_layer)
+            if (
+                graphs is not None
+                and load is None
+                and len(sample_rows) == len(chosen)
+                and graphs.fits(batch)
+            ):
+                logits = graphs.run(batch)
+                self.stats.graph_steps += 1
+            else:
+                logits = self.model(
+                    batch, self.kv_caches, None if load is None else load.wait_layer
+                )
         except LayerLoadError:  # no layer of a failed load was read: recompute those requests
             self.stats.layerwise_failed += 1
             for req in self._layerwise_reqs:
                 self._recompute(req)
             return StepContext()  # the others' new K/V are rewritten when they run again
         next_tokens = logits.argmax(dim=-1).tolist()  # greedy; syncs with the device
+        self.stats.forward_s += time.perf_counter() - started
         if load is not None:
             self.stats.layerwise_steps += 1
             self.stats.layerwise_step_s += time.perf_counter() - started

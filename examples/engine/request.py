@@ -58,6 +58,8 @@ class EngineConfig:
         layerwise: load a hit's prefix layer by layer in the step that computes its suffix
             (``OffloadManager.load_layerwise``; the model waits for layer ``i`` before its
             attention), instead of loading the whole prefix first and computing a step later.
+        decode_graphs: run decode-only steps through ``graphs.DecodeGraphs`` (CUDA graphs on a
+            GPU, the same static-shape code eagerly on the CPU).
     """
 
     block_size: int = 16
@@ -66,6 +68,7 @@ class EngineConfig:
     offload: bool = True
     realtime: bool = False
     layerwise: bool = False
+    decode_graphs: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,3 +113,5 @@ class EngineStats:
     layerwise_step_s: float = 0.0  # their forward's wall time (waits on the loads included)
     layerwise_load_s: float = 0.0  # their loads' device time (summed over the layer groups)
     layerwise_failed: int = 0  # loads that failed (their requests recompute)
+    graph_steps: int = 0  # decode steps run by DecodeGraphs
+    forward_s: float = 0.0  # the model's forward + sampling sync, all steps
