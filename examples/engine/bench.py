@@ -33,6 +33,7 @@ import torch
 
 from examples.engine.engine import Engine, EngineConfig, Request
 from examples.engine.model import LLAMA3_8B, ModelConfig, PagedDecoder, new_kv_caches
+from examples.engine.probe import hit_probe
 from kvmgr import ManagerConfig, OffloadManager, __version__
 from kvmgr.sim import default_trace_path, load_trace
 
@@ -87,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--eager-decode",
         action="store_true",
         help="decode eagerly on the GPU too (default there: decode-only steps in CUDA graphs)",
+    )
+    p.add_argument(
+        "--no-probe", action="store_true", help="skip the hit probe (load / compute / layerwise)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -264,6 +268,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after every variant, so that a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({"meta": meta, "results": results}, f, indent=2)
+    if not args.no_probe:  # one hit timed three ways, same process (probe.py)
+        tb = args.trace_block_tokens
+        meta["hit_probe"] = asyncio.run(
+            hit_probe(
+                model,
+                kv,
+                block_size=args.block_size,
+                prefix_blocks=args.max_prompt_blocks * tb // args.block_size,
+                suffix_tokens=tb,
+                engine="auto" if cuda else "host",
+            )
+        )
+        print(f"hit probe: {json.dumps(meta['hit_probe'])}", file=sys.stderr)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=2)
     print_table(results, meta)
     return 0
 
@@ -294,6 +314,12 @@ def print_table(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         else:
             cells = [fmt.format(r[key]) for r in results]
         print(f"| {label} | " + " | ".join(cells) + " |")
+    probe = meta.get("hit_probe")
+    if probe:
+        print(f"hit of {probe['prefix_blocks']} blocks + {probe['suffix_tokens']} tokens: load "
+              f"{probe['load_s'] * 1e3:.2f} ms, suffix compute {probe['compute_s'] * 1e3:.2f} ms, "
+              f"layerwise {probe['layerwise_s'] * 1e3:.2f} ms = {probe['ratio']:.2f}x "
+              "max(load, compute) (goal <= 1.1)")  # fmt: skip
     base = results[0]
     for r in results[1:]:
         print(f"{r['variant']} / {base['variant']}: throughput "

@@ -60,7 +60,8 @@ import json, sys
 summary = {}
 for name in ("engine", "engine_multiturn"):
     try:
-        rows = json.load(open(f"{sys.argv[1]}/{name}.json"))["results"]
+        data = json.load(open(f"{sys.argv[1]}/{name}.json"))
+        rows = data["results"]
         results = {r["variant"]: r for r in rows}
         base = results["recompute"]
         summary[name] = {
@@ -76,6 +77,7 @@ for name in ("engine", "engine_multiturn"):
             }
             for variant, r in results.items()
         }
+        summary[name]["hit_probe"] = data["meta"].get("hit_probe")
     except Exception as exc:
         summary[name] = {"error": repr(exc)}
 print(json.dumps(summary))
