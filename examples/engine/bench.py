@@ -10,6 +10,12 @@ Variants, one process, same requests, same GPU KV tensors:
     (a) recompute: no CPU tier; a preempted request recomputes; no prefix reuse
     (b) auto:      kvmgr CPU tier, ``engine="auto"`` (per-batch DMA or copy kernel)
     (c) cuda:      kvmgr CPU tier, ``engine="cuda"`` (batched driver copies); skipped on CPU
+    (d) <engine>-layerwise (e.g. ``auto-layerwise``): prefix hits load layer by layer in the step
+        that computes their suffix (``OffloadManager.load_layerwise``)
+On a GPU, decode-only steps run in CUDA graphs (``graphs.py``; ``--eager-decode``: not). After
+the variants, ``probe.hit_probe`` times one hit as load alone, suffix compute alone and
+layerwise (``--no-probe`` skips it). ``--slice multiturn`` replaces the trace by synthetic
+conversations whose every turn extends the previous prompt (high reuse).
 
 Trace: the bundled Mooncake conversation trace; its ``hash_ids`` name 512-token blocks. Each
 hash id gets deterministic token ids (a generator seeded by the id), so requests sharing a
