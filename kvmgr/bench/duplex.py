@@ -13,7 +13,9 @@ per direction issued from one thread (the kernel first in mixed pairs), ``dma+dm
 recorded before the first issue to the later of the two streams' end events (host issue time
 counts); median of ``--repeats``. ``ratio`` = limit time / variant time (goal >= 0.8);
 ``overlap`` = the share of the shorter direction's device span spent while the other one ran.
-Alone rows give each direction's time by itself. Every pair's bytes are checked once before
+Alone rows give each direction's time by itself. ``engine cuda`` / ``engine auto``: both
+plans through the engine's ``submit`` as a step submits them (``AutoEngine.plan_duplex`` first),
+timed on the host until both futures resolved (what a caller sees, completion threads included). Every pair's bytes are checked once before
 timing. ``--json`` writes every row; ``Calibration.from_json`` fits ``duplex_*`` from it.
 """
 
@@ -203,6 +205,10 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
             names = {d: "kernel" if choice.kernel(d) else "dma" for d in Direction}
             second = _H2D if choice.first is _D2H else _D2H
             variants["auto"] = both((names[choice.first], choice.first), (names[second], second))
+        engines = _engines(driver)
+        counts = {d: (plans[d][0].num_descriptors, num_bytes) for d in Direction}
+        for engine_name, engine in engines.items():
+            variants[f"engine {engine_name}"] = _through(engine, plans, counts)
         limit_us = None
         for name, issue in list(variants.items()) + list(alone.items()):
             totals, hosts, overlaps = [], [], []
@@ -213,6 +219,8 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
                 for i in range(args.warmup + args.repeats):
                     total, host, spans = _timed(streams, issue)
                     drain()
+                    if name.startswith("engine "):  # issue() returned once both landed
+                        total = host
                     if i >= args.warmup:
                         totals.append(total)
                         hosts.append(host)
@@ -239,7 +247,35 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
                 row["choice"] = f"d2h={names[_D2H]} h2d={names[_H2D]} first={choice.first.value}"
                 row["model_us"] = round(choice.us, 1)
             rows.append(row)
+        for engine in engines.values():
+            engine.close()
     return rows
+
+
+def _engines(driver: CopyDriver) -> dict[str, Any]:
+    """The engines ``cuda`` and ``auto`` (where they can be built) on the current device."""
+    from kvmgr.transfer.cuda_engine import AutoEngine, CudaBatchEngine
+
+    engines: dict[str, Any] = {"cuda": CudaBatchEngine(driver=driver)}
+    try:
+        engines["auto"] = AutoEngine(driver=driver)
+    except Exception as exc:  # no kernel: the row says so
+        print(json.dumps({"variant": "engine auto", "error": repr(exc)}))
+    return engines
+
+
+def _through(engine: Any, plans: dict[Direction, Any], counts: dict[Direction, Any]) -> Callable[[], None]:  # fmt: skip
+    """Both plans through ``engine.submit`` as a step submits them (``plan_duplex`` first where
+    the engine has it), returning once both futures resolved: the wall time a caller sees."""
+
+    def issue() -> None:
+        duplex = getattr(engine, "plan_duplex", None)
+        order = duplex(counts[_D2H], counts[_H2D]) if duplex is not None else (_D2H, _H2D)
+        handles = [engine.submit(plans[d][0]) for d in order]
+        for handle in handles:
+            handle.future.result()
+
+    return issue
 
 
 def _check(pool: CasePool, plans: dict[Direction, Any], issue: Callable[[], None]) -> None:
