@@ -279,6 +279,7 @@ async def test_layers_land_in_order_under_a_slow_copy() -> None:
         load = mgr.load_layerwise(keys, b, layers=2)
         load.wait_layer(0)
         assert torch.equal(caches[0][a], caches[0][b])
+        check_invariants(mgr)  # every unresolved group is known to the manager, blocks fenced
         returned = threading.Event()
         waiter = threading.Thread(target=lambda: (load.wait_layer(1), returned.set()))
         waiter.start()
@@ -298,6 +299,7 @@ async def test_abort_and_close_fail_unsaved_stores() -> None:
     async with mgr:
         store = mgr.store_layerwise(mgr.allocate("a", 3), keys, layers=2)
         store.save_layer(0)
+        check_invariants(mgr)  # a store half saved: PENDING keys, its blocks busy
         store.abort()
         store.save_layer(1)  # after abort: nothing more is copied, the forward goes on
         with pytest.raises(LayerLoadError, match="1 of 4"):

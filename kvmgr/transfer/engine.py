@@ -63,6 +63,8 @@ class BatchHandle:
         end_event: engine-specific completion marker (a CUDA event), or ``None``.
         refused: the error of a copy the engine refused while issuing (known at submit; the
             future fails with it once the copies enqueued before it ended), else ``None``.
+        member_ids: for a handle that joins several engine batches (a layerwise load or
+            store, ``kvmgr.transfer.layerwise.LayerBatches``), their batch ids; else ``None``.
     """
 
     batch_id: int
@@ -70,6 +72,7 @@ class BatchHandle:
     future: concurrent.futures.Future[BatchResult]
     end_event: Any = None
     refused: Any = None
+    member_ids: list[int] | None = None
 
     def done(self) -> bool:
         """Whether the copy has completed (successfully or not)."""

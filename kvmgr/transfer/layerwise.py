@@ -166,7 +166,7 @@ class LayerBatches:
         self.num_groups = num_groups
         self.handles: list[BatchHandle] = []
         self.error: BaseException | None = None
-        self.handle = BatchHandle(-1, direction, concurrent.futures.Future())
+        self.handle = BatchHandle(-1, direction, concurrent.futures.Future(), member_ids=[])
         self._lock = threading.Lock()
         self._ended = 0
         self._closed = False  # no more groups will be submitted
@@ -190,6 +190,7 @@ class LayerBatches:
         if self.handle.batch_id < 0:
             self.handle.batch_id = handle.batch_id
         self.handles.append(handle)
+        self.handle.member_ids.append(handle.batch_id)  # type: ignore[union-attr]
         self.handle.end_event = handle.end_event
         refused = getattr(handle, "refused", None)
         if refused is not None:
