@@ -97,6 +97,12 @@ def test_groups_by_layer_and_size() -> None:
             LayerGroups.build([8, 8, 8], bad)
     with pytest.raises(LayerOrderError):
         LayerGroups.build([8], None, min_group_bytes=-1)
+    capped = LayerGroups.build([100] * 8, 2, max_groups=2)  # 4 layers of 200 B: 400 B a group
+    assert capped.group_of.tolist() == [0, 0, 1, 1]
+    assert LayerGroups.build([100] * 8, 2, max_groups=3).num_groups == 2  # 267 B: 2 layers
+    for bad in (0, True, 1.5):
+        with pytest.raises(LayerOrderError):
+            LayerGroups.build([8], None, max_groups=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.asyncio

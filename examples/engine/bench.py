@@ -276,17 +276,19 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump({"meta": meta, "results": results}, f, indent=2)
     if not args.no_probe:  # one hit timed three ways, same process (probe.py)
         tb = args.trace_block_tokens
-        meta["hit_probe"] = asyncio.run(
-            hit_probe(
-                model,
-                kv,
-                block_size=args.block_size,
-                prefix_blocks=args.max_prompt_blocks * tb // args.block_size,
-                suffix_tokens=tb,
-                engine="auto" if cuda else "host",
+        for key, groups in (("hit_probe", 8), ("hit_probe_per_layer", mconf.num_layers)):
+            meta[key] = asyncio.run(
+                hit_probe(
+                    model,
+                    kv,
+                    block_size=args.block_size,
+                    prefix_blocks=args.max_prompt_blocks * tb // args.block_size,
+                    suffix_tokens=tb,
+                    engine="auto" if cuda else "host",
+                    max_groups=groups,
+                )
             )
-        )
-        print(f"hit probe: {json.dumps(meta['hit_probe'])}", file=sys.stderr)
+            print(f"{key}: {json.dumps(meta[key])}", file=sys.stderr)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "results": results}, f, indent=2)
@@ -320,9 +322,11 @@ def print_table(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         else:
             cells = [fmt.format(r[key]) for r in results]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    probe = meta.get("hit_probe")
-    if probe:
-        print(f"hit of {probe['prefix_blocks']} blocks + {probe['suffix_tokens']} tokens: load "
+    for probe in (meta.get("hit_probe"), meta.get("hit_probe_per_layer")):
+        if not probe:
+            continue
+        print(f"hit of {probe['prefix_blocks']} blocks + {probe['suffix_tokens']} tokens, "
+              f"{probe['max_groups']} groups at most: load "
               f"{probe['load_s'] * 1e3:.2f} ms, suffix compute {probe['compute_s'] * 1e3:.2f} ms, "
               f"layerwise {probe['layerwise_s'] * 1e3:.2f} ms = {probe['ratio']:.2f}x "
               "max(load, compute) (goal <= 1.1)")  # fmt: skip

@@ -187,7 +187,11 @@ class Engine:
         ids = [block for req, hits in self._loads for block in req.block_ids[:hits]]
         if self.config.layerwise:  # submitted now; this step's forward waits layer by layer
             load = self._timed(
-                self.mgr.load_layerwise, keys, np.asarray(ids, dtype=np.int64), layers=2
+                self.mgr.load_layerwise,
+                keys,
+                np.asarray(ids, dtype=np.int64),
+                layers=2,
+                max_groups=self.config.layer_groups,
             )
             self._layerwise, self._layerwise_reqs = load, [req for req, _ in self._loads]
             self._stores.add(load.future)  # drained at the end like the stores

@@ -59,6 +59,7 @@ async def hit_probe(
     suffix_tokens: int,
     engine: str = "auto",
     repeats: int = 3,
+    max_groups: int = 8,
 ) -> dict[str, Any]:
     """Time one hit three ways (module docstring); returns seconds and ``ratio``."""
     device = kv[0].device
@@ -87,7 +88,7 @@ async def hit_probe(
             model(batch, kv)
             _sync(device)
             t2 = time.perf_counter()
-            load = mgr.load_layerwise(keys, prefix, layers=2)
+            load = mgr.load_layerwise(keys, prefix, layers=2, max_groups=max_groups)
             model(batch, kv, load.wait_layer)
             _sync(device)
             await load
@@ -99,5 +100,6 @@ async def hit_probe(
         mgr.free("dst")
     result: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     result["ratio"] = result["layerwise_s"] / max(result["load_s"], result["compute_s"])
-    result |= {"prefix_blocks": prefix_blocks, "suffix_tokens": suffix_tokens, "engine": engine}
+    result |= {"prefix_blocks": prefix_blocks, "suffix_tokens": suffix_tokens, "engine": engine,
+               "max_groups": max_groups}  # fmt: skip
     return result

@@ -58,6 +58,8 @@ class EngineConfig:
         layerwise: load a hit's prefix layer by layer in the step that computes its suffix
             (``OffloadManager.load_layerwise``; the model waits for layer ``i`` before its
             attention), instead of loading the whole prefix first and computing a step later.
+        layer_groups: at most this many batches per layerwise load (``max_groups``: layers
+            merged by size, each batch costs host time to submit).
         decode_graphs: run decode-only steps through ``graphs.DecodeGraphs`` (CUDA graphs on a
             GPU, the same static-shape code eagerly on the CPU).
     """
@@ -68,6 +70,7 @@ class EngineConfig:
     offload: bool = True
     realtime: bool = False
     layerwise: bool = False
+    layer_groups: int = 8
     decode_graphs: bool = False
 
 

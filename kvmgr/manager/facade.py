@@ -507,6 +507,7 @@ class OffloadManager:
         *,
         layers: Sequence[int] | int | None = None,
         min_group_bytes: int = 0,
+        max_groups: int | None = None,
     ) -> LayerwiseLoad:
         """Load READY keys into GPU blocks layer by layer, submitted NOW (not at ``step()``).
 
@@ -522,6 +523,8 @@ class OffloadManager:
                 per layer.
             min_group_bytes: layers are merged with the next until a group holds this many bytes
                 per block (``0``: one batch per layer).
+            max_groups: at most this many batches (layers merged by size; each batch costs
+                host time to submit).
 
         Raises:
             LayerOrderError: bad ``layers`` or ``min_group_bytes``.
@@ -529,7 +532,9 @@ class OffloadManager:
                 (``LayerLoadError``) and every ``wait_layer`` raises.
         """
         loop = self._check_open()
-        groups = LayerGroups.build(self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes)
+        groups = LayerGroups.build(
+            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
         future: asyncio.Future[LoadResult] = loop.create_future()
         part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
         return start_load(self._flusher, groups, part, self._is_open)
@@ -542,6 +547,7 @@ class OffloadManager:
         parents: Sequence[bytes | None] | None = None,
         layers: Sequence[int] | int | None = None,
         min_group_bytes: int = 0,
+        max_groups: int | None = None,
     ) -> LayerwiseStore:
         """Store GPU blocks layer by layer as the forward writes them (``save_kv_layer``).
 
@@ -552,7 +558,7 @@ class OffloadManager:
 
         Args:
             gpu_block_ids, keys, parents: as ``store_many``.
-            layers, min_group_bytes: as ``load_layerwise``.
+            layers, min_group_bytes, max_groups: as ``load_layerwise``.
 
         Raises:
             LayerOrderError: bad ``layers`` or ``min_group_bytes``.
@@ -560,7 +566,9 @@ class OffloadManager:
             KVMgrError: as ``store_many``.
         """
         loop = self._check_open()
-        groups = LayerGroups.build(self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes)
+        groups = LayerGroups.build(
+            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
         future: asyncio.Future[StoreResult] = loop.create_future()
         part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
         store = start_store(self._flusher, groups, part, self._is_open)

@@ -78,6 +78,7 @@ for name in ("engine", "engine_multiturn"):
             for variant, r in results.items()
         }
         summary[name]["hit_probe"] = data["meta"].get("hit_probe")
+        summary[name]["hit_probe_per_layer"] = data["meta"].get("hit_probe_per_layer")
     except Exception as exc:
         summary[name] = {"error": repr(exc)}
 print(json.dumps(summary))
