@@ -4,19 +4,28 @@ Offers:
     add_arguments, run      the CLI entry points
 
 Per geometry: ``--blocks`` scattered blocks stored (GPU -> pinned host) and as many other blocks
-loaded (host -> GPU) in one step, each direction on its own stream (H2D at high priority, as
-the engines do). Variants: ``limit`` (two contiguous copies of the same bytes in opposite
-directions at once, ``torch`` ``copy_`` on the two streams), every pair of ``dma`` / ``kernel``
-per direction issued from one thread (the kernel first in mixed pairs), ``dma+dma threads``
-(each direction issued from its own host thread: is the driver call what serializes?) and
-``auto`` (``kvmgr.transfer.duplex.duplex_choice``'s pair and order). Time = from an event
-recorded before the first issue to the later of the two streams' end events (host issue time
-counts); median of ``--repeats``. ``ratio`` = limit time / variant time (goal >= 0.8);
-``overlap`` = the share of the shorter direction's device span spent while the other one ran.
-Alone rows give each direction's time by itself. ``engine cuda`` / ``engine auto``: both
-plans through the engine's ``submit`` as a step submits them (``AutoEngine.plan_duplex`` first),
-timed on the host until both futures resolved (what a caller sees, completion threads included). Every pair's bytes are checked once before
-timing. ``--json`` writes every row; ``Calibration.from_json`` fits ``duplex_*`` from it.
+loaded (host -> GPU) in one step, each direction on its own stream (H2D at high priority, as the
+engines do). Variants:
+
+- ``limit``: two contiguous copies of the same bytes in opposite directions at once (``torch``
+  ``copy_`` on the two streams);
+- every pair of ``dma`` / ``kernel`` per direction (``<d2h>+<h2d>``) issued from one thread, the
+  kernel first in mixed pairs; ``dma+dma threads``: each direction's driver call on its own host
+  thread (is the driver call what serializes?);
+- ``contiguous+kernel`` / ``kernel+contiguous``: the kernel one way against an ideal contiguous
+  DMA copy the other way (which direction of SM copies slows the link for the other; not checked
+  for bytes: the contiguous half copies other buffers);
+- ``auto``: the pair and order ``kvmgr.transfer.duplex.duplex_choice`` picks;
+- ``engine cuda`` / ``engine auto``: both plans through the engine's ``submit`` as a step submits
+  them (``AutoEngine.plan_duplex`` first), timed on the host until both futures resolved (what a
+  caller sees, completion threads included);
+- ``<path> <direction>``: each direction alone.
+
+Time = from an event recorded before the first issue to the later of the two streams' end events
+(host issue time counts); median of ``--repeats``. ``ratio`` = limit time / variant time (goal
+>= 0.8); ``overlap`` = the share of the shorter direction's device span spent while the other
+one ran. Every pair's bytes are checked once before timing. ``--json`` writes every row;
+``Calibration.from_json`` fits ``duplex_*`` from it.
 """
 
 from __future__ import annotations
@@ -198,6 +207,12 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
                 order.reverse()  # the kernel first: its host cost is small
             variants[f"{d2h_name}+{h2d_name}"] = both(*order)
         variants["dma+dma threads"] = threaded
+        if kernel is not None:  # the kernel against an ideal DMA copy the other way: which
+            # direction of SM copies slows the link for the other (no host-bound DMA issue)
+            contiguous_d2h, contiguous_h2d = contiguous(_D2H), contiguous(_H2D)
+            kernel_d2h, kernel_h2d = one("kernel", _D2H), one("kernel", _H2D)
+            variants["contiguous+kernel"] = lambda: (kernel_h2d(), contiguous_d2h())
+            variants["kernel+contiguous"] = lambda: (kernel_d2h(), contiguous_h2d())
         choice = duplex_choice(
             (plans[_D2H][0].num_descriptors, num_bytes), (plans[_H2D][0].num_descriptors, num_bytes)
         )
@@ -213,7 +228,7 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
         for name, issue in list(variants.items()) + list(alone.items()):
             totals, hosts, overlaps = [], [], []
             try:
-                if name in variants and name != "limit":
+                if name in variants and name != "limit" and "contiguous" not in name:
                     _check(pool, plans, issue)
                     drain()
                 for i in range(args.warmup + args.repeats):
