@@ -101,28 +101,36 @@ def _plans(pool: CasePool, blocks: int, rng: np.random.Generator) -> dict[Direct
 
 
 def _timed(
-    streams: dict[Direction, torch.cuda.Stream], issue: Callable[[], None]
+    streams: dict[Direction, torch.cuda.Stream],
+    issue: Callable[[], None],
+    marks: dict[Direction, tuple[Any, Any]],
 ) -> tuple[float, float, dict[Direction, tuple[float, float]]]:
-    """(total us, host us, per-direction (start, end) us from the origin) of one ``issue``."""
+    """(total us, host us, per-direction (start, end) us from the origin) of one ``issue``.
+
+    ``marks`` is filled by the issue itself (``one()``: events recorded on a direction's stream
+    right before and after its issue), so a direction issued late starts late; directions
+    without marks (contiguous copies, other threads' issues) get no span."""
     origin = torch.cuda.Event(enable_timing=True)
-    marks = {d: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for d in Direction}  # fmt: skip
+    ends = {d: torch.cuda.Event(enable_timing=True) for d in Direction}
+    marks.clear()
     torch.cuda.synchronize()
     origin.record(streams[_D2H])
     streams[_H2D].wait_event(origin)
-    for d in Direction:
-        marks[d][0].record(streams[d])
     t0 = time.perf_counter()
     issue()
     host_us = (time.perf_counter() - t0) * 1e6
     for d in Direction:
-        marks[d][1].record(streams[d])
+        ends[d].record(streams[d])
     torch.cuda.synchronize()
-    spans = {d: (origin.elapsed_time(s) * 1e3, origin.elapsed_time(e) * 1e3) for d, (s, e) in marks.items()}  # fmt: skip
-    return max(end for _, end in spans.values()), host_us, spans
+    total = max(origin.elapsed_time(e) for e in ends.values()) * 1e3
+    spans = {d: (origin.elapsed_time(a) * 1e3, origin.elapsed_time(b) * 1e3)
+             for d, (a, b) in marks.items()}  # fmt: skip
+    return total, host_us, spans
 
 
-def _overlap(spans: dict[Direction, tuple[float, float]]) -> float:
+def _overlap(spans: dict[Direction, tuple[float, float]]) -> float | None:
+    if len(spans) < 2:
+        return None
     (a0, a1), (b0, b1) = spans[_D2H], spans[_H2D]
     shorter = min(a1 - a0, b1 - b0)
     return max(0.0, min(a1, b1) - max(a0, b0)) / shorter if shorter > 0 else 0.0
@@ -140,6 +148,7 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
         kernel = KernelCopy(torch.device("cuda"), driver) if KERNEL_AVAILABLE else None
         issuers = {"dma": dma} | ({"kernel": kernel} if kernel is not None else {})
         keep: list[Any] = []
+        marks: dict[Direction, tuple[Any, Any]] = {}
 
         def drain() -> None:  # after a synchronize: table slots go back to their pool
             for issued in keep:
@@ -149,7 +158,12 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
 
         def one(name: str, direction: Direction) -> Callable[[], None]:
             def issue() -> None:
-                issued = issuers[name].issue(plans[direction][0], streams[direction])
+                stream = streams[direction]
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # fmt: skip
+                start.record(stream)
+                issued = issuers[name].issue(plans[direction][0], stream)
+                end.record(stream)
+                marks[direction] = (start, end)
                 if issued.error is not None:
                     raise issued.error
                 keep.append(issued)  # released by drain() after the streams synchronized
@@ -232,14 +246,16 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
                     _check(pool, plans, issue)
                     drain()
                 for i in range(args.warmup + args.repeats):
-                    total, host, spans = _timed(streams, issue)
+                    total, host, spans = _timed(streams, issue, marks)
                     drain()
                     if name.startswith("engine "):  # issue() returned once both landed
                         total = host
                     if i >= args.warmup:
                         totals.append(total)
                         hosts.append(host)
-                        overlaps.append(_overlap(spans))
+                        overlap = _overlap(spans)
+                        if overlap is not None:
+                            overlaps.append(overlap)
             except Exception as exc:  # one variant failing keeps the others
                 torch.cuda.synchronize()
                 drain()
@@ -257,7 +273,8 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
                 limit_us = us
             elif name in variants and limit_us is not None:
                 row["ratio"] = round(limit_us / us, 3)
-                row["overlap"] = round(statistics.median(overlaps), 3)
+                if overlaps:
+                    row["overlap"] = round(statistics.median(overlaps), 3)
             if name == "auto":
                 row["choice"] = f"d2h={names[_D2H]} h2d={names[_H2D]} first={choice.first.value}"
                 row["model_us"] = round(choice.us, 1)
