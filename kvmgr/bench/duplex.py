@@ -57,10 +57,16 @@ _D2H, _H2D = Direction.D2H, Direction.H2D
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``kvmgr bench duplex`` options."""
-    parser.add_argument("--geometries", nargs="+", default=["qwen", "llama"], choices=GEOMETRIES)
-    parser.add_argument("--blocks", type=int, default=512, help="blocks per direction")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--geometries",
+        nargs="+",
+        default=["qwen", "llama"],
+        choices=GEOMETRIES,
+        help="KV geometries (tensors x page bytes) to measure",
+    )
+    parser.add_argument("--blocks", type=int, default=512, help="scattered blocks per direction")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant first")
     parser.add_argument("--json", default=None, help="write the rows here")
 
 
