@@ -20,7 +20,7 @@ from kvmgr import (
 from kvmgr.testing import FaultyEngine, check_invariants
 from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.host import HostEngine
-from kvmgr.transfer.layerwise import LayerGroups
+from kvmgr.transfer.layer_groups import LayerGroups
 from kvmgr.transfer.plan import Direction
 
 NUM_LAYERS = 4

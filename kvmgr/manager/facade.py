@@ -56,7 +56,8 @@ from kvmgr.reports import (
 from kvmgr.transfer import make_engine
 from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.host import HostEngine
-from kvmgr.transfer.layerwise import LayerGroups, LayerwiseLoad, LayerwiseStore
+from kvmgr.transfer.layer_groups import LayerGroups
+from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import Direction
 
 __all__ = ["OffloadManager"]

@@ -25,13 +25,8 @@ from kvmgr.errors import StaleKVTensorError
 from kvmgr.manager.flush import Flusher
 from kvmgr.manager.queue import Batch, Lane, Part
 from kvmgr.transfer.engine import BatchHandle
-from kvmgr.transfer.layerwise import (
-    LayerBatches,
-    LayerGroups,
-    LayerwiseLoad,
-    LayerwiseStore,
-    sub_layout,
-)
+from kvmgr.transfer.layer_groups import LayerGroups, sub_layout
+from kvmgr.transfer.layerwise import LayerBatches, LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import Direction, build_plan
 
 __all__ = ["start_load", "start_store"]

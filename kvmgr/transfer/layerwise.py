@@ -1,13 +1,12 @@
 """Layerwise loads and stores: one batch per layer (or group of layers), one event each.
 
 Offers:
-    LayerGroups     which KV tensors make up each layer, and layers merged into groups by size
-    sub_layout      a ``KVLayout`` of some of a layout's tensors
     LayerBatches    the per-group batches of one load or store, joined into one ``BatchHandle``
     LayerwiseLoad   a load split by layer: ``wait_layer(i)`` before layer ``i`` reads its KV
     LayerwiseStore  a store split by layer: ``save_layer(i)`` once layer ``i`` wrote its KV
 
-A load of ``n`` blocks over ``L`` layers is submitted as ``G <= L`` batches, group ``0`` first,
+Layers and their groups: ``kvmgr.transfer.layer_groups``. A load of ``n`` blocks over ``L``
+layers is submitted as ``G <= L`` batches, group ``0`` first,
 on the engine's load stream (one stream, so they run and end in that order). The model calls
 ``load.wait_layer(i)`` right before layer ``i``'s attention reads the KV: the compute stream
 waits on the device for the end event of the group holding layer ``i`` (no host sync), so the
@@ -34,129 +33,18 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
 
 from kvmgr.errors import ClosedError, LayerLoadError, LayerOrderError
-from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.engine import BatchHandle, BatchResult, TransferEngine
+from kvmgr.transfer.layer_groups import LayerGroups
 from kvmgr.transfer.plan import Direction
 
-__all__ = ["LayerBatches", "LayerGroups", "LayerwiseLoad", "LayerwiseStore", "sub_layout"]
-
-
-@attrs.frozen(eq=False)
-class LayerGroups:
-    """Layers of a KV cache and the groups they are copied in.
-
-    Attributes:
-        layer_of: int64 ``[num_tensors]``: the layer of each KV tensor (non-decreasing from 0,
-            no gaps: ``[0, 0, 1, 1, ...]`` for one K and one V tensor per layer).
-        group_of: int64 ``[num_layers]``: the group of each layer.
-        tensors: per group, the int64 indices of its tensors.
-        group_bytes: per group, its bytes per block.
-    """
-
-    layer_of: np.ndarray
-    group_of: np.ndarray
-    tensors: tuple[np.ndarray, ...]
-    group_bytes: tuple[int, ...]
-
-    @property
-    def num_layers(self) -> int:
-        """Layers covered."""
-        return len(self.group_of)
-
-    @property
-    def num_groups(self) -> int:
-        """Batches a load or store is split into."""
-        return len(self.tensors)
-
-    def last_layer(self, group: int) -> int:
-        """The highest layer of ``group``."""
-        return int(np.flatnonzero(self.group_of == group)[-1])
-
-    @classmethod
-    def build(
-        cls,
-        page_bytes: Sequence[int],
-        layers: Sequence[int] | int | None,
-        min_group_bytes: int = 0,
-        max_groups: int | None = None,
-    ) -> LayerGroups:
-        """Map tensors to layers and merge adjacent layers until a group holds at least
-        ``min_group_bytes`` per block (the last group may hold less).
-
-        Args:
-            page_bytes: bytes per block of each KV tensor.
-            layers: one layer index per tensor; an int ``k``: ``k`` consecutive tensors per layer;
-                ``None``: one tensor per layer.
-            min_group_bytes: bytes per block below which a layer joins the next one (``0``: one
-                group per layer). A small layer's batch costs about as much host and launch time
-                as a large one's, so tiny layers are better copied together.
-            max_groups: at most this many groups: ``min_group_bytes`` is raised to
-                ``ceil(block bytes / max_groups)`` (each submitted batch costs ~100-200 us of
-                host time on the H200 host: 32 layers in 8 groups save ~3-5 ms per load).
-
-        Raises:
-            LayerOrderError: ``layers`` has the wrong length, is not non-decreasing from 0 with
-                no gaps, ``min_group_bytes < 0`` or ``max_groups < 1``.
-        """
-        num_tensors = len(page_bytes)
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            if layers < 1 or num_tensors % layers:
-                raise LayerOrderError(
-                    f"expected {num_tensors} tensors to split into layers of {layers}, they do not"
-                )
-            layer_of = np.arange(num_tensors, dtype=np.int64) // layers
-        elif layers is None:
-            layer_of = np.arange(num_tensors, dtype=np.int64)
-        else:
-            layer_of = np.asarray(list(layers), dtype=np.int64).reshape(-1)
-            if len(layer_of) != num_tensors:
-                raise LayerOrderError(
-                    f"expected one layer per KV tensor ({num_tensors}), got {len(layer_of)}"
-                )
-            steps = np.diff(layer_of)
-            if layer_of[0] != 0 or (steps < 0).any() or (steps > 1).any():
-                raise LayerOrderError(
-                    f"expected layers non-decreasing from 0 without gaps, got {layer_of.tolist()}"
-                )
-        if min_group_bytes < 0:
-            raise LayerOrderError(f"expected min_group_bytes >= 0, got {min_group_bytes}")
-        if max_groups is not None:
-            if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
-                raise LayerOrderError(f"expected max_groups >= 1, got {max_groups!r}")
-            total = int(sum(page_bytes))
-            min_group_bytes = max(min_group_bytes, -(-total // max_groups))
-        num_layers = int(layer_of[-1]) + 1
-        layer_bytes = np.bincount(layer_of, weights=np.asarray(page_bytes, dtype=np.float64))
-        group_of = np.zeros(num_layers, dtype=np.int64)
-        group, filled = 0, 0.0
-        for layer in range(num_layers):
-            if filled >= min_group_bytes and layer > 0 and filled > 0:
-                group, filled = group + 1, 0.0
-            group_of[layer] = group
-            filled += layer_bytes[layer]
-        tensor_group = group_of[layer_of]
-        tensors = tuple(np.flatnonzero(tensor_group == g) for g in range(group + 1))
-        sizes = np.asarray(page_bytes, dtype=np.int64)
-        return cls(layer_of, group_of, tensors, tuple(int(sizes[t].sum()) for t in tensors))
-
-
-def sub_layout(layout: KVLayout, tensors: np.ndarray) -> KVLayout:
-    """The layout of ``layout``'s tensors ``tensors`` (int indices), in that order."""
-    return KVLayout(
-        base_addrs=layout.base_addrs[tensors],
-        block_strides=layout.block_strides[tensors],
-        page_bytes=layout.page_bytes[tensors],
-        num_blocks=layout.num_blocks,
-        device=layout.device,
-    )
+__all__ = ["LayerBatches", "LayerwiseLoad", "LayerwiseStore"]
 
 
 class LayerBatches:
