@@ -27,6 +27,7 @@ __all__ = ["HelpFormatter", "cuda_missing", "main"]
 BENCHES = {
     "swap": "kvmgr.bench.swap",
     "swap-kernel": "kvmgr.bench.swap_kernel",
+    "duplex": "kvmgr.bench.duplex",
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
     "dsv4": "kvmgr.bench.dsv4",
