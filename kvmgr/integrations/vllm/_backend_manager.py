@@ -233,16 +233,22 @@ class KvmgrOffloadingManager(OffloadingManager):
             landed = [(k, b) for k, b in pending if success and b not in bad]
             bad.difference_update(b for _, b in failed)
         if landed:
-            self.tier.stores_landed(np.array([b for _, b in landed], dtype=np.int64), all_pending=True)
+            self.tier.stores_landed(
+                np.array([b for _, b in landed], dtype=np.int64), all_pending=True
+            )
             if self.events is not None:
-                self.events.append(OffloadingEvent([k for k, _ in landed], self.medium, removed=False))
+                self.events.append(
+                    OffloadingEvent([k for k, _ in landed], self.medium, removed=False)
+                )
         if failed:
             ids = np.array([b for _, b in failed], dtype=np.int64)
             self._seq_of_chunk[ids] = 0
             self.tier.stores_failed([k for k, _ in failed], ids)
             if self.events is not None:
                 self.events.append(
-                    OffloadingEvent([k for k, _ in failed], self.medium, removed=True, metadata_only=True)
+                    OffloadingEvent(
+                        [k for k, _ in failed], self.medium, removed=True, metadata_only=True
+                    )
                 )
 
     # -- requests -----------------------------------------------------------------------------
@@ -262,7 +268,11 @@ class KvmgrOffloadingManager(OffloadingManager):
         if self._touch_is_recency:
             keys = [k for k in keys if get(k) is not None]
         else:
-            keys = [k for k in keys if k in access.reused and (b := get(k)) is not None and state[b] == _READY]
+            keys = [
+                k
+                for k in keys
+                if k in access.reused and (b := get(k)) is not None and state[b] == _READY
+            ]
         if keys:
             self.tier.policy.touch(keys)
         access.keys, access.seen = [], set()

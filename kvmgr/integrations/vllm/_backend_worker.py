@@ -162,7 +162,9 @@ class KvmgrOffloadingWorker(OffloadingWorker):
     ) -> bool:
         """Submit the buffered stores as one batch, buffer this CPU -> GPU job."""
         self._flush_stores()
-        (self._expedited if expedited else self._loads).append(self._job(job_id, dst_spec, src_spec))
+        (self._expedited if expedited else self._loads).append(
+            self._job(job_id, dst_spec, src_spec)
+        )
         self._bump(num_load_jobs=1)
         return True
 
