@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Collection, Iterable, Sequence
+
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
