@@ -193,6 +193,11 @@ class KvmgrOffloadingManager(OffloadingManager):
         new = [k for k in keys if get(k) is None]
         access = self._access(req_context)
         self._saw(access, keys, req_context)
+        if len(new) < len(keys):  # READY keys offered again count as reused (vLLM's rule)
+            state = self._state
+            access.reused.update(
+                k for k in keys if (b := get(k)) is not None and state[b] == _READY
+            )
         if not new:
             return PrepareStoreOutput([], KvmgrChunkSpec([]), [])
         try:
@@ -205,7 +210,12 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._evicted.clear()
         position, parent = req_context.get_offload_key_position, access.positions.parent
         parents = [None if (p := position(k)) is None else parent(k, p) for k in new]
-        self.tier.add_pending(new, ids, parents)
+        if len(new) == 1:
+            self.tier.add_pending(new, ids, parents)
+        else:  # one key at a time, as vLLM's manager inserts: the last key most recent
+            add = self.tier.add_pending
+            for k, block, parent in zip(new, ids, parents):
+                add([k], [block], [parent])
         seq = self._next_seq
         self._next_seq += 1
         self._seq_of_chunk[ids] = seq
