@@ -24,6 +24,7 @@ answer of a CPU tier is known at once (RETRY is for tiers that look up asynchron
 
 from __future__ import annotations
 
+import array
 import secrets
 from collections.abc import Collection, Iterable, Sequence
 
@@ -118,7 +119,8 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._faults = faults
         self._num_faults_seen = faults.num_faults() if faults is not None else 0
         self._failed: set[int] = set()  # PENDING chunks whose store failed on some rank
-        self._seq_of_chunk = np.zeros(max(1, num_chunks), dtype=np.int64)
+        self._seq = array.array("q", [0]) * max(1, num_chunks)  # store number of each chunk
+        self._seq_of_chunk = np.frombuffer(self._seq, dtype=np.int64)
         self._next_seq = (secrets.randbits(40) << 20) + 1
         self._quarantine: list[np.ndarray] = []  # chunks freed by a reset, still in flight
         self._generation = 0
@@ -201,7 +203,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         if not new:
             return PrepareStoreOutput([], KvmgrChunkSpec([]), [])
         try:
-            ids = self.tier.make_room_small(len(new), keys)
+            ids = self.tier.make_room_small(len(new), keys if len(keys) <= 4 else set(keys))
         except PoolExhaustedError:
             return None
         evicted: list[OffloadKey] = []
@@ -218,7 +220,9 @@ class KvmgrOffloadingManager(OffloadingManager):
                 add([k], [block], [parent])
         seq = self._next_seq
         self._next_seq += 1
-        self._seq_of_chunk[ids] = seq
+        seqs = self._seq
+        for block in ids:
+            seqs[block] = seq
         self._allocation_sizes.append(len(new))
         if evicted and self.events is not None:
             self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
@@ -244,9 +248,7 @@ class KvmgrOffloadingManager(OffloadingManager):
             landed = [(k, b) for k, b in pending if success and b not in bad]
             bad.difference_update(b for _, b in failed)
         if landed:
-            self.tier.stores_landed(
-                np.array([b for _, b in landed], dtype=np.int64), all_pending=True
-            )
+            _seam.stores_landed(self.tier, [b for _, b in landed])
             if self.events is not None:
                 self.events.append(
                     OffloadingEvent([k for k, _ in landed], self.medium, removed=False)

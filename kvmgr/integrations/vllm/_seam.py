@@ -8,6 +8,7 @@ this file and nothing else.
 Offers:
     scheduler_tier      the CPU tier's torch-free bookkeeping (block states PENDING / READY,
                         the key index, readers, eviction through a kvmgr policy)
+    stores_landed       PENDING -> READY for a few blocks without numpy
     forget_all          drop every key at once (a cache reset); returns the blocks still busy
     release_forgotten   free those blocks once no copy touches them any more
     transfer_engine     a kvmgr ``TransferEngine`` for KV tensors on a device
@@ -30,6 +31,7 @@ __all__ = [
     "forget_all",
     "release_forgotten",
     "scheduler_tier",
+    "stores_landed",
     "transfer_engine",
 ]
 
@@ -45,6 +47,17 @@ def scheduler_tier(
         InvalidBlockError: ``num_chunks < 1``.
     """
     return CpuTier(num_chunks, policy, on_removed)
+
+
+def stores_landed(tier: CpuTier, ids: list[int]) -> None:
+    """PENDING blocks ``ids`` became READY (their stores landed); a few without numpy."""
+    if len(ids) > 8:
+        tier.stores_landed(np.array(ids, dtype=np.int64), all_pending=True)
+        return
+    state, ready = tier.state, CpuState.READY
+    for block in ids:
+        state[block] = ready
+    tier.num_pending -= len(ids)
 
 
 def forget_all(tier: CpuTier, policy: str) -> np.ndarray:
