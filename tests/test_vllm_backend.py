@@ -222,3 +222,33 @@ def test_a_failed_load_is_reported_under_kvmgrs_connector(tmp_path: Path, policy
         assert rig.manager.tier.num_loading == 0
     finally:
         rig.close()
+
+
+def test_chunks_of_two_blocks_with_an_unaligned_gpu_prefix(tmp_path: Path) -> None:
+    """``blocks_per_chunk=2``: B's first block is already in the GPU prefix cache, so its load
+    starts in the middle of a chunk (``block_indices`` not a multiple of the chunk)."""
+    rig = VllmRig(tmp_path, backend_config(blocks_per_chunk=2))
+    try:
+        prompt = list(range(20, 116))  # 6 blocks = 3 chunks
+        rig.add_request(prompt)
+        rig.run_until_finished()
+        assert len(rig.manager.tier.index) == 3
+        rig.drop_gpu_prefix_cache()
+        d = rig.add_request(prompt[:24])  # 1.5 blocks: no whole chunk to load, computes block 0
+        rig.run_until_finished()
+        assert rig.loaded_tokens[d] == 0
+        specs = []
+        submit_load = rig.worker.submit_load
+
+        def recording_submit_load(job_id, src_spec, dst_spec, expedited=False):
+            specs.append((list(dst_spec.block_indices), list(src_spec.block_ids)))
+            return submit_load(job_id, src_spec, dst_spec, expedited)
+
+        rig.worker.submit_load = recording_submit_load
+        b = rig.add_request([*prompt, 7, 8])
+        rig.run_until_finished()
+        assert rig.loaded_tokens[b] == 96  # 1 block from the GPU cache, 5 loaded
+        assert [(first, len(chunks)) for first, chunks in specs] == [([1], 3)]
+        assert rig.mismatched_blocks == []
+    finally:
+        rig.close()
