@@ -182,3 +182,49 @@ def test_the_fault_table_crosses_processes(tmp_path: Path) -> None:
     assert table.failed_chunks(seqs).tolist() == [3]
     table.close(unlink=True)
     assert not (tmp_path / "f").exists()
+
+
+def test_a_refused_batch_is_a_failed_one(tmp_path: Path) -> None:
+    faults = FaultTable(tmp_path / "f", world_size=1, num_chunks=8)
+    worker, _ = make_worker(FaultyEngine(HostEngine(), refuse_batches={0}), faults=faults)
+    worker.submit_store(0, gpu([0]), KvmgrChunkSpec([2], 5))
+    (result,) = worker.get_finished()  # reported at once, never lost
+    assert result.job_id == 0 and faults.table[0, 2] == 5
+    worker.shutdown()
+
+
+def test_two_ranks_one_failing_drops_the_chunk(tmp_path: Path) -> None:
+    """Two ranks' workers and the manager share one fault table: rank 1's copy fails, rank 0's
+    lands; the chunk is dropped (a store is good only if every rank's copy was)."""
+    from test_vllm_policies import context, key
+
+    from kvmgr.integrations.vllm.backend import KvmgrOffloadingManager
+
+    path = tmp_path / "f"
+    mgr = KvmgrOffloadingManager(1, "lru", faults=FaultTable(path, 2, 1))  # one chunk
+    ranks = [
+        make_worker(engine, faults=FaultTable(path, 2, 1), num_chunks=1)[0]
+        for engine in (HostEngine(), FaultyEngine(HostEngine(), fail_batches={0}))
+    ]
+    ranks[1].rank = 1
+    ctx = context("r", [key("a"), key("b")])
+    out = mgr.prepare_store([key("a")], ctx)
+    assert out is not None
+    for worker in ranks:  # vLLM sends every rank the same job
+        worker.submit_store(7, gpu([3]), out.store_spec)
+        worker.wait({7})
+        assert [r.job_id for r in worker.get_finished()] == [7]
+    mgr.complete_store(out.keys_to_store, ctx)  # vLLM: all ranks reported, success=True
+    assert mgr.lookup(key("a"), ctx).name == "MISS"
+    out = mgr.prepare_store([key("b")], ctx)  # the next store into the same chunk lands
+    assert out is not None
+    for worker in ranks:
+        assert list(out.store_spec.block_ids) == [0]
+        worker.submit_store(8, gpu([4]), out.store_spec)
+        worker.wait({8})
+        worker.get_finished()
+    mgr.complete_store(out.keys_to_store, ctx)
+    assert mgr.lookup(key("b"), ctx).name == "HIT"
+    for worker in ranks:
+        worker.shutdown()
+    mgr.shutdown()

@@ -212,12 +212,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._evicted.clear()
         position, parent = req_context.get_offload_key_position, access.positions.parent
         parents = [None if (p := position(k)) is None else parent(k, p) for k in new]
-        if len(new) == 1:
-            self.tier.add_pending(new, ids, parents)
-        else:  # one key at a time, as vLLM's manager inserts: the last key most recent
-            add = self.tier.add_pending
-            for k, block, parent in zip(new, ids, parents):
-                add([k], [block], [parent])
+        self.tier.add_pending(new, ids, parents)  # one batch: its first key most recent
         seq = self._next_seq
         self._next_seq += 1
         seqs = self._seq

@@ -14,7 +14,7 @@ so the worker buffers them. Buffered stores become ONE D2H batch at the first ``
 ``get_finished()``: the expedited ones first (vLLM waits on them within the step), then the
 others. A batch that would write one destination twice is split into ordered batches (one per
 job). A batch waits for an earlier batch of the other direction that touches one of its GPU
-blocks.
+blocks. A batch the engine refuses at submit (``TransferError``) is a failed batch.
 
 Failures (vLLM asserts that every ``TransferResult`` succeeded):
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -175,10 +176,12 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             TransferError: a load failed and no load-error channel is set (module docstring).
         """
         self._flush()
-        done = [b for b in self._in_flight if b.handle.done()]
+        done, pending = [], []
+        for batch in self._in_flight:  # one look at each: a batch ending meanwhile waits
+            (done if batch.handle.done() else pending).append(batch)
         if not done:
             return []
-        self._in_flight = [b for b in self._in_flight if not b.handle.done()]
+        self._in_flight = pending
         results: list[TransferResult] = []
         for batch in done:
             results.extend(self._finish(batch))
@@ -206,6 +209,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         self.engine.close()
         self.cpu_views = []
         self._host = None
+        if self._faults is not None:
+            self._faults.close()
 
     # -- kvmgr extras -------------------------------------------------------------------------
 
@@ -267,7 +272,12 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             and not b.handle.done()
             and np.intersect1d(b.gpu_ids, gpu).size
         ]
-        handle = self.engine.submit(plan, wait_for=wait_for)
+        try:
+            handle = self.engine.submit(plan, wait_for=wait_for)
+        except TransferError as exc:  # refused: nothing copied; reported as a failed batch
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_exception(exc)
+            handle = BatchHandle(-1, direction, future)
         self._in_flight.append(_Batch(direction, handle, list(jobs), gpu))
         if direction is Direction.D2H:
             self._bump(num_store_batches=1)
