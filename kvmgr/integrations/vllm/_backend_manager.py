@@ -212,7 +212,8 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._evicted.clear()
         position, parent = req_context.get_offload_key_position, access.positions.parent
         parents = [None if (p := position(k)) is None else parent(k, p) for k in new]
-        self.tier.add_pending(new, ids, parents)  # one batch: its first key most recent
+        # one batch, its first key most recent (OffloadKey is bytes)
+        self.tier.add_pending(new, ids, parents)  # type: ignore[arg-type]
         seq = self._next_seq
         self._next_seq += 1
         seqs = self._seq

@@ -176,7 +176,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             TransferError: a load failed and no load-error channel is set (module docstring).
         """
         self._flush()
-        done, pending = [], []
+        done: list[_Batch] = []
+        pending: list[_Batch] = []
         for batch in self._in_flight:  # one look at each: a batch ending meanwhile waits
             (done if batch.handle.done() else pending).append(batch)
         if not done:

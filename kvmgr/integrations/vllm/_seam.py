@@ -71,7 +71,8 @@ def forget_all(tier: CpuTier, policy: str) -> np.ndarray:
     if idle.any():
         tier.state_np[ids[idle]] = CpuState.FREE
         tier.pool.give(ids[idle])
-    return ids[~idle]
+    busy: np.ndarray = ids[~idle]
+    return busy
 
 
 def release_forgotten(tier: CpuTier, ids: np.ndarray) -> None:
