@@ -228,3 +228,33 @@ def test_two_ranks_one_failing_drops_the_chunk(tmp_path: Path) -> None:
     for worker in ranks:
         worker.shutdown()
     mgr.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["auto", "cuda", "kernel"])
+def test_on_a_gpu_stores_and_loads_move_the_bytes(engine: str) -> None:
+    """CUDA KV tensors and a kvmgr CUDA engine (pinned CPU tier): three store jobs become one
+    D2H batch, two loads one H2D batch, and the loaded blocks equal the stored ones."""
+    gen = torch.Generator().manual_seed(9)
+    tensors = [
+        torch.randint(1, 127, (NUM_BLOCKS, page), dtype=torch.int8, generator=gen).cuda()
+        for page in PAGES
+    ]
+    caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, t.shape[1]) for t in tensors],
+        [[CanonicalKVCacheRef(i, p) for i, p in enumerate(PAGES)]],
+    )
+    worker = KvmgrOffloadingWorker(caches, num_chunks=8, blocks_per_chunk=1, engine=engine)
+    for job, (blocks, chunks) in enumerate([([0, 1], [0, 1]), ([2], [2]), ([3, 4], [3, 4])]):
+        worker.submit_store(job, gpu(blocks), KvmgrChunkSpec(chunks, 1 + job))
+    worker.submit_load(10, KvmgrChunkSpec([0, 1, 2]), gpu([8, 9, 10]))
+    worker.submit_load(11, KvmgrChunkSpec([3, 4]), gpu([11, 12]), expedited=True)
+    worker.wait({0, 1, 2, 10, 11})
+    torch.cuda.synchronize()
+    results = worker.get_finished()
+    assert sorted(r.job_id for r in results) == [0, 1, 2, 10, 11]
+    stats = worker.statistics()
+    assert (stats.num_store_batches, stats.num_load_batches) == (1, 2)
+    for t in tensors:
+        assert torch.equal(t[8:13].cpu(), t[0:5].cpu())
+    worker.shutdown()
