@@ -256,3 +256,18 @@ def test_random_calls_keep_the_invariants() -> None:
         mgr.on_request_finished(ctx)
         assert all(mgr.lookup(k, ctx) is HIT for k in resident)
         assert len(mgr.tier.index) == len(resident) <= 24
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_touch_protects_like_vllms(policy: str) -> None:
+    """Three one-chunk requests fill a 3-chunk tier; touching the oldest makes the next
+    store evict the second oldest instead, on both managers."""
+    victims = []
+    for mgr in (ours(policy, 3), CPUOffloadingManager(3, policy)):
+        for name in "abc":
+            run_request(mgr, name, [key(name)])
+        mgr.touch([key("a")], ReqContext(req_id="t"))
+        out = mgr.prepare_store([key("d")], context("d", [key("d")]))
+        assert out is not None
+        victims.append(out.evicted_keys)
+    assert victims[0] == victims[1] == [key("b")]
