@@ -3,8 +3,9 @@
 # each CUDA engine (auto, cuda, kernel): stores coalesced into one D2H batch, loads into H2D
 # batches (expedited first), bytes compared. Needs vLLM importable (the worker subclasses its
 # OffloadingWorker); without it the test module skips and the log says so. ~1 minute.
+# Run: bash scripts/gpu_round4.sh vbackend
 set -uo pipefail
-out="${OUT:-/tmp}/vbackend"
+out="${OUT:-out/vbackend}"  # scripts/gpu_round4.sh passes OUT=$OUT/vbackend
 mkdir -p "$out"
 {
     python3 -c "import vllm, sys; print('vllm', vllm.__version__)" 2>&1 | tail -1
