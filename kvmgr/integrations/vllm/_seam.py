@@ -21,7 +21,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvmgr.manager.cpu_tier import CpuState, CpuTier
+try:  # issue 21's split moves the CPU tier's bookkeeping to the torch-free scheduler package
+    from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+except ImportError:  # pragma: no cover - before the split
+    from kvmgr.manager.cpu_tier import CpuState, CpuTier  # type: ignore[no-redef]
 from kvmgr.policy import make_policy
 from kvmgr.transfer import TransferEngine, make_engine
 
