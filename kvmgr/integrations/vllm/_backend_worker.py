@@ -48,8 +48,7 @@ from vllm.v1.kv_offload.base import (
 from kvmgr.errors import TransferError
 from kvmgr.integrations.vllm import _seam
 from kvmgr.integrations.vllm._fault_table import FaultTable
-from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import BatchHandle, Direction, TransferEngine, build_plan
+from kvmgr.transfer import BatchHandle, Direction, TransferEngine
 
 __all__ = ["KvmgrOffloadingWorker", "WorkerStatistics"]
 
@@ -67,6 +66,7 @@ class _Job:
 
 @attrs.define(eq=False)
 class _Batch:
+    batch_id: int
     direction: Direction
     handle: BatchHandle
     jobs: list[_Job]
@@ -120,28 +120,20 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         engine: TransferEngine | str = "auto",
     ) -> None:
         gpu = [t.tensor for t in kv_caches.tensors]
-        self.gpu_layout = KVLayout.from_tensors(gpu)
-        self.engine = (
-            _seam.transfer_engine(engine, gpu[0].device) if isinstance(engine, str) else engine
-        )
+        if isinstance(engine, str):
+            engine = _seam.transfer_engine(engine, gpu[0].device)
         self.blocks_per_chunk = blocks_per_chunk
         self.rank = rank
         self.report_load_errors = False
-        num_sub = max(1, num_chunks) * blocks_per_chunk
-        pages = self.gpu_layout.page_bytes.tolist()
-        self._host: torch.Tensor | None = self.engine.allocate_host(num_sub * sum(pages))
-        views, offset = [], 0
-        for page in pages:
-            views.append(self._host[offset : offset + num_sub * page].view(num_sub, page))
-            offset += num_sub * page
-        self.cpu_views: list[torch.Tensor] = views  #: uint8 ``[num_chunks * bpc, page]`` each
-        self.cpu_layout = KVLayout.from_tensors(views)
+        #: this rank's copies: its KV tensors, its CPU tier of ``num_chunks * bpc`` blocks
+        self.copies = _seam.rank_copies(gpu, max(1, num_chunks) * blocks_per_chunk, engine)
         self._faults = faults
         self._stores: list[_Job] = []
         self._loads: list[_Job] = []
         self._expedited: list[_Job] = []
         self._in_flight: list[_Batch] = []
         self._load_errors: set[int] = set()
+        self._next_batch_id = 0
         self._stats = WorkerStatistics()
 
     # -- vLLM OffloadingWorker ----------------------------------------------------------------
@@ -185,6 +177,7 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         self._in_flight = pending
         results: list[TransferResult] = []
         for batch in done:
+            self.copies.forget(batch.batch_id)
             results.extend(self._finish(batch))
         return results
 
@@ -207,13 +200,26 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         self._flush()
         concurrent.futures.wait([b.handle.future for b in self._in_flight])
         self._in_flight.clear()
-        self.engine.close()
-        self.cpu_views = []
-        self._host = None
+        self.copies.close()
         if self._faults is not None:
             self._faults.close()
 
     # -- kvmgr extras -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> TransferEngine:
+        """This rank's kvmgr engine (tests may wrap it, e.g. in ``FaultyEngine``, before use)."""
+        return self.copies.engine
+
+    @engine.setter
+    def engine(self, engine: TransferEngine) -> None:
+        self.copies.engine = engine
+
+    @property
+    def cpu_views(self) -> list[torch.Tensor]:
+        """uint8 ``[num_chunks * blocks_per_chunk, page_bytes[t]]`` per KV tensor: this rank's
+        CPU tier (sub-block ``chunk * blocks_per_chunk + i`` holds GPU block ``i`` of a chunk)."""
+        return self.copies.cpu_tensors
 
     def take_load_errors(self) -> set[int]:
         """GPU block ids that failed loads wrote since the last call (``report_load_errors``)."""
@@ -262,24 +268,22 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             for job in jobs:
                 self._submit(direction, [job])
             return
-        if direction is Direction.D2H:
-            plan = build_plan(direction, self.gpu_layout, self.cpu_layout, gpu, cpu)
-        else:
-            plan = build_plan(direction, self.cpu_layout, self.gpu_layout, cpu, gpu)
-        wait_for = [
-            b.handle
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        wait_for = tuple(
+            b.batch_id
             for b in self._in_flight
             if b.direction is not direction
             and not b.handle.done()
             and np.intersect1d(b.gpu_ids, gpu).size
-        ]
+        )
         try:
-            handle = self.engine.submit(plan, wait_for=wait_for)
+            handle = self.copies.submit(batch_id, direction, gpu, cpu, wait_for)
         except TransferError as exc:  # refused: nothing copied; reported as a failed batch
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             future.set_exception(exc)
             handle = BatchHandle(-1, direction, future)
-        self._in_flight.append(_Batch(direction, handle, list(jobs), gpu))
+        self._in_flight.append(_Batch(batch_id, direction, handle, list(jobs), gpu))
         if direction is Direction.D2H:
             self._bump(num_store_batches=1)
         else:
