@@ -536,6 +536,20 @@ class OffloadManager:
             return self._books.lookup(keys, touch=False), ()
         return await self._tiers.lookup(keys)
 
+    async def drain_tiers(self, timeout_s: float | None = None) -> None:
+        """Wait (up to ``timeout_s`` seconds; ``None``: no bound) until the lower tiers'
+        background writes started so far (write-back of evicted blocks, write-through) ended.
+        For replays that must not depend on I/O timing (``kvmgr simulate``); a serving loop
+        never needs it. No-op without lower tiers.
+
+        Raises:
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        self._check_open()
+        if self._tiers is not None:
+            self._tiers.write_evicted()
+            await self._tiers.drain(timeout_s)
+
     def tier_statistics(self) -> list[tuple[Any, Any]]:
         """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""
         if self._tiers is None:

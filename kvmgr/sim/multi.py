@@ -191,6 +191,9 @@ async def run_instances(
             await inst.manager.aclose()
         for backend in backends:
             await backend.aclose()
+        if disk_path is not None:  # scratch: GBs per instance, and a warm start next time
+            for i in range(num_instances):
+                remove_disk_files(disk_file(disk_path, i))
     return _summary(reports, counters, route, shared_url is not None, time.perf_counter() - start)
 
 
@@ -203,6 +206,21 @@ def _namespace(config: SimConfig, page_bytes: int, num_tensors: int) -> Any:
         dtype_names=("uint8",) * num_tensors,
         block_size=config.block_size,
     )
+
+
+def disk_file(disk_path: str | Path, index: int) -> Path:
+    """The scratch file of instance ``index``'s disk tier in the folder ``disk_path``."""
+    return Path(disk_path) / f"kvmgr-sim-instance-{index}.bin"
+
+
+def remove_disk_files(path: Path) -> bool:
+    """Delete a disk tier's scratch file and its saved index; whether any existed."""
+    found = False
+    for p in (path, path.with_name(path.name + ".index")):
+        if p.exists():
+            p.unlink()
+            found = True
+    return found
 
 
 def _tiers(
@@ -219,8 +237,16 @@ def _tiers(
         from kvmgr.tiers.blob import HEADER_BYTES
 
         slots = -(-(disk_tokens or 50_000_000) // config.block_size)
-        path = Path(disk_path) / f"kvmgr-sim-instance-{index}.bin"
-        tiers.append(DiskTier(path, slot_bytes=HEADER_BYTES + block_bytes, num_slots=slots))
+        path = disk_file(disk_path, index)
+        remove_disk_files(path)  # a previous run's blocks must not make this run start warm
+        tiers.append(
+            DiskTier(
+                path,
+                slot_bytes=HEADER_BYTES + block_bytes,
+                num_slots=slots,
+                persist_index=False,
+            )
+        )
     if shared_url is not None:
         from kvmgr.tiers import SharedTier
 
@@ -254,6 +280,8 @@ async def _drive(
         for inst in busy:
             inst_s = await run_step(config, inst.scheduler, inst.manager, block_bytes, now_s)
             step_s = max(step_s, inst_s)
+        for inst in busy:  # deterministic: what the next fetch finds must not depend on I/O
+            await inst.manager.drain_tiers()
         now_s += step_s
     for inst in instances:
         inst.scheduler.counters.virtual_s = now_s

@@ -109,18 +109,16 @@ async def _episode(ep: Episode, num_ops: int, names: list[str], weights: list[in
         ep.clock.advance(3600.0)
         for _ in range(3):
             await asyncio.sleep(0)
-    for _ in range(200):
-        await ep.mgr.step()
+    for _ in range(400):  # up to ~20 s: every future resolved, every batch (cancelled
+        await ep.mgr.step()  # futures' ones too) settled
         pending = [f for f in ep.futures if not f.done()]
-        if not pending:
+        stats = ep.mgr.statistics()
+        if not (pending or stats.batches_in_flight or stats.queued_swaps or stats.stores_waiting):
             break
-        await asyncio.wait(pending, timeout=0.05)
+        await asyncio.wait(pending or [asyncio.ensure_future(asyncio.sleep(0.05))], timeout=0.05)
     else:
-        raise StressFailure(f"{len(pending)} futures never resolved after the drain")
+        raise StressFailure(f"not quiescent 20 s after the drain: {len(pending)} futures, {stats}")
     ep.check()
-    stats = ep.mgr.statistics()
-    if stats.batches_in_flight or stats.queued_swaps or stats.stores_waiting:
-        raise StressFailure(f"not quiescent after the drain: {stats}")
     await ep.mgr.aclose(timeout_s=10.0)
     if ep.counts["untyped"]:
         raise StressFailure("a future failed with an untyped error: " + "; ".join(ep.log))
