@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmgr.errors import KVMgrError
 from kvmgr.policy import POLICIES
 from kvmgr.sim._counts import count, count_list
+from kvmgr.sim._progress import progress_display as _progress
 from kvmgr.sim.loop import SimConfig, simulate
 from kvmgr.sim.multi_cli import (
     add_multi_arguments,
@@ -291,18 +291,6 @@ def check_output_path(path: Path | None, flag: str, *, image: bool = False) -> N
             )
 
 
-def _progress(console: Console, quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet,
-        transient=True,
-    )
-
-
 def _run_single(
     args: argparse.Namespace,
     config: SimConfig,
@@ -345,11 +333,18 @@ def _run_sweep(
         return 2
     policies = [p.strip() for p in args.sweep_policies.split(",") if p.strip()]
     configs = sweep_configs(config, args.sweep, policies)
+    done = [0] * len(configs)  # requests done per run: the bar moves within runs
+
+    def on_progress(index: int, num_done: int, _total: int) -> None:
+        done[index] = num_done
+        progress.update(task, completed=sum(done))
+
     with _progress(console, args.quiet) as progress:
-        task = progress.add_task(f"runs ({args.jobs} at a time)", total=len(configs))
-        reports = run_sweep(
-            configs, requests, jobs=args.jobs, on_done=lambda i, r: progress.advance(task)
+        task = progress.add_task(
+            f"requests of {len(configs)} runs ({args.jobs} at a time)",
+            total=len(configs) * len(requests),
         )
+        reports = run_sweep(configs, requests, jobs=args.jobs, on_progress=on_progress)
     console.print(sweep_table(reports, title=f"kvmgr simulate --sweep: {trace.name}"))
     gpu = config.gpu_tokens
     title = (

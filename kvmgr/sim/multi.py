@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +111,12 @@ async def run_instances(
     shared_url: str | None = None,
     disk_path: str | None = None,
     disk_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> MultiReport:
     """Replay ``requests`` through ``num_instances`` instances (see the module docstring).
+
+    ``progress(done, total)``: requests handed to an instance so far, called every few
+    hundred rounds of steps and at the end.
 
     Raises:
         ConfigError: bad arguments, or the run needs more memory than allowed.
@@ -158,7 +162,7 @@ async def run_instances(
                 _scheduler_config(config, gpu_blocks), manager, pages, counters[i]
             )
             instances.append(_Instance(scheduler, manager, pages, bool(tiers)))
-        await _drive(config, requests, instances, route, block_bytes)
+        await _drive(config, requests, instances, route, block_bytes, progress)
         reports = []
         for i, inst in enumerate(instances):
             stats = inst.manager.statistics()
@@ -260,11 +264,15 @@ async def _drive(
     instances: list[_Instance],
     route: str,
     block_bytes: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     arrivals = [r.arrival_s * config.time_scale for r in requests]
     now_s, next_index = 0.0, 0
-    num = len(instances)
+    num, rounds = len(instances), 0
     while next_index < len(requests) or not all(i.scheduler.is_idle for i in instances):
+        rounds += 1
+        if progress is not None and rounds % 256 == 0:
+            progress(next_index, len(requests))
         while next_index < len(requests) and arrivals[next_index] <= now_s:
             trace = requests[next_index]
             inst = instances[_route(route, next_index, trace, num)]
@@ -285,6 +293,8 @@ async def _drive(
         now_s += step_s
     for inst in instances:
         inst.scheduler.counters.virtual_s = now_s
+    if progress is not None:
+        progress(len(requests), len(requests))
 
 
 async def _prefetch(inst: _Instance, trace: TraceRequest) -> None:

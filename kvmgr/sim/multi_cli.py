@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmgr.sim._counts import finite_count
+from kvmgr.sim._progress import progress_display
 from kvmgr.sim.loop import SimConfig
 from kvmgr.sim.multi import ROUTES, MultiReport, disk_file, run_instances
 
@@ -110,19 +111,27 @@ async def _probe_shared(url: str) -> None:
 
 
 def _run(
-    config: SimConfig, requests: list[Any], args: argparse.Namespace, tiers: bool
+    config: SimConfig,
+    requests: list[Any],
+    args: argparse.Namespace,
+    tiers: bool,
+    console: Console,
+    label: str,
 ) -> MultiReport:
-    return asyncio.run(
-        run_instances(
-            config,
-            requests,
-            num_instances=args.instances,
-            route=args.route,
-            shared_url=args.shared if tiers else None,
-            disk_path=args.disk if tiers else None,
-            disk_tokens=args.disk_tokens,
+    with progress_display(console, args.quiet) as progress:
+        task = progress.add_task(f"requests ({label})", total=len(requests))
+        return asyncio.run(
+            run_instances(
+                config,
+                requests,
+                num_instances=args.instances,
+                route=args.route,
+                shared_url=args.shared if tiers else None,
+                disk_path=args.disk if tiers else None,
+                disk_tokens=args.disk_tokens,
+                progress=lambda done, _total: progress.update(task, completed=done),
+            )
         )
-    )
 
 
 def _table(reports: list[tuple[str, MultiReport]], title: str) -> Table:
@@ -167,10 +176,10 @@ def run_multi(
                 f"--disk: {len(stale)} disk tier file(s) of an earlier run found in {args.disk}: "
                 "deleted; this run starts cold"
             )
-    runs = [("instance-local", _run(config, requests, args, tiers=False))]
+    runs = [("instance-local", _run(config, requests, args, False, console, "instance-local"))]
     if args.shared is not None or args.disk is not None:
         label = "+".join(x for x, on in (("disk", args.disk), ("shared", args.shared)) if on)
-        runs.append((label, _run(config, requests, args, tiers=True)))
+        runs.append((label, _run(config, requests, args, True, console, label)))
     title = f"kvmgr simulate: {trace.name}, {args.instances} instances, route {args.route}"
     console.print(_table(runs, title))
     console.print(_per_instance(runs))
