@@ -97,7 +97,8 @@ async def _episode(ep: Episode, num_ops: int, names: list[str], weights: list[in
     steps = 0
     with ep.clock.install(loop):
         await ep.mgr.__aenter__()
-        for _ in range(num_ops):
+        for i in range(num_ops):
+            ep.op_index = i
             name = rng.choices(names, weights)[0]
             ep.counts[f"op.{name}"] += 1
             ep.log.append(name)
@@ -156,7 +157,7 @@ async def run_stress(
         try:
             steps += await _episode(ep, n, names, draw)
         except StressFailure as exc:
-            raise StressFailure(f"seed {seed}, op {done + len(ep.log)}: {exc}; last ops: "
+            raise StressFailure(f"seed {seed}, op {done + ep.op_index}: {exc}; last ops: "
                                 f"{list(ep.log)}") from exc  # fmt: skip
         except Exception as exc:
             raise StressFailure(
