@@ -379,7 +379,8 @@ class OffloadManager:
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
-            InvalidKeyError: bad keys, or different counts.
+            InvalidKeyError: bad keys, different counts, or parents whose chain comes back to
+                a new key (a key cycle, within the call or through stored keys).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
