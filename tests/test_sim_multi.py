@@ -86,3 +86,16 @@ def test_disk_tier_runs_are_cold_deterministic_and_leave_no_files(tmp_path) -> N
     disk_file(tmp_path / "other", 0).write_bytes(b"x" * 4096)  # a crashed run's file
     again = run(tmp_path / "other")
     assert again == first  # same folder or a fresh one: the same cold, deterministic run
+
+
+def test_simulate_refuses_a_wrong_password_at_once(tier_server_factory, capsys) -> None:
+    """Issue 20: a wrong password ran the whole replay (only a log line), reading
+    "unreachable"; now one lookup before the run ends the command with the server's reason."""
+    from kvmgr import cli
+
+    server = tier_server_factory("--requirepass", "right", admin={"password": "right"})
+    url = f"redis://:wrong@127.0.0.1:{server.port}"
+    assert cli.main(["simulate", "--quiet", "--limit", "5", "--shared", url]) == 2
+    err = capsys.readouterr().err
+    assert "--shared: the server cannot be used" in err and "WRONGPASS" in err
+    assert "wrong" not in err.replace("WRONGPASS", "")  # the password is never printed
