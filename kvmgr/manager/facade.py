@@ -379,7 +379,8 @@ class OffloadManager:
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
-            InvalidKeyError: bad keys, or different counts.
+            InvalidKeyError: bad keys, different counts, or parents whose chain comes back to
+                a new key (a key cycle, within the call or through stored keys).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
@@ -627,6 +628,20 @@ class OffloadManager:
         if self._tiers is None:
             return self._books.lookup(keys, touch=False), ()
         return await self._tiers.lookup(keys)
+
+    async def drain_tiers(self, timeout_s: float | None = None) -> None:
+        """Wait (up to ``timeout_s`` seconds; ``None``: no bound) until the lower tiers'
+        background writes started so far (write-back of evicted blocks, write-through) ended.
+        For replays that must not depend on I/O timing (``kvmgr simulate``); a serving loop
+        never needs it. No-op without lower tiers.
+
+        Raises:
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        self._check_open()
+        if self._tiers is not None:
+            self._tiers.write_evicted()
+            await self._tiers.drain(timeout_s)
 
     def tier_statistics(self) -> list[tuple[Any, Any]]:
         """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""
