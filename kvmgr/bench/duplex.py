@@ -81,9 +81,20 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for key in args.geometries:
         try:
-            rows += _geometry(key, args, driver)
+            new = _geometry(key, args, driver)
         except Exception as exc:  # one geometry failing keeps the others' rows
-            rows.append({"geometry": key, "variant": "error", "error": repr(exc)})
+            new = [{"geometry": key, "variant": "error", "error": repr(exc)}]
+        rows += new
+        for row in new:  # as they come: a run cut short keeps what it measured
+            print(json.dumps(row), flush=True)
+        _write(args.json, rows)
+    return 0
+
+
+def _write(path: str | None, rows: list[dict[str, Any]]) -> None:
+    """``{"duplex": rows, "calibration": the duplex_* fields fitted from them}`` to ``path``."""
+    if not path:
+        return
     result: dict[str, Any] = {"duplex": rows, "calibration": None}
     good = [r for r in rows if "gbps" in r]
     if good:
@@ -92,12 +103,8 @@ def run(args: argparse.Namespace) -> int:
             "duplex_kernel_gbps": fitted.duplex_kernel_gbps,
             "duplex_limit_gbps": fitted.duplex_limit_gbps,
         }
-    for r in rows:
-        print(json.dumps(r))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=1)
-    return 0
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1)
 
 
 def _plans(pool: CasePool, blocks: int, rng: np.random.Generator) -> dict[Direction, Any]:
