@@ -282,9 +282,8 @@ class Episode:
         calls = [
             lambda: mgr.allocate(-1, -1),
             lambda: mgr.swap_in([b"never-stored"], held[:1] or [0]),
-            lambda: mgr.store_many(
-                held[:2], [b"cycle-a", b"cycle-b"], parents=[b"cycle-b", b"cycle-a"]
-            ),  # fmt: skip
+            lambda: mgr.store_many(held[:2], [b"cycle-a", b"cycle-b"],
+                                   parents=[b"cycle-b", b"cycle-a"]),  # fmt: skip
             lambda: mgr.swap_out([10**6], [key_of(k)]),
             lambda: mgr.resume("no-such-request"),
         ]
