@@ -1,4 +1,4 @@
-"""The swap queue's lanes (``kvmgr.manager.queue``): ids in part order, keys and request parts.
+"""The swap queue's lanes (``kvmgr.scheduler.queue``): ids in part order, keys and request parts.
 
 1. ``Lane``: small (list) and large (array) parts, interleaved, come back from ``arrays()`` in
    part order; a D2H lane lists its keyed stores' keys in that order and its request-level parts
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvmgr import ManagerConfig, OffloadManager
-from kvmgr.manager.queue import Kind, Lane, Part
+from kvmgr.scheduler.queue import Kind, Lane, Part
 from kvmgr.pool.block_table import Tier
 from kvmgr.testing import check_invariants
 from kvmgr.transfer.plan import Direction

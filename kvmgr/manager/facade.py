@@ -37,10 +37,10 @@ from kvmgr.errors import (
 from kvmgr.events.tokens import check_token_ids
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
-from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
-from kvmgr.manager.counters import Counters
+from kvmgr.scheduler.bookkeeping import Bookkeeper, check_keys
+from kvmgr.scheduler.counters import Counters
 from kvmgr.manager.flush import Flusher
-from kvmgr.manager.queue import Part, SwapQueue
+from kvmgr.scheduler.queue import Part, SwapQueue
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
 from kvmgr.pool.layout import KVLayout
@@ -151,7 +151,7 @@ class OffloadManager:
     ) -> Any:
         if not tiers:
             return None
-        from kvmgr.manager.tiering import LowerTiers, default_namespace
+        from kvmgr.manager.lower_tiers import LowerTiers, default_namespace
         from kvmgr.tiers.base import TierBackend
 
         for tier in tiers:

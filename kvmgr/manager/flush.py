@@ -32,8 +32,8 @@ from kvmgr.errors import (
     TransferError,
 )
 from kvmgr.hooks import HookReport, StepHook
-from kvmgr.manager.bookkeeping import Bookkeeper
-from kvmgr.manager.queue import Batch, Lane, SwapQueue
+from kvmgr.scheduler.bookkeeping import Bookkeeper
+from kvmgr.scheduler.queue import Batch, Lane, SwapQueue
 from kvmgr.reports import DirectionReport
 from kvmgr.transfer.engine import BatchResult, TransferEngine
 from kvmgr.transfer.plan import Direction, build_plan

@@ -16,10 +16,10 @@ import attrs
 import numpy as np
 
 from kvmgr.manager.backpressure import WaitingStore
-from kvmgr.manager.bookkeeping import Bookkeeper
-from kvmgr.manager.cpu_tier import CpuState
-from kvmgr.manager.gpu_pool import GpuState
-from kvmgr.manager.queue import Kind, Part, SwapQueue
+from kvmgr.scheduler.bookkeeping import Bookkeeper
+from kvmgr.scheduler.cpu_tier import CpuState
+from kvmgr.scheduler.gpu_blocks import GpuState
+from kvmgr.scheduler.queue import Kind, Part, SwapQueue
 from kvmgr.pool.block_table import Tier
 from kvmgr.transfer.plan import Direction
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
-from kvmgr.manager.counters import Counters
+from kvmgr.scheduler.counters import Counters
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
 

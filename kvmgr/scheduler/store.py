@@ -29,12 +29,12 @@ import torch
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
 from kvmgr.events.tokens import check_token_ids
-from kvmgr.manager.counters import Counters
-from kvmgr.manager.cpu_tier import CpuTier
-from kvmgr.manager.events import EventStream
-from kvmgr.manager.gpu_pool import GpuBlocks
-from kvmgr.manager.queue import Kind, Lane, Part
-from kvmgr.manager.requests import RequestTables
+from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.cpu_tier import CpuTier
+from kvmgr.scheduler.events import EventStream
+from kvmgr.scheduler.gpu_blocks import GpuBlocks
+from kvmgr.scheduler.queue import Kind, Lane, Part
+from kvmgr.scheduler.requests import RequestTables
 from kvmgr.pool.allocator import as_id_array
 from kvmgr.pool.host_pool import HostKVPool, HostRegion, HostRegionLayout
 from kvmgr.pool.layout import KVLayout

@@ -24,10 +24,10 @@ from kvmgr.errors import (
     PoolExhaustedError,
     UnknownRequestError,
 )
-from kvmgr.manager.counters import Counters
-from kvmgr.manager.cpu_tier import CpuState, CpuTier
-from kvmgr.manager.gpu_pool import GpuBlocks
-from kvmgr.manager.queue import Kind, Part
+from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.gpu_blocks import GpuBlocks
+from kvmgr.scheduler.queue import Kind, Part
 from kvmgr.pool.allocator import as_id_array
 from kvmgr.pool.block_table import BlockTable, Tier
 from kvmgr.reports import SwapResult

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError, TierError
-from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
+from kvmgr.scheduler.bookkeeping import Bookkeeper, check_keys
 from kvmgr.tiers.base import TierBackend
 from kvmgr.tiers.blob import TierNamespace
 from kvmgr.tiers.bridge import StagedBlobs, TierBridge
