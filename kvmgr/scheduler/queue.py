@@ -309,7 +309,3 @@ class SwapQueue:
         self.in_flight[batch.seq] = batch
         self._batch_marks[batch.direction][1][gpu_ids] = batch.seq
         return batch
-
-    def landed(self, batch: Batch) -> bool:
-        """Forget a batch; False if it was already settled."""
-        return self.in_flight.pop(batch.seq, None) is not None

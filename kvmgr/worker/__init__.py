@@ -1,0 +1,12 @@
+"""The per-rank side of kvmgr: KV tensors, CPU-tier memory, engines (torch here, not above).
+
+Offers:
+    TransferWorker   one rank's data path: a ``TransferJob`` -> its pointer plan -> its engine
+    Submitted        what one rank submitted for a job (engine handle, plan counts)
+"""
+
+from __future__ import annotations
+
+from kvmgr.worker.worker import Submitted, TransferWorker
+
+__all__ = ["Submitted", "TransferWorker"]
