@@ -144,7 +144,7 @@ class Flusher:
 
     def _settle(self, settled: Settled) -> None:
         if settled.landed is not None and self.tiers is not None:
-            self.tiers.write_through(settled.landed)
+            self.tiers.write_landed(settled.landed)
         _resolve(settled.lane, settled.error)
         self.room.wake()
 

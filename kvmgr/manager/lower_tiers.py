@@ -116,7 +116,7 @@ class LowerTiers:
         self._evicted += evicted
         self.stage_evicted(write=True, loop=loop)
 
-    def write_through(self, landed: Landed) -> None:
+    def write_landed(self, landed: Landed) -> None:
         """Stores completed (the blocks are READY): write them through, when configured."""
         keys, ids = landed
         if not self.write_through or not keys:
