@@ -4,7 +4,8 @@ Private to ``kvmgr.manager``. ``build_local`` makes, in order: the rank's ``Tran
 (KV tensors, CPU-tier memory, engine), the ``Scheduler`` (bookkeeping and queue, told how far
 the memory is pinned), the stores waiting for room, the lower tiers, and the ``Flusher`` with
 its transport (``LocalTransport``: plain calls to the worker, outcomes delivered to
-``Flusher.complete``). Nothing is assigned to a part after it was built.
+``Flusher.complete``). ``build_ranked`` makes the scheduler side over a group of rank
+processes (``RankTransport``). Nothing is assigned to a part after it was built.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvmgr.transfer.host import HostEngine
 from kvmgr.transport.local import LocalTransport
 from kvmgr.worker import TransferWorker
 
-__all__ = ["Parts", "build_local"]
+__all__ = ["Parts", "build_local", "build_ranked"]
 
 
 @attrs.frozen(eq=False)
@@ -124,3 +125,12 @@ def _lower_tiers(
         write_back=config.tier_write_back,
         write_through=config.tier_write_through,
     )
+
+
+def build_ranked(group: Any, config: ManagerConfig, enqueue: Callable[[Part], None]) -> Parts:
+    """The scheduler side over a ``kvmgr.transport.RankGroup``: no local worker, no tensors
+    (each rank allocates its own CPU-tier memory; lower tiers are not supported over ranks)."""
+    scheduler = Scheduler(config, group.geometry)
+    room = RoomWaiters(scheduler.books.gpu, scheduler.books.counters, enqueue)
+    flusher = Flusher(scheduler, room, None, group.connect)
+    return Parts(scheduler, flusher, room, None, None)

@@ -34,7 +34,7 @@ from kvmgr.errors import (
 from kvmgr.events.tokens import check_token_ids
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.backpressure import WaitingFuture, WaitingStore
-from kvmgr.manager.build import build_local
+from kvmgr.manager.build import Parts, build_local, build_ranked
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
 from kvmgr.pool.layout import KVLayout
@@ -105,7 +105,36 @@ class OffloadManager:
         for hook in hooks:
             if not isinstance(hook, StepHook):
                 raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
-        parts = build_local(gpu_kv_caches, config, engine, tiers, tier_namespace, self._enqueue)
+        self._adopt(
+            build_local(gpu_kv_caches, config, engine, tiers, tier_namespace, self._enqueue),
+            config,
+            hooks,
+        )
+
+    @classmethod
+    def over_ranks(cls, group: Any, config: ManagerConfig) -> OffloadManager:
+        """A manager whose copies run in the rank processes of ``group`` (tensor parallelism).
+
+        The manager is the scheduler side only: the same keyed and request-level API, the
+        same futures, bookkeeping and invariants; every job goes to every rank
+        (``kvmgr.transport.RankGroup``) and completes when all of them reported success.
+        Results count one rank's bytes (``SwapResult.num_bytes``); step reports count every
+        rank's. A rank that fails a job fails it on every rank (``RankError`` naming it); a
+        rank that dies or misses the group's deadline stops the offload: jobs in flight and
+        every later swap fail with ``RankError`` / ``RankTimeoutError``, nothing hangs. No
+        hooks, no lower tiers; ``engine``, ``gpu_layout`` and ``cpu_pool`` are ``None``.
+        The caller closes the group after the manager.
+
+        Raises:
+            ConfigError: invalid settings.
+        """
+        if not isinstance(config, ManagerConfig):
+            raise ConfigError(f"expected a ManagerConfig, got {type(config).__name__}")
+        manager = cls.__new__(cls)
+        manager._adopt(build_ranked(group, config, manager._enqueue), config, ())
+        return manager
+
+    def _adopt(self, parts: Parts, config: ManagerConfig, hooks: Sequence[StepHook]) -> None:
         self.config = config
         self._worker = parts.worker
         self._scheduler = parts.scheduler
@@ -125,15 +154,13 @@ class OffloadManager:
 
     @property
     def engine(self) -> TransferEngine:
-        """The local worker's transfer engine."""
-        assert self._worker is not None
-        return self._worker.engine
+        """The local worker's transfer engine (``None`` over ranks)."""
+        return None if self._worker is None else self._worker.engine  # type: ignore[return-value]
 
     @property
     def gpu_layout(self) -> KVLayout:
-        """The local worker's GPU KV layout."""
-        assert self._worker is not None
-        return self._worker.gpu_layout
+        """The local worker's GPU KV layout (``None`` over ranks)."""
+        return None if self._worker is None else self._worker.gpu_layout  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,8 +185,7 @@ class OffloadManager:
     def cpu_pool(self) -> Any:
         """The CPU tier's memory (``HostKVPool``: one ``uint8 [num_cpu_blocks, page_bytes]``
         view per KV tensor)."""
-        assert self._worker is not None
-        return self._worker.cpu_pool
+        return None if self._worker is None else self._worker.cpu_pool
 
     async def aclose(self, timeout_s: float | None = 30.0) -> None:
         """Close: fail queued swaps with ``ClosedError``, wait (up to ``timeout_s`` seconds) for
@@ -699,7 +725,7 @@ class OffloadManager:
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
         cpu_pool = self.cpu_pool
-        memory = cpu_pool.memory
+        memory = None if cpu_pool is None else cpu_pool.memory
         return ManagerStatistics(
             **{name: getattr(c, name) for name in Counters.TOTALS},
             rejected=dict(c.rejected),
@@ -711,14 +737,16 @@ class OffloadManager:
             stores_waiting=len(self._room),
             cpu_blocks_used=cpu.pool.num_allocated,
             cpu_blocks_total=cpu.num_blocks,
-            cpu_blocks_ready=cpu_pool.num_blocks_ready,
+            cpu_blocks_ready=cpu.num_blocks if cpu_pool is None else cpu_pool.num_blocks_ready,
             cpu_pinning=None if memory is None else memory.statistics(),
             cpu_keys_pending=cpu.num_pending,
             cpu_keys_ready=len(cpu.index) - cpu.num_pending,
             cpu_keys_loading=cpu.num_loading,
             gpu_blocks_free=None if gpu_pool is None else gpu_pool.num_free,
             policy=cpu.policy.name,
-            engine=self.engine.name,
+            engine=f"ranks x{self._transport.num_ranks}"
+            if self._worker is None
+            else self.engine.name,
         )
 
     def snapshot(self) -> ManagerSnapshot:
