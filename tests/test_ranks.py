@@ -56,7 +56,7 @@ async def _scenario(mgr: OffloadManager) -> None:
     (stored,) = await _step(mgr, mgr.swap_out(a, KEYS[:6]))
     assert stored.num_blocks == 6
     # 2. prefix reuse: a second request finds the first four READY, loads them
-    assert mgr.lookup(KEYS[:4] + [b"missing"]) == 4
+    assert mgr.lookup([*KEYS[:4], b"missing"]) == 4
     b = mgr.allocate("b", 4)
     await _step(mgr, mgr.swap_in(KEYS[:4], b))
     # 3. preempt a, resume it into fresh blocks
