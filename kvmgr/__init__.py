@@ -32,6 +32,8 @@ from kvmgr.errors import (
     InvalidBlockError,
     InvalidKeyError,
     KVMgrError,
+    LayerLoadError,
+    LayerOrderError,
     LayoutMismatchError,
     PoolExhaustedError,
     RankError,
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports
         StoreResult,
         SwapResult,
     )
+    from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 
 __version__ = "0.1.0"
 
@@ -83,6 +86,8 @@ _LAZY = {
     "StoreResult": "kvmgr.reports",
     "LoadResult": "kvmgr.reports",
     "KVEvent": "kvmgr.reports",
+    "LayerwiseLoad": "kvmgr.transfer.layerwise",
+    "LayerwiseStore": "kvmgr.transfer.layerwise",
     "GroupedMLAInsertHook": "kvmgr.kernels.mla.hook",
     "grouped_mla_insert": "kvmgr.kernels.mla.api",
     "per_layer_mla_insert": "kvmgr.kernels.mla.api",
@@ -134,6 +139,10 @@ __all__ = [
     "InvalidKeyError",
     "KVEvent",
     "KVMgrError",
+    "LayerLoadError",
+    "LayerOrderError",
+    "LayerwiseLoad",
+    "LayerwiseStore",
     "LayoutMismatchError",
     "LoadResult",
     "ManagerConfig",

@@ -56,7 +56,7 @@ def _kv(num_blocks: int, seed: int) -> list[torch.Tensor]:
 def _run(worker: TransferWorker, scheduler: Scheduler) -> list[JobOutcome]:
     """Launch every queued lane on the worker, wait for each copy, complete it."""
     outcomes = []
-    for lane in scheduler.take():
+    for lane in (lane for lanes in scheduler.take() for lane in lanes):
         job = scheduler.launch(lane)
         handle = worker.submit(job).handle
         result = handle.future.result(timeout=10)
@@ -103,7 +103,7 @@ def test_evictions_come_back_as_data() -> None:
     books = scheduler.books
     part = books.prepare_store([0, 1], [b"a", b"b"], None, None, batched=False)
     scheduler.enqueue(part)
-    (lane,) = scheduler.take()
+    ((lane,),) = scheduler.take()  # one generation, one direction
     job = scheduler.launch(lane)
     assert job.direction is Direction.D2H and job.gpu_ids.tolist() == [0, 1]
     settled = scheduler.complete(JobOutcome(job.job_id, None, 32))
@@ -123,7 +123,7 @@ def test_a_failed_job_never_makes_its_keys_ready() -> None:
     scheduler = Scheduler(config, KVGeometry(4, (16,)))
     books = scheduler.books
     scheduler.enqueue(books.prepare_store([0, 1], [b"a", b"b"], None, None, batched=False))
-    (lane,) = scheduler.take()
+    ((lane,),) = scheduler.take()  # one generation, one direction
     job = scheduler.launch(lane)
     error = RuntimeError("rank 1 failed")
     settled = scheduler.complete(JobOutcome(job.job_id, error))

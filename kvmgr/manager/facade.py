@@ -35,6 +35,7 @@ from kvmgr.events.tokens import check_token_ids
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.backpressure import WaitingFuture, WaitingStore
 from kvmgr.manager.build import Parts, build_local, build_ranked
+from kvmgr.manager.layerwise import start_load, start_store
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
 from kvmgr.pool.layout import KVLayout
@@ -51,6 +52,9 @@ from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.keys import check_keys
 from kvmgr.scheduler.queue import Part
 from kvmgr.transfer.engine import TransferEngine
+from kvmgr.transfer.layer_groups import LayerGroups
+from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
+from kvmgr.worker import TransferWorker
 
 __all__ = ["OffloadManager"]
 
@@ -83,7 +87,8 @@ class OffloadManager:
 
     Raises:
         GeometryError: the tensors cannot be managed, or do not suit the engine's device.
-        ConfigError: invalid settings.
+        ConfigError: invalid settings, or ``engine``, ``hooks``, ``tiers`` or ``tier_namespace``
+            of the wrong type (raised before any memory is allocated).
         HostMemoryError: the CPU tier's memory could not be allocated.
 
     Use it as ``async with OffloadManager(...) as mgr:``, or call ``await mgr.aclose()``.
@@ -146,6 +151,7 @@ class OffloadManager:
         self._tiers = parts.tiers
         self._hooks = list(hooks)
         self._loop: asyncio.AbstractEventLoop | None = None  # the one holder of the loop
+        self._layerwise_stores: list[LayerwiseStore] = []  # aborted at close if unfinished
         self._flush_on_tick = config.flush == "tick"
         self._tick_scheduled = False
         self._closing = False
@@ -193,6 +199,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closing = True  # from here on, new swaps raise ClosedError
+        self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
         if self._queue.in_flight:
             await self._transport.wait(list(self._queue.in_flight), timeout_s)
@@ -208,6 +215,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closed = True
+        self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:
             self._transport.close(timeout_s)  # may raise TransferTimeoutError: copies running
@@ -474,6 +482,100 @@ class OffloadManager:
         self._enqueue(self._books.prepare_load(keys, gpu_block_ids, future, batched=True))
         return future
 
+    # ------------------------------------------------------------------ layerwise
+
+    def load_layerwise(
+        self,
+        keys: Sequence[bytes],
+        gpu_block_ids: Any,
+        *,
+        layers: Sequence[int] | int | None = None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerwiseLoad:
+        """Load READY keys into GPU blocks layer by layer, submitted NOW (not at ``step()``).
+
+        What is queued is flushed first; then one batch per layer group is submitted on the load
+        stream, group 0 first (``kvmgr.transfer.layerwise``). Call ``load.wait_layer(i)`` right
+        before layer ``i`` reads the blocks (a stream wait on the device; the host does not
+        block), and ``await load`` (``LoadResult``) before freeing or reusing anything.
+
+        Args:
+            keys, gpu_block_ids: as ``load_many``.
+            layers: the layer of each KV tensor (non-decreasing from 0), an int ``k`` for ``k``
+                consecutive tensors per layer (``2``: K and V tensors), or ``None``: one tensor
+                per layer.
+            min_group_bytes: layers are merged with the next until a group holds this many bytes
+                per block (``0``: one batch per layer).
+            max_groups: at most this many batches (layers merged by size; each batch costs
+                host time to submit).
+
+        Raises:
+            LayerOrderError: bad ``layers`` or ``min_group_bytes``.
+            KVMgrError: as ``load_many``. A refused group does not raise: the load fails
+                (``LayerLoadError``) and every ``wait_layer`` raises.
+        """
+        loop = self._check_open()
+        worker = self._local_worker("load_layerwise")
+        groups = LayerGroups.build(
+            worker.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
+        future: asyncio.Future[LoadResult] = loop.create_future()
+        part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
+        return start_load(self._flusher, worker, loop, groups, part, self._is_open)
+
+    def store_layerwise(
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+        layers: Sequence[int] | int | None = None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerwiseStore:
+        """Store GPU blocks layer by layer as the forward writes them (``save_kv_layer``).
+
+        Reserves like ``store_many`` (the keys become PENDING now); ``store.save_layer(i)``
+        after layer ``i`` wrote its KV submits that layer's group, fenced on the compute stream
+        at that point. ``await store`` (``StoreResult``) resolves after the last layer.
+        ``store.abort()`` (or closing the manager) fails the layers not saved yet.
+
+        Args:
+            gpu_block_ids, keys, parents: as ``store_many``.
+            layers, min_group_bytes, max_groups: as ``load_layerwise``.
+
+        Raises:
+            LayerOrderError: bad ``layers`` or ``min_group_bytes``.
+            PoolExhaustedError: no room in the CPU tier (no backpressure here); nothing changed.
+            KVMgrError: as ``store_many``.
+        """
+        loop = self._check_open()
+        worker = self._local_worker("store_layerwise")
+        groups = LayerGroups.build(
+            worker.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
+        future: asyncio.Future[StoreResult] = loop.create_future()
+        part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
+        store = start_store(self._flusher, worker, loop, groups, part, self._is_open)
+        self._layerwise_stores = [s for s in self._layerwise_stores if not s.batches.handle.done()]
+        self._layerwise_stores.append(store)
+        return store
+
+    def _local_worker(self, what: str) -> TransferWorker:
+        """Raises ConfigError: the copies run in other processes (``over_ranks``)."""
+        if self._worker is None:
+            raise ConfigError(f"{what} needs the in-process worker; not supported over ranks")
+        return self._worker
+
+    def _is_open(self) -> bool:
+        return not (self._closed or self._closing)
+
+    def _abort_layerwise(self) -> None:
+        for store in self._layerwise_stores:
+            store.abort()
+        self._layerwise_stores = []
+
     # ------------------------------------------------------------------ lower tiers
 
     async def fetch(self, keys: Sequence[bytes]) -> int:
@@ -648,6 +750,8 @@ class OffloadManager:
             hook_reports = tuple(hook(ctx) for hook in hooks)
             self._flusher.check_hook_reports(hooks, hook_reports)
         self._step = step
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry,
+            self._room.wake()  # and those that find room are submitted by this very step
         if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
                 d2h, h2d = self._flush()
@@ -655,8 +759,6 @@ class OffloadManager:
             d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
-        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
-            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,
@@ -758,7 +860,7 @@ class OffloadManager:
             self._queue,
             promoting,
             self._room.stores,
-            self._transport.engine_batch_id,
+            self._transport.engine_batches,
         )
 
     def take_events(self) -> list[KVEvent]:

@@ -30,7 +30,7 @@ from kvmgr.errors import (
 from kvmgr.hooks import HookReport, StepHook
 from kvmgr.manager.backpressure import RoomWaiters
 from kvmgr.reports import DirectionReport
-from kvmgr.scheduler import Direction, JobOutcome, Scheduler, Settled
+from kvmgr.scheduler import Direction, JobOutcome, Scheduler, Settled, TransferJob
 from kvmgr.scheduler.queue import Lane
 
 __all__ = ["Flusher"]
@@ -87,49 +87,71 @@ class Flusher:
     def flush(self, loop: asyncio.AbstractEventLoop) -> tuple[DirectionReport, DirectionReport]:
         """Submit every queued lane; returns the (D2H, H2D) reports of this flush."""
         scheduler = self.scheduler
-        lanes = scheduler.take()
+        generations = scheduler.take()
         d2h = h2d = _NOTHING
-        if not lanes:
+        if not generations:
             return d2h, h2d
         moved = self.transport.moved()
         if self.tiers is not None:  # evicted blocks' pages, before a store may overwrite them
             self.tiers.write_evicted(scheduler.books.take_evicted(), loop)
         bug: BaseException | None = None
-        for lane in lanes:
+        for lanes in generations:
             if moved is not None:
-                self._settle(scheduler.fail(lane, StaleKVTensorError(moved)))
+                for lane in lanes:
+                    self._settle(scheduler.fail(lane, StaleKVTensorError(moved)))
                 continue
-            job = scheduler.launch(lane)
-            try:
-                sub = self.transport.submit(job, loop)
-            except KVMgrError as exc:
-                error = (
-                    exc
-                    if isinstance(exc, TransferError)
-                    else TransferError(f"could not submit the {job.direction.value} batch: {exc}")
-                )
-                self._settle(scheduler.abort(job, error))
-                continue
-            except Exception as exc:  # a bug: fail the swaps with it, raise after the rest
-                self._settle(scheduler.abort(job, exc))
-                bug = bug or exc
-                continue
-            scheduler.books.counters.batch_blocks.observe(job.num_blocks)
-            report = DirectionReport(
-                swaps=len(lane.parts),
-                blocks=sub.num_blocks,
-                pages=sub.num_pages,
-                descriptors=sub.num_descriptors,
-                bytes=sub.num_bytes,
-                batches=1,
-            )
-            if job.direction is Direction.D2H:
-                d2h = report if d2h is _NOTHING else d2h + report
-            else:
-                h2d = report if h2d is _NOTHING else h2d + report
+            jobs = [(scheduler.launch(lane), lane) for lane in lanes]
+            if len(jobs) == 2:  # a store and a load: the worker may prefer the load first
+                first, _ = self.transport.order(jobs[0][0], jobs[1][0])
+                if first is not jobs[0][0]:
+                    jobs.reverse()
+            for job, lane in jobs:
+                try:
+                    report = self._submit(job, lane, loop)
+                except Exception as exc:  # a bug: fail the swaps with it, raise after the rest
+                    bug = bug or exc
+                    continue
+                if report is None:
+                    continue
+                if job.direction is Direction.D2H:
+                    d2h = report if d2h is _NOTHING else d2h + report
+                else:
+                    h2d = report if h2d is _NOTHING else h2d + report
         if bug is not None:
             raise bug
         return d2h, h2d
+
+    def _submit(
+        self, job: TransferJob, lane: Lane, loop: asyncio.AbstractEventLoop
+    ) -> DirectionReport | None:
+        """Hand a launched job to the transport; ``None`` if refused (rolled back, failed).
+
+        Raises:
+            Exception: a bug (not a kvmgr error); the job was rolled back and failed with it.
+        """
+        scheduler = self.scheduler
+        try:
+            sub = self.transport.submit(job, loop)
+        except KVMgrError as exc:
+            error = (
+                exc
+                if isinstance(exc, TransferError)
+                else TransferError(f"could not submit the {job.direction.value} batch: {exc}")
+            )
+            self._settle(scheduler.abort(job, error))
+            return None
+        except Exception as exc:
+            self._settle(scheduler.abort(job, exc))
+            raise
+        scheduler.books.counters.batch_blocks.observe(job.num_blocks)
+        return DirectionReport(
+            swaps=len(lane.parts),
+            blocks=sub.num_blocks,
+            pages=sub.num_pages,
+            descriptors=sub.num_descriptors,
+            bytes=sub.num_bytes,
+            batches=1,
+        )
 
     # ------------------------------------------------------------------ completion
 
@@ -150,8 +172,9 @@ class Flusher:
 
     def fail_queued(self, error: BaseException) -> None:
         """Fail every queued (not submitted) swap with ``error``; roll their bookkeeping back."""
-        for lane in self.scheduler.take():
-            self._settle(self.scheduler.fail(lane, error))
+        for lanes in self.scheduler.take():
+            for lane in lanes:
+                self._settle(self.scheduler.fail(lane, error))
 
     def settle_at_close(self) -> None:
         """Closing: settle every job in flight whose copy ended; fail the awaits of the others

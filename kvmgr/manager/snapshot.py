@@ -84,7 +84,8 @@ class SwapSnapshot:
 
 @attrs.frozen
 class BatchSnapshot:
-    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences."""
+    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences;
+    ``engine_batch_ids``: every engine batch it joins (one, or a layerwise operation's groups)."""
 
     seq: int
     direction: Direction
@@ -92,6 +93,7 @@ class BatchSnapshot:
     gpu_block_ids: tuple[int, ...]
     wait_for: tuple[int, ...]
     engine_wait_for: tuple[int, ...]
+    engine_batch_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -112,6 +114,8 @@ class ManagerSnapshot:
         tables: request -> its block table.
         swaps: queued and in-flight swaps, queued first, in order.
         batches: batches in flight, in submission order.
+        key_parents: key -> the key it extends (``None``: a root), as the manager records it
+            for every indexed key (the parents a store named).
     """
 
     keys: Mapping[bytes, KeySnapshot]
@@ -125,6 +129,7 @@ class ManagerSnapshot:
     tables: Mapping[Hashable, TableSnapshot]
     swaps: tuple[SwapSnapshot, ...]
     batches: tuple[BatchSnapshot, ...]
+    key_parents: Mapping[bytes, bytes | None] = attrs.field(factory=dict)
 
 
 _KIND_NAMES = {
@@ -158,12 +163,12 @@ def take_snapshot(
     queue: SwapQueue,
     promoting: Sequence[tuple[list[bytes], np.ndarray]] = (),
     waiting: Sequence[WaitingStore] = (),
-    engine_batch_id: Callable[[int], int | None] = lambda seq: None,
+    engine_batches: Callable[[int], tuple[int | None, tuple[int, ...]]] = lambda seq: (None, ()),
 ) -> ManagerSnapshot:
     """Build the snapshot of a manager's bookkeeper and queue (and the promotes from lower
     tiers in flight, shown as swaps of kind ``"promote"``, and the stores waiting for room,
-    of kind ``"waiting"``). ``engine_batch_id`` maps a job id to the local engine's batch id
-    (``None`` where the job runs on other processes)."""
+    of kind ``"waiting"``). ``engine_batches`` maps a job id to the local engine's batch id and
+    every engine batch it joins (``(None, ())`` where the job runs on other processes)."""
     cpu, gpu = books.cpu, books.gpu
     keys = {
         key: KeySnapshot(block, CpuState(cpu.state[block]), int(cpu.readers[block]))
@@ -196,16 +201,18 @@ def take_snapshot(
         engine_waits = tuple(
             e
             for s in batch.wait_for
-            if s in queue.in_flight and (e := engine_batch_id(s)) is not None
+            if s in queue.in_flight and (e := engine_batches(s)[0]) is not None
         )
+        engine_id, engine_ids = engine_batches(batch.seq)
         batches.append(
             BatchSnapshot(
                 batch.seq,
                 batch.direction,
-                engine_batch_id(batch.seq),
+                engine_id,
                 _ints(batch.gpu_ids),
                 batch.wait_for,
                 engine_waits,
+                engine_ids,
             )
         )
     busy = {int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)}
@@ -227,4 +234,5 @@ def take_snapshot(
         },
         swaps=tuple(swaps),
         batches=tuple(batches),
+        key_parents=dict(cpu.chains.parent),
     )

@@ -297,11 +297,12 @@ class SwapQueue:
         in_flight = self.in_flight
         return [in_flight[s] for s in seqs.tolist() if s in in_flight]
 
-    def launch(self, lane: Lane, submitted_s: float) -> Batch:
+    def launch(self, lane: Lane, submitted_s: float, *, fenced: bool = True) -> Batch:
         """Make the lane's job (its ids, fenced on the in-flight batches of the other direction
-        that share GPU blocks) and record it in flight."""
+        that share GPU blocks, unless not ``fenced``: a layerwise job fences each group itself)
+        and record it in flight."""
         gpu_ids, cpu_ids = lane.arrays()
-        fences = self.fences(lane.direction, gpu_ids)
+        fences = self.fences(lane.direction, gpu_ids) if fenced else []
         job = TransferJob(
             self.next_seq(), lane.direction, gpu_ids, cpu_ids, tuple(b.seq for b in fences)
         )

@@ -5,7 +5,7 @@ process and what a rank-0 (or separate) scheduler process runs under tensor para
 loop, driven by the caller:
 
 1. ``books.prepare_*`` / ``books.requests.prepare_*`` -> a ``Part`` -> ``enqueue(part)``;
-2. at a step, ``take()`` -> the queued lanes (one per direction per generation, oldest first);
+2. at a step, ``take()`` -> the queued lanes (per generation, one per direction, oldest first);
    ``launch(lane)`` -> a ``TransferJob`` (block ids, and the in-flight jobs of the other
    direction it must wait for), recorded in flight; hand it to every rank's worker;
 3. when the job ended on every rank, ``complete(outcome)`` applies it and returns a ``Settled``
@@ -85,20 +85,21 @@ class Scheduler:
         self.queue.add(part)
         return True
 
-    def take(self) -> list[Lane]:
-        """Remove and return every queued lane with parts, oldest generation first (D2H before
-        H2D within a generation)."""
-        return [
-            lane
-            for generation in self.queue.take()
-            for lane in generation.lanes.values()
-            if lane.parts
-        ]
+    def take(self) -> list[tuple[Lane, ...]]:
+        """Remove and return every queued generation's lanes with parts, oldest generation
+        first (D2H before H2D within one: the two never share a GPU block, so they may be
+        submitted in either order)."""
+        taken = []
+        for generation in self.queue.take():
+            lanes = tuple(lane for lane in (generation.d2h, generation.h2d) if lane.parts)
+            if lanes:
+                taken.append(lanes)
+        return taken
 
-    def launch(self, lane: Lane) -> TransferJob:
+    def launch(self, lane: Lane, *, fenced: bool = True) -> TransferJob:
         """The lane's job, recorded in flight (fenced on the in-flight jobs of the other
-        direction that share a GPU block)."""
-        return self.queue.launch(lane, time.perf_counter()).job
+        direction that share a GPU block, unless not ``fenced``)."""
+        return self.queue.launch(lane, time.perf_counter(), fenced=fenced).job
 
     def abort(self, job: TransferJob, error: BaseException) -> Settled:
         """A launched job that no worker runs (submission refused): forget it, roll back."""

@@ -104,6 +104,12 @@ class Stores:
         all_parents = check_parents(keys, parents)
         tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         fresh = self._fresh(keys, batched)
+        if fresh:  # a parent chain reaching the key itself: InvalidKeyError, nothing changed
+            chains = self.cpu.chains
+            if len(fresh) == n:
+                chains.check(keys, all_parents)
+            else:
+                chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
         num_present = n - len(fresh)
         fresh, waiting = self._admit(keys, fresh, all_parents)
         everything = len(fresh) == n
@@ -244,8 +250,8 @@ class Stores:
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
             return None
-        if pool.num_free < n:
-            return None
+        if pool.num_free < n or not cpu.chains.children.keys().isdisjoint(keys):
+            return None  # eviction, or a key with indexed children (a cycle to look for)
         take_one, state, busy = pool.take_one, cpu.state, gpu_blocks.busy
         cpu_ids = []
         for key, b in zip(keys, gpu):
@@ -256,7 +262,9 @@ class Stores:
             busy[b] += 1
         cpu.num_pending += n
         keys = keys[:]  # the caller may reuse its lists
-        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
+        parents: list[bytes | None] = [None, *keys[:-1]] if n > 1 else [None]
+        cpu.policy.insert(keys, parents)
+        cpu.chains.add(keys, parents)
         self.counters.stores_queued += n
         gpu_ids = tuple(gpu)
         result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)

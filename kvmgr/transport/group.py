@@ -365,9 +365,13 @@ class RankTransport:
         if waits:
             await asyncio.wait(waits, timeout=timeout_s)
 
-    def engine_batch_id(self, job_id: int) -> int | None:
-        """``None``: the batches live in the rank processes."""
-        return None
+    def engine_batches(self, job_id: int) -> tuple[int | None, tuple[int, ...]]:
+        """``(None, ())``: the batches live in the rank processes."""
+        return None, ()
+
+    def order(self, d2h: TransferJob, h2d: TransferJob) -> tuple[TransferJob, TransferJob]:
+        """Stores first (each rank's engine orders its own copies)."""
+        return d2h, h2d
 
     def stream_wait(self, job_id: int, stream: Any = None) -> None:
         """No-op: each rank fences its own compute stream."""

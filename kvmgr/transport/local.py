@@ -45,7 +45,11 @@ class LocalTransport:
         Raises:
             KVMgrError: the worker refused it (nothing runs then; roll it back).
         """
-        submitted = self.worker.submit(job)
+        try:
+            submitted = self.worker.submit(job)
+        except BaseException:
+            self.worker.forget(job.job_id)  # a plan kept by ``order``
+            raise
         handle = submitted.handle
         land, job_id = self._land, job.job_id
 
@@ -55,6 +59,18 @@ class LocalTransport:
 
         handle.future.add_done_callback(on_done)
         return submitted
+
+    def track(self, job_id: int, handle: BatchHandle, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver the outcome of a job the caller submitted to the worker's engine itself (a
+        layerwise operation: one handle over its groups) like that of any other job."""
+        self.worker.adopt(job_id, handle)
+        land = self._land
+
+        def on_done(_: object) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(land, job_id, handle)
+
+        handle.future.add_done_callback(on_done)
 
     def _land(self, job_id: int, handle: BatchHandle) -> None:
         self.worker.forget(job_id)
@@ -78,10 +94,18 @@ class LocalTransport:
             wait.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.wait(waits, timeout=timeout_s)
 
-    def engine_batch_id(self, job_id: int) -> int | None:
-        """The engine's batch id of a tracked job (for snapshots)."""
+    def engine_batches(self, job_id: int) -> tuple[int | None, tuple[int, ...]]:
+        """A tracked job's engine batch id and every engine batch it joins (one, or a
+        layerwise job's groups), for snapshots; ``(None, ())`` if not tracked."""
         handle = self.worker.handle(job_id)
-        return None if handle is None else handle.batch_id
+        if handle is None:
+            return None, ()
+        return handle.batch_id, tuple(getattr(handle, "member_ids", None) or (handle.batch_id,))
+
+    def order(self, d2h: TransferJob, h2d: TransferJob) -> tuple[TransferJob, TransferJob]:
+        """The order to submit a generation's two jobs in (the worker's engine may prefer the
+        load first: ``plan_duplex`` of the engine ``"auto"``)."""
+        return self.worker.order(d2h, h2d)
 
     def stream_wait(self, job_id: int, stream: Any = None) -> None:
         """Make ``stream`` wait on the device for a job's copy (no-op on the host engine)."""

@@ -16,12 +16,12 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.errors import StaleKVTensorError
+from kvmgr.errors import KVMgrError, StaleKVTensorError
 from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction, KVGeometry, TransferJob
 from kvmgr.transfer.engine import BatchHandle, TransferEngine
-from kvmgr.transfer.plan import build_plan
+from kvmgr.transfer.plan import TransferPlan, build_plan
 from kvmgr.worker.tensors import TensorGuard
 
 __all__ = ["Submitted", "TransferWorker"]
@@ -101,6 +101,8 @@ class TransferWorker:
             Direction.H2D: (cpu_layout, self.gpu_layout),
         }
         self._handles: dict[int, BatchHandle] = {}
+        self._prebuilt: dict[int, TransferPlan] = {}  # job id -> its plan (``order``)
+        self._duplex = getattr(engine, "plan_duplex", None)  # engine "auto": paths per step
 
     def blocks_ready(self) -> int:
         """Leading CPU blocks pinned so far (all of them unless still pinning)."""
@@ -128,6 +130,32 @@ class TransferWorker:
             return job.gpu_ids[mine], job.cpu_ids[mine]
         return job.gpu_ids, job.cpu_ids
 
+    def _plan(self, job: TransferJob) -> TransferPlan:
+        gpu_ids, cpu_ids = self._share(job)
+        direction = job.direction
+        src, dst = (gpu_ids, cpu_ids) if direction is Direction.D2H else (cpu_ids, gpu_ids)
+        src_layout, dst_layout = self._layouts[direction]
+        return build_plan(direction, src_layout, dst_layout, src, dst, merge=self.merge)
+
+    def order(self, d2h: TransferJob, h2d: TransferJob) -> tuple[TransferJob, TransferJob]:
+        """The order to submit one step's store and load jobs in: the engine's choice where it
+        plans both directions together (``plan_duplex``: engine ``"auto"``), else stores
+        first. The plans built to decide are kept for ``submit``."""
+        if self._duplex is None:
+            return d2h, h2d
+        counts = []
+        for job in (d2h, h2d):
+            try:
+                plan = self._plan(job)
+            except KVMgrError:  # one descriptor per page; ``submit`` raises the error again
+                n = job.num_blocks
+                counts.append((n * self.gpu_layout.num_tensors, n * self.gpu_layout.block_bytes))
+                continue
+            self._prebuilt[job.job_id] = plan
+            counts.append((plan.num_descriptors, plan.num_bytes))
+        first, _ = self._duplex(*counts)
+        return (d2h, h2d) if first is Direction.D2H else (h2d, d2h)
+
     def submit(self, job: TransferJob) -> Submitted:
         """Plan and submit this rank's share of ``job``, fenced on the jobs it names that this
         worker still tracks.
@@ -140,11 +168,7 @@ class TransferWorker:
         moved = self._guard.moved()
         if moved is not None:
             raise StaleKVTensorError(moved)
-        gpu_ids, cpu_ids = self._share(job)
-        direction = job.direction
-        src, dst = (gpu_ids, cpu_ids) if direction is Direction.D2H else (cpu_ids, gpu_ids)
-        src_layout, dst_layout = self._layouts[direction]
-        plan = build_plan(direction, src_layout, dst_layout, src, dst, merge=self.merge)
+        plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
         handles = self._handles
         wait_for = [handles[j] for j in job.wait_for if j in handles]
         handle = self.engine.submit(plan, wait_for=wait_for)
@@ -162,9 +186,14 @@ class TransferWorker:
         """The engine handle of a job this worker still tracks."""
         return self._handles.get(job_id)
 
+    def adopt(self, job_id: int, handle: BatchHandle) -> None:
+        """Track a handle submitted for ``job_id`` outside ``submit`` (layerwise groups)."""
+        self._handles[job_id] = handle
+
     def forget(self, job_id: int) -> None:
-        """The job's outcome was applied: stop tracking its handle."""
+        """The job's outcome was applied (or it was never submitted): stop tracking it."""
         self._handles.pop(job_id, None)
+        self._prebuilt.pop(job_id, None)
 
     def stream_wait(self, job_id: int, stream: Any = None) -> None:
         """Make ``stream`` wait on the device for a job's copy (no-op on the host engine)."""
