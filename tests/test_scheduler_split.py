@@ -164,3 +164,25 @@ def test_a_replicated_rank_stores_only_the_blocks_it_writes() -> None:
     mine = [c for c in part.cpu_ids if c % 2 == 1]  # rank 1 writes the odd CPU blocks
     assert outcome.num_bytes == len(mine) * worker.geometry.block_bytes
     worker.close()
+
+
+def test_simulate_tp_ranks_move_their_share_of_the_loaded_bytes_in_parallel() -> None:
+    from kvmgr.errors import ConfigError
+    from kvmgr.sim.loop import SimConfig, simulate
+    from kvmgr.sim.trace import TraceRequest
+
+    with pytest.raises(ConfigError):
+        SimConfig(tp=0)
+    # ten requests with long outputs on a tight GPU: preempted, then resumed over a slow link
+    trace = [
+        TraceRequest(0.01 * i, 1100 + 37 * i, 300 + 50 * (i % 3), (0, 100 + i, 200 + i))
+        for i in range(10)
+    ]
+    tight = dict(
+        block_size=16, gpu_tokens=3 * 1024, watermark=0.0, max_batched_tokens=512,
+        h2d_gbps=0.05, engine="host",
+    )  # fmt: skip
+    one, four = (simulate(SimConfig(tp=tp, **tight), trace) for tp in (1, 4))  # type: ignore[arg-type]
+    loaded = [r.counters["load_blocks"] + r.counters["resume_blocks"] for r in (one, four)]
+    assert loaded[0] > 0 and loaded[0] == loaded[1]  # the same decisions, the same bytes
+    assert four.counters["virtual_s"] < one.counters["virtual_s"]  # loads 4x faster
