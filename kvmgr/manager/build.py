@@ -73,6 +73,16 @@ def build_local(
 
         if not isinstance(tier, TierBackend):
             raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
+    if engine is not None and not isinstance(engine, TransferEngine):
+        raise ConfigError(f"engine: expected a TransferEngine, got {type(engine).__name__}")
+    if tier_namespace is not None:
+        from kvmgr.tiers.blob import TierNamespace
+
+        if not isinstance(tier_namespace, TierNamespace):
+            raise ConfigError(
+                f"tier_namespace: expected a kvmgr.tiers.TierNamespace or None, got "
+                f"{type(tier_namespace).__name__}"
+            )
     if engine is None:
         engine = make_engine(config.engine, device, config)
     elif isinstance(engine, HostEngine) and device.type != "cpu":
