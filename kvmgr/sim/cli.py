@@ -172,7 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--h2d-gbps",
         type=float,
         default=d.h2d_gbps,
-        help="CPU->GPU bandwidth charged for loads (GB/s)",
+        help="CPU->GPU bandwidth charged for loads (GB/s), per rank",
+    )
+    s.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel ranks: each moves 1/N of the loaded bytes in parallel",
     )
     w = parser.add_argument_group("capacity sweep")
     w.add_argument(
@@ -227,6 +233,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         step_ms=args.step_ms,
         tokens_per_s=args.tokens_per_s,
         h2d_gbps=args.h2d_gbps,
+        tp=args.tp,
         max_memory_bytes=int(args.max_memory_gib * 2**30),
     )
 
