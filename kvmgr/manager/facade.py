@@ -40,6 +40,7 @@ from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
 from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.flush import Flusher
+from kvmgr.manager.layerwise import LayerLayouts, start_load, start_store
 from kvmgr.manager.queue import Part, SwapQueue
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
@@ -55,6 +56,8 @@ from kvmgr.reports import (
 from kvmgr.transfer import make_engine
 from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.host import HostEngine
+from kvmgr.transfer.layer_groups import LayerGroups
+from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import Direction
 
 __all__ = ["OffloadManager"]
@@ -155,6 +158,8 @@ class OffloadManager:
         self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
         self._room = RoomWaiters(self._books.gpu, self._books.counters, self._enqueue)
         self._flusher.on_settled = self._room.wake
+        self._layerwise_stores: list[LayerwiseStore] = []  # aborted at close if unfinished
+        self._layer_layouts = LayerLayouts()
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_on_tick = config.flush == "tick"
@@ -220,6 +225,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closing = True  # from here on, new swaps raise ClosedError
+        self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
         pending = [b.handle.future for b in self._queue.in_flight.values()]
         if pending:
@@ -239,6 +245,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closed = True
+        self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:
             self.engine.close(timeout_s)  # may raise TransferTimeoutError: copies still running
@@ -373,7 +380,8 @@ class OffloadManager:
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
-            InvalidKeyError: bad keys, or different counts.
+            InvalidKeyError: bad keys, different counts, or parents whose chain comes back to
+                a new key (a key cycle, within the call or through stored keys).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
@@ -506,6 +514,92 @@ class OffloadManager:
         self._enqueue(self._books.prepare_load(keys, gpu_block_ids, future, batched=True))
         return future
 
+    # ------------------------------------------------------------------ layerwise
+
+    def load_layerwise(
+        self,
+        keys: Sequence[bytes],
+        gpu_block_ids: Any,
+        *,
+        layers: Sequence[int] | int | None = None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerwiseLoad:
+        """Load READY keys into GPU blocks layer by layer, submitted NOW (not at ``step()``).
+
+        What is queued is flushed first; then one batch per layer group is submitted on the load
+        stream, group 0 first (``kvmgr.transfer.layerwise``). Call ``load.wait_layer(i)`` right
+        before layer ``i`` reads the blocks (a stream wait on the device; the host does not
+        block), and ``await load`` (``LoadResult``) before freeing or reusing anything.
+
+        Args:
+            keys, gpu_block_ids: as ``load_many``.
+            layers: the layer of each KV tensor (non-decreasing from 0), an int ``k`` for ``k``
+                consecutive tensors per layer (``2``: K and V tensors), or ``None``: one tensor
+                per layer.
+            min_group_bytes: layers are merged with the next until a group holds this many bytes
+                per block (``0``: one batch per layer).
+            max_groups: at most this many batches (layers merged by size; each batch costs
+                host time to submit).
+
+        Raises:
+            LayerOrderError: bad ``layers`` or ``min_group_bytes``.
+            KVMgrError: as ``load_many``. A refused group does not raise: the load fails
+                (``LayerLoadError``) and every ``wait_layer`` raises.
+        """
+        loop = self._check_open()
+        groups = LayerGroups.build(
+            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
+        future: asyncio.Future[LoadResult] = loop.create_future()
+        part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
+        return start_load(self._flusher, self._layer_layouts, groups, part, self._is_open)
+
+    def store_layerwise(
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+        layers: Sequence[int] | int | None = None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerwiseStore:
+        """Store GPU blocks layer by layer as the forward writes them (``save_kv_layer``).
+
+        Reserves like ``store_many`` (the keys become PENDING now); ``store.save_layer(i)``
+        after layer ``i`` wrote its KV submits that layer's group, fenced on the compute stream
+        at that point. ``await store`` (``StoreResult``) resolves after the last layer.
+        ``store.abort()`` (or closing the manager) fails the layers not saved yet.
+
+        Args:
+            gpu_block_ids, keys, parents: as ``store_many``.
+            layers, min_group_bytes, max_groups: as ``load_layerwise``.
+
+        Raises:
+            LayerOrderError: bad ``layers`` or ``min_group_bytes``.
+            PoolExhaustedError: no room in the CPU tier (no backpressure here); nothing changed.
+            KVMgrError: as ``store_many``.
+        """
+        loop = self._check_open()
+        groups = LayerGroups.build(
+            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
+        future: asyncio.Future[StoreResult] = loop.create_future()
+        part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
+        store = start_store(self._flusher, self._layer_layouts, groups, part, self._is_open)
+        self._layerwise_stores = [s for s in self._layerwise_stores if not s.batches.handle.done()]
+        self._layerwise_stores.append(store)
+        return store
+
+    def _is_open(self) -> bool:
+        return not (self._closed or self._closing)
+
+    def _abort_layerwise(self) -> None:
+        for store in self._layerwise_stores:
+            store.abort()
+        self._layerwise_stores = []
+
     # ------------------------------------------------------------------ lower tiers
 
     async def fetch(self, keys: Sequence[bytes]) -> int:
@@ -535,6 +629,20 @@ class OffloadManager:
         if self._tiers is None:
             return self._books.lookup(keys, touch=False), ()
         return await self._tiers.lookup(keys)
+
+    async def drain_tiers(self, timeout_s: float | None = None) -> None:
+        """Wait (up to ``timeout_s`` seconds; ``None``: no bound) until the lower tiers'
+        background writes started so far (write-back of evicted blocks, write-through) ended.
+        For replays that must not depend on I/O timing (``kvmgr simulate``); a serving loop
+        never needs it. No-op without lower tiers.
+
+        Raises:
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        self._check_open()
+        if self._tiers is not None:
+            self._tiers.write_evicted()
+            await self._tiers.drain(timeout_s)
 
     def tier_statistics(self) -> list[tuple[Any, Any]]:
         """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""

@@ -84,7 +84,8 @@ class SwapSnapshot:
 
 @attrs.frozen
 class BatchSnapshot:
-    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences."""
+    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences;
+    ``engine_batch_ids``: every engine batch it joins (one, or a layerwise operation's groups)."""
 
     seq: int
     direction: Direction
@@ -92,6 +93,7 @@ class BatchSnapshot:
     gpu_block_ids: tuple[int, ...]
     wait_for: tuple[int, ...]
     engine_wait_for: tuple[int, ...]
+    engine_batch_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -205,6 +207,7 @@ def take_snapshot(
                 _ints(batch.gpu_ids),
                 batch.wait_for,
                 engine_waits,
+                tuple(batch.handle.member_ids or (batch.handle.batch_id,)),
             )
         )
     busy = {int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)}

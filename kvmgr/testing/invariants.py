@@ -231,7 +231,7 @@ def _check_gpu(snap: ManagerSnapshot) -> list[str]:
 
 def _check_engine(snap: ManagerSnapshot, engine: FaultyEngine) -> list[str]:
     problems: list[str] = []
-    known = {b.engine_batch_id for b in snap.batches}
+    known = {i for b in snap.batches for i in (b.engine_batch_ids or (b.engine_batch_id,))}
     stray = sorted(set(engine.unresolved_batch_ids) - known)
     if stray:
         problems.append(f"engine batches {stray} are unresolved but unknown to the manager")

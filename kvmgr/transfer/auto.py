@@ -18,7 +18,7 @@ from typing import Any
 from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.kernel import KernelCopy
-from kvmgr.transfer.plan import TransferPlan
+from kvmgr.transfer.plan import Direction, TransferPlan
 from kvmgr.transfer.streams import Issued
 
 __all__ = ["ChoiceCopy", "always_kernel", "cost_model"]
@@ -55,6 +55,9 @@ class ChoiceCopy:
     Attributes:
         pageable_host: set by the engine when a CPU-tier allocation fell back to pageable
             memory; from then on every plan goes to DMA.
+        duplex: per direction, ``(use_kernel, descriptors, bytes)``: the path the next plan of
+            that direction takes whatever ``choose`` says, if it has those counts (set by
+            ``AutoEngine.plan_duplex`` for a step that copies both ways; used once).
     """
 
     def __init__(self, dma: DmaCopy, kernel: KernelCopy | None, choose: Choice) -> None:
@@ -62,15 +65,21 @@ class ChoiceCopy:
         self.kernel = kernel
         self.choose = choose
         self.pageable_host = False
+        self.duplex: dict[Direction, tuple[bool, int, int]] = {}
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Issue ``plan`` on ``stream`` with the chosen issuer."""
         kernel = self.kernel
+        forced = None
+        if self.duplex:
+            pending = self.duplex.pop(plan.direction, None)
+            if pending is not None and pending[1:] == (plan.num_descriptors, plan.num_bytes):
+                forced = pending[0]
         if (
             kernel is not None
             and not self.pageable_host
             and plan.num_descriptors
-            and self.choose(plan, plan.num_bytes)
+            and (self.choose(plan, plan.num_bytes) if forced is None else forced)
         ):
             return kernel.issue(plan, stream)
         return self.dma.issue(plan, stream)

@@ -41,6 +41,7 @@ from kvmgr.transfer.auto import ChoiceCopy, always_kernel, cost_model
 from kvmgr.transfer.cost_model import Calibration
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.driver import CopyDriver
+from kvmgr.transfer.duplex import duplex_choice
 from kvmgr.transfer.engine import BatchHandle, EngineStatistics, TransferEngine
 from kvmgr.transfer.kernel import KernelCopy
 from kvmgr.transfer.pinning import PinnedRegion, PinOptions, PinStatistics
@@ -397,6 +398,20 @@ class AutoEngine(CudaEngine):
             except Exception as exc:
                 _LOG.warning("copy kernel unusable (%s); engine 'auto' copies by DMA", exc)
                 choice.kernel = None
+
+    def plan_duplex(self, d2h: tuple[int, int], h2d: tuple[int, int]) -> tuple[Direction, ...]:
+        """A step is about to submit ``d2h = (descriptors, bytes)`` out and ``h2d`` in: choose
+        each direction's path knowing the other (``kvmgr.transfer.duplex``) for the next plan of
+        each direction (if it has those counts), and return the order to submit them in."""
+        choice = duplex_choice(d2h, h2d, self.calibration)
+        issuer = self._issuer
+        assert isinstance(issuer, ChoiceCopy)
+        issuer.duplex = {
+            Direction.D2H: (choice.d2h_kernel, *d2h),
+            Direction.H2D: (choice.h2d_kernel, *h2d),
+        }
+        second = Direction.H2D if choice.first is Direction.D2H else Direction.D2H
+        return choice.first, second
 
 
 def _warmup(engine: CudaEngine, kernel: KernelCopy) -> None:

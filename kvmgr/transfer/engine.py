@@ -61,12 +61,18 @@ class BatchHandle:
         future: resolves to ``BatchResult``, or fails with ``TransferError``; resolved from an
             engine thread, never from the caller's.
         end_event: engine-specific completion marker (a CUDA event), or ``None``.
+        refused: the error of a copy the engine refused while issuing (known at submit; the
+            future fails with it once the copies enqueued before it ended), else ``None``.
+        member_ids: for a handle that joins several engine batches (a layerwise load or
+            store, ``kvmgr.transfer.layerwise.LayerBatches``), their batch ids; else ``None``.
     """
 
     batch_id: int
     direction: Direction
     future: concurrent.futures.Future[BatchResult]
     end_event: Any = None
+    refused: Any = None
+    member_ids: list[int] | None = None
 
     def done(self) -> bool:
         """Whether the copy has completed (successfully or not)."""

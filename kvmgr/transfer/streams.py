@@ -245,7 +245,9 @@ class CopyStreams:
                 f"batch {batch_id}: {issued.error}", fail_index=issued.error.fail_index
             )
         start, end = events
-        handle = BatchHandle(batch_id, direction, concurrent.futures.Future(), end_event=end)
+        handle = BatchHandle(
+            batch_id, direction, concurrent.futures.Future(), end_event=end, refused=issued.error
+        )
         item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch
