@@ -53,6 +53,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvmgr import (
     BlockStateError,
+    InvalidKeyError,
     ManagerConfig,
     OffloadManager,
     PoolExhaustedError,
@@ -278,6 +279,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 future = self._call(self.m.swap_out, gpu, keys, parents)
         except PoolExhaustedError:
             assert self._snap() == before
+            return
+        except InvalidKeyError as exc:  # drawn parents that close a key cycle: refused
+            assert "key cycle" in str(exc) and self._snap() == before
+            TOTALS["cycles_refused"] += 1
             return
         after = self._snap()
         for key, p, a in zip(keys, present, admitted):

@@ -23,7 +23,13 @@ import torch
 from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
 from kvmgr.testing._order import Batch, BatchOrder, closed_before_copy
 from kvmgr.testing._script import POISON_BYTE, FaultScript
-from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
+from kvmgr.transfer.engine import (
+    BatchHandle,
+    BatchResult,
+    BatchTotals,
+    EngineStatistics,
+    TransferEngine,
+)
 from kvmgr.transfer.plan import Direction, TransferPlan
 
 __all__ = ["POISON_BYTE", "ScriptedEngine"]
@@ -127,7 +133,7 @@ class ScriptedEngine(TransferEngine):
         self._holding = hold
         self._closed = False
         self._next_batch_id = 0
-        self._totals = {"completed": 0, "failed": 0, Direction.D2H: 0, Direction.H2D: 0}
+        self._totals = BatchTotals()  # without an inner engine: this engine's own
         #: with ``record``: ``(plan, wait_for, handle)`` per submitted batch, in order
         self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
         self._record = record
@@ -222,16 +228,9 @@ class ScriptedEngine(TransferEngine):
         with self._order.lock:
             in_flight = len(self._order.batches)
         if self.inner is None:
-            totals = self._totals
-            return EngineStatistics(
-                batches_submitted=self._next_batch_id,
-                batches_completed=totals["completed"],
-                batches_failed=totals["failed"],
-                bytes_d2h=totals[Direction.D2H],
-                bytes_h2d=totals[Direction.H2D],
-                in_flight=in_flight,
-                path=self.name,
-            )
+            totals = attrs.asdict(self._totals)
+            totals |= {"batches_submitted": self._next_batch_id, "in_flight": in_flight}
+            return EngineStatistics(**totals, path=self.name)
         inner = self.inner.statistics()
         failed = inner.batches_failed + self._script.num_failed
         return attrs.evolve(inner, batches_failed=failed, in_flight=in_flight)
@@ -337,8 +336,7 @@ class ScriptedEngine(TransferEngine):
         self._next_batch_id += 1
         future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
         handle = BatchHandle(batch_id, plan.direction, future)
-        self._totals["completed"] += 1
-        self._totals[plan.direction] += plan.num_bytes
+        self._count(plan, ok=True)
         future.set_result(_no_copy_result(batch_id, plan, self.name))
         return handle
 
@@ -371,11 +369,20 @@ class ScriptedEngine(TransferEngine):
             outcome = _no_copy_result(batch.handle.batch_id, batch.plan, self.name)
         if future is None:
             with self._order.lock:
-                key = "failed" if isinstance(outcome, BaseException) else "completed"
-                self._totals[key] += 1
-                if key == "completed":
-                    self._totals[batch.plan.direction] += batch.plan.num_bytes
+                self._count(batch.plan, ok=not isinstance(outcome, BaseException))
         self._order.finish(batch, outcome)
+
+    def _count(self, plan: TransferPlan, *, ok: bool) -> None:
+        """Count a batch of the no-copy engine."""
+        totals = self._totals
+        if not ok:
+            totals.batches_failed += 1
+            return
+        totals.batches_completed += 1
+        if plan.direction is Direction.D2H:
+            totals.bytes_d2h += plan.num_bytes
+        else:
+            totals.bytes_h2d += plan.num_bytes
 
 
 def _no_copy_result(batch_id: int, plan: TransferPlan, path: str) -> BatchResult:
