@@ -79,7 +79,8 @@ class GroupedManager:
         if len(managers) != len(layout.groups):
             raise GroupSpecError(f"expected {len(layout.groups)} managers, got {len(managers)}")
         for spec, mgr in zip(layout.groups, managers, strict=True):
-            pages = tuple(int(b) for b in mgr.gpu_layout.page_bytes)
+            layout_of = getattr(mgr, "gpu_layout", None)  # None: the tensors live on ranks
+            pages = spec.page_bytes if layout_of is None else tuple(map(int, layout_of.page_bytes))
             if pages != spec.page_bytes:
                 raise GroupSpecError(
                     f"group {spec.name!r}: page bytes {spec.page_bytes} expected, the manager's "

@@ -232,11 +232,9 @@ class GroupSpec:
 class GroupedLayout:
     """A model's cache groups over one hash block size.
 
-    Args:
+    Attributes:
         groups: the groups, in key order; names and (resolved) group ids unique.
         hash_block_size: tokens per caller block hash; divides every group's block size.
-
-    Attributes:
         boundary_tokens: the hit granularity, the lcm of the groups' block sizes: a restore
             point is a multiple of it, so that every group has whole blocks there.
 
