@@ -21,6 +21,7 @@ from kvmgr.errors import ConfigError
 from kvmgr.policy.arc import ARCPolicy
 from kvmgr.policy.base import AdmissionPolicy, EvictionPolicy, KeyPredicate, _check_capacity
 from kvmgr.policy.lru import LRUPolicy
+from kvmgr.policy.online import OnlinePolicy
 from kvmgr.policy.opt import FutureUses, OptimalPolicy
 from kvmgr.policy.reuse import ReusePolicy
 from kvmgr.policy.s3fifo import S3FIFOPolicy
@@ -33,6 +34,7 @@ __all__ = [
     "FutureUses",
     "KeyPredicate",
     "LRUPolicy",
+    "OnlinePolicy",
     "OptimalPolicy",
     "ReusePolicy",
     "S3FIFOPolicy",
@@ -44,6 +46,7 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "reuse": ReusePolicy,
+    "online": OnlinePolicy,
     "opt": OptimalPolicy,
 }
 """Registry of policy classes by name; never mutated at run time."""
