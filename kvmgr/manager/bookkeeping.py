@@ -35,6 +35,7 @@ from kvmgr.manager.events import EventStream
 from kvmgr.manager.gpu_pool import GpuBlocks
 from kvmgr.manager.queue import Kind, Lane, Part
 from kvmgr.manager.requests import RequestTables
+from kvmgr.policy.hints import hints_per_key
 from kvmgr.pool.allocator import as_id_array
 from kvmgr.pool.host_pool import HostKVPool, HostRegion, HostRegionLayout
 from kvmgr.pool.layout import KVLayout
@@ -241,8 +242,12 @@ class Bookkeeper:
         batched: bool,
         held: bool = False,
         token_ids: object = None,
+        hints: object = None,
     ) -> Part:
         """Reserve CPU blocks for the keys not in the CPU tier yet; they become PENDING.
+
+        ``hints`` (``StoreHint``, one per key, or ``None``; see ``kvmgr.policy.hints``) go to
+        ``admit`` of a policy whose ``takes_hints`` is true; others ignore them.
 
         ``held``: ``gpu_block_ids`` were validated by an earlier call and a waiting store holds
         them (``backpressure``), so they are not checked again (an owned block may be
@@ -263,6 +268,7 @@ class Bookkeeper:
             and type(keys) is list
             and parents is None
             and token_ids is None
+            and hints is None
             and 0 < len(keys) <= SMALL
             and self._plain_admission
         ):
@@ -277,6 +283,7 @@ class Bookkeeper:
                 f"expected one key per gpu block, got {n} keys and {len(gpu)} blocks"
             )
         all_parents = _parents(keys, parents)
+        per_key = hints_per_key(hints, n)
         tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         cpu = self.cpu
         if n <= SMALL:
@@ -297,7 +304,11 @@ class Bookkeeper:
             fresh, waiting = self._admitted(keys, fresh)
         admit = getattr(cpu.policy, "admit", None)
         if admit is not None and fresh:
-            mask = np.asarray(admit([keys[i] for i in fresh], [all_parents[i] for i in fresh]))
+            args = ([keys[i] for i in fresh], [all_parents[i] for i in fresh])
+            if per_key is not None and getattr(cpu.policy, "takes_hints", False):
+                mask = np.asarray(admit(*args, hints=[per_key[i] for i in fresh]))
+            else:
+                mask = np.asarray(admit(*args))
             if not mask.all():
                 waiting += [keys[i] for i, ok in zip(fresh, mask.tolist()) if not ok]
                 fresh = [i for i, ok in zip(fresh, mask.tolist()) if ok]

@@ -20,6 +20,7 @@ from typing import Any
 from kvmgr.errors import ConfigError
 from kvmgr.policy.arc import ARCPolicy
 from kvmgr.policy.base import AdmissionPolicy, EvictionPolicy, KeyPredicate, _check_capacity
+from kvmgr.policy.hints import StoreHint
 from kvmgr.policy.lru import LRUPolicy
 from kvmgr.policy.online import OnlinePolicy
 from kvmgr.policy.opt import FutureUses, OptimalPolicy
@@ -38,6 +39,7 @@ __all__ = [
     "OptimalPolicy",
     "ReusePolicy",
     "S3FIFOPolicy",
+    "StoreHint",
     "make_policy",
 ]
 

@@ -324,13 +324,17 @@ class OnlinePolicy:
                 last = chain
                 self._outcome(chain, False)
                 age = now - chain.last
-                self.reach_s = age if self.reach_s == float("inf") else 0.99 * self.reach_s + 0.01 * age
+                self.reach_s = (
+                    age if self.reach_s == float("inf") else 0.99 * self.reach_s + 0.01 * age
+                )
         self._trim_ghost()
         return keys
 
     # ------------------------------------------------------------------ helpers
 
-    def _evidence(self, first: bytes, parent: bytes | None, hint: StoreHint | None, now: float) -> None:
+    def _evidence(
+        self, first: bytes, parent: bytes | None, hint: StoreHint | None, now: float
+    ) -> None:
         """Outcomes a store reveals: its parent's chain extended, a ghost stored again."""
         chain = None if parent is None else self._chain.get(parent)
         if chain is not None:

@@ -82,7 +82,9 @@ class SynthConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: expected a probability, got {getattr(self, name)!r}")
         if self.document_probability < 0 or self.document_probability > 1:
-            raise ValueError(f"document_probability: expected [0, 1], got {self.document_probability}")
+            raise ValueError(
+                f"document_probability: expected [0, 1], got {self.document_probability}"
+            )
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: int, high: int) -> int:
@@ -160,7 +162,7 @@ def write_trace(requests: list[TraceRequest], path: str | Path) -> Path:
     lines = [
         json.dumps(
             {
-                "timestamp": int(round(r.arrival_s * 1000)),
+                "timestamp": round(r.arrival_s * 1000),
                 "input_length": r.input_length,
                 "output_length": r.output_length,
                 "hash_ids": list(r.hash_ids),
