@@ -45,6 +45,7 @@ _BENCH_HELP = f"micro-benchmarks (all but {', '.join(sorted(CPU_BENCHES))} need 
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
+    "synth-trace": ("kvmgr.sim.synth", "write the seeded synthetic multi-turn chat trace"),
     "info": ("kvmgr._info_cli", "report GPU, driver, CUDA, cuda-python, batch-copy ABI"),
     "demo": ("kvmgr._demo", "store, look up and load a few blocks on the host engine"),
 }

@@ -36,7 +36,13 @@ from kvmgr.sim.sweep import (
     sweep_configs,
     sweep_table,
 )
-from kvmgr.sim.trace import BUNDLED_TRACES, bundled_trace_path, default_trace_path, load_trace
+from kvmgr.sim.trace import (
+    BUNDLED_TRACES,
+    bundled_trace_path,
+    default_trace_path,
+    load_trace,
+    slice_trace,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -62,6 +68,18 @@ def _count_list(text: str) -> list[int]:
     return [v for v in values if v is not None]
 
 
+def _offset(text: str) -> str:
+    """``"6000"`` or ``"50%"`` (checked here, applied by ``slice_trace``)."""
+    body = text.strip().removesuffix("%")
+    try:
+        value = float(body) if text.strip().endswith("%") else int(body)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or P%, got {text!r}") from None
+    if value < 0 or (text.strip().endswith("%") and value >= 100):
+        raise argparse.ArgumentTypeError(f"expected N >= 0 or 0 <= P < 100, got {text!r}")
+    return text.strip()
+
+
 def _trace(text: str) -> Path:
     """A bundled trace's name (``azure-code``) -> its path; anything else is a file path."""
     return bundled_trace_path(text) if text in BUNDLED_TRACES else Path(text)
@@ -84,6 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{', '.join(BUNDLED_TRACES)}; default: the bundled Mooncake conversation trace",
     )
     io.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    io.add_argument(
+        "--offset",
+        type=_offset,
+        default=None,
+        metavar="N|P%",
+        help="skip the first N requests (or P percent: 50%% replays the second half), from "
+        "a cold cache; --limit counts from there",
+    )
     io.add_argument(
         "--json",
         type=Path,
@@ -147,6 +173,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transfer engine (auto: host without a GPU)",
     )
     m.add_argument("--seed", type=int, default=d.seed, help="seeds the page fingerprints")
+    m.add_argument(
+        "--hint-precision",
+        type=float,
+        default=None,
+        metavar="P",
+        help="give stores oracle 'conversation continues' hints of this precision "
+        "(kvmgr.sim.hints; used by --policy online)",
+    )
+    m.add_argument(
+        "--hint-recall", type=float, default=d.hint_recall, help="recall of the oracle hints"
+    )
     m.add_argument(
         "--max-memory-gib",
         type=float,
@@ -242,6 +279,8 @@ def _config(args: argparse.Namespace) -> SimConfig:
         tokens_per_s=args.tokens_per_s,
         h2d_gbps=args.h2d_gbps,
         max_memory_bytes=int(args.max_memory_gib * 2**30),
+        hint_precision=args.hint_precision,
+        hint_recall=args.hint_recall,
     )
 
 
@@ -260,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
             check_output_path(args.plot or _DEFAULT_PLOT, "--plot", image=True)
         config = _config(args)
         trace = args.trace if args.trace is not None else default_trace_path()
-        requests = load_trace(trace, limit=args.limit)
+        requests = slice_trace(load_trace(trace), args.offset, args.limit)
         if args.sweep is not None:
             return _run_sweep(args, config, requests, trace, console)
         if wants_multi(args):
