@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ __all__ = ["OnlinePolicy"]
 THRESHOLDS = (0.0, 0.08, 0.16, 0.25, 0.35, 0.5)
 _PRIOR = 8.0  # pseudo-outcomes pulling a cell's rate to its coarse cell's (and that to all)
 # a chain's cell: ghost (2) x parent state (3) x turn (4) x gap (4) x log2 length (7) x hint (3)
-_INNER = 4 * 4 * 7 * 3  # cells per (ghost, parent state)
+_INNER = 4 * 4 * 4 * 7 * 3  # cells per (ghost, parent state)
 _NUM_FINE = 2 * 3 * _INNER
 _NUM_COARSE = 2 * 3 * 3
 
@@ -29,9 +29,13 @@ _NUM_COARSE = 2 * 3 * 3
 class _Chain:
     """One chain a store brought (the unit of admission and of the outcomes learned)."""
 
-    __slots__ = ("admitted", "cell", "last", "open", "turn")
+    __slots__ = ("admitted", "cell", "end", "keys", "last", "open", "spare", "start", "turn")
 
-    def __init__(self, cell: int, now: float, admitted: bool, turn: int = 1) -> None:
+    def __init__(self, cell: int, now: float, admitted: bool, turn: int = 1, end: int = 0) -> None:
+        self.end = end  # depth (blocks from the root) of its last key
+        self.start = now  # stored
+        self.spare = False  # one reprieve from eviction left (predicted or hinted reuse)
+        self.keys: list[bytes] = []
         self.cell = cell
         self.turn = turn  # requests of its conversation so far (1: a new conversation)
         self.last = now  # stored, or last used
@@ -156,21 +160,22 @@ class OnlinePolicy:
 
     def _cell(
         self, first: bytes, parent: bytes | None, n: int, hint: StoreHint | None, now: float
-    ) -> tuple[int, int]:
-        """The chain's cell and its turn.
+    ) -> tuple[int, int, int]:
+        """The chain's cell, its turn and the depth of its last key.
 
         The turn grows only when the chain extends the tip of its parent's chain for the first
         time (a conversation's next request); a chain extending a shared prefix (a block
         extended before, such as a system prompt) starts a new conversation at turn 1.
         """
         ghost = 1 if first in self._ghost else 0
-        state, turn, gap = 0, 1, 3
+        state, turn, gap, known = 0, 1, 3, 0
         if parent is not None:
             state = 1 if parent in self._order else 2 if parent in self._ghost else 0
             up = self._chain.get(parent)
+            known = 0 if up is None else up.end
             if up is not None and self._kids.get(parent, 0) == 0:
                 turn = up.turn + 1
-                dt = now - up.last
+                dt = now - up.start
                 gap = 0 if dt < 60 else 1 if dt < 240 else 2
         if hint is None or hint.continue_p is None:
             h = 0
@@ -178,7 +183,13 @@ class OnlinePolicy:
             h = 1 if hint.continue_p >= 0.5 else 2
         t = min(turn, 4) - 1
         length = min(6, max(0, n.bit_length() - 1))
-        return ((((ghost * 3 + state) * 4 + t) * 4 + gap) * 7 + length) * 3 + h, turn
+        share = n / (n + known)
+        part = 0 if share < 0.1 else 1 if share < 0.3 else 2 if share < 0.7 else 3
+        return (
+            (((((ghost * 3 + state) * 4 + t) * 4 + gap) * 4 + part) * 7 + length) * 3 + h,
+            turn,
+            known + n,
+        )
 
     # ------------------------------------------------------------------ protocol
 
@@ -214,7 +225,7 @@ class OnlinePolicy:
         for s, e in zip(starts, [*starts[1:], n]):
             first, parent = keys[s], parents[s]
             hint = None if hints is None else hints[s]
-            cell, turn = self._cell(first, parent, e - s, hint, now)
+            cell, turn, end = self._cell(first, parent, e - s, hint, now)
             self._evidence(first, parent, hint, now)
             if parent is not None:
                 self._kids[parent] = self._kids.get(parent, 0) + 1
@@ -226,7 +237,9 @@ class OnlinePolicy:
                 take = hint.priority > 0 or not full
             if parent in declined:
                 take = False
-            chain = _Chain(cell, now, take, turn)
+            chain = _Chain(cell, now, take, turn, end)
+            chain.keys = chunk
+            chain.spare = take and hint is not None and (hint.continue_p or 0.0) >= 0.5
             self._chain.update(dict.fromkeys(chunk, chain))
             if hint is not None and hint.session is not None:
                 self._sessions[hint.session] = chain
@@ -309,13 +322,21 @@ class OnlinePolicy:
             if t <= now:
                 expired.update(dict.fromkeys(k for k in reversed(chunk) if k in order))
         found = bool(expired) and victims.offer_all(expired)
+        spared: dict[int, _Chain] = {}
         if not found:
-            rest = (k for k in order if k not in expired) if expired else order
-            found = victims.offer_all(rest)
+            found = victims.offer_all(self._candidates(expired, spared))
+        if not found and spared:  # too few without the reprieves: offer those too
+            found = victims.offer_all(
+                k for c in spared.values() for k in reversed(c.keys) if k in order
+            )
+            spared.clear()
         if not found:
             victims.rollback()
             return None
         keys = victims.keys
+        for chain in spared.values():  # reprieved: used up, back to the most recent end
+            chain.spare = False
+            deque(map(order.move_to_end, [k for k in reversed(chain.keys) if k in order]), 0)
         deque(map(order.__delitem__, keys), 0)
         self._ghost.update(dict.fromkeys(keys))
         last = None
@@ -331,6 +352,19 @@ class OnlinePolicy:
         return keys
 
     # ------------------------------------------------------------------ helpers
+
+    def _candidates(self, skip: Collection[bytes], spared: dict[int, _Chain]) -> Iterator[bytes]:
+        """Keys in LRU order, less ``skip`` and keys of chains with a reprieve left (collected
+        into ``spared``)."""
+        chain_of = self._chain
+        for key in self._order:
+            if key in skip:
+                continue
+            chain = chain_of.get(key)
+            if chain is not None and chain.spare:
+                spared[id(chain)] = chain
+                continue
+            yield key
 
     def _evidence(
         self, first: bytes, parent: bytes | None, hint: StoreHint | None, now: float

@@ -185,6 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hint-recall", type=float, default=d.hint_recall, help="recall of the oracle hints"
     )
     m.add_argument(
+        "--hint-horizon-s",
+        type=float,
+        default=d.hint_horizon_s,
+        help="the oracle hint says 'continues' when a later turn comes within this many seconds",
+    )
+    m.add_argument(
         "--max-memory-gib",
         type=float,
         default=d.max_memory_bytes / 2**30,
@@ -281,6 +287,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         max_memory_bytes=int(args.max_memory_gib * 2**30),
         hint_precision=args.hint_precision,
         hint_recall=args.hint_recall,
+        hint_horizon_s=args.hint_horizon_s,
     )
 
 

@@ -23,22 +23,33 @@ from kvmgr.sim.trace import TraceRequest
 __all__ = ["continue_labels", "oracle_hints"]
 
 
-def continue_labels(requests: Sequence[TraceRequest]) -> np.ndarray:
-    """``bool [len(requests)]``: request ``i``'s deepest full trace block is a block of a later
-    request (equal id at the same position), so a later turn re-reads all of its prefix.
-    Requests without a full block are False."""
-    last: dict[tuple[int, int], int] = {}
-    deepest: list[tuple[int, int] | None] = []
-    for i, r in enumerate(requests):
+def continue_labels(
+    requests: Sequence[TraceRequest], horizon_s: float = float("inf")
+) -> np.ndarray:
+    """``bool [len(requests)]``: within ``horizon_s`` of request ``i``'s arrival a later request
+    holds its deepest full trace block (equal id at the same position), so a later turn
+    re-reads all of its prefix. Requests without a full block are False."""
+    following: dict[tuple[int, int], float] = {}  # block -> arrival of its latest user so far
+    out = np.zeros(len(requests), dtype=bool)
+    for i in range(len(requests) - 1, -1, -1):  # backwards: `following` holds the next use
+        r = requests[i]
         n = r.num_full_trace_blocks
-        for j in range(n):
-            last[(j, r.hash_ids[j])] = i
-        deepest.append((n - 1, r.hash_ids[n - 1]) if n else None)
-    return np.array([d is not None and last[d] > i for i, d in enumerate(deepest)], dtype=bool)
+        if n:
+            deepest = (n - 1, r.hash_ids[n - 1])
+            nxt = following.get(deepest)
+            out[i] = nxt is not None and nxt - r.arrival_s <= horizon_s
+            for j in range(n):
+                following[(j, r.hash_ids[j])] = r.arrival_s
+    return out
 
 
 def oracle_hints(
-    requests: Sequence[TraceRequest], precision: float, recall: float = 0.75, *, seed: int = 0
+    requests: Sequence[TraceRequest],
+    precision: float,
+    recall: float = 0.75,
+    *,
+    horizon_s: float = float("inf"),
+    seed: int = 0,
 ) -> list[StoreHint]:
     """Hints ``continue_p = 1.0`` (predicted to continue) or ``0.0``, per request.
 
@@ -53,7 +64,7 @@ def oracle_hints(
         raise ValueError(f"hint precision: expected (0, 1], got {precision!r}")
     if not 0.0 <= recall <= 1.0:
         raise ValueError(f"hint recall: expected [0, 1], got {recall!r}")
-    labels = continue_labels(requests)
+    labels = continue_labels(requests, horizon_s)
     rng = np.random.Generator(np.random.PCG64(seed))
     pos, neg = np.flatnonzero(labels), np.flatnonzero(~labels)
     tp = rng.choice(pos, size=round(recall * len(pos)), replace=False)

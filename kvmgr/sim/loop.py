@@ -78,9 +78,10 @@ class SimConfig:
         fail_rate: fraction of store batches (GPU -> CPU) that a ``kvmgr.testing.FaultyEngine``
             fails on purpose (a soak of the failure paths; failed stores are counted and their
             blocks recomputed later). Loads are never failed: a failed load aborts the run.
-        hint_precision / hint_recall: give every store an oracle ``StoreHint`` (does the
-            conversation continue?) of this precision and recall (``kvmgr.sim.hints``);
-            ``None``: no hints. Only policies that take hints use them.
+        hint_precision / hint_recall / hint_horizon_s: give every store an oracle
+            ``StoreHint`` (does the conversation continue within ``hint_horizon_s``?) of this
+            precision and recall (``kvmgr.sim.hints``); ``None``: no hints. Only policies
+            that take hints use them.
     """
 
     model: str = attrs.field(default="tiny")
@@ -102,6 +103,7 @@ class SimConfig:
     fail_rate: float = 0.0
     hint_precision: float | None = None
     hint_recall: float = 0.75
+    hint_horizon_s: float = 300.0
 
     def __attrs_post_init__(self) -> None:
         _check(
@@ -112,6 +114,7 @@ class SimConfig:
             0.0 <= self.hint_recall <= 1.0,
             f"hint_recall: expected [0, 1], got {self.hint_recall!r}",
         )
+        _check(self.hint_horizon_s > 0, f"hint_horizon_s: expected > 0, got {self.hint_horizon_s}")
         _check(
             0.0 <= self.fail_rate <= 1.0,
             f"fail_rate: expected a fraction in [0, 1], got {self.fail_rate!r}",
@@ -241,7 +244,11 @@ async def run_simulation(
             from kvmgr.sim.hints import oracle_hints
 
             scheduler.swaps.hints = oracle_hints(
-                requests, config.hint_precision, config.hint_recall, seed=config.seed
+                requests,
+                config.hint_precision,
+                config.hint_recall,
+                horizon_s=config.hint_horizon_s,
+                seed=config.seed,
             )
         await _drive(config, requests, scheduler, manager, block_bytes, progress, clock)
         stats = manager.statistics()
