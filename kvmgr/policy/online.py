@@ -129,6 +129,7 @@ class OnlinePolicy:
         self._shadows = [_Shadow(cap, t) for t in THRESHOLDS]
         self._decay_every = 4 * cap
         self._seen = 0
+        self._num_spared = 0  # chains with a reprieve left (they may be gone already)
         self.threshold = 0.0  # the one in use
         self.num_declined = 0
 
@@ -240,6 +241,7 @@ class OnlinePolicy:
             chain = _Chain(cell, now, take, turn, end)
             chain.keys = chunk
             chain.spare = take and hint is not None and (hint.continue_p or 0.0) >= 0.5
+            self._num_spared += chain.spare
             self._chain.update(dict.fromkeys(chunk, chain))
             if hint is not None and hint.session is not None:
                 self._sessions[hint.session] = chain
@@ -324,7 +326,10 @@ class OnlinePolicy:
         found = bool(expired) and victims.offer_all(expired)
         spared: dict[int, _Chain] = {}
         if not found:
-            found = victims.offer_all(self._candidates(expired, spared))
+            if self._num_spared or expired:
+                found = victims.offer_all(self._candidates(expired, spared))
+            else:  # the common case: plain LRU order, C-level iteration
+                found = victims.offer_all(order)
         if not found and spared:  # too few without the reprieves: offer those too
             found = victims.offer_all(
                 k for c in spared.values() for k in reversed(c.keys) if k in order
@@ -336,6 +341,7 @@ class OnlinePolicy:
         keys = victims.keys
         for chain in spared.values():  # reprieved: used up, back to the most recent end
             chain.spare = False
+            self._num_spared -= 1
             deque(map(order.move_to_end, [k for k in reversed(chain.keys) if k in order]), 0)
         deque(map(order.__delitem__, keys), 0)
         self._ghost.update(dict.fromkeys(keys))
