@@ -19,6 +19,7 @@ __all__ = ["OnlinePolicy"]
 
 #: admission thresholds the shadows compare; 0 = admit everything = LRU (the guard)
 THRESHOLDS = (0.0, 0.08, 0.16, 0.25, 0.35, 0.5)
+_CONTINUE_S = 10.0  # chunks of one prefill within this many seconds form one chain
 _PRIOR = 8.0  # pseudo-outcomes pulling a cell's rate to its coarse cell's (and that to all)
 # a chain's cell: ghost (2) x parent state (3) x turn (4) x gap (4) x log2 length (7) x hint (3)
 _INNER = 4 * 4 * 4 * 7 * 3  # cells per (ghost, parent state)
@@ -29,11 +30,27 @@ _NUM_COARSE = 2 * 3 * 3
 class _Chain:
     """One chain a store brought (the unit of admission and of the outcomes learned)."""
 
-    __slots__ = ("admitted", "cell", "end", "keys", "last", "open", "spare", "start", "turn")
+    __slots__ = (
+        "admitted",
+        "cell",
+        "end",
+        "expires",
+        "grown",
+        "keys",
+        "last",
+        "open",
+        "p",
+        "spare",
+        "start",
+        "turn",
+    )
 
     def __init__(self, cell: int, now: float, admitted: bool, turn: int = 1, end: int = 0) -> None:
         self.end = end  # depth (blocks from the root) of its last key
         self.start = now  # stored
+        self.grown = now  # last chunk of its prefill stored
+        self.p = 1.0  # predicted reuse rate when it was admitted or declined
+        self.expires: float | None = None  # its TTL hint ran out then
         self.spare = False  # one reprieve from eviction left (predicted or hinted reuse)
         self.keys: list[bytes] = []
         self.cell = cell
@@ -226,6 +243,13 @@ class OnlinePolicy:
         for s, e in zip(starts, [*starts[1:], n]):
             first, parent = keys[s], parents[s]
             hint = None if hints is None else hints[s]
+            up = None if parent is None else self._chain.get(parent)
+            if up is not None and self._same_prefill(up, parent, now):
+                self._grow(up, list(keys[s:e]), parent in declined, now)
+                if not up.admitted or parent in declined:
+                    mask[s:e] = False
+                    declined.update(keys[s:e])
+                continue
             cell, turn, end = self._cell(first, parent, e - s, hint, now)
             self._evidence(first, parent, hint, now)
             if parent is not None:
@@ -239,7 +263,7 @@ class OnlinePolicy:
             if parent in declined:
                 take = False
             chain = _Chain(cell, now, take, turn, end)
-            chain.keys = chunk
+            chain.keys, chain.p = chunk, p
             chain.spare = take and hint is not None and (hint.continue_p or 0.0) >= 0.5
             self._num_spared += chain.spare
             self._chain.update(dict.fromkeys(chunk, chain))
@@ -249,7 +273,8 @@ class OnlinePolicy:
                 if len(self._sessions) > self.capacity:
                     self._sessions.popitem(last=False)
             if hint is not None and hint.ttl_s is not None and take:
-                self._expiry.append((now + hint.ttl_s, chunk))
+                chain.expires = now + hint.ttl_s
+                self._expiry.append((chain.expires, chunk))
             if not take:
                 mask[s:e] = False
                 declined.update(chunk)
@@ -358,6 +383,29 @@ class OnlinePolicy:
         return keys
 
     # ------------------------------------------------------------------ helpers
+
+    def _same_prefill(self, up: _Chain, parent: bytes | None, now: float) -> bool:
+        """A chunked prefill stores one prompt over several steps: a chain at the tip of a
+        chain grown within ``_CONTINUE_S`` and never extended is its next chunk, not a turn."""
+        return (
+            now - up.grown <= _CONTINUE_S
+            and bool(up.keys)
+            and up.keys[-1] == parent
+            and parent not in self._kids
+        )
+
+    def _grow(self, up: _Chain, chunk: list[bytes], parent_declined: bool, now: float) -> None:
+        """Append the next chunk of a prefill to its chain (same decision, no new outcome)."""
+        up.keys.extend(chunk)
+        up.end += len(chunk)
+        up.grown = now
+        self._chain.update(dict.fromkeys(chunk, up))
+        self._feed_shadows(chunk, up.p)
+        if not up.admitted or parent_declined:
+            self._ghost.update(dict.fromkeys(chunk))
+            self.num_declined += len(chunk)
+        elif up.expires is not None:
+            self._expiry.append((up.expires, chunk))
 
     def _candidates(self, skip: Collection[bytes], spared: dict[int, _Chain]) -> Iterator[bytes]:
         """Keys in LRU order, less ``skip`` and keys of chains with a reprieve left (collected
