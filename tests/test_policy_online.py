@@ -272,3 +272,25 @@ def test_gap_closed() -> None:
     reports = [R("lru", 0.1), R("online", 0.15), R("opt", 0.3), R("arc", 0.05)]
     assert gap_closed(reports) == pytest.approx([0.0, 0.25, 1.0, -0.25])  # type: ignore[arg-type]
     assert gap_closed(reports[1:2]) == [None]  # type: ignore[arg-type]
+
+
+def test_reuse_turn_a_branch_off_a_shared_prefix_is_a_new_conversation() -> None:
+    from kvmgr.policy import ReusePolicy
+
+    clock = Clock()
+    policy = ReusePolicy(64, clock=clock)
+    system, _ = chain(1, 2)  # a shared system prompt, stored by the first request
+    policy.insert(system, [None, system[0]])
+    turns = []
+    for conv in range(5):  # five conversations branch off it, a minute apart
+        clock.now = 60.0 * (conv + 1)
+        keys = [key(2, conv, i) for i in range(3)]
+        policy.insert(keys, [system[-1], *keys[:-1]])
+        turns.append(policy._seg_of[keys[0]].turn)
+    # the first branch cannot be told from a next turn yet; once the prompt was extended,
+    # every branch is a new conversation (v1 counted 2, 3, 4, 5, 6: the shared segment's uses)
+    assert turns == [2, 1, 1, 1, 1]
+    clock.now = 1000.0  # the second conversation's next turn extends its own tip: turn 2
+    nxt = [key(3, 0, 0)]
+    policy.insert(nxt, [key(2, 1, 2)])
+    assert policy._seg_of[nxt[0]].turn == 2
