@@ -5,6 +5,7 @@ Offers `OnlinePolicy`, registered as ``"online"``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -73,14 +74,15 @@ class _Shadow:
 
     def see(self, keys: list[bytes], p: float) -> None:
         own = self.keys
-        for key in keys:
-            if key in own:
-                self.hits += 1.0
-                own.move_to_end(key)
-            elif p >= self.threshold:
-                own[key] = None
-        while len(own) > self.capacity:
-            own.popitem(last=False)
+        hit = [k for k in keys if k in own]
+        if hit:
+            self.hits += len(hit)
+            deque(map(own.move_to_end, hit), 0)
+        if p >= self.threshold and len(hit) < len(keys):
+            own.update(dict.fromkeys(keys))  # the hits stay where they were just moved
+        excess = len(own) - self.capacity
+        if excess > 0:
+            deque(map(own.__delitem__, list(itertools.islice(own, excess))), 0)
 
 
 class OnlinePolicy:
@@ -370,10 +372,8 @@ class OnlinePolicy:
             deque(map(order.move_to_end, [k for k in reversed(chain.keys) if k in order]), 0)
         deque(map(order.__delitem__, keys), 0)
         self._ghost.update(dict.fromkeys(keys))
-        last = None
-        for chain in map(self._chain.get, keys):
-            if chain is not None and chain is not last:
-                last = chain
+        for chain in dict.fromkeys(map(self._chain.get, keys)):
+            if chain is not None:
                 self._outcome(chain, False)
                 age = now - chain.last
                 self.reach_s = (
@@ -447,10 +447,11 @@ class OnlinePolicy:
     def _trim_ghost(self) -> None:
         ghost, chain, order = self._ghost, self._chain, self._order
         excess = len(ghost) - 2 * self.capacity
-        for _ in range(max(0, excess)):
-            key, _ = ghost.popitem(last=False)
-            if key not in order:
-                chain.pop(key, None)
+        if excess > 0:
+            old = list(itertools.islice(ghost, excess))
+            deque(map(ghost.__delitem__, old), 0)
+            gone = [k for k in old if k not in order]
+            deque(map(chain.pop, gone, itertools.repeat(None)), 0)
         if len(self._kids) > 8 * self.capacity:
             self._kids.clear()
 
