@@ -298,6 +298,11 @@ class Bookkeeper:
             for i in fresh:
                 first.setdefault(keys[i], i)
             fresh = sorted(first.values())
+        if fresh:  # a parent chain reaching the key itself: InvalidKeyError, nothing changed
+            if len(fresh) == n:
+                cpu.chains.check(keys, all_parents)
+            else:
+                cpu.chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
         num_present = n - len(fresh)
         waiting: list[bytes] = []
         if self._threshold > 1 and fresh:
@@ -395,8 +400,8 @@ class Bookkeeper:
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
             return None
-        if pool.num_free < n:
-            return None
+        if pool.num_free < n or not cpu.chains.children.keys().isdisjoint(keys):
+            return None  # eviction, or a key with indexed children (a cycle to look for)
         take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
         cpu_ids = []
         for key, b in zip(keys, gpu):
@@ -407,7 +412,9 @@ class Bookkeeper:
             busy[b] += 1
         cpu.num_pending += n
         keys = keys[:]  # the caller may reuse its lists
-        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
+        parents = [None, *keys[:-1]] if n > 1 else [None]
+        cpu.policy.insert(keys, parents)
+        cpu.chains.add(keys, parents)
         self.counters.stores_queued += n
         gpu_ids = tuple(gpu)
         result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
