@@ -31,6 +31,7 @@ from kvmgr.sim.report import render_report
 from kvmgr.sim.scheduler import WRITE_POLICIES
 from kvmgr.sim.sweep import (
     DEFAULT_SWEEP_TOKENS,
+    gap_closed,
     plot_sweep,
     run_sweep,
     sweep_configs,
@@ -417,7 +418,11 @@ def _run_sweep(
         f"tokens, write-{config.write_policy}"
     )
     if args.json is not None:  # before the plot, so a bad --plot path loses nothing
-        data = {"trace": str(trace), "runs": [r.to_dict() for r in reports]}
+        data = {
+            "trace": str(trace),
+            "runs": [r.to_dict() for r in reports],
+            "gap_closed": gap_closed(reports),  # per run: share of the LRU -> opt gap
+        }
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     path = plot_sweep(reports, args.plot or _DEFAULT_PLOT, title=title)
     console.print(f"plot: {path}")
