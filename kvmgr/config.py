@@ -131,9 +131,7 @@ class ManagerConfig:
     max_events: int = attrs.field(default=4096, validator=_non_negative)
     tier_write_back: bool = attrs.field(default=True, validator=_bool)
     tier_write_through: bool = attrs.field(default=False, validator=_bool)
-    policy_options: Mapping[str, Any] = attrs.field(
-        factory=dict, validator=_mapping, hash=False
-    )
+    policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=_mapping, hash=False)
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:

@@ -257,7 +257,8 @@ class Bookkeeper:
         ``stored`` event, the rows of the keys actually stored.
 
         Raises:
-            InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
+            InvalidBlockError, InvalidKeyError: bad ids or keys, different counts, or a key
+                cycle (``KeyChains.check``).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed.
         """

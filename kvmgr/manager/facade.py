@@ -40,7 +40,7 @@ from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
 from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.flush import Flusher
-from kvmgr.manager.layerwise import start_load, start_store
+from kvmgr.manager.layerwise import LayerLayouts, start_load, start_store
 from kvmgr.manager.queue import Part, SwapQueue
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
@@ -159,6 +159,7 @@ class OffloadManager:
         self._room = RoomWaiters(self._books.gpu, self._books.counters, self._enqueue)
         self._flusher.on_settled = self._room.wake
         self._layerwise_stores: list[LayerwiseStore] = []  # aborted at close if unfinished
+        self._layer_layouts = LayerLayouts()
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_on_tick = config.flush == "tick"
@@ -380,7 +381,8 @@ class OffloadManager:
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
-            InvalidKeyError: bad keys, or different counts.
+            InvalidKeyError: bad keys, different counts, or parents whose chain comes back to
+                a new key (a key cycle, within the call or through stored keys).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
@@ -577,7 +579,7 @@ class OffloadManager:
         )
         future: asyncio.Future[LoadResult] = loop.create_future()
         part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
-        return start_load(self._flusher, groups, part, self._is_open)
+        return start_load(self._flusher, self._layer_layouts, groups, part, self._is_open)
 
     def store_layerwise(
         self,
@@ -611,7 +613,7 @@ class OffloadManager:
         )
         future: asyncio.Future[StoreResult] = loop.create_future()
         part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
-        store = start_store(self._flusher, groups, part, self._is_open)
+        store = start_store(self._flusher, self._layer_layouts, groups, part, self._is_open)
         self._layerwise_stores = [s for s in self._layerwise_stores if not s.batches.handle.done()]
         self._layerwise_stores.append(store)
         return store
@@ -653,6 +655,20 @@ class OffloadManager:
         if self._tiers is None:
             return self._books.lookup(keys, touch=False), ()
         return await self._tiers.lookup(keys)
+
+    async def drain_tiers(self, timeout_s: float | None = None) -> None:
+        """Wait (up to ``timeout_s`` seconds; ``None``: no bound) until the lower tiers'
+        background writes started so far (write-back of evicted blocks, write-through) ended.
+        For replays that must not depend on I/O timing (``kvmgr simulate``); a serving loop
+        never needs it. No-op without lower tiers.
+
+        Raises:
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        self._check_open()
+        if self._tiers is not None:
+            self._tiers.write_evicted()
+            await self._tiers.drain(timeout_s)
 
     def tier_statistics(self) -> list[tuple[Any, Any]]:
         """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""

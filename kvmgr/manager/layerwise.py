@@ -24,12 +24,35 @@ import numpy as np
 from kvmgr.errors import StaleKVTensorError
 from kvmgr.manager.flush import Flusher
 from kvmgr.manager.queue import Batch, Lane, Part
+from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.layer_groups import LayerGroups, sub_layout
 from kvmgr.transfer.layerwise import LayerBatches, LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import Direction, build_plan
 
-__all__ = ["start_load", "start_store"]
+__all__ = ["LayerLayouts", "start_load", "start_store"]
+
+
+class LayerLayouts:
+    """The GPU and CPU sub-layouts of each group's tensors, made once per tensor set: the copy
+    kernel keeps one device table per layout pair (``CopyStager``), keyed by the layout objects,
+    so a new pair per load would upload (and allocate) a table every time."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[bytes, tuple[KVLayout, KVLayout]] = {}
+
+    def get(self, flusher: Flusher, tensors: np.ndarray) -> tuple[KVLayout, KVLayout]:
+        """``(gpu, cpu)`` layouts of ``tensors``."""
+        key = tensors.tobytes()
+        pair = self._pairs.get(key)
+        if pair is None:
+            books = flusher.books
+            pair = (
+                sub_layout(books.gpu_layout, tensors),
+                sub_layout(books.cpu_pool.layout, tensors),
+            )
+            self._pairs[key] = pair
+        return pair
 
 
 def _launch(flusher: Flusher, lane: Lane, batches: LayerBatches) -> Batch:
@@ -50,8 +73,8 @@ def _launch(flusher: Flusher, lane: Lane, batches: LayerBatches) -> Batch:
 
 
 def _group_submit(
-    flusher: Flusher, direction: Direction, tensors: np.ndarray, gpu_ids: np.ndarray,
-    cpu_ids: np.ndarray, moved: str | None,
+    flusher: Flusher, layouts: LayerLayouts, direction: Direction, tensors: np.ndarray,
+    gpu_ids: np.ndarray, cpu_ids: np.ndarray, moved: str | None,
 ) -> Callable[[], BatchHandle]:  # fmt: skip
     """``submit()`` of one group: its plan over the group's tensors, fenced on the in-flight
     batches of the other direction that share its GPU blocks."""
@@ -60,8 +83,7 @@ def _group_submit(
         if moved is not None:
             raise StaleKVTensorError(moved)
         books = flusher.books
-        gpu = sub_layout(books.gpu_layout, tensors)
-        cpu = sub_layout(books.cpu_pool.layout, tensors)
+        gpu, cpu = layouts.get(flusher, tensors)
         if direction is Direction.H2D:
             plan = build_plan(direction, cpu, gpu, cpu_ids, gpu_ids, merge=books.config.merge)
         else:
@@ -73,8 +95,9 @@ def _group_submit(
 
 
 def start_load(
-    flusher: Flusher, groups: LayerGroups, part: Part, is_open: Callable[[], bool]
-) -> LayerwiseLoad:
+    flusher: Flusher, layouts: LayerLayouts, groups: LayerGroups, part: Part,
+    is_open: Callable[[], bool],
+) -> LayerwiseLoad:  # fmt: skip
     """Flush what is queued, then submit the load's groups in layer order; the handle."""
     flusher.flush()
     lane = Lane(Direction.H2D)
@@ -83,7 +106,7 @@ def start_load(
     batches = LayerBatches(Direction.H2D, groups.num_groups)
     moved = flusher._moved_tensor()
     for group, tensors in enumerate(groups.tensors):
-        submit = _group_submit(flusher, Direction.H2D, tensors, gpu_ids, cpu_ids, moved)
+        submit = _group_submit(flusher, layouts, Direction.H2D, tensors, gpu_ids, cpu_ids, moved)
         if batches.submit(group, submit) is None:
             break
     batches.close()
@@ -92,8 +115,9 @@ def start_load(
 
 
 def start_store(
-    flusher: Flusher, groups: LayerGroups, part: Part, is_open: Callable[[], bool]
-) -> LayerwiseStore:
+    flusher: Flusher, layouts: LayerLayouts, groups: LayerGroups, part: Part,
+    is_open: Callable[[], bool],
+) -> LayerwiseStore:  # fmt: skip
     """Flush what is queued and enter the store as in flight; its groups are submitted by
     ``save_layer``."""
     flusher.flush()
@@ -106,6 +130,6 @@ def start_store(
 
     def submit_group(group: int) -> BatchHandle:
         tensors = groups.tensors[group]
-        return _group_submit(flusher, Direction.D2H, tensors, gpu_ids, cpu_ids, moved)()
+        return _group_submit(flusher, layouts, Direction.D2H, tensors, gpu_ids, cpu_ids, moved)()
 
     return LayerwiseStore(groups, batches, part.future, submit_group, is_open)
