@@ -39,10 +39,11 @@ BENCHES = {
     "pin": "kvmgr.bench.pin",
     "launch-host": "kvmgr.bench.launch_host",
     "ranks": "kvmgr.bench.ranks",
+    "policy": "kvmgr.bench.policy",
 }
 #: benchmarks that run without a GPU (every other one needs a CUDA GPU; ``pin`` measures only
 #: allocation and first touch without one).
-CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin", "dsv4", "launch-host", "ranks"})
+CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin", "dsv4", "launch-host", "ranks", "policy"})
 _BENCH_HELP = f"micro-benchmarks (all but {', '.join(sorted(CPU_BENCHES))} need a CUDA GPU)"
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
@@ -51,6 +52,7 @@ COMMANDS = {
         "kvmgr.sim.hybrid_cli",
         "a hybrid model's cache groups against all layers as full attention",
     ),
+    "synth-trace": ("kvmgr.sim.synth", "write the seeded synthetic multi-turn chat trace"),
     "info": ("kvmgr._info_cli", "report GPU, driver, CUDA, cuda-python, batch-copy ABI"),
     "demo": ("kvmgr._demo", "store, look up and load a few blocks on the host engine"),
 }

@@ -332,6 +332,7 @@ class OffloadManager:
         parents: Sequence[bytes | None] | None = None,
         *,
         token_ids: Any = None,
+        hint: Any = None,
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
         ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
@@ -357,8 +358,12 @@ class OffloadManager:
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
                 blocks like a queued store; cancelling it drops the store).
             ClosedError, EventLoopError: closed, or no running loop.
+
+        ``hint``: a ``kvmgr.policy.StoreHint`` for every key (or one per key, or ``None``),
+        used by policies that take hints (``"online"``); bad hints raise
+        ``InvalidArgumentError`` before any change.
         """
-        return self._store(gpu_block_ids, keys, parents, token_ids, batched=False)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=False, hints=hint)
 
     def store_many(
         self,
@@ -367,6 +372,7 @@ class OffloadManager:
         *,
         parents: Sequence[bytes | None] | None = None,
         token_ids: Any = None,
+        hints: Any = None,
     ) -> asyncio.Future[StoreResult]:
         """Queue one store of many requests' blocks: ONE future, array results.
 
@@ -379,6 +385,9 @@ class OffloadManager:
                 Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
             token_ids: optional int ``[n, block_size]``: the tokens of each block, for the
                 ``stored`` KV event (as ``swap_out``).
+            hints: ``None``, one ``kvmgr.policy.StoreHint`` for all keys, or ``n`` entries
+                (``StoreHint`` or ``None``; the requests of a batch differ), for policies that
+                take hints (``"online"``).
 
         Returns:
             A future resolving to ``StoreResult`` (which keys were stored, which were already
@@ -387,7 +396,7 @@ class OffloadManager:
         Raises:
             KVMgrError: as ``swap_out``.
         """
-        return self._store(gpu_block_ids, keys, parents, token_ids, batched=True)
+        return self._store(gpu_block_ids, keys, parents, token_ids, batched=True, hints=hints)
 
     def _store(
         self,
@@ -397,16 +406,25 @@ class OffloadManager:
         token_ids: Any,
         *,
         batched: bool,
+        hints: Any = None,
     ) -> asyncio.Future[Any]:
         """Queue a store (per call or batched), or hand it to backpressure."""
         loop = self._check_open()
         future: asyncio.Future[Any] = loop.create_future()
         try:
             part = self._books.prepare_store(
-                gpu_block_ids, keys, parents, future, batched=batched, token_ids=token_ids
+                gpu_block_ids,
+                keys,
+                parents,
+                future,
+                batched=batched,
+                token_ids=token_ids,
+                hints=hints,
             )
         except PoolExhaustedError as exc:
-            return self._when_room(exc, gpu_block_ids, keys, parents, token_ids, batched=batched)
+            return self._when_room(
+                exc, gpu_block_ids, keys, parents, token_ids, batched=batched, hints=hints
+            )
         self._enqueue(part)
         return future
 
@@ -419,6 +437,7 @@ class OffloadManager:
         token_ids: Any,
         *,
         batched: bool,
+        hints: Any = None,
     ) -> asyncio.Future[Any]:
         """Backpressure: fail now, or register the store to wait for room (it holds its GPU
         blocks meanwhile, like a queued store; see ``backpressure``)."""
@@ -436,7 +455,14 @@ class OffloadManager:
 
         def attempt(future: asyncio.Future[Any]) -> Part:
             return books.prepare_store(
-                gpu, keys, parents, future, batched=batched, held=True, token_ids=tokens
+                gpu,
+                keys,
+                parents,
+                future,
+                batched=batched,
+                held=True,
+                token_ids=tokens,
+                hints=hints,
             )
 
         future = WaitingFuture(loop=loop)

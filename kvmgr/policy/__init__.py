@@ -20,7 +20,9 @@ from typing import Any
 from kvmgr.errors import ConfigError
 from kvmgr.policy.arc import ARCPolicy
 from kvmgr.policy.base import AdmissionPolicy, EvictionPolicy, KeyPredicate, _check_capacity
+from kvmgr.policy.hints import StoreHint
 from kvmgr.policy.lru import LRUPolicy
+from kvmgr.policy.online import OnlinePolicy
 from kvmgr.policy.opt import FutureUses, OptimalPolicy
 from kvmgr.policy.reuse import ReusePolicy
 from kvmgr.policy.s3fifo import S3FIFOPolicy
@@ -33,9 +35,11 @@ __all__ = [
     "FutureUses",
     "KeyPredicate",
     "LRUPolicy",
+    "OnlinePolicy",
     "OptimalPolicy",
     "ReusePolicy",
     "S3FIFOPolicy",
+    "StoreHint",
     "make_policy",
 ]
 
@@ -44,6 +48,7 @@ POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "reuse": ReusePolicy,
+    "online": OnlinePolicy,
     "opt": OptimalPolicy,
 }
 """Registry of policy classes by name; never mutated at run time."""

@@ -27,11 +27,23 @@ _GAP_EDGES = np.geomspace(1.0, 1e5, 61)  # s; log-spaced bins of the reuse-gap h
 class _Segment:
     """The blocks one request stored in one go (a chain): the unit the policy learns on."""
 
-    __slots__ = ("cls", "grown", "keys", "last", "proven", "resolved", "start", "tracked", "turn")
+    __slots__ = (
+        "cls",
+        "forks",
+        "grown",
+        "keys",
+        "last",
+        "proven",
+        "resolved",
+        "start",
+        "tracked",
+        "turn",
+    )
 
     def __init__(self, keys: list[bytes], turn: int, now: float) -> None:
         self.keys = keys  # chain order; the tip (last) is evicted first
         self.turn = turn  # turns of its conversation that used it (1 = just stored)
+        self.forks = 0  # later requests' chains attached under it
         self.cls = _class_of(turn, len(keys))
         self.start = now  # start of the current trial: stored, or last reused
         self.last = now  # last event (store, extension, reuse)
@@ -206,6 +218,8 @@ class ReusePolicy:
                 turn, size = seg_up.turn, len(seg_up.keys) + end - start
             else:
                 turn = seg_up.turn + (now - seg_up.start > self._continue_s) if seg_up else 1
+                if seg_up is not None and not _continues(seg_up, up):
+                    turn = 1  # a branch off a shared prefix: a new conversation
                 size = end - start
             cls = _class_of(turn, size)
             if self._trials[cls] >= self._min_trials and self._rate(cls) < self._min_reuse:
@@ -357,10 +371,15 @@ class ReusePolicy:
             seg_up.cls, seg_up.last = _class_of(seg_up.turn, len(seg_up.keys)), now
             seg_up.grown = now
             return seg_up
+        inherit = seg_up is not None and _continues(seg_up, up)
         if seg_up is not None:
             self._reuse(seg_up, now)  # a later request extended it: its prefix was reused
-        # turn = requests that used the chain so far; this one was counted by _reuse
-        turn = max(seg_up.turn if seg_up is not None else 1, back_turn)
+            seg_up.forks += 1
+        # turn = requests of this conversation so far (this one was counted by _reuse); only
+        # a conversation's next request inherits it, a branch off a shared prefix (a system
+        # prompt every conversation extends) starts at 1 (the v1 turn inherited the shared
+        # segment's count, so 99% of outcomes fell into the turn >= 3 classes)
+        turn = max(seg_up.turn if inherit and seg_up is not None else 1, back_turn)
         seg = _Segment(chain, turn, now)
         self._open.append((now, seg))
         if back is not None:  # stored again after eviction: a proven conversation
@@ -455,6 +474,12 @@ class ReusePolicy:
         ghost, bound = self._ghost, 4 * self.capacity
         while len(ghost) > bound:
             ghost.popitem(last=False)
+
+
+def _continues(seg: _Segment, key: bytes | None) -> bool:
+    """Whether a chain under ``key`` is the next request of ``seg``'s conversation: it extends
+    the segment's tip and nothing was attached under the segment before."""
+    return seg.forks == 0 and bool(seg.keys) and seg.keys[-1] == key
 
 
 def _class_of(turn: int, size: int) -> int:

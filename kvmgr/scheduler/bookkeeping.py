@@ -172,6 +172,7 @@ class Bookkeeper:
         batched: bool,
         held: bool = False,
         token_ids: object = None,
+        hints: object = None,
     ) -> Part:
         """A keyed store's ``Part`` (``Stores.prepare``: the new keys PENDING on reserved CPU
         blocks, the GPU blocks busy).
@@ -181,7 +182,14 @@ class Bookkeeper:
             ``Stores.prepare``; nothing changed then.
         """
         return self.stores.prepare(
-            gpu_block_ids, keys, parents, future, batched=batched, held=held, token_ids=token_ids
+            gpu_block_ids,
+            keys,
+            parents,
+            future,
+            batched=batched,
+            held=held,
+            token_ids=token_ids,
+            hints=hints,
         )
 
     def prepare_load(

@@ -18,6 +18,7 @@ import numpy as np
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import InvalidKeyError
 from kvmgr.events.tokens import check_token_ids
+from kvmgr.policy.hints import hints_per_key
 from kvmgr.reports import StoreResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
@@ -68,8 +69,12 @@ class Stores:
         batched: bool,
         held: bool = False,
         token_ids: object = None,
+        hints: object = None,
     ) -> Part:
         """Reserve CPU blocks for the keys not in the CPU tier yet; they become PENDING.
+
+        ``hints`` (``StoreHint``, one per key, or ``None``; see ``kvmgr.policy.hints``) go to
+        ``admit`` of a policy whose ``takes_hints`` is true; others ignore them.
 
         ``held``: ``gpu_block_ids`` were validated by an earlier call and a waiting store holds
         them (``backpressure``), so they are not checked again (an owned block may be
@@ -88,6 +93,7 @@ class Stores:
             and type(keys) is list
             and parents is None
             and token_ids is None
+            and hints is None
             and 0 < len(keys) <= SMALL
             and self._plain_admission
         ):
@@ -103,6 +109,7 @@ class Stores:
             )
         all_parents = check_parents(keys, parents)
         tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
+        per_key = hints_per_key(hints, n)
         fresh = self._fresh(keys, batched)
         if fresh:  # a parent chain reaching the key itself: InvalidKeyError, nothing changed
             chains = self.cpu.chains
@@ -111,7 +118,7 @@ class Stores:
             else:
                 chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
         num_present = n - len(fresh)
-        fresh, waiting = self._admit(keys, fresh, all_parents)
+        fresh, waiting = self._admit(keys, fresh, all_parents, per_key)
         everything = len(fresh) == n
         new_keys = keys if everything else [keys[i] for i in fresh]
         m = len(new_keys)
@@ -166,7 +173,11 @@ class Stores:
         return fresh
 
     def _admit(
-        self, keys: list[bytes], fresh: list[int], parents: list[bytes | None]
+        self,
+        keys: list[bytes],
+        fresh: list[int],
+        parents: list[bytes | None],
+        hints: list[Any] | None = None,
     ) -> tuple[list[int], list[bytes]]:
         """(The fresh indices admitted, the keys turned away): the store threshold (keys seen
         ``store_threshold`` times, this call included), then the policy's ``admit``. No state
@@ -178,7 +189,11 @@ class Stores:
             fresh = [i for i in fresh if seen.get(keys[i], 0) + 1 >= threshold]
         admit = getattr(self.cpu.policy, "admit", None)
         if admit is not None and fresh:
-            mask = np.asarray(admit([keys[i] for i in fresh], [parents[i] for i in fresh]))
+            args = ([keys[i] for i in fresh], [parents[i] for i in fresh])
+            if hints is not None and getattr(self.cpu.policy, "takes_hints", False):
+                mask = np.asarray(admit(*args, hints=[hints[i] for i in fresh]))
+            else:
+                mask = np.asarray(admit(*args))
             if not mask.all():
                 oks = mask.tolist()
                 waiting += [keys[i] for i, ok in zip(fresh, oks) if not ok]

@@ -36,16 +36,35 @@ from kvmgr.sim.report import render_report
 from kvmgr.sim.scheduler import WRITE_POLICIES
 from kvmgr.sim.sweep import (
     DEFAULT_SWEEP_TOKENS,
+    gap_closed,
     plot_sweep,
     run_sweep,
     sweep_configs,
     sweep_table,
 )
-from kvmgr.sim.trace import BUNDLED_TRACES, bundled_trace_path, default_trace_path, load_trace
+from kvmgr.sim.trace import (
+    BUNDLED_TRACES,
+    bundled_trace_path,
+    default_trace_path,
+    load_trace,
+    slice_trace,
+)
 
 __all__ = ["add_arguments", "run"]
 
 _DEFAULT_PLOT = Path("kvmgr-sweep.png")
+
+
+def _offset(text: str) -> str:
+    """``"6000"`` or ``"50%"`` (checked here, applied by ``slice_trace``)."""
+    body = text.strip().removesuffix("%")
+    try:
+        value = float(body) if text.strip().endswith("%") else int(body)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or P%, got {text!r}") from None
+    if value < 0 or (text.strip().endswith("%") and value >= 100):
+        raise argparse.ArgumentTypeError(f"expected N >= 0 or 0 <= P < 100, got {text!r}")
+    return text.strip()
 
 
 def _trace(text: str) -> Path:
@@ -70,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{', '.join(BUNDLED_TRACES)}; default: the bundled Mooncake conversation trace",
     )
     io.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    io.add_argument(
+        "--offset",
+        type=_offset,
+        default=None,
+        metavar="N|P%",
+        help="skip the first N requests (or P percent: 50%% replays the second half), from "
+        "a cold cache; --limit counts from there",
+    )
     io.add_argument(
         "--json",
         type=Path,
@@ -133,6 +160,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transfer engine (auto: host without a GPU)",
     )
     m.add_argument("--seed", type=int, default=d.seed, help="seeds the page fingerprints")
+    m.add_argument(
+        "--hint-precision",
+        type=float,
+        default=None,
+        metavar="P",
+        help="give stores oracle 'conversation continues' hints of this precision "
+        "(kvmgr.sim.hints; used by --policy online)",
+    )
+    m.add_argument(
+        "--hint-recall", type=float, default=d.hint_recall, help="recall of the oracle hints"
+    )
+    m.add_argument(
+        "--hint-horizon-s",
+        type=float,
+        default=d.hint_horizon_s,
+        help="the oracle hint says 'continues' when a later turn comes within this many seconds",
+    )
     m.add_argument(
         "--max-memory-gib",
         type=float,
@@ -235,6 +279,9 @@ def _config(args: argparse.Namespace) -> SimConfig:
         h2d_gbps=args.h2d_gbps,
         tp=args.tp,
         max_memory_bytes=int(args.max_memory_gib * 2**30),
+        hint_precision=args.hint_precision,
+        hint_recall=args.hint_recall,
+        hint_horizon_s=args.hint_horizon_s,
     )
 
 
@@ -254,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             check_output_path(args.plot or _DEFAULT_PLOT, "--plot", image=True)
         config = _config(args)
         trace = args.trace if args.trace is not None else default_trace_path()
-        requests = load_trace(trace, limit=args.limit)
+        requests = slice_trace(load_trace(trace), args.offset, args.limit)
         if args.sweep is not None:
             return _run_sweep(args, config, requests, trace, console)
         if wants_multi(args):
@@ -360,7 +407,11 @@ def _run_sweep(
         f"tokens, write-{config.write_policy}"
     )
     if args.json is not None:  # before the plot, so a bad --plot path loses nothing
-        data = {"trace": str(trace), "runs": [r.to_dict() for r in reports]}
+        data = {
+            "trace": str(trace),
+            "runs": [r.to_dict() for r in reports],
+            "gap_closed": gap_closed(reports),  # per run: share of the LRU -> opt gap
+        }
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     path = plot_sweep(reports, args.plot or _DEFAULT_PLOT, title=title)
     console.print(f"plot: {path}")

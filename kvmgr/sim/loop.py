@@ -81,6 +81,10 @@ class SimConfig:
         fail_rate: fraction of store batches (GPU -> CPU) that a ``kvmgr.testing.FaultyEngine``
             fails on purpose (a soak of the failure paths; failed stores are counted and their
             blocks recomputed later). Loads are never failed: a failed load aborts the run.
+        hint_precision / hint_recall / hint_horizon_s: give every store an oracle
+            ``StoreHint`` (does the conversation continue within ``hint_horizon_s``?) of this
+            precision and recall (``kvmgr.sim.hints``); ``None``: no hints. Only policies
+            that take hints use them.
     """
 
     model: str = attrs.field(default="tiny")
@@ -101,8 +105,20 @@ class SimConfig:
     tp: int = 1
     max_memory_bytes: int = 8 << 30
     fail_rate: float = 0.0
+    hint_precision: float | None = None
+    hint_recall: float = 0.75
+    hint_horizon_s: float = 300.0
 
     def __attrs_post_init__(self) -> None:
+        _check(
+            self.hint_precision is None or 0.0 < self.hint_precision <= 1.0,
+            f"hint_precision: expected (0, 1] or None, got {self.hint_precision!r}",
+        )
+        _check(
+            0.0 <= self.hint_recall <= 1.0,
+            f"hint_recall: expected [0, 1], got {self.hint_recall!r}",
+        )
+        _check(self.hint_horizon_s > 0, f"hint_horizon_s: expected > 0, got {self.hint_horizon_s}")
         _check(
             0.0 <= self.fail_rate <= 1.0,
             f"fail_rate: expected a fraction in [0, 1], got {self.fail_rate!r}",
@@ -229,6 +245,16 @@ async def run_simulation(
         scheduler = Scheduler(
             _scheduler_config(config, gpu_blocks), manager, pages, counters, on_admit=on_admit
         )
+        if config.hint_precision is not None:
+            from kvmgr.sim.hints import oracle_hints
+
+            scheduler.swaps.hints = oracle_hints(
+                requests,
+                config.hint_precision,
+                config.hint_recall,
+                horizon_s=config.hint_horizon_s,
+                seed=config.seed,
+            )
         await _drive(config, requests, scheduler, manager, block_bytes, progress, clock)
         stats = manager.statistics()
         declined = int(getattr(getattr(manager, "policy", None), "num_declined", 0))

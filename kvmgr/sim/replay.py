@@ -60,6 +60,7 @@ def replay(
     *,
     measure_from_s: float = 0.0,
     options: dict[str, Any] | None = None,
+    hints: Sequence[Any] | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` (sorted by arrival) through one policy; see the module docstring.
 
@@ -70,6 +71,8 @@ def replay(
         measure_from_s: count hits only for requests arriving at or after this time (the
             cache is warmed by the earlier ones).
         options: extra constructor options of the policy (``clock`` is passed by the replay).
+        hints: one ``StoreHint`` per request (``kvmgr.sim.hints.oracle_hints``), given to
+            ``admit`` of a policy that takes hints.
 
     Raises:
         ConfigError: unknown policy, capacity below one block, or bad options.
@@ -86,6 +89,7 @@ def replay(
     capacity = max(0, capacity_tokens // TRACE_BLOCK_TOKENS)
     cache = make_policy(policy, capacity, **_accepted(policy, opts))
     admit = getattr(cache, "admit", None)
+    hinted = hints is not None and getattr(cache, "takes_hints", False)
     prompt = hit = stored = rejected = evicted = 0
     for i, (request, keys) in enumerate(zip(requests, all_keys)):
         now[0] = request.arrival_s
@@ -103,7 +107,10 @@ def replay(
         new = keys[hits:]
         parents = [keys[hits - 1] if hits else None, *new[:-1]][: len(new)]
         if admit is not None and new:
-            accepted = np.asarray(admit(new, parents), dtype=bool)
+            if hinted:
+                accepted = np.asarray(admit(new, parents, hints=[hints[i]] * len(new)))
+            else:
+                accepted = np.asarray(admit(new, parents), dtype=bool)
             take = len(new) if accepted.all() else int(np.argmin(accepted))
             rejected += len(new) - take
             new, parents = new[:take], parents[:take]

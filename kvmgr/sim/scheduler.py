@@ -218,6 +218,7 @@ class Scheduler:
             self._shortfall += need
             return "no_room"
         num_cpu_hits = self.swaps.lookup(keys[num_gpu_hits:])
+        self.swaps.claim(keys[num_gpu_hits + num_cpu_hits :], request.index)
         gpu.acquire(hit_ids)
         new_ids = gpu.allocate(need)
         assert new_ids is not None

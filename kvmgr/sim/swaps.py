@@ -57,6 +57,14 @@ class SwapIssuer:
         self._pending: list[_Pending] = []
         #: published key -> the key it extends (``None`` for a prompt's first block).
         self._parent_of: dict[bytes, bytes | None] = {}
+        #: per trace request, the hint its stores carry (``None``: no hints are given)
+        self.hints: Sequence[Any] | None = None
+        self._owner: dict[bytes, int] = {}  # key -> the request that last computed it
+
+    def claim(self, keys: Sequence[bytes], request_index: int) -> None:
+        """The request computes ``keys``: their stores carry its hint (only with hints)."""
+        if self.hints is not None:
+            self._owner.update(dict.fromkeys(keys, request_index))
 
     def learn_chain(self, keys: Sequence[bytes]) -> None:
         """Record that ``keys`` (one prompt's published keys) form one chain; stores name
@@ -135,7 +143,11 @@ class SwapIssuer:
         self.counters.store_blocks += len(block_ids)
         try:
             parents = list(map(self._parent_of.get, keys))
-            future = self.manager.swap_out(block_ids, keys, parents)
+            if self.hints is None:
+                future = self.manager.swap_out(block_ids, keys, parents)
+            else:
+                hint = [self.hints[self._owner[k]] for k in keys]
+                future = self.manager.swap_out(block_ids, keys, parents, hint=hint)
         except PoolExhaustedError:
             self.counters.store_dropped_blocks += len(block_ids)
             if drain:

@@ -4,7 +4,8 @@ Offers:
     DEFAULT_SWEEP_TOKENS  the CPU capacities of ``kvmgr simulate --sweep`` without a list
     sweep_configs         the run configurations of a sweep (policy-major order)
     run_sweep             run them, in worker processes when ``jobs > 1``
-    sweep_table           the rich table of a sweep
+    sweep_table           the rich table of a sweep (with the LRU -> opt gap closed)
+    gap_closed            the share of the LRU -> opt gap each run closes
     plot_sweep            the PNG: hit ratio (GPU + CPU, CPU part dashed) vs capacity
 
 Runs are independent and deterministic, so running them in parallel changes nothing but the
@@ -29,7 +30,14 @@ from kvmgr.sim.loop import SimConfig, simulate
 from kvmgr.sim.report import SimReport
 from kvmgr.sim.trace import TraceRequest
 
-__all__ = ["DEFAULT_SWEEP_TOKENS", "plot_sweep", "run_sweep", "sweep_configs", "sweep_table"]
+__all__ = [
+    "DEFAULT_SWEEP_TOKENS",
+    "gap_closed",
+    "plot_sweep",
+    "run_sweep",
+    "sweep_configs",
+    "sweep_table",
+]
 
 #: CPU capacities (tokens) of the default sweep: 1M to 100M, with the paper's 3M and 50M.
 DEFAULT_SWEEP_TOKENS = (
@@ -149,9 +157,11 @@ def sweep_table(reports: Sequence[SimReport], title: str = "capacity sweep") -> 
         "CPU evictions",
         "GiB D2H",
         "GiB H2D",
+        "gap closed",
     ):
         table.add_column(name, justify="left" if name == "policy" else "right")
-    for r in reports:
+    closed = gap_closed(reports)
+    for r, gap in zip(reports, closed):
         s = r.settings
         table.add_row(
             s["policy"],
@@ -162,10 +172,27 @@ def sweep_table(reports: Sequence[SimReport], title: str = "capacity sweep") -> 
             _tokens(r.cpu_evictions),
             f"{r.d2h['bytes'] / 2**30:.2f}",
             f"{r.h2d['bytes'] / 2**30:.2f}",
+            "" if gap is None else f"{gap:+.0%}",
         )
     if reports:
         table.caption = f"trace reuse ceiling (infinite cache): {reports[0].ceiling_ratio:.2%}"
     return table
+
+
+def gap_closed(reports: Sequence[SimReport]) -> list[float | None]:
+    """Per report, ``(hit - LRU hit) / (opt hit - LRU hit)`` at its CPU capacity: the share of
+    the LRU -> offline-optimum gap it closes (negative: worse than LRU); ``None`` where the
+    sweep lacks ``lru`` or ``opt`` at that capacity, or the gap is under 0.01 points."""
+    by = {(r.settings["policy"], r.settings["cpu_blocks"]): r.hit_ratio for r in reports}
+    out: list[float | None] = []
+    for r in reports:
+        blocks = r.settings["cpu_blocks"]
+        lru, opt = by.get(("lru", blocks)), by.get(("opt", blocks))
+        if lru is None or opt is None or opt - lru < 1e-4:
+            out.append(None)
+        else:
+            out.append((r.hit_ratio - lru) / (opt - lru))
+    return out
 
 
 def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) -> Path:

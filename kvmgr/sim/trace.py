@@ -4,6 +4,7 @@ Offers:
     TraceRequest        one request: arrival time, prompt and output lengths, prefix block ids
     TraceError          a malformed trace line (names the file, the line and the field)
     load_trace          read a trace file (format chosen by content; ``.gz`` accepted)
+    slice_trace         a slice of a loaded trace (``--offset``: the second half, say)
     default_trace_path  the bundled Mooncake FAST'25 conversation trace
     bundled_trace_path  a bundled trace by name (``BUNDLED_TRACES``: Mooncake, Azure 2023)
 
@@ -40,6 +41,7 @@ __all__ = [
     "bundled_trace_path",
     "default_trace_path",
     "load_trace",
+    "slice_trace",
 ]
 
 #: Tokens per ``hash_ids`` block in the Mooncake trace format.
@@ -158,6 +160,41 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
     start = min(r.arrival_s for r in requests)
     requests.sort(key=lambda r: r.arrival_s)
     return [attrs.evolve(r, arrival_s=r.arrival_s - start) for r in requests]
+
+
+def slice_trace(
+    requests: list[TraceRequest], offset: str | int | None = None, limit: int | None = None
+) -> list[TraceRequest]:
+    """``requests[start : start + limit]`` with arrivals shifted to start at 0.
+
+    Args:
+        requests: a loaded trace (sorted by arrival).
+        offset: requests to skip: an ``int``, a numeral, or ``"P%"`` (P percent of the
+            requests, rounded down; ``"50%"`` is the second half); ``None``: none.
+        limit: keep at most this many (``None``: all).
+
+    Raises:
+        ValueError: a negative offset, ``P`` outside [0, 100), ``limit`` < 1, or nothing left.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"expected limit >= 1 or None, got {limit}")
+    start = 0
+    if isinstance(offset, str) and offset.endswith("%"):
+        percent = float(offset[:-1])
+        if not 0 <= percent < 100:
+            raise ValueError(f"offset: expected 0 <= P < 100, got {offset!r}")
+        start = int(len(requests) * percent / 100)
+    elif offset is not None:
+        start = int(offset)
+    if start < 0:
+        raise ValueError(f"offset: expected >= 0, got {offset!r}")
+    part = requests[start:] if limit is None else requests[start : start + limit]
+    if not part:
+        raise ValueError(f"offset {offset!r}: no requests left of {len(requests)}")
+    if start == 0:
+        return part
+    t0 = part[0].arrival_s
+    return [attrs.evolve(r, arrival_s=r.arrival_s - t0) for r in part]
 
 
 def _open_text(path: Path) -> io.TextIOBase:
