@@ -5,9 +5,10 @@ Offers `ARCPolicy`, registered as ``"arc"``.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
 from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
@@ -166,40 +167,46 @@ class ARCPolicy:
         if n == 0:
             return []
         # Phase 1: collect without mutating. Each list is scanned once from its LRU end, so
-        # skipped keys are visited at most once per call.
+        # skipped keys are visited at most once per call. T1 is preferred while its size less
+        # the T1 keys taken exceeds ``target``: a T1 run may take ``quota`` keys before the
+        # preference can flip (a victim of the run may be a released T2 ancestor, so the size
+        # is recounted after it). The size only shrinks, so once T2 is preferred it stays so.
         victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
-        scans = {True: iter(self._t1), False: iter(self._t2)}
-        exhausted = {True: False, False: False}
-        t1, target = self._t1, self._target
+        t1, t2, target = self._t1, self._t2, self._target
+        scan_t1, scan_t2 = iter(t1), iter(t2)
+        taken = victims.keys
         virtual_t1_size = len(t1)
-        while not victims.is_full:
-            prefer_t1 = virtual_t1_size > target
-            from_t1 = prefer_t1 if not exhausted[prefer_t1] else not prefer_t1
-            if exhausted[from_t1]:
+        t1_left = True
+        while virtual_t1_size > target and t1_left:
+            before = len(taken)
+            quota = virtual_t1_size - math.floor(target)
+            t1_left = victims.offer_all(scan_t1, stop=min(n, before + quota))
+            virtual_t1_size -= sum(map(t1.__contains__, taken[before:]))
+            if len(taken) >= n:
+                break
+        else:
+            if not victims.offer_all(scan_t2) and not (t1_left and victims.offer_all(scan_t1)):
                 victims.rollback()
                 return None  # fewer than n evictable keys in T1 and T2 together
-            for key in scans[from_t1]:  # take from this list while the choice holds
-                before = len(victims.keys)
-                if not victims.offer(key):
-                    continue
-                virtual_t1_size -= sum(map(t1.__contains__, victims.keys[before:]))
-                now_prefer = virtual_t1_size > target
-                if victims.is_full or (now_prefer != prefer_t1 and not exhausted[now_prefer]):
-                    break
-            else:
-                exhausted[from_t1] = True
         # Phase 2: commit all of them (the tree's counts already are).
-        chosen = victims.keys
-        deque(map(self._parent_of.__delitem__, chosen), 0)
-        for key in chosen:
-            if key in t1:
-                del t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
-        self._trim_ghosts()
-        return chosen
+        parent_of, b1, b2 = self._parent_of, self._b1, self._b2
+        deque(map(parent_of.__delitem__, taken), 0)
+        from_t1 = [key for key in taken if key in t1]
+        if len(from_t1) == len(taken):  # the common case: every victim from T1
+            deque(map(t1.__delitem__, taken), 0)
+            b1.update(dict.fromkeys(taken))
+        else:
+            for key in taken:
+                if key in t1:
+                    del t1[key]
+                    b1[key] = None
+                else:
+                    del t2[key]
+                    b2[key] = None
+        # Moving keys T -> B keeps |T1| + |B1| and the directory's size: only B2's bound.
+        if len(b2) > self.capacity:
+            _drop_oldest(b2, len(b2) - self.capacity)
+        return taken
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -246,12 +253,19 @@ class ARCPolicy:
         """Enforce the ghost bounds of the class docstring by dropping LRU ghosts."""
         cap = self.capacity
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        while b1 and len(t1) + len(b1) > cap:
-            b1.popitem(last=False)
-        while len(b2) > cap:
-            b2.popitem(last=False)
+        if len(t1) + len(b1) > cap and b1:
+            _drop_oldest(b1, len(t1) + len(b1) - cap)
+        if len(b2) > cap:
+            _drop_oldest(b2, len(b2) - cap)
         excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * cap
-        for ghosts in (b2, b1):
-            while excess > 0 and ghosts:
-                ghosts.popitem(last=False)
-                excess -= 1
+        if excess > 0 and b2:
+            excess -= _drop_oldest(b2, excess)
+        if excess > 0 and b1:
+            _drop_oldest(b1, excess)
+
+
+def _drop_oldest(ghosts: OrderedDict[bytes, None], count: int) -> int:
+    """Drop up to ``count`` keys from the LRU end of ``ghosts``; return how many were dropped."""
+    oldest = list(islice(ghosts, count))
+    deque(map(ghosts.__delitem__, oldest), 0)
+    return len(oldest)

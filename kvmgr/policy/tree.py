@@ -168,10 +168,17 @@ class VictimSet:
             return 0
         return self._take(key)
 
-    def offer_all(self, keys: Iterable[bytes]) -> bool:
-        """Offer keys in order until ``limit`` are taken; return whether it was reached."""
+    def offer_all(self, keys: Iterable[bytes], stop: int | None = None) -> bool:
+        """Offer keys in order until ``limit`` are taken; return whether it was reached.
+
+        ``stop`` (``<= limit``): return ``True`` as soon as ``stop`` keys were taken in all
+        (checked between offers; a waiting ancestor released by an offer is still taken up
+        to ``limit``), leaving the rest of ``keys`` unread, so that a caller can offer one
+        iterator in several runs and look at the victims between them (ARC's list choice).
+        """
         protected, can_evict, num_children = self._protected, self._can_evict, self._num_children
         victims, limit, waiting = self.keys, self._limit, self._waiting
+        end = limit if stop is None else stop
         parent_of, released = self._parent_of, self._released
         for key in keys:
             if key in protected or not can_evict(key):
@@ -191,7 +198,7 @@ class VictimSet:
                     if waiting and up in waiting and len(victims) < limit:
                         waiting.discard(up)
                         self._take(up)
-            if len(victims) >= limit:
+            if len(victims) >= end:
                 return True
         return False
 
