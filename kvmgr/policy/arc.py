@@ -102,12 +102,22 @@ class ARCPolicy:
             BlockStateError: If a key is already tracked or repeated; nothing changed then.
             ValueError: If ``len(parents) != len(keys)``; nothing changed then.
         """
-        check_new(self._parent_of, keys, parents, self.name)
+        parent_of, b1, b2 = self._parent_of, self._b1, self._b2
+        if len(keys) == 1 and len(parents) == 1 and (key := keys[0]) not in parent_of:
+            if key not in b1 and key not in b2:  # the per-call store of a new key
+                parent = parents[0]
+                if parent is not None:
+                    num_children = self._tree.num_children
+                    num_children[parent] = num_children.get(parent, 0) + 1
+                parent_of[key] = parent
+                self._t1[key] = None
+                self._trim_ghosts()
+                return
+        check_new(parent_of, keys, parents, self.name)
         self._tree.add(keys, parents)
-        self._parent_of.update(zip(keys, parents))
-        b1, b2 = self._b1, self._b2
+        parent_of.update(zip(keys, parents))
         if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
-            self._t1.update(dict.fromkeys(reversed(keys)))
+            self._t1.update(zip(reversed(keys), repeat(None)))
         else:
             for key in reversed(keys):
                 if key in b1:
@@ -133,7 +143,7 @@ class ARCPolicy:
         promoted = list(filter(t1.__contains__, backwards))
         if promoted:
             deque(map(t1.pop, promoted, repeat(None)), 0)
-            t2.update(dict.fromkeys(promoted))
+            t2.update(zip(promoted, repeat(None)))
         if refresh:  # keys already in T2 join the promoted ones in reverse batch order
             deque(map(t2.move_to_end, filter(t2.__contains__, backwards)), 0)
 
@@ -191,10 +201,9 @@ class ARCPolicy:
         # Phase 2: commit all of them (the tree's counts already are).
         parent_of, b1, b2 = self._parent_of, self._b1, self._b2
         deque(map(parent_of.__delitem__, taken), 0)
-        from_t1 = [key for key in taken if key in t1]
-        if len(from_t1) == len(taken):  # the common case: every victim from T1
+        if t2.keys().isdisjoint(taken):  # the common case: every victim from T1
             deque(map(t1.__delitem__, taken), 0)
-            b1.update(dict.fromkeys(taken))
+            b1.update(zip(taken, repeat(None)))
         else:
             for key in taken:
                 if key in t1:
@@ -252,13 +261,20 @@ class ARCPolicy:
     def _trim_ghosts(self) -> None:
         """Enforce the ghost bounds of the class docstring by dropping LRU ghosts."""
         cap = self.capacity
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        if len(t1) + len(b1) > cap and b1:
-            _drop_oldest(b1, len(t1) + len(b1) - cap)
-        if len(b2) > cap:
-            _drop_oldest(b2, len(b2) - cap)
-        excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * cap
-        if excess > 0 and b2:
+        b1, b2 = self._b1, self._b2
+        size_t1, size_b1, size_b2 = len(self._t1), len(b1), len(b2)
+        over = size_t1 + size_b1 - cap
+        if over > 0 and size_b1:
+            if over == 1:
+                b1.popitem(last=False)
+            else:
+                _drop_oldest(b1, over)
+            size_b1 = len(b1)
+        if size_b2 > cap:
+            _drop_oldest(b2, size_b2 - cap)
+            size_b2 = cap
+        excess = size_t1 + len(self._t2) + size_b1 + size_b2 - 2 * cap
+        if excess > 0 and size_b2:
             excess -= _drop_oldest(b2, excess)
         if excess > 0 and b1:
             _drop_oldest(b1, excess)
