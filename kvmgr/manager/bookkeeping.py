@@ -361,10 +361,14 @@ class Bookkeeper:
     def _store_small(
         self, gpu: list[int], keys: list[bytes], future: asyncio.Future[Any]
     ) -> Part | None:
-        """The per-call store of a few fresh keys into free CPU blocks, in plain Python.
+        """The per-call store of a few fresh keys, in plain Python (evicting when the tier
+        is full).
 
         Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
-        to reject, a key already present, or too few free CPU blocks (eviction).
+        to reject, or a key already present.
+
+        Raises:
+            PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
         """
         n = len(keys)
         if len(gpu) != n:
@@ -384,8 +388,8 @@ class Bookkeeper:
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
             return None
-        if pool.num_free < n:
-            return None
+        if pool.num_free < n:  # the last check: raises PoolExhaustedError, nothing changed
+            cpu.evict_for(n, keys)
         take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
         cpu_ids = []
         for key, b in zip(keys, gpu):

@@ -103,16 +103,21 @@ class ARCPolicy:
             ValueError: If ``len(parents) != len(keys)``; nothing changed then.
         """
         parent_of, b1, b2 = self._parent_of, self._b1, self._b2
-        if len(keys) == 1 and len(parents) == 1 and (key := keys[0]) not in parent_of:
-            if key not in b1 and key not in b2:  # the per-call store of a new key
-                parent = parents[0]
-                if parent is not None:
-                    num_children = self._tree.num_children
-                    num_children[parent] = num_children.get(parent, 0) + 1
-                parent_of[key] = parent
-                self._t1[key] = None
-                self._trim_ghosts()
-                return
+        if (
+            len(keys) == 1
+            and len(parents) == 1
+            and (key := keys[0]) not in parent_of
+            and key not in b1
+            and key not in b2
+        ):  # the per-call store of a new key
+            parent = parents[0]
+            if parent is not None:
+                num_children = self._tree.num_children
+                num_children[parent] = num_children.get(parent, 0) + 1
+            parent_of[key] = parent
+            self._t1[key] = None
+            self._trim_ghosts()
+            return
         check_new(parent_of, keys, parents, self.name)
         self._tree.add(keys, parents)
         parent_of.update(zip(keys, parents))
