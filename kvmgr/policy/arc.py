@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 from itertools import islice, repeat
 
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
 
 __all__ = ["ARCPolicy"]
 
@@ -181,6 +181,8 @@ class ARCPolicy:
         _check_evict_count(n)
         if n == 0:
             return []
+        if n == 1:
+            return self._evict_one(can_evict, protected)
         # Phase 1: collect without mutating. Each list is scanned once from its LRU end, so
         # skipped keys are visited at most once per call. T1 is preferred while its size less
         # the T1 keys taken exceeds ``target``: a T1 run may take ``quota`` keys before the
@@ -217,10 +219,27 @@ class ARCPolicy:
                 else:
                     del t2[key]
                     b2[key] = None
-        # Moving keys T -> B keeps |T1| + |B1| and the directory's size: only B2's bound.
-        if len(b2) > self.capacity:
-            _drop_oldest(b2, len(b2) - self.capacity)
+        self._trim_ghosts()
         return taken
+
+    def _evict_one(
+        self, can_evict: KeyPredicate, protected: Collection[bytes]
+    ) -> list[bytes] | None:
+        """``evict(1, ...)`` (the per-call store): the same choice without a `VictimSet`."""
+        t1, t2, tree = self._t1, self._t2, self._tree
+        first, second = (t1, t2) if len(t1) > self._target else (t2, t1)
+        key = first_leaf(tree, first, can_evict, protected)
+        source = first
+        if key is None:
+            key = first_leaf(tree, second, can_evict, protected)
+            source = second
+            if key is None:
+                return None
+        tree.release((self._parent_of.pop(key),))
+        del source[key]
+        (self._b1 if source is t1 else self._b2)[key] = None
+        self._trim_ghosts()
+        return [key]
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

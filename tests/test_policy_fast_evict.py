@@ -1,0 +1,137 @@
+"""LRU's and ARC's fast eviction paths choose exactly what the one-offer-at-a-time rule chooses.
+
+The policies evict through `VictimSet.offer_all` runs (ARC: one run per list choice) and, for one
+victim, through `first_leaf`. The reference below is the rule written out plainly: candidates
+offered one at a time through `VictimSet.offer` in the policy's order, ARC's list choice made
+again after every offer. Random prefix forests (chains, branches, roots), random touches,
+removals, non-evictable keys and protected keys drive a policy and its twin whose ``evict`` is
+the reference; victims, the lists, ghosts, ARC's target and the child counts must agree after
+every operation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmgr.policy import ARCPolicy, LRUPolicy
+from kvmgr.policy.tree import VictimSet
+
+
+def _lru_reference(policy: LRUPolicy, n, can_evict, protected):
+    if n == 0:
+        return []
+    victims = VictimSet(policy._tree, policy._order, n, can_evict, protected)
+    for key in list(policy._order):
+        victims.offer(key)
+        if victims.is_full:
+            break
+    if not victims.is_full:
+        victims.rollback()
+        return None
+    deque(map(policy._order.__delitem__, victims.keys), 0)
+    return victims.keys
+
+
+def _arc_reference(policy: ARCPolicy, n, can_evict, protected):
+    if n == 0:
+        return []
+    victims = VictimSet(policy._tree, policy._parent_of, n, can_evict, protected)
+    t1, t2 = policy._t1, policy._t2
+    scans = {True: iter(list(t1)), False: iter(list(t2))}
+    exhausted = {True: False, False: False}
+    virtual = len(t1)
+    while not victims.is_full:
+        prefer = virtual > policy._target
+        from_t1 = prefer if not exhausted[prefer] else not prefer
+        if exhausted[from_t1]:
+            victims.rollback()
+            return None
+        for key in scans[from_t1]:
+            before = len(victims.keys)
+            if not victims.offer(key):
+                continue
+            virtual -= sum(map(t1.__contains__, victims.keys[before:]))
+            now = virtual > policy._target
+            if victims.is_full or (now != prefer and not exhausted[now]):
+                break
+        else:
+            exhausted[from_t1] = True
+    for key in victims.keys:
+        del policy._parent_of[key]
+        if key in t1:
+            del t1[key]
+            policy._b1[key] = None
+        else:
+            del t2[key]
+            policy._b2[key] = None
+    policy._trim_ghosts()
+    return victims.keys
+
+
+def _state(policy):
+    if isinstance(policy, LRUPolicy):
+        lists = (list(policy._order.items()),)
+    else:
+        lists = (policy.t1, policy.t2, policy.b1, policy.b2, policy.target)
+    return lists, dict(policy._tree.num_children)
+
+
+_op = st.tuples(
+    st.sampled_from(["chain", "branch", "ghost", "touch", "remove", "evict", "evict1"]),
+    st.integers(0, 10**6),
+    st.integers(1, 12),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(["lru", "arc"]), st.integers(8, 40), st.lists(_op, max_size=60))
+def test_fast_evict_matches_one_offer_at_a_time(name, capacity, ops):
+    cls, reference = (LRUPolicy, _lru_reference) if name == "lru" else (ARCPolicy, _arc_reference)
+    fast, slow = cls(capacity), cls(capacity)
+    next_key = 0
+    blocked: set[bytes] = set()
+
+    def can_evict(key):
+        return key not in blocked
+
+    for op, seed, size in ops:
+        keys = list(fast._parent_of) if name == "arc" else list(fast._order)
+        if op in ("chain", "branch"):
+            new = [i.to_bytes(4, "little") for i in range(next_key, next_key + size)]
+            next_key += size
+            if op == "chain" or not keys:
+                base = keys[seed % len(keys)] if keys and seed % 3 == 0 else None
+                parents = [base, *new[:-1]]
+            else:  # each new key extends a random tracked or earlier new key
+                pool = keys + new
+                parents = [pool[(seed + 7 * i) % (len(keys) + i)] for i in range(size)]
+            if seed % 5 == 0:
+                blocked.add(new[0])
+            fast.insert(new, parents)
+            slow.insert(new, parents)
+        elif op == "ghost" and name == "arc":  # stores of evicted keys adapt ARC's target
+            ghosts = fast.b1 + fast.b2
+            if ghosts:
+                again = list(dict.fromkeys(ghosts[(seed + i) % len(ghosts)] for i in range(size)))
+                fast.insert(again, [None] * len(again))
+                slow.insert(again, [None] * len(again))
+        elif op == "touch" and keys:
+            picked = [keys[(seed + 3 * i) % len(keys)] for i in range(size)]
+            fast.touch(picked)
+            slow.touch(picked)
+        elif op == "remove" and keys:
+            picked = list(dict.fromkeys(keys[(seed + 5 * i) % len(keys)] for i in range(size)))
+            fast.remove(picked)
+            slow.remove(picked)
+        elif op.startswith("evict"):
+            n = 1 if op == "evict1" else size
+            protected = (
+                frozenset(keys[(seed + i) % len(keys)] for i in range(seed % 3)) if keys else ()
+            )
+            got = fast.evict(n, can_evict, protected)
+            want = reference(slow, n, can_evict, protected)
+            assert got == want
+        assert _state(fast) == _state(slow)
