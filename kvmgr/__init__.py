@@ -32,6 +32,8 @@ from kvmgr.errors import (
     InvalidBlockError,
     InvalidKeyError,
     KVMgrError,
+    LayerLoadError,
+    LayerOrderError,
     PoolExhaustedError,
     StaleKVTensorError,
     TierError,
@@ -66,6 +68,7 @@ if TYPE_CHECKING:  # imported lazily below, so ``kvmgr --version`` never imports
         StoreResult,
         SwapResult,
     )
+    from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 
 __version__ = "0.1.0"
 
@@ -80,6 +83,8 @@ _LAZY = {
     "StoreResult": "kvmgr.reports",
     "LoadResult": "kvmgr.reports",
     "KVEvent": "kvmgr.reports",
+    "LayerwiseLoad": "kvmgr.transfer.layerwise",
+    "LayerwiseStore": "kvmgr.transfer.layerwise",
     "GroupedMLAInsertHook": "kvmgr.kernels.mla.hook",
     "grouped_mla_insert": "kvmgr.kernels.mla.api",
     "per_layer_mla_insert": "kvmgr.kernels.mla.api",
@@ -131,6 +136,10 @@ __all__ = [
     "InvalidKeyError",
     "KVEvent",
     "KVMgrError",
+    "LayerLoadError",
+    "LayerOrderError",
+    "LayerwiseLoad",
+    "LayerwiseStore",
     "LoadResult",
     "ManagerConfig",
     "ManagerStatistics",

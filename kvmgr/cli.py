@@ -27,6 +27,7 @@ __all__ = ["HelpFormatter", "cuda_missing", "main"]
 BENCHES = {
     "swap": "kvmgr.bench.swap",
     "swap-kernel": "kvmgr.bench.swap_kernel",
+    "duplex": "kvmgr.bench.duplex",
     "mla-insert": "kvmgr.bench.mla_insert",
     "c128": "kvmgr.bench.c128",
     "dsv4": "kvmgr.bench.dsv4",
@@ -45,6 +46,10 @@ _BENCH_HELP = f"micro-benchmarks (all but {', '.join(sorted(CPU_BENCHES))} need 
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {
     "simulate": ("kvmgr.sim.cli", "replay a request trace through a simulated serving loop"),
+    "simulate-hybrid": (
+        "kvmgr.sim.hybrid_cli",
+        "a hybrid model's cache groups against all layers as full attention",
+    ),
     "info": ("kvmgr._info_cli", "report GPU, driver, CUDA, cuda-python, batch-copy ABI"),
     "demo": ("kvmgr._demo", "store, look up and load a few blocks on the host engine"),
 }

@@ -47,6 +47,16 @@ def _one_of(choices: tuple[str, ...]) -> Any:
     return check
 
 
+def _bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name}: expected True or False, got {value!r}")
+
+
+def _mapping(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{attribute.name}: expected a mapping of str keys, got {value!r}")
+
+
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{attribute.name}: expected an int >= 1, got {value!r}")
@@ -84,7 +94,7 @@ class ManagerConfig:
         max_descriptors: descriptor cap per submitted chunk; ``None`` = the engine's default.
         backpressure: a store that cannot make room ``"fail"``s with ``PoolExhaustedError`` or
             ``"wait"``s up to ``store_wait_s`` seconds for blocks to become evictable.
-        store_wait_s: bound of the wait, seconds.
+        store_wait_s: bound of the wait, seconds (finite: a store never waits for ever).
         allow_pageable: CUDA engines may fall back (logged) to pageable host memory when
             registration fails, instead of raising.
         pin_host: the CUDA engines the manager builds page-lock the CPU tier
@@ -110,25 +120,29 @@ class ManagerConfig:
     policy: str = attrs.field(default="lru", validator=_policy_name)
     engine: str = attrs.field(default="auto", validator=_engine_name)
     flush: str = attrs.field(default="step", validator=_one_of(FLUSH_MODES))
-    manage_gpu_blocks: bool = attrs.field(default=True, validator=v.instance_of(bool))
-    merge: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    manage_gpu_blocks: bool = attrs.field(default=True, validator=_bool)
+    merge: bool = attrs.field(default=True, validator=_bool)
     max_descriptors: int | None = attrs.field(default=None, validator=v.optional(_positive))
     backpressure: str = attrs.field(default="fail", validator=_one_of(BACKPRESSURE_MODES))
     store_wait_s: float = attrs.field(default=1.0)
-    allow_pageable: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    allow_pageable: bool = attrs.field(default=False, validator=_bool)
     pin_host: str = attrs.field(default="background", validator=_one_of(PIN_MODES))
     store_threshold: int = attrs.field(default=1, validator=_positive)
     max_events: int = attrs.field(default=4096, validator=_non_negative)
-    tier_write_back: bool = attrs.field(default=True, validator=v.instance_of(bool))
-    tier_write_through: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    tier_write_back: bool = attrs.field(default=True, validator=_bool)
+    tier_write_through: bool = attrs.field(default=False, validator=_bool)
     policy_options: Mapping[str, Any] = attrs.field(
-        factory=dict, validator=v.instance_of(Mapping), hash=False
+        factory=dict, validator=_mapping, hash=False
     )
 
     @store_wait_s.validator
     def _check_wait(self, attribute: attrs.Attribute[Any], value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ConfigError(f"store_wait_s: expected seconds >= 0, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 <= value < float("inf")
+        ):
+            raise ConfigError(f"store_wait_s: expected finite seconds >= 0, got {value!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ManagerConfig:

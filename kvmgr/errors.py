@@ -20,6 +20,8 @@ __all__ = [
     "InvalidBlockError",
     "InvalidKeyError",
     "KVMgrError",
+    "LayerLoadError",
+    "LayerOrderError",
     "PoolExhaustedError",
     "StaleKVTensorError",
     "TierError",
@@ -144,6 +146,17 @@ class EventLoopError(KVMgrError, RuntimeError):
 
 class ClosedError(KVMgrError, RuntimeError):
     """The manager or engine is closed, or closed while the operation was pending."""
+
+
+class LayerOrderError(InvalidArgumentError):
+    """A layerwise load or store was used out of its contract: a layer it does not cover, a
+    layer waited for after a later one, a layer saved twice or out of order, or a call inside
+    a CUDA graph capture (``kvmgr.transfer.layerwise``)."""
+
+
+class LayerLoadError(TransferError):
+    """A layer of a layerwise load failed (or an earlier one did): the load is failed as a
+    whole and no layer of it may be read; recompute instead."""
 
 
 class ClosedBeforeCopyError(ClosedError, TransferError):

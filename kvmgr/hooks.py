@@ -18,7 +18,26 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
+from kvmgr.errors import InvalidArgumentError
+
 __all__ = ["HookReport", "StepContext", "StepHook"]
+
+
+def _step_number(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0
+    ):
+        raise InvalidArgumentError(f"StepContext.step: expected an int >= 0 or None, got {value!r}")
+
+
+def _flag(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"StepContext.{attribute.name}: expected a bool, got {value!r}")
+
+
+def _tensors(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"StepContext.tensors: expected a mapping, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -38,14 +57,18 @@ class StepContext:
         is_capturing: True while the step is being captured into a CUDA graph: hooks must not
             read device data on the host nor skip launches based on host state that changes
             between replays.
+
+    Raises:
+        InvalidArgumentError: ``step`` is not an int >= 0 or ``None``, ``tensors`` is not a
+            mapping, or ``is_capturing`` is not a bool.
     """
 
-    step: int | None = None
+    step: int | None = attrs.field(default=None, validator=_step_number)
     num_computed_tokens: np.ndarray | None = None
     query_start_loc: np.ndarray | None = None
-    tensors: Mapping[str, Any] = attrs.field(factory=dict)
+    tensors: Mapping[str, Any] = attrs.field(factory=dict, validator=_tensors)
     stream: Any = None
-    is_capturing: bool = False
+    is_capturing: bool = attrs.field(default=False, validator=_flag)
 
 
 @attrs.frozen(kw_only=True)

@@ -318,6 +318,16 @@ def test_demo_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
     assert "3 blocks verified: True" in capsys.readouterr().out
 
 
-def test_demo_rejects_zero_blocks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--blocks", "0"]) == 2
-    assert "--blocks must be >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize("blocks", ["0", "10000000"])
+def test_demo_rejects_zero_or_too_many_blocks(
+    blocks: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["demo", "--blocks", blocks]) == 2  # a message, no torch traceback
+    assert "--blocks must be 1 to 100000" in capsys.readouterr().err
+
+
+def test_demo_prints_short_lines_for_many_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--blocks", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "300 blocks verified: True" in out and "(292 more)" in out
+    assert max(map(len, out.splitlines())) < 200  # 100000 blocks used to print a 2.8 MB line

@@ -158,7 +158,7 @@ async def test_no_stored_event_before_the_copy_landed_and_none_for_a_failed_stor
         st = mgr.swap_out([0], [K[0]], token_ids=_tokens(1, 7))
         await mgr.step()
         assert mgr.take_events() == []
-        assert engine.complete_next() == 1
+        assert len(engine.complete_next()) == 1
         await st
         assert [e.kind for e in mgr.take_events()] == ["stored"]
         # 2. a failed store advertises nothing

@@ -18,7 +18,8 @@ import torch
 
 from examples.engine import bench
 from examples.engine.engine import Engine, EngineConfig, Request, block_keys
-from examples.engine.model import PagedDecoder, new_kv_caches
+from examples.engine.graphs import DecodeGraphs
+from examples.engine.model import PagedDecoder, StepBatch, new_kv_caches
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.testing import check_invariants
 
@@ -78,7 +79,13 @@ def _reference(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch
 
 
 async def _serve(
-    model: PagedDecoder, prompts: list[list[int]], *, offload: bool, engine_name: str = "host"
+    model: PagedDecoder,
+    prompts: list[list[int]],
+    *,
+    offload: bool,
+    engine_name: str = "host",
+    layerwise: bool = False,
+    decode_graphs: bool = False,
 ):
     device = next(model.parameters()).device
     kv = new_kv_caches(model.config, 32, BLOCK_SIZE, torch.float32, device)
@@ -90,7 +97,14 @@ async def _serve(
             model,
             kv,
             mgr,
-            EngineConfig(block_size=BLOCK_SIZE, token_budget=16, max_num_seqs=4, offload=offload),
+            EngineConfig(
+                block_size=BLOCK_SIZE,
+                token_budget=16,
+                max_num_seqs=4,
+                offload=offload,
+                layerwise=layerwise,
+                decode_graphs=decode_graphs,
+            ),
             on_step=check_invariants,
         )
         requests = [Request(i, p, MAX_NEW_TOKENS) for i, p in enumerate(prompts)]
@@ -122,6 +136,80 @@ def test_engine_is_token_exact_with_preemption_and_cpu_hits(kind: str) -> None:
     assert stats.prefill_tokens < base_stats.prefill_tokens
 
 
+def test_layerwise_prefix_loads_are_token_exact() -> None:
+    """Hits load layer by layer in the step that computes their suffix, decode steps run the
+    static-shape decode of graphs.py: same tokens as HF."""
+    hf = _hf_model("llama")
+    model = PagedDecoder.from_hf(hf, dtype=torch.float32, device="cpu")
+    prompts = _prompts()
+    served, stats, mgr_stats = asyncio.run(
+        _serve(model, prompts, offload=True, layerwise=True, decode_graphs=True)
+    )
+    assert stats.layerwise_steps > 0 and stats.hit_tokens > 0, stats
+    assert stats.graph_steps > 0, stats
+    assert stats.layerwise_failed == 0 and mgr_stats.loads_completed > 0
+    for req, prompt in zip(served, prompts):
+        tokens, logits = _reference(hf, prompt)
+        assert req.output == tokens, f"request {req.req_id}: layerwise engine vs HF generate"
+        torch.testing.assert_close(req.first_logits, logits, atol=LOGITS_ATOL, rtol=0)
+
+
+def _decode_batch(device: str, block_size: int) -> tuple[StepBatch, int]:
+    """Three decodes with contexts 5, 9 and 3 tokens over blocks 1-6 (the pad block: 39)."""
+    ctx, tables = [5, 9, 3], [[1, 2], [3, 4, 5], [6]]
+    bt = torch.zeros(3, 3, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    slots = [tables[i][(c - 1) // block_size] * block_size + (c - 1) % block_size
+             for i, c in enumerate(ctx)]  # fmt: skip
+    batch = StepBatch(
+        input_ids=torch.tensor([5, 7, 9], device=device),
+        positions=torch.tensor([c - 1 for c in ctx], device=device),
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=[0, 1, 2, 3],
+        context_lens=ctx,
+        block_tables=bt.to(device),
+        num_decodes=3,
+        sample_rows=torch.tensor([0, 1, 2], device=device),
+    )
+    return batch, 39 * block_size
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_graphs_match_the_eager_decode(device: str) -> None:
+    model = PagedDecoder.random(bench.TINY, seed=1, dtype=torch.float32, device=device, std=0.2)
+    kv = new_kv_caches(bench.TINY, 40, 4, torch.float32, device)
+    for t in kv:
+        t.normal_()
+    before = [t.clone() for t in kv]
+    batch, pad = _decode_batch(device, 4)
+    eager = model(batch, kv)
+    after_eager = [t.clone() for t in kv]
+    for t, b in zip(kv, before):
+        t.copy_(b)
+    graphs = DecodeGraphs(model, kv, max_blocks=4, pad_slot=pad, capture=False, max_batch=8)
+    assert graphs.fits(batch)
+    static = graphs.run(_decode_batch(device, 4)[0])  # padded to a bucket of 4
+    torch.testing.assert_close(static, eager, atol=1e-4, rtol=0)
+    # the same slots were written (the first layer bit for bit), nothing else but the pad block
+    assert torch.equal(kv[0][:39], after_eager[0][:39]) and torch.equal(
+        kv[1][:39], after_eager[1][:39]
+    )
+    for t, e in zip(kv, after_eager):
+        torch.testing.assert_close(t[:39], e[:39], atol=1e-4, rtol=0)
+    if device == "cuda":  # captured and replayed: the same numbers as the static code eagerly
+        for t, b in zip(kv, before):
+            t.copy_(b)
+        captured = DecodeGraphs(model, kv, max_blocks=4, pad_slot=pad, capture=True, max_batch=8)
+        first = captured.run(_decode_batch(device, 4)[0])
+        for t, b in zip(kv, before):
+            t.copy_(b)
+        again = captured.run(_decode_batch(device, 4)[0])  # a replay
+        assert captured.replays == 2
+        torch.testing.assert_close(first, static, atol=1e-4, rtol=0)
+        assert torch.equal(first, again)
+
+
 def test_block_keys_chain_prefixes() -> None:
     a = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
     b = block_keys([1, 2, 3, 4, 5, 6, 7, 0], 4)
@@ -143,7 +231,9 @@ def test_bench_tiny_runs_and_reuses_prefixes(tmp_path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("engine_name", ["auto", "cuda", "kernel"])
+@pytest.mark.parametrize(
+    "engine_name", ["auto", "cuda", "kernel", "auto-layerwise", "cuda-layerwise"]
+)
 def test_engine_on_cuda_equals_its_run_without_offload(engine_name: str) -> None:
     # the same scenario on the GPU (no transformers needed): a random float32 model, the KV
     # moved by the real copy engines; outputs must equal the run that never offloads
@@ -152,11 +242,32 @@ def test_engine_on_cuda_equals_its_run_without_offload(engine_name: str) -> None
     config = bench.TINY
     model = PagedDecoder.random(config, seed=3, dtype=torch.float32, device="cuda", std=0.2)
     prompts = [[t % config.vocab_size for t in p] for p in _prompts()]
+    layerwise = engine_name.endswith("-layerwise")
+    engine_name = engine_name.removesuffix("-layerwise")
     served, stats, mgr_stats = asyncio.run(
-        _serve(model, prompts, offload=True, engine_name=engine_name)
+        _serve(model, prompts, offload=True, engine_name=engine_name, layerwise=layerwise)
     )
+    if layerwise:
+        assert stats.layerwise_steps > 0 and stats.layerwise_failed == 0, stats
     assert stats.preemptions >= 1 and mgr_stats.loads_completed > 0, (stats, mgr_stats)
     baseline, _, _ = asyncio.run(_serve(model, prompts, offload=False, engine_name=engine_name))
     for req, base in zip(served, baseline):
         assert req.output == base.output, f"request {req.req_id}"
+        torch.testing.assert_close(req.first_logits, base.first_logits, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_engine_decodes_in_cuda_graphs_on_the_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    config = bench.TINY
+    model = PagedDecoder.random(config, seed=3, dtype=torch.float32, device="cuda", std=0.2)
+    prompts = [[t % config.vocab_size for t in p] for p in _prompts()]
+    served, stats, _ = asyncio.run(
+        _serve(model, prompts, offload=True, engine_name="auto", layerwise=True, decode_graphs=True)
+    )
+    assert stats.graph_steps > 0 and stats.layerwise_steps > 0, stats
+    baseline, _, _ = asyncio.run(_serve(model, prompts, offload=False, engine_name="auto"))
+    for req, base in zip(served, baseline):  # the first token comes from a prefill step
+        assert req.output[0] == base.output[0], f"request {req.req_id}"
         torch.testing.assert_close(req.first_logits, base.first_logits, atol=LOGITS_ATOL, rtol=0)

@@ -2,9 +2,9 @@
 
 The "GPU" KV cache is three CPU tensors with different page sizes (584 B, 1152 B, and the V half
 of a fp32 K/V cache: 96 B pages 192 B apart), filled with seeded random data, never zeros.
-Destinations are poisoned before loads. ``_ScriptedEngine`` (defined here) copies like the host
-engine on one worker thread but can hold batches behind a ``threading.Event``, fail chosen
-batches with ``TransferError`` and records what was submitted.
+Destinations are poisoned before loads. ``_scripted()`` is the testing kit's ``ScriptedEngine``
+over the host engine: it copies on one worker thread, holds batches while the test says
+``hold()``, fails chosen batches with ``TransferError`` and records what was submitted.
 
 State is read through the public ``snapshot()`` and ``statistics()`` only. With the owned GPU
 pool (the default) a keyed swap may name only held blocks (issue 11), so keyed scenarios first
@@ -17,11 +17,8 @@ first (policy protocol v2): scenarios that narrate an LRU order store their keys
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import ctypes
 import gc
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -47,73 +44,28 @@ from kvmgr import (
     UnknownKeyError,
 )
 from kvmgr.manager import CpuState
-from kvmgr.testing import check_invariants
-from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
+from kvmgr.testing import ScriptedEngine, check_invariants
+from kvmgr.transfer.host import HostEngine
 from kvmgr.transfer.plan import Direction, TransferPlan
 
 NUM_GPU = 8
 K = [bytes([0x10 + i]) * 16 for i in range(8)]  # block keys K[0..7]
 
 
-class _ScriptedEngine(TransferEngine):
-    """Host-style engine: copies on one worker thread once ``gate`` is set; fails batches for which
-    ``fail(batch_id, plan)`` is true; records ``(plan, wait_for, handle)`` per submission."""
+def _scripted(
+    *, fail: Callable[[int, TransferPlan], bool] | None = None, **script: Any
+) -> ScriptedEngine:
+    """The host engine's copies (one worker thread), held while the test says ``hold()``,
+    failing the batches ``fail(batch_id, plan)`` picks, recording every submission."""
+    return ScriptedEngine(HostEngine(), fail_when=fail, record=True, name="scripted", **script)
 
-    name = "scripted"
 
-    def __init__(self, *, fail: Callable[[int, TransferPlan], bool] | None = None) -> None:
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail = fail or (lambda batch_id, plan: False)
-        self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._closed = False
-
-    def allocate_host(self, num_bytes: int) -> torch.Tensor:
-        return torch.empty(num_bytes, dtype=torch.uint8)
-
-    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
-        if self._closed:
-            raise ClosedError("scripted engine is closed")
-        batch_id = len(self.submitted)
-        handle = BatchHandle(
-            batch_id, plan.direction, self._executor.submit(self._run, batch_id, plan)
-        )
-        self.submitted.append((plan, tuple(wait_for), handle))
-        return handle
-
-    def _run(self, batch_id: int, plan: TransferPlan) -> BatchResult:
-        if not self.gate.wait(timeout=20):
-            raise TransferError("test gate never opened")
-        if self.fail(batch_id, plan):
-            raise TransferError(f"batch {batch_id} failed on purpose", fail_index=0)
-        for src, dst, size in zip(
-            plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.sizes.tolist()
-        ):
-            ctypes.memmove(dst, src, size)
-        return BatchResult(
-            batch_id=batch_id,
-            direction=plan.direction,
-            num_bytes=plan.num_bytes,
-            num_descriptors=plan.num_descriptors,
-            device_s=None,
-            path="scripted",
-        )
-
-    def close(self, timeout_s: float | None = None) -> None:
-        self._closed = True
-        self.gate.set()
-        self._executor.shutdown(wait=True)
-
-    def statistics(self) -> EngineStatistics:
-        return EngineStatistics(batches_submitted=len(self.submitted), path="scripted")
-
-    async def settled(self) -> None:
-        """Wait (on the loop) until every submitted batch ended and the manager saw it."""
-        for _, _, handle in self.submitted:
-            with contextlib.suppress(Exception):
-                await asyncio.wrap_future(handle.future)
-        await asyncio.sleep(0)
+async def _settled(engine: ScriptedEngine) -> None:
+    """Wait (on the loop) until every submitted batch ended and the manager saw it."""
+    for _, _, handle in engine.submitted:
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(handle.future)
+    await asyncio.sleep(0)
 
 
 def _kv(seed: int, nb: int = NUM_GPU) -> list[torch.Tensor]:
@@ -187,8 +139,8 @@ async def _open(
             try:
                 yield mgr
             finally:
-                if isinstance(engine, _ScriptedEngine):
-                    engine.gate.set()  # a failing test must not leave copies held (aclose waits)
+                if isinstance(engine, ScriptedEngine):
+                    engine.release()  # a failing test must not leave copies held (aclose waits)
         gc.collect()  # "exception never retrieved" is reported on collection
         await asyncio.sleep(0)
     finally:
@@ -271,7 +223,7 @@ async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, mer
 @pytest.mark.asyncio
 async def test_store_skips_keys_already_present_in_any_state() -> None:
     kv = _kv(seed=2)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(), engine=engine) as mgr:
         _hold(mgr)
         # 1. K0 stored from block 0 and READY
@@ -279,7 +231,7 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
         await mgr.step()
         await first
         # 2. hold the engine: K1 stored from block 1 stays PENDING in flight
-        engine.gate.clear()
+        engine.hold()
         second = mgr.swap_out([1], [K[1]])
         await mgr.step()
         assert _entry(mgr, K[1]).state is CpuState.PENDING
@@ -287,7 +239,7 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
         third = mgr.swap_out([5, 6, 7], [K[0], K[1], K[2]])
         report = await mgr.step()
         assert report.d2h.blocks == 1 and report.d2h.swaps == 1
-        engine.gate.set()
+        engine.release()
         await second
         assert await third == SwapResult(
             num_blocks=1,
@@ -352,7 +304,7 @@ async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -
 @pytest.mark.asyncio
 async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_nothing() -> None:
     kv = _kv(seed=5)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
         _hold(mgr)
         # 1. K0 READY in CPU block 0
@@ -360,7 +312,7 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
         await mgr.step()
         await store
         # 2. hold the engine: K1 PENDING in block 1; a load of K0 in flight (one reader)
-        engine.gate.clear()
+        engine.hold()
         pending = mgr.swap_out([1], [K[1]])
         load = mgr.swap_in([K[0]], [6])
         await mgr.step()
@@ -373,7 +325,7 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
         assert mgr.statistics().rejected == {"cpu_full": 1}
         # 4. the copies end: K1 READY, K0 unread; a store of K2 now evicts the LRU: K1
         #    (the load touched K0 after K1 was inserted)
-        engine.gate.set()
+        engine.release()
         await pending
         await load
         store = mgr.swap_out([2], [K[2]])
@@ -415,7 +367,7 @@ async def test_touch_order_via_lookup_decides_eviction() -> None:
 @pytest.mark.asyncio
 async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
     kv = _kv(seed=7)
-    engine = _ScriptedEngine(fail=lambda batch_id, plan: batch_id == 1)
+    engine = _scripted(fail=lambda batch_id, plan: batch_id == 1)
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         _hold(mgr)
         # 1. batch 0: K0, K1 stored in CPU blocks 0, 1 (READY)
@@ -425,7 +377,7 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
         # 2. batch 1 fails: store of K0 (present, skipped), K2, K3 into blocks 2, 3
         bad = mgr.swap_out([4, 2, 3], [K[0], K[2], K[3]])
         await mgr.step()
-        with pytest.raises(TransferError, match="on purpose"):
+        with pytest.raises(TransferError, match="injected fault"):
             await bad
         # 3. K2, K3 are gone and their blocks free; K0, K1 stay READY with their bytes
         assert _keys(mgr) == sorted(K[:2])
@@ -444,7 +396,7 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
 @pytest.mark.asyncio
 async def test_a_failed_batch_fails_every_swap_in_it() -> None:
     kv = _kv(seed=28)
-    engine = _ScriptedEngine(fail=lambda batch_id, plan: batch_id >= 1)
+    engine = _scripted(fail=lambda batch_id, plan: batch_id >= 1)
     async with _open(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
         _hold(mgr)
         # 1. batch 0: K0, K1 READY in CPU blocks 0, 1
@@ -469,7 +421,7 @@ async def test_a_failed_batch_fails_every_swap_in_it() -> None:
 @pytest.mark.asyncio
 async def test_failed_load_releases_the_reader() -> None:
     kv = _kv(seed=8)
-    engine = _ScriptedEngine(fail=lambda batch_id, plan: plan.direction is Direction.H2D)
+    engine = _scripted(fail=lambda batch_id, plan: plan.direction is Direction.H2D)
     async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
         _hold(mgr)
         store = mgr.swap_out([0], [K[0]])
@@ -491,10 +443,10 @@ async def test_failed_load_releases_the_reader() -> None:
 @pytest.mark.asyncio
 async def test_swap_in_of_pending_or_unknown_key_raises_and_changes_nothing() -> None:
     kv = _kv(seed=9)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(), engine=engine) as mgr:
         _hold(mgr)
-        engine.gate.clear()
+        engine.hold()
         store = mgr.swap_out([0], [K[0]])
         before = _snapshot(mgr)
         with pytest.raises(BlockStateError, match=K[0].hex()[:16]):
@@ -503,7 +455,7 @@ async def test_swap_in_of_pending_or_unknown_key_raises_and_changes_nothing() ->
             mgr.swap_in([K[5], K[0]], [3, 4])
         assert _snapshot(mgr) == before
         await mgr.step()
-        engine.gate.set()
+        engine.release()
         await store
 
 
@@ -513,13 +465,13 @@ async def test_swap_in_of_pending_or_unknown_key_raises_and_changes_nothing() ->
 @pytest.mark.asyncio
 async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
     kv = _kv(seed=10)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. request r gets fresh GPU blocks 0, 1, 2
         assert mgr.allocate("r", 3) == [0, 1, 2]
         data = [_fill(kv, b, seed=100 + b) for b in (0, 1, 2)]
         # 2. preempt r with the engine held: the GPU blocks are not free until the copy ends
-        engine.gate.clear()
+        engine.hold()
         preempt = mgr.preempt("r")
         await mgr.step()
         assert mgr.statistics().gpu_blocks_free == 5
@@ -532,7 +484,7 @@ async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
         with pytest.raises(PoolExhaustedError):
             mgr.allocate("t", 1)  # blocks 0-2 are still being read
         # 3. the copy completes: r is in CPU blocks 0-2, GPU 0-2 freed
-        engine.gate.set()
+        engine.release()
         # (a preempt's gpu_block_ids are the GPU blocks it gave back)
         assert await preempt == SwapResult(
             num_blocks=3,
@@ -562,12 +514,12 @@ async def test_preempt_and_resume_with_the_owned_gpu_pool() -> None:
 @pytest.mark.asyncio
 async def test_freed_blocks_still_being_copied_go_back_only_when_the_copy_ends() -> None:
     kv = _kv(seed=29)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. r owns GPU 0, 1; a store of both is submitted and held by the engine
         mgr.allocate("r", 2)
         data = [_gpu(kv, 0), _gpu(kv, 1)]
-        engine.gate.clear()
+        engine.hold()
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         # 2. r is freed while the copy reads its blocks: they do not go back yet
@@ -581,7 +533,7 @@ async def test_freed_blocks_still_being_copied_go_back_only_when_the_copy_ends()
         with pytest.raises(PoolExhaustedError):
             mgr.allocate("t", 1)
         # 3. the copy ends: the stored bytes are r's, and 0, 1 return (one batch: smallest first)
-        engine.gate.set()
+        engine.release()
         await store
         assert [_cpu(mgr, 0), _cpu(mgr, 1)] == data
         assert mgr.statistics().gpu_blocks_free == 2
@@ -618,7 +570,7 @@ async def test_preempt_and_resume_with_caller_owned_blocks() -> None:
 async def test_failed_preempt_and_failed_resume_roll_back() -> None:
     kv = _kv(seed=12)
     failing = {"on": True}
-    engine = _ScriptedEngine(fail=lambda batch_id, plan: failing["on"])
+    engine = _scripted(fail=lambda batch_id, plan: failing["on"])
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. a failed preempt leaves r resident with the same blocks; CPU blocks are freed
         mgr.allocate("r", 2)
@@ -708,7 +660,7 @@ async def test_one_plan_per_direction_per_step() -> None:
 @pytest.mark.asyncio
 async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None:
     kv = _kv(seed=15)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         _hold(mgr)
         # 1. J stored from block 5
@@ -732,7 +684,7 @@ async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None
 @pytest.mark.asyncio
 async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None:
     kv = _kv(seed=16)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         _hold(mgr)
         store = mgr.swap_out([5], [K[7]])
@@ -768,7 +720,7 @@ async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches()
 @pytest.mark.asyncio
 async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> None:
     kv = _kv(seed=18)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         _hold(mgr)
         # 1. a task awaits a store; cancel it before the step
@@ -780,7 +732,7 @@ async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> Non
             await task
         # 2. step: the copy runs; once it ended the key is READY with the right bytes
         await mgr.step()
-        await engine.settled()
+        await _settled(engine)
         assert _entry(mgr, K[0]).state is CpuState.READY
         assert _cpu(mgr, 0) == _gpu(kv, 2)
         # 3. same for a load: the reader is released and the bytes arrive
@@ -790,7 +742,7 @@ async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> Non
         await asyncio.sleep(0)
         task.cancel()
         await mgr.step()
-        await engine.settled()
+        await _settled(engine)
         assert _entry(mgr, K[0]).readers == 0
         assert _gpu(kv, 6) == _gpu(kv, 2)
         check_invariants(mgr)
@@ -805,11 +757,11 @@ async def _await(future: asyncio.Future[Any]) -> Any:
 @pytest.mark.asyncio
 async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
     kv = _kv(seed=19)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
         _hold(mgr)
         # 1. the engine holds the store of K0
-        engine.gate.clear()
+        engine.hold()
         store = mgr.swap_out([0], [K[0]])
         await mgr.step()
         with pytest.raises(TransferTimeoutError):
@@ -823,7 +775,7 @@ async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
         stats = mgr.statistics()
         assert (stats.rejected, stats.await_timeouts) == ({"cpu_full": 1}, 1)
         # 3. the copy ends: the same future resolves and K0 is READY
-        engine.gate.set()
+        engine.release()
         assert (await mgr.wait(store, timeout_s=20)).cpu_block_ids == (0,)
         assert mgr.lookup([K[0]]) == 1
 
@@ -831,7 +783,7 @@ async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
 @pytest.mark.asyncio
 async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
     kv = _kv(seed=20)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _open(kv, cfg, engine=engine) as mgr:
         _hold(mgr)
@@ -839,7 +791,7 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await store
-        engine.gate.clear()
+        engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
         # 2. a store of K2 finds no room and waits instead of raising
@@ -848,7 +800,7 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
             await asyncio.sleep(0)
         assert not waiting.done() and mgr.statistics().queued_swaps == 0
         # 3. the loads end: room appears (the load touched K0 last, so K1 is the LRU victim)
-        engine.gate.set()
+        engine.release()
         await load
         for _ in range(100):  # the woken store queues itself within a few loop iterations
             if mgr.statistics().queued_swaps:
@@ -884,14 +836,14 @@ async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
 @pytest.mark.asyncio
 async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
     kv = _kv(seed=26)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _open(kv, cfg, engine=engine) as mgr:
         _hold(mgr)
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await store
-        engine.gate.clear()
+        engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
         # 1. bad input still raises at once in wait mode
@@ -906,7 +858,7 @@ async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
             await waiting
         assert _snapshot(mgr) == before
         # 3. the loads end; nothing retries the cancelled store
-        engine.gate.set()
+        engine.release()
         await load
         await mgr.step()
         assert _keys(mgr) == sorted(K[:2]) and mgr.statistics().queued_swaps == 0
@@ -915,7 +867,7 @@ async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
 @pytest.mark.asyncio
 async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
     kv = _kv(seed=27)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     mgr = OffloadManager(
         kv, _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0), engine=engine
     )
@@ -925,12 +877,12 @@ async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await store
-        engine.gate.clear()
+        engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
         waiting = mgr.swap_out([2], [K[2]])
         await asyncio.sleep(0)
-        asyncio.get_running_loop().call_soon(engine.gate.set)
+        asyncio.get_running_loop().call_soon(engine.release)
     # 2. closing fails the waiting store; the loads completed; K0 and K1 are both still there
     await load
     with pytest.raises(ClosedError):
@@ -945,7 +897,7 @@ async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
 @pytest.mark.asyncio
 async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
     kv = _kv(seed=22)
-    engine = _ScriptedEngine()
+    engine = _scripted()
     mgr = OffloadManager(kv, _cfg(num_cpu_blocks=4), engine=engine)
     async with mgr:
         _hold(mgr)
@@ -953,11 +905,11 @@ async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
         await mgr.step()
         await store
         # 1. in flight: a store of K1 held by the engine; queued: a store of K2 and a load of K0
-        engine.gate.clear()
+        engine.hold()
         in_flight = mgr.swap_out([1], [K[1]])
         await mgr.step()
         queued_store, queued_load = mgr.swap_out([2], [K[2]]), mgr.swap_in([K[0]], [5])
-        asyncio.get_running_loop().call_soon(engine.gate.set)  # released while aclose waits
+        asyncio.get_running_loop().call_soon(engine.release)  # released while aclose waits
     # 2. leaving the block closed it: queued swaps failed, the copy in flight completed
     assert mgr.closed
     for future in (queued_store, queued_load):

@@ -10,8 +10,8 @@ The machine uses only the public API: GPU blocks come from ``allocate`` (the own
 state is read only through ``snapshot()``, ``statistics()``, ``block_table()`` and
 ``is_moving()``. ``store_threshold`` is drawn (1 or 2) and modelled.
 
-The engine holds submitted batches until a ``progress`` rule runs them, in order, on a real
-``HostEngine``: every state change happens inside a rule, so hypothesis can replay and shrink.
+The engine (the testing kit's ``ScriptedEngine(HostEngine(), hold=True)``) holds submitted
+batches until a ``progress`` rule runs them, in order, on a real ``HostEngine``: every state change happens inside a rule, so hypothesis can replay and shrink.
 
 The model is logical: ``req_data[req][i]`` is what logical block ``i`` of request ``req`` must
 hold, ``key_data[key]`` what the CPU tier must hold under ``key``, each as ``(bytes, deps)``:
@@ -37,7 +37,7 @@ Default profile ``kvmgr-ci`` runs in ~10 s; more:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -61,10 +61,8 @@ from kvmgr import (
 )
 from kvmgr.manager import CpuState, GpuState, ManagerSnapshot
 from kvmgr.reports import KVEvent, LoadResult, StoreResult, SwapResult
-from kvmgr.testing import check_invariants
+from kvmgr.testing import ScriptedEngine, check_invariants
 from kvmgr.transfer import HostEngine
-from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
-from kvmgr.transfer.plan import TransferPlan
 
 _COMMON = {
     "deadline": None,
@@ -84,51 +82,14 @@ NO_DEPS: frozenset[int] = frozenset()
 TOTALS: Counter[str] = Counter()
 
 
-class _SteppedHostEngine(TransferEngine):
-    """Holds submitted batches until ``progress`` runs the oldest on a real ``HostEngine`` (worker
-    thread, memmove) and resolves them in order; a batch marked failed resolves with
-    ``TransferError`` without copying."""
-
-    name = "stepped-host"
-
-    def __init__(self) -> None:
-        self.inner = HostEngine()
-        self.num_failed = 0
-        self.held: list[tuple[TransferPlan, bool, concurrent.futures.Future[BatchResult]]] = []
-
-    def allocate_host(self, num_bytes: int) -> torch.Tensor:
-        return self.inner.allocate_host(num_bytes)
-
-    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
-        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
-        self.held.append((plan, False, future))
-        return BatchHandle(len(self.held), plan.direction, future)
-
-    def mark_failed(self, i: int) -> None:
-        plan, _, future = self.held[i]
-        self.held[i] = (plan, True, future)
-        self.num_failed += 1
-
-    async def progress(self, num_batches: int | None = None) -> None:
-        """Run (or fail) the oldest held batches, then let the manager see their completion."""
-        count = len(self.held) if num_batches is None else num_batches
-        batches, self.held = self.held[:count], self.held[count:]
-        for plan, fail, future in batches:
-            if fail:
-                future.set_exception(TransferError("injected failure"))
-            else:
-                future.set_result(await asyncio.wrap_future(self.inner.submit(plan).future))
-        for _ in range(5):  # completion -> bookkeeping -> futures -> awaiting tasks
-            await asyncio.sleep(0)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        for _, _, future in self.held:
-            future.set_exception(TransferError("engine closed"))
-        self.held.clear()
-        self.inner.close(timeout_s)
-
-    def statistics(self) -> EngineStatistics:
-        return self.inner.statistics()
+async def _progress(engine: ScriptedEngine, num_batches: int | None = None) -> None:
+    """Run (or fail) the oldest held batches, then let the manager see their completion."""
+    count = engine.num_pending if num_batches is None else num_batches
+    for handle in engine.complete_next(count):
+        with contextlib.suppress(TransferError):
+            await asyncio.wrap_future(handle.future)
+    for _ in range(5):  # completion -> bookkeeping -> futures -> awaiting tasks
+        await asyncio.sleep(0)
 
 
 def _kv() -> list[torch.Tensor]:
@@ -171,7 +132,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.leaked: list[dict[str, Any]] = []
         self.loop.set_exception_handler(lambda _loop, context: self.leaked.append(context))
         self.kv = _kv()
-        self.engine = _SteppedHostEngine()
+        self.engine = ScriptedEngine(HostEngine(), hold=True)
+        self.num_failed = 0  # batches failed on purpose since the last drain
         self.mgr: OffloadManager | None = None
         self.req_data: dict[str, list[Value]] = {}
         self.key_data: dict[bytes, Value] = {}
@@ -425,7 +387,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for _ in range(threshold):
             self._store([("r0", 0), ("r0", 1), ("r0", 2)], KEYS[:3])
         self._run(self.mgr.step())
-        self._run(self.engine.progress())
+        self._run(_progress(self.engine))
 
     @precondition(lambda self: len(self.req_data) < MAX_REQUESTS)
     @rule(n=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
@@ -509,7 +471,7 @@ class ManagerMachine(RuleBasedStateMachine):
             task = self.loop.create_task(reader())
             await asyncio.sleep(0)  # the reader waits: every earlier event was drained
             await self.m.step()
-            await self.engine.progress()
+            await _progress(self.engine)
             for _ in range(3):
                 await asyncio.sleep(0)
             task.cancel()
@@ -611,17 +573,18 @@ class ManagerMachine(RuleBasedStateMachine):
         assert (report.d2h.batches > 0) == (report.d2h.swaps > 0)
         assert (report.h2d.batches > 0) == (report.h2d.swaps > 0)
         if then != "nothing":
-            self._run(self.engine.progress(1 if then == "one batch" else None))
+            self._run(_progress(self.engine, 1 if then == "one batch" else None))
 
-    @precondition(lambda self: self.engine.held)
+    @precondition(lambda self: self.engine.waiting_batch_ids)
     @rule(num_batches=st.integers(1, 3))
     def progress(self, num_batches: int) -> None:
-        self._run(self.engine.progress(num_batches))
+        self._run(_progress(self.engine, num_batches))
 
-    @precondition(lambda self: self.engine.held)
+    @precondition(lambda self: self.engine.waiting_batch_ids)
     @rule(data=st.data())
     def fail_a_held_batch(self, data: st.DataObject) -> None:
-        self.engine.mark_failed(data.draw(st.integers(0, len(self.engine.held) - 1)))
+        self.engine.fail_later(data.draw(st.sampled_from(self.engine.waiting_batch_ids)))
+        self.num_failed += 1
         TOTALS["batches_marked_failed"] += 1
 
     @precondition(lambda self: any(not t.done() for t in self.tasks))
@@ -637,7 +600,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     async def _drain(self) -> None:
         await self.m.step()
-        await self.engine.progress()
+        await _progress(self.engine)
         if self.tasks:  # bounded: a swap whose future never resolves must fail, not hang
             _, never_resolved = await asyncio.wait(self.tasks, timeout=10)
             assert not never_resolved, f"{len(never_resolved)} swaps never resolved"
@@ -654,7 +617,7 @@ class ManagerMachine(RuleBasedStateMachine):
         failed = {
             load_id
             for load_id, task in enumerate(self.loads)
-            if (task.cancelled() and self.engine.num_failed)
+            if (task.cancelled() and self.num_failed)
             or (not task.cancelled() and task.exception() is not None)
         }
 
@@ -664,7 +627,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.req_data = {r: [settle(v) for v in values] for r, values in self.req_data.items()}
         keys = self._snap().keys
         self.key_data = {k: settle(v) for k, v in self.key_data.items() if k in keys}
-        self.tasks, self.loads, self.swaps, self.engine.num_failed = [], [], [], 0
+        self.tasks, self.loads, self.swaps, self.num_failed = [], [], [], 0
         self.load_targets, self.loads_checked, self.last_writer = [], set(), {}
         self.event_stored = set()
 

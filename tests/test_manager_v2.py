@@ -52,9 +52,8 @@ from kvmgr.errors import (
 )
 from kvmgr.manager import CpuState, GpuState
 from kvmgr.reports import KVEvent, LoadResult, StoreResult
-from kvmgr.testing import NullEngine, check_invariants
+from kvmgr.testing import NullEngine, ScriptedEngine, check_invariants
 from kvmgr.transfer import HostEngine
-from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.plan import TransferPlan
 
 NUM_GPU = 16
@@ -523,7 +522,7 @@ async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_fligh
         _hold(mgr)
         stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
         await mgr.step()
-        assert engine.complete_next() == 1  # (release() would stop holding)
+        assert len(engine.complete_next()) == 1  # (release() would stop holding)
         await asyncio.gather(*stores)
         mgr.take_events()
         # 1. READY keys are dropped (unknown ones ignored, not counted), their blocks freed
@@ -562,7 +561,7 @@ async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> N
         _hold(mgr)
         stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
         await mgr.step()
-        assert engine.complete_next() == 1  # (release() would stop holding)
+        assert len(engine.complete_next()) == 1  # (release() would stop holding)
         await asyncio.gather(*stores)
         pending = mgr.swap_out([5], [K[5]])
         loading = mgr.swap_in([K[1]], [7])
@@ -833,17 +832,19 @@ async def test_transfer_timeout_error_is_not_the_builtin_timeout_error() -> None
         assert (await st).num_blocks == 1
 
 
-class _BuggyEngine(HostEngine):
+def _buggy_engine() -> ScriptedEngine:
     """A host engine whose submit has a bug (not a kvmgr error)."""
 
-    def submit(self, plan: TransferPlan, *, wait_for: Any = ()) -> BatchHandle:
+    def bug(_batch_id: int, _plan: TransferPlan) -> None:
         raise ZeroDivisionError("engine bug")
+
+    return ScriptedEngine(HostEngine(), on_submit=bug)
 
 
 @pytest.mark.asyncio
 async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
     kv = _kv(seed=24)
-    async with OffloadManager(kv, _cfg(), engine=_BuggyEngine()) as mgr:
+    async with OffloadManager(kv, _cfg(), engine=_buggy_engine()) as mgr:
         _hold(mgr)
         st = mgr.swap_out([0], [K[0]])
         with pytest.raises(ZeroDivisionError):
@@ -913,7 +914,7 @@ async def test_null_engine_holds_batches_until_told() -> None:
         assert mgr.snapshot().keys[K[0]].state is CpuState.PENDING
         check_invariants(mgr)
         # 1. complete_next resolves the oldest batch
-        assert engine.complete_next() == 1
+        assert len(engine.complete_next()) == 1
         await first
         assert mgr.lookup([K[0]]) == 1
         # 2. a store and a load in one step: two batches, the first failed on purpose
@@ -921,19 +922,19 @@ async def test_null_engine_holds_batches_until_told() -> None:
         load = mgr.swap_in([K[0]], [2])
         await mgr.step()
         assert engine.num_pending == 2
-        assert engine.complete_next(1, fail=True) == 1
-        with pytest.raises(TransferError, match="null engine"):
+        assert len(engine.complete_next(1, fail=True)) == 1
+        with pytest.raises(TransferError, match="injected fault"):
             await store
         assert not load.done()
         check_invariants(mgr)
         # 3. release resolves the rest and stops holding
-        assert engine.release() == 1
+        assert len(engine.release()) == 1
         await load
         later = mgr.swap_out([3], [K[3]])
         await mgr.step()
         await _settle()
         assert later.done() and engine.num_pending == 0
-        assert engine.complete_next() == 0  # nothing left
+        assert engine.complete_next() == []  # nothing left
         stats = engine.statistics()
         assert (stats.batches_submitted, stats.batches_completed, stats.batches_failed) == (4, 3, 1)
         check_invariants(mgr)

@@ -15,7 +15,6 @@ a swap is known settled when it left ``snapshot().swaps``. Profiles: ``KVMGR_STA
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hashlib
 import importlib
@@ -47,8 +46,8 @@ from kvmgr import (
 )
 from kvmgr.manager import CpuState, SwapSnapshot
 from kvmgr.metrics import PrometheusExporter, metrics_snapshot
-from kvmgr.testing import FaultyEngine, VirtualClock, check_invariants
-from kvmgr.transfer import BatchHandle, HostEngine, make_engine
+from kvmgr.testing import FaultyEngine, ScriptedEngine, VirtualClock, check_invariants
+from kvmgr.transfer import ENGINES, HostEngine, make_engine
 
 NUM_GPU, NUM_CPU = 20, 10
 KEYS = [f"key-{i:02d}".encode() for i in range(14)]
@@ -527,20 +526,30 @@ TestStatefulManager.settings = settings(
 )
 
 
-class CudaManagerMachine(ManagerMachine):
-    """The same model on CUDA tensors with the batched-DMA engine."""
+def _gpu_machine(engine: str) -> Any:
+    """The same model on CUDA tensors with engine ``engine`` under the FaultyEngine."""
+    machine = type(f"{engine.title()}ManagerMachine", (ManagerMachine,), {})
+    machine.DEVICE, machine.ENGINE = "cuda", engine
+    case = machine.TestCase
+    case.settings = settings(
+        max_examples=int(os.environ.get("KVMGR_STATEFUL_GPU_EXAMPLES", "25")),
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    return pytest.mark.gpu(case)
 
-    DEVICE, ENGINE = "cuda", "cuda"
 
-
-TestStatefulManagerCuda = CudaManagerMachine.TestCase
-TestStatefulManagerCuda.settings = settings(
-    max_examples=int(os.environ.get("KVMGR_STATEFUL_GPU_EXAMPLES", "25")),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+#: The state machine over every engine ``make_engine`` builds: host on CPU tensors (above),
+#: the others on CUDA tensors (GPU runs only).
+GPU_ENGINES = ("cuda", "kernel", "auto")
+TestStatefulManagerCuda, TestStatefulManagerKernel, TestStatefulManagerAuto = map(
+    _gpu_machine, GPU_ENGINES
 )
-TestStatefulManagerCuda = pytest.mark.gpu(TestStatefulManagerCuda)
+
+
+def test_the_state_machine_covers_every_engine() -> None:
+    assert {ManagerMachine.ENGINE, *GPU_ENGINES} == set(ENGINES), "a new engine: add a machine"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -741,28 +750,14 @@ async def test_close_waits_for_copies_then_fails_the_rest_and_leaves_nothing() -
         await mgr.step()
 
 
-class _StuckEngine(HostEngine):
+def _stuck_engine() -> ScriptedEngine:
     """Batches never complete and ``close`` times out: a CUDA engine with a hung stream."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stuck: list[concurrent.futures.Future[Any]] = []
-
-    def submit(self, plan: Any, *, wait_for: Any = ()) -> BatchHandle:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        self.stuck.append(future)
-        return BatchHandle(len(self.stuck) - 1, plan.direction, future)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        super().close(timeout_s)
-        if any(not f.done() for f in self.stuck):
-            raise TransferTimeoutError(f"batches still in flight after {timeout_s} s")
+    return ScriptedEngine(HostEngine(), hold=True, close_hangs=True)
 
 
 @pytest.mark.asyncio
 async def test_close_fails_every_await_even_when_the_engine_close_times_out() -> None:
-    mgr = OffloadManager(make_kv(14), ManagerConfig(num_cpu_blocks=4), engine=_StuckEngine())
+    mgr = OffloadManager(make_kv(14), ManagerConfig(num_cpu_blocks=4), engine=_stuck_engine())
     await mgr.__aenter__()
     store = mgr.swap_out(mgr.allocate("r", 2), KEYS[:2])
     await mgr.step()

@@ -27,7 +27,7 @@ from kvmgr.sim.loop import SimConfig, simulate
 from kvmgr.sim.pages import PageStore
 from kvmgr.sim.report import SimReport, render_report
 from kvmgr.sim.trace import TraceError, TraceRequest, default_trace_path, load_trace
-from kvmgr.testing import FaultyEngine
+from kvmgr.testing import FaultyEngine, ScriptedEngine
 from kvmgr.transfer import Direction, HostEngine
 
 # A synthetic trace whose reuse is worked out by hand (512-token trace blocks):
@@ -335,40 +335,31 @@ def test_same_seed_same_report(mooncake: list[TraceRequest]) -> None:
     assert other == first  # the seed changes page bytes, never the schedule
 
 
-class _TruncatingEngine(HostEngine):
+def _truncating_engine() -> ScriptedEngine:
     """Copies loads 8 bytes short: the last word of some pages is never written."""
 
-    def submit(self, plan: Any, *, wait_for: Any = ()) -> Any:
+    def short_loads(_batch_id: int, plan: Any) -> Any:
         if plan.direction is Direction.H2D:
-            plan = attrs.evolve(plan, sizes=np.asarray(plan.sizes) - 8)
-        return super().submit(plan, wait_for=wait_for)
+            return attrs.evolve(plan, sizes=np.asarray(plan.sizes) - 8)
+        return None
+
+    return ScriptedEngine(HostEngine(), on_submit=short_loads)
 
 
 def test_a_bad_copy_is_caught_by_the_fingerprints() -> None:
     report = simulate(
-        SimConfig(**_TIGHT, cpu_tokens=None), _preempting_trace(), engine=_TruncatingEngine()
+        SimConfig(**_TIGHT, cpu_tokens=None), _preempting_trace(), engine=_truncating_engine()
     )
     assert report.page_mismatches > 0
 
 
-class _RecordingEngine(HostEngine):
-    """Remembers the direction of every batch, in submission order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.directions: list[Direction] = []
-
-    def submit(self, plan: Any, *, wait_for: Any = ()) -> Any:
-        self.directions.append(plan.direction)
-        return super().submit(plan, wait_for=wait_for)
-
-
 def test_failed_stores_are_counted_and_a_failed_load_stops_the_run() -> None:
     config, requests = SimConfig(**_TIGHT, cpu_tokens=None), _preempting_trace()
-    recorder = _RecordingEngine()
+    recorder = ScriptedEngine(HostEngine(), record=True)
     clean = simulate(config, requests, engine=recorder)  # the runs are deterministic, so the
-    first_store = recorder.directions.index(Direction.D2H)  # same batch numbers come again
-    first_load = recorder.directions.index(Direction.H2D)
+    directions = [plan.direction for plan, _, _ in recorder.submitted]  # same batch numbers
+    first_store = directions.index(Direction.D2H)  # come again
+    first_load = directions.index(Direction.H2D)
     report = simulate(
         config, requests, engine=FaultyEngine(HostEngine(), fail_batches={first_store})
     )

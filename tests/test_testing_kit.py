@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -18,8 +18,15 @@ import torch
 from kvmgr import ClosedError, ConfigError, ManagerConfig, OffloadManager, TransferError
 from kvmgr.manager import CpuState, GpuState, KeySnapshot
 from kvmgr.pool.layout import KVLayout
-from kvmgr.testing import POISON_BYTE, FaultyEngine, InvariantError, VirtualClock, check_invariants
-from kvmgr.transfer import BatchHandle, BatchResult, EngineStatistics, HostEngine, TransferEngine
+from kvmgr.testing import (
+    POISON_BYTE,
+    FaultyEngine,
+    InvariantError,
+    NullEngine,
+    VirtualClock,
+    check_invariants,
+)
+from kvmgr.transfer import HostEngine
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 NUM_GPU, NUM_CPU = 12, 8
@@ -141,47 +148,16 @@ def test_hold_complete_next_in_order_and_fail_on_demand() -> None:
         engine.close()
 
 
-class _InstantEngine(TransferEngine):
-    """Completes every batch inside ``submit`` (no copy): callbacks run on the caller's thread."""
-
-    name = "instant"
-
-    def __init__(self) -> None:
-        self.submitted: list[int] = []
-
-    def allocate_host(self, num_bytes: int) -> torch.Tensor:
-        return torch.empty(num_bytes, dtype=torch.uint8)
-
-    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
-        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
-        result = BatchResult(
-            batch_id=len(self.submitted),
-            direction=plan.direction,
-            num_bytes=plan.num_bytes,
-            num_descriptors=plan.num_descriptors,
-            device_s=0.0,
-            path="instant",
-        )
-        self.submitted.append(result.batch_id)
-        future.set_result(result)
-        return BatchHandle(result.batch_id, plan.direction, future)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        pass
-
-    def statistics(self) -> EngineStatistics:
-        return EngineStatistics(batches_submitted=len(self.submitted), path="instant")
-
-
 def test_release_starts_every_batch_when_completions_are_synchronous() -> None:
     tiers = _Tiers()
-    inner = _InstantEngine()
+    inner = NullEngine(record=True)  # completes every batch inside submit: callbacks inline
     engine = FaultyEngine(inner)
     engine.hold()
     handles = [engine.submit(tiers.plan(Direction.H2D, [i], [i])) for i in range(5)]
     assert not any(h.done() for h in handles)
     engine.release()
-    assert all(h.done() for h in handles) and inner.submitted == [0, 1, 2, 3, 4]
+    assert all(h.done() for h in handles)
+    assert [h.batch_id for _, _, h in inner.submitted] == [0, 1, 2, 3, 4]
     engine.close()
 
 

@@ -119,7 +119,7 @@ async def test_bridge_gather_scatter_match_the_pages(offload_bytes: int, layout:
         cpu = _pool_tensors(ns.page_bytes, 40, seed=7)
     backend = FakeBackend()
     bridge = TierBridge(cpu, backend, ns, offload_bytes=offload_bytes)
-    assert (bridge._stack is not None) == (layout == "pool-equal-pages")
+    assert (bridge._pages._stack is not None) == (layout == "pool-equal-pages")
     rng = np.random.default_rng(8)
     src = rng.permutation(40)[:13]
     dst = rng.permutation(np.setdiff1d(np.arange(40), src))[:13]

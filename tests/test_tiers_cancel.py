@@ -154,7 +154,7 @@ async def test_a_cancelled_fetch_never_serves_or_publishes_its_pages(
     try:
         async with OffloadManager(kv, config, tiers=[tier], tier_namespace=_ns()) as mgr:
             bridge = mgr._tiers.bridges[0]  # type: ignore[union-attr]
-            worker = bridge._scatter = _Slow(bridge._scatter)  # type: ignore[method-assign]
+            worker = bridge._pages.scatter = _Slow(bridge._pages.scatter)  # type: ignore[method-assign]
             ids_a = mgr.allocate("a", NUM)
             keys_a = _keys(NUM, b"a")
             await _store(mgr, ids_a, keys_a)  # written through to the tier
@@ -212,9 +212,9 @@ async def test_a_cancelled_bridge_call_returns_only_after_its_worker_let_go(
     gen = torch.Generator().manual_seed(7)
     cpu = [torch.randint(0, 256, (2 * NUM, PAGE), dtype=torch.uint8, generator=gen) for _ in "kv"]
     bridge = TierBridge(cpu, tier, _ns())
-    name = "_gather" if direction == "demote" else "_scatter"
-    worker = _Slow(getattr(bridge, name))
-    setattr(bridge, name, worker)
+    name = "gather" if direction == "demote" else "scatter"
+    worker = _Slow(getattr(bridge._pages, name))
+    setattr(bridge._pages, name, worker)
     try:
         t0 = time.perf_counter()
         warm = _keys(NUM, b"warm")

@@ -137,8 +137,12 @@ def make_vllm_config(
     max_num_batched_tokens: int = 512,
     max_model_len: int = 2048,
     enable_kv_events: bool = False,
+    connector: str = "OffloadingConnector",
+    connector_module_path: str | None = None,
+    kv_load_failure_policy: str = "fail",
 ) -> VllmConfig:
-    """A CPU ``VllmConfig`` with the ``OffloadingConnector`` (``kv_both``) and ``extra_config``."""
+    """A CPU ``VllmConfig`` with the ``OffloadingConnector`` (or ``connector``, loaded from
+    ``connector_module_path``; ``kv_both``) and ``extra_config``."""
     from vllm.config import KVEventsConfig
 
     model = ModelConfig(
@@ -158,7 +162,9 @@ def make_vllm_config(
         async_scheduling=False,
     )
     kv_transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector",
+        kv_connector=connector,
+        kv_connector_module_path=connector_module_path,
+        kv_load_failure_policy=kv_load_failure_policy,
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra_config),
     )
@@ -216,6 +222,10 @@ class VllmRig:
         model_dir: where to write the model's ``config.json`` (default ``directory /
             "tiny-llama"``); instances that must share a tier share it (the model name is its
             path, and it is part of what a shared tier's keys are made of).
+        connector_cls: the connector class of both sides (default vLLM's
+            ``OffloadingConnector``; a subclass is loaded by the scheduler from its module).
+        kv_load_failure_policy: what vLLM does with blocks the connector reports as failed
+            loads: ``"fail"`` the request (vLLM's default) or ``"recompute"`` them.
 
     Attributes:
         scheduler: vLLM's ``Scheduler``; ``scheduler.connector`` is the scheduler side.
@@ -240,6 +250,8 @@ class VllmRig:
         max_num_batched_tokens: int = 512,
         enable_kv_events: bool = False,
         model_dir: Path | None = None,
+        connector_cls: type[OffloadingConnector] = OffloadingConnector,
+        kv_load_failure_policy: str = "fail",
     ) -> None:
         model_dir = write_tiny_llama(Path(model_dir or Path(directory) / "tiny-llama"))
         self.block_size = block_size
@@ -250,6 +262,11 @@ class VllmRig:
             num_gpu_blocks=num_gpu_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_kv_events=enable_kv_events,
+            connector=connector_cls.__name__,
+            connector_module_path=(
+                None if connector_cls is OffloadingConnector else connector_cls.__module__
+            ),
+            kv_load_failure_policy=kv_load_failure_policy,
         )
         spec = FullAttentionSpec(
             block_size=block_size,
@@ -271,7 +288,7 @@ class VllmRig:
                 block_size=block_size,
                 log_stats=True,
             )
-            self.worker_connector = OffloadingConnector(
+            self.worker_connector = connector_cls(
                 self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
             )
             gen = torch.Generator().manual_seed(1234)
@@ -374,6 +391,7 @@ class VllmRig:
             finished_sending=sending or None,
             finished_recving=recving or None,
             kv_connector_worker_meta=wc.build_connector_worker_meta(),
+            invalid_block_ids=wc.get_block_ids_with_load_errors(),
         )
         wc.clear_connector_metadata()
         req_ids = [r.request_id for r in self.scheduler.running]

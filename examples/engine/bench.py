@@ -10,6 +10,12 @@ Variants, one process, same requests, same GPU KV tensors:
     (a) recompute: no CPU tier; a preempted request recomputes; no prefix reuse
     (b) auto:      kvmgr CPU tier, ``engine="auto"`` (per-batch DMA or copy kernel)
     (c) cuda:      kvmgr CPU tier, ``engine="cuda"`` (batched driver copies); skipped on CPU
+    (d) <engine>-layerwise (e.g. ``auto-layerwise``): prefix hits load layer by layer in the step
+        that computes their suffix (``OffloadManager.load_layerwise``)
+On a GPU, decode-only steps run in CUDA graphs (``graphs.py``; ``--eager-decode``: not). After
+the variants, ``probe.hit_probe`` times one hit as load alone, suffix compute alone and
+layerwise (``--no-probe`` skips it). ``--slice multiturn`` replaces the trace by synthetic
+conversations whose every turn extends the previous prompt (high reuse).
 
 Trace: the bundled Mooncake conversation trace; its ``hash_ids`` name 512-token blocks. Each
 hash id gets deterministic token ids (a generator seeded by the id), so requests sharing a
@@ -33,6 +39,7 @@ import torch
 
 from examples.engine.engine import Engine, EngineConfig, Request
 from examples.engine.model import LLAMA3_8B, ModelConfig, PagedDecoder, new_kv_caches
+from examples.engine.probe import hit_probe
 from kvmgr import ManagerConfig, OffloadManager, __version__
 from kvmgr.sim import default_trace_path, load_trace
 
@@ -50,6 +57,15 @@ TINY = ModelConfig(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.engine.bench", description=__doc__)
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke run)")
+    p.add_argument(
+        "--slice",
+        choices=("mooncake", "multiturn"),
+        default="mooncake",
+        help="requests: the Mooncake trace slice, or synthetic multi-turn conversations (each "
+        "turn's prompt = the previous turn's prompt + --turn-tokens new tokens: high reuse)",
+    )
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--turn-gap", type=float, default=1.0, help="multiturn: seconds between turns")
     p.add_argument("--requests", type=int, default=None, help="requests from the trace")
     p.add_argument("--start", type=int, default=0, help="first trace line used")
     p.add_argument("--max-prompt-blocks", type=int, default=3, help="trace blocks per prompt")
@@ -61,13 +77,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="GPU KV cache size")
     p.add_argument("--cpu-kv-gib", type=float, default=None, help="CPU tier size")
-    p.add_argument("--variants", default="recompute,auto,cuda")
+    p.add_argument(
+        "--variants",
+        default="recompute,auto,cuda",
+        help="comma-separated: recompute, auto, cuda, kernel; a -layerwise suffix (auto-layerwise)"
+        " loads prefixes layer by layer",
+    )
     p.add_argument(
         "--rounds",
         type=int,
         default=2,
         help="run every variant this many times in turn and report the last round (the first "
         "pays one-time compilation and allocator warm-up, which favours whoever runs later)",
+    )
+    p.add_argument(
+        "--eager-decode",
+        action="store_true",
+        help="decode eagerly on the GPU too (default there: decode-only steps in CUDA graphs)",
+    )
+    p.add_argument(
+        "--no-probe", action="store_true", help="skip the hit probe (load / compute / layerwise)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -91,6 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Request]:
     """The trace slice as requests: synthesised prompts, capped lengths, rescaled arrivals."""
+    if args.slice == "multiturn":
+        return make_multiturn(args, vocab_size)
     trace = load_trace(default_trace_path(), limit=args.start + args.requests)[args.start :]
     tb = args.trace_block_tokens
     blocks: dict[int, list[int]] = {}
@@ -111,6 +142,26 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Request]:
     return requests
 
 
+def make_multiturn(args: argparse.Namespace, vocab_size: int) -> list[Request]:
+    """``--requests`` requests as conversations of ``--turns`` turns: the first prompt is
+    ``--max-prompt-blocks`` trace blocks of tokens, every later turn adds one more block;
+    conversations arrive at ``--rate`` / ``--turns`` per second, their turns ``--turn-gap``
+    seconds apart. Token ids from a generator seeded by (seed, conversation)."""
+    tb, turns = args.trace_block_tokens, max(1, args.turns)
+    conversations = max(1, args.requests // turns)
+    first = args.max_prompt_blocks * tb
+    requests = []
+    for c in range(conversations):
+        rng = np.random.default_rng([args.seed, 1 << 20, c])
+        tokens = rng.integers(1, vocab_size, first + turns * tb).tolist()
+        start = c * turns / args.rate
+        for k in range(turns):
+            prompt = tokens[: first + k * tb]
+            arrival = start + k * args.turn_gap
+            requests.append(Request(len(requests), prompt, args.max_output, arrival_s=arrival))
+    return requests
+
+
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -123,7 +174,8 @@ async def run_variant(
     cpu_blocks: int,
 ) -> dict[str, Any]:
     offload = name != "recompute"
-    engine_name = "auto" if name == "recompute" else name
+    layerwise = name.endswith("-layerwise")  # e.g. "auto-layerwise": prefixes load layer by layer
+    engine_name = "auto" if name == "recompute" else name.removesuffix("-layerwise")
     config = ManagerConfig(num_cpu_blocks=cpu_blocks if offload else 1, engine=engine_name)
     requests = make_requests(args, model.config.vocab_size)
     econf = EngineConfig(
@@ -132,6 +184,8 @@ async def run_variant(
         max_num_seqs=args.max_num_seqs,
         offload=offload,
         realtime=True,
+        layerwise=layerwise,
+        decode_graphs=kv[0].is_cuda and not args.eager_decode,
     )
     async with OffloadManager(kv, config) as mgr:
         warm = [Request(-1 - i, r.prompt, 2) for i, r in enumerate(requests[:2])]
@@ -160,9 +214,20 @@ async def run_variant(
         "stores_rejected": stats.stores_rejected,
         "steps": stats.steps,
         "offload_host_share": stats.kvmgr_host_s / stats.wall_s,
+        "offload_host_us_per_step": 1e6 * stats.kvmgr_host_s / max(stats.steps, 1),
+        "forward_share": stats.forward_s / stats.wall_s,
+        "graph_steps": stats.graph_steps,
         "offload_device_share": (ms.device_s_d2h + ms.device_s_h2d) / stats.wall_s,
         "bytes_d2h": ms.bytes_d2h,
         "bytes_h2d": ms.bytes_h2d,
+        "layerwise_steps": stats.layerwise_steps,
+        "layerwise_step_s": stats.layerwise_step_s,
+        "layerwise_load_s": stats.layerwise_load_s,
+        "layerwise_failed": stats.layerwise_failed,
+        # a layerwise step against its own loads' device time (1.0: the step took the load's time)
+        "layerwise_step_over_load": (
+            stats.layerwise_step_s / stats.layerwise_load_s if stats.layerwise_load_s else None
+        ),
     }
 
 
@@ -191,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_blocks": gpu_blocks,
         "cpu_blocks": cpu_blocks,
         "block_size": args.block_size,
+        "slice": args.slice,
         "args": vars(args),
     }
     results: list[dict[str, Any]] = []
@@ -208,6 +274,24 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after every variant, so that a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({"meta": meta, "results": results}, f, indent=2)
+    if not args.no_probe:  # one hit timed three ways, same process (probe.py)
+        tb = args.trace_block_tokens
+        for key, groups in (("hit_probe", 8), ("hit_probe_per_layer", mconf.num_layers)):
+            meta[key] = asyncio.run(
+                hit_probe(
+                    model,
+                    kv,
+                    block_size=args.block_size,
+                    prefix_blocks=args.max_prompt_blocks * tb // args.block_size,
+                    suffix_tokens=tb,
+                    engine="auto" if cuda else "host",
+                    max_groups=groups,
+                )
+            )
+            print(f"{key}: {json.dumps(meta[key])}", file=sys.stderr)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=2)
     print_table(results, meta)
     return 0
 
@@ -224,6 +308,9 @@ def print_table(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         ("prefix tokens loaded", "hit_tokens", "{:d}"),
         ("preemptions (recomputed)", None, None),
         ("offload share, host", "offload_host_share", "{:.1%}"),
+        ("offload host us per step", "offload_host_us_per_step", "{:.0f}"),
+        ("forward share (model + sampling)", "forward_share", "{:.1%}"),
+        ("decode steps in CUDA graphs", "graph_steps", "{:d}"),
         ("offload share, copy device time", "offload_device_share", "{:.1%}"),
         ("wall s", "wall_s", "{:.1f}"),
     ]
@@ -235,6 +322,14 @@ def print_table(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         else:
             cells = [fmt.format(r[key]) for r in results]
         print(f"| {label} | " + " | ".join(cells) + " |")
+    for probe in (meta.get("hit_probe"), meta.get("hit_probe_per_layer")):
+        if not probe:
+            continue
+        print(f"hit of {probe['prefix_blocks']} blocks + {probe['suffix_tokens']} tokens, "
+              f"{probe['max_groups']} groups at most: load "
+              f"{probe['load_s'] * 1e3:.2f} ms, suffix compute {probe['compute_s'] * 1e3:.2f} ms, "
+              f"layerwise {probe['layerwise_s'] * 1e3:.2f} ms = {probe['ratio']:.2f}x "
+              "max(load, compute) (goal <= 1.1)")  # fmt: skip
     base = results[0]
     for r in results[1:]:
         print(f"{r['variant']} / {base['variant']}: throughput "

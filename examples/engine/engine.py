@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from examples.engine.graphs import DecodeGraphs
 from examples.engine.model import PagedDecoder, StepBatch
 from examples.engine.request import (
     FINISHED,
@@ -37,9 +38,11 @@ from examples.engine.request import (
     Request,
     block_keys,
 )
-from kvmgr import OffloadManager, PoolExhaustedError, StepContext
+from kvmgr import LayerLoadError, OffloadManager, PoolExhaustedError, StepContext
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Request", "block_keys"]
+
+_PAD = "decode-graph padding"  # the request id holding DecodeGraphs' scratch block
 
 
 class Engine:
@@ -65,6 +68,9 @@ class Engine:
         self.active: list[Request] = []  # admission order; victims come from the tail
         self._stores: set[asyncio.Future[Any]] = set()  # store futures not yet resolved
         self._loads: list[tuple[Request, int]] = []  # admitted this step: (request, hit blocks)
+        self._layerwise: Any = None  # this step's LayerwiseLoad (config.layerwise)
+        self._layerwise_reqs: list[Request] = []
+        self._graphs: DecodeGraphs | None = None
         self._t0 = 0.0
 
     # ------------------------------------------------------------------ the loop
@@ -74,6 +80,14 @@ class Engine:
         arrivals = collections.deque(sorted(requests, key=lambda r: r.arrival_s))
         for req in arrivals:
             req.keys = block_keys(req.prompt, self.config.block_size)
+        if self.config.decode_graphs and arrivals:
+            bs = self.config.block_size
+            longest = max(len(r.prompt) + r.max_new_tokens for r in arrivals)
+            pad = self.mgr.allocate(_PAD, 1)  # a block only padding rows write
+            self._graphs = DecodeGraphs(
+                self.model, self.kv_caches, max_blocks=-(-longest // bs), pad_slot=pad[0] * bs,
+                capture=self.device.type == "cuda", max_batch=self.config.max_num_seqs,
+            )  # fmt: skip
         self._t0 = time.perf_counter()
         while arrivals or self.waiting or self.active:
             now = self._now()
@@ -92,6 +106,9 @@ class Engine:
                 await self._idle(arrivals)
         if self._stores:  # drain: the stores of the last steps land before we report
             await asyncio.wait(list(self._stores))
+        if self._graphs is not None:
+            self.mgr.free(_PAD)
+            self._graphs = None
         self.stats.wall_s = time.perf_counter() - self._t0
         return self.stats
 
@@ -168,6 +185,19 @@ class Engine:
             return
         keys = [key for req, hits in self._loads for key in req.keys[:hits]]
         ids = [block for req, hits in self._loads for block in req.block_ids[:hits]]
+        if self.config.layerwise:  # submitted now; this step's forward waits layer by layer
+            load = self._timed(
+                self.mgr.load_layerwise,
+                keys,
+                np.asarray(ids, dtype=np.int64),
+                layers=2,
+                max_groups=self.config.layer_groups,
+            )
+            self._layerwise, self._layerwise_reqs = load, [req for req, _ in self._loads]
+            self._stores.add(load.future)  # drained at the end like the stores
+            load.future.add_done_callback(self._stores.discard)
+            self._loads = []
+            return
         future = self._timed(self.mgr.load_many, keys, np.asarray(ids, dtype=np.int64))
         for req, _ in self._loads:
             req.pending = future
@@ -197,6 +227,8 @@ class Engine:
         self._loads.append((req, hits))  # queued as one load_many after scheduling
         req.state, req.num_stored = LOADING, hits
         self.stats.hit_tokens += hits * bs
+        if self.config.layerwise:  # computes its suffix this very step, over the loading prefix
+            req.state, req.num_computed = RUNNING, hits * bs
         return True
 
     def _grow(
@@ -295,8 +327,33 @@ class Engine:
             num_decodes=sum(1 for _, n in chosen if n == 1),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
         )
-        logits = self.model(batch, self.kv_caches)
+        load, self._layerwise = self._layerwise, None
+        started = time.perf_counter()
+        graphs = self._graphs
+        try:
+            if (
+                graphs is not None
+                and load is None
+                and len(sample_rows) == len(chosen)
+                and graphs.fits(batch)
+            ):
+                logits = graphs.run(batch)
+                self.stats.graph_steps += 1
+            else:
+                logits = self.model(
+                    batch, self.kv_caches, None if load is None else load.wait_layer
+                )
+        except LayerLoadError:  # no layer of a failed load was read: recompute those requests
+            self.stats.layerwise_failed += 1
+            for req in self._layerwise_reqs:
+                self._recompute(req)
+            return StepContext()  # the others' new K/V are rewritten when they run again
         next_tokens = logits.argmax(dim=-1).tolist()  # greedy; syncs with the device
+        self.stats.forward_s += time.perf_counter() - started
+        if load is not None:
+            self.stats.layerwise_steps += 1
+            self.stats.layerwise_step_s += time.perf_counter() - started
+            load.batches.handle.future.add_done_callback(self._count_load)
         row = 0
         for req, n in chosen:
             is_decode = n == 1 and bool(req.output) and req.num_computed + 1 == len(req.tokens)
@@ -321,6 +378,11 @@ class Engine:
             tensors={"slot_mapping": batch.slot_mapping},
             stream=torch.cuda.current_stream(dev) if dev.type == "cuda" else None,
         )
+
+    def _count_load(self, future: Any) -> None:
+        """The load's groups ended (an engine thread): add their device time."""
+        if not future.cancelled() and future.exception() is None:
+            self.stats.layerwise_load_s += future.result().device_s or 0.0
 
     def _sample(self, req: Request, token: int, logits: torch.Tensor) -> None:
         if not req.output:

@@ -317,7 +317,14 @@ class PagedDecoder(nn.Module):
         return model.eval()
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        b: StepBatch,
+        kv_caches: list[torch.Tensor],
+        before_attention: Any = None,
+    ) -> torch.Tensor:
+        """``before_attention(i)``, if given, runs right before layer ``i``'s attention reads the
+        cache (``LayerwiseLoad.wait_layer``: a stream wait, no host sync)."""
         b.prepare()
         x = self.model.embed_tokens(b.input_ids)
         freqs = b.positions[:, None].float() * self.inv_freq  # LlamaRotaryEmbedding's math
@@ -325,6 +332,8 @@ class PagedDecoder(nn.Module):
         rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
         for i, layer in enumerate(self.model.layers):
             kv = (kv_caches[2 * i], kv_caches[2 * i + 1])
+            if before_attention is not None:
+                before_attention(i)
             x = x + layer.self_attn(layer.input_layernorm(x), rope, kv, b)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.model.norm(x[b.sample_rows])

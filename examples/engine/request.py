@@ -55,6 +55,13 @@ class EngineConfig:
         offload: use kvmgr's CPU tier (prefix loads, stores, preempt/resume). False: no CPU
             tier; preemption frees the blocks and recomputes (the baseline).
         realtime: honour ``Request.arrival_s`` (seconds after the run starts).
+        layerwise: load a hit's prefix layer by layer in the step that computes its suffix
+            (``OffloadManager.load_layerwise``; the model waits for layer ``i`` before its
+            attention), instead of loading the whole prefix first and computing a step later.
+        layer_groups: at most this many batches per layerwise load (``max_groups``: layers
+            merged by size, each batch costs host time to submit).
+        decode_graphs: run decode-only steps through ``graphs.DecodeGraphs`` (CUDA graphs on a
+            GPU, the same static-shape code eagerly on the CPU).
     """
 
     block_size: int = 16
@@ -62,6 +69,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     offload: bool = True
     realtime: bool = False
+    layerwise: bool = False
+    layer_groups: int = 8
+    decode_graphs: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,3 +112,9 @@ class EngineStats:
     stores_rejected: int = 0
     kvmgr_host_s: float = 0.0
     wall_s: float = 0.0
+    layerwise_steps: int = 0  # steps that loaded a prefix layer by layer
+    layerwise_step_s: float = 0.0  # their forward's wall time (waits on the loads included)
+    layerwise_load_s: float = 0.0  # their loads' device time (summed over the layer groups)
+    layerwise_failed: int = 0  # loads that failed (their requests recompute)
+    graph_steps: int = 0  # decode steps run by DecodeGraphs
+    forward_s: float = 0.0  # the model's forward + sampling sync, all steps

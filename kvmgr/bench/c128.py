@@ -48,18 +48,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.hooks import StepContext
-from kvmgr.kernels.c128.api import c128_boundary, c128_compress, c128_entry_bytes, c128_state_write
-from kvmgr.kernels.c128.hook import C128CompressorHook
-from kvmgr.kernels.c128.reference import c128_compress_ref, c128_unpack, rope_cos_sin_cache
+from kvmgr.bench._c128_case import Case, D, check_boundary_step, decode_case
+from kvmgr.bench._c128_print import TARGET_BATCH, print_tables
+from kvmgr.kernels.c128.api import c128_boundary, c128_entry_bytes
 
 __all__ = ["add_arguments", "run"]
 
-_D = 512
-_STATE_BLOCK = 8
 _DEVICE = "cuda"  # the CPU dry-run test points this at "cpu"
 _TARGETS = {"eager": 3.0, "graph": 1.8}  # ungated / gated, non-boundary step, batch 1
-_TARGET_BATCH = 1
 _TARGET_HOST_US = 10.0  # gated non-boundary hook step, packed launches, batch 1
 # eager launch paths (direct_launch): Triton's own launch; packed arguments through
 # cuLaunchKernelEx (the default)
@@ -92,99 +88,17 @@ def run(args: argparse.Namespace) -> int:
         "info": _info(),
         "args": {k: v for k, v in vars(args).items() if not callable(v)},
     }
-    ok = all(_check_boundary_step(gen, rng, batch) for batch in args.batch)
+    ok = all(check_boundary_step(gen, rng, batch, _DEVICE) for batch in args.batch)
     result["output_matches_reference"] = ok
     result["decode"] = [row for b in args.batch for row in _decode_rows(gen, rng, b, args)]
     result["ratios"] = _ratios(result["decode"])
     result["host_breakdown"] = _host_breakdown(gen, args)
     result["prefill"] = [_prefill_row(gen, n, args) for n in args.prefill]
-    _print_tables(result)
+    print_tables(result)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2, default=str)
     return 0 if ok else 1
-
-
-class _Case:
-    """One layer and one step: ``starts[r]`` computed tokens, ``qlens[r]`` new ones."""
-
-    def __init__(self, gen: torch.Generator, starts: list[int], qlens: list[int]) -> None:
-        width = max(s + q for s, q in zip(starts, qlens, strict=True)) // _STATE_BLOCK + 1
-        num_reqs, num_tokens = len(starts), sum(qlens)
-        table = torch.randperm(num_reqs * width, generator=gen).view(num_reqs, width)
-        pos = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, qlens, strict=True)])
-        req = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(qlens))
-        state_slots = table[req, pos // _STATE_BLOCK] * _STATE_BLOCK + pos % _STATE_BLOCK
-        comp_blocks = num_tokens // 64 + 1
-        layer = {
-            "state_cache": torch.randn(num_reqs * width, _STATE_BLOCK, 2 * _D, generator=gen),
-            "compressed_cache": torch.randint(
-                0, 256, (comp_blocks, 64, c128_entry_bytes(_D)), generator=gen, dtype=torch.uint8
-            ),
-            "ape": torch.randn(128, _D, generator=gen),
-            "norm_weight": 0.5 + torch.rand(_D, generator=gen),
-            "cos_sin_cache": rope_cos_sin_cache(int(pos.max()) + 1),
-        }
-        tensors = {
-            "positions": pos,
-            "c128.state_slot_mapping": state_slots.to(torch.int32),
-            "c128.state_block_table": table.to(torch.int32),
-            "c128.req_indices": req.to(torch.int32),
-            "c128.slot_mapping": torch.randperm(comp_blocks * 64, generator=gen)[:num_tokens],
-            "c128.kv": torch.randn(num_tokens, _D, generator=gen).bfloat16(),
-            "c128.score": (3 * torch.randn(num_tokens, _D, generator=gen)).bfloat16(),
-        }
-        self.layer = {k: v.to(_DEVICE) for k, v in layer.items()}
-        self.tensors = {k: v.to(_DEVICE) for k, v in tensors.items()}
-        self.starts = np.array(starts, dtype=np.int64)
-        self.query_start_loc = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int64)
-
-    def context(self) -> StepContext:
-        return StepContext(num_computed_tokens=self.starts, query_start_loc=self.query_start_loc,
-                           tensors=self.tensors)  # fmt: skip
-
-    def hook(self, *, gated: bool, direct: bool = False) -> C128CompressorHook:
-        lay = self.layer
-        return C128CompressorHook(
-            state_cache=lay["state_cache"], compressed_cache=lay["compressed_cache"],
-            ape=lay["ape"], norm_weight=lay["norm_weight"], cos_sin_cache=lay["cos_sin_cache"],
-            gated=gated, direct_launch=direct,
-        )  # fmt: skip
-
-    def write(self) -> None:
-        t = self.tensors
-        c128_state_write(t["c128.kv"], t["c128.score"], self.layer["ape"], t["positions"],
-                         t["c128.state_slot_mapping"], self.layer["state_cache"])  # fmt: skip
-
-    def compress(self) -> None:
-        c128_compress(*self.compress_args(self.layer["compressed_cache"]))
-
-    def write_and_compress(self) -> None:
-        self.write()
-        self.compress()
-
-    def compress_args(self, compressed_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        t, lay = self.tensors, self.layer
-        return (lay["state_cache"], t["c128.state_block_table"], t["c128.req_indices"],
-                t["positions"], t["c128.slot_mapping"], lay["norm_weight"],
-                lay["cos_sin_cache"], compressed_cache)  # fmt: skip
-
-
-def _decode_starts(rng: np.random.Generator, batch: int, *, boundary: bool) -> list[int]:
-    """Positions of a decode step (one token per request); only request 0 may be at a boundary."""
-    if batch == 1:
-        return [127 if boundary else 126]
-    pos = rng.integers(0, 512, batch)
-    pos = np.where((pos + 1) % 128 == 0, pos - 1, pos)
-    if boundary:
-        pos[0] = pos[0] // 128 * 128 + 127
-    return [int(p) for p in pos]
-
-
-def _decode_case(
-    gen: torch.Generator, rng: np.random.Generator, batch: int, boundary: bool
-) -> _Case:
-    return _Case(gen, _decode_starts(rng, batch, boundary=boundary), [1] * batch)
 
 
 def _time_steps(
@@ -228,7 +142,7 @@ def _decode_rows(
 ) -> list[dict[str, Any]]:
     rows = []
     for label in ("non-boundary", "boundary"):
-        case = _decode_case(gen, rng, batch, label == "boundary")
+        case = decode_case(gen, rng, batch, label == "boundary", _DEVICE)
         base = {"batch": batch, "step": label}
         for mode, gated in itertools.product(_EAGER_MODES, (True, False)):
             hook, ctx = case.hook(gated=gated, direct=_EAGER_MODES[mode]), case.context()
@@ -256,7 +170,7 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             pairs.setdefault(key, {})[r["gated"]] = r["device_us"]
     out = []
     for (batch, mode, per_replay), time_us in pairs.items():
-        is_target_row = batch == _TARGET_BATCH and (mode != "graph" or per_replay > 1)
+        is_target_row = batch == TARGET_BATCH and (mode != "graph" or per_replay > 1)
         target = _TARGETS[mode.split()[0]] if is_target_row else None
         ratio = time_us[False] / time_us[True]
         out.append({"batch": batch, "mode": mode, "per_replay": per_replay,
@@ -282,7 +196,7 @@ def _host_us(fn: Callable[[], object], args: argparse.Namespace) -> float:
 
 def _host_breakdown(gen: torch.Generator, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Where a batch-1 decode step's host time goes (the eager rows are host-bound)."""
-    case = _Case(gen, [126], [1])
+    case = Case(gen, [126], [1], _DEVICE)
     t, ctx = case.tensors, case.context()
     hooks = {(g, m): case.hook(gated=g, direct=d)
              for g in (True, False) for m, d in _EAGER_MODES.items()}  # fmt: skip
@@ -324,58 +238,17 @@ def _packed_note(layer: Any) -> str:
 
 
 def _prefill_row(gen: torch.Generator, num_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    case, reps = _Case(gen, [0], [num_tokens]), args.graph_steps
+    case, reps = Case(gen, [0], [num_tokens], _DEVICE), args.graph_steps
     write_us, _ = _time_steps(_capture(case.write, reps).replay, args, reps)
     comp_us, _ = _time_steps(_capture(case.compress, reps).replay, args, reps)
     boundaries = num_tokens // 128
-    write_bytes = num_tokens * (2 * _D * 2 + _D * 4 + 2 * _D * 4)
-    comp_bytes = boundaries * (128 * 2 * _D * 4 + c128_entry_bytes(_D))
+    write_bytes = num_tokens * (2 * D * 2 + D * 4 + 2 * D * 4)
+    comp_bytes = boundaries * (128 * 2 * D * 4 + c128_entry_bytes(D))
     hook, ctx = case.hook(gated=True), case.context()
     step_us, _ = _time_steps(functools.partial(hook, ctx), args)
     return {"tokens": num_tokens, "boundaries": boundaries, "write_us": write_us,
             "write_gbps": write_bytes / write_us / 1e3, "compress_us": comp_us,
             "compress_gbps": comp_bytes / comp_us / 1e3, "eager_step_us": step_us}  # fmt: skip
-
-
-def _check_boundary_step(gen: torch.Generator, rng: np.random.Generator, batch: int) -> bool:
-    """One boundary step through the launchers, then through a packed-launch hook, vs the
-    reference.
-
-    The hook runs twice from the same poisoned caches: its first call binds (compiles), the
-    second relaunches the bound launch, and that second result is compared.
-    """
-    case = _decode_case(gen, rng, batch, True)
-    state, comp = case.layer["state_cache"], case.layer["compressed_cache"]
-    state_poison, comp_poison = state.clone(), comp.clone()
-    expected = comp.clone()
-    case.write()
-    c128_compress_ref(*case.compress_args(expected))
-    case.compress()
-    pos, slots = case.tensors["positions"], case.tensors["c128.slot_mapping"].long()
-    slots = slots[(pos + 1) % 128 == 0]
-    ok = _entries_match(comp, expected, slots)
-    hook = case.hook(gated=True, direct=True)
-    for _ in range(2):
-        state.copy_(state_poison)
-        comp.copy_(comp_poison)
-        hook(case.context())
-    return ok and _entries_match(comp, expected, slots)
-
-
-def _entries_match(out: torch.Tensor, ref: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Boundary slots match within FP8/bf16 rounding (scales exactly); all others are unchanged."""
-    got, want = (t.view(-1, c128_entry_bytes(_D)) for t in (out, ref))
-    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    untouched[slots] = False
-    nope, rope, exps = c128_unpack(got[slots])
-    nope_ref, rope_ref, exps_ref = c128_unpack(want[slots])
-    return bool(
-        slots.numel() > 0
-        and torch.equal(got[untouched], want[untouched])
-        and torch.equal(exps, exps_ref)
-        and torch.allclose(nope, nope_ref, rtol=0.13, atol=1e-3)
-        and torch.allclose(rope, rope_ref, rtol=2**-7, atol=1e-6)
-    )
 
 
 def _info() -> dict[str, object]:
@@ -390,54 +263,3 @@ def _info() -> dict[str, object]:
     except Exception as exc:  # the probe is informative only; never fail the benchmark on it
         info["info_error"] = repr(exc)
     return info
-
-
-def _print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    console = Console()
-    console.print(", ".join(f"{k}: {v}" for k, v in result["info"].items()))
-    cols = ["batch", "step", "mode", "steps/replay", "gated", "launches", "device us", "host us"]
-    keys = ["batch", "step", "mode", "per_replay", "gated", "launches", "device_us", "host_us"]
-    rows = [[r[k] for k in keys] for r in result["decode"]]
-    console.print(_table("c128 decode step (per step, median)", cols, rows))
-    cols = ["batch", "mode", "steps/replay", "gated us", "ungated us", "speedup", "target", "met",
-            "P(no boundary)"]  # fmt: skip
-    rows = []
-    for r in result["ratios"]:
-        target = "-" if r["target"] is None else f">= {r['target']}x"
-        met = {None: "-", True: "yes", False: "NO"}[r["met"]]
-        rows.append([r["batch"], r["mode"], r["per_replay"], r["gated_us"], r["ungated_us"],
-                     f"{r['speedup']:.2f}x", target, met, f"{r['p_no_boundary']:.0%}"])  # fmt: skip
-    console.print(_table("non-boundary step: ungated / gated device time", cols, rows))
-    console.print(
-        f"Targets apply to batch {_TARGET_BATCH}: eager, and graph with several steps per replay"
-        " (device time per step); one step per replay is bound by the graph launch itself."
-        " P(no boundary) = (127/128)**batch for random positions."
-    )
-    rows = [[r["part"], r["host_us"], r["note"]] for r in result["host_breakdown"]]
-    console.print(_table("host breakdown, batch-1 decode step", ["part", "host us", "note"], rows))
-    cols = ["tokens", "boundaries", "write us", "write GB/s", "compress us", "compress GB/s",
-            "eager hook step us"]  # fmt: skip
-    keys = ["tokens", "boundaries", "write_us", "write_gbps", "compress_us", "compress_gbps",
-            "eager_step_us"]  # fmt: skip
-    rows = [[r[k] for k in keys] for r in result["prefill"]]
-    console.print(_table("prefill from position 0 (kernel device time in a graph)", cols, rows))
-    console.print(f"boundary outputs match the reference: {result['output_matches_reference']}")
-
-
-def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(*(_cell(v) for v in row))
-    return table
-
-
-def _cell(value: object) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -32,7 +32,6 @@ the same calls with ``direct_launch=False`` (Triton's own launch, the baseline).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
@@ -44,21 +43,12 @@ from typing import Any
 
 import torch
 
+from kvmgr.bench._mla_insert_report import meta, print_tables, target_rows
+
 __all__ = ["add_arguments", "run"]
 
 _MAX_SETS = 16  # the pointer-table memo must hold every set captured in one graph
 _MIN_INSERTS_PER_SAMPLE = 16
-_HOST_CAPTION = (
-    "host µs: CPU wall time per insert call from an idle GPU (checks + dispatch + enqueue). "
-    "per-layer: one check, L ordinary Triton launches; grouped: the public function, a new cache "
-    "set each call; same caches: the public function, one cache set, new step tensors; hook: "
-    "GroupedMLAInsertHook; launch-only: the hook with validate=False. packed: checks once per "
-    "step signature, cuLaunchKernelEx from packed arguments (the default); Triton: "
-    "direct_launch=False, Triton's own launch."
-)
-_TARGET_HOST_US, _TARGET_HOST_MAX_T = 10.0, 512
-_TARGET_SPEEDUP, _TARGET_SPEEDUP_MAX_T = 6.0, 512
-_TARGET_PEAK_FRACTION, _TARGET_PEAK_T = 0.75, 16384
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             del sets, calls
     tuning = _tune(args, mla_insert.grouped_mla_insert, max(tokens), peak_gbps) if args.tune else []
-    targets = _targets(rows)
-    _print(args, peak_gbps, rows, targets, tuning)
+    targets = target_rows(rows)
+    print_tables(args, peak_gbps, rows, targets, tuning)
     if args.json:
-        result = {"meta": _meta(args), "hbm_copy_peak_gbps": peak_gbps, "rows": rows}
+        result = {"meta": meta(args), "hbm_copy_peak_gbps": peak_gbps, "rows": rows}
         result.update(targets=targets, tuning=tuning)
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2, default=str)
@@ -295,131 +285,3 @@ def _tune(
                 )
         del sets
     return results
-
-
-def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets, per (kv_cache_dtype, mode): speedup for small T, peak for T=16384."""
-    out = []
-    for key in sorted({(r["kv_cache_dtype"], r["mode"]) for r in rows}):
-        mine = [r for r in rows if (r["kv_cache_dtype"], r["mode"]) == key]
-        small = [r["speedup"] for r in mine if r["tokens"] <= _TARGET_SPEEDUP_MAX_T]
-        if small:
-            got = min(small)
-            out.append(
-                {
-                    "kv_cache_dtype": key[0],
-                    "mode": key[1],
-                    "target": f"speedup >= {_TARGET_SPEEDUP} for T <= {_TARGET_SPEEDUP_MAX_T}",
-                    "got": f"min {got:.2f}x",
-                    "met": got >= _TARGET_SPEEDUP,
-                }
-            )
-        big = [r["peak_fraction"] for r in mine if r["tokens"] == _TARGET_PEAK_T]
-        if big:
-            out.append(
-                {
-                    "kv_cache_dtype": key[0],
-                    "mode": key[1],
-                    "target": f">= {_TARGET_PEAK_FRACTION:.0%} of HBM peak at T = {_TARGET_PEAK_T}",
-                    "got": f"{big[0]:.1%}",
-                    "met": big[0] >= _TARGET_PEAK_FRACTION,
-                }
-            )
-    for key in sorted({r["kv_cache_dtype"] for r in rows if r["mode"] == "eager"}):
-        mine = [r for r in rows if r["kv_cache_dtype"] == key and r["mode"] == "eager"]
-        for name in ("grouped", "grouped_same", "hook"):
-            host = [r[f"{name}_host_us"] for r in mine if r["tokens"] <= _TARGET_HOST_MAX_T]
-            if host:
-                out.append(
-                    {
-                        "kv_cache_dtype": key,
-                        "mode": "eager",
-                        "target": f"host {name} <= {_TARGET_HOST_US:.0f} µs for T <= {_TARGET_HOST_MAX_T}",
-                        "got": f"max {max(host):.1f} µs",
-                        "met": max(host) <= _TARGET_HOST_US,
-                    }
-                )
-    return out
-
-
-def _meta(args: argparse.Namespace) -> dict[str, Any]:
-    import triton
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "args": {k: v for k, v in vars(args).items() if not callable(v)},
-    }
-
-
-def _print(
-    args: argparse.Namespace,
-    peak_gbps: float,
-    rows: list[dict[str, Any]],
-    targets: list[dict[str, Any]],
-    tuning: list[dict[str, Any]],
-) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=190)  # not 80 when piped: keep every column readable
-    title = f"MLA insert, L={args.layers} R={args.rank} P={args.rope_dim} block={args.block_size} {args.dtype}; HBM copy peak {peak_gbps:,.0f} GB/s"
-    table = Table(title=title, caption=_HOST_CAPTION)
-    for column in (
-        "kv dtype",
-        "mode",
-        "T",
-        "per-layer µs",
-        "grouped µs",
-        "speedup",
-        "host per-layer µs",
-        "host grouped µs",
-        "host grouped Triton µs",
-        "host same caches µs",
-        "host hook µs",
-        "host hook Triton µs",
-        "host launch-only µs",
-        "grouped GB/s",
-        "% peak",
-    ):
-        table.add_column(column, justify="right")
-    for r in rows:
-        hosts = [r[f"{name}_host_us"] for name in ("per_layer", "grouped", "grouped_triton", "grouped_same", "hook", "hook_triton", "hook_unchecked")]  # fmt: skip
-        table.add_row(
-            r["kv_cache_dtype"],
-            r["mode"],
-            str(r["tokens"]),
-            f"{r['per_layer_us']:.1f}",
-            f"{r['grouped_us']:.1f}",
-            f"{r['speedup']:.2f}x",
-            *("-" if us is None else f"{us:.1f}" for us in hosts),
-            f"{r['grouped_gbps']:,.0f}",
-            f"{r['peak_fraction']:.1%}",
-        )
-    console.print(table)
-    checks = Table(title="Targets")
-    for column in ("kv dtype", "mode", "target", "got", "met"):
-        checks.add_column(column)
-    for t in targets:
-        checks.add_row(
-            t["kv_cache_dtype"], t["mode"], t["target"], t["got"], "yes" if t["met"] else "NO"
-        )
-    console.print(checks)
-    if tuning:
-        tune = Table(
-            title=f"Grouped tile sweep at T={max(int(t) for t in args.tokens.split(','))} (graph)"
-        )
-        for column in ("kv dtype", "block_tokens", "num_warps", "µs", "% peak"):
-            tune.add_column(column, justify="right")
-        for t in tuning:
-            tune.add_row(
-                t["kv_cache_dtype"],
-                str(t["block_tokens"]),
-                str(t["num_warps"]),
-                f"{t['us']:.1f}",
-                f"{t['peak_fraction']:.1%}",
-            )
-        console.print(tune)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmgr.bench._swap_print import print_swap
 from kvmgr.bench.common import (
     GEOMETRIES,
     CasePool,
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                     peak = peak_gbps.get(direction.value)
                     result["copies"] += _case_rows(case, variants, peak, args)
     result["step"] = _step_rows(args) if args.step_swaps > 0 else []
-    _print_tables(result)
+    print_swap(result)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2, default=str)
@@ -264,49 +265,3 @@ def _plan_s(mgr: Any, gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> float:
         build_plan(Direction.D2H, *layouts, gpu_ids, cpu_ids, merge=mgr.config.merge)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    def fmt(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    def table(title: str, header: str, rows: list[list[str]]) -> Table:
-        out = Table(title=title)
-        for column in header.split(","):
-            out.add_column(column, justify="right")
-        for row in rows:
-            out.add_row(*row)
-        return out
-
-    peak = [
-        [r["memory"], r["direction"], fmt(r["us"] / 1e3, ".2f"), fmt(r["gbps"], ".1f")]
-        for r in result["peak"]
-    ]
-    copies = [
-        [r["geometry"], r["direction"], str(r["blocks"]), str(r["descriptors"]),
-         fmt(r["bytes"] / 2**20, ".1f"), r["variant"], fmt(r["us"], ".0f"),
-         fmt(r["host_us"], ".0f"), fmt(r["gbps"], ".1f"), fmt(r["x_loop"], ".2f"),
-         fmt(r["pct_peak"], ".0f"), "ok" if r["ok"] else "[red]WRONG[/red]"]
-        for r in result["copies"]
-    ]  # fmt: skip
-    keys = ("host_us", "manager_us", "plan_us", "engine_us", "issue_us", "wall_us", "landed_us",
-            "target_us")  # fmt: skip
-    step = [
-        [r["engine"], r["ids"], str(r["swaps"]), str(r["pages"]), str(r["descriptors"]),
-         r["path"], *(fmt(r[k], ".0f") for k in keys)]
-        if "error" not in r else [r["engine"], r["ids"], f"[red]{r['error']}[/red]"] + [""] * 11
-        for r in result["step"]
-    ]  # fmt: skip
-    console = Console(width=170)  # not wrapped when the output is a log file
-    console.print(table("pinned copy peak (1 GiB, one cuMemcpyAsync)", "memory,direction,ms,GB/s",
-                        peak))  # fmt: skip
-    console.print(table("page copies (scattered block ids; x loop = loop us / variant us)",
-                        "geometry,dir,blocks,descs,MiB,variant,us,host us,GB/s,x loop,% peak,ok",
-                        copies))  # fmt: skip
-    console.print(table(
-        "OffloadManager.step() host us, 48 x 4 KiB one-block stores (medians; manager = host - "
-        "engine; plan = build_plan alone; issue = driver calls or kernel staging + launch)",
-        "engine,ids,swaps,pages,descs,path,host,manager,plan,engine,issue,wall,landed,target", step))  # fmt: skip

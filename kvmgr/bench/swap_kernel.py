@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
+from kvmgr.bench._interference import interference_rows
+from kvmgr.bench._swap_print import print_swap_kernel
 from kvmgr.bench.common import (
     GEOMETRIES,
     CasePool,
@@ -61,7 +59,6 @@ from kvmgr.transfer.plan import Direction
 __all__ = ["add_arguments", "run"]
 
 _TARGET_GBPS, _TARGET_X_BATCH, _AUTO_SLACK = 40.0, 8.0, 1.05  # auto may be 5% slower (noise)
-_Window = dict[str, Any]  # what _Gate.window measures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 for direction in Direction:
                     case = pool.case(direction, max(args.blocks), rng)
                     try:  # keep the copy table if the interference run fails (e.g. out of memory)
-                        result["interference"] += _interference(case, busy, args)
+                        result["interference"] += interference_rows(case, busy, args)
                     except Exception as exc:
                         result["errors"].append(f"interference {direction.value}: {exc!r}")
     result["targets"] = _targets(result["copies"])
@@ -127,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         result["calibration"] = attrs.asdict(fitted)
     except ConfigError as exc:
         result["errors"].append(f"calibration fit: {exc}")
-    _print(result)
+    print_swap_kernel(result)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
@@ -179,185 +176,3 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _check(check: str, value: float, goal: float, at_least: bool) -> dict[str, Any]:
     ok = value >= goal if at_least else value <= goal
     return {"check": check, "value": value, "goal": goal, "ok": ok}
-
-
-def _interference(
-    case: CopyCase, columns: dict[str, Variant], args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """Matmul slowdown and copy GB/s for each column (module docstring)."""
-    n = args.matmul
-    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    out = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
-    compute = torch.cuda.Stream()
-
-    def matmuls() -> None:
-        with torch.cuda.stream(compute):
-            for _ in range(args.matmuls):
-                torch.matmul(a, b, out=out)
-
-    gate = _Gate(_sleep_rate(), compute, case.stream)
-    time_issue(matmuls, compute, argparse.Namespace(warmup=2, repeats=1))  # cuBLAS, clocks
-    alone = gate.window(20_000.0, matmuls, None, 0)
-    rows = []
-    for name, variant in columns.items():
-        issue = variant(case)
-        t0 = time.perf_counter()
-        issue()  # warm-up (kernel compile, staging blocks), timed on the host
-        torch.cuda.synchronize()
-        issue_us = (time.perf_counter() - t0) * 1e6
-        # The gate covers the matmul loop's enqueue and the first copy's issue; later copies
-        # are issued back to back, as an engine does (the driver may block a long enqueue).
-        gate_us = 20_000.0 + 2.0 * (alone["enqueue_us"] + issue_us)
-        probe = gate.window(gate_us, None, issue, 2)
-        copy_us = max(probe["ends_us"][-1] - probe["copy_start_us"], 1.0) / 2
-        count = math.ceil(2.0 * alone["matmul_us"] / copy_us) + 1
-        runs: list[tuple[_Window, _Window, _Window]] = []
-        for r in range(args.interference_repeats):
-            copies = gate.window(gate_us, None, issue, count)
-            if r % 2 == 0:
-                matmul = gate.window(gate_us, matmuls, None, 0)
-                both = gate.window(gate_us, matmuls, issue, count)
-            else:  # the other order, so drift between the pair's windows cancels over repeats
-                both = gate.window(gate_us, matmuls, issue, count)
-                matmul = gate.window(gate_us, matmuls, None, 0)
-            runs.append((copies, matmul, both))
-        rows.append(_interference_row(name, case, count, runs))
-    return rows
-
-
-def _interference_row(
-    name: str, case: CopyCase, count: int, runs: list[tuple[_Window, _Window, _Window]]
-) -> dict[str, Any]:
-    """One table row from ``(copies alone, matmuls alone, both)`` windows per repeat."""
-    num_bytes = case.plan.num_bytes
-    alone_gbps, during_gbps, slowdowns, covered, alone_us, during_us = [], [], [], [], [], []
-    for copies, matmul, both in runs:
-        span = copies["ends_us"][-1] - copies["copy_start_us"]
-        alone_gbps.append(count * num_bytes / max(span, 1e-3) / 1e3)
-        window = both["matmul_us"]
-        inside = [t for t in both["ends_us"] if t <= window] or both["ends_us"][:1]
-        span = inside[-1] - both["copy_start_us"]
-        during_gbps.append(len(inside) * num_bytes / max(span, 1e-3) / 1e3)
-        covered.append(100.0 * min(both["ends_us"][-1] / window, 1.0))
-        alone_us.append(matmul["matmul_us"])
-        during_us.append(window)
-        slowdowns.append(100.0 * (window / matmul["matmul_us"] - 1.0))
-    return {
-        "variant": name,
-        "direction": case.direction.value,
-        "copies": count,
-        "copy_gbps_alone": statistics.median(alone_gbps),
-        "copy_gbps_during": statistics.median(during_gbps),
-        "matmul_us_alone": statistics.median(alone_us),
-        "matmul_us_during": statistics.median(during_us),
-        "slowdown_pct": statistics.median(slowdowns),
-        "slowdown_pct_min": min(slowdowns),
-        "slowdown_pct_max": max(slowdowns),
-        "covered_pct": min(covered),
-        "gate_ok": all(w["gate_ok"] for run in runs for w in run),
-    }
-
-
-class _Gate:
-    """Runs gated windows: a sleep kernel on a side stream holds the compute and copy streams
-    until the host has enqueued the matmul loop and the first copy, so both start together."""
-
-    def __init__(
-        self, cycles_per_us: float, compute: torch.cuda.Stream, copy: torch.cuda.Stream
-    ) -> None:
-        self.cycles_per_us, self.compute, self.copy = cycles_per_us, compute, copy
-        self.side = torch.cuda.Stream()
-
-    def window(
-        self,
-        gate_us: float,
-        matmuls: Callable[[], None] | None,
-        issue: Callable[[], None] | None,
-        count: int,
-    ) -> dict[str, Any]:
-        """One window: the matmul loop (if given) on the compute stream and ``count`` copies on
-        the copy stream, issued back to back. Times in us from the gate opening (the matmul
-        window's start); ``gate_ok``: the matmuls and the first copy were enqueued in time."""
-        opened = torch.cuda.Event()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(self.side):
-            torch.cuda._sleep(int(gate_us * self.cycles_per_us))
-            opened.record(self.side)
-        self.compute.wait_event(opened)
-        self.copy.wait_event(opened)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 3)]
-        events[0].record(self.compute)
-        if matmuls is not None:
-            matmuls()
-        events[1].record(self.compute)
-        enqueued = time.perf_counter()
-        events[2].record(self.copy)
-        for i, end in enumerate(events[3:]):
-            assert issue is not None
-            issue()
-            end.record(self.copy)
-            if i == 0:
-                enqueued = time.perf_counter()
-        in_time = (enqueued - t0) * 1e6 < gate_us
-        torch.cuda.synchronize()
-        return {
-            "matmul_us": events[0].elapsed_time(events[1]) * 1e3,
-            "copy_start_us": events[0].elapsed_time(events[2]) * 1e3,
-            "ends_us": [events[0].elapsed_time(e) * 1e3 for e in events[3:]],
-            "enqueue_us": (enqueued - t0) * 1e6,
-            "gate_ok": in_time,
-        }
-
-
-def _sleep_rate() -> float:
-    """``torch.cuda._sleep`` cycles per microsecond on this GPU."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return float(10_000_000 / (start.elapsed_time(end) * 1e3))
-
-
-def _print(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    def table(title: str, header: str, rows: list[list[str]]) -> Table:
-        out = Table(title=title)
-        for column in header.split(","):
-            out.add_column(column, justify="right")
-        for row in rows:
-            out.add_row(*row)
-        return out
-
-    ok = {True: "ok", False: "[red]NO[/red]"}
-    copies = [
-        [r["geometry"], r["direction"], str(r["blocks"]), str(r["descriptors"]),
-         f"{r['bytes'] / 2**20:.1f}", r["variant"], r["path"], f"{r['us']:.0f}",
-         f"{r['host_us']:.0f}", f"{r['gbps']:.1f}", ok[r["ok"]]]
-        for r in result["copies"]
-    ]  # fmt: skip
-    inter = [
-        [r["variant"], r["direction"], str(r["copies"]), f"{r['copy_gbps_alone']:.1f}",
-         f"{r['copy_gbps_during']:.1f}", f"{r['matmul_us_alone'] / 1e3:.2f}",
-         f"{r['matmul_us_during'] / 1e3:.2f}", f"{r['slowdown_pct']:.1f}",
-         f"{r['slowdown_pct_min']:.1f}..{r['slowdown_pct_max']:.1f}", f"{r['covered_pct']:.0f}",
-         ok[r["gate_ok"]]]
-        for r in result["interference"]
-    ]  # fmt: skip
-    targets = [
-        [t["check"], f"{t['value']:.2f}", f"{t['goal']:.2f}", ok[t["ok"]]]
-        for t in result["targets"]
-    ]
-    console = Console(width=170)  # not wrapped when the output is a log file
-    console.print(table("page copies: batched DMA vs copy kernel vs auto (scattered block ids)",
-                        "geometry,dir,blocks,descs,MiB,variant,path,us,host us,GB/s,ok", copies))  # fmt: skip
-    console.print(table("interference: bf16 matmul loop on the compute stream while copying "
-                        "(medians of gated window triples)",
-                        "variant,dir,copies,copy GB/s alone,copy GB/s during,matmul ms alone,"
-                        "loop+offload ms,slowdown %,range %,covered %,gate ok", inter))  # fmt: skip
-    console.print(table("targets", "check,value,goal,ok", targets))
-    console.print(f"fitted calibration: {result.get('calibration')}")
-    for error in result["errors"]:
-        console.print(f"[red]error[/red]: {error}")

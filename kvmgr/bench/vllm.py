@@ -3,8 +3,9 @@
 One process, no GPU, no copy: kvmgr's ``OffloadManager`` facade with ``kvmgr.testing.NullEngine``
 (every batch completes at once) against vLLM's ``CPUOffloadingManager`` (the scheduler side of
 its CPU offloading; the worker's copies are not part of it), both LRU and ARC, the CPU tier of
-both the same number of blocks. One *step* is the calls a scheduler step makes and their
-completion:
+both the same number of blocks; and kvmgr's ``KvmgrOffloadingManager`` (API ``backend``: the
+scheduler side of ``KvmgrOffloadingSpec``, issue 22 part 3) driven through exactly vLLM's calls.
+One *step* is the calls a scheduler step makes and their completion:
 
 - ``store 512 x 1``: 512 one-block stores into a full tier (each step evicts 512 blocks).
   kvmgr batched: one ``store_many`` + ``step()`` + await; kvmgr per-call: 512 ``swap_out`` +
@@ -89,12 +90,19 @@ def _contexts(prefix: str, chains: list[list[bytes]]) -> list[Any]:
 
 
 class _Vllm:
-    """vLLM's ``CPUOffloadingManager`` driven the way its connector drives it."""
+    """An ``OffloadingManager`` driven the way vLLM's connector drives it: vLLM's own
+    ``CPUOffloadingManager``, or with ``backend`` kvmgr's ``KvmgrOffloadingManager`` (the
+    scheduler side of ``KvmgrOffloadingSpec``)."""
 
-    def __init__(self, policy: str) -> None:
-        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    def __init__(self, policy: str, backend: bool = False) -> None:
+        if backend:
+            from kvmgr.integrations.vllm.backend import KvmgrOffloadingManager
 
-        self.mgr = CPUOffloadingManager(NUM_CPU_BLOCKS, cache_policy=policy)
+            self.mgr: Any = KvmgrOffloadingManager(NUM_CPU_BLOCKS, policy)
+        else:
+            from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+            self.mgr = CPUOffloadingManager(NUM_CPU_BLOCKS, cache_policy=policy)
         self.fill(_Keys())
 
     def fill(self, fresh: _Keys) -> None:
@@ -179,9 +187,10 @@ async def _kvmgr_steps(policy: str, scenario: str, api: str) -> AsyncIterator[fl
             yield time.perf_counter() - t0
 
 
-def _vllm_steps(policy: str, scenario: str) -> Iterator[float]:
-    """Seconds of each step of vLLM's ``CPUOffloadingManager`` on the same calls, endlessly."""
-    side = _Vllm(policy)
+def _vllm_steps(policy: str, scenario: str, backend: bool = False) -> Iterator[float]:
+    """Seconds of each step of vLLM's ``CPUOffloadingManager`` (or with ``backend`` kvmgr's
+    ``KvmgrOffloadingManager``) on the same calls, endlessly."""
+    side = _Vllm(policy, backend)
     fresh = _Keys()
     fresh.take(NUM_CPU_BLOCKS)  # the fill's keys
     hot = [
@@ -211,9 +220,9 @@ def _vllm_steps(policy: str, scenario: str) -> Iterator[float]:
 
 
 SCENARIOS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("store 512 x 1", ("batched", "per-call")),
-    ("lookup+load 32 x 64", ("per-call",)),
-    ("mixed 64 x 8 + 16 x 16", ("per-call",)),
+    ("store 512 x 1", ("backend", "batched", "per-call")),
+    ("lookup+load 32 x 64", ("backend", "per-call")),
+    ("mixed 64 x 8 + 16 x 16", ("backend", "per-call")),
 )
 
 
@@ -227,11 +236,14 @@ async def _interleaved(
 ) -> dict[str, list[float]]:
     """Step vLLM's manager and each kvmgr variant in turn, so machine noise hits all alike."""
     theirs = _vllm_steps(policy, scenario)
-    ours = {api: _kvmgr_steps(policy, scenario, api) for api in apis}
+    backend = _vllm_steps(policy, scenario, backend=True) if "backend" in apis else None
+    ours = {api: _kvmgr_steps(policy, scenario, api) for api in apis if api != "backend"}
     samples: dict[str, list[float]] = {"vllm": [], **{api: [] for api in apis}}
     try:
         for i in range(steps + WARMUP):
             times = {"vllm": next(theirs)}
+            if backend is not None:
+                times["backend"] = next(backend)
             for api, gen in ours.items():
                 times[api] = await gen.__anext__()
             if i >= WARMUP:

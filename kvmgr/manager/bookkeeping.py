@@ -291,6 +291,11 @@ class Bookkeeper:
             for i in fresh:
                 first.setdefault(keys[i], i)
             fresh = sorted(first.values())
+        if fresh:  # a parent chain reaching the key itself: InvalidKeyError, nothing changed
+            if len(fresh) == n:
+                cpu.chains.check(keys, all_parents)
+            else:
+                cpu.chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
         num_present = n - len(fresh)
         waiting: list[bytes] = []
         if self._threshold > 1 and fresh:
@@ -365,7 +370,7 @@ class Bookkeeper:
         is full).
 
         Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
-        to reject, or a key already present.
+        to reject, a key already present, or a key with indexed children.
 
         Raises:
             PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
@@ -388,6 +393,8 @@ class Bookkeeper:
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
             return None
+        if not cpu.chains.children.keys().isdisjoint(keys):
+            return None  # a key with indexed children (a cycle to look for)
         if pool.num_free < n:  # the last check: raises PoolExhaustedError, nothing changed
             cpu.evict_for(n, keys)
         take_one, state, busy = pool.take_one, cpu.state, gpu_pool.busy
@@ -400,7 +407,9 @@ class Bookkeeper:
             busy[b] += 1
         cpu.num_pending += n
         keys = keys[:]  # the caller may reuse its lists
-        cpu.policy.insert(keys, [None, *keys[:-1]] if n > 1 else [None])
+        parents = [None, *keys[:-1]] if n > 1 else [None]
+        cpu.policy.insert(keys, parents)
+        cpu.chains.add(keys, parents)
         self.counters.stores_queued += n
         gpu_ids = tuple(gpu)
         result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)

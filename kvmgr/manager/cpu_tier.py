@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
+from kvmgr.manager.chains import KeyChains
 from kvmgr.manager.counters import Counters
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
@@ -75,6 +76,8 @@ class CpuTier:
         self._blocks_ready = blocks_ready if ready < num_blocks else None
         self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
+        #: the parent of every indexed key (refuses key cycles)
+        self.chains = KeyChains()
         self.state = bytearray(num_blocks)
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
         self.readers = array.array("q", [0]) * num_blocks
@@ -146,7 +149,12 @@ class CpuTier:
                 raise PoolExhaustedError(
                     f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
                     "evictable (READY without loads in flight)"
-                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning),
+                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning)
+                    + "; nothing changed. Room appears when stores and loads in flight complete"
+                    " (step(), then await them), when requests are freed or resumed (free(),"
+                    " resume()) and keys invalidated (invalidate(), clear()); or store fewer"
+                    ' blocks per call, raise num_cpu_blocks, or set backpressure="wait" to let'
+                    " the store wait up to store_wait_s seconds for room",
                     needed=n,
                     available=self.pool.num_free,
                     reason="cpu_pinning" if pinning else "cpu_full",
@@ -170,6 +178,7 @@ class CpuTier:
     def _forget(self, keys: list[bytes]) -> None:
         """Drop READY keys without readers (already untracked by the policy); free blocks."""
         pop = self.index.pop
+        self.chains.remove(keys)
         if len(keys) <= 8:
             state, give_one = self.state, self.pool.give_one
             for key in keys:
@@ -198,6 +207,7 @@ class CpuTier:
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
         self.policy.insert(keys, parents)
+        self.chains.add(keys, parents)
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
@@ -223,6 +233,7 @@ class CpuTier:
             for key in keys:
                 pop(key)
             self.policy.remove(keys)
+            self.chains.remove(keys)
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE
         self.pool.give(ids)

@@ -40,6 +40,7 @@ from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
 from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
 from kvmgr.manager.counters import Counters
 from kvmgr.manager.flush import Flusher
+from kvmgr.manager.layerwise import start_load, start_store
 from kvmgr.manager.queue import Part, SwapQueue
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
@@ -55,6 +56,8 @@ from kvmgr.reports import (
 from kvmgr.transfer import make_engine
 from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.host import HostEngine
+from kvmgr.transfer.layer_groups import LayerGroups
+from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import Direction
 
 __all__ = ["OffloadManager"]
@@ -88,7 +91,8 @@ class OffloadManager:
 
     Raises:
         GeometryError: the tensors cannot be managed, or do not suit the engine's device.
-        ConfigError: invalid settings.
+        ConfigError: invalid settings, or ``engine``, ``hooks``, ``tiers`` or ``tier_namespace``
+            of the wrong type (raised before any memory is allocated).
         HostMemoryError: the CPU tier's memory could not be allocated.
 
     Use it as ``async with OffloadManager(...) as mgr:``, or call ``await mgr.aclose()``.
@@ -111,6 +115,22 @@ class OffloadManager:
         for hook in hooks:
             if not isinstance(hook, StepHook):
                 raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
+        if tiers:
+            from kvmgr.tiers.base import TierBackend
+
+            for tier in tiers:
+                if not isinstance(tier, TierBackend):
+                    raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
+        if engine is not None and not isinstance(engine, TransferEngine):
+            raise ConfigError(f"engine: expected a TransferEngine, got {type(engine).__name__}")
+        if tier_namespace is not None:
+            from kvmgr.tiers.blob import TierNamespace
+
+            if not isinstance(tier_namespace, TierNamespace):
+                raise ConfigError(
+                    f"tier_namespace: expected a kvmgr.tiers.TierNamespace or None, got "
+                    f"{type(tier_namespace).__name__}"
+                )
         if engine is None:
             engine = make_engine(config.engine, gpu_layout.device, config)
         elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
@@ -138,6 +158,7 @@ class OffloadManager:
         self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
         self._room = RoomWaiters(self._books.gpu, self._books.counters, self._enqueue)
         self._flusher.on_settled = self._room.wake
+        self._layerwise_stores: list[LayerwiseStore] = []  # aborted at close if unfinished
         self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_on_tick = config.flush == "tick"
@@ -152,11 +173,7 @@ class OffloadManager:
         if not tiers:
             return None
         from kvmgr.manager.tiering import LowerTiers, default_namespace
-        from kvmgr.tiers.base import TierBackend
 
-        for tier in tiers:
-            if not isinstance(tier, TierBackend):
-                raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
         if namespace is None:
             dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
             block_size = int(tensors[0].shape[1]) if tensors[0].dim() > 1 else 1
@@ -207,6 +224,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closing = True  # from here on, new swaps raise ClosedError
+        self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
         pending = [b.handle.future for b in self._queue.in_flight.values()]
         if pending:
@@ -226,6 +244,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closed = True
+        self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:
             self.engine.close(timeout_s)  # may raise TransferTimeoutError: copies still running
@@ -493,6 +512,92 @@ class OffloadManager:
         self._enqueue(self._books.prepare_load(keys, gpu_block_ids, future, batched=True))
         return future
 
+    # ------------------------------------------------------------------ layerwise
+
+    def load_layerwise(
+        self,
+        keys: Sequence[bytes],
+        gpu_block_ids: Any,
+        *,
+        layers: Sequence[int] | int | None = None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerwiseLoad:
+        """Load READY keys into GPU blocks layer by layer, submitted NOW (not at ``step()``).
+
+        What is queued is flushed first; then one batch per layer group is submitted on the load
+        stream, group 0 first (``kvmgr.transfer.layerwise``). Call ``load.wait_layer(i)`` right
+        before layer ``i`` reads the blocks (a stream wait on the device; the host does not
+        block), and ``await load`` (``LoadResult``) before freeing or reusing anything.
+
+        Args:
+            keys, gpu_block_ids: as ``load_many``.
+            layers: the layer of each KV tensor (non-decreasing from 0), an int ``k`` for ``k``
+                consecutive tensors per layer (``2``: K and V tensors), or ``None``: one tensor
+                per layer.
+            min_group_bytes: layers are merged with the next until a group holds this many bytes
+                per block (``0``: one batch per layer).
+            max_groups: at most this many batches (layers merged by size; each batch costs
+                host time to submit).
+
+        Raises:
+            LayerOrderError: bad ``layers`` or ``min_group_bytes``.
+            KVMgrError: as ``load_many``. A refused group does not raise: the load fails
+                (``LayerLoadError``) and every ``wait_layer`` raises.
+        """
+        loop = self._check_open()
+        groups = LayerGroups.build(
+            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
+        future: asyncio.Future[LoadResult] = loop.create_future()
+        part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
+        return start_load(self._flusher, groups, part, self._is_open)
+
+    def store_layerwise(
+        self,
+        gpu_block_ids: Any,
+        keys: Sequence[bytes],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+        layers: Sequence[int] | int | None = None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerwiseStore:
+        """Store GPU blocks layer by layer as the forward writes them (``save_kv_layer``).
+
+        Reserves like ``store_many`` (the keys become PENDING now); ``store.save_layer(i)``
+        after layer ``i`` wrote its KV submits that layer's group, fenced on the compute stream
+        at that point. ``await store`` (``StoreResult``) resolves after the last layer.
+        ``store.abort()`` (or closing the manager) fails the layers not saved yet.
+
+        Args:
+            gpu_block_ids, keys, parents: as ``store_many``.
+            layers, min_group_bytes, max_groups: as ``load_layerwise``.
+
+        Raises:
+            LayerOrderError: bad ``layers`` or ``min_group_bytes``.
+            PoolExhaustedError: no room in the CPU tier (no backpressure here); nothing changed.
+            KVMgrError: as ``store_many``.
+        """
+        loop = self._check_open()
+        groups = LayerGroups.build(
+            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+        )
+        future: asyncio.Future[StoreResult] = loop.create_future()
+        part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
+        store = start_store(self._flusher, groups, part, self._is_open)
+        self._layerwise_stores = [s for s in self._layerwise_stores if not s.batches.handle.done()]
+        self._layerwise_stores.append(store)
+        return store
+
+    def _is_open(self) -> bool:
+        return not (self._closed or self._closing)
+
+    def _abort_layerwise(self) -> None:
+        for store in self._layerwise_stores:
+            store.abort()
+        self._layerwise_stores = []
+
     # ------------------------------------------------------------------ lower tiers
 
     async def fetch(self, keys: Sequence[bytes]) -> int:
@@ -667,6 +772,8 @@ class OffloadManager:
             hook_reports = tuple(hook(ctx) for hook in hooks)
             self._flusher.check_hook_reports(hooks, hook_reports)
         self._step = step
+        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry,
+            self._room.wake()  # and those that find room are submitted by this very step
         if ctx is not None and ctx.stream is not None:  # fence the copies on the compute stream
             with torch.cuda.stream(ctx.stream):
                 d2h, h2d = self._flush()
@@ -674,8 +781,6 @@ class OffloadManager:
             d2h, h2d = self._flush()
         completed = self._flusher.take_completed()
         self._books.counters.steps += 1
-        if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry
-            self._room.wake()
         report = StepReport(
             step=step if ctx is None or ctx.step is None else ctx.step,
             d2h=d2h,

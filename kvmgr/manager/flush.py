@@ -36,7 +36,7 @@ from kvmgr.manager.bookkeeping import Bookkeeper
 from kvmgr.manager.queue import Batch, Lane, SwapQueue
 from kvmgr.reports import DirectionReport
 from kvmgr.transfer.engine import BatchResult, TransferEngine
-from kvmgr.transfer.plan import Direction, build_plan
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 __all__ = ["Flusher"]
 
@@ -69,6 +69,7 @@ class Flusher:
         #: runs before any lane is submitted (lower tiers stage evicted blocks)
         self.before_submit: Callable[[], None] = lambda: None
         self._completed: collections.deque[BatchResult] = collections.deque(maxlen=MAX_COMPLETED)
+        self._prebuilt: dict[int, TransferPlan] = {}  # lane id -> its plan (duplex steps)
         self._tensors = tensors
         self._ptrs = list(map(_data_ptr, tensors))
         self._shapes = list(map(_shape, tensors))
@@ -136,8 +137,12 @@ class Flusher:
         moved = self._moved_tensor()
         self.before_submit()
         bug: BaseException | None = None
+        duplex = getattr(self.engine, "plan_duplex", None)  # engine "auto": paths per step
         for generation in generations:
-            for direction, lane in generation.lanes.items():
+            lanes = generation.lanes
+            if duplex is not None and lanes[Direction.D2H].parts and lanes[Direction.H2D].parts:
+                lanes = {d: lanes[d] for d in duplex(*self._counts(lanes))}
+            for direction, lane in lanes.items():
                 if not lane.parts:
                     continue
                 gpu_ids, cpu_ids = lane.arrays()
@@ -162,18 +167,41 @@ class Flusher:
                     d2h = report if d2h is _NOTHING else d2h + report
                 else:
                     h2d = report if h2d is _NOTHING else h2d + report
+        self._prebuilt.clear()
         if bug is not None:
             raise bug
         return d2h, h2d
 
+    def _counts(self, lanes: dict[Direction, Lane]) -> tuple[tuple[int, int], ...]:
+        """(descriptors, bytes) of each direction's lane, D2H first, from its plan (built here
+        and kept for ``_submit``); one descriptor per page if the plan cannot be built (its
+        error is raised again, as usual, by ``_submit``)."""
+        layout = self.books.gpu_layout
+        counts = []
+        for direction in (Direction.D2H, Direction.H2D):
+            lane = lanes[direction]
+            gpu_ids, cpu_ids = lane.arrays()
+            try:
+                plan = self._plan(direction, gpu_ids, cpu_ids)
+            except KVMgrError:
+                n = len(gpu_ids)
+                counts.append((n * layout.num_tensors, n * layout.block_bytes))
+                continue
+            self._prebuilt[id(lane)] = plan
+            counts.append((plan.num_descriptors, plan.num_bytes))
+        return tuple(counts)
+
+    def _plan(self, direction: Direction, gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> TransferPlan:  # fmt: skip
+        src, dst = (gpu_ids, cpu_ids) if direction is Direction.D2H else (cpu_ids, gpu_ids)
+        src_layout, dst_layout = self._layouts[direction]
+        return build_plan(
+            direction, src_layout, dst_layout, src, dst, merge=self.books.config.merge
+        )
+
     def _submit(
         self, direction: Direction, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray
     ) -> DirectionReport:
-        src, dst = (gpu_ids, cpu_ids) if direction is Direction.D2H else (cpu_ids, gpu_ids)
-        src_layout, dst_layout = self._layouts[direction]
-        plan = build_plan(
-            direction, src_layout, dst_layout, src, dst, merge=self.books.config.merge
-        )
+        plan = self._prebuilt.pop(id(lane), None) or self._plan(direction, gpu_ids, cpu_ids)
         queue = self.queue
         fences = queue.fences(direction, gpu_ids)
         handle = self.engine.submit(plan, wait_for=[b.handle for b in fences])

@@ -32,6 +32,9 @@ from kvmgr.pool.allocator import as_id_array
 from kvmgr.pool.block_table import BlockTable, Tier
 from kvmgr.reports import SwapResult
 
+#: why a freed block may not be free yet (appended to the gpu_full messages)
+DRAINING_HINT = "a freed block still used by a queued or in-flight copy returns when it ends"
+
 __all__ = ["RequestTables"]
 
 
@@ -104,7 +107,9 @@ class RequestTables:
         if ids is None:
             assert self.gpu.pool is not None
             raise PoolExhaustedError(
-                f"gpu: need {n} blocks, {self.gpu.pool.num_free} free",
+                f"gpu: need {n} blocks, {self.gpu.pool.num_free} free; nothing changed. Free "
+                f"finished requests (free()), preempt() one into the CPU tier, or allocate "
+                f"fewer blocks ({DRAINING_HINT})",
                 needed=n,
                 available=self.gpu.pool.num_free,
                 reason="gpu_full",
@@ -198,7 +203,9 @@ class RequestTables:
             if gpu is None:
                 assert self.gpu.pool is not None
                 raise PoolExhaustedError(
-                    f"gpu: need {len(cpu)} blocks, {self.gpu.pool.num_free} free",
+                    f"gpu: need {len(cpu)} blocks, {self.gpu.pool.num_free} free; nothing "
+                    f"changed. Free finished requests (free()) or preempt() another one, then "
+                    f"resume this one ({DRAINING_HINT})",
                     needed=len(cpu),
                     available=self.gpu.pool.num_free,
                     reason="gpu_full",

@@ -84,7 +84,8 @@ class SwapSnapshot:
 
 @attrs.frozen
 class BatchSnapshot:
-    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences."""
+    """A batch in flight: its number, direction, engine batch id, GPU blocks, fences;
+    ``engine_batch_ids``: every engine batch it joins (one, or a layerwise operation's groups)."""
 
     seq: int
     direction: Direction
@@ -92,6 +93,7 @@ class BatchSnapshot:
     gpu_block_ids: tuple[int, ...]
     wait_for: tuple[int, ...]
     engine_wait_for: tuple[int, ...]
+    engine_batch_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -112,6 +114,8 @@ class ManagerSnapshot:
         tables: request -> its block table.
         swaps: queued and in-flight swaps, queued first, in order.
         batches: batches in flight, in submission order.
+        key_parents: key -> the key it extends (``None``: a root), as the manager records it
+            for every indexed key (the parents a store named).
     """
 
     keys: Mapping[bytes, KeySnapshot]
@@ -125,6 +129,7 @@ class ManagerSnapshot:
     tables: Mapping[Hashable, TableSnapshot]
     swaps: tuple[SwapSnapshot, ...]
     batches: tuple[BatchSnapshot, ...]
+    key_parents: Mapping[bytes, bytes | None] = attrs.field(factory=dict)
 
 
 _KIND_NAMES = {
@@ -202,6 +207,7 @@ def take_snapshot(
                 _ints(batch.gpu_ids),
                 batch.wait_for,
                 engine_waits,
+                tuple(batch.handle.member_ids or (batch.handle.batch_id,)),
             )
         )
     busy = {int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)}
@@ -223,4 +229,5 @@ def take_snapshot(
         },
         swaps=tuple(swaps),
         batches=tuple(batches),
+        key_parents=dict(cpu.chains.parent),
     )

@@ -28,6 +28,11 @@ def _check_tensor(index: int, tensor: object) -> torch.Tensor:
         raise GeometryError(
             f"kv tensor {index}: expected torch.Tensor, got {type(tensor).__name__}"
         )
+    if tensor.is_nested or tensor.layout is not torch.strided or tensor.is_quantized:
+        raise GeometryError(
+            f"kv tensor {index}: expected a dense strided tensor, got a "
+            f"{'nested' if tensor.is_nested else tensor.layout} one"
+        )
     if tensor.dim() < 1 or tensor.shape[0] < 1:
         raise GeometryError(
             f"kv tensor {index}: expected dim 0 = num_blocks >= 1, got shape {tuple(tensor.shape)}"

@@ -40,7 +40,8 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
     - CPU tier: a block is allocated exactly when its state is not FREE; every keyed block
       (PENDING/READY) has one key, every SWAPPED/RESUMING block is in one swapped-out table,
       every PREEMPTING block belongs to one preempt not settled yet (no leak, no double use);
-    - index and policy track the same keys;
+    - index and policy track the same keys; the parents the manager records cover exactly the
+      indexed keys and no parent chain comes back to its key (a key cycle is never evicted);
     - a key is PENDING exactly while one queued or in-flight store writes its block, and its
       reader count equals the loads of it queued or in flight (nothing pinned for ever);
     - every moving block table has exactly one preempt or resume queued or in flight;
@@ -51,7 +52,9 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
     - no swap future resolved before its copy settled (cancelled ones excepted);
     - ``statistics()`` agrees with the snapshot; with a ``FaultyEngine``: every unresolved
       batch belongs to the manager, and two unresolved batches of opposite directions that share
-      a GPU block are ordered by ``wait_for``;
+      a GPU block are ordered: the later one waits (``wait_for``, directly or through other
+      batches) for the earlier one or for a later batch of the earlier one's direction (the
+      batches of one direction run in submission order);
     - with a poisoning ``FaultyEngine`` and ``scan_poison``: no READY key's pages are all
       ``POISON_BYTE`` (a failed store treated as complete). Costs one read of every READY page.
 
@@ -105,6 +108,7 @@ def _check_keys(snap: ManagerSnapshot) -> list[str]:
             f"index has {len(keys)} keys, policy {snap.num_policy_keys}; not in the policy: "
             f"{missing[:8]}"
         )
+    problems += _check_chains(snap)
     writes: Counter[int] = Counter()
     reads: Counter[int] = Counter()
     for swap in snap.swaps:
@@ -128,6 +132,25 @@ def _check_keys(snap: ManagerSnapshot) -> list[str]:
         if pending and entry.readers:
             problems.append(f"key {_short(key)} is PENDING with readers")
     return problems
+
+
+def _check_chains(snap: ManagerSnapshot) -> list[str]:
+    parents = snap.key_parents
+    if parents.keys() != snap.keys.keys():
+        odd = sorted(_short(k) for k in parents.keys() ^ snap.keys.keys())
+        return [f"recorded parents and index differ on keys {odd[:8]}"]
+    done: set[bytes] = set()
+    for start in parents:
+        path: list[bytes] = []
+        key: bytes | None = start
+        while key is not None and key in parents and key not in done:
+            if key in path:
+                cycle = path[path.index(key) :]
+                return [f"key cycle (never evictable): {[_short(k) for k in cycle][:8]}"]
+            path.append(key)
+            key = parents[key]
+        done.update(path)
+    return []
 
 
 def _check_cpu(snap: ManagerSnapshot) -> list[str]:
@@ -208,20 +231,34 @@ def _check_gpu(snap: ManagerSnapshot) -> list[str]:
 
 def _check_engine(snap: ManagerSnapshot, engine: FaultyEngine) -> list[str]:
     problems: list[str] = []
-    known = {b.engine_batch_id for b in snap.batches}
+    known = {i for b in snap.batches for i in (b.engine_batch_ids or (b.engine_batch_id,))}
     stray = sorted(set(engine.unresolved_batch_ids) - known)
     if stray:
         problems.append(f"engine batches {stray} are unresolved but unknown to the manager")
-    waits = {b.engine_batch_id: engine.unresolved_wait_for(b.engine_batch_id) for b in snap.batches}
-    for i, later in enumerate(snap.batches):
-        later_waits = waits[later.engine_batch_id]
-        if later_waits is None:
+    batches = snap.batches
+    waits = {b.engine_batch_id: engine.unresolved_wait_for(b.engine_batch_id) for b in batches}
+    position = {b.engine_batch_id: i for i, b in enumerate(batches)}
+    # after[i]: the batches that batch i certainly runs after: those it waits for, every
+    # earlier batch of their direction (one direction runs in submission order), transitively
+    after: list[set[int]] = []
+    for i, batch in enumerate(batches):
+        done: set[int] = set()
+        for w in waits[batch.engine_batch_id] or ():
+            j = position.get(w)
+            if j is None or j >= i:
+                continue
+            done |= after[j] | {
+                k for k in range(j + 1) if batches[k].direction is batches[j].direction
+            }
+        after.append(done)
+    for i, later in enumerate(batches):
+        if waits[later.engine_batch_id] is None:
             continue  # its copy has ended
-        for earlier in snap.batches[:i]:
+        for j, earlier in enumerate(batches[:i]):
             if earlier.direction is later.direction or waits[earlier.engine_batch_id] is None:
                 continue
             shared = set(earlier.gpu_block_ids) & set(later.gpu_block_ids)
-            if shared and earlier.engine_batch_id not in later_waits:
+            if shared and j not in after[i]:
                 problems.append(
                     f"batches {earlier.engine_batch_id} and {later.engine_batch_id} share GPU "
                     f"blocks {sorted(shared)[:8]} without a wait_for fence"

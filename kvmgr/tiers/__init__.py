@@ -2,7 +2,7 @@
 
 Offers:
     TierBackend, PutResult, TierStatistics   the backend protocol and its records (base.py)
-    TierNamespace                            model + layout + tenant -> stored keys (blob.py)
+    TierNamespace                            model + layout + tenant -> stored keys (namespace.py)
     DiskTier                                 preallocated file of fixed-size slots (disk.py)
     SharedTier                               Valkey/Redis over redis.asyncio (shared.py)
     TierBridge, BridgeStatistics             CPU-tier pages <-> a backend (bridge.py)
@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvmgr.tiers.base import PutResult, TierBackend, TierStatistics
-from kvmgr.tiers.blob import TierNamespace
 from kvmgr.tiers.bridge import BridgeStatistics, TierBridge
 from kvmgr.tiers.disk import DiskTier
+from kvmgr.tiers.namespace import TierNamespace
 
 if TYPE_CHECKING:
     from kvmgr.tiers.shared import SharedTier

@@ -5,6 +5,8 @@ Offers (to ``kvmgr.tiers.shared`` only):
     ServerAddress   the URL without credentials, the servers, username and password (Secret)
     parse_address   read a URL and the credential sources (URL, file, environment variable)
     tls_context     the client's ``ssl.SSLContext`` (CA bundle, client certificate, hostname check)
+    endpoint_for    the first server's ``Endpoint`` (with its TLS context)
+    check_limits    ``ConfigError`` for a limit that is not a finite number > 0
 
 URLs: ``redis://[user[:password]@]HOST[:PORT][/DB]``, ``rediss://`` (TLS), ``valkey://`` and
 ``valkeys://`` (the same), ``unix://[user[:password]@]/PATH[?db=N]``, and for a cluster
@@ -18,16 +20,27 @@ message contains the URL as given (it may hold the password).
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from kvmgr.errors import ConfigError
+from kvmgr.tiers._resp import Endpoint
 
-__all__ = ["SCHEMES", "Secret", "ServerAddress", "parse_address", "tls_context"]
+__all__ = [
+    "SCHEMES",
+    "Secret",
+    "ServerAddress",
+    "check_limits",
+    "endpoint_for",
+    "parse_address",
+    "tls_context",
+]
 
 #: accepted URL schemes -> (TLS, cluster)
 SCHEMES = {
@@ -245,3 +258,41 @@ def tls_context(
         reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
         raise ConfigError(f"SharedTier TLS files: {reason}") from None
     return context
+
+
+def endpoint_for(
+    address: ServerAddress,
+    tls_files: tuple[str | None, str | None, str | None],
+    check_hostname: bool,
+    connect_timeout_s: float,
+) -> Endpoint:
+    """The first server's ``Endpoint`` (TLS context built from the CA, certificate and key
+    files when the URL asks for TLS).
+
+    Raises:
+        ConfigError: TLS files with a plain URL, or unreadable ones.
+    """
+    if not address.is_tls and any(a is not None for a in tls_files):
+        raise ConfigError(
+            "SharedTier: TLS arguments (ssl_ca_certs, ssl_certfile, ssl_keyfile) given with "
+            f"the plain URL {address.url}: use rediss:// (or valkeys://) for TLS"
+        )
+    context = tls_context(*tls_files, check_hostname) if address.is_tls else None
+    host, port = address.servers[0] if address.servers else ("", 0)
+    return Endpoint(
+        host, port, address.unix_path, context, address.username, address.password,
+        address.db, connect_timeout_s,
+    )  # fmt: skip
+
+
+def check_limits(**limits: Any) -> None:
+    """Each limit is a float > 0 (a ``(value, True)`` pair may be 0; ``(value, None)`` may be
+    ``None``), finite."""
+    for name, spec in limits.items():
+        value, allowed = spec if isinstance(spec, tuple) else (spec, False)
+        if value is None and allowed is None:
+            continue
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and (value > 0 or (allowed is True and value == 0))
+        if not ok:
+            raise ConfigError(f"SharedTier: expected {name} a finite number > 0, got {value!r}")

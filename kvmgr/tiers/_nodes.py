@@ -25,7 +25,9 @@ import numpy as np
 from redis.crc import key_slot
 
 from kvmgr.errors import TierError, TierTimeoutError, TierUnavailableError
-from kvmgr.tiers._resp import Connection, Endpoint, ReplyError, command, connect
+from kvmgr.tiers._resp import Endpoint, ReplyError, command
+from kvmgr.tiers._resp_conn import Connection
+from kvmgr.tiers._resp_connect import connect
 
 __all__ = ["NUM_SLOTS", "Breaker", "NodePool", "PoolWaitTimeout", "SlotMap"]
 

@@ -6,6 +6,7 @@ Offers:
     get_job     ``GET`` per key, each value received into its buffers (or into a fresh buffer)
     put_job     ``EXISTS`` per key, then ``SET key blob NX [PX ttl]`` for the absent ones
     keys_job    ``EXISTS`` or ``UNLINK`` per key
+    get_part, put_part, keys_part   the same for the items of one node (``Dispatcher.run``)
 
 Every job is blocking, runs in a worker thread, sends its whole batch in one write and reads the
 replies in order (one round trip; the put's ``EXISTS`` adds one), and ends by the deadline. A
@@ -24,9 +25,19 @@ import attrs
 
 from kvmgr.errors import TierError, TierUnavailableError
 from kvmgr.tiers._nodes import NodePool, parse_redirect
-from kvmgr.tiers._resp import Connection, ReplyError, command
+from kvmgr.tiers._resp import ReplyError, command
+from kvmgr.tiers._resp_conn import Connection
 
-__all__ = ["FAILED", "JobResult", "get_job", "keys_job", "put_job"]
+__all__ = [
+    "FAILED",
+    "JobResult",
+    "get_job",
+    "get_part",
+    "keys_job",
+    "keys_part",
+    "put_job",
+    "put_part",
+]
 
 #: the outcome of an item the job could not finish
 FAILED = object()
@@ -91,6 +102,11 @@ def _settle(result: JobResult, item: int, reply: Any) -> Any:
     return FAILED
 
 
+def _asked(cmd: list[Any], asking: bool) -> list[Any]:
+    """``cmd``, preceded by ``ASKING`` when it follows an ``ASK`` redirection."""
+    return [*_ASKING, *cmd] if asking else cmd
+
+
 def get_job(
     pool: NodePool,
     keys: Sequence[bytes],
@@ -108,7 +124,7 @@ def get_job(
     def exchange(conn: Connection, result: JobResult) -> None:
         out: list[Any] = []
         for key in keys:
-            out += [*_ASKING, *command(b"GET", key)] if asking else command(b"GET", key)
+            out += _asked(command(b"GET", key), asking)
         conn.send(out, deadline)
         for i in range(len(keys)):
             if asking:
@@ -124,52 +140,51 @@ def get_job(
     return _run(pool, len(keys), deadline, exchange)
 
 
+def _absent(
+    conn: Connection, keys: Sequence[bytes], asking: bool, deadline: float, result: JobResult
+) -> list[int]:
+    """``EXISTS`` per key (one round trip): the positions the server lacks; those it holds get
+    the outcome ``"present"``, failed ones ``FAILED``."""
+    out = []
+    for key in keys:
+        out += _asked(command(b"EXISTS", key), asking)
+    conn.send(out, deadline)
+    todo = []
+    for i in range(len(keys)):
+        if asking:
+            conn.read_reply(deadline)
+        reply = _settle(result, i, conn.read_reply(deadline))
+        if reply is FAILED:
+            continue
+        if reply:
+            result.outcome[i] = "present"
+        else:
+            todo.append(i)
+    return todo
+
+
 def put_job(
     pool: NodePool,
     keys: Sequence[bytes],
     deadline: float,
     asking: bool,
-    vectors: Sequence[Sequence[Any]],
-    prepare: Callable[[int], None] | None,
+    blobs: Sequence[Any],
     ttl_ms: int | None,
     skip_present: bool,
-    blob_bytes: int | None = None,
 ) -> JobResult:
-    """Store blob ``i`` (the buffers ``vectors[i]``, concatenated) under ``keys[i]`` unless the
-    server has the key (``EXISTS`` first, one round trip, when ``skip_present``; ``SET .. NX``
-    in any case, so a key another writer set, with its TTL, is never overwritten).
-    ``prepare(i)`` runs just before blob ``i`` is framed (the bridge writes its header there).
-    Outcome per item: ``"stored"``, ``"present"`` or ``FAILED``."""
+    """Store ``blobs[i]`` (one buffer, sent as it is) under ``keys[i]`` unless the server has
+    the key (``EXISTS`` first, one round trip, when ``skip_present``; ``SET .. NX`` in any case,
+    so a key another writer set, with its TTL, is never overwritten). Outcome per item:
+    ``"stored"``, ``"present"`` or ``FAILED``."""
     extra = [b"NX"] + ([b"PX", ttl_ms] if ttl_ms is not None else [])
 
     def exchange(conn: Connection, result: JobResult) -> None:
         todo = list(range(len(keys)))
         if skip_present:
-            out = []
-            for key in keys:
-                out += [*_ASKING, *command(b"EXISTS", key)] if asking else command(b"EXISTS", key)
-            conn.send(out, deadline)
-            todo = []
-            for i in range(len(keys)):
-                if asking:
-                    conn.read_reply(deadline)
-                reply = _settle(result, i, conn.read_reply(deadline))
-                if reply is FAILED:
-                    continue
-                if reply:
-                    result.outcome[i] = "present"
-                else:
-                    todo.append(i)
+            todo = _absent(conn, keys, asking, deadline, result)
         out = []
-        for i in todo:  # written in groups as the headers are made: hashing overlaps sending
-            if prepare is not None:
-                prepare(i)
-            blob = list(vectors[i]) if blob_bytes is None else (vectors[i], blob_bytes)
-            out += (
-                [*_ASKING, *command(b"SET", keys[i], blob, *extra)]
-                if asking
-                else command(b"SET", keys[i], blob, *extra)
-            )
+        for i in todo:  # sent in groups of buffers
+            out += _asked(command(b"SET", keys[i], [blobs[i]], *extra), asking)
             if len(out) >= _SEND_BUFFERS:
                 conn.send(out, deadline)
                 out = []
@@ -193,7 +208,7 @@ def keys_job(
     def exchange(conn: Connection, result: JobResult) -> None:
         out: list[Any] = []
         for key in keys:
-            out += [*_ASKING, *command(verb, key)] if asking else command(verb, key)
+            out += _asked(command(verb, key), asking)
         conn.send(out, deadline)
         for i in range(len(keys)):
             if asking:
@@ -201,3 +216,25 @@ def keys_job(
             result.outcome[i] = _settle(result, i, conn.read_reply(deadline))
 
     return _run(pool, len(keys), deadline, exchange)
+
+
+# ---- the jobs as ``Dispatcher.run`` calls them: one node's part of a batch ----------------
+
+
+def get_part(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+         vectors: Any, check: Any, blob_bytes: int | None) -> JobResult:  # fmt: skip
+    """``get_job`` of the items at ``positions`` (the ``Dispatcher``'s call for one node)."""
+    sub_vectors = None if vectors is None else [vectors[p] for p in positions]
+    sub_check = None if check is None else (lambda i: check(positions[i]))
+    return get_job(pool, keys, deadline, asking, sub_vectors, sub_check, blob_bytes)
+
+
+def put_part(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+         blobs: Any, ttl_ms: int | None, skip_present: bool) -> JobResult:  # fmt: skip
+    return put_job(pool, keys, deadline, asking, [blobs[p] for p in positions], ttl_ms,
+                   skip_present)  # fmt: skip
+
+
+def keys_part(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
+          verb: bytes) -> JobResult:  # fmt: skip
+    return keys_job(pool, keys, deadline, asking, verb)

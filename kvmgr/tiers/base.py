@@ -7,7 +7,7 @@ Offers:
     PutResult        what a batched write stored
     TierStatistics   frozen counters of one backend (totals since construction)
     TierCounters     the mutable counters a backend keeps and snapshots
-    check_keys       key validation shared by the backends
+    check_keys       the block-key rule (``kvmgr._keys``), re-exported for the backends
     with_deadline    run one awaitable under a deadline, raising ``TierTimeoutError``
     join_worker      await a worker thread; a cancellation waits for the worker to end first
 
@@ -26,12 +26,12 @@ Semantics shared by all backends:
       direct I/O without a copy; the header's length says where the blob ends) and
       ``chunk_bytes`` (int: take a batch in chunks of about this many bytes, so gather/scatter
       overlaps the I/O; only for backends where a call is not a network round trip).
-    - Optional zero-copy methods (``SharedTier`` has them; ``TierBridge`` uses them when
-      present): ``put_vectors(keys, vectors, prepare)`` writes blob ``i`` from the buffers
-      ``vectors[i]`` (a header and the block's pages, never joined), calling ``prepare(i)``
-      just before; ``get_into(keys, vectors, check)`` receives blob ``i`` into ``vectors[i]``
-      and returns bool hits, ``check(i)`` judging each landed blob. Both read or write the
-      buffers until their await ends, and not after (``join_worker``).
+    - Optional zero-copy read (``SharedTier`` has it; ``TierBridge`` uses it when present):
+      ``get_into(keys, vectors, check)`` receives blob ``i`` into the buffers ``vectors[i]`` (a
+      header row and the block's pages) and returns bool hits, ``check(i)`` judging each landed
+      blob; it writes the buffers until its await ends, and not after (``join_worker``).
+      Writes always arrive through ``put_many`` as staged rows (``TierBridge.stage``: the one
+      write path, the manager's).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 import attrs
 import numpy as np
 
-from kvmgr.errors import InvalidKeyError, TierTimeoutError
+from kvmgr._keys import check_keys
+from kvmgr.errors import TierTimeoutError
 
 __all__ = [
     "Buffer",
@@ -80,8 +81,37 @@ class PutResult:
     seconds: float
 
 
+@attrs.define
+class _TierTotals:
+    """The counter fields of one backend, declared once: ``TierStatistics`` freezes them,
+    ``TierCounters`` updates them."""
+
+    name: str
+    io_mode: str
+    num_put_batches: int = 0
+    num_get_batches: int = 0
+    num_stored: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_corrupt: int = 0
+    num_timeouts: int = 0
+    num_errors: int = 0
+    num_full: int = 0
+    num_evicted: int = 0
+    num_already_present: int = 0
+    num_fail_fast: int = 0
+    num_redirects: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    put_s: float = 0.0
+    get_s: float = 0.0
+    max_put_s: float = 0.0
+    max_get_s: float = 0.0
+    last_error: str | None = None
+
+
 @attrs.frozen
-class TierStatistics:
+class TierStatistics(_TierTotals):
     """Counters of one backend, totals since construction (blocks, bytes, seconds).
 
     Attributes:
@@ -110,56 +140,10 @@ class TierStatistics:
         last_error: the last error's message (never contains credentials), or ``None``.
     """
 
-    name: str
-    io_mode: str
-    num_put_batches: int = 0
-    num_get_batches: int = 0
-    num_stored: int = 0
-    num_hits: int = 0
-    num_misses: int = 0
-    num_corrupt: int = 0
-    num_timeouts: int = 0
-    num_errors: int = 0
-    num_full: int = 0
-    num_evicted: int = 0
-    num_already_present: int = 0
-    num_fail_fast: int = 0
-    num_redirects: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    put_s: float = 0.0
-    get_s: float = 0.0
-    max_put_s: float = 0.0
-    max_get_s: float = 0.0
-    last_error: str | None = None
-
 
 @attrs.define
-class TierCounters:
-    """Mutable twin of ``TierStatistics`` that a backend updates; ``snapshot()`` freezes it."""
-
-    name: str
-    io_mode: str
-    num_put_batches: int = 0
-    num_get_batches: int = 0
-    num_stored: int = 0
-    num_hits: int = 0
-    num_misses: int = 0
-    num_corrupt: int = 0
-    num_timeouts: int = 0
-    num_errors: int = 0
-    num_full: int = 0
-    num_evicted: int = 0
-    num_already_present: int = 0
-    num_fail_fast: int = 0
-    num_redirects: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    put_s: float = 0.0
-    get_s: float = 0.0
-    max_put_s: float = 0.0
-    max_get_s: float = 0.0
-    last_error: str | None = None
+class TierCounters(_TierTotals):
+    """The mutable twin of ``TierStatistics`` that a backend updates; ``snapshot()`` freezes it."""
 
     def add_put_time(self, seconds: float) -> None:
         """Count one ``put_many`` call of ``seconds``."""
@@ -229,21 +213,6 @@ class TierBackend(Protocol):
     def statistics(self) -> TierStatistics:
         """Totals since construction."""
         ...
-
-
-def check_keys(keys: Sequence[bytes], *, distinct: bool = False) -> list[bytes]:
-    """Return ``keys`` as a list after checking each is non-empty ``bytes``.
-
-    Raises:
-        InvalidKeyError: a key is not ``bytes`` or empty, or (``distinct=True``) keys repeat.
-    """
-    out = list(keys)
-    for i, key in enumerate(out):
-        if not isinstance(key, bytes) or not key:
-            raise InvalidKeyError(f"key {i}: expected non-empty bytes, got {type(key).__name__}")
-    if distinct and len(set(out)) != len(out):
-        raise InvalidKeyError(f"expected distinct keys, got {len(out) - len(set(out))} repeats")
-    return out
 
 
 async def with_deadline(awaitable: Awaitable[T], deadline_s: float, what: str) -> T:

@@ -1,17 +1,22 @@
 """Moving blocks between the CPU tier's pages and a lower tier.
 
 Offers:
-    TierBridge          ``demote`` (CPU blocks -> blobs -> backend) and ``promote`` (backend ->
-                        verified blobs -> CPU blocks) over one ``TierBackend``
+    TierBridge          ``stage`` + ``put_staged`` (CPU blocks -> blobs -> backend; ``demote``
+                        does both) and ``promote`` (backend -> verified blobs -> CPU blocks)
+                        over one ``TierBackend``
+    StagedBlobs         blobs gathered by ``stage``, not written yet
     BridgeStatistics    frozen counters of one bridge (totals)
 
 The manager calls it for write-back demotion on CPU eviction, for write-through, and to stage a
-lower-tier hit through CPU blocks before the H2D copy. Gather and scatter are array programs:
-one numpy ``take``/fancy assignment per KV tensor per batch, run in a worker thread when the batch
-is larger than ``offload_bytes`` so the event loop keeps serving. A backend with the zero-copy
-methods (``put_vectors``/``get_into``: the shared tier) skips both: blobs go out from the pages
-themselves and come back straight into them. Tier errors never escape ``demote``/``promote``:
-they become ``False`` entries (recompute) and are counted here and in the backend's statistics.
+lower-tier hit through CPU blocks before the H2D copy. There is one write path: blocks are
+gathered into blob rows (``stage``; the manager does it at once, before anything can overwrite
+the evicted blocks) and the rows are written (``put_staged``); ``demote`` is the two in a
+pipeline (gathering chunk k + 1 while chunk k is written), so ``kvmgr bench tiers`` times the
+copies the manager makes. Gather and scatter are array programs (``kvmgr.tiers._pages``), run
+in a worker thread when a batch is larger than ``offload_bytes`` so the event loop keeps
+serving. A backend with ``get_into`` (the shared tier) receives read blobs straight into the
+pages. Tier errors never escape ``demote``/``put_staged``/``promote``: they become ``False``
+entries (recompute) and are counted here and in the backend's statistics.
 
 Every blob read is verified here, against the namespace (``blob.verify_parts``: layout, the
 checksum, the tenant's MAC), before its block counts as a hit.
@@ -22,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import mmap
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,74 +37,17 @@ import torch
 
 from kvmgr.errors import (
     GeometryError,
-    InvalidBlockError,
-    InvalidKeyError,
     TierError,
     TierSecurityWarning,
 )
+from kvmgr.tiers._bridge_records import BridgeCounters, BridgeStatistics, StagedBlobs
+from kvmgr.tiers._pages import CORRUPT, LAYOUT, OK, CpuPages
 from kvmgr.tiers.base import TierBackend, check_keys, join_worker
-from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace, encode_header, encode_rows, verify_parts
+from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace
 
 __all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
 
 _log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class BridgeStatistics:
-    """Totals since construction.
-
-    Attributes:
-        num_demoted: blocks written to the backend.
-        num_demote_failed: blocks a failed ``put_many`` did not store.
-        num_promoted: blocks read, verified and scattered into CPU blocks.
-        num_promote_misses: blocks asked for and not promoted (miss, corrupt, error).
-        num_layout_mismatch: blobs of another layout (another fingerprint; never served).
-        num_corrupt: blobs rejected by verification: damaged, truncated, moved under another
-            key, or (sealed namespaces) without the tenant's valid MAC. Never served.
-        num_errors: tier errors turned into ``False`` results.
-        bytes_demoted / bytes_promoted: payload bytes moved.
-    """
-
-    num_demoted: int = 0
-    num_demote_failed: int = 0
-    num_promoted: int = 0
-    num_promote_misses: int = 0
-    num_layout_mismatch: int = 0
-    num_corrupt: int = 0
-    num_errors: int = 0
-    bytes_demoted: int = 0
-    bytes_promoted: int = 0
-
-
-@attrs.frozen(eq=False)
-class StagedBlobs:
-    """Blobs gathered by ``TierBridge.stage``, not written yet.
-
-    Attributes:
-        stored_keys: the namespaced keys, one per blob.
-        buffer: the staging array (reused after a successful write).
-        padded: ``buffer``'s first rows, each a blob padded to the backend's row size.
-        rows: the same rows cut to ``blob_bytes``.
-    """
-
-    stored_keys: list[bytes]
-    buffer: np.ndarray
-    padded: np.ndarray
-    rows: np.ndarray
-
-
-@attrs.define
-class _Counters:
-    num_demoted: int = 0
-    num_demote_failed: int = 0
-    num_promoted: int = 0
-    num_promote_misses: int = 0
-    num_layout_mismatch: int = 0
-    num_corrupt: int = 0
-    num_errors: int = 0
-    bytes_demoted: int = 0
-    bytes_promoted: int = 0
 
 
 class TierBridge:
@@ -144,35 +90,18 @@ class TierBridge:
         *,
         offload_bytes: int = 1 << 20,
     ) -> None:
-        tensors = list(cpu_tensors)
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
-                raise GeometryError(f"cpu tensor {i}: expected uint8 [num_blocks, page_bytes]")
-            if t.device.type != "cpu" or t.stride(1) != 1:
-                raise GeometryError(f"cpu tensor {i}: expected a CPU tensor with contiguous rows")
-        page_bytes = tuple(int(t.shape[1]) for t in tensors)
-        if page_bytes != namespace.page_bytes:
-            raise GeometryError(
-                f"expected page bytes {namespace.page_bytes} (namespace), got {page_bytes}"
-            )
-        if len({int(t.shape[0]) for t in tensors}) != 1:
-            raise GeometryError("expected the same num_blocks in every cpu tensor")
+        self._pages = CpuPages(cpu_tensors, namespace)
         slot_bytes = getattr(backend, "slot_bytes", None)
         if isinstance(slot_bytes, int) and slot_bytes < namespace.blob_bytes:
             raise GeometryError(
                 f"expected backend slots of >= {namespace.blob_bytes} B (one blob), got {slot_bytes}"
             )
-        self._arrays = [t.numpy() for t in tensors]
-        self._stack = _as_stack(self._arrays)
-        self._offsets = np.concatenate([[0], np.cumsum(page_bytes)]).tolist()
-        self.num_blocks = int(tensors[0].shape[0])
+        self.num_blocks = self._pages.num_blocks
         self.backend = backend
         self.namespace = namespace
         self._offload_bytes = offload_bytes
-        self._counters = _Counters()
+        self._counters = BridgeCounters()
         self._failing = False  # the last call failed (log once per run of failures)
-        # reusable staging arrays (fresh memory costs a page fault per 4 KiB on every batch)
-        self._spare_rows: list[np.ndarray] = []
         # a backend doing direct I/O asks for aligned blobs padded to its alignment, which it
         # then writes without another copy (pwritev straight from these rows)
         align = max(1, int(getattr(backend, "blob_alignment", 1)))
@@ -184,30 +113,22 @@ class TierBridge:
         self._chunk_blocks = (
             max(1, int(chunk_bytes) // namespace.blob_bytes) if chunk_bytes else 1 << 62
         )
-        self._spare_stage: list[np.ndarray] = []
-        self._spare_lock = threading.Lock()  # worker threads of concurrent calls share the lists
-        # zero-copy backends: blobs leave from and land in the pages themselves
-        self._vectored = callable(getattr(backend, "put_vectors", None)) and callable(
-            getattr(backend, "get_into", None)
-        )
+        # zero-copy reads: blobs land in the pages themselves
+        self._receives_into = callable(getattr(backend, "get_into", None))
         if not namespace.is_sealed and getattr(backend, "single_tenant", True) is False:
-            message = (
-                f"TierBridge over {type(backend).__name__}: the namespace has no tenant_salt, so "
-                "its blobs are not sealed and anyone who can write to the server can plant KV "
-                "this instance loads; set TierNamespace(tenant_salt=...) or declare the backend "
-                "single_tenant=True (docs/tiers.md)"
-            )
-            _log.warning(message)
-            warnings.warn(message, TierSecurityWarning, stacklevel=2)
+            _warn_unsealed(type(backend).__name__)
 
     def statistics(self) -> BridgeStatistics:
         """Totals since construction."""
         return BridgeStatistics(**attrs.asdict(self._counters))
 
+    # ---- writes: stage, then put ----------------------------------------------------------
+
     async def demote(
         self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
     ) -> np.ndarray:
-        """Write CPU blocks ``cpu_block_ids[i]`` to the backend under ``keys[i]``.
+        """Write CPU blocks ``cpu_block_ids[i]`` to the backend under ``keys[i]``: ``stage``
+        and ``put_staged`` per chunk, gathering chunk k + 1 while chunk k is written.
 
         Args:
             keys: caller keys (block hashes), distinct, ``bytes``.
@@ -222,26 +143,19 @@ class TierBridge:
         """
         keys, ids = self._check(keys, cpu_block_ids, distinct_keys=True)
         stored = np.zeros(len(keys), dtype=bool)
-        if not keys:
-            return stored
-        stored_keys = self.namespace.stored_keys(keys)
-        if self._vectored:
-            stored = await self._demote_vectored(stored_keys, ids)
-            self._count_demoted(stored)
-            return stored
-        # gather chunk k + 1 while chunk k is being written (one chunk for round-trip backends)
         puts = []
         for lo in range(0, len(keys), self._chunk_blocks):
             part = slice(lo, lo + self._chunk_blocks)
-            staged = self._stage_rows(stored_keys[part])
-            gather = functools.partial(self._gather, ids[part], staged.stored_keys, staged.rows)
+            staged = self._stage_rows(self.namespace.stored_keys(keys[part]))
+            gather = functools.partial(
+                self._pages.gather, ids[part], staged.stored_keys, staged.rows
+            )
             await self._maybe_thread(len(staged.stored_keys), gather)
-            task = asyncio.ensure_future(self._put(staged))
+            task = asyncio.ensure_future(self.put_staged(staged))
             task.add_done_callback(_retrieve)
             puts.append((part, task))
         for part, task in puts:
             stored[part] = await task
-        self._count_demoted(stored)
         return stored
 
     def stage(
@@ -256,43 +170,41 @@ class TierBridge:
         keys, ids = self._check(keys, cpu_block_ids)
         staged = self._stage_rows(self.namespace.stored_keys(keys))
         if keys:
-            self._gather(ids, staged.stored_keys, staged.rows)
+            self._pages.gather(ids, staged.stored_keys, staged.rows)
         return staged
 
     async def put_staged(self, staged: StagedBlobs) -> np.ndarray:
-        """Write blobs gathered by ``stage``; returns bool ``[n]`` as ``demote``."""
-        if not staged.stored_keys:
-            return np.zeros(0, dtype=bool)
-        stored = await self._put(staged)
-        self._count_demoted(stored)
-        return stored
+        """Write blobs gathered by ``stage`` in one ``put_many``.
 
-    def _stage_rows(self, stored_keys: list[bytes]) -> StagedBlobs:
-        num = len(stored_keys)
-        buffer = _take(
-            self._spare_lock, self._spare_rows, max(1, num), self._row_bytes, aligned=self._aligned
-        )
-        padded = buffer[:num]
-        return StagedBlobs(stored_keys, buffer, padded, padded[:, : self.namespace.blob_bytes])
-
-    async def _put(self, staged: StagedBlobs) -> np.ndarray:
-        """One ``put_many``; bool ``[n]``, all ``False`` after a tier error (counted)."""
+        Returns:
+            bool ``[n]`` as ``demote``: all ``False`` after a tier error (counted).
+        """
         num = len(staged.stored_keys)
+        if not num:
+            return np.zeros(0, dtype=bool)
         try:
             result = await self.backend.put_many(staged.stored_keys, list(staged.padded))
         except TierError as exc:
             # (the buffer is dropped, not reused: a timed-out write may still be reading it)
             self._report_failure("demote", num, exc)
-            return np.zeros(num, dtype=bool)
-        self._spare_rows.append(staged.buffer)
-        self._failing = False
-        return np.asarray(result.stored, dtype=bool)
-
-    def _count_demoted(self, stored: np.ndarray) -> None:
+            stored = np.zeros(num, dtype=bool)
+        else:
+            self._pages.give_back_rows(staged.buffer)
+            self._failing = False
+            stored = np.asarray(result.stored, dtype=bool)
         num_stored = int(stored.sum())
         self._counters.num_demoted += num_stored
-        self._counters.num_demote_failed += len(stored) - num_stored
+        self._counters.num_demote_failed += num - num_stored
         self._counters.bytes_demoted += num_stored * self.namespace.payload_bytes
+        return stored
+
+    def _stage_rows(self, stored_keys: list[bytes]) -> StagedBlobs:
+        num = len(stored_keys)
+        buffer = self._pages.take_rows(num, self._row_bytes, aligned=self._aligned)
+        padded = buffer[:num]
+        return StagedBlobs(stored_keys, buffer, padded, padded[:, : self.namespace.blob_bytes])
+
+    # ---- reads: get, verify, scatter ------------------------------------------------------
 
     async def promote(
         self, keys: Sequence[bytes], cpu_block_ids: Sequence[int] | np.ndarray
@@ -316,8 +228,8 @@ class TierBridge:
         if not keys:
             return hit
         stored_keys = self.namespace.stored_keys(keys)
-        if self._vectored:
-            hit = await self._promote_vectored(stored_keys, ids)
+        if self._receives_into:
+            hit = await self._promote_into(stored_keys, ids)
         else:
             hit = await self._promote_copied(stored_keys, ids)
         num_hits = int(hit.sum())
@@ -349,7 +261,7 @@ class TierBridge:
                 continue
             verdict = np.zeros(len(positions), dtype=np.int8)
             scatter = functools.partial(
-                self._verify_scatter,
+                self._pages.verify_scatter,
                 [stored_keys[i] for i in positions],
                 ids[positions],
                 [blobs[i - lo] for i in positions],
@@ -357,20 +269,20 @@ class TierBridge:
             )
             await self._maybe_thread(len(positions), scatter)
             self._count_verdicts(verdict)
-            hit[np.asarray(positions)[verdict == _OK]] = True
+            hit[np.asarray(positions)[verdict == OK]] = True
         return hit
 
-    async def _promote_vectored(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
+    async def _promote_into(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
         """Zero-copy: each blob is received into a header row and the block's pages, and
         verified there by the backend's worker (``check``)."""
         headers = np.empty((len(ids), HEADER_BYTES), dtype=np.uint8)
-        pages = [self._pages(block) for block in ids.tolist()]
+        pages = [self._pages.pages(block) for block in ids.tolist()]
         vectors = [[headers[i], *pages[i]] for i in range(len(ids))]
         verdict = np.zeros(len(ids), dtype=np.int8)
 
         def check(i: int) -> bool:
-            verdict[i] = self._judge(stored_keys[i], headers[i], pages[i])
-            return bool(verdict[i] == _OK)
+            verdict[i] = self._pages.judge(stored_keys[i], headers[i], pages[i])
+            return bool(verdict[i] == OK)
 
         get_into = self.backend.get_into  # type: ignore[attr-defined]
         try:
@@ -380,68 +292,11 @@ class TierBridge:
             return np.zeros(len(ids), dtype=bool)
         self._failing = False
         self._count_verdicts(verdict)
-        return np.asarray(hit, dtype=bool) & (verdict == _OK)
-
-    async def _demote_vectored(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
-        """Zero-copy: blob ``i`` is sent as its header row and the block's pages; the header
-        (checksum, MAC) is computed by the backend's worker just before (``prepare``)."""
-        headers = np.empty((len(ids), HEADER_BYTES), dtype=np.uint8)
-        pages = [self._pages(block) for block in ids.tolist()]
-        vectors = [[headers[i], *pages[i]] for i in range(len(ids))]
-
-        payload_bytes = self._payload_bytes(pages[0]) if pages else None
-
-        def prepare(i: int) -> None:
-            encode_header(headers[i], stored_keys[i], pages[i], self.namespace, payload_bytes)
-
-        put_vectors = self.backend.put_vectors  # type: ignore[attr-defined]
-        try:
-            result = await put_vectors(stored_keys, vectors, prepare, self.namespace.blob_bytes)
-        except TierError as exc:
-            self._report_failure("demote", len(ids), exc)
-            return np.zeros(len(ids), dtype=bool)
-        self._failing = False
-        return np.asarray(result.stored, dtype=bool)
-
-    def _pages(self, block: int) -> list[np.ndarray]:
-        """Block ``block``'s page of every tensor, in tensor order (views, no copy)."""
-        if self._stack is not None:
-            return list(self._stack[:, block])
-        return [arr[block] for arr in self._arrays]
-
-    def _judge(self, stored_key: bytes, header: Any, payload: Sequence[Any]) -> int:
-        """``_OK``, ``_LAYOUT`` (another fingerprint or size) or ``_CORRUPT`` for one blob."""
-        if verify_parts(stored_key, header, payload, self.namespace, self._payload_bytes(payload)):
-            return _OK
-        fingerprint = bytes(memoryview(header).cast("B")[8:24])
-        return _LAYOUT if fingerprint != self.namespace.fingerprint else _CORRUPT
-
-    def _payload_bytes(self, payload: Sequence[Any]) -> int | None:
-        """The payload's length when it is one page of every tensor (no need to add it up)."""
-        return self.namespace.payload_bytes if len(payload) == len(self._arrays) > 1 else None
+        return np.asarray(hit, dtype=bool) & (verdict == OK)
 
     def _count_verdicts(self, verdict: np.ndarray) -> None:
-        self._counters.num_layout_mismatch += int(np.count_nonzero(verdict == _LAYOUT))
-        self._counters.num_corrupt += int(np.count_nonzero(verdict == _CORRUPT))
-
-    def _verify_scatter(
-        self, stored_keys: list[bytes], ids: np.ndarray, blobs: list[Any], verdict: np.ndarray
-    ) -> None:
-        """Verify each blob (``verdict[i]``), then scatter the good ones into ``ids``."""
-        good, payloads = [], []
-        for i, blob in enumerate(blobs):
-            view = memoryview(blob).cast("B")
-            if view.nbytes < HEADER_BYTES:
-                verdict[i] = _CORRUPT
-                continue
-            verdict[i] = self._judge(stored_keys[i], view[:HEADER_BYTES], [view[HEADER_BYTES:]])
-            if verdict[i] == _OK and view.nbytes != self.namespace.blob_bytes:
-                verdict[i] = _LAYOUT  # (cannot pass with the namespace's fingerprint)
-            if verdict[i] == _OK:
-                good.append(i)
-                payloads.append(view[HEADER_BYTES:])
-        if good:
-            self._scatter(ids[good], payloads)
+        self._counters.num_layout_mismatch += int(np.count_nonzero(verdict == LAYOUT))
+        self._counters.num_corrupt += int(np.count_nonzero(verdict == CORRUPT))
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -463,21 +318,7 @@ class TierBridge:
         distinct_keys: bool = False,
     ) -> tuple[list[bytes], np.ndarray]:
         keys = check_keys(keys, distinct=distinct_keys)
-        ids = np.asarray(cpu_block_ids)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise InvalidBlockError(f"cpu_block_ids: expected a 1-D int array, got {ids.dtype}")
-        ids = ids.astype(np.int64)
-        if len(ids) != len(keys):
-            raise InvalidKeyError(
-                f"expected one cpu block id per key, got {len(ids)} for {len(keys)}"
-            )
-        bad = (ids < 0) | (ids >= self.num_blocks)
-        if bad.any():
-            raise InvalidBlockError(
-                f"cpu block id {int(ids[bad][0])} out of range [0, {self.num_blocks})"
-            )
-        if distinct_ids and len(np.unique(ids)) != len(ids):
-            raise InvalidBlockError("cpu_block_ids: expected distinct ids for promote")
+        ids = self._pages.check_ids(cpu_block_ids, len(keys), distinct=distinct_ids)
         return keys, ids
 
     async def _maybe_thread(self, num_blocks: int, fn: Callable[[], None]) -> None:
@@ -492,89 +333,19 @@ class TierBridge:
         else:
             fn()
 
-    def _gather(self, ids: np.ndarray, stored_keys: list[bytes], rows: np.ndarray) -> None:
-        """Fill uint8 ``rows [n, blob_bytes]``: row ``i`` = header + block ``ids[i]``'s pages."""
-        if self._stack is not None:  # one strided copy per block (faster than one take per tensor)
-            num_tensors, _num_blocks, page = self._stack.shape
-            payloads = np.lib.stride_tricks.as_strided(  # a view of the rows' payload columns
-                rows[:, HEADER_BYTES:],
-                shape=(len(ids), num_tensors, page),
-                strides=(rows.strides[0], page, 1),
-            )
-            for i, block in enumerate(ids.tolist()):
-                payloads[i] = self._stack[:, block, :]
-        else:
-            for t, arr in enumerate(self._arrays):
-                lo, hi = HEADER_BYTES + self._offsets[t], HEADER_BYTES + self._offsets[t + 1]
-                np.take(arr, ids, axis=0, out=rows[:, lo:hi], mode="clip")
-        encode_rows(rows, stored_keys, self.namespace)
 
-    def _scatter(self, ids: np.ndarray, payloads: list[memoryview]) -> None:
-        if self._stack is not None:  # one copy per block, straight from the blob
-            shape = self._stack.shape[0], self._stack.shape[2]
-            for block, payload in zip(ids.tolist(), payloads):
-                self._stack[:, block, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
-            return
-        buffer = _take(
-            self._spare_lock, self._spare_stage, len(payloads), self.namespace.payload_bytes
-        )
-        stage = buffer[: len(payloads)]
-        for i, payload in enumerate(payloads):
-            stage[i] = np.frombuffer(payload, dtype=np.uint8)
-        for t, arr in enumerate(self._arrays):
-            arr[ids] = stage[:, self._offsets[t] : self._offsets[t + 1]]
-        self._spare_stage.append(buffer)
-
-
-_OK, _LAYOUT, _CORRUPT = 1, 2, 3  # verdicts of one blob (0: not judged)
+def _warn_unsealed(backend_name: str) -> None:
+    message = (
+        f"TierBridge over {backend_name}: the namespace has no tenant_salt, so "
+        "its blobs are not sealed and anyone who can write to the server can plant KV "
+        "this instance loads; set TierNamespace(tenant_salt=...) or declare the backend "
+        "single_tenant=True (docs/tiers.md)"
+    )
+    _log.warning(message)
+    warnings.warn(message, TierSecurityWarning, stacklevel=3)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark a task's exception retrieved (a cancelled demote/promote leaves tasks behind)."""
     if not task.cancelled():
         task.exception()
-
-
-def _take(
-    lock: threading.Lock,
-    spares: list[np.ndarray],
-    rows: int,
-    width: int,
-    *,
-    aligned: bool = False,
-) -> np.ndarray:
-    """A spare uint8 ``[>= rows, width]`` array from ``spares`` (removed), or a new one.
-
-    ``aligned``: a new array starts on a page (``mmap``), so rows of a multiple-of-4 KiB width
-    are 4 KiB aligned.
-    """
-    with lock:
-        for i, buf in enumerate(spares):
-            if buf.shape[0] >= rows:
-                return spares.pop(i)
-        if spares:
-            spares.pop(0)  # too small: let it go
-    if aligned:
-        return np.frombuffer(mmap.mmap(-1, rows * width), dtype=np.uint8).reshape(rows, width)
-    return np.empty((rows, width), dtype=np.uint8)
-
-
-def _as_stack(arrays: list[np.ndarray]) -> np.ndarray | None:
-    """A ``[num_tensors, num_blocks, page]`` view over equally spaced, equal-page tensors.
-
-    ``HostKVPool`` lays equal-page tensors out this way (one region, aligned offsets). Element
-    ``[t, b, j]`` is byte ``j`` of block ``b`` of tensor ``t``, so the view touches nothing
-    outside the tensors even though it spans the gaps between them. ``None`` otherwise.
-    """
-    if len(arrays) < 2 or len({a.shape for a in arrays}) != 1:
-        return None
-    if any(a.strides != (a.shape[1], 1) for a in arrays):
-        return None
-    gaps = np.diff(np.array([a.ctypes.data for a in arrays], dtype=np.int64))
-    spacing = int(gaps[0])
-    if spacing <= 0 or (gaps != spacing).any():
-        return None
-    num_blocks, page = arrays[0].shape
-    return np.lib.stride_tricks.as_strided(
-        arrays[0], shape=(len(arrays), num_blocks, page), strides=(spacing, page, 1)
-    )

@@ -3,10 +3,8 @@
 Offers:
     DiskTier   ``TierBackend`` over one or more preallocated files
 
-Data structures: ``_index`` (OrderedDict stored key -> (slot, blob bytes), least recently used
-first), ``_free`` (free slot ids; fresh ids ascending first so a batch lands in consecutive
-slots, then freed ids last-freed-first), ``_pins`` (slot -> reads in flight; pinned slots are
-never evicted or reused), ``_pending`` (keys whose write is in flight: not readable).
+Data structures: ``kvmgr.tiers._disk_slots.SlotTable`` (the LRU index of stored key -> slot,
+free slots, pins of slots being read, keys being written).
 
 Flow: ``put_many`` reserves slots (evicting LRU entries that no read pins), writes runs of
 consecutive slots with one ``os.pwritev`` per run in worker threads, and only then enters the
@@ -40,7 +38,6 @@ import errno
 import math
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +54,7 @@ from kvmgr.errors import (
     TierUnavailableError,
 )
 from kvmgr.tiers._disk_index import load_index, save_index
+from kvmgr.tiers._disk_slots import SlotTable
 from kvmgr.tiers._slot_files import ALIGN_BYTES, MAX_RUN_BYTES, FileInUseError, SlotFiles
 from kvmgr.tiers.base import (
     Buffer,
@@ -134,11 +132,6 @@ class DiskTier:
             raise TierUnavailableError(f"disk tier {os.fspath(path)}: {exc.strerror}") from None
         self.is_direct = self._files.is_direct
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvmgr-disk")
-        self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._pins: dict[int, int] = {}
-        self._doomed: set[int] = set()
-        self._pending: set[bytes] = set()
         self._inflight: set[asyncio.Task[object]] = set()
         mode = "direct" if self.is_direct else "buffered"
         self._counters = TierCounters(name="disk", io_mode=mode)
@@ -146,21 +139,18 @@ class DiskTier:
         saved = None
         if persist_index:
             saved = load_index(self._index_path(), self._geometry(), num_slots, self.slot_bytes)
-        if saved:
-            self._index = saved
-            used = {slot for slot, _length in saved.values()}
-            self._free = [s for s in range(num_slots - 1, -1, -1) if s not in used]
+        self._slots = SlotTable(num_slots, saved)
 
     def __repr__(self) -> str:
         return (
             f"DiskTier({os.fspath(self._paths[0])!r}, slots={self.num_slots} x "
-            f"{self.slot_bytes} B, {self._counters.io_mode}, {len(self._index)} used)"
+            f"{self.slot_bytes} B, {self._counters.io_mode}, {self.num_used} used)"
         )
 
     @property
     def num_used(self) -> int:
         """Slots holding a readable blob."""
-        return len(self._index)
+        return len(self._slots.index)
 
     # ---- the protocol -------------------------------------------------------------------
 
@@ -183,24 +173,8 @@ class DiskTier:
         self._check_open()
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
-        new: list[tuple[int, bytes, memoryview]] = []  # (position, key, view)
-        for i, key in enumerate(keys):
-            if key in self._index:
-                self._index.move_to_end(key)
-                stored[i] = True
-            elif key in self._pending:
-                stored[i] = True
-            else:
-                new.append((i, key, views[i]))
-        slots = self._reserve(len(new))
-        if len(slots) < len(new):
-            self._counters.num_full += len(new) - len(slots)
-            new = new[: len(slots)]
-        writes = [
-            (slot, key, view, blob_length(view) or view.nbytes)
-            for slot, (_i, key, view) in zip(slots, new)
-        ]
-        self._pending.update(w[1] for w in writes)
+        writes, positions = self._plan_writes(keys, views, stored)
+        self._slots.pending.update(w[1] for w in writes)
         task = asyncio.ensure_future(self._write_and_commit(writes))
         self._track(task)
         try:
@@ -211,9 +185,32 @@ class DiskTier:
             raise
         finally:
             self._counters.add_put_time(time.perf_counter() - start)
-        stored[[i for i, _k, _v in new]] = True
+        stored[positions] = True
         num_bytes = sum(w[3] for w in writes)
         return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
+
+    def _plan_writes(
+        self, keys: list[bytes], views: list[memoryview], stored: np.ndarray
+    ) -> tuple[list[tuple[int, bytes, memoryview, int]], list[int]]:
+        """``(slot, key, view, blob bytes)`` per blob to write, and the blobs' positions;
+        ``stored[i]`` set where the key is there already. Blobs that find no slot are counted
+        in ``num_full`` and not written."""
+        new: list[tuple[int, bytes, memoryview]] = []  # (position, key, view)
+        for i, key in enumerate(keys):
+            if self._slots.is_stored(key):
+                stored[i] = True
+            else:
+                new.append((i, key, views[i]))
+        slots, num_evicted = self._slots.reserve(len(new))
+        self._counters.num_evicted += num_evicted
+        if len(slots) < len(new):
+            self._counters.num_full += len(new) - len(slots)
+            new = new[: len(slots)]
+        writes = [
+            (slot, key, view, blob_length(view) or view.nbytes)
+            for slot, (_i, key, view) in zip(slots, new)
+        ]
+        return writes, [i for i, _k, _v in new]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Read the blobs (structure checked; the bridge verifies them); see ``TierBackend.get_many``."""
@@ -222,10 +219,8 @@ class DiskTier:
         start = time.perf_counter()
         reads: list[tuple[int, int, int, bytes]] = []  # (slot, length, position, key)
         for pos, key in enumerate(keys):
-            entry = self._index.get(key)
+            entry = self._slots.pin(key)
             if entry is not None:
-                self._index.move_to_end(key)
-                self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
                 reads.append((entry[0], entry[1], pos, key))
         task = asyncio.ensure_future(self._read_and_release(reads))
         self._track(task)
@@ -256,17 +251,12 @@ class DiskTier:
     async def contains_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """bool ``[n]`` from the in-memory index (no I/O)."""
         keys = check_keys(keys)
-        return np.fromiter((k in self._index for k in keys), dtype=bool, count=len(keys))
+        index = self._slots.index
+        return np.fromiter((k in index for k in keys), dtype=bool, count=len(keys))
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Drop the keys from the index and free their slots (after in-flight reads)."""
-        num = 0
-        for key in check_keys(keys):
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                num += 1
-                self._release(entry[0])
-        return num
+        return sum(self._slots.drop(key) for key in check_keys(keys))
 
     async def aclose(self) -> None:
         """Wait (at most ``deadline_s``) for in-flight I/O, save the index (``persist_index``),
@@ -306,7 +296,7 @@ class DiskTier:
 
     def _save_index(self) -> TierError | None:
         try:
-            save_index(self._index_path(), self._geometry(), self._index)
+            save_index(self._index_path(), self._geometry(), self._slots.index)
         except OSError as exc:
             where = f"disk tier {os.fspath(self._paths[0])}: index not saved"
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -317,41 +307,6 @@ class DiskTier:
     def statistics(self) -> TierStatistics:
         """Totals since construction (``io_mode`` ``"direct"`` or ``"buffered"``)."""
         return self._counters.snapshot()
-
-    # ---- slots ----------------------------------------------------------------------------
-
-    def _reserve(self, n: int) -> list[int]:
-        """Up to ``n`` slots: free ones first, then LRU victims that no read pins."""
-        need = n - len(self._free)
-        if need > 0:  # walk from the LRU end; stop at ``need`` victims (pinned slots are skipped)
-            victims = []
-            for key, (slot, _length) in self._index.items():
-                if slot not in self._pins:
-                    victims.append(key)
-                    if len(victims) == need:
-                        break
-            for key in victims:
-                slot, _length = self._index.pop(key)
-                self._free.append(slot)
-                self._counters.num_evicted += 1
-        take = min(n, len(self._free))
-        return [self._free.pop() for _ in range(take)]
-
-    def _release(self, slot: int) -> None:
-        if slot in self._pins:
-            self._doomed.add(slot)
-        else:
-            self._free.append(slot)
-
-    def _unpin(self, slot: int) -> None:
-        left = self._pins[slot] - 1
-        if left:
-            self._pins[slot] = left
-            return
-        del self._pins[slot]
-        if slot in self._doomed:
-            self._doomed.discard(slot)
-            self._free.append(slot)
 
     # ---- I/O ------------------------------------------------------------------------------
 
@@ -366,12 +321,7 @@ class DiskTier:
             jobs.append(loop.run_in_executor(self._pool, self._write_run, file, offset, views))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        for slot, key, _view, length in writes:
-            self._pending.discard(key)
-            if errors:
-                self._free.append(slot)
-            else:
-                self._index[key] = (slot, length)
+        self._slots.commit([(slot, key, length) for slot, key, _view, length in writes], not errors)
         if errors:
             exc = errors[0]
             full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -415,7 +365,7 @@ class DiskTier:
                     out[i] = blob
         finally:
             for slot in (r[0] for r in reads):
-                self._unpin(slot)
+                self._slots.unpin(slot)
         return out, num_failed
 
     # ---- files and the saved index ------------------------------------------------------

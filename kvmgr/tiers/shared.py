@@ -1,8 +1,8 @@
 """The tier many serving instances share: blobs on a Valkey or Redis server, or a cluster of them.
 
 Offers:
-    SharedTier   ``TierBackend`` over RESP (``kvmgr.tiers._resp``), with the zero-copy hints
-                 ``put_vectors``/``get_into`` that ``TierBridge`` uses
+    SharedTier   ``TierBackend`` over RESP (``kvmgr.tiers._resp``), with the zero-copy read
+                 ``get_into`` that ``TierBridge`` uses
 
 One batch = one pipeline per server: ``GET`` per key, received straight into the caller's
 buffers; ``EXISTS`` per key then ``SET key blob NX [PX ttl]`` for the keys the server lacks,
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import os
 import time
 import warnings
@@ -41,11 +40,11 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import ConfigError, InvalidKeyError, TierError, TierSecurityWarning
-from kvmgr.tiers._connection import ServerAddress, parse_address, tls_context
-from kvmgr.tiers._nodes import Breaker, NodePool, SlotMap
-from kvmgr.tiers._resp import Endpoint, nbytes
+from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
+from kvmgr.tiers._nodes import Breaker, SlotMap
+from kvmgr.tiers._resp import nbytes
 from kvmgr.tiers._shared_calls import Dispatcher
-from kvmgr.tiers._shared_io import FAILED, JobResult, get_job, keys_job, put_job
+from kvmgr.tiers._shared_io import FAILED, get_part, keys_part, put_part
 from kvmgr.tiers.base import Buffer, PutResult, TierCounters, TierStatistics, check_keys
 
 __all__ = ["SharedTier"]
@@ -115,7 +114,7 @@ class SharedTier:
         single_tenant: bool = False,
         skip_present: bool = True,
     ) -> None:
-        _check_limits(
+        check_limits(
             deadline_s=deadline_s,
             hint_deadline_s=hint_deadline_s,
             connect_timeout_s=connect_timeout_s,
@@ -130,18 +129,8 @@ class SharedTier:
         address = parse_address(
             url, username=username, password_file=password_file, password_env=password_env
         )
-        tls_args = (ssl_ca_certs, ssl_certfile, ssl_keyfile)
-        if not address.is_tls and any(a is not None for a in tls_args):
-            raise ConfigError(
-                "SharedTier: TLS arguments (ssl_ca_certs, ssl_certfile, ssl_keyfile) given with "
-                f"the plain URL {address.url}: use rediss:// (or valkeys://) for TLS"
-            )
-        context = tls_context(*tls_args, ssl_check_hostname) if address.is_tls else None
-        host, port = address.servers[0] if address.servers else ("", 0)
-        endpoint = Endpoint(
-            host, port, address.unix_path, context, address.username, address.password,
-            address.db, connect_timeout_s,
-        )  # fmt: skip
+        tls_files = (ssl_ca_certs, ssl_certfile, ssl_keyfile)
+        endpoint = endpoint_for(address, tls_files, ssl_check_hostname, connect_timeout_s)
         self._address: ServerAddress = address
         self.single_tenant = single_tenant
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
@@ -163,14 +152,7 @@ class SharedTier:
         )
         self._closed = False
         if address.username is None and not single_tenant:
-            message = (
-                f"SharedTier({self.url}): connecting as the server's default user; every client "
-                "with its password can list, read and overwrite every tenant's keys. Use one ACL "
-                "user per tenant (docs/tiers.md), or pass single_tenant=True if this server is "
-                "yours alone."
-            )
-            _log.warning(message)
-            warnings.warn(message, TierSecurityWarning, stacklevel=2)
+            _warn_default_user(self.url)
 
     def __repr__(self) -> str:
         user = f", user={self._address.username!r}" if self._address.username else ""
@@ -185,49 +167,32 @@ class SharedTier:
     # ---- the protocol -------------------------------------------------------------------
 
     async def put_many(self, keys: Sequence[bytes], blobs: Sequence[Buffer]) -> PutResult:
-        """Store the blobs (``SET .. NX``, after an ``EXISTS``); see ``TierBackend.put_many``.
-
-        A key the server already holds counts as stored and is not sent again; its value and
-        TTL (another writer's) are kept.
-        """
-        if len(blobs) != len(keys):
-            raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {len(keys)}")
-        return await self.put_vectors(keys, [[memoryview(b).cast("B")] for b in blobs])
-
-    async def put_vectors(
-        self,
-        keys: Sequence[bytes],
-        vectors: Sequence[Sequence[Any]],
-        prepare: Callable[[int], None] | None = None,
-        blob_bytes: int | None = None,
-    ) -> PutResult:
-        """``put_many`` of blobs given as buffer lists (``vectors[i]`` concatenated is blob
-        ``i``; ``blob_bytes`` long each, when given), sent without joining them; ``prepare(i)``
-        runs in the worker just before blob ``i`` is sent. The buffers are read until the await
-        ends, however it ends.
+        """Store the blobs (``SET .. NX``, after an ``EXISTS``), each sent from its own buffer;
+        see ``TierBackend.put_many``. A key the server already holds counts as stored and is
+        not sent again; its value and TTL (another writer's) are kept.
 
         Raises:
-            InvalidKeyError: keys not distinct bytes, or one vector per key missing.
+            InvalidKeyError: keys not distinct bytes, or one blob per key missing.
             TierTimeoutError, TierUnavailableError, TierFullError, TierError: no blob could
                 be stored (with a cluster: on any node; otherwise ``stored`` says which).
         """
         keys = check_keys(keys, distinct=True)
-        if len(vectors) != len(keys):
-            raise InvalidKeyError(f"expected one blob per key, got {len(vectors)} for {len(keys)}")
+        if len(blobs) != len(keys):
+            raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {len(keys)}")
+        views = [memoryview(b).cast("B") for b in blobs]
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
         num_bytes = 0
         try:
             if keys:
                 job = functools.partial(
-                    _put, vectors=vectors, prepare=prepare, ttl_ms=self._ttl_ms,
-                    skip_present=self._skip_present, blob_bytes=blob_bytes,
-                )  # fmt: skip
+                    put_part, blobs=views, ttl_ms=self._ttl_ms, skip_present=self._skip_present
+                )
                 outcome = await self._calls.run(keys, job, self._deadline_s, "put_many")
                 for i, value in enumerate(outcome):
                     stored[i] = value is not FAILED
                     if value == "stored":
-                        num_bytes += blob_bytes or sum(map(nbytes, vectors[i]))
+                        num_bytes += views[i].nbytes
                         self._counters.num_stored += 1
                     elif value == "present":
                         self._counters.num_already_present += 1
@@ -268,7 +233,7 @@ class SharedTier:
         keys = check_keys(keys)
         if not keys:
             return np.zeros(0, dtype=bool)
-        job = functools.partial(_keys, verb=b"EXISTS")
+        job = functools.partial(keys_part, verb=b"EXISTS")
         outcome = await self._calls.run(keys, job, self._hint_deadline_s, "contains_many")
         return np.array([isinstance(v, int) and v > 0 for v in outcome], dtype=bool)
 
@@ -277,7 +242,7 @@ class SharedTier:
         keys = check_keys(keys)
         if not keys:
             return 0
-        job = functools.partial(_keys, verb=b"UNLINK")
+        job = functools.partial(keys_part, verb=b"UNLINK")
         outcome = await self._calls.run(keys, job, self._deadline_s, "delete_many")
         return sum(v for v in outcome if isinstance(v, int))
 
@@ -308,7 +273,7 @@ class SharedTier:
         try:
             if not keys:
                 return []
-            job = functools.partial(_get, vectors=vectors, check=check, blob_bytes=blob_bytes)
+            job = functools.partial(get_part, vectors=vectors, check=check, blob_bytes=blob_bytes)
             values = await self._calls.run(keys, job, self._deadline_s, "get_many")
         except TierError:
             self._counters.num_misses += len(keys)
@@ -328,35 +293,12 @@ class SharedTier:
         return values
 
 
-def _get(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
-         vectors: Any, check: Any, blob_bytes: int | None) -> JobResult:  # fmt: skip
-    sub_vectors = None if vectors is None else [vectors[p] for p in positions]
-    sub_check = None if check is None else (lambda i: check(positions[i]))
-    return get_job(pool, keys, deadline, asking, sub_vectors, sub_check, blob_bytes)
-
-
-def _put(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
-         vectors: Any, prepare: Any, ttl_ms: int | None, skip_present: bool,
-         blob_bytes: int | None) -> JobResult:  # fmt: skip
-    sub_prepare = None if prepare is None else (lambda i: prepare(positions[i]))
-    sub_vectors = [vectors[p] for p in positions]
-    return put_job(pool, keys, deadline, asking, sub_vectors, sub_prepare, ttl_ms, skip_present,
-                   blob_bytes)  # fmt: skip
-
-
-def _keys(pool: NodePool, keys: list[bytes], positions: list[int], deadline: float, asking: bool,
-          verb: bytes) -> JobResult:  # fmt: skip
-    return keys_job(pool, keys, deadline, asking, verb)
-
-
-def _check_limits(**limits: Any) -> None:
-    """Each limit is a float > 0 (a ``(value, True)`` pair may be 0; ``(value, None)`` may be
-    ``None``), finite."""
-    for name, spec in limits.items():
-        value, allowed = spec if isinstance(spec, tuple) else (spec, False)
-        if value is None and allowed is None:
-            continue
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value) and (value > 0 or (allowed is True and value == 0))
-        if not ok:
-            raise ConfigError(f"SharedTier: expected {name} a finite number > 0, got {value!r}")
+def _warn_default_user(url: str) -> None:
+    message = (
+        f"SharedTier({url}): connecting as the server's default user; every client "
+        "with its password can list, read and overwrite every tenant's keys. Use one ACL "
+        "user per tenant (docs/tiers.md), or pass single_tenant=True if this server is "
+        "yours alone."
+    )
+    _log.warning(message)
+    warnings.warn(message, TierSecurityWarning, stacklevel=3)

@@ -18,7 +18,7 @@ from typing import Any
 from kvmgr.transfer.cost_model import Calibration, kernel_or_batch
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.kernel import KernelCopy
-from kvmgr.transfer.plan import TransferPlan
+from kvmgr.transfer.plan import Direction, TransferPlan
 from kvmgr.transfer.streams import Issued
 
 __all__ = ["ChoiceCopy", "always_kernel", "cost_model"]
@@ -55,6 +55,9 @@ class ChoiceCopy:
     Attributes:
         pageable_host: set by the engine when a CPU-tier allocation fell back to pageable
             memory; from then on every plan goes to DMA.
+        duplex: per direction, the path the next plan of that direction takes whatever
+            ``choose`` says (``True``: the kernel), set by ``AutoEngine.plan_duplex`` for a step
+            that copies both ways and used once.
     """
 
     def __init__(self, dma: DmaCopy, kernel: KernelCopy | None, choose: Choice) -> None:
@@ -62,15 +65,17 @@ class ChoiceCopy:
         self.kernel = kernel
         self.choose = choose
         self.pageable_host = False
+        self.duplex: dict[Direction, bool] = {}
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Issue ``plan`` on ``stream`` with the chosen issuer."""
         kernel = self.kernel
+        forced = self.duplex.pop(plan.direction, None) if self.duplex else None
         if (
             kernel is not None
             and not self.pageable_host
             and plan.num_descriptors
-            and self.choose(plan, plan.num_bytes)
+            and (self.choose(plan, plan.num_bytes) if forced is None else forced)
         ):
             return kernel.issue(plan, stream)
         return self.dma.issue(plan, stream)

@@ -76,6 +76,11 @@ class Calibration:
         compute_overlap: fraction of a copy during which the loop computes, in [0, 1]; 1.
         kernel_margin: factor by which the kernel must win; DMA leaves the SMs to compute, so it
             keeps close calls. 1.1 (not fitted).
+        duplex_kernel_gbps: both directions' bytes per second together when the copy kernel
+            copies both at once: 45 GB/s (issue 24's H200 run: 41 GB/s with 4 KiB pages, 63 with
+            32 KiB; the SM's host reads and writes share the link). ``duplex.duplex_choice``.
+        duplex_limit_gbps: both directions together at best (two contiguous copies in opposite
+            directions at once): 100 GB/s (issue 24's H200 run: 100-101 GB/s).
 
     Raises:
         ConfigError: a direction's charged ``batch_*_us_per_descriptor`` is below ``kernel_margin *
@@ -99,6 +104,8 @@ class Calibration:
         default=1.0, validator=[_non_negative, attrs.validators.le(1.0)]
     )
     kernel_margin: float = attrs.field(default=1.1, validator=attrs.validators.ge(1.0))
+    duplex_kernel_gbps: float = attrs.field(default=45.0, validator=_positive)
+    duplex_limit_gbps: float = attrs.field(default=100.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         for direction in Direction:
@@ -207,9 +214,24 @@ class Calibration:
             raise ConfigError(f"expected a JSON object, got {type(data).__name__}")
         if "calibration" in data:
             return cls.from_dict(data["calibration"])
+        if "duplex" in data:  # ``kvmgr bench duplex --json``
+            return cls.fit_duplex(data["duplex"])
         if "copies" in data:
             return cls.fit(data["copies"], peak_rows=data.get("peak", ()))
         return cls.from_dict(data)
+
+    @classmethod
+    def fit_duplex(
+        cls, rows: Sequence[Mapping[str, Any]], base: Calibration | None = None
+    ) -> Calibration:
+        """Set ``duplex_kernel_gbps`` and ``duplex_limit_gbps`` to the medians of ``kvmgr bench
+        duplex``'s ``"kernel+kernel"`` and ``"limit"`` rows (``variant``, ``gbps``: both
+        directions' bytes over the time both took); other fields from ``base``.
+
+        Raises:
+            ConfigError: a row lacks a key, or the values are invalid.
+        """
+        return _fit_duplex(cls, rows, base)
 
     @classmethod
     def fit(
@@ -272,6 +294,20 @@ class Calibration:
             names = ("launch_us", "us_per_descriptor", "h2d_gbps", "d2h_gbps")
             values.update({f"kernel_{k}": v for k, v in zip(names, kernel)})
         return cls.from_dict(values)
+
+
+def _fit_duplex(cls: type[Calibration], rows: Sequence[Mapping[str, Any]], base: Calibration | None) -> Calibration:  # fmt: skip
+    values = attrs.asdict(base or cls())
+    try:
+        kernel = [float(r["gbps"]) for r in rows if r.get("variant") == "kernel+kernel"]
+        limit = [float(r["gbps"]) for r in rows if r.get("variant") == "limit"]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConfigError(f"duplex rows need variant and gbps: {exc!r}") from exc
+    if kernel:
+        values["duplex_kernel_gbps"] = statistics.median(kernel)
+    if limit:
+        values["duplex_limit_gbps"] = statistics.median(limit)
+    return cls.from_dict(values)
 
 
 def _pick(direction: Direction, h2d: float, d2h: float) -> float:

@@ -41,11 +41,12 @@ from kvmgr.transfer.auto import ChoiceCopy, always_kernel, cost_model
 from kvmgr.transfer.cost_model import Calibration
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.driver import CopyDriver
+from kvmgr.transfer.duplex import duplex_choice
 from kvmgr.transfer.engine import BatchHandle, EngineStatistics, TransferEngine
 from kvmgr.transfer.kernel import KernelCopy
 from kvmgr.transfer.pinning import PinnedRegion, PinOptions, PinStatistics
 from kvmgr.transfer.plan import Direction, TransferPlan
-from kvmgr.transfer.streams import CopyIssuer, CopyStreams
+from kvmgr.transfer.streams import CopyIssuer, CopyStreams, StreamTotals
 
 __all__ = [
     "DEFAULT_MAX_DESCRIPTORS",
@@ -61,8 +62,8 @@ _LOG = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
-class CudaEngineStatistics(EngineStatistics):
-    """``EngineStatistics`` (totals) plus:
+class CudaEngineStatistics(StreamTotals, EngineStatistics):
+    """``EngineStatistics`` (totals) plus the stream totals and:
 
     Attributes:
         host_memory: ``"pinned"``, ``"pageable"`` (a registration fell back) or ``"none"``.
@@ -82,13 +83,7 @@ class CudaEngineStatistics(EngineStatistics):
     host_memory: str = "none"
     batch_abi: int | None = None
     batch_call: str = ""
-    chunks_submitted: int = 0
-    loop_fallbacks: int = 0
-    kernel_batches: int = 0
-    dma_batches: int = 0
     max_programs: tuple[int, int] = (0, 0)
-    submit_s: float = 0.0
-    issue_s: float = 0.0
     pinning: tuple[PinStatistics, ...] = ()
 
 
@@ -403,6 +398,17 @@ class AutoEngine(CudaEngine):
             except Exception as exc:
                 _LOG.warning("copy kernel unusable (%s); engine 'auto' copies by DMA", exc)
                 choice.kernel = None
+
+    def plan_duplex(self, d2h: tuple[int, int], h2d: tuple[int, int]) -> tuple[Direction, ...]:
+        """A step is about to submit ``d2h = (descriptors, bytes)`` out and ``h2d`` in: choose
+        each direction's path knowing the other (``kvmgr.transfer.duplex``) for the next plan of
+        each direction, and return the order to submit them in."""
+        choice = duplex_choice(d2h, h2d, self.calibration)
+        issuer = self._issuer
+        assert isinstance(issuer, ChoiceCopy)
+        issuer.duplex = {Direction.D2H: choice.d2h_kernel, Direction.H2D: choice.h2d_kernel}
+        second = Direction.H2D if choice.first is Direction.D2H else Direction.D2H
+        return choice.first, second
 
 
 def _warmup(engine: CudaEngine, kernel: KernelCopy) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from kvmgr.transfer.plan import Direction, TransferPlan
 
-__all__ = ["BatchHandle", "BatchResult", "EngineStatistics", "TransferEngine"]
+__all__ = ["BatchHandle", "BatchResult", "BatchTotals", "EngineStatistics", "TransferEngine"]
 
 
 @attrs.frozen(kw_only=True)
@@ -61,20 +61,41 @@ class BatchHandle:
         future: resolves to ``BatchResult``, or fails with ``TransferError``; resolved from an
             engine thread, never from the caller's.
         end_event: engine-specific completion marker (a CUDA event), or ``None``.
+        refused: the error of a copy the engine refused while issuing (known at submit; the
+            future fails with it once the copies enqueued before it ended), else ``None``.
+        member_ids: for a handle that joins several engine batches (a layerwise load or
+            store, ``kvmgr.transfer.layerwise.LayerBatches``), their batch ids; else ``None``.
     """
 
     batch_id: int
     direction: Direction
     future: concurrent.futures.Future[BatchResult]
     end_event: Any = None
+    refused: Any = None
+    member_ids: list[int] | None = None
 
     def done(self) -> bool:
         """Whether the copy has completed (successfully or not)."""
         return self.future.done()
 
 
+@attrs.define(kw_only=True)
+class BatchTotals:
+    """The batch counters every engine keeps, declared once: ``EngineStatistics`` freezes and
+    documents them, ``kvmgr.transfer.streams.CopyCounters`` updates them."""
+
+    batches_submitted: int = 0
+    batches_completed: int = 0
+    batches_failed: int = 0
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    device_s_d2h: float = 0.0
+    device_s_h2d: float = 0.0
+    in_flight: int = 0
+
+
 @attrs.frozen(kw_only=True)
-class EngineStatistics:
+class EngineStatistics(BatchTotals):
     """Totals since the engine was created (counters only grow).
 
     Attributes:
@@ -85,14 +106,6 @@ class EngineStatistics:
         path: the copy path in use (``"host"``, ``"batch"``, ``"loop"``, ``"kernel"``, ``"auto"``).
     """
 
-    batches_submitted: int = 0
-    batches_completed: int = 0
-    batches_failed: int = 0
-    bytes_d2h: int = 0
-    bytes_h2d: int = 0
-    device_s_d2h: float = 0.0
-    device_s_h2d: float = 0.0
-    in_flight: int = 0
     path: str = ""
 
 

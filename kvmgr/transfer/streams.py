@@ -4,6 +4,7 @@ Offers:
     Issued          what one ``issue(plan, stream)`` call enqueued: path, chunks, keep-alive, error
     CopyIssuer      the protocol of ``issue``: ``DmaCopy`` (dma.py), ``KernelCopy`` (kernel.py),
                     ``ChoiceCopy`` (auto.py)
+    StreamTotals    the counters the streams add to ``BatchTotals`` (declared once)
     CopyCounters    the one set of running totals of an engine (thread-safe updates)
     CopyStreams     per-direction copy streams, compute fences, start/end events and FIFO
                     completion threads around an issuer's work
@@ -43,10 +44,10 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.engine import BatchHandle, BatchResult
+from kvmgr.transfer.engine import BatchHandle, BatchResult, BatchTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
 
-__all__ = ["CopyCounters", "CopyIssuer", "CopyStreams", "Issued"]
+__all__ = ["CopyCounters", "CopyIssuer", "CopyStreams", "Issued", "StreamTotals"]
 
 _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the device's range
 
@@ -83,25 +84,24 @@ class CopyIssuer(Protocol):
         ...
 
 
-@attrs.define
-class CopyCounters:
-    """Running totals of one engine, updated under ``lock`` (all counters only grow, except
-    ``in_flight``). Field meanings: ``CudaEngineStatistics``."""
+@attrs.define(kw_only=True, slots=False)
+class StreamTotals:
+    """The counters ``CopyStreams`` adds to ``BatchTotals``, declared once (their meanings:
+    ``CudaEngineStatistics``, which freezes them)."""
 
-    batches_submitted: int = 0
-    batches_completed: int = 0
-    batches_failed: int = 0
-    bytes_d2h: int = 0
-    bytes_h2d: int = 0
-    device_s_d2h: float = 0.0
-    device_s_h2d: float = 0.0
-    in_flight: int = 0
     chunks_submitted: int = 0
     loop_fallbacks: int = 0
     kernel_batches: int = 0
     dma_batches: int = 0
     submit_s: float = 0.0
     issue_s: float = 0.0
+
+
+@attrs.define(kw_only=True)
+class CopyCounters(StreamTotals, BatchTotals):
+    """Running totals of one engine, updated under ``lock`` (all counters only grow, except
+    ``in_flight``)."""
+
     lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False, eq=False)
 
     def totals(self) -> dict[str, Any]:
@@ -245,7 +245,9 @@ class CopyStreams:
                 f"batch {batch_id}: {issued.error}", fail_index=issued.error.fail_index
             )
         start, end = events
-        handle = BatchHandle(batch_id, direction, concurrent.futures.Future(), end_event=end)
+        handle = BatchHandle(
+            batch_id, direction, concurrent.futures.Future(), end_event=end, refused=issued.error
+        )
         item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch

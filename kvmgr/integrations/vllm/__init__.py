@@ -8,6 +8,10 @@ docs/guides/vllm.md):
     tiers       kvmgr's ``DiskTier`` and ``SharedTier`` (Valkey/Redis) as vLLM
                 ``SecondaryTierManager`` classes, loaded through ``secondary_tiers``
                 (``type`` + ``module_path``) of ``TieringOffloadingSpec``
+    backend     kvmgr's whole offloading backend: ``KvmgrOffloadingSpec`` (its scheduler-side
+                manager and per-rank transfer worker), loaded through ``spec_name`` +
+                ``spec_module_path``; ``KvmgrOffloadingConnector`` (failed loads reported to
+                vLLM as load errors)
 
 This package is imported by vLLM's factories, never by the rest of kvmgr.
 """

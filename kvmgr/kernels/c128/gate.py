@@ -17,6 +17,7 @@ import itertools
 import numpy as np
 
 from kvmgr.errors import GeometryError
+from kvmgr.kernels.c128.checks import fail
 from kvmgr.kernels.c128.layout import C128_RATIO
 
 __all__ = ["C128_RATIO", "c128_boundary"]
@@ -65,7 +66,7 @@ def c128_boundary(
         start = _host_ints(num_computed_tokens, "num_computed_tokens")
         loc = _host_ints(query_start_loc, "query_start_loc")
         if loc.shape[0] != start.shape[0] + 1:
-            raise _fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
+            raise fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
     if start.shape[0] <= _GATE_SCAN_MAX:
         starts, locs = start.tolist(), loc.tolist()
         crosses, prev = False, locs[0]
@@ -82,22 +83,18 @@ def c128_boundary(
     return bool(((start & (C128_RATIO - 1)) + qlen).max() >= C128_RATIO)
 
 
-def _fail(name: str, expected: str, got: object) -> GeometryError:
-    return GeometryError(f"{name}: expected {expected}, got {got}")
-
-
 def _bad_counts(starts: list[int], qlens: list[int]) -> GeometryError:
-    return _fail("num_computed_tokens / query_start_loc steps", "values >= 0", (starts, qlens))
+    return fail("num_computed_tokens / query_start_loc steps", "values >= 0", (starts, qlens))
 
 
 def _host_ints(a: object, name: str) -> np.ndarray:
     """``a`` as a 1-D int64 host array (lists, other int dtypes, CPU tensors are converted)."""
     device = getattr(a, "device", None)  # a torch tensor; numpy 2 arrays say "cpu"
     if device is not None and getattr(device, "type", device) != "cpu":
-        raise _fail(name, "a host array", f"a tensor on {device}")
+        raise fail(name, "a host array", f"a tensor on {device}")
     arr = np.asarray(a)
     if arr.ndim == 1 and arr.size == 0:  # np.asarray([]) is float64
         return arr.astype(np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise _fail(name, "a 1-D integer array", f"{arr.ndim}-D {arr.dtype}")
+        raise fail(name, "a 1-D integer array", f"{arr.ndim}-D {arr.dtype}")
     return arr.astype(np.int64, copy=False)

@@ -10,11 +10,19 @@ keyed by the step signature and the specialization rule's classes); nothing abov
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
-from kvmgr.errors import GeometryError
+from kvmgr.kernels.c128.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check,
+    count_tokens,
+    fail,
+    is_index,
+    is_rows,
+)
 from kvmgr.kernels.c128.kernel import HAS_TRITON, WINDOW_CHUNK, compress_kernel, state_write_kernel
 from kvmgr.kernels.c128.layout import C128_RATIO, C128_ROPE_DIM, c128_entry_bytes
 from kvmgr.kernels.launch import Launches
@@ -22,63 +30,10 @@ from kvmgr.kernels.launch.rule import Unsupported
 
 __all__ = ["Layer"]
 
-_INDEX = (torch.int32, torch.int64)
 # the arguments a step changes: kv, score, positions, state slots, kv and score row strides
 _WRITE_VARYING = (0, 1, 3, 4, 6, 7)
 # table, req_indices, positions, compressed slots, table row stride, table rows and width
 _COMPRESS_VARYING = (1, 2, 3, 4, 10, 12, 13)
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fail(name: str, expected: str, got: object) -> GeometryError:
-    return GeometryError(f"{name}: expected {expected}, got {got}")
-
-
-def _check(
-    t: object, name: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
-    device: torch.device | None, *, contiguous: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """Check type, sizes (``None``: any), dtype, device and unit last stride; return ``t``."""
-    if not isinstance(t, torch.Tensor):
-        raise _fail(name, "a torch.Tensor", type(t).__name__)
-    if t.dim() != len(shape) or any(
-        s not in (None, n) for s, n in zip(shape, t.shape, strict=False)
-    ):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise _fail(name, f"shape {want}", list(t.shape))
-    if t.dtype not in dtypes:
-        raise _fail(name, "dtype in " + "/".join(str(d) for d in dtypes), t.dtype)
-    if device is not None and t.device != device:
-        raise _fail(name, f"device {device}", t.device)
-    if contiguous and not t.is_contiguous():
-        raise _fail(name, "a contiguous tensor", f"strides {t.stride()}")
-    if t.numel() and t.stride(-1) != 1:
-        raise _fail(name, "unit last stride", f"strides {t.stride()}")
-    return t
-
-
-def _is_index(t: object, num_tokens: int, device: torch.device) -> TypeGuard[torch.Tensor]:
-    """Whether ``t`` passes ``_check(t, name, (num_tokens,), _INDEX, device)``; no allocation."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.shape == (num_tokens,)
-        and t.dtype in _INDEX
-        and t.device == device
-        and (num_tokens == 0 or t.stride(0) == 1)
-    )
-
-
-def _is_rows(
-    t: object, num_tokens: int, width: int, dtypes: tuple[torch.dtype, ...], device: torch.device
-) -> TypeGuard[torch.Tensor]:
-    """Whether ``t`` passes ``_check(t, name, (num_tokens, width), dtypes, device)``."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.shape == (num_tokens, width)
-        and t.dtype in dtypes
-        and t.device == device
-        and (num_tokens == 0 or t.stride(1) == 1)
-    )
 
 
 class Layer:
@@ -103,11 +58,11 @@ class Layer:
             raise ImportError("the c128 kernels need Triton: pip install 'kvmgr[kernels]'")
         dims: tuple[int, ...] = tuple(getattr(state_cache, "shape", ()))
         if len(dims) != 3:
-            raise _fail("state_cache", "shape [num_state_blocks, S, 2D]", list(dims))
+            raise fail("state_cache", "shape [num_state_blocks, S, 2D]", list(dims))
         self.block_size, self.head_dim = dims[1], dims[2] // 2
         self.entry_bytes = c128_entry_bytes(self.head_dim)
         d = self.head_dim
-        self.state_cache = _check(state_cache, "state_cache", (None, None, 2 * d),
+        self.state_cache = check(state_cache, "state_cache", (None, None, 2 * d),
                                   (torch.float32,), None)  # fmt: skip
         self.device = self.state_cache.device
         self.state_strides = (self.state_cache.stride(0), self.state_cache.stride(1))
@@ -115,23 +70,23 @@ class Layer:
         self.state_capacity = dims[0] * dims[1]
         dev, f32 = self.device, (torch.float32,)
         if ape is not None:
-            self.ape = _check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
+            self.ape = check(ape, "ape", (C128_RATIO, d), f32, dev, contiguous=True)
         if norm_weight is not None:
-            self.norm_weight = _check(norm_weight, "norm_weight", (d,), _FLOAT, dev,
+            self.norm_weight = check(norm_weight, "norm_weight", (d,), FLOAT_DTYPES, dev,
                                       contiguous=True)  # fmt: skip
         if cos_sin_cache is not None:
-            self.cos_sin_cache = _check(cos_sin_cache, "cos_sin_cache", (None, C128_ROPE_DIM),
+            self.cos_sin_cache = check(cos_sin_cache, "cos_sin_cache", (None, C128_ROPE_DIM),
                                         f32, dev, contiguous=True)  # fmt: skip
             self.num_rope_positions = self.cos_sin_cache.shape[0]
         if compressed_cache is not None:
-            self.compressed_cache = _check(compressed_cache, "compressed_cache",
+            self.compressed_cache = check(compressed_cache, "compressed_cache",
                                            (None, None, self.entry_bytes), (torch.uint8,), dev,
                                            contiguous=True)  # fmt: skip
             self.compressed_capacity = (
                 self.compressed_cache.shape[0] * self.compressed_cache.shape[1]
             )
         if not (isinstance(eps, float | int) and eps > 0):
-            raise _fail("eps", "a float > 0", eps)
+            raise fail("eps", "a float > 0", eps)
         self.eps = float(eps)
         self._write = Launches(state_write_kernel, _WRITE_VARYING, "ttttii", direct=direct_launch)
         self._compress = Launches(compress_kernel, _COMPRESS_VARYING, "ttttiii", num_warps=4,
@@ -147,16 +102,16 @@ class Layer:
         Raises:
             GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
         """
-        dev, num_tokens = self.device, _num_tokens(positions)
+        dev, num_tokens = self.device, count_tokens(positions)
         if not (
-            _is_index(positions, num_tokens, dev)
-            and _is_index(state_slot_mapping, num_tokens, dev)
-            and _is_rows(kv, num_tokens, self.head_dim, _FLOAT, dev)
-            and _is_rows(score, num_tokens, self.head_dim, (kv.dtype,), dev)
+            is_index(positions, num_tokens, dev)
+            and is_index(state_slot_mapping, num_tokens, dev)
+            and is_rows(kv, num_tokens, self.head_dim, FLOAT_DTYPES, dev)
+            and is_rows(score, num_tokens, self.head_dim, (kv.dtype,), dev)
         ):
             self._tokens(positions, state_slot_mapping=state_slot_mapping)
-            kv = _check(kv, "kv", (num_tokens, self.head_dim), _FLOAT, dev)
-            _check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), dev)
+            kv = check(kv, "kv", (num_tokens, self.head_dim), FLOAT_DTYPES, dev)
+            check(score, "score", (num_tokens, self.head_dim), (kv.dtype,), dev)
         return num_tokens
 
     def check_compress(self, state_block_table: object, req_indices: object, positions: object, compressed_slot_mapping: object) -> int:  # fmt: skip
@@ -165,28 +120,28 @@ class Layer:
         Raises:
             GeometryError: a tensor has the wrong type, shape, dtype, device or layout.
         """
-        dev, num_tokens = self.device, _num_tokens(positions)
+        dev, num_tokens = self.device, count_tokens(positions)
         table = state_block_table
         if not (
             isinstance(table, torch.Tensor)
             and table.dim() == 2
-            and table.dtype in _INDEX
+            and table.dtype in INDEX_DTYPES
             and table.device == dev
             and (table.numel() == 0 or table.stride(1) == 1)
-            and _is_index(positions, num_tokens, dev)
-            and _is_index(req_indices, num_tokens, dev)
-            and _is_index(compressed_slot_mapping, num_tokens, dev)
+            and is_index(positions, num_tokens, dev)
+            and is_index(req_indices, num_tokens, dev)
+            and is_index(compressed_slot_mapping, num_tokens, dev)
         ):
-            _check(table, "state_block_table", (None, None), _INDEX, dev)
+            check(table, "state_block_table", (None, None), INDEX_DTYPES, dev)
             self._tokens(positions, req_indices=req_indices,
                          compressed_slot_mapping=compressed_slot_mapping)  # fmt: skip
         return num_tokens
 
     def _tokens(self, positions: object, **index_tensors: object) -> None:
         """Slow path: raise for the first malformed ``[T]`` index tensor."""
-        num_tokens = _check(positions, "positions", (None,), _INDEX, self.device).shape[0]
+        num_tokens = check(positions, "positions", (None,), INDEX_DTYPES, self.device).shape[0]
         for name, t in index_tensors.items():
-            _check(t, name, (num_tokens,), _INDEX, self.device)
+            check(t, name, (num_tokens,), INDEX_DTYPES, self.device)
 
     def prepare_write(self, kv: Any, score: Any, positions: Any, state_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
         """The state write's bound launch with this step's arguments set, and ``T``.
@@ -307,10 +262,3 @@ class Layer:
         if num_tokens:
             bound.launch((num_tokens, 1, 1), stream)
         return num_tokens
-
-
-def _num_tokens(positions: object) -> int:
-    """``T`` from a 1-D ``positions`` tensor; -1 (fails every check) for anything else."""
-    if isinstance(positions, torch.Tensor) and positions.dim() == 1:
-        return positions.size(0)
-    return -1

@@ -1,0 +1,90 @@
+"""Checks of a grouped store's and load's block tables, turned into per-group work (no torch).
+
+Package-private: ``GroupedManager`` validates every group's table with these before it queues
+anything, so a bad entry in the last group leaves nothing queued in the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvmgr.errors import InvalidBlockError
+from kvmgr.groups.errors import GroupKeyError
+from kvmgr.groups.restore import RestorePlan
+from kvmgr.groups.spec import GroupedLayout
+
+#: per group: (group index, GPU block ids, grouped keys, parent keys)
+StoreWork = list[tuple[int, list[int], list[bytes], list[bytes | None]]]
+#: per group: (group index, grouped keys, GPU block ids)
+LoadWork = list[tuple[int, list[bytes], list[int]]]
+
+
+def _table(name: str, table: object) -> Sequence[object]:
+    if isinstance(table, (bytes, str)) or not isinstance(table, Sequence):
+        raise GroupKeyError(f"block_tables[{name!r}]: expected a sequence of block ids")
+    return table
+
+
+def store_work(
+    layout: GroupedLayout, hashes: list[bytes], tables: Mapping[str, Sequence[int | None]]
+) -> StoreWork:
+    """Per group that stores something: its GPU ids, keys and parents (the key of the block
+    before, ``None`` for block 0).
+
+    Raises:
+        GroupKeyError: not a mapping, an unknown group, or an entry not an int or ``None``.
+    """
+    if not isinstance(tables, Mapping):
+        raise GroupKeyError(f"block_tables: expected a mapping, got {type(tables).__name__}")
+    work: StoreWork = []
+    for name, raw in tables.items():
+        g = layout.index(name)
+        table = _table(name, raw)
+        blocks: list[tuple[int, int]] = []
+        for j in range(min(len(table), layout.num_blocks(g, len(hashes)))):
+            gpu = table[j]
+            if gpu is None:
+                continue
+            if isinstance(gpu, bool) or not isinstance(gpu, int):
+                raise GroupKeyError(f"block_tables[{name!r}][{j}]: expected int or None")
+            blocks.append((j, gpu))
+        if not blocks:
+            continue
+        keys = layout.keys(g, hashes, [j for j, _ in blocks])
+        parents: list[bytes | None] = [
+            None if j == 0 else layout.keys(g, hashes, [j - 1])[0] for j, _ in blocks
+        ]
+        work.append((g, [gpu for _, gpu in blocks], keys, parents))
+    return work
+
+
+def load_work(
+    layout: GroupedLayout, plan: RestorePlan, tables: Mapping[str, Sequence[int]]
+) -> LoadWork:
+    """Per group with blocks to load: the plan's keys and the GPU ids they go to.
+
+    Raises:
+        GroupKeyError: not a plan of this layout, or a group's table missing or too short.
+        InvalidBlockError: a GPU id that is not an int.
+    """
+    if not isinstance(plan, RestorePlan) or len(plan.blocks) != len(layout.groups):
+        raise GroupKeyError(f"expected a RestorePlan of this layout, got {plan!r:.80}")
+    if not isinstance(tables, Mapping):
+        raise GroupKeyError(f"block_tables: expected a mapping, got {type(tables).__name__}")
+    work: LoadWork = []
+    for g, (spec, blocks, keys) in enumerate(
+        zip(layout.groups, plan.blocks, plan.keys, strict=True)
+    ):
+        if not keys:
+            continue
+        raw = tables.get(spec.name)
+        if raw is None:
+            raise GroupKeyError(f"block_tables[{spec.name!r}] must name blocks {blocks}")
+        table = _table(spec.name, raw)
+        if len(table) < blocks.stop:
+            raise GroupKeyError(f"block_tables[{spec.name!r}] must name blocks {blocks}")
+        ids = [table[j] for j in blocks]
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise InvalidBlockError(f"block_tables[{spec.name!r}]: expected int block ids")
+        work.append((g, list(keys), ids))  # type: ignore[arg-type]
+    return work

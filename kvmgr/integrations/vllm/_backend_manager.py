@@ -1,0 +1,379 @@
+"""``KvmgrOffloadingManager``: kvmgr's CPU-tier bookkeeping as vLLM 0.33's ``OffloadingManager``.
+
+Private to ``kvmgr.integrations.vllm``; ``KvmgrOffloadingSpec.get_manager()`` builds it.
+
+One vLLM *chunk* (``blocks_per_chunk`` GPU blocks under one ``OffloadKey``) is one block of
+kvmgr's CPU tier (``_seam.scheduler_tier``): states ``PENDING`` (a store in flight: not
+readable, not evictable), ``READY`` (readable; not evictable while loads read it), the key
+index, and victims chosen by a kvmgr policy, leaves of a prefix before its root.
+
+Two phases, and what stays pinned in between:
+
+- ``prepare_store(keys)`` allocates (evicting if needed, all or nothing) and marks the new keys
+  PENDING; ``complete_store(keys)`` makes them READY, or frees them if the fault table says a
+  rank's copy failed (vLLM itself never reports a failed store: module ``_fault_table``).
+- ``prepare_load(keys)`` adds a reader to every chunk (READY, not evictable) until
+  ``complete_load(keys)``.
+- ``reset_cache()`` forgets every key at once; chunks a copy may still touch (PENDING, or READY
+  with readers) are handed out again only after ``on_reset_flushed()``, when vLLM's workers
+  reported every job in flight at the reset.
+
+``lookup`` answers MISS (not indexed), HIT_PENDING (PENDING) or HIT (READY); never RETRY: every
+answer of a CPU tier is known at once (RETRY is for tiers that look up asynchronously).
+"""
+
+from __future__ import annotations
+
+import array
+import secrets
+from collections.abc import Collection, Iterable, Sequence
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvmgr.errors import BlockStateError, PoolExhaustedError, UnknownKeyError
+from kvmgr.integrations.vllm import _seam
+from kvmgr.integrations.vllm._fault_table import FaultTable
+from kvmgr.integrations.vllm.policies import _RequestKeys
+
+__all__ = ["KvmgrChunkSpec", "KvmgrOffloadingManager"]
+
+_PENDING, _READY = int(_seam.CpuState.PENDING), int(_seam.CpuState.READY)
+_HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+class KvmgrChunkSpec(CPULoadStoreSpec):
+    """vLLM's ``CPULoadStoreSpec`` (``block_ids``: int32 CPU chunk ids, in the job's order)
+    plus ``store_seq``: the sequence number of the store writing them (0 for a load), which a
+    worker writes into the fault table when its copy fails."""
+
+    def __init__(self, block_ids: list[int], store_seq: int = 0) -> None:
+        super().__init__(block_ids)
+        self.store_seq = store_seq
+
+
+class _Access:
+    """What one request showed the manager (kept in its ``ReqContext``): key positions for
+    prefix parents, keys in the order seen, and the keys it read from the tier."""
+
+    __slots__ = ("generation", "keys", "owner", "positions", "reused", "seen")
+
+    def __init__(self, owner: object, generation: int) -> None:
+        self.owner, self.generation = owner, generation
+        self.positions = _RequestKeys(owner, generation)
+        self.keys: list[OffloadKey] = []
+        self.seen: set[OffloadKey] = set()
+        self.reused: set[OffloadKey] = set()
+
+
+class KvmgrOffloadingManager(OffloadingManager):
+    """vLLM's scheduler-side ``OffloadingManager`` on kvmgr's CPU-tier bookkeeping.
+
+    Args:
+        num_chunks: CPU chunks of the tier (>= 1).
+        policy: a kvmgr policy name (``"lru"``, ``"arc"``, ``"s3fifo"``, ``"reuse"``, ...).
+        faults: the engine's fault table (``None``: no worker can report a failed store).
+        enable_events: keep ``OffloadingEvent``s for ``take_events``.
+        config_info: the labels ``config_info()`` returns.
+
+    Raises:
+        ConfigError: ``policy`` is not registered in kvmgr.
+
+    Complexity: ``lookup`` O(1); ``prepare_store`` O(keys + victims); ``complete_*`` O(keys)
+    (plus one O(num_chunks) scan after a worker recorded a fault); ``reset_cache`` O(keys).
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        policy: str = "lru",
+        *,
+        faults: FaultTable | None = None,
+        enable_events: bool = False,
+        config_info: ConfigInfoMapping | None = None,
+    ) -> None:
+        self.medium = Medium.CPU
+        self.policy_name = policy
+        self.num_chunks = num_chunks
+        self._evicted: list[list[bytes]] = []
+        self.tier = _seam.scheduler_tier(num_chunks, policy, self._evicted.append)
+        self._index_get = self.tier.index.get
+        self._state = self.tier.state
+        self._touch_is_recency = policy == "lru"
+        self._faults = faults
+        self._num_faults_seen = faults.num_faults() if faults is not None else 0
+        self._failed: set[int] = set()  # PENDING chunks whose store failed on some rank
+        self._seq = array.array("q", [0]) * max(1, num_chunks)  # store number of each chunk
+        self._seq_of_chunk = np.frombuffer(self._seq, dtype=np.int64)
+        self._next_seq = (secrets.randbits(40) << 20) + 1
+        self._quarantine: list[np.ndarray] = []  # chunks freed by a reset, still in flight
+        self._generation = 0
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._config_info: ConfigInfoMapping = dict(config_info or {})
+        self._allocation_sizes: list[int] = []
+
+    # -- lookups and loads ----------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        block = self._index_get(key)
+        if block is None:
+            return _MISS
+        return _HIT if self._state[block] == _READY else _HIT_PENDING
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KvmgrChunkSpec:
+        """Pin ``keys`` (READY) against eviction until ``complete_load``; their chunk ids.
+
+        Raises:
+            UnknownKeyError: a key is not in the tier (nothing changed).
+            BlockStateError: a key is not READY yet (nothing changed).
+        """
+        get, state = self._index_get, self._state
+        ids = []
+        for key in keys:
+            block = get(key)
+            if block is None:
+                raise UnknownKeyError(f"prepare_load: key {bytes(key).hex()[:16]}... not offloaded")
+            if state[block] != _READY:
+                raise BlockStateError(f"prepare_load: key {bytes(key).hex()[:16]}... not READY")
+            ids.append(block)
+        self.tier.add_readers(ids)
+        access = self._access(req_context)
+        self._saw(access, keys, req_context)
+        access.reused.update(keys)
+        return KvmgrChunkSpec(ids)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
+        if not self._touch_is_recency:  # a touch is a use: only of landed keys
+            get, state = self._index_get, self._state
+            keys = [k for k in keys if (b := get(k)) is not None and state[b] == _READY]
+        if keys:
+            self.tier.policy.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Unpin the chunks ``prepare_load(keys)`` pinned.
+
+        Raises:
+            UnknownKeyError: a key is not in the tier (nothing changed).
+        """
+        get = self._index_get
+        ids = [get(key) for key in keys]
+        if None in ids:
+            raise UnknownKeyError("complete_load: a key is not offloaded")
+        if ids:
+            self.tier.remove_readers(np.array(ids, dtype=np.int64))
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Allocate chunks for the keys not in the tier (PENDING until ``complete_store``),
+        evicting READY chunks without readers if needed; ``None`` (nothing changed) when too few
+        are free or evictable. Keys of the offer are never evicted by it."""
+        keys = list(keys)
+        get = self._index_get
+        new = [k for k in keys if get(k) is None]
+        access = self._access(req_context)
+        self._saw(access, keys, req_context)
+        if len(new) < len(keys):  # READY keys offered again count as reused (vLLM's rule)
+            state = self._state
+            access.reused.update(
+                k for k in keys if (b := get(k)) is not None and state[b] == _READY
+            )
+        if not new:
+            return PrepareStoreOutput([], KvmgrChunkSpec([]), [])
+        try:
+            ids = self.tier.make_room_small(len(new), keys if len(keys) <= 4 else set(keys))
+        except PoolExhaustedError:
+            return None
+        evicted: list[OffloadKey] = []
+        for batch in self._evicted:
+            evicted.extend(batch)  # type: ignore[arg-type]
+        self._evicted.clear()
+        position, parent = req_context.get_offload_key_position, access.positions.parent
+        parents = [None if (p := position(k)) is None else parent(k, p) for k in new]
+        # one batch, its first key most recent (OffloadKey is bytes)
+        self.tier.add_pending(new, ids, parents)  # type: ignore[arg-type]
+        seq = self._next_seq
+        self._next_seq += 1
+        seqs = self._seq
+        for block in ids:
+            seqs[block] = seq
+        self._allocation_sizes.append(len(new))
+        if evicted and self.events is not None:
+            self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
+        return PrepareStoreOutput(new, KvmgrChunkSpec(ids, seq), evicted)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """The store of ``keys`` ended: PENDING keys become READY, or are freed (and announced
+        as ``metadata_only`` removals) when ``success`` is false or a rank's copy failed. Keys
+        not PENDING (stored earlier, or forgotten by a reset) are left alone."""
+        get, state = self._index_get, self._state
+        pending = [(k, b) for k in keys if (b := get(k)) is not None and state[b] == _PENDING]
+        if not pending:
+            return
+        if self._faults is not None and self._faults.num_faults() != self._num_faults_seen:
+            self._scan_faults()
+        if success and not self._failed:
+            landed, failed = pending, []
+        else:
+            bad = self._failed
+            failed = [(k, b) for k, b in pending if not success or b in bad]
+            landed = [(k, b) for k, b in pending if success and b not in bad]
+            bad.difference_update(b for _, b in failed)
+        if landed:
+            _seam.stores_landed(self.tier, [b for _, b in landed])
+            if self.events is not None:
+                self.events.append(
+                    OffloadingEvent([k for k, _ in landed], self.medium, removed=False)
+                )
+        if failed:
+            ids = np.array([b for _, b in failed], dtype=np.int64)
+            self._seq_of_chunk[ids] = 0
+            self.tier.stores_failed([k for k, _ in failed], ids)
+            if self.events is not None:
+                self.events.append(
+                    OffloadingEvent(
+                        [k for k, _ in failed], self.medium, removed=True, metadata_only=True
+                    )
+                )
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._access(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Refresh the request's keys in the policy: with LRU every resident key of the request
+        (its head most recent), with the others the keys it read from the tier."""
+        access = req_context.get_state(_Access)
+        if access is None or access.owner is not self or access.generation != self._generation:
+            return
+        keys = order_request_keys([access.keys], req_context)
+        get, state = self._index_get, self._state
+        if self._touch_is_recency:
+            keys = [k for k in keys if get(k) is not None]
+        else:
+            keys = [
+                k
+                for k in keys
+                if k in access.reused and (b := get(k)) is not None and state[b] == _READY
+            ]
+        if keys:
+            self.tier.policy.touch(keys)
+        access.keys, access.seen = [], set()
+
+    # -- events, stats, reset -----------------------------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self.events:
+            return ()
+        events, self.events = self.events, []
+        return events
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """vLLM's CPU-tier gauges (fractions of chunks pinned by stores and by loads) and the
+        allocation-size histogram since the last call."""
+        stats = OffloadingConnectorStats()
+        n = max(1, self.num_chunks)
+        write = self.tier.num_pending / n
+        read = self.tier.num_loading / n
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, write + read)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read)
+        for size in self._allocation_sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+    def reset_cache(self) -> None:
+        """Forget every key (no events, as vLLM's manager). Chunks a copy may still touch stay
+        out of the allocator until ``on_reset_flushed``."""
+        busy = _seam.forget_all(self.tier, self.policy_name)
+        if len(busy):
+            self._quarantine.append(busy)
+        self._seq_of_chunk[:] = 0
+        self._failed.clear()
+        self._evicted.clear()
+        self._generation += 1
+
+    def on_reset_flushed(self) -> None:
+        """Every job in flight at the last reset has been reported: free its chunks."""
+        for ids in self._quarantine:
+            _seam.release_forgotten(self.tier, ids)
+        self._quarantine.clear()
+
+    def shutdown(self) -> None:
+        if self._faults is not None:
+            self._faults.close(unlink=True)
+            self._faults = None
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _access(self, req_context: ReqContext) -> _Access:
+        access = req_context.get_state(_Access)
+        if access is None or access.owner is not self or access.generation != self._generation:
+            access = _Access(self, self._generation)
+            req_context.set_state(access)
+        return access
+
+    def _saw(self, access: _Access, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Record the keys a request showed (positions for parents; LRU: a use refreshes)."""
+        seen, fresh = access.seen, []
+        for key in keys:
+            if key not in seen:
+                seen.add(key)
+                fresh.append(key)
+        if not fresh:
+            return
+        access.keys.extend(fresh)
+        get_position, positions = req_context.get_offload_key_position, access.positions
+        resident = []
+        get = self._index_get
+        for key in fresh:
+            position = get_position(key)
+            if position is not None:
+                positions.add(key, position)
+            if get(key) is not None:
+                resident.append(key)
+        if self._touch_is_recency and resident:
+            self.tier.policy.touch(resident)
+
+    def _scan_faults(self) -> None:
+        """A rank recorded faults since the last scan: find the PENDING chunks they hit."""
+        assert self._faults is not None
+        self._num_faults_seen = self._faults.num_faults()
+        hit = self._faults.failed_chunks(self._seq_of_chunk)
+        self._failed.update(int(b) for b in hit if self._state[b] == _PENDING)
+
+    def __repr__(self) -> str:
+        return (
+            f"KvmgrOffloadingManager(policy={self.policy_name!r}, num_chunks={self.num_chunks}, "
+            f"keys={len(self.tier.index)})"
+        )

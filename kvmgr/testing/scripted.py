@@ -1,0 +1,389 @@
+"""One scripted engine for tests: copies on a real engine (or not at all) and lies on cue.
+
+Offers:
+    ScriptedEngine   a ``TransferEngine`` whose batches fail, hang, wait, are refused, are
+                     delayed, are rewritten or are only recorded, as the test scripts them;
+                     with no inner engine it copies nothing (host-path benchmarks)
+    POISON_BYTE      what it writes over the CPU blocks of a failed store
+
+``FaultyEngine`` and ``NullEngine`` (``kvmgr.testing.faults``) are this engine under the names
+the testing guide uses.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
+from kvmgr.testing._order import Batch, BatchOrder, closed_before_copy
+from kvmgr.testing._script import POISON_BYTE, FaultScript
+from kvmgr.transfer.engine import BatchHandle, BatchResult, EngineStatistics, TransferEngine
+from kvmgr.transfer.plan import Direction, TransferPlan
+
+__all__ = ["POISON_BYTE", "ScriptedEngine"]
+
+#: ``on_submit(batch_id, plan)``: observe a batch (return ``None``), replace the plan its copy
+#: runs (return the new plan), or raise (``submit`` raises it: an engine with a bug).
+SubmitHook = Callable[[int, TransferPlan], "TransferPlan | None"]
+
+
+class ScriptedEngine(TransferEngine):
+    """A ``TransferEngine`` that runs every copy on ``inner`` (none: copies nothing) and does to
+    each batch what the test scripted.
+
+    Batches are numbered ``0, 1, 2, ...`` in the order ``submit`` is called. Batch ``k``:
+
+    - in ``refuse_batches``: ``submit`` raises ``TransferError`` (nothing is copied);
+    - in ``hang_batches``: its copy does not start until ``complete_next``, ``release`` or
+      ``close`` (the outer future stays pending: a completion that never arrives);
+    - in ``fail_batches``, true for ``fail_when(k, plan)``, or drawn with probability
+      ``fail_rate`` from ``random.Random(seed)`` (one draw per batch): the copy runs, then the
+      batch fails with ``TransferError``. A failed store's destination CPU pages are
+      overwritten with ``POISON_BYTE`` (when ``poison``), so a manager that marked them READY
+      would serve poison;
+    - otherwise it completes, ``delay_s`` seconds after the copy ended.
+
+    Order is kept as a real stream keeps it: a batch's copy starts only after the copies of the
+    previous batch of its direction and of its ``wait_for`` batches were handed on (so a hung
+    batch stalls its direction), and outer futures resolve in that order too.
+
+    ``hold()`` (or ``hold=True``) gates every later batch the same way as a hung one;
+    ``complete_next(n)`` then starts the ``n`` oldest gated batches, ``release()`` all of them.
+    With an inner engine the copy runs there and the outer future resolves on an engine thread
+    shortly after (await the manager's future to observe it); without one, a batch resolves
+    inside ``submit``/``complete_next`` on the caller's thread.
+
+    Args:
+        inner: the engine that really copies (closed by ``close``), or ``None``: nothing is
+            copied; ``allocate_host`` returns uninitialised CPU memory.
+        fail_batches / hang_batches / refuse_batches: batch numbers to fail, hang, refuse.
+        fail_when: ``(batch_id, plan) -> bool``, evaluated at submit: fail the batch.
+        fail_rate: probability in ``[0, 1]`` that any other batch fails.
+        fail_directions: directions ``fail_rate`` applies to (for example only
+            ``Direction.D2H``, for a caller that cannot survive a failed load).
+        delay_s: seconds between a copy's end and its completion (real time; waited on a
+            worker thread started on first use and joined by ``close``).
+        seed: seed of the failure draws.
+        poison: overwrite the destination of failed stores with ``POISON_BYTE``.
+        hold: gate every batch from the start (as ``hold()``).
+        on_submit: a ``SubmitHook``, called first in every ``submit``.
+        record: keep ``(plan, wait_for, handle)`` of every batch in ``submitted``.
+        close_hangs: ``close`` leaves gated batches pending and raises ``TransferTimeoutError``
+            when there are any (a CUDA engine whose stream hung).
+        name: the engine's ``name`` and its results' ``path``.
+
+    Raises:
+        ConfigError: ``fail_rate`` outside ``[0, 1]``, negative ``delay_s``, or ``inner`` not a
+            ``TransferEngine``.
+    """
+
+    def __init__(
+        self,
+        inner: TransferEngine | None = None,
+        *,
+        fail_batches: Collection[int] = (),
+        fail_when: Callable[[int, TransferPlan], bool] | None = None,
+        fail_rate: float = 0.0,
+        fail_directions: Collection[Direction] = (Direction.D2H, Direction.H2D),
+        delay_s: float = 0.0,
+        hang_batches: Collection[int] = (),
+        refuse_batches: Collection[int] = (),
+        seed: int = 0,
+        poison: bool = True,
+        hold: bool = False,
+        on_submit: SubmitHook | None = None,
+        record: bool = False,
+        close_hangs: bool = False,
+        name: str | None = None,
+    ) -> None:
+        if inner is not None and not isinstance(inner, TransferEngine):
+            raise ConfigError(f"expected a TransferEngine, got {type(inner).__name__}")
+        if not delay_s >= 0.0:
+            raise ConfigError(f"delay_s: expected seconds >= 0, got {delay_s!r}")
+        self.inner = inner
+        self.name = name or ("null" if inner is None else f"faulty({inner.name})")
+        if inner is not None:
+            self.max_descriptors = inner.max_descriptors
+        self._script = FaultScript(
+            fail_batches=fail_batches,
+            hang_batches=hang_batches,
+            refuse_batches=refuse_batches,
+            fail_when=fail_when,
+            fail_rate=fail_rate,
+            fail_directions=fail_directions,
+            seed=seed,
+            poison=poison,
+        )
+        self.injected = self._script.injected  #: batch id -> "fail", "hang" or "refuse"
+        self._on_submit = on_submit
+        self._close_hangs = close_hangs
+        self._order = BatchOrder(self._start, delay_s)
+        self._holding = hold
+        self._closed = False
+        self._next_batch_id = 0
+        self._totals = {"completed": 0, "failed": 0, Direction.D2H: 0, Direction.H2D: 0}
+        #: with ``record``: ``(plan, wait_for, handle)`` per submitted batch, in order
+        self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
+        self._record = record
+        # nothing scripted and no copy: a batch resolves inside submit, without the ordering
+        # machinery (the host-path benchmarks time the manager, not this engine)
+        self._plain = inner is None and self._script.is_empty and not delay_s
+        self._plain &= on_submit is None and not record
+
+    # ------------------------------------------------------------------ engine protocol
+
+    def allocate_host(self, num_bytes: int) -> torch.Tensor:
+        """The inner engine's host allocation (uninitialised CPU memory without one)."""
+        if self.inner is None:
+            return torch.empty(num_bytes, dtype=torch.uint8)
+        return self.inner.allocate_host(num_bytes)
+
+    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
+        """Number the batch, decide its fate, and start its copy when its order allows.
+
+        Raises:
+            ClosedError: the engine is closed.
+            TransferError: the batch is in ``refuse_batches``, or a ``wait_for`` handle was not
+                returned by this engine.
+            Exception: whatever ``on_submit`` raises.
+        """
+        if self._closed:
+            raise ClosedError(f"{self.name} engine is closed")
+        if self._plain and not self._holding and not self._order.batches:
+            return self._complete_now(plan)
+        order = self._order
+        with order.lock:
+            preds = [order.by_id.get(h.batch_id) for h in wait_for]
+            for handle, pred in zip(wait_for, preds):
+                if pred is not None and pred.handle is not handle:
+                    raise TransferError(f"wait_for batch {handle.batch_id} is not from this engine")
+            batch_id = self._next_batch_id
+            copy_plan = plan
+            if self._on_submit is not None:
+                copy_plan = self._on_submit(batch_id, plan) or plan
+            self._next_batch_id += 1
+            fate = self._script.fate(batch_id, plan)
+            future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()  # like an executor's: cannot be cancelled
+            handle = BatchHandle(batch_id, plan.direction, future)
+            if self._record:
+                self.submitted.append((plan, tuple(wait_for), handle))
+            gated = fate == "hang" or self._holding
+            batch = Batch(
+                handle,
+                copy_plan,
+                order.follows(plan.direction, preds),
+                fate,
+                gated=gated,
+                wait_for_ids=tuple(h.batch_id for h in wait_for),
+            )
+            order.add(batch)
+        return handle
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Close the inner engine (waiting up to ``timeout_s`` for copies in flight), complete
+        delayed batches at once, then fail every batch whose copy never started with an error
+        that is both a ``ClosedError`` and a ``TransferError`` (without an inner engine held
+        batches complete instead: there is nothing to abort). Joins the delay thread.
+        Idempotent.
+
+        Raises:
+            TransferError: whatever the inner engine's ``close`` raises (after the steps above).
+            TransferTimeoutError: ``close_hangs`` and batches are still gated.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._order.closed = True
+        try:
+            if self.inner is not None:
+                self.inner.close(timeout_s)  # a CUDA engine raises if copies outlive timeout_s
+        finally:
+            if self._close_hangs:
+                self._order.close(None)
+            elif self.inner is None:
+                self.release()
+                self._order.close(None)
+            else:
+                self._order.close(closed_before_copy)
+        if self._close_hangs and self._order.batches:
+            num = len(self._order.batches)
+            raise TransferTimeoutError(f"{num} batches still in flight after {timeout_s} s")
+
+    def statistics(self) -> EngineStatistics:
+        """Totals: the inner engine's, with injected failures counted and the outer in-flight
+        (without an inner engine, this engine's own)."""
+        with self._order.lock:
+            in_flight = len(self._order.batches)
+        if self.inner is None:
+            totals = self._totals
+            return EngineStatistics(
+                batches_submitted=self._next_batch_id,
+                batches_completed=totals["completed"],
+                batches_failed=totals["failed"],
+                bytes_d2h=totals[Direction.D2H],
+                bytes_h2d=totals[Direction.H2D],
+                in_flight=in_flight,
+                path=self.name,
+            )
+        inner = self.inner.statistics()
+        failed = inner.batches_failed + self._script.num_failed
+        return attrs.evolve(inner, batches_failed=failed, in_flight=in_flight)
+
+    def stream_wait(self, handle: BatchHandle, stream: Any = None) -> None:
+        """Forward to the inner engine once the batch's copy started.
+
+        Raises:
+            TransferError: the batch is gated and the inner engine fences on a device stream.
+        """
+        if self.inner is None:
+            return
+        with self._order.lock:
+            batch = self._order.by_id.get(handle.batch_id)
+            inner = None if batch is None else batch.inner
+            pending = batch is not None and batch.inner is None and not batch.resolved
+        if inner is not None:
+            self.inner.stream_wait(inner, stream)
+        elif pending and type(self.inner).stream_wait is not TransferEngine.stream_wait:
+            raise TransferError(f"batch {handle.batch_id} is held; its copy has not started")
+
+    # ------------------------------------------------------------------ test controls
+
+    def hold(self) -> None:
+        """Gate every batch submitted from now on until ``complete_next`` or ``release``."""
+        self._holding = True
+
+    def complete_next(self, n: int = 1, *, fail: bool = False) -> list[BatchHandle]:
+        """Start the copies of the ``n`` oldest gated batches (held or hung); with ``fail``,
+        those batches fail after their copy. Returns their handles (fewer if fewer wait).
+
+        Raises:
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"expected n >= 0, got {n}")
+        with self._order.lock:
+            chosen = [b for b in self._order.batches if b.gated and not b.resolved][:n]
+            for batch in chosen:
+                batch.gated = False
+                if fail:
+                    batch.fate = "fail"
+                    self._script.fail(batch.handle.batch_id)
+            self._order.start_ready()
+        return [batch.handle for batch in chosen]
+
+    def fail_later(self, batch_id: int) -> None:
+        """Make a batch whose copy has not started fail once it has run.
+
+        Raises:
+            ValueError: batch ``batch_id`` is resolved, started, or was never submitted.
+        """
+        with self._order.lock:
+            batch = self._order.by_id.get(batch_id)
+            if batch is None or batch.started:
+                raise ValueError(f"batch {batch_id} is not waiting")
+            batch.fate = "fail"
+            self._script.fail(batch_id)
+
+    def release(self) -> list[BatchHandle]:
+        """Stop holding and start every gated batch, hung ones included. Returns their handles."""
+        self._holding = False
+        return self.complete_next(len(self._order.batches))
+
+    @property
+    def waiting_batch_ids(self) -> list[int]:
+        """Batches whose copy has not started (gated, or behind a gated batch), oldest first."""
+        with self._order.lock:
+            return [b.handle.batch_id for b in self._order.batches if not b.started]
+
+    def unresolved_wait_for(self, batch_id: int) -> tuple[int, ...] | None:
+        """The ``wait_for`` batch ids given with an unresolved batch; ``None`` once it resolved."""
+        with self._order.lock:
+            batch = self._order.by_id.get(batch_id)
+            return None if batch is None else batch.wait_for_ids
+
+    @property
+    def unresolved_batch_ids(self) -> list[int]:
+        """Batches submitted and not resolved yet, oldest first."""
+        with self._order.lock:
+            return [b.handle.batch_id for b in self._order.batches]
+
+    @property
+    def num_pending(self) -> int:
+        """Batches submitted and not resolved yet."""
+        return len(self._order.batches)
+
+    @property
+    def poisons(self) -> bool:
+        """Whether failed stores' destination pages are overwritten with ``POISON_BYTE``."""
+        return self._script.poison
+
+    @property
+    def num_submitted(self) -> int:
+        """Calls to ``submit`` so far (refused ones included)."""
+        return self._next_batch_id
+
+    # ------------------------------------------------------------------ internals
+
+    def _complete_now(self, plan: TransferPlan) -> BatchHandle:
+        """An unscripted batch of the no-copy engine with nothing before it: done at once."""
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+        handle = BatchHandle(batch_id, plan.direction, future)
+        self._totals["completed"] += 1
+        self._totals[plan.direction] += plan.num_bytes
+        future.set_result(_no_copy_result(batch_id, plan, self.name))
+        return handle
+
+    def _start(self, batch: Batch, waits: Sequence[BatchHandle]) -> None:
+        """Hand one batch's copy to the inner engine (``BatchOrder``'s ``start``)."""
+        if self.inner is None:  # nothing to copy: the copy ends now
+            self._finish(batch, None)
+            return
+        try:
+            batch.inner = self.inner.submit(batch.plan, wait_for=waits)
+        except TransferError as exc:  # the inner engine refused: the batch fails
+            batch.outcome = exc
+            self._order.resolve_ready()
+            return
+        batch.inner.future.add_done_callback(functools.partial(self._finish, batch))
+
+    def _finish(self, batch: Batch, future: concurrent.futures.Future[BatchResult] | None) -> None:
+        """The copy ended (any thread): poison a failed store, count, then resolve or delay."""
+        exc = None if future is None else future.exception()
+        if exc is None and batch.fate == "fail" and future is not None:
+            self._script.poison_store(batch.plan)
+        outcome: BatchResult | BaseException
+        if exc is not None:
+            outcome = exc
+        elif batch.fate == "fail":
+            outcome = TransferError(f"injected fault: batch {batch.handle.batch_id} failed")
+        elif future is not None:
+            outcome = future.result()
+        else:
+            outcome = _no_copy_result(batch.handle.batch_id, batch.plan, self.name)
+        if future is None:
+            with self._order.lock:
+                key = "failed" if isinstance(outcome, BaseException) else "completed"
+                self._totals[key] += 1
+                if key == "completed":
+                    self._totals[batch.plan.direction] += batch.plan.num_bytes
+        self._order.finish(batch, outcome)
+
+
+def _no_copy_result(batch_id: int, plan: TransferPlan, path: str) -> BatchResult:
+    return BatchResult(
+        batch_id=batch_id,
+        direction=plan.direction,
+        num_bytes=plan.num_bytes,
+        num_descriptors=0,
+        device_s=None,
+        path=path,
+    )

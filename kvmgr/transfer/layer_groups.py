@@ -1,0 +1,130 @@
+"""Layers of a KV cache, and the groups a layerwise load or store copies them in.
+
+Offers:
+    LayerGroups     which KV tensors make up each layer, and layers merged into groups by size
+    sub_layout      a ``KVLayout`` of some of a layout's tensors
+
+Pure numpy; used by ``kvmgr.transfer.layerwise`` and the manager's layerwise operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from kvmgr.errors import LayerOrderError
+from kvmgr.pool.layout import KVLayout
+
+__all__ = ["LayerGroups", "sub_layout"]
+
+
+@attrs.frozen(eq=False)
+class LayerGroups:
+    """Layers of a KV cache and the groups they are copied in.
+
+    Attributes:
+        layer_of: int64 ``[num_tensors]``: the layer of each KV tensor (non-decreasing from 0,
+            no gaps: ``[0, 0, 1, 1, ...]`` for one K and one V tensor per layer).
+        group_of: int64 ``[num_layers]``: the group of each layer.
+        tensors: per group, the int64 indices of its tensors.
+        group_bytes: per group, its bytes per block.
+    """
+
+    layer_of: np.ndarray
+    group_of: np.ndarray
+    tensors: tuple[np.ndarray, ...]
+    group_bytes: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers covered."""
+        return len(self.group_of)
+
+    @property
+    def num_groups(self) -> int:
+        """Batches a load or store is split into."""
+        return len(self.tensors)
+
+    def last_layer(self, group: int) -> int:
+        """The highest layer of ``group``."""
+        return int(np.flatnonzero(self.group_of == group)[-1])
+
+    @classmethod
+    def build(
+        cls,
+        page_bytes: Sequence[int],
+        layers: Sequence[int] | int | None,
+        min_group_bytes: int = 0,
+        max_groups: int | None = None,
+    ) -> LayerGroups:
+        """Map tensors to layers and merge adjacent layers until a group holds at least
+        ``min_group_bytes`` per block (the last group may hold less).
+
+        Args:
+            page_bytes: bytes per block of each KV tensor.
+            layers: one layer index per tensor; an int ``k``: ``k`` consecutive tensors per layer;
+                ``None``: one tensor per layer.
+            min_group_bytes: bytes per block below which a layer joins the next one (``0``: one
+                group per layer). A small layer's batch costs about as much host and launch time
+                as a large one's, so tiny layers are better copied together.
+            max_groups: at most this many groups: ``min_group_bytes`` is raised to
+                ``ceil(block bytes / max_groups)`` (each submitted batch costs ~100-200 us of
+                host time on the H200 host: 32 layers in 8 groups save ~3-5 ms per load).
+
+        Raises:
+            LayerOrderError: ``layers`` has the wrong length, is not non-decreasing from 0 with
+                no gaps, ``min_group_bytes < 0`` or ``max_groups < 1``.
+        """
+        num_tensors = len(page_bytes)
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            if layers < 1 or num_tensors % layers:
+                raise LayerOrderError(
+                    f"expected {num_tensors} tensors to split into layers of {layers}, they do not"
+                )
+            layer_of = np.arange(num_tensors, dtype=np.int64) // layers
+        elif layers is None:
+            layer_of = np.arange(num_tensors, dtype=np.int64)
+        else:
+            layer_of = np.asarray(list(layers), dtype=np.int64).reshape(-1)
+            if len(layer_of) != num_tensors:
+                raise LayerOrderError(
+                    f"expected one layer per KV tensor ({num_tensors}), got {len(layer_of)}"
+                )
+            steps = np.diff(layer_of)
+            if layer_of[0] != 0 or (steps < 0).any() or (steps > 1).any():
+                raise LayerOrderError(
+                    f"expected layers non-decreasing from 0 without gaps, got {layer_of.tolist()}"
+                )
+        if min_group_bytes < 0:
+            raise LayerOrderError(f"expected min_group_bytes >= 0, got {min_group_bytes}")
+        if max_groups is not None:
+            if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
+                raise LayerOrderError(f"expected max_groups >= 1, got {max_groups!r}")
+            total = int(sum(page_bytes))
+            min_group_bytes = max(min_group_bytes, -(-total // max_groups))
+        num_layers = int(layer_of[-1]) + 1
+        layer_bytes = np.bincount(layer_of, weights=np.asarray(page_bytes, dtype=np.float64))
+        group_of = np.zeros(num_layers, dtype=np.int64)
+        group, filled = 0, 0.0
+        for layer in range(num_layers):
+            if filled >= min_group_bytes and layer > 0 and filled > 0:
+                group, filled = group + 1, 0.0
+            group_of[layer] = group
+            filled += layer_bytes[layer]
+        tensor_group = group_of[layer_of]
+        tensors = tuple(np.flatnonzero(tensor_group == g) for g in range(group + 1))
+        sizes = np.asarray(page_bytes, dtype=np.int64)
+        return cls(layer_of, group_of, tensors, tuple(int(sizes[t].sum()) for t in tensors))
+
+
+def sub_layout(layout: KVLayout, tensors: np.ndarray) -> KVLayout:
+    """The layout of ``layout``'s tensors ``tensors`` (int indices), in that order."""
+    return KVLayout(
+        base_addrs=layout.base_addrs[tensors],
+        block_strides=layout.block_strides[tensors],
+        page_bytes=layout.page_bytes[tensors],
+        num_blocks=layout.num_blocks,
+        device=layout.device,
+    )

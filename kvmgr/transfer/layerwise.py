@@ -1,0 +1,327 @@
+"""Layerwise loads and stores: one batch per layer (or group of layers), one event each.
+
+Offers:
+    LayerBatches    the per-group batches of one load or store, joined into one ``BatchHandle``
+    LayerwiseLoad   a load split by layer: ``wait_layer(i)`` before layer ``i`` reads its KV
+    LayerwiseStore  a store split by layer: ``save_layer(i)`` once layer ``i`` wrote its KV
+
+Layers and their groups: ``kvmgr.transfer.layer_groups``. A load of ``n`` blocks over ``L``
+layers is submitted as ``G <= L`` batches, group ``0`` first,
+on the engine's load stream (one stream, so they run and end in that order). The model calls
+``load.wait_layer(i)`` right before layer ``i``'s attention reads the KV: the compute stream
+waits on the device for the end event of the group holding layer ``i`` (no host sync), so the
+copy of layer ``i + 1`` runs under layer ``i``'s compute (SGLang HiCache's per-layer events,
+vLLM's ``wait_for_layer_load``). A store calls ``store.save_layer(i)`` right after layer ``i``
+wrote its KV: the group's batch is submitted there, fenced on the compute stream at that point
+(vLLM's ``save_kv_layer``).
+
+All or nothing: a load whose any group failed (refused at submit, or failed on the device) fails
+as a whole. Every group is submitted before ``load_layerwise`` returns, so a refused submit is
+known before the first ``wait_layer``, which then raises ``LayerLoadError``: the forward never
+reads a layer of a failed load. A device-side copy fault is a sticky CUDA error: the context
+is lost and nothing reads anything afterwards.
+
+CUDA graphs: neither call is capturable (``wait_layer`` waits on an event recorded outside the
+graph; ``save_layer`` submits host-side work); inside a capture both raise ``LayerOrderError``.
+Call them in the eager pieces of a piecewise graph (vLLM runs attention there); everything
+between them (projections, MLP, norms) may be captured. With the host engine (no streams)
+``wait_layer`` blocks the caller until the group's copy ended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmgr.errors import ClosedError, LayerLoadError, LayerOrderError
+from kvmgr.transfer.engine import BatchHandle, BatchResult, TransferEngine
+from kvmgr.transfer.layer_groups import LayerGroups
+from kvmgr.transfer.plan import Direction
+
+__all__ = ["LayerBatches", "LayerwiseLoad", "LayerwiseStore"]
+
+
+class LayerBatches:
+    """The per-group batches of one layerwise load or store, and one handle over all of them.
+
+    ``handle`` resolves once every group that was submitted has ended (never earlier, so no
+    block is released while a group may still copy it): with the summed ``BatchResult`` if all
+    ``num_groups`` groups were submitted and succeeded, else with the first failure
+    (``LayerLoadError``). Its ``end_event`` is the last group's, set when that group is
+    submitted (one FIFO stream: the last group's end means every group ended).
+
+    Args:
+        direction: of every group.
+        num_groups: groups the operation will submit.
+    """
+
+    def __init__(self, direction: Direction, num_groups: int) -> None:
+        self.direction = direction
+        self.num_groups = num_groups
+        self.handles: list[BatchHandle] = []
+        self.error: BaseException | None = None
+        self.handle = BatchHandle(-1, direction, concurrent.futures.Future(), member_ids=[])
+        self._lock = threading.Lock()
+        self._ended = 0
+        self._closed = False  # no more groups will be submitted
+
+    @property
+    def failed(self) -> bool:
+        """Whether a group failed, or was refused, so far."""
+        return self.error is not None
+
+    def submit(self, group: int, submit: Callable[[], BatchHandle]) -> BatchHandle | None:
+        """Submit group ``group`` (the next one) through ``submit()``; a refusal (an exception,
+        or a handle whose issue was refused) fails the operation and closes it. Returns the
+        handle, or ``None`` if it was refused (then no later group may be submitted)."""
+        assert group == len(self.handles) and not self._closed
+        try:
+            handle = submit()
+        except Exception as exc:
+            self._fail(LayerLoadError(f"layer group {group}: could not submit: {exc}"))
+            self.close()
+            return None
+        if self.handle.batch_id < 0:
+            self.handle.batch_id = handle.batch_id
+        self.handles.append(handle)
+        self.handle.member_ids.append(handle.batch_id)  # type: ignore[union-attr]
+        self.handle.end_event = handle.end_event
+        refused = getattr(handle, "refused", None)
+        if refused is not None:
+            self._fail(LayerLoadError(f"layer group {group}: {refused}"))
+        handle.future.add_done_callback(lambda f, g=group: self._ended_one(g, f))
+        if len(self.handles) == self.num_groups or refused is not None:
+            self.close()
+        return None if refused is not None else handle
+
+    def close(self) -> None:
+        """No more groups will be submitted; fewer than ``num_groups`` fails the operation."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if len(self.handles) < self.num_groups and self.error is None:
+                self.error = LayerLoadError(
+                    f"only {len(self.handles)} of {self.num_groups} layer groups were submitted"
+                )
+            finish = self._ended == len(self.handles)
+        if finish:
+            self._finish()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+
+    def _ended_one(self, group: int, future: concurrent.futures.Future[BatchResult]) -> None:
+        error = future.exception()
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = LayerLoadError(f"layer group {group} failed: {error}")
+            self._ended += 1
+            finish = self._closed and self._ended == len(self.handles)
+        if finish:
+            self._finish()
+
+    def _finish(self) -> None:
+        future = self.handle.future
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if self.error is not None:
+                future.set_exception(self.error)
+                return
+            results = [h.future.result() for h in self.handles]
+            future.set_result(
+                BatchResult(
+                    batch_id=self.handle.batch_id,
+                    direction=self.direction,
+                    num_bytes=sum(r.num_bytes for r in results),
+                    num_descriptors=sum(r.num_descriptors for r in results),
+                    device_s=sum(r.device_s or 0.0 for r in results),
+                    path=results[0].path if results else "host",
+                )
+            )
+
+
+def _check_not_capturing(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise LayerOrderError(
+            f"{what} is not capturable in a CUDA graph: call it in an eager piece of a piecewise "
+            "graph (between captured regions)"
+        )
+
+
+class LayerwiseLoad:
+    """A load split by layer (module docstring). Built by ``OffloadManager.load_layerwise``.
+
+    Attributes:
+        groups: the layer groups.
+        batches: the per-group batches.
+        future: the manager's ``asyncio`` future of the load (``LoadResult``), resolved after
+            every group ended and the bookkeeping ran; fails with ``LayerLoadError`` if any
+            group failed.
+    """
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        groups: LayerGroups,
+        batches: LayerBatches,
+        future: Any,
+        is_open: Callable[[], bool],
+    ) -> None:
+        self.engine = engine
+        self.groups = groups
+        self.batches = batches
+        self.future = future
+        self._is_open = is_open
+        self._waited = -1  # highest layer waited for
+        self._closed = False
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the load covers."""
+        return self.groups.num_layers
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+    def done(self) -> bool:
+        """Whether every group ended and the load's future resolved."""
+        return bool(self.future.done())
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (default: the engine's compute stream, else the current one) wait on
+        the device until layer ``layer``'s KV (and every earlier layer's) has landed; the host
+        does not block (with the host engine it does: there are no streams).
+
+        Call it right before layer ``layer``'s attention reads the loaded blocks; layers are
+        waited for in order (waiting for a layer again is a no-op).
+
+        Raises:
+            LayerOrderError: ``layer`` is not a layer of the load, is below a layer already
+                waited for, or the current stream is capturing a CUDA graph.
+            LayerLoadError: the load failed (some group): do not read any of its blocks.
+            ClosedError: the handle or its manager is closed.
+        """
+        if self._closed or not self._is_open():
+            raise ClosedError("the layerwise load (or its manager) is closed")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
+        layer = int(layer)
+        if not 0 <= layer < self.num_layers:
+            raise LayerOrderError(f"layer {layer} is not scheduled: the load covers layers "
+                                  f"0..{self.num_layers - 1}")  # fmt: skip
+        if layer < self._waited:
+            raise LayerOrderError(
+                f"layer {layer} waited for after layer {self._waited}: wait in layer order"
+            )
+        _check_not_capturing("wait_layer")
+        batches = self.batches
+        if batches.failed:
+            raise LayerLoadError(f"the layerwise load failed: {batches.error}")
+        group = int(self.groups.group_of[layer])
+        handle = batches.handles[group]
+        if handle.end_event is None:  # the host engine: block until the group's copy ended
+            error = handle.future.exception()
+            if error is not None or batches.failed:
+                raise LayerLoadError(f"the layerwise load failed: {batches.error or error}")
+        else:
+            if handle.future.done() and handle.future.exception() is not None:
+                raise LayerLoadError(f"the layerwise load failed: {batches.error}")
+            self.engine.stream_wait(handle, stream)
+        self._waited = layer
+
+    def wait_all(self, stream: Any = None) -> None:
+        """``wait_layer`` of the last layer (every layer's KV has then landed on the device)."""
+        self.wait_layer(self.num_layers - 1, stream)
+
+    def close(self) -> None:
+        """Stop using the handle (the copies and the load's future go on). Idempotent."""
+        self._closed = True
+
+
+class LayerwiseStore:
+    """A store split by layer (module docstring). Built by ``OffloadManager.store_layerwise``.
+
+    Attributes:
+        groups: the layer groups.
+        batches: the per-group batches.
+        future: the manager's ``asyncio`` future of the store (``StoreResult``); it resolves
+            after the last layer was saved and every group ended.
+    """
+
+    def __init__(
+        self,
+        groups: LayerGroups,
+        batches: LayerBatches,
+        future: Any,
+        submit_group: Callable[[int], BatchHandle],
+        is_open: Callable[[], bool],
+    ) -> None:
+        self.groups = groups
+        self.batches = batches
+        self.future = future
+        self._submit_group = submit_group
+        self._is_open = is_open
+        self._next = 0  # the next layer to save
+        self._aborted = False
+
+    @property
+    def num_layers(self) -> int:
+        """Layers the store covers."""
+        return self.groups.num_layers
+
+    @property
+    def layers_saved(self) -> int:
+        """Layers saved so far."""
+        return self._next
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+    def done(self) -> bool:
+        """Whether the store's future resolved."""
+        return bool(self.future.done())
+
+    def save_layer(self, layer: int) -> None:
+        """Layer ``layer`` wrote its KV: copy it out, after the work queued so far on the compute
+        stream (a fence recorded there now). Layers are saved once each, in order; the group's
+        batch is submitted when its last layer is saved. Once the store failed (a group was
+        refused) or was aborted, this does nothing: the forward goes on, the store's future
+        fails.
+
+        Raises:
+            LayerOrderError: ``layer`` is not the next layer to save (or every layer was saved),
+                or the current stream is capturing a CUDA graph.
+            ClosedError: the manager is closed.
+        """
+        if not self._is_open():
+            raise ClosedError("the layerwise store's manager is closed")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
+        layer = int(layer)
+        if self._aborted or self.batches.failed:
+            return
+        if layer != self._next:
+            expected = (
+                "none: every layer was saved" if self._next >= self.num_layers else self._next
+            )
+            raise LayerOrderError(f"layer {layer} saved out of order: the next layer to save is {expected}")  # fmt: skip
+        _check_not_capturing("save_layer")
+        self._next += 1
+        group = int(self.groups.group_of[layer])
+        if layer == self.groups.last_layer(group):
+            self.batches.submit(group, lambda: self._submit_group(group))
+
+    def abort(self) -> None:
+        """Give up the layers not saved yet: the store fails (``LayerLoadError``) once the groups
+        already submitted ended, and its keys are dropped. Idempotent; a no-op once complete."""
+        if self._next < self.num_layers and not self._aborted:
+            self._aborted = True
+            self.batches.close()

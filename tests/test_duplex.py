@@ -1,0 +1,124 @@
+"""Both directions at once: the model's pair choice, its use by ChoiceCopy and the flusher."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvmgr import ManagerConfig, OffloadManager
+from kvmgr.errors import ConfigError
+from kvmgr.transfer.auto import ChoiceCopy
+from kvmgr.transfer.cost_model import Calibration
+from kvmgr.transfer.duplex import duplex_choice
+from kvmgr.transfer.host import HostEngine
+from kvmgr.transfer.plan import Direction, TransferPlan
+from kvmgr.transfer.streams import Issued
+
+D2H, H2D = Direction.D2H, Direction.H2D
+QWEN = (48 * 512, 48 * 512 * 4096)  # 512 scattered blocks of 48 x 4 KiB: one descriptor a page
+LLAMA = (64 * 512, 64 * 512 * 32768)
+
+
+def test_small_pages_go_to_the_kernel_both_ways() -> None:
+    choice = duplex_choice(QWEN, QWEN)
+    assert choice.d2h_kernel and choice.h2d_kernel
+    # the pair's modelled time is below the two DMA batches issued one after the other
+    calib = Calibration()
+    serial = calib.batch_us(*QWEN, D2H) + calib.batch_us(*QWEN, H2D)
+    assert choice.us < serial / 3
+
+
+def test_large_pages_mix_paths_and_issue_the_kernel_first() -> None:
+    choice = duplex_choice(LLAMA, LLAMA)
+    assert choice.d2h_kernel != choice.h2d_kernel
+    kernel_direction = D2H if choice.d2h_kernel else H2D
+    assert choice.first is kernel_direction
+    # a faster kernel pair (as fitted from a run where two kernels overlap well) wins instead
+    fast = Calibration(duplex_kernel_gbps=90.0)
+    both = duplex_choice(LLAMA, LLAMA, fast)
+    assert both.d2h_kernel and both.h2d_kernel
+
+
+def test_one_direction_alone_is_the_per_plan_choice() -> None:
+    choice = duplex_choice((0, 0), QWEN)
+    assert choice.first is H2D and choice.h2d_kernel and not choice.d2h_kernel
+    few = duplex_choice((48, 48 * 32768), (0, 0))
+    assert few.first is D2H and not few.d2h_kernel  # 48 large descriptors: DMA
+    with pytest.raises(ValueError):
+        duplex_choice((-1, 0), QWEN)
+
+
+def test_fit_duplex_reads_bench_rows() -> None:
+    rows = [
+        {"variant": "limit", "gbps": 98.0},
+        {"variant": "kernel+kernel", "gbps": 40.0},
+        {"variant": "kernel+kernel", "gbps": 60.0},
+        {"variant": "dma+dma", "gbps": 20.0},
+    ]
+    calib = Calibration.from_json({"duplex": rows})
+    assert calib.duplex_kernel_gbps == 50.0 and calib.duplex_limit_gbps == 98.0
+    with pytest.raises(ConfigError):
+        Calibration.fit_duplex([{"variant": "limit"}])
+
+
+class _Recorder:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def issue(self, plan: TransferPlan, stream: object) -> Issued:
+        self.log.append(f"{self.name}:{plan.direction.value}")
+        return Issued("kernel" if self.name == "kernel" else "batch")
+
+
+def test_choice_copy_takes_the_duplex_path_once() -> None:
+    log: list[str] = []
+    choice = ChoiceCopy(_Recorder("dma", log), _Recorder("kernel", log), lambda p, b: False)  # type: ignore[arg-type]
+    one = np.array([1], dtype=np.int64)
+    plan = TransferPlan(D2H, one, one, one)
+    choice.duplex = {D2H: True, H2D: False}
+    choice.issue(plan, None)
+    choice.issue(plan, None)  # used once: back to the per-plan choice
+    assert log == ["kernel:d2h", "dma:d2h"]
+    assert choice.duplex == {H2D: False}
+
+
+class _DuplexHost(HostEngine):
+    """The host engine with a ``plan_duplex`` that asks for H2D first; records submissions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self.order: list[Direction] = []
+
+    def plan_duplex(self, d2h, h2d):  # type: ignore[no-untyped-def]
+        self.asked.append((d2h, h2d))
+        return H2D, D2H
+
+    def submit(self, plan, *, wait_for=()):  # type: ignore[no-untyped-def]
+        self.order.append(plan.direction)
+        return super().submit(plan, wait_for=wait_for)
+
+
+@pytest.mark.asyncio
+async def test_flusher_submits_in_the_engines_order() -> None:
+    caches = [torch.randn(16, 4, 8) for _ in range(3)]
+    engine = _DuplexHost()
+    keys = [hashlib.blake2b(bytes([i])).digest() for i in range(4)]
+    async with OffloadManager(caches, ManagerConfig(num_cpu_blocks=32), engine=engine) as mgr:
+        a = mgr.allocate("a", 2)
+        first = mgr.store_many(a, keys[:2])
+        await mgr.step()
+        await first
+        assert engine.asked == []  # one direction: not a duplex step
+        store = mgr.store_many(mgr.allocate("b", 2), keys[2:])
+        load = mgr.load_many(keys[:2], mgr.allocate("c", 2))
+        await mgr.step()
+        await store
+        await load
+    block_bytes = 3 * 4 * 8 * 4
+    # exact counts from the plans: two consecutive blocks each way merge into one run per tensor
+    assert engine.asked == [((3, 2 * block_bytes), (3, 2 * block_bytes))]
+    assert engine.order == [D2H, H2D, D2H]

@@ -1,0 +1,358 @@
+"""Layerwise loads and stores on the host engine: bytes, layer order, events, failures, misuse."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvmgr import (
+    ClosedError,
+    LayerLoadError,
+    LayerOrderError,
+    ManagerConfig,
+    OffloadManager,
+)
+from kvmgr.testing import FaultyEngine, check_invariants
+from kvmgr.transfer.engine import BatchHandle
+from kvmgr.transfer.host import HostEngine
+from kvmgr.transfer.layer_groups import LayerGroups
+from kvmgr.transfer.plan import Direction
+
+NUM_LAYERS = 4
+
+
+def _keys(n: int, salt: int = 0) -> list[bytes]:
+    return [hashlib.blake2b(bytes([salt, i])).digest() for i in range(n)]
+
+
+def _caches(num_blocks: int = 32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)  # K and V per layer, never zeros
+    return [torch.randn(num_blocks, 16, 8, generator=gen) for _ in range(2 * NUM_LAYERS)]
+
+
+async def _store(mgr: OffloadManager, ids: object, keys: list[bytes]) -> None:
+    future = mgr.store_many(ids, keys)
+    await mgr.step()
+    await future
+
+
+def _manager(caches: list[torch.Tensor], engine: object = None) -> OffloadManager:
+    config = ManagerConfig(num_cpu_blocks=64, policy="lru")
+    return OffloadManager(caches, config, engine=engine)  # type: ignore[arg-type]
+
+
+class _RecordingEngine(HostEngine):
+    """The host engine, recording each submitted plan's first GPU tensor address, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted: list[tuple[Direction, int]] = []
+
+    def submit(self, plan, *, wait_for=()):  # type: ignore[no-untyped-def]
+        pairs = plan.blocks
+        if pairs is not None:  # (an empty plan has no blocks)
+            gpu = pairs.dst if plan.direction is Direction.H2D else pairs.src
+            self.submitted.append((plan.direction, int(gpu.base_addrs[0])))
+        return super().submit(plan, wait_for=wait_for)
+
+
+class _EventEngine(HostEngine):
+    """The host engine with stand-in end events; records ``stream_wait`` calls (the CUDA path
+    of ``wait_layer``: a stream wait, no host wait)."""
+
+    def __init__(self, refuse: int | None = None) -> None:
+        super().__init__()
+        self.waits: list[int] = []
+        self.refuse = refuse
+        self.count = 0
+
+    def submit(self, plan, *, wait_for=()):  # type: ignore[no-untyped-def]
+        handle = super().submit(plan, wait_for=wait_for)
+        handle.end_event = object()
+        if self.count == self.refuse:
+            handle.refused = RuntimeError("refused launch")
+        self.count += 1
+        return handle
+
+    def stream_wait(self, handle: BatchHandle, stream: object = None) -> None:
+        self.waits.append(handle.batch_id)
+
+
+def test_groups_by_layer_and_size() -> None:
+    pages = [100, 100, 100, 100, 100, 100]
+    one = LayerGroups.build(pages, 2)
+    assert one.num_layers == 3 and one.num_groups == 3
+    assert [t.tolist() for t in one.tensors] == [[0, 1], [2, 3], [4, 5]]
+    merged = LayerGroups.build(pages, 2, min_group_bytes=400)
+    assert merged.group_of.tolist() == [0, 0, 1] and merged.group_bytes == (400, 200)
+    explicit = LayerGroups.build([8, 8, 8], [0, 0, 1])
+    assert explicit.group_of.tolist() == [0, 1] and explicit.last_layer(0) == 0
+    for bad in ([0, 2, 2], [1, 1, 1], [0, 1], 4):
+        with pytest.raises(LayerOrderError):
+            LayerGroups.build([8, 8, 8], bad)
+    with pytest.raises(LayerOrderError):
+        LayerGroups.build([8], None, min_group_bytes=-1)
+    capped = LayerGroups.build([100] * 8, 2, max_groups=2)  # 4 layers of 200 B: 400 B a group
+    assert capped.group_of.tolist() == [0, 0, 1, 1]
+    assert LayerGroups.build([100] * 8, 2, max_groups=3).num_groups == 2  # 267 B: 2 layers
+    for bad in (0, True, 1.5):
+        with pytest.raises(LayerOrderError):
+            LayerGroups.build([8], None, max_groups=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_round_trip_and_layer_order() -> None:
+    caches = _caches()
+    engine = _RecordingEngine()
+    keys = _keys(6)
+    async with _manager(caches, engine) as mgr:
+        src = mgr.allocate("a", 6)
+        store = mgr.store_layerwise(src, keys, layers=2)
+        assert mgr.peek(keys) == 0  # PENDING until every layer landed
+        for layer in range(NUM_LAYERS):
+            store.save_layer(layer)
+        stored = await store
+        assert stored.stored.all() and store.done()
+        dst = mgr.allocate("b", 6)
+        load = mgr.load_layerwise(keys, dst, layers=2)
+        for layer in range(NUM_LAYERS):
+            load.wait_layer(layer)
+            # the host engine blocks: this layer's K and V have landed, later ones may not have
+            assert torch.equal(caches[2 * layer][src], caches[2 * layer][dst])
+        result = await load
+        assert result.gpu_block_ids.tolist() == list(dst)
+        check_invariants(mgr)
+    # one batch per layer, in layer order, each starting at the layer's K tensor
+    k_addrs = [caches[2 * i].data_ptr() for i in range(NUM_LAYERS)]
+    assert engine.submitted == [(Direction.D2H, a) for a in k_addrs] + [
+        (Direction.H2D, a) for a in k_addrs
+    ]
+
+
+@pytest.mark.asyncio
+async def test_store_fences_each_layer_at_its_save() -> None:
+    """A layer's bytes are copied as they were at its save_layer, not as at the end."""
+    caches = _caches()
+    keys = _keys(4, salt=1)
+    async with _manager(caches) as mgr:
+        blocks = mgr.allocate("a", 4)
+        expected = []
+        store = mgr.store_layerwise(blocks, keys, layers=2)
+        for layer in range(NUM_LAYERS):
+            for t in (2 * layer, 2 * layer + 1):
+                caches[t][blocks] = torch.randn(4, 16, 8)  # the forward writes the layer's KV
+            expected.append([caches[t][blocks].clone() for t in (2 * layer, 2 * layer + 1)])
+            store.save_layer(layer)
+        await store
+        dst = mgr.allocate("b", 4)
+        await mgr.load_layerwise(keys, dst, layers=2, min_group_bytes=1 << 30)
+        for layer in range(NUM_LAYERS):
+            for j, t in enumerate((2 * layer, 2 * layer + 1)):
+                assert torch.equal(caches[t][dst], expected[layer][j])
+
+
+@pytest.mark.asyncio
+async def test_min_group_bytes_merges_layers() -> None:
+    caches = _caches()
+    engine = _EventEngine()
+    keys = _keys(3, salt=2)
+    async with _manager(caches, engine) as mgr:
+        a = mgr.allocate("a", 3)
+        await _store(mgr, a, keys)
+        engine.count = 0
+        page = caches[0][0].numel() * 4
+        load = mgr.load_layerwise(keys, mgr.allocate("b", 3), layers=2, min_group_bytes=4 * page)
+        assert load.groups.num_groups == 2 and len(load.batches.handles) == 2
+        for layer in range(NUM_LAYERS):
+            load.wait_layer(layer)
+        first, second = (h.batch_id for h in load.batches.handles)
+        # stream waits (not host waits) on the group's event; layers 0-1 share group 0
+        assert engine.waits == [first, first, second, second]
+        await load
+
+
+@pytest.mark.asyncio
+async def test_misuse_raises_typed_errors() -> None:
+    caches = _caches()
+    keys = _keys(2, salt=3)
+    async with _manager(caches) as mgr:
+        a = mgr.allocate("a", 2)
+        await _store(mgr, a, keys)
+        load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
+        with pytest.raises(LayerOrderError, match="not scheduled"):
+            load.wait_layer(NUM_LAYERS)
+        with pytest.raises(LayerOrderError):
+            load.wait_layer(-1)
+        with pytest.raises(LayerOrderError):
+            load.wait_layer(True)  # type: ignore[arg-type]
+        load.wait_layer(2)
+        load.wait_layer(2)  # again: a no-op
+        with pytest.raises(LayerOrderError, match="layer order"):
+            load.wait_layer(1)
+        await load
+        load.close()
+        with pytest.raises(ClosedError):
+            load.wait_layer(3)
+        with pytest.raises(LayerOrderError):
+            mgr.load_layerwise(keys, mgr.allocate("c", 2), layers=3)  # 8 tensors, not 3 per layer
+
+        store = mgr.store_layerwise(mgr.allocate("d", 2), _keys(2, salt=4), layers=2)
+        with pytest.raises(LayerOrderError, match="out of order"):
+            store.save_layer(1)
+        store.save_layer(0)
+        with pytest.raises(LayerOrderError):
+            store.save_layer(0)  # twice
+        for layer in range(1, NUM_LAYERS):
+            store.save_layer(layer)
+        with pytest.raises(LayerOrderError, match="every layer"):
+            store.save_layer(0)  # complete
+        await store
+        check_invariants(mgr)
+    with pytest.raises(ClosedError):
+        load.wait_layer(3)
+
+
+@pytest.mark.asyncio
+async def test_failed_layer_fails_the_whole_load() -> None:
+    caches = _caches()
+    keys = _keys(5, salt=5)
+    faulty = FaultyEngine(HostEngine(), fail_batches={3})  # batch 0: the store; 1-4: layers
+    async with _manager(caches, faulty) as mgr:
+        a = mgr.allocate("a", 5)
+        await _store(mgr, a, keys)
+        b = mgr.allocate("b", 5)
+        load = mgr.load_layerwise(keys, b, layers=2)
+        with pytest.raises(LayerLoadError):
+            await load
+        # every wait now raises: no layer of a failed load may be read, not even layer 0
+        with pytest.raises(LayerLoadError):
+            load.wait_layer(0)
+        check_invariants(mgr)
+        assert mgr.peek(keys) == 5  # the CPU copies are intact and unpinned
+        again = mgr.load_layerwise(keys, b, layers=2)
+        for layer in range(NUM_LAYERS):
+            again.wait_layer(layer)
+        await again
+        assert all(torch.equal(t[a], t[b]) for t in caches)
+
+
+@pytest.mark.asyncio
+async def test_refused_group_is_known_before_the_first_wait() -> None:
+    caches = _caches()
+    keys = _keys(2, salt=6)
+    engine = _EventEngine()
+    async with _manager(caches, engine) as mgr:
+        await _store(mgr, mgr.allocate("a", 2), keys)
+        engine.count, engine.refuse = 0, 3  # the last layer's launch is refused at submit
+        load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
+        with pytest.raises(LayerLoadError, match="refused"):
+            load.wait_layer(0)
+        assert engine.waits == []  # no stream waited on a layer of the failed load
+        with pytest.raises(LayerLoadError):
+            await load
+        check_invariants(mgr)
+
+        faulty_keys = _keys(2, salt=7)
+        await _store(mgr, mgr.allocate("c", 2), faulty_keys)
+    refusing = FaultyEngine(HostEngine(), refuse_batches={2})
+    async with _manager(_caches(), refusing) as mgr:
+        await _store(mgr, mgr.allocate("a", 2), keys)
+        load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
+        assert len(load.batches.handles) == 1  # groups after the refused one are not submitted
+        with pytest.raises(LayerLoadError):
+            load.wait_layer(0)
+        with pytest.raises(LayerLoadError, match="could not submit"):
+            await load
+        check_invariants(mgr)
+        assert mgr.peek(keys) == 2
+
+
+@pytest.mark.asyncio
+async def test_layers_land_in_order_under_a_slow_copy() -> None:
+    """Group 1 hangs: layer 0 is readable after its wait, layer 1's wait blocks until release."""
+    caches = _caches()
+    keys = _keys(3, salt=8)
+    faulty = FaultyEngine(HostEngine(), hang_batches={2})  # batch 0: the store; 1: layer 0
+    async with _manager(caches, faulty) as mgr:
+        a = mgr.allocate("a", 3)
+        await _store(mgr, a, keys)
+        b = mgr.allocate("b", 3)
+        load = mgr.load_layerwise(keys, b, layers=2)
+        load.wait_layer(0)
+        assert torch.equal(caches[0][a], caches[0][b])
+        check_invariants(mgr)  # every unresolved group is known to the manager, blocks fenced
+        returned = threading.Event()
+        waiter = threading.Thread(target=lambda: (load.wait_layer(1), returned.set()))
+        waiter.start()
+        await asyncio.sleep(0.05)
+        assert not returned.is_set()  # layer 1's copy has not run
+        faulty.release()
+        waiter.join(5)
+        assert returned.is_set() and torch.equal(caches[2][a], caches[2][b])
+        await load
+
+
+@pytest.mark.asyncio
+async def test_abort_and_close_fail_unsaved_stores() -> None:
+    caches = _caches()
+    keys = _keys(3, salt=9)
+    mgr = _manager(caches)
+    async with mgr:
+        store = mgr.store_layerwise(mgr.allocate("a", 3), keys, layers=2)
+        store.save_layer(0)
+        check_invariants(mgr)  # a store half saved: PENDING keys, its blocks busy
+        store.abort()
+        store.save_layer(1)  # after abort: nothing more is copied, the forward goes on
+        with pytest.raises(LayerLoadError, match="1 of 4"):
+            await store
+        assert mgr.peek(keys) == 0  # the keys of a failed store are dropped
+        check_invariants(mgr)
+        late = mgr.store_layerwise(mgr.allocate("b", 3), _keys(3, salt=10), layers=2)
+        late.save_layer(0)
+    # closing the manager failed the unfinished store instead of waiting for it
+    with pytest.raises(LayerLoadError):
+        await late
+    with pytest.raises(ClosedError):
+        late.save_layer(1)
+
+
+@pytest.mark.asyncio
+async def test_load_flushes_what_was_queued_first() -> None:
+    caches = _caches()
+    keys, queued = _keys(2, salt=11), _keys(2, salt=12)
+    engine = _RecordingEngine()
+    async with _manager(caches, engine) as mgr:
+        a = mgr.allocate("a", 2)
+        await _store(mgr, a, keys)
+        stored = mgr.store_many(mgr.allocate("q", 2), queued)  # queued, not flushed
+        del engine.submitted[:]
+        load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
+        assert [d for d, _ in engine.submitted] == [Direction.D2H] + [Direction.H2D] * 4
+        await asyncio.wait_for(stored, 5)  # submitted by the load's flush, without a step()
+        await load
+        empty = mgr.load_layerwise([], np.zeros(0, dtype=np.int64), layers=2)
+        for layer in range(NUM_LAYERS):
+            empty.wait_layer(layer)
+        await empty
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_refused_store_layer_fails_the_store_not_the_forward() -> None:
+    caches = _caches()
+    keys = _keys(3, salt=13)
+    engine = FaultyEngine(HostEngine(), refuse_batches={1})
+    async with _manager(caches, engine) as mgr:
+        store = mgr.store_layerwise(mgr.allocate("a", 3), keys, layers=2)
+        for layer in range(NUM_LAYERS):
+            store.save_layer(layer)  # layer 1 is refused; later layers are not copied, no raise
+        assert len(store.batches.handles) == 1
+        with pytest.raises(LayerLoadError, match="could not submit"):
+            await store
+        assert mgr.peek(keys) == 0
+        check_invariants(mgr)

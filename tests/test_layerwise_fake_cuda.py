@@ -1,0 +1,109 @@
+"""Layerwise loads through the real ``CopyStreams`` on fake CUDA (``test_cuda_engine``'s stand-ins:
+streams and events that log, a driver that memmoves host memory): one batch per layer group on
+the load stream, ``wait_layer`` a stream wait on that group's end event, a refused launch known
+before the first wait."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_cuda_engine import FakeCuda, FakeDriverLib
+
+from kvmgr import LayerLoadError, ManagerConfig, OffloadManager
+from kvmgr.testing import check_invariants
+from kvmgr.transfer.cuda_engine import CudaBatchEngine
+from kvmgr.transfer.driver import CopyDriver
+from kvmgr.transfer.plan import Direction
+
+LAYERS = 3
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    import contextlib
+
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return fake
+
+
+def _manager(fake: FakeCuda, lib: FakeDriverLib) -> tuple[OffloadManager, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randint(0, 256, (16, 512), dtype=torch.uint8, generator=gen)
+              for _ in range(2 * LAYERS)]  # fmt: skip
+    driver = CopyDriver(lib.resolver(), driver_version=13000)
+    driver.fake_lib = lib  # type: ignore[attr-defined]  # keep the ctypes callbacks alive
+    lib.calls = fake.log  # driver calls interleave with stream and event operations
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA to pin with: the tier falls back to pageable
+        engine = CudaBatchEngine(driver=driver, allow_pageable=True)
+        mgr = OffloadManager(caches, ManagerConfig(num_cpu_blocks=16), engine=engine)
+    return mgr, caches
+
+
+def _keys(n: int) -> list[bytes]:
+    return [hashlib.blake2b(bytes([i])).digest() for i in range(n)]
+
+
+async def _stored(mgr: OffloadManager, keys: list[bytes]) -> np.ndarray:
+    ids = np.asarray(mgr.allocate("a", len(keys)))
+    future = mgr.store_many(ids, keys)
+    await mgr.step()
+    await future
+    return ids
+
+
+@pytest.mark.asyncio
+async def test_wait_layer_is_a_stream_wait_on_its_groups_end_event(fake_cuda: FakeCuda) -> None:
+    lib = FakeDriverLib()
+    mgr, caches = _manager(fake_cuda, lib)
+    async with mgr:
+        keys = _keys(4)
+        src = await _stored(mgr, keys)
+        dst = np.asarray(mgr.allocate("b", 4))
+        fake_cuda.log.clear()
+        load = mgr.load_layerwise(keys, dst, layers=2)
+        h2d = mgr.engine.stream(Direction.H2D)  # type: ignore[attr-defined]
+        batches = [e for e in fake_cuda.log if isinstance(e, dict) and "batch" in e]
+        assert len(batches) == LAYERS and {b["stream"] for b in batches} == {h2d.cuda_stream}
+        ends = [h.end_event for h in load.batches.handles]
+        records = [e[1] for e in fake_cuda.log if isinstance(e, tuple) and e[0] == "record"]
+        assert [r for r in records if r in ends] == ends  # recorded in layer order
+        fake_cuda.log.clear()
+        for layer in range(LAYERS):
+            load.wait_layer(layer)
+        waits = [e for e in fake_cuda.log if isinstance(e, tuple) and e[0] == "wait"]
+        # no host wait: the compute stream waits for each layer's own group end event
+        assert waits == [("wait", fake_cuda.compute, end) for end in ends]
+        await load
+        assert all(torch.equal(t[torch.from_numpy(src)], t[torch.from_numpy(dst)]) for t in caches)
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_layer_fails_the_load_before_any_wait(fake_cuda: FakeCuda) -> None:
+    lib = FakeDriverLib(fail_at=0, fail_call=2)  # call 0: the store; 1, 2, 3: the layers
+    mgr, _ = _manager(fake_cuda, lib)
+    async with mgr:
+        keys = _keys(4)
+        await _stored(mgr, keys)
+        load = mgr.load_layerwise(keys, np.asarray(mgr.allocate("b", 4)), layers=2)
+        assert load.batches.handles[1].refused is not None
+        fake_cuda.log.clear()
+        with pytest.raises(LayerLoadError):
+            load.wait_layer(0)  # layer 0 copied fine, but the load is failed as a whole
+        assert not any(isinstance(e, tuple) and e[0] == "wait" for e in fake_cuda.log)
+        with pytest.raises(LayerLoadError):
+            await load
+        check_invariants(mgr)
+        assert mgr.peek(keys) == 4
