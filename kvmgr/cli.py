@@ -38,10 +38,11 @@ BENCHES = {
     "vllm": "kvmgr.bench.vllm",
     "pin": "kvmgr.bench.pin",
     "launch-host": "kvmgr.bench.launch_host",
+    "ranks": "kvmgr.bench.ranks",
 }
 #: benchmarks that run without a GPU (every other one needs a CUDA GPU; ``pin`` measures only
 #: allocation and first touch without one).
-CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin", "dsv4", "launch-host"})
+CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin", "dsv4", "launch-host", "ranks"})
 _BENCH_HELP = f"micro-benchmarks (all but {', '.join(sorted(CPU_BENCHES))} need a CUDA GPU)"
 #: top-level subcommands (other than ``bench``) -> module.
 COMMANDS = {

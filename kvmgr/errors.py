@@ -127,6 +127,36 @@ class StaleKVTensorError(TransferError):
     ``set_``): copies would use freed memory, so the batch is failed instead."""
 
 
+class RankError(TransferError):
+    """A rank of a tensor-parallel group failed a job, died, or could not be reached; the job
+    failed on every rank and its blocks never became READY.
+
+    Attributes:
+        rank: the rank that caused it.
+    """
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankTimeoutError(RankError):
+    """A rank did not report a job within the group's deadline; it is presumed dead and the
+    manager stops offloading (new swaps fail with ``RankError``)."""
+
+
+class LayoutMismatchError(GeometryError):
+    """The ranks of a group disagree about the KV layout (blocks, page bytes, layout kind).
+
+    Attributes:
+        rank: the first rank that differs from rank 0.
+    """
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 class HostMemoryError(KVMgrError, MemoryError):
     """The CPU tier's host memory could not be allocated or registered.
 

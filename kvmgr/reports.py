@@ -17,14 +17,16 @@ blocks keeps a constant number of objects alive.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import numpy as np
 
 from kvmgr.hooks import HookReport
-from kvmgr.transfer.engine import BatchResult
-from kvmgr.transfer.pinning import PinStatistics
+
+if TYPE_CHECKING:  # the scheduler side builds these results and imports no torch
+    from kvmgr.transfer.engine import BatchResult
+    from kvmgr.transfer.pinning import PinStatistics
 
 __all__ = [
     "DirectionReport",

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_round4.sh merged1   # the whole GPU suite, launch-stack benches, step table
 #   bash scripts/gpu_round4.sh tests     # the whole GPU suite alone
 #   bash scripts/gpu_round4.sh merged2   # the C++ peer, pinned tier, DeepSeek-V4 state, host path
+#   bash scripts/gpu_round4.sh suite NAME...  # the suite over 4 workers, then the NAME sections
 #   bash scripts/gpu_round4.sh NAME...   # the sections scripts/gpu/NAME.sh of this round's work
 # One combined log ($OUT/log.txt) plus JSON files (at most 8 files come back: keep it so).
 set -u
@@ -22,6 +23,10 @@ J="$OUT/r4.jsonl"  # every bench's JSON, one object per line: {"bench": name, "r
 keep() { local name=$1 file=$2; [ -f "$file" ] && python3 -c "import json,sys; print(json.dumps({'bench': sys.argv[1], 'result': json.load(open(sys.argv[2]))}))" "$name" "$file" >>"$J"; }
 if [ "$what" = merged1 ] || [ "$what" = tests ]; then
   TAIL=8 run pytest_all 280 python3 -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests
+fi
+if [ "$what" = suite ]; then  # the whole suite over 4 workers (pytest-xdist is on the image)
+  TAIL=25 run pytest_suite 240 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 120 -n 4 tests
+  shift
 fi
 if [ "$what" = merged1 ]; then
   TAIL=30 run bench_launch_host 60 python3 -m kvmgr.cli bench launch-host --json /tmp/lh.json; keep launch-host /tmp/lh.json

@@ -223,6 +223,94 @@ def test_bad_output_paths_fail_before_the_run(
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--instances", "0"], "--instances: expected >= 1, got 0"),
+        (["--instances", "-2"], "--instances: expected >= 1"),
+        (["--instances", "2", "--sweep", "1M"], "--sweep runs one instance"),
+        (["--disk", "{tmp}", "--sweep", "1M"], "drop --disk"),
+        (["--instances", "2", "--policy", "opt"], "--policy opt (the offline optimum)"),
+        (["--instances", "2", "--disk", "{tmp}/missing"], "no such folder"),
+        (["--shared", "redis://127.0.0.1:1"], "--shared: the server cannot be used"),
+    ],
+)
+def test_bad_multi_instance_flags_fail_before_the_run(
+    extra: list[str],
+    message: str,
+    tmp_path: Path,
+    no_run: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 20: these ran (a plain sweep, one instance, a whole replay against a dead server)
+    or failed only after the first run, or with a confusing message."""
+    argv = ["simulate", "--quiet", *(a.format(tmp=tmp_path) for a in extra)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmgr simulate: error:") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_disk_tokens_take_suffixes_like_cpu_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvmgr.sim import multi_cli
+
+    seen: list[int] = []
+
+    async def fake(*args: object, disk_tokens: int, **kwargs: object) -> object:
+        seen.append(disk_tokens)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(multi_cli, "run_instances", fake)
+    argv = ["simulate", "--limit", "2", "--quiet", "--disk", str(tmp_path), "--disk-tokens", "5M"]
+    assert cli.main(argv) == 2 and seen == [5_000_000]
+    with pytest.raises(SystemExit):  # argparse refuses an unbounded disk
+        cli.main([*argv[:-1], "inf"])
+    assert seen == [5_000_000]
+
+
+def test_multi_instance_table_keeps_its_labels_whole() -> None:
+    import asyncio
+
+    from rich.console import Console
+
+    from kvmgr.sim import multi_cli
+    from kvmgr.sim.loop import SimConfig
+    from kvmgr.sim.multi import run_instances
+    from kvmgr.sim.trace import bundled_trace_path, load_trace
+
+    requests = load_trace(bundled_trace_path("mooncake-conversation"), limit=20)
+    report = asyncio.run(run_instances(SimConfig(), requests, num_instances=2))
+    console = Console(width=60, record=True)
+    console.print(multi_cli._table([("instance-local", report), ("disk+shared", report)], "t"))
+    console.print(multi_cli._per_instance([("instance-local", report), ("disk+shared", report)]))
+    text = console.export_text()
+    assert "│ instance-local │" in text and "│ disk+shared    │" in text  # used to be "instanc…"
+
+
+def test_progress_without_a_terminal_is_plain_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", "--limit", "300"]) == 0  # capsys: no TTY
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("simulate: ")]
+    assert lines and lines[-1].startswith("simulate: 300/300 requests (100%)")
+    assert len(lines) <= 12  # every tenth (and every 30 s), not every update
+
+
+def test_sweep_progress_moves_within_runs() -> None:
+    from kvmgr.sim.loop import SimConfig
+    from kvmgr.sim.sweep import run_sweep
+    from kvmgr.sim.trace import bundled_trace_path, load_trace
+
+    requests = load_trace(bundled_trace_path("mooncake-conversation"), limit=400)
+    configs = [SimConfig(cpu_tokens=c) for c in (1_000_000, 2_000_000)]
+    for jobs in (1, 2):
+        seen: list[tuple[int, int, int]] = []
+        run_sweep(configs, requests, jobs=jobs, on_progress=lambda *a, s=seen: s.append(a))
+        assert {i for i, _, _ in seen} == {0, 1}
+        assert any(0 < done < total for _, done, total in seen)  # before the run ended
+        assert (1, 400, 400) in seen
+
+
 def test_read_only_folder_is_refused(tmp_path: Path, no_run: None) -> None:
     import os
 

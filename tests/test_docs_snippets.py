@@ -23,13 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_RUN = "# doc: no-run"
 #: (file, the block's first line of code) -> why it fails today. Delete an entry once fixed.
 #: Keyed by content, not line number, so editing a page above the block does not break the list.
-KNOWN_BROKEN: dict[tuple[str, str], str] = {
-    (
-        "docs/policies.md",
-        "from kvmgr.policy import make_policy",
-    ): "uses names it never defines (key, hit_keys, pending, ...)",
-    ("docs/copy-kernel.md", "import json"): "reads swap.json / swap_kernel.json from a GPU run",
-}
+KNOWN_BROKEN: dict[tuple[str, str], str] = {}
 
 
 def _first_line(code: str) -> str:

@@ -78,11 +78,14 @@ def test_choice_copy_takes_the_duplex_path_once() -> None:
     choice = ChoiceCopy(_Recorder("dma", log), _Recorder("kernel", log), lambda p, b: False)  # type: ignore[arg-type]
     one = np.array([1], dtype=np.int64)
     plan = TransferPlan(D2H, one, one, one)
-    choice.duplex = {D2H: True, H2D: False}
+    choice.duplex = {D2H: (True, 1, 1), H2D: (False, 1, 1)}
     choice.issue(plan, None)
     choice.issue(plan, None)  # used once: back to the per-plan choice
     assert log == ["kernel:d2h", "dma:d2h"]
-    assert choice.duplex == {H2D: False}
+    assert choice.duplex == {H2D: (False, 1, 1)}
+    choice.duplex = {D2H: (True, 2, 1)}  # meant for another plan: ignored, and dropped
+    choice.issue(plan, None)
+    assert log[-1] == "dma:d2h" and not choice.duplex
 
 
 class _DuplexHost(HostEngine):

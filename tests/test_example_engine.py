@@ -230,6 +230,21 @@ def test_bench_tiny_runs_and_reuses_prefixes(tmp_path) -> None:
     assert auto["prefill_tokens"] < base["prefill_tokens"]
 
 
+def test_bench_multiturn_slice_reuses_and_loads_layerwise(tmp_path) -> None:
+    out = tmp_path / "engine.json"
+    argv = ["--tiny", "--slice", "multiturn", "--requests", "8", "--turns", "4", "--rounds", "1",
+            "--variants", "recompute,auto-layerwise", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    results = {r["variant"]: r for r in data["results"]}
+    layerwise = results["auto-layerwise"]
+    # turn k's prompt extends turn k-1's: most of it is loaded, layer by layer
+    assert layerwise["hit_tokens"] > layerwise["prefill_tokens"] > 0
+    assert layerwise["layerwise_steps"] > 0 and layerwise["layerwise_failed"] == 0
+    probe = data["meta"]["hit_probe"]
+    assert probe["load_s"] > 0 and probe["compute_s"] > 0 and probe["layerwise_s"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "engine_name", ["auto", "cuda", "kernel", "auto-layerwise", "cuda-layerwise"]

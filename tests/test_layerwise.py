@@ -356,3 +356,28 @@ async def test_refused_store_layer_fails_the_store_not_the_forward() -> None:
             await store
         assert mgr.peek(keys) == 0
         check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_group_layouts_are_made_once() -> None:
+    """The copy kernel keeps one device table per layout pair, keyed by the layout objects: every
+    load of the same groups must reuse the same sub-layouts."""
+    caches = _caches()
+    engine = _RecordingEngine()
+    seen: list[tuple[object, object]] = []
+    submit = engine.submit
+
+    def recording(plan, *, wait_for=()):  # type: ignore[no-untyped-def]
+        seen.append((plan.blocks.src, plan.blocks.dst))  # kept alive: no id reuse
+        return submit(plan, wait_for=wait_for)
+
+    engine.submit = recording  # type: ignore[method-assign]
+    keys = _keys(2, salt=14)
+    async with _manager(caches, engine) as mgr:
+        await _store(mgr, mgr.allocate("a", 2), keys)
+        del seen[:]
+        for name in ("b", "c"):
+            await mgr.load_layerwise(keys, mgr.allocate(name, 2), layers=2)
+    assert len(seen) == 2 * NUM_LAYERS
+    for (src_a, dst_a), (src_b, dst_b) in zip(seen[:NUM_LAYERS], seen[NUM_LAYERS:]):
+        assert src_a is src_b and dst_a is dst_b

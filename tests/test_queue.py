@@ -1,4 +1,4 @@
-"""The swap queue's lanes (``kvmgr.manager.queue``): ids in part order, keys and request parts.
+"""The swap queue's lanes (``kvmgr.scheduler.queue``): ids in part order, keys and request parts.
 
 1. ``Lane``: small (list) and large (array) parts, interleaved, come back from ``arrays()`` in
    part order; a D2H lane lists its keyed stores' keys in that order and its request-level parts
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kvmgr import ManagerConfig, OffloadManager
-from kvmgr.manager.queue import Kind, Lane, Part
 from kvmgr.pool.block_table import Tier
+from kvmgr.scheduler.queue import Kind, Lane, Part
 from kvmgr.testing import check_invariants
 from kvmgr.transfer.plan import Direction
 
@@ -67,8 +67,16 @@ async def test_mixed_lanes_complete_every_part() -> None:
     config = ManagerConfig(num_cpu_blocks=32, engine="host")
     async with OffloadManager(kv, config) as mgr:
         stored: list[tuple[list[bytes], list[int]]] = []
-        books = mgr._books  # record what completion reports as stored (the write-through hook)
-        books.on_stored = lambda keys, ids: stored.append((list(keys), ids.tolist()))
+        books = mgr._books  # record what completion returns as landed (for the write-through)
+        complete = books.complete
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            landed = complete(*args, **kwargs)
+            if landed is not None:
+                stored.append((list(landed.keys), landed.cpu_ids.tolist()))
+            return landed
+
+        books.complete = recording
         # a swapped-out request, to resume in the same step as a load
         mgr.allocate("old", 2)
         gone = mgr.preempt("old")

@@ -54,3 +54,48 @@ def test_disk_tier_per_instance(tmp_path) -> None:
     )
     assert report.page_mismatches == 0
     assert report.tier_bytes_written > 0  # CPU evictions were written back to disk
+
+
+def test_disk_tier_runs_are_cold_deterministic_and_leave_no_files(tmp_path) -> None:
+    """Issue 20: a second run with the same --disk folder started warm (above the trace's
+    ceiling), runs on fresh folders differed (tier writes raced later fetches), and every
+    run left its preallocated files behind."""
+    from kvmgr.sim.multi import disk_file
+
+    requests = _requests(300)
+    config = SimConfig(gpu_tokens=100_000, cpu_tokens=150_000)
+
+    def run(folder) -> dict[str, object]:
+        report = asyncio.run(
+            run_instances(
+                config, requests, num_instances=2, disk_path=str(folder), disk_tokens=1_000_000
+            )
+        )
+        assert report.page_mismatches == 0 and report.fetched_blocks > 0
+        assert list(folder.iterdir()) == []  # scratch files deleted
+        return {
+            "hit": report.hit_ratio,
+            "lower": report.lower_hit_ratio,
+            "fetched": report.fetched_blocks,
+            "read": report.tier_bytes_read,
+            "per_instance": [i.hit_ratio for i in report.instances],
+        }
+
+    first = run(tmp_path)
+    (tmp_path / "other").mkdir()
+    disk_file(tmp_path / "other", 0).write_bytes(b"x" * 4096)  # a crashed run's file
+    again = run(tmp_path / "other")
+    assert again == first  # same folder or a fresh one: the same cold, deterministic run
+
+
+def test_simulate_refuses_a_wrong_password_at_once(tier_server_factory, capsys) -> None:
+    """Issue 20: a wrong password ran the whole replay (only a log line), reading
+    "unreachable"; now one lookup before the run ends the command with the server's reason."""
+    from kvmgr import cli
+
+    server = tier_server_factory("--requirepass", "right", admin={"password": "right"})
+    url = f"redis://:wrong@127.0.0.1:{server.port}"
+    assert cli.main(["simulate", "--quiet", "--limit", "5", "--shared", url]) == 2
+    err = capsys.readouterr().err
+    assert "--shared: the server cannot be used" in err and "WRONGPASS" in err
+    assert "wrong" not in err.replace("WRONGPASS", "")  # the password is never printed

@@ -15,6 +15,8 @@ engines do). Variants:
 - ``contiguous+kernel`` / ``kernel+contiguous``: the kernel one way against an ideal contiguous
   DMA copy the other way (which direction of SM copies slows the link for the other; not checked
   for bytes: the contiguous half copies other buffers);
+- ``staged+kernel``: the store gathered by the kernel into a contiguous GPU buffer, then one
+  contiguous DMA copy to the host, under the load by the kernel (not checked for bytes);
 - ``auto``: the pair and order ``kvmgr.transfer.duplex.duplex_choice`` picks;
 - ``engine cuda`` / ``engine auto``: both plans through the engine's ``submit`` as a step submits
   them (``AutoEngine.plan_duplex`` first), timed on the host until both futures resolved (what a
@@ -43,6 +45,7 @@ import torch
 
 from kvmgr.bench.common import GEOMETRIES, CasePool
 from kvmgr.kernels.copy.row import KERNEL_AVAILABLE
+from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.cost_model import Calibration
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.driver import CopyDriver
@@ -53,6 +56,8 @@ from kvmgr.transfer.plan import Direction, build_plan
 __all__ = ["add_arguments", "run"]
 
 _D2H, _H2D = Direction.D2H, Direction.H2D
+#: variants whose bytes are not checked: one half copies other buffers than the plans name
+_UNCHECKED = frozenset({"limit", "contiguous+kernel", "kernel+contiguous", "staged+kernel"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,9 +81,20 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for key in args.geometries:
         try:
-            rows += _geometry(key, args, driver)
+            new = _geometry(key, args, driver)
         except Exception as exc:  # one geometry failing keeps the others' rows
-            rows.append({"geometry": key, "variant": "error", "error": repr(exc)})
+            new = [{"geometry": key, "variant": "error", "error": repr(exc)}]
+        rows += new
+        for row in new:  # as they come: a run cut short keeps what it measured
+            print(json.dumps(row), flush=True)
+        _write(args.json, rows)
+    return 0
+
+
+def _write(path: str | None, rows: list[dict[str, Any]]) -> None:
+    """``{"duplex": rows, "calibration": the duplex_* fields fitted from them}`` to ``path``."""
+    if not path:
+        return
     result: dict[str, Any] = {"duplex": rows, "calibration": None}
     good = [r for r in rows if "gbps" in r]
     if good:
@@ -87,12 +103,8 @@ def run(args: argparse.Namespace) -> int:
             "duplex_kernel_gbps": fitted.duplex_kernel_gbps,
             "duplex_limit_gbps": fitted.duplex_limit_gbps,
         }
-    for r in rows:
-        print(json.dumps(r))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=1)
-    return 0
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1)
 
 
 def _plans(pool: CasePool, blocks: int, rng: np.random.Generator) -> dict[Direction, Any]:
@@ -233,6 +245,9 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
             kernel_d2h, kernel_h2d = one("kernel", _D2H), one("kernel", _H2D)
             variants["contiguous+kernel"] = lambda: (kernel_h2d(), contiguous_d2h())
             variants["kernel+contiguous"] = lambda: (kernel_d2h(), contiguous_h2d())
+            variants["staged+kernel"] = _staged(
+                pool, plans, kernel, streams, host_dst, kernel_h2d, keep
+            )
         choice = duplex_choice(
             (plans[_D2H][0].num_descriptors, num_bytes), (plans[_H2D][0].num_descriptors, num_bytes)
         )
@@ -248,7 +263,7 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
         for name, issue in list(variants.items()) + list(alone.items()):
             totals, hosts, overlaps = [], [], []
             try:
-                if name in variants and name != "limit" and "contiguous" not in name:
+                if name in variants and name not in _UNCHECKED:
                     _check(pool, plans, issue)
                     drain()
                 for i in range(args.warmup + args.repeats):
@@ -312,6 +327,44 @@ def _through(engine: Any, plans: dict[Direction, Any], counts: dict[Direction, A
         handles = [engine.submit(plans[d][0]) for d in order]
         for handle in handles:
             handle.future.result()
+
+    return issue
+
+
+def _staged(
+    pool: CasePool,
+    plans: dict[Direction, Any],
+    kernel: KernelCopy,
+    streams: dict[Direction, torch.cuda.Stream],
+    host_dst: torch.Tensor,
+    h2d: Callable[[], None],
+    keep: list[Any],
+) -> Callable[[], None]:
+    """The store staged: the copy kernel gathers the scattered GPU pages into a contiguous GPU
+    buffer (device to device), then ONE contiguous DMA copy takes it to the host (what a store
+    into consecutive CPU blocks could do: few descriptors, the copy engine's own ordering); the
+    load by the kernel meanwhile, issued first."""
+    _, gpu_ids, _ = plans[_D2H]
+    n = len(gpu_ids)
+    staging = torch.empty(n * sum(t[0].numel() for t in pool.gpu), dtype=torch.uint8, device="cuda")
+    views, offset = [], 0
+    for t in pool.gpu:
+        page = t[0].numel()
+        views.append(staging[offset : offset + n * page].view(n, page))
+        offset += n * page
+    gather = build_plan(
+        _D2H, pool.layouts["gpu"], KVLayout.from_tensors(views), gpu_ids, np.arange(n)
+    )
+    stream = streams[_D2H]
+
+    def issue() -> None:
+        h2d()
+        issued = kernel.issue(gather, stream)
+        if issued.error is not None:
+            raise issued.error
+        with torch.cuda.stream(stream):
+            host_dst[: staging.numel()].copy_(staging, non_blocking=True)
+        keep.append(issued)  # its table slot goes back after the streams synchronized
 
     return issue
 

@@ -14,9 +14,7 @@ Modules: ``bookkeeping`` (the Bookkeeper: prepare_* -> Part, complete; no asynci
 
 from __future__ import annotations
 
-from kvmgr.manager.cpu_tier import CpuState
 from kvmgr.manager.facade import OffloadManager
-from kvmgr.manager.gpu_pool import GpuState
 from kvmgr.manager.snapshot import (
     BatchSnapshot,
     KeySnapshot,
@@ -24,6 +22,8 @@ from kvmgr.manager.snapshot import (
     SwapSnapshot,
     TableSnapshot,
 )
+from kvmgr.scheduler.cpu_tier import CpuState
+from kvmgr.scheduler.gpu_blocks import GpuState
 
 __all__ = [
     "BatchSnapshot",

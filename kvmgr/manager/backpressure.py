@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
-from kvmgr.manager.counters import Counters
-from kvmgr.manager.gpu_pool import GpuBlocks
-from kvmgr.manager.queue import Part
+from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.gpu_blocks import GpuBlocks
+from kvmgr.scheduler.queue import Part
 
 __all__ = ["RoomWaiters", "WaitingFuture", "WaitingStore"]
 

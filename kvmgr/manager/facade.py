@@ -27,21 +27,15 @@ from kvmgr.errors import (
     ClosedError,
     ConfigError,
     EventLoopError,
-    GeometryError,
-    HostMemoryError,
     InvalidArgumentError,
     PoolExhaustedError,
-    TransferError,
     TransferTimeoutError,
 )
 from kvmgr.events.tokens import check_token_ids
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.manager.backpressure import RoomWaiters, WaitingFuture, WaitingStore
-from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
-from kvmgr.manager.counters import Counters
-from kvmgr.manager.flush import Flusher
-from kvmgr.manager.layerwise import start_load, start_store
-from kvmgr.manager.queue import Part, SwapQueue
+from kvmgr.manager.backpressure import WaitingFuture, WaitingStore
+from kvmgr.manager.build import Parts, build_local, build_ranked
+from kvmgr.manager.layerwise import LayerLayouts, start_load, start_store
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.pool.block_table import Tier
 from kvmgr.pool.layout import KVLayout
@@ -53,12 +47,14 @@ from kvmgr.reports import (
     StoreResult,
     SwapResult,
 )
-from kvmgr.transfer import make_engine
+from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.jobs import Direction
+from kvmgr.scheduler.keys import check_keys
+from kvmgr.scheduler.queue import Part
 from kvmgr.transfer.engine import TransferEngine
-from kvmgr.transfer.host import HostEngine
 from kvmgr.transfer.layer_groups import LayerGroups
 from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
-from kvmgr.transfer.plan import Direction
+from kvmgr.worker import TransferWorker
 
 __all__ = ["OffloadManager"]
 
@@ -111,92 +107,72 @@ class OffloadManager:
     ) -> None:
         if not isinstance(config, ManagerConfig):
             raise ConfigError(f"expected a ManagerConfig, got {type(config).__name__}")
-        gpu_layout = KVLayout.from_tensors(gpu_kv_caches)
         for hook in hooks:
             if not isinstance(hook, StepHook):
                 raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
-        if tiers:
-            from kvmgr.tiers.base import TierBackend
+        self._adopt(
+            build_local(gpu_kv_caches, config, engine, tiers, tier_namespace, self._enqueue),
+            config,
+            hooks,
+        )
 
-            for tier in tiers:
-                if not isinstance(tier, TierBackend):
-                    raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
-        if engine is not None and not isinstance(engine, TransferEngine):
-            raise ConfigError(f"engine: expected a TransferEngine, got {type(engine).__name__}")
-        if tier_namespace is not None:
-            from kvmgr.tiers.blob import TierNamespace
+    @classmethod
+    def over_ranks(cls, group: Any, config: ManagerConfig) -> OffloadManager:
+        """A manager whose copies run in the rank processes of ``group`` (tensor parallelism).
 
-            if not isinstance(tier_namespace, TierNamespace):
-                raise ConfigError(
-                    f"tier_namespace: expected a kvmgr.tiers.TierNamespace or None, got "
-                    f"{type(tier_namespace).__name__}"
-                )
-        if engine is None:
-            engine = make_engine(config.engine, gpu_layout.device, config)
-        elif isinstance(engine, HostEngine) and gpu_layout.device.type != "cpu":
-            raise GeometryError(f"the host engine needs CPU tensors, got {gpu_layout.device}")
-        try:
-            self._books = Bookkeeper(
-                config,
-                gpu_layout,
-                engine.allocate_host,
-                getattr(engine, "allocate_host_region", None),
-            )
-        except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
-            engine.close(0)
-            num_bytes = config.num_cpu_blocks * gpu_layout.block_bytes
-            raise HostMemoryError(
-                f"could not allocate the CPU tier: num_cpu_blocks={config.num_cpu_blocks} x "
-                f"{gpu_layout.block_bytes} B = {num_bytes} B ({exc or type(exc).__name__})",
-                num_bytes=num_bytes,
-            ) from exc
+        The manager is the scheduler side only: the same keyed and request-level API, the
+        same futures, bookkeeping and invariants; every job goes to every rank
+        (``kvmgr.transport.RankGroup``) and completes when all of them reported success.
+        Results count one rank's bytes (``SwapResult.num_bytes``); step reports count every
+        rank's. A rank that fails a job fails it on every rank (``RankError`` naming it); a
+        rank that dies or misses the group's deadline stops the offload: jobs in flight and
+        every later swap fail with ``RankError`` / ``RankTimeoutError``, nothing hangs. No
+        hooks, no lower tiers; ``engine``, ``gpu_layout`` and ``cpu_pool`` are ``None``.
+        The caller closes the group after the manager.
+
+        Raises:
+            ConfigError: invalid settings.
+        """
+        if not isinstance(config, ManagerConfig):
+            raise ConfigError(f"expected a ManagerConfig, got {type(config).__name__}")
+        manager = cls.__new__(cls)
+        manager._adopt(build_ranked(group, config, manager._enqueue), config, ())
+        return manager
+
+    def _adopt(self, parts: Parts, config: ManagerConfig, hooks: Sequence[StepHook]) -> None:
         self.config = config
-        self.engine = engine
-        self.gpu_layout = gpu_layout
+        self._worker = parts.worker
+        self._scheduler = parts.scheduler
+        self._books = parts.scheduler.books
+        self._queue = parts.scheduler.queue
+        self._flusher = parts.flusher
+        self._transport = parts.flusher.transport
+        self._room = parts.room
+        self._tiers = parts.tiers
         self._hooks = list(hooks)
-        self._queue = SwapQueue(gpu_layout.num_blocks)
-        self._flusher = Flusher(self._books, self._queue, engine, list(gpu_kv_caches))
-        self._room = RoomWaiters(self._books.gpu, self._books.counters, self._enqueue)
-        self._flusher.on_settled = self._room.wake
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one holder of the loop
         self._layerwise_stores: list[LayerwiseStore] = []  # aborted at close if unfinished
-        self._tiers = self._lower_tiers(list(gpu_kv_caches), tiers, tier_namespace)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._layer_layouts = LayerLayouts()
         self._flush_on_tick = config.flush == "tick"
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
         self._step = 0
 
-    def _lower_tiers(
-        self, tensors: list[torch.Tensor], tiers: Sequence[Any], namespace: Any
-    ) -> Any:
-        if not tiers:
-            return None
-        from kvmgr.manager.tiering import LowerTiers, default_namespace
+    @property
+    def engine(self) -> TransferEngine:
+        """The local worker's transfer engine (``None`` over ranks)."""
+        return None if self._worker is None else self._worker.engine  # type: ignore[return-value]
 
-        if namespace is None:
-            dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
-            block_size = int(tensors[0].shape[1]) if tensors[0].dim() > 1 else 1
-            namespace = default_namespace(self._books, dtypes, block_size)
-        lower = LowerTiers(
-            self._books,
-            tiers,
-            namespace,
-            write_back=self.config.tier_write_back,
-            write_through=self.config.tier_write_through,
-        )
-        self._books.cpu.on_evicted = lower.on_evicted
-        self._books.on_stored = lower.on_stored
-        self._flusher.before_submit = lower.write_evicted
-        return lower
+    @property
+    def gpu_layout(self) -> KVLayout:
+        """The local worker's GPU KV layout (``None`` over ranks)."""
+        return None if self._worker is None else self._worker.gpu_layout  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> OffloadManager:
         self._loop = asyncio.get_running_loop()
-        self._flusher.loop = self._loop
-        if self._tiers is not None:
-            self._tiers.loop = self._loop
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -216,7 +192,7 @@ class OffloadManager:
     def cpu_pool(self) -> Any:
         """The CPU tier's memory (``HostKVPool``: one ``uint8 [num_cpu_blocks, page_bytes]``
         view per KV tensor)."""
-        return self._books.cpu_pool
+        return None if self._worker is None else self._worker.cpu_pool
 
     async def aclose(self, timeout_s: float | None = 30.0) -> None:
         """Close: fail queued swaps with ``ClosedError``, wait (up to ``timeout_s`` seconds) for
@@ -226,15 +202,11 @@ class OffloadManager:
         self._closing = True  # from here on, new swaps raise ClosedError
         self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
-        pending = [b.handle.future for b in self._queue.in_flight.values()]
-        if pending:
-            waits = [asyncio.wrap_future(f) for f in pending]
-            for wait in waits:  # outcomes go to the swaps' futures: mark these retrieved
-                wait.add_done_callback(lambda f: f.cancelled() or f.exception())
-            await asyncio.wait(waits, timeout=timeout_s)
+        if self._queue.in_flight:
+            await self._transport.wait(list(self._queue.in_flight), timeout_s)
             await asyncio.sleep(0)  # let completion callbacks scheduled by the engine run
         if self._tiers is not None:
-            self._tiers.write_evicted()
+            self._tiers.write_evicted(self._books.take_evicted(), asyncio.get_running_loop())
             await self._tiers.drain(timeout_s)
         self.close(timeout_s)
 
@@ -247,10 +219,9 @@ class OffloadManager:
         self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:
-            self.engine.close(timeout_s)  # may raise TransferTimeoutError: copies still running
+            self._transport.close(timeout_s)  # may raise TransferTimeoutError: copies running
         finally:
-            for batch in list(self._queue.in_flight.values()):
-                self._flusher.complete_batch(batch)
+            self._flusher.settle_at_close()
             self._room.fail(ClosedError("manager closed while the store waited for room"))
             self._books.events.cleared()
             self._books.events.close()
@@ -271,7 +242,7 @@ class OffloadManager:
                     "the manager has swaps queued or in flight on another event loop; "
                     "use one manager per loop"
                 )
-            self._loop = self._flusher.loop = loop  # rebind: nothing pending on the old loop
+            self._loop = loop  # rebind: nothing pending on the old loop
         return loop
 
     def _check_not_closed(self) -> None:
@@ -279,10 +250,9 @@ class OffloadManager:
             raise ClosedError("the manager is closed")
 
     def _enqueue(self, part: Part) -> None:
-        if len(part.gpu_ids) == 0:  # nothing to copy: resolve now, no batch
+        if not self._scheduler.enqueue(part):  # nothing to copy: resolve now, no batch
             part.future.set_result(part.result)
             return
-        self._queue.add(part)
         if self._flush_on_tick and not self._tick_scheduled:
             self._tick_scheduled = True
             assert self._loop is not None
@@ -291,7 +261,8 @@ class OffloadManager:
     def _flush_tick(self) -> None:
         self._tick_scheduled = False
         if not self._closed:
-            self._flusher.flush()
+            assert self._loop is not None
+            self._flusher.flush(self._loop)
 
     # ------------------------------------------------------------------ keyed API
 
@@ -379,7 +350,8 @@ class OffloadManager:
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
-            InvalidKeyError: bad keys, or different counts.
+            InvalidKeyError: bad keys, different counts, or parents whose chain comes back to
+                a new key (a key cycle, within the call or through stored keys).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
@@ -546,12 +518,15 @@ class OffloadManager:
                 (``LayerLoadError``) and every ``wait_layer`` raises.
         """
         loop = self._check_open()
+        worker = self._local_worker("load_layerwise")
         groups = LayerGroups.build(
-            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+            worker.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
         )
         future: asyncio.Future[LoadResult] = loop.create_future()
         part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
-        return start_load(self._flusher, groups, part, self._is_open)
+        return start_load(
+            self._flusher, worker, loop, self._layer_layouts, groups, part, self._is_open
+        )
 
     def store_layerwise(
         self,
@@ -580,15 +555,24 @@ class OffloadManager:
             KVMgrError: as ``store_many``.
         """
         loop = self._check_open()
+        worker = self._local_worker("store_layerwise")
         groups = LayerGroups.build(
-            self.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
+            worker.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
         )
         future: asyncio.Future[StoreResult] = loop.create_future()
         part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
-        store = start_store(self._flusher, groups, part, self._is_open)
+        store = start_store(
+            self._flusher, worker, loop, self._layer_layouts, groups, part, self._is_open
+        )
         self._layerwise_stores = [s for s in self._layerwise_stores if not s.batches.handle.done()]
         self._layerwise_stores.append(store)
         return store
+
+    def _local_worker(self, what: str) -> TransferWorker:
+        """Raises ConfigError: the copies run in other processes (``over_ranks``)."""
+        if self._worker is None:
+            raise ConfigError(f"{what} needs the in-process worker; not supported over ranks")
+        return self._worker
 
     def _is_open(self) -> bool:
         return not (self._closed or self._closing)
@@ -627,6 +611,20 @@ class OffloadManager:
         if self._tiers is None:
             return self._books.lookup(keys, touch=False), ()
         return await self._tiers.lookup(keys)
+
+    async def drain_tiers(self, timeout_s: float | None = None) -> None:
+        """Wait (up to ``timeout_s`` seconds; ``None``: no bound) until the lower tiers'
+        background writes started so far (write-back of evicted blocks, write-through) ended.
+        For replays that must not depend on I/O timing (``kvmgr simulate``); a serving loop
+        never needs it. No-op without lower tiers.
+
+        Raises:
+            ClosedError, EventLoopError: closed, or no running loop.
+        """
+        self._check_open()
+        if self._tiers is not None:
+            self._tiers.write_evicted()
+            await self._tiers.drain(timeout_s)
 
     def tier_statistics(self) -> list[tuple[Any, Any]]:
         """Per lower tier: ``(BridgeStatistics, TierStatistics)`` (totals)."""
@@ -797,10 +795,12 @@ class OffloadManager:
         stores during this flush (they were queued behind it and would wait a whole step)."""
         room = self._room
         room.num_requeued = 0
-        d2h, h2d = self._flusher.flush()
+        loop = self._loop
+        assert loop is not None
+        d2h, h2d = self._flusher.flush(loop)
         if room.num_requeued and len(self._queue):
             room.num_requeued = 0
-            more_d2h, more_h2d = self._flusher.flush()
+            more_d2h, more_h2d = self._flusher.flush(loop)
             d2h, h2d = _sum_reports(d2h, more_d2h), _sum_reports(h2d, more_h2d)
         return d2h, h2d
 
@@ -846,7 +846,8 @@ class OffloadManager:
         books = self._books
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
-        memory = books.cpu_pool.memory
+        cpu_pool = self.cpu_pool
+        memory = None if cpu_pool is None else cpu_pool.memory
         return ManagerStatistics(
             **{name: getattr(c, name) for name in Counters.TOTALS},
             rejected=dict(c.rejected),
@@ -858,21 +859,29 @@ class OffloadManager:
             stores_waiting=len(self._room),
             cpu_blocks_used=cpu.pool.num_allocated,
             cpu_blocks_total=cpu.num_blocks,
-            cpu_blocks_ready=books.cpu_pool.num_blocks_ready,
+            cpu_blocks_ready=cpu.num_blocks if cpu_pool is None else cpu_pool.num_blocks_ready,
             cpu_pinning=None if memory is None else memory.statistics(),
             cpu_keys_pending=cpu.num_pending,
             cpu_keys_ready=len(cpu.index) - cpu.num_pending,
             cpu_keys_loading=cpu.num_loading,
             gpu_blocks_free=None if gpu_pool is None else gpu_pool.num_free,
             policy=cpu.policy.name,
-            engine=self.engine.name,
+            engine=f"ranks x{self._transport.num_ranks}"
+            if self._worker is None
+            else self.engine.name,
         )
 
     def snapshot(self) -> ManagerSnapshot:
         """Every block, key, table and queued or in-flight swap, as frozen values (for tests
         and ``kvmgr.testing.check_invariants``; costs O(blocks), not for the hot path)."""
         promoting = () if self._tiers is None else tuple(self._tiers.promoting)
-        return take_snapshot(self._books, self._queue, promoting, self._room.stores)
+        return take_snapshot(
+            self._books,
+            self._queue,
+            promoting,
+            self._room.stores,
+            self._transport.engine_batches,
+        )
 
     def take_events(self) -> list[KVEvent]:
         """Remove and return the KV events recorded since the last call, oldest first: a
@@ -890,7 +899,7 @@ class OffloadManager:
         engine."""
         for batch in self._queue.in_flight.values():
             if batch.direction is Direction.H2D:
-                self.engine.stream_wait(batch.handle, stream)
+                self._transport.stream_wait(batch.seq, stream)
 
 
 def _sum_reports(a: Any, b: Any) -> Any:

@@ -10,18 +10,18 @@ reads nothing else, so the checker never depends on private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import attrs
 import numpy as np
 
 from kvmgr.manager.backpressure import WaitingStore
-from kvmgr.manager.bookkeeping import Bookkeeper
-from kvmgr.manager.cpu_tier import CpuState
-from kvmgr.manager.gpu_pool import GpuState
-from kvmgr.manager.queue import Kind, Part, SwapQueue
 from kvmgr.pool.block_table import Tier
-from kvmgr.transfer.plan import Direction
+from kvmgr.scheduler.bookkeeping import Bookkeeper
+from kvmgr.scheduler.cpu_tier import CpuState
+from kvmgr.scheduler.gpu_blocks import GpuState
+from kvmgr.scheduler.jobs import Direction
+from kvmgr.scheduler.queue import Kind, Part, SwapQueue
 
 __all__ = [
     "BatchSnapshot",
@@ -89,7 +89,7 @@ class BatchSnapshot:
 
     seq: int
     direction: Direction
-    engine_batch_id: int
+    engine_batch_id: int | None
     gpu_block_ids: tuple[int, ...]
     wait_for: tuple[int, ...]
     engine_wait_for: tuple[int, ...]
@@ -163,10 +163,12 @@ def take_snapshot(
     queue: SwapQueue,
     promoting: Sequence[tuple[list[bytes], np.ndarray]] = (),
     waiting: Sequence[WaitingStore] = (),
+    engine_batches: Callable[[int], tuple[int | None, tuple[int, ...]]] = lambda seq: (None, ()),
 ) -> ManagerSnapshot:
     """Build the snapshot of a manager's bookkeeper and queue (and the promotes from lower
     tiers in flight, shown as swaps of kind ``"promote"``, and the stores waiting for room,
-    of kind ``"waiting"``)."""
+    of kind ``"waiting"``). ``engine_batches`` maps a job id to the local engine's batch id and
+    every engine batch it joins (``(None, ())`` where the job runs on other processes)."""
     cpu, gpu = books.cpu, books.gpu
     keys = {
         key: KeySnapshot(block, CpuState(cpu.state[block]), int(cpu.readers[block]))
@@ -197,17 +199,20 @@ def take_snapshot(
     for batch in queue.in_flight.values():
         swaps += [_swap(p, batch.seq) for p in batch.lane.parts]
         engine_waits = tuple(
-            queue.in_flight[s].handle.batch_id for s in batch.wait_for if s in queue.in_flight
+            e
+            for s in batch.wait_for
+            if s in queue.in_flight and (e := engine_batches(s)[0]) is not None
         )
+        engine_id, engine_ids = engine_batches(batch.seq)
         batches.append(
             BatchSnapshot(
                 batch.seq,
                 batch.direction,
-                batch.handle.batch_id,
+                engine_id,
                 _ints(batch.gpu_ids),
                 batch.wait_for,
                 engine_waits,
-                tuple(batch.handle.member_ids or (batch.handle.batch_id,)),
+                engine_ids,
             )
         )
     busy = {int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)}

@@ -14,18 +14,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmgr.errors import KVMgrError
 from kvmgr.policy import POLICIES
+from kvmgr.sim._counts import count, count_list
+from kvmgr.sim._progress import progress_display as _progress
 from kvmgr.sim.loop import SimConfig, simulate
-from kvmgr.sim.multi_cli import add_multi_arguments, run_multi, wants_multi
+from kvmgr.sim.multi_cli import (
+    add_multi_arguments,
+    check_multi_arguments,
+    run_multi,
+    wants_multi,
+)
 from kvmgr.sim.presets import MODEL_PRESETS
 from kvmgr.sim.report import render_report
 from kvmgr.sim.scheduler import WRITE_POLICIES
@@ -40,26 +45,7 @@ from kvmgr.sim.trace import BUNDLED_TRACES, bundled_trace_path, default_trace_pa
 
 __all__ = ["add_arguments", "run"]
 
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_UNBOUNDED = ("inf", "unbounded", "none")
 _DEFAULT_PLOT = Path("kvmgr-sweep.png")
-
-
-def _count(text: str) -> int | None:
-    """``"16M"`` -> 16,000,000 (decimal K/M/G); ``"inf"`` -> ``None`` (unbounded)."""
-    if text.strip().lower() in _UNBOUNDED:
-        return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a count like 4096, 16M or inf, got {text!r}")
-    return int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
-
-
-def _count_list(text: str) -> list[int]:
-    values = [_count(part) for part in text.split(",") if part.strip()]
-    if not values or any(v is None for v in values):
-        raise argparse.ArgumentTypeError(f"expected capacities like 1M,3M,50M, got {text!r}")
-    return [v for v in values if v is not None]
 
 
 def _trace(text: str) -> Path:
@@ -96,19 +82,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = cap.add_mutually_exclusive_group()
     gpu.add_argument(
         "--gpu-tokens",
-        type=_count,
+        type=count,
         default=d.gpu_tokens,
         help=f"GPU prefix-cache capacity in tokens (default {d.gpu_tokens:,})",
     )
-    gpu.add_argument("--gpu-blocks", type=_count, default=None, help="... or in blocks")
+    gpu.add_argument("--gpu-blocks", type=count, default=None, help="... or in blocks")
     cpu = cap.add_mutually_exclusive_group()
     cpu.add_argument(
         "--cpu-tokens",
-        type=_count,
+        type=count,
         default=d.cpu_tokens,
         help=f"CPU tier capacity in tokens (default {d.cpu_tokens:,})",
     )
-    cpu.add_argument("--cpu-blocks", type=_count, default=None, help="... or in blocks")
+    cpu.add_argument("--cpu-blocks", type=count, default=None, help="... or in blocks")
     m = parser.add_argument_group("model and manager")
     m.add_argument(
         "--model",
@@ -186,13 +172,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--h2d-gbps",
         type=float,
         default=d.h2d_gbps,
-        help="CPU->GPU bandwidth charged for loads (GB/s)",
+        help="CPU->GPU bandwidth charged for loads (GB/s), per rank",
+    )
+    s.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel ranks: each moves 1/N of the loaded bytes in parallel",
     )
     w = parser.add_argument_group("capacity sweep")
     w.add_argument(
         "--sweep",
         nargs="?",
-        type=_count_list,
+        type=count_list,
         const=list(DEFAULT_SWEEP_TOKENS),
         default=None,
         metavar="TOKENS",
@@ -241,6 +233,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         step_ms=args.step_ms,
         tokens_per_s=args.tokens_per_s,
         h2d_gbps=args.h2d_gbps,
+        tp=args.tp,
         max_memory_bytes=int(args.max_memory_gib * 2**30),
     )
 
@@ -256,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot is not None and args.sweep is None:
             raise ValueError("--plot needs --sweep (a single run draws no plot)")
         check_output_path(args.json, "--json")  # fail now, not after the run
+        check_multi_arguments(args)  # --instances, --disk, --shared: before loading the trace
         if args.sweep is not None:
             check_output_path(args.plot or _DEFAULT_PLOT, "--plot", image=True)
         config = _config(args)
@@ -304,18 +298,6 @@ def check_output_path(path: Path | None, flag: str, *, image: bool = False) -> N
             )
 
 
-def _progress(console: Console, quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet,
-        transient=True,
-    )
-
-
 def _run_single(
     args: argparse.Namespace,
     config: SimConfig,
@@ -358,11 +340,18 @@ def _run_sweep(
         return 2
     policies = [p.strip() for p in args.sweep_policies.split(",") if p.strip()]
     configs = sweep_configs(config, args.sweep, policies)
+    done = [0] * len(configs)  # requests done per run: the bar moves within runs
+
+    def on_progress(index: int, num_done: int, _total: int) -> None:
+        done[index] = num_done
+        progress.update(task, completed=sum(done))
+
     with _progress(console, args.quiet) as progress:
-        task = progress.add_task(f"runs ({args.jobs} at a time)", total=len(configs))
-        reports = run_sweep(
-            configs, requests, jobs=args.jobs, on_done=lambda i, r: progress.advance(task)
+        task = progress.add_task(
+            f"requests of {len(configs)} runs ({args.jobs} at a time)",
+            total=len(configs) * len(requests),
         )
+        reports = run_sweep(configs, requests, jobs=args.jobs, on_progress=on_progress)
     console.print(sweep_table(reports, title=f"kvmgr simulate --sweep: {trace.name}"))
     gpu = config.gpu_tokens
     title = (

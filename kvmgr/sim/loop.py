@@ -9,8 +9,9 @@ Requests arrive at their trace timestamps times ``time_scale``. Each step the sc
 decodes, prefill chunks and admissions, the step's tokens are "computed", the manager's
 ``step()`` submits the queued swaps (exactly once per scheduler step) and the swaps are awaited
 and verified. The virtual clock then advances by the cost model: ``step_ms`` +
-``tokens / tokens_per_s`` + ``loaded bytes / h2d_gbps`` (loads are waited for; stores overlap
-compute). With nothing to do the clock jumps to the next arrival.
+``tokens / tokens_per_s`` + ``loaded bytes / (tp * h2d_gbps)`` (loads are waited for; stores
+overlap compute; under tensor parallelism each of the ``tp`` ranks moves 1/tp of every page over
+its own link, in parallel). With nothing to do the clock jumps to the next arrival.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class SimConfig:
         max_batched_tokens: token budget of a step. max_seqs: requests running at once.
         watermark: fraction of GPU blocks kept available when admitting.
         step_ms / tokens_per_s / h2d_gbps: the cost model of one step (see the module).
+        tp: tensor-parallel ranks; each moves 1/tp of the loaded bytes over its own link (GQA
+            heads split across ranks: ``h2d_gbps`` is one rank's link).
         max_memory_bytes: refuse runs whose GPU + CPU pages would exceed this.
         fail_rate: fraction of store batches (GPU -> CPU) that a ``kvmgr.testing.FaultyEngine``
             fails on purpose (a soak of the failure paths; failed stores are counted and their
@@ -95,6 +98,7 @@ class SimConfig:
     step_ms: float = 30.0
     tokens_per_s: float = 60_000.0
     h2d_gbps: float = 25.0
+    tp: int = 1
     max_memory_bytes: int = 8 << 30
     fail_rate: float = 0.0
 
@@ -142,6 +146,7 @@ class SimConfig:
             self.step_ms >= 0 and self.tokens_per_s > 0 and self.h2d_gbps > 0,
             "cost model: expected step_ms >= 0, tokens_per_s > 0, h2d_gbps > 0",
         )
+        _check(self.tp >= 1, f"tp: expected >= 1 ranks, got {self.tp}")
 
 
 def simulate(
@@ -315,7 +320,7 @@ async def run_step(
     step_s = (
         config.step_ms / 1e3
         + plan.num_tokens / config.tokens_per_s
-        + loaded / (config.h2d_gbps * 1e9)
+        + loaded / (config.tp * config.h2d_gbps * 1e9)  # each rank: 1/tp of the bytes
     )
     scheduler.execute(plan, now_s + step_s)
     report = await manager.step()

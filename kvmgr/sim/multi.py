@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +111,12 @@ async def run_instances(
     shared_url: str | None = None,
     disk_path: str | None = None,
     disk_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> MultiReport:
     """Replay ``requests`` through ``num_instances`` instances (see the module docstring).
+
+    ``progress(done, total)``: requests handed to an instance so far, called every few
+    hundred rounds of steps and at the end.
 
     Raises:
         ConfigError: bad arguments, or the run needs more memory than allowed.
@@ -158,7 +162,7 @@ async def run_instances(
                 _scheduler_config(config, gpu_blocks), manager, pages, counters[i]
             )
             instances.append(_Instance(scheduler, manager, pages, bool(tiers)))
-        await _drive(config, requests, instances, route, block_bytes)
+        await _drive(config, requests, instances, route, block_bytes, progress)
         reports = []
         for i, inst in enumerate(instances):
             stats = inst.manager.statistics()
@@ -191,6 +195,9 @@ async def run_instances(
             await inst.manager.aclose()
         for backend in backends:
             await backend.aclose()
+        if disk_path is not None:  # scratch: GBs per instance, and a warm start next time
+            for i in range(num_instances):
+                remove_disk_files(disk_file(disk_path, i))
     return _summary(reports, counters, route, shared_url is not None, time.perf_counter() - start)
 
 
@@ -203,6 +210,21 @@ def _namespace(config: SimConfig, page_bytes: int, num_tensors: int) -> Any:
         dtype_names=("uint8",) * num_tensors,
         block_size=config.block_size,
     )
+
+
+def disk_file(disk_path: str | Path, index: int) -> Path:
+    """The scratch file of instance ``index``'s disk tier in the folder ``disk_path``."""
+    return Path(disk_path) / f"kvmgr-sim-instance-{index}.bin"
+
+
+def remove_disk_files(path: Path) -> bool:
+    """Delete a disk tier's scratch file and its saved index; whether any existed."""
+    found = False
+    for p in (path, path.with_name(path.name + ".index")):
+        if p.exists():
+            p.unlink()
+            found = True
+    return found
 
 
 def _tiers(
@@ -219,8 +241,16 @@ def _tiers(
         from kvmgr.tiers.blob import HEADER_BYTES
 
         slots = -(-(disk_tokens or 50_000_000) // config.block_size)
-        path = Path(disk_path) / f"kvmgr-sim-instance-{index}.bin"
-        tiers.append(DiskTier(path, slot_bytes=HEADER_BYTES + block_bytes, num_slots=slots))
+        path = disk_file(disk_path, index)
+        remove_disk_files(path)  # a previous run's blocks must not make this run start warm
+        tiers.append(
+            DiskTier(
+                path,
+                slot_bytes=HEADER_BYTES + block_bytes,
+                num_slots=slots,
+                persist_index=False,
+            )
+        )
     if shared_url is not None:
         from kvmgr.tiers import SharedTier
 
@@ -234,11 +264,15 @@ async def _drive(
     instances: list[_Instance],
     route: str,
     block_bytes: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     arrivals = [r.arrival_s * config.time_scale for r in requests]
     now_s, next_index = 0.0, 0
-    num = len(instances)
+    num, rounds = len(instances), 0
     while next_index < len(requests) or not all(i.scheduler.is_idle for i in instances):
+        rounds += 1
+        if progress is not None and rounds % 256 == 0:
+            progress(next_index, len(requests))
         while next_index < len(requests) and arrivals[next_index] <= now_s:
             trace = requests[next_index]
             inst = instances[_route(route, next_index, trace, num)]
@@ -254,9 +288,13 @@ async def _drive(
         for inst in busy:
             inst_s = await run_step(config, inst.scheduler, inst.manager, block_bytes, now_s)
             step_s = max(step_s, inst_s)
+        for inst in busy:  # deterministic: what the next fetch finds must not depend on I/O
+            await inst.manager.drain_tiers()
         now_s += step_s
     for inst in instances:
         inst.scheduler.counters.virtual_s = now_s
+    if progress is not None:
+        progress(len(requests), len(requests))
 
 
 async def _prefetch(inst: _Instance, trace: TraceRequest) -> None:

@@ -14,9 +14,13 @@ wall time. Worker processes are spawned (not forked), so no thread of the parent
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import multiprocessing
+import queue as _queue
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 from rich.table import Table
@@ -46,8 +50,16 @@ def sweep_configs(
     return [attrs.evolve(base, policy=p, cpu_tokens=c) for p in policies for c in cpu_tokens]
 
 
-def _run_one(config: SimConfig, requests: Sequence[TraceRequest]) -> SimReport:
-    return simulate(config, requests)
+def _run_one(
+    config: SimConfig, requests: Sequence[TraceRequest], index: int = 0, queue: Any = None
+) -> SimReport:
+    """One run; with ``queue``, its progress is put there as ``(index, done, total)``."""
+    progress = None if queue is None else lambda done, total: queue.put((index, done, total))
+    return simulate(config, requests, progress=progress)
+
+
+#: seconds between looks at the workers' progress queue
+_POLL_S = 0.5
 
 
 def run_sweep(
@@ -56,6 +68,7 @@ def run_sweep(
     *,
     jobs: int = 1,
     on_done: Callable[[int, SimReport], None] | None = None,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ) -> list[SimReport]:
     """Run every config over ``requests``; reports come back in the order of ``configs``.
 
@@ -64,6 +77,9 @@ def run_sweep(
         requests: the trace.
         jobs: worker processes (1: run here, one after the other).
         on_done: called with (index, report) as each run finishes.
+        on_progress: called with (index, requests done, requests) while each run goes on
+            (every few hundred steps; from worker processes through a queue, read about every
+            0.5 s), so a caller can show progress within runs, not only between them.
 
     Raises:
         ValueError: ``jobs`` < 1.
@@ -74,19 +90,44 @@ def run_sweep(
     reports: list[SimReport | None] = [None] * len(configs)
     if jobs == 1:
         for i, config in enumerate(configs):
-            reports[i] = _run_one(config, requests)
+            progress = None if on_progress is None else functools.partial(on_progress, i)
+            reports[i] = simulate(config, requests, progress=progress)
             if on_done is not None:
                 on_done(i, reports[i])  # type: ignore[arg-type]
-    else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            futures = {pool.submit(_run_one, c, list(requests)): i for i, c in enumerate(configs)}
-            for future in concurrent.futures.as_completed(futures):
+        return [r for r in reports if r is not None]
+    context = multiprocessing.get_context("spawn")
+    with contextlib.ExitStack() as stack:
+        queue = None
+        if on_progress is not None:
+            queue = stack.enter_context(context.Manager()).Queue()
+        pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context))
+        futures = {
+            pool.submit(_run_one, c, list(requests), i, queue): i for i, c in enumerate(configs)
+        }
+        pending: set[concurrent.futures.Future[SimReport]] = set(futures)
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, timeout=_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            _drain(queue, on_progress)
+            for future in done:
                 i = futures[future]
                 reports[i] = future.result()
                 if on_done is not None:
                     on_done(i, reports[i])  # type: ignore[arg-type]
     return [r for r in reports if r is not None]
+
+
+def _drain(queue: Any, on_progress: Callable[[int, int, int], None] | None) -> None:
+    """Hand every progress record waiting in ``queue`` to ``on_progress``."""
+    if queue is None or on_progress is None:
+        return
+    while True:
+        try:
+            index, done, total = queue.get_nowait()
+        except _queue.Empty:
+            return
+        on_progress(index, done, total)
 
 
 def _tokens(n: float) -> str:

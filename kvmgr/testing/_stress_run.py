@@ -95,6 +95,7 @@ class Episode:
         self.load_of: dict[asyncio.Future[Any], int] = {}  # load future -> its request
         self.clock = VirtualClock()
         self.page_checks = 0
+        self.op_index = 0  # the episode's operation being run (for the failure's message)
         self.log: deque[str] = deque(maxlen=40)
 
     # ------------------------------------------------------------------ helpers
@@ -282,8 +283,9 @@ class Episode:
         calls = [
             lambda: mgr.allocate(-1, -1),
             lambda: mgr.swap_in([b"never-stored"], held[:1] or [0]),
-            lambda: mgr.store_many(held[:2], [b"cycle-a", b"cycle-b"],
-                                   parents=[b"cycle-b", b"cycle-a"]),  # fmt: skip
+            lambda: mgr.store_many(
+                held[:2], [b"cycle-a", b"cycle-b"], parents=[b"cycle-b", b"cycle-a"]
+            ),
             lambda: mgr.swap_out([10**6], [key_of(k)]),
             lambda: mgr.resume("no-such-request"),
         ]
@@ -310,6 +312,7 @@ class Episode:
             )
         for _ in range(3):
             await asyncio.sleep(0)
+        self.check_bytes()  # what just landed, before anything evicts it
 
     async def op_step(self) -> None:
         await self.mgr.step()
@@ -336,11 +339,15 @@ class Episode:
 
     def check(self) -> None:
         """Invariants, every READY key's CPU pages, every known GPU page of every request."""
-        self.sync_moving()
         if len(self.futures) > 256:
             self.futures = [f for f in self.futures if not f.done()]
             self.load_of = {f: r for f, r in self.load_of.items() if not f.done()}
         check_invariants(self.mgr)
+        self.check_bytes()
+
+    def check_bytes(self) -> None:
+        """Every READY key's CPU pages and every known GPU page of every request."""
+        self.sync_moving()
         snap = self.mgr.snapshot()
         ready = [(k, e.cpu_block_id) for k, e in snap.keys.items() if e.state.name == "READY"]
         if ready:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvmgr.manager.cpu_tier import CpuState
-from kvmgr.manager.gpu_pool import GpuState
 from kvmgr.manager.snapshot import ManagerSnapshot
 from kvmgr.pool.block_table import Tier
+from kvmgr.scheduler.cpu_tier import CpuState
+from kvmgr.scheduler.gpu_blocks import GpuState
 from kvmgr.testing.faults import POISON_BYTE, FaultyEngine
 
 if TYPE_CHECKING:

@@ -97,7 +97,8 @@ async def _episode(ep: Episode, num_ops: int, names: list[str], weights: list[in
     steps = 0
     with ep.clock.install(loop):
         await ep.mgr.__aenter__()
-        for _ in range(num_ops):
+        for i in range(num_ops):
+            ep.op_index = i
             name = rng.choices(names, weights)[0]
             ep.counts[f"op.{name}"] += 1
             ep.log.append(name)
@@ -109,18 +110,16 @@ async def _episode(ep: Episode, num_ops: int, names: list[str], weights: list[in
         ep.clock.advance(3600.0)
         for _ in range(3):
             await asyncio.sleep(0)
-    for _ in range(200):
-        await ep.mgr.step()
+    for _ in range(400):  # up to ~20 s: every future resolved, every batch (cancelled
+        await ep.mgr.step()  # futures' ones too) settled
         pending = [f for f in ep.futures if not f.done()]
-        if not pending:
+        stats = ep.mgr.statistics()
+        if not (pending or stats.batches_in_flight or stats.queued_swaps or stats.stores_waiting):
             break
-        await asyncio.wait(pending, timeout=0.05)
+        await asyncio.wait(pending or [asyncio.ensure_future(asyncio.sleep(0.05))], timeout=0.05)
     else:
-        raise StressFailure(f"{len(pending)} futures never resolved after the drain")
+        raise StressFailure(f"not quiescent 20 s after the drain: {len(pending)} futures, {stats}")
     ep.check()
-    stats = ep.mgr.statistics()
-    if stats.batches_in_flight or stats.queued_swaps or stats.stores_waiting:
-        raise StressFailure(f"not quiescent after the drain: {stats}")
     await ep.mgr.aclose(timeout_s=10.0)
     if ep.counts["untyped"]:
         raise StressFailure("a future failed with an untyped error: " + "; ".join(ep.log))
@@ -158,7 +157,7 @@ async def run_stress(
         try:
             steps += await _episode(ep, n, names, draw)
         except StressFailure as exc:
-            raise StressFailure(f"seed {seed}, op {done + len(ep.log)}: {exc}; last ops: "
+            raise StressFailure(f"seed {seed}, op {done + ep.op_index}: {exc}; last ops: "
                                 f"{list(ep.log)}") from exc  # fmt: skip
         except Exception as exc:
             raise StressFailure(

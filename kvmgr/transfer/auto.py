@@ -55,9 +55,9 @@ class ChoiceCopy:
     Attributes:
         pageable_host: set by the engine when a CPU-tier allocation fell back to pageable
             memory; from then on every plan goes to DMA.
-        duplex: per direction, the path the next plan of that direction takes whatever
-            ``choose`` says (``True``: the kernel), set by ``AutoEngine.plan_duplex`` for a step
-            that copies both ways and used once.
+        duplex: per direction, ``(use_kernel, descriptors, bytes)``: the path the next plan of
+            that direction takes whatever ``choose`` says, if it has those counts (set by
+            ``AutoEngine.plan_duplex`` for a step that copies both ways; used once).
     """
 
     def __init__(self, dma: DmaCopy, kernel: KernelCopy | None, choose: Choice) -> None:
@@ -65,12 +65,16 @@ class ChoiceCopy:
         self.kernel = kernel
         self.choose = choose
         self.pageable_host = False
-        self.duplex: dict[Direction, bool] = {}
+        self.duplex: dict[Direction, tuple[bool, int, int]] = {}
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Issue ``plan`` on ``stream`` with the chosen issuer."""
         kernel = self.kernel
-        forced = self.duplex.pop(plan.direction, None) if self.duplex else None
+        forced = None
+        if self.duplex:
+            pending = self.duplex.pop(plan.direction, None)
+            if pending is not None and pending[1:] == (plan.num_descriptors, plan.num_bytes):
+                forced = pending[0]
         if (
             kernel is not None
             and not self.pageable_host

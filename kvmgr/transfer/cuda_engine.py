@@ -402,11 +402,14 @@ class AutoEngine(CudaEngine):
     def plan_duplex(self, d2h: tuple[int, int], h2d: tuple[int, int]) -> tuple[Direction, ...]:
         """A step is about to submit ``d2h = (descriptors, bytes)`` out and ``h2d`` in: choose
         each direction's path knowing the other (``kvmgr.transfer.duplex``) for the next plan of
-        each direction, and return the order to submit them in."""
+        each direction (if it has those counts), and return the order to submit them in."""
         choice = duplex_choice(d2h, h2d, self.calibration)
         issuer = self._issuer
         assert isinstance(issuer, ChoiceCopy)
-        issuer.duplex = {Direction.D2H: choice.d2h_kernel, Direction.H2D: choice.h2d_kernel}
+        issuer.duplex = {
+            Direction.D2H: (choice.d2h_kernel, *d2h),
+            Direction.H2D: (choice.h2d_kernel, *h2d),
+        }
         second = Direction.H2D if choice.first is Direction.D2H else Direction.D2H
         return choice.first, second
 

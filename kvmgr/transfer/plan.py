@@ -23,22 +23,14 @@ engine (``matching_blocks()`` is then ``None``).
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 import numpy as np
 
 from kvmgr.errors import GeometryError, HazardError, InvalidBlockError
 from kvmgr.pool.layout import KVLayout
+from kvmgr.scheduler.jobs import Direction  # the scheduler's (torch-free) name for it
 
 __all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards"]
-
-
-class Direction(enum.Enum):
-    """Copy direction."""
-
-    D2H = "d2h"  #: GPU -> CPU: a store (swap-out)
-    H2D = "h2d"  #: CPU -> GPU: a load (swap-in)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

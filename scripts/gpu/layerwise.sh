@@ -21,13 +21,13 @@ section pytest $?
 tail -5 "$DIR/pytest.log"
 
 # 2. both directions at once: every path pair and auto against two contiguous copies
-timeout 50 python3 -m kvmgr.cli bench duplex --repeats 5 --json "$DIR/duplex.json" \
+timeout 70 python3 -m kvmgr.cli bench duplex --repeats 5 --json "$DIR/duplex.json" \
   >"$DIR/duplex.log" 2>&1
 section duplex $?
 cat "$DIR/duplex.log"
 
 # 3. the paged kernel's constants, refitted (prints the fitted Calibration as JSON)
-timeout 30 python3 -m kvmgr.cli bench swap-kernel --geometries qwen llama --blocks 64 512 \
+timeout 25 python3 -m kvmgr.cli bench swap-kernel --geometries qwen llama --blocks 64 512 \
   --programs --repeats 5 --matmuls 10 --interference-repeats 3 --json "$DIR/swap_kernel.json" \
   >"$DIR/swap_kernel.log" 2>&1
 section swap_kernel $?
@@ -46,11 +46,11 @@ PY
 
 # 4. end to end: recompute vs whole-prefix load vs layerwise load, decode steps in CUDA graphs;
 #    the Mooncake slice, then a high-reuse multi-turn slice
-timeout 100 python3 -m examples.engine.bench --rounds 1 --requests 120 \
+timeout 90 python3 -m examples.engine.bench --rounds 1 --requests 120 \
   --variants recompute,auto,auto-layerwise --json "$DIR/engine.json" >"$DIR/engine.log" 2>&1
 section engine_mooncake $?
 tail -22 "$DIR/engine.log"
-timeout 60 python3 -m examples.engine.bench --rounds 1 --slice multiturn --requests 64 \
+timeout 55 python3 -m examples.engine.bench --rounds 1 --slice multiturn --requests 64 \
   --turns 4 --turn-gap 0.5 --variants recompute,auto,auto-layerwise \
   --json "$DIR/engine_multiturn.json" >"$DIR/engine_multiturn.log" 2>&1
 section engine_multiturn $?

@@ -2,10 +2,11 @@
 
 Private to ``kvmgr.integrations.vllm``; ``KvmgrOffloadingSpec.get_worker()`` builds it.
 
-The rank's CPU tier is one host allocation of the kvmgr engine (pinned on a GPU host), laid out
-tensor-major: for every canonical KV tensor ``t``, ``uint8 [num_chunks * blocks_per_chunk,
-page_bytes[t]]``, so sub-block ``chunk * blocks_per_chunk + i`` holds GPU block ``i`` of that
-chunk. A job becomes (GPU block ids, CPU sub-block ids) arrays once, at submit.
+The rank's copies go through ``_seam.rank_copies``: its canonical KV tensors, and a CPU tier
+allocated by its kvmgr engine (pinned on a GPU host) with, for every tensor ``t``, ``uint8
+[num_chunks * blocks_per_chunk, page_bytes[t]]``, so sub-block ``chunk * blocks_per_chunk + i``
+holds GPU block ``i`` of that chunk. A vLLM job becomes (GPU block ids, CPU sub-block ids)
+arrays once, at submit; a batch is one kvmgr job of those ids.
 
 Coalescing: vLLM calls ``submit_store`` / ``submit_load`` job by job and has no per-step flush,
 so the worker buffers them. Buffered stores become ONE D2H batch at the first ``submit_load``

@@ -1,6 +1,6 @@
 """Typed counters of the manager: plain integer fields, incremented in place on the hot path.
 
-Private to ``kvmgr.manager``: ``OffloadManager.statistics()`` turns them into the frozen
+Private to ``kvmgr.scheduler``: ``OffloadManager.statistics()`` turns them into the frozen
 ``ManagerStatistics`` value.
 """
 

@@ -1,6 +1,6 @@
 """The parent of every key in the CPU tier, to refuse stores that would close a key cycle.
 
-Private to ``kvmgr.manager``. A store names the key each new key extends (its parent). The
+Private to ``kvmgr.scheduler``. A store names the key each new key extends (its parent). The
 keys of the CPU tier must form a forest: a cycle (``a`` extends ``b`` and ``b`` extends
 ``a``, in one call or across calls) has no leaf, so no policy would ever evict it and the tier
 would fill up for good (issue 20). ``KeyChains.check`` finds such a cycle before the store

@@ -1,6 +1,6 @@
 """The GPU side of the bookkeeping: which GPU blocks copies use, and the owned pool.
 
-Private to ``kvmgr.manager``.
+Private to ``kvmgr.scheduler``.
 
 States of a GPU block (``GpuState``), when the manager owns the pool (``manage_gpu_blocks``):
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.allocator import BlockAllocator, as_id_array
+from kvmgr.scheduler.keys import SMALL
 
 __all__ = ["GpuBlocks", "GpuState"]
 
@@ -49,6 +50,22 @@ class GpuBlocks:
         self.busy_np = np.frombuffer(self.busy, dtype=np.int64)
 
     # ------------------------------------------------------------------ validation
+
+    def checked_ids(self, block_ids: object, what: str) -> list[int] | np.ndarray:
+        """Validated GPU ids: a list for short calls, an int64 array otherwise (a copy either
+        way: the caller may reuse its list or array).
+
+        Raises:
+            InvalidBlockError: not ints, out of range, repeated, or (owned pool) not held.
+        """
+        if type(block_ids) is list and len(block_ids) <= SMALL:
+            self.check_small(block_ids, what)
+            return [int(b) for b in block_ids]
+        ids = as_id_array(block_ids, "gpu")
+        if ids is block_ids:
+            ids = ids.copy()
+        self.check_array(ids, what)
+        return ids
 
     def check_small(self, ids: list[int], what: str) -> None:
         """Validate a short list of ids (range, distinct, held when owned) without numpy.

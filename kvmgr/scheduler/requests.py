@@ -1,6 +1,6 @@
 """Request-level bookkeeping: block tables, allocate / append / free, preempt and resume.
 
-Private to ``kvmgr.manager``. A request is *resident* (every block on the GPU), *swapped out*
+Private to ``kvmgr.scheduler``. A request is *resident* (every block on the GPU), *swapped out*
 (every block in CPU blocks in state ``SWAPPED``) or *moving* (a preempt or resume in flight:
 ``BlockTable.moving``). Blocks are appended only while resident. ``prepare_preempt`` /
 ``prepare_resume`` build the ``Part`` the queue carries; ``preempt_done`` / ``resume_done``
@@ -24,13 +24,13 @@ from kvmgr.errors import (
     PoolExhaustedError,
     UnknownRequestError,
 )
-from kvmgr.manager.counters import Counters
-from kvmgr.manager.cpu_tier import CpuState, CpuTier
-from kvmgr.manager.gpu_pool import GpuBlocks
-from kvmgr.manager.queue import Kind, Part
 from kvmgr.pool.allocator import as_id_array
 from kvmgr.pool.block_table import BlockTable, Tier
 from kvmgr.reports import SwapResult
+from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.gpu_blocks import GpuBlocks
+from kvmgr.scheduler.queue import Kind, Part
 
 #: why a freed block may not be free yet (appended to the gpu_full messages)
 DRAINING_HINT = "a freed block still used by a queued or in-flight copy returns when it ends"

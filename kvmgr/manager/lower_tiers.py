@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError, TierError
-from kvmgr.manager.bookkeeping import Bookkeeper, check_keys
+from kvmgr.scheduler.bookkeeping import Bookkeeper, Landed, check_keys
 from kvmgr.tiers.base import TierBackend
 from kvmgr.tiers.blob import TierNamespace
 from kvmgr.tiers.bridge import StagedBlobs, TierBridge
@@ -43,18 +43,26 @@ def default_namespace(
     """A namespace for this manager's layout (model ``"unnamed"``, no tenant salt)."""
     return TierNamespace(
         model="unnamed",
-        page_bytes=tuple(books.gpu_layout.page_bytes.tolist()),
+        page_bytes=tuple(books.geometry.page_bytes),
         dtype_names=tuple(dtype_names),
         block_size=block_size,
     )
 
 
 class LowerTiers:
-    """The lower tiers of one manager, in order (the first one receives write-back)."""
+    """The lower tiers of one manager, in order (the first one receives write-back).
+
+    Args:
+        books: the scheduler's bookkeeper (every CPU-tier state change goes through it).
+        cpu_tensors: the CPU tier's page views (the local worker's ``cpu_pool.tensors``).
+        backends, namespace: the tiers and the namespace folded into their keys.
+        write_back, write_through: ``ManagerConfig.tier_write_back`` / ``tier_write_through``.
+    """
 
     def __init__(
         self,
         books: Bookkeeper,
+        cpu_tensors: Sequence[object],
         backends: Sequence[TierBackend],
         namespace: TierNamespace,
         *,
@@ -62,14 +70,13 @@ class LowerTiers:
         write_through: bool,
     ) -> None:
         self.books = books
-        self.bridges = [TierBridge(books.cpu_pool.tensors, b, namespace) for b in backends]
+        self.bridges = [TierBridge(list(cpu_tensors), b, namespace) for b in backends]
         self.write_back = write_back and bool(self.bridges)
         self.write_through = write_through and bool(self.bridges)
         self._evicted: list[tuple[list[bytes], np.ndarray]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         #: (keys, CPU ids) of promotes in flight: their keys are PENDING
         self.promoting: list[tuple[list[bytes], np.ndarray]] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.num_fetch_hits = 0
         self.num_fetch_misses = 0
         #: background writes waiting or running, per bridge (bounded: see ``_spawn``)
@@ -79,20 +86,17 @@ class LowerTiers:
 
     # ------------------------------------------------------------------ demotion
 
-    def on_evicted(self, keys: list[bytes], ids: np.ndarray) -> None:
-        """The CPU tier evicted these READY blocks (freed, not overwritten yet)."""
-        if self.write_back:
-            self._evicted.append((list(keys), ids.copy()))
-
     def stage_evicted(
-        self, *, write: bool = True
+        self, *, write: bool = True, loop: asyncio.AbstractEventLoop | None = None
     ) -> list[tuple[TierBridge, StagedBlobs, list[bytes]]]:
         """Gather every evicted block not staged yet; called before anything may overwrite
         freed CPU blocks (a D2H submit, a promote). With ``write`` the blobs are written in the
         background now; otherwise they are returned for the caller to write later (a fetch
         writes them after its own read, so that the write-back cannot push out of a small tier
         the very blocks the fetch is reading)."""
-        if not self._evicted:
+        self._evicted += self.books.take_evicted()
+        if not self._evicted or not self.write_back:
+            self._evicted = []
             return []
         evicted, self._evicted = self._evicted, []
         keys = [k for ks, _ in evicted for k in ks]
@@ -100,23 +104,33 @@ class LowerTiers:
         bridge = self.bridges[0]
         job = (bridge, bridge.stage(keys, ids), keys)
         if write:
-            self._spawn(*job)
+            self._spawn(*job, loop=loop)
             return []
         return [job]
 
-    def write_evicted(self) -> None:
-        """Stage the evicted blocks and write them in the background (the flush's hook, run
-        before any D2H copy is submitted)."""
-        self.stage_evicted(write=True)
+    def write_evicted(
+        self, evicted: list[tuple[list[bytes], np.ndarray]], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Stage ``evicted`` (the bookkeeper's evictions, taken as data) and write them in the
+        background on ``loop``; run before any D2H copy is submitted."""
+        self._evicted += evicted
+        self.stage_evicted(write=True, loop=loop)
 
-    def on_stored(self, keys: list[bytes], ids: np.ndarray) -> None:
-        """A store completed (the blocks are READY): write them through, when configured."""
+    def write_landed(self, landed: Landed) -> None:
+        """Stores completed (the blocks are READY): write them through, when configured."""
+        keys, ids = landed
         if not self.write_through or not keys:
             return
         for bridge in self.bridges:
             self._spawn(bridge, bridge.stage(keys, ids), keys)
 
-    def _spawn(self, bridge: TierBridge, staged: StagedBlobs, keys: list[bytes]) -> None:
+    def _spawn(
+        self,
+        bridge: TierBridge,
+        staged: StagedBlobs,
+        keys: list[bytes],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         """Write in the background: at most ``MAX_WRITES_IN_FLIGHT`` writes run per tier and
         at most ``MAX_WRITE_BACKLOG`` wait; past that a write is dropped (counted), so a slow
         tier costs hits, never host memory or the loop's progress."""
@@ -124,8 +138,13 @@ class LowerTiers:
         if self._backlog[i] >= MAX_WRITE_BACKLOG:
             self.num_writes_dropped += len(keys)
             return
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # closing outside the loop: nothing can run the write
+                self.num_writes_dropped += len(keys)
+                return
         self._backlog[i] += 1
-        loop = self.loop or asyncio.get_running_loop()
         task = loop.create_task(self._put(i, staged, keys))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -193,15 +212,15 @@ class LowerTiers:
                 continue
             rest, later = rest[:run], rest[run:]
             protected = set(keys[:prefix]) | set(rest)
+            books = self.books
             try:
-                ids = cpu.make_room(len(rest), protected)
+                ids = books.prepare_promote(rest, protected)
             except PoolExhaustedError:  # fetch what fits in free blocks
                 rest = rest[: cpu.pool.num_free]
                 if not rest:
                     break
-                ids = cpu.make_room(len(rest), protected)
+                ids = books.prepare_promote(rest, protected)
             deferred = self.stage_evicted(write=False)  # victims' pages before the promote
-            cpu.add_pending(rest, ids, [None, *rest[:-1]])
             entry = (rest, ids)
             self.promoting.append(entry)
             try:  # (promote ends, cancelled or not, only after its scatter thread let go of
@@ -212,7 +231,9 @@ class LowerTiers:
                 raise
             finally:
                 self.promoting.remove(entry)
-                self._settle(rest, ids, hit)
+                num_hits = books.complete_promote(rest, ids, hit)
+                self.num_fetch_hits += num_hits
+                self.num_fetch_misses += len(rest) - num_hits
                 for job in deferred:
                     self._spawn(*job)
             if not hit.all():
@@ -221,14 +242,3 @@ class LowerTiers:
             else:
                 rest = later
         return cpu.ready_prefix(keys)
-
-    def _settle(self, keys: list[bytes], ids: np.ndarray, hit: np.ndarray) -> None:
-        cpu = self.books.cpu
-        ok = [k for k, h in zip(keys, hit.tolist()) if h]
-        if ok:
-            cpu.stores_landed(ids[hit])
-            self.books.events.stored(ok)
-        if not hit.all():
-            cpu.stores_failed([k for k, h in zip(keys, hit.tolist()) if not h], ids[~hit])
-        self.num_fetch_hits += len(ok)
-        self.num_fetch_misses += len(keys) - len(ok)

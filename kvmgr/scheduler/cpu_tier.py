@@ -1,6 +1,6 @@
 """The CPU tier's bookkeeping: block states, the key index, readers, eviction through a policy.
 
-Private to ``kvmgr.manager``.
+Private to ``kvmgr.scheduler``.
 
 States of a CPU block (``CpuState``):
 
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
-from kvmgr.manager.chains import KeyChains
-from kvmgr.manager.counters import Counters
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.scheduler.chains import KeyChains
+from kvmgr.scheduler.counters import Counters
 
 __all__ = ["CpuState", "CpuTier"]
 
@@ -45,7 +45,7 @@ class CpuState(enum.IntEnum):
     RESUMING = 5
 
 
-_READY, _PENDING = int(CpuState.READY), int(CpuState.PENDING)
+_READY, _PENDING = int(CpuState.READY), int(CpuState.PENDING)  # plain ints: array compares
 
 
 class CpuTier:
@@ -59,6 +59,9 @@ class CpuTier:
         counters: where evictions are counted.
         blocks_ready: how many leading blocks the memory lets the allocator hand out now (the
             region is still being pinned); ``None``: all of them. Asked when room runs short.
+        keep_evicted: record the (keys, CPU ids) of the blocks the policy evicts in
+            ``evicted`` (data the owner takes with ``take_evicted``: lower tiers write them
+            back before anything overwrites the freed blocks).
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class CpuTier:
         policy_options: Mapping[str, Any] | None = None,
         counters: Counters | None = None,
         blocks_ready: Callable[[], int] | None = None,
+        *,
+        keep_evicted: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         ready = num_blocks if blocks_ready is None else blocks_ready()
@@ -85,8 +90,10 @@ class CpuTier:
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
         self._on_removed = on_removed
-        #: called with (keys, CPU ids) of blocks the policy evicted, before they are reused
-        self.on_evicted: Callable[[list[bytes], np.ndarray], None] | None = None
+        self._keep_evicted = keep_evicted
+        #: (keys, CPU ids) of blocks the policy evicted since ``take_evicted`` (freed, not
+        #: overwritten yet; only with ``keep_evicted``)
+        self.evicted: list[tuple[list[bytes], np.ndarray]] = []
         self.counters = counters if counters is not None else Counters()
         #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
         self.can_evict = _evictable(self.index, self.state, self.readers)
@@ -159,10 +166,15 @@ class CpuTier:
                     available=self.pool.num_free,
                     reason="cpu_pinning" if pinning else "cpu_full",
                 )
-            if self.on_evicted is not None:
-                self.on_evicted(victims, self._ids_of(victims))
+            if self._keep_evicted:
+                self.evicted.append((list(victims), self._ids_of(victims)))
             self._forget(victims)
             self.counters.evictions += len(victims)
+
+    def take_evicted(self) -> list[tuple[list[bytes], np.ndarray]]:
+        """Remove and return the evictions recorded since the last call, oldest first."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def _ids_of(self, keys: list[bytes]) -> np.ndarray:
         get = self.index.__getitem__

@@ -1,6 +1,6 @@
 """The swap queue: queued parts in ordered generations, lanes per direction, batches in flight.
 
-Private to ``kvmgr.manager``. Every swap call becomes one ``Part`` (one future, whatever the
+Private to ``kvmgr.scheduler``. Every swap call becomes one ``Part`` (one future, whatever the
 number of blocks). Parts queued since the last flush sit in *generations*: one lane, and so one
 plan, per direction per generation. A part joins the newest generation unless it touches a GPU
 block that the generation already touches in a conflicting way (a load into a block a store
@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.transfer.engine import BatchHandle
-from kvmgr.transfer.plan import Direction
+from kvmgr.scheduler.jobs import Direction, TransferJob
 
 __all__ = ["Batch", "Generation", "Kind", "Lane", "Part", "SwapQueue"]
 
@@ -171,36 +170,37 @@ class Generation:
 
 
 class Batch:
-    """One submitted plan and the lane it completes.
+    """One submitted job and the lane it completes.
 
     Attributes:
-        seq: the manager's batch number (submission order).
+        seq: the job's id (submission order).
         lane: the parts completed by this batch.
-        gpu_ids / cpu_ids: int64 arrays of every part's ids, aligned.
-        handle: the engine's handle.
+        job: what the workers were given (the lane's ids, the jobs it waits for).
         submitted_s: ``time.perf_counter()`` at submission.
-        wait_for: sequence numbers of the batches it was fenced on.
     """
 
-    __slots__ = ("cpu_ids", "gpu_ids", "handle", "lane", "seq", "submitted_s", "wait_for")
+    __slots__ = ("job", "lane", "seq", "submitted_s")
 
-    def __init__(
-        self,
-        seq: int,
-        lane: Lane,
-        gpu_ids: np.ndarray,
-        cpu_ids: np.ndarray,
-        handle: BatchHandle,
-        submitted_s: float,
-        wait_for: tuple[int, ...],
-    ) -> None:
-        self.seq = seq
+    def __init__(self, lane: Lane, job: TransferJob, submitted_s: float) -> None:
+        self.seq = job.job_id
         self.lane = lane
-        self.gpu_ids = gpu_ids
-        self.cpu_ids = cpu_ids
-        self.handle = handle
+        self.job = job
         self.submitted_s = submitted_s
-        self.wait_for = wait_for
+
+    @property
+    def gpu_ids(self) -> np.ndarray:
+        """int64 ``[n]``: every part's GPU ids, aligned with ``cpu_ids``."""
+        return self.job.gpu_ids
+
+    @property
+    def cpu_ids(self) -> np.ndarray:
+        """int64 ``[n]``: every part's CPU ids."""
+        return self.job.cpu_ids
+
+    @property
+    def wait_for(self) -> tuple[int, ...]:
+        """Ids of the batches it was fenced on."""
+        return self.job.wait_for
 
     @property
     def direction(self) -> Direction:
@@ -297,11 +297,16 @@ class SwapQueue:
         in_flight = self.in_flight
         return [in_flight[s] for s in seqs.tolist() if s in in_flight]
 
-    def launched(self, batch: Batch) -> None:
-        """Record a submitted batch."""
+    def launch(self, lane: Lane, submitted_s: float, *, fenced: bool = True) -> Batch:
+        """Make the lane's job (its ids, fenced on the in-flight batches of the other direction
+        that share GPU blocks, unless not ``fenced``: a layerwise job fences each group itself)
+        and record it in flight."""
+        gpu_ids, cpu_ids = lane.arrays()
+        fences = self.fences(lane.direction, gpu_ids) if fenced else []
+        job = TransferJob(
+            self.next_seq(), lane.direction, gpu_ids, cpu_ids, tuple(b.seq for b in fences)
+        )
+        batch = Batch(lane, job, submitted_s)
         self.in_flight[batch.seq] = batch
-        self._batch_marks[batch.direction][1][batch.gpu_ids] = batch.seq
-
-    def landed(self, batch: Batch) -> bool:
-        """Forget a batch; False if it was already settled."""
-        return self.in_flight.pop(batch.seq, None) is not None
+        self._batch_marks[batch.direction][1][gpu_ids] = batch.seq
+        return batch

@@ -1,6 +1,6 @@
 """The KV event stream: what entered and left each tier, in the order it happened.
 
-Private to ``kvmgr.manager``; ``OffloadManager.take_events()`` and ``OffloadManager.events()``
+Private to ``kvmgr.scheduler``; ``OffloadManager.take_events()`` and ``OffloadManager.events()``
 are its public face. A KV-aware router or an external index drains it to know which prefixes an
 instance holds (the role of vLLM's KV events). The stream is bounded: when nobody drains it,
 the oldest events are dropped and counted (``ManagerStatistics.events_dropped``).

@@ -1,0 +1,1 @@
+"""A tensor-parallel serving loop over kvmgr's rank processes (docs/guides/tensor-parallel.md)."""

@@ -1,0 +1,63 @@
+"""Validation of keys and parents at the scheduler's boundary.
+
+Private to ``kvmgr.scheduler``. Offers ``check_keys`` (a list of bytes keys), ``check_parents``
+(one parent per key) and ``SMALL`` (calls with at most this many blocks take the list path, no
+numpy per call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmgr.errors import InvalidKeyError
+
+__all__ = ["SMALL", "check_keys", "check_parents"]
+
+#: Calls with at most this many blocks take the list path (no numpy per call).
+SMALL = 8
+
+
+def check_keys(keys: object, *, distinct: bool) -> list[bytes]:
+    """``keys`` as a list of bytes (a copy: the caller may reuse its list).
+
+    Raises:
+        InvalidKeyError: not a sequence of bytes, or repeated keys where ``distinct``.
+    """
+    if type(keys) is list:
+        out = keys[:]
+    elif isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise InvalidKeyError(f"expected a sequence of bytes keys, got {type(keys).__name__}")
+    else:
+        out = list(keys)
+    if len(out) > SMALL:
+        is_bytes = set(map(type, out)) == {bytes}
+    else:
+        is_bytes = all(type(key) is bytes for key in out)
+    if not is_bytes:
+        key = next(k for k in out if type(k) is not bytes)
+        raise InvalidKeyError(f"expected bytes keys, got {type(key).__name__}: {key!r}")
+    if distinct and len(out) > 1 and len(set(out)) != len(out):
+        raise InvalidKeyError("keys of one store must be distinct")
+    return out
+
+
+def check_parents(keys: list[bytes], parents: object) -> list[bytes | None]:
+    """One parent per key: ``parents`` as given, or one chain (``keys[i]`` extends
+    ``keys[i-1]``, ``keys[0]`` is a root).
+
+    Raises:
+        InvalidKeyError: not a sequence of bytes/None of ``len(keys)``, or a key its own parent.
+    """
+    if parents is None:
+        return [None, *keys[:-1]]
+    if isinstance(parents, (bytes, str)) or not isinstance(parents, Sequence):
+        raise InvalidKeyError(f"expected a sequence of parent keys, got {type(parents).__name__}")
+    out = list(parents)
+    if len(out) != len(keys):
+        raise InvalidKeyError(f"expected one parent per key, got {len(out)} for {len(keys)} keys")
+    for key, parent in zip(keys, out):
+        if parent is not None and type(parent) is not bytes:
+            raise InvalidKeyError(f"expected bytes or None parents, got {parent!r}")
+        if parent == key:
+            raise InvalidKeyError(f"key {key.hex()[:16]}... is given as its own parent")
+    return out

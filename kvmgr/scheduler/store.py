@@ -1,0 +1,277 @@
+"""Keyed stores on the scheduler side: validate, admit, reserve CPU blocks, build the ``Part``.
+
+Private to ``kvmgr.scheduler``; the ``Bookkeeper`` holds one ``Stores``. A store runs in steps,
+each a method: ``_fresh`` (which keys are not in the CPU tier), ``_admit`` (the store threshold
+and the policy's admission), ``_reserve`` (CPU blocks, evicting through the policy: the last
+check, all or nothing), then the commit (keys PENDING, GPU blocks busy, counters) and
+``_result`` (what the future gets). Until the copy's outcome is applied the new keys are
+PENDING on their CPU blocks (not readable, not evictable) and each GPU block named has one more
+busy count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvmgr.config import ManagerConfig
+from kvmgr.errors import InvalidKeyError
+from kvmgr.events.tokens import check_token_ids
+from kvmgr.reports import StoreResult, SwapResult
+from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.gpu_blocks import GpuBlocks, GpuState
+from kvmgr.scheduler.keys import SMALL, check_keys, check_parents
+from kvmgr.scheduler.queue import Kind, Part
+
+__all__ = ["Stores"]
+
+_PENDING = int(CpuState.PENDING)
+_HELD = int(GpuState.HELD)
+
+
+class Stores:
+    """Prepares keyed stores over the CPU tier and the GPU blocks.
+
+    Args:
+        cpu, gpu, counters: the bookkeeper's parts.
+        config: ``store_threshold`` (sightings before a key is stored).
+        block_bytes: bytes of one block (for the results).
+    """
+
+    def __init__(
+        self,
+        cpu: CpuTier,
+        gpu: GpuBlocks,
+        counters: Counters,
+        config: ManagerConfig,
+        block_bytes: int,
+    ) -> None:
+        self.cpu = cpu
+        self.gpu = gpu
+        self.counters = counters
+        self.block_bytes = block_bytes
+        self._threshold = config.store_threshold
+        #: no admission control: the per-call fast path may be used
+        self._plain_admission = config.store_threshold == 1 and not hasattr(cpu.policy, "admit")
+        #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
+        self._seen: dict[bytes, int] = {}
+
+    def prepare(
+        self,
+        gpu_block_ids: object,
+        keys: object,
+        parents: object,
+        future: Any,
+        *,
+        batched: bool,
+        held: bool = False,
+        token_ids: object = None,
+    ) -> Part:
+        """Reserve CPU blocks for the keys not in the CPU tier yet; they become PENDING.
+
+        ``held``: ``gpu_block_ids`` were validated by an earlier call and a waiting store holds
+        them (``backpressure``), so they are not checked again (an owned block may be
+        ``DRAINING`` by now: its request was freed while the store waited). ``token_ids`` ride
+        in the part to the ``stored`` event (the rows of the keys actually stored).
+
+        Raises:
+            InvalidBlockError, InvalidKeyError: bad ids or keys, or different counts.
+            InvalidArgumentError: bad ``token_ids``.
+            PoolExhaustedError: no room even after eviction; nothing changed.
+        """
+        if (
+            not batched
+            and not held
+            and type(gpu_block_ids) is list
+            and type(keys) is list
+            and parents is None
+            and token_ids is None
+            and 0 < len(keys) <= SMALL
+            and self._plain_admission
+        ):
+            part = self._small(gpu_block_ids, keys, future)
+            if part is not None:
+                return part
+        gpu: Any = gpu_block_ids if held else self.gpu.checked_ids(gpu_block_ids, "store")
+        keys = check_keys(keys, distinct=not batched)
+        n = len(keys)
+        if n != len(gpu):
+            raise InvalidKeyError(
+                f"expected one key per gpu block, got {n} keys and {len(gpu)} blocks"
+            )
+        all_parents = check_parents(keys, parents)
+        tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
+        fresh = self._fresh(keys, batched)
+        if fresh:  # a parent chain reaching the key itself: InvalidKeyError, nothing changed
+            chains = self.cpu.chains
+            if len(fresh) == n:
+                chains.check(keys, all_parents)
+            else:
+                chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
+        num_present = n - len(fresh)
+        fresh, waiting = self._admit(keys, fresh, all_parents)
+        everything = len(fresh) == n
+        new_keys = keys if everything else [keys[i] for i in fresh]
+        m = len(new_keys)
+        small = isinstance(gpu, list)
+        cpu = self.cpu
+        # the last check: raises PoolExhaustedError with nothing changed
+        cpu_ids: Any = cpu.make_room_small(m, keys) if small else cpu.make_room(m, keys)
+        new_parents = all_parents if everything else [all_parents[i] for i in fresh]
+        if m:
+            cpu.add_pending(new_keys, cpu_ids, new_parents)
+        if tokens is not None:
+            tokens = None if m == 0 else tokens if everything else tokens[fresh]
+        if self._threshold > 1:
+            self._count_sightings(new_keys, waiting)
+        if num_present:  # the resident part of the call's prefix was just used again
+            written = frozenset(new_keys)
+            index = cpu.index
+            cpu.policy.touch([k for k in keys if k in index and k not in written])
+        if everything:
+            src: Any = gpu
+        else:
+            src = [gpu[i] for i in fresh] if small else gpu[np.array(fresh, dtype=np.int64)]
+        self.gpu.acquire(src)
+        counters = self.counters
+        counters.stores_queued += m
+        counters.stores_skipped += num_present
+        counters.stores_not_admitted += n - m - num_present
+        result = self._result(keys, fresh, cpu_ids, src, batched=batched, waiting=bool(waiting))
+        chain = parents is None and everything  # the default chain: the lane rebuilds it
+        return Part(
+            Kind.STORE, future, result, src, cpu_ids, new_keys,
+            parents=None if chain else new_parents, token_ids=tokens,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ steps
+
+    def _fresh(self, keys: list[bytes], batched: bool) -> list[int]:
+        """Indices of the keys not in the CPU tier (any state); a batched call's repeated keys
+        count once (the first occurrence)."""
+        n, index = len(keys), self.cpu.index
+        if n <= SMALL:
+            fresh = [i for i in range(n) if keys[i] not in index]
+        elif index.keys().isdisjoint(keys):
+            fresh = list(range(n))
+        else:
+            fresh = np.flatnonzero(~self.cpu.present(keys)).tolist()
+        if batched and n > 1 and len(set(keys)) != n:
+            first: dict[bytes, int] = {}
+            for i in fresh:
+                first.setdefault(keys[i], i)
+            fresh = sorted(first.values())
+        return fresh
+
+    def _admit(
+        self, keys: list[bytes], fresh: list[int], parents: list[bytes | None]
+    ) -> tuple[list[int], list[bytes]]:
+        """(The fresh indices admitted, the keys turned away): the store threshold (keys seen
+        ``store_threshold`` times, this call included), then the policy's ``admit``. No state
+        changes here."""
+        waiting: list[bytes] = []
+        if self._threshold > 1 and fresh:
+            seen, threshold = self._seen, self._threshold
+            waiting = [keys[i] for i in fresh if seen.get(keys[i], 0) + 1 < threshold]
+            fresh = [i for i in fresh if seen.get(keys[i], 0) + 1 >= threshold]
+        admit = getattr(self.cpu.policy, "admit", None)
+        if admit is not None and fresh:
+            mask = np.asarray(admit([keys[i] for i in fresh], [parents[i] for i in fresh]))
+            if not mask.all():
+                oks = mask.tolist()
+                waiting += [keys[i] for i, ok in zip(fresh, oks) if not ok]
+                fresh = [i for i, ok in zip(fresh, oks) if ok]
+        return fresh, waiting
+
+    def _count_sightings(self, stored: list[bytes], waiting: list[bytes]) -> None:
+        seen = self._seen
+        for key in stored:
+            seen.pop(key, None)
+        for key in waiting:
+            seen[key] = seen.pop(key, 0) + 1
+        bound = 4 * self.cpu.num_blocks
+        while len(seen) > bound:  # forget the oldest sightings
+            del seen[next(iter(seen))]
+
+    def _result(
+        self,
+        keys: list[bytes],
+        fresh: list[int],
+        cpu_ids: Any,
+        src: Any,
+        *,
+        batched: bool,
+        waiting: bool,
+    ) -> object:
+        """What the store's future gets: a ``StoreResult`` (batched) or a ``SwapResult``."""
+        n, m, block_bytes = len(keys), len(fresh), self.block_bytes
+        if not batched:
+            gpu_ids = tuple(src) if isinstance(src, list) else tuple(src.tolist())
+            cpu = tuple(cpu_ids) if isinstance(cpu_ids, list) else tuple(cpu_ids.tolist())
+            return SwapResult(m, m * block_bytes, n - m, cpu, gpu_ids)
+        if m == n:  # the common case: every key stored
+            stored = np.ones(n, dtype=bool)
+            cpu_block_ids = np.asarray(cpu_ids, dtype=np.int64)
+        else:
+            stored = np.zeros(n, dtype=bool)
+            stored[fresh] = True
+            cpu_block_ids = np.full(n, -1, dtype=np.int64)
+            cpu_block_ids[fresh] = cpu_ids
+        present = ~stored
+        if waiting:
+            present &= self.cpu.present(keys)
+        return StoreResult(
+            stored=stored, present=present, cpu_block_ids=cpu_block_ids, num_bytes=m * block_bytes
+        )
+
+    def _small(self, gpu: list[int], keys: list[bytes], future: Any) -> Part | None:
+        """The per-call store of a few fresh keys, in plain Python (evicting when the tier
+        is full).
+
+        Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
+        to reject, a key already present, or a key with indexed children.
+
+        Raises:
+            PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
+        """
+        n = len(keys)
+        if len(gpu) != n:
+            return None
+        cpu, gpu_blocks = self.cpu, self.gpu
+        index, pool = cpu.index, cpu.pool
+        num_gpu, gpu_state = gpu_blocks.num_blocks, gpu_blocks.state
+        owned = gpu_blocks.pool is not None
+        for key, b in zip(keys, gpu):
+            if (
+                type(key) is not bytes
+                or key in index
+                or type(b) is not int
+                or not 0 <= b < num_gpu
+                or (owned and gpu_state[b] != _HELD)
+            ):
+                return None
+        if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
+            return None
+        if not cpu.chains.children.keys().isdisjoint(keys):
+            return None  # a key with indexed children (a cycle to look for)
+        if pool.num_free < n:  # the last check: raises PoolExhaustedError, nothing changed
+            cpu.evict_for(n, keys)
+        take_one, state, busy = pool.take_one, cpu.state, gpu_blocks.busy
+        cpu_ids = []
+        for key, b in zip(keys, gpu):
+            block = take_one()
+            cpu_ids.append(block)
+            index[key] = block
+            state[block] = _PENDING
+            busy[b] += 1
+        cpu.num_pending += n
+        keys = keys[:]  # the caller may reuse its lists
+        parents: list[bytes | None] = [None, *keys[:-1]] if n > 1 else [None]
+        cpu.policy.insert(keys, parents)
+        cpu.chains.add(keys, parents)
+        self.counters.stores_queued += n
+        gpu_ids = tuple(gpu)
+        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
+        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)  # a default chain

@@ -1,0 +1,210 @@
+"""The per-rank transfer worker: this rank's KV tensors, CPU-tier memory and engine.
+
+``TransferWorker`` turns a ``kvmgr.scheduler.TransferJob`` (block ids) into this rank's pointer
+plan (``build_plan`` over its own layouts), submits it to its engine (CopyStreams and a copy
+issuer on CUDA, a worker thread on the host engine), fenced on the earlier jobs the job names,
+and keeps each job's ``BatchHandle`` until the caller forgets it. One worker per rank; in one
+process ``OffloadManager`` holds one, behind ``kvmgr.transport.LocalTransport``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from kvmgr.errors import KVMgrError, StaleKVTensorError
+from kvmgr.pool.host_pool import HostKVPool
+from kvmgr.pool.layout import KVLayout
+from kvmgr.scheduler.jobs import Direction, KVGeometry, TransferJob
+from kvmgr.transfer.engine import BatchHandle, TransferEngine
+from kvmgr.transfer.plan import TransferPlan, build_plan
+from kvmgr.worker.tensors import TensorGuard
+
+__all__ = ["Submitted", "TransferWorker"]
+
+
+@attrs.frozen
+class Submitted:
+    """What one rank submitted for a job (for the step report).
+
+    Attributes:
+        handle: the engine's handle (resolves when the copy ended).
+        num_blocks, num_pages, num_descriptors, num_bytes: the plan's counts.
+    """
+
+    handle: BatchHandle
+    num_blocks: int
+    num_pages: int
+    num_descriptors: int
+    num_bytes: int
+
+
+class TransferWorker:
+    """One rank's data path: KV tensors, CPU-tier memory for its slice, an engine.
+
+    Args:
+        gpu_kv_caches: this rank's KV tensors (``[num_gpu_blocks, ...]`` each, contiguous
+            blocks; CUDA tensors for the CUDA engines, CPU tensors for the host engine). Not
+            copied; they must not move afterwards (a job then fails with
+            ``StaleKVTensorError``).
+        num_cpu_blocks: CPU blocks of the CPU tier (this rank's slice of each page).
+        engine: the engine (the worker closes it in ``close``).
+        merge: merge runs of consecutive blocks into one descriptor (``ManagerConfig.merge``).
+        layout: ``"heads"`` or ``"replicated"`` (see ``KVGeometry``); ``rank``, ``num_ranks``:
+            this rank in its group.
+        cpu_pool: the CPU tier's memory when given (a ``HostKVPool`` over memory shared by the
+            ranks, for the replicated layout); else allocated here through the engine.
+
+    Raises:
+        GeometryError: the tensors cannot be managed.
+        TransferError, MemoryError: the CPU-tier memory could not be allocated.
+    """
+
+    def __init__(
+        self,
+        gpu_kv_caches: Sequence[torch.Tensor],
+        num_cpu_blocks: int,
+        engine: TransferEngine,
+        *,
+        merge: bool = True,
+        layout: str = "heads",
+        rank: int = 0,
+        num_ranks: int = 1,
+        cpu_pool: HostKVPool | None = None,
+    ) -> None:
+        tensors = list(gpu_kv_caches)
+        self.gpu_layout = KVLayout.from_tensors(tensors)
+        self.engine = engine
+        self.rank = rank
+        self.merge = merge
+        self.geometry = KVGeometry(
+            self.gpu_layout.num_blocks,
+            tuple(int(p) for p in self.gpu_layout.page_bytes.tolist()),
+            layout,
+            num_ranks,
+        )
+        self.cpu_pool = cpu_pool or HostKVPool(
+            self.gpu_layout.page_bytes.tolist(),
+            num_cpu_blocks,
+            engine.allocate_host,
+            allocate_region=getattr(engine, "allocate_host_region", None),
+        )
+        self.tensors = tensors
+        self._guard = TensorGuard(tensors)
+        cpu_layout = self.cpu_pool.layout
+        self._layouts = {
+            Direction.D2H: (self.gpu_layout, cpu_layout),
+            Direction.H2D: (cpu_layout, self.gpu_layout),
+        }
+        self._handles: dict[int, BatchHandle] = {}
+        self._prebuilt: dict[int, TransferPlan] = {}  # job id -> its plan (``order``)
+        self._duplex = getattr(engine, "plan_duplex", None)  # engine "auto": paths per step
+
+    def blocks_ready(self) -> int:
+        """Leading CPU blocks pinned so far (all of them unless still pinning)."""
+        return self.cpu_pool.num_blocks_ready
+
+    @property
+    def is_pinning(self) -> bool:
+        """Whether the CPU-tier memory is still being registered in the background."""
+        return self.cpu_pool.memory is not None and self.blocks_ready() < self.cpu_pool.num_blocks
+
+    def moved(self) -> str | None:
+        """Why a KV tensor moved since construction, or ``None``."""
+        return self._guard.moved()
+
+    def _share(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray]:
+        """(GPU ids, CPU ids) this rank copies: every block, except under the replicated layout
+        where a store is written by one rank per block (``KVGeometry.writer``)."""
+        geometry = self.geometry
+        if (
+            job.direction is Direction.D2H
+            and geometry.layout == "replicated"
+            and geometry.num_ranks > 1
+        ):
+            mine = geometry.writer(job.cpu_ids) == self.rank
+            return job.gpu_ids[mine], job.cpu_ids[mine]
+        return job.gpu_ids, job.cpu_ids
+
+    def _plan(self, job: TransferJob) -> TransferPlan:
+        gpu_ids, cpu_ids = self._share(job)
+        direction = job.direction
+        src, dst = (gpu_ids, cpu_ids) if direction is Direction.D2H else (cpu_ids, gpu_ids)
+        src_layout, dst_layout = self._layouts[direction]
+        return build_plan(direction, src_layout, dst_layout, src, dst, merge=self.merge)
+
+    def order(self, d2h: TransferJob, h2d: TransferJob) -> tuple[TransferJob, TransferJob]:
+        """The order to submit one step's store and load jobs in: the engine's choice where it
+        plans both directions together (``plan_duplex``: engine ``"auto"``), else stores
+        first. The plans built to decide are kept for ``submit``."""
+        if self._duplex is None:
+            return d2h, h2d
+        counts = []
+        for job in (d2h, h2d):
+            try:
+                plan = self._plan(job)
+            except KVMgrError:  # one descriptor per page; ``submit`` raises the error again
+                n = job.num_blocks
+                counts.append((n * self.gpu_layout.num_tensors, n * self.gpu_layout.block_bytes))
+                continue
+            self._prebuilt[job.job_id] = plan
+            counts.append((plan.num_descriptors, plan.num_bytes))
+        first, _ = self._duplex(*counts)
+        return (d2h, h2d) if first is Direction.D2H else (h2d, d2h)
+
+    def submit(self, job: TransferJob) -> Submitted:
+        """Plan and submit this rank's share of ``job``, fenced on the jobs it names that this
+        worker still tracks.
+
+        Raises:
+            StaleKVTensorError: a KV tensor moved.
+            TransferError: the engine refused the batch.
+            KVMgrError: the plan could not be built (bad ids).
+        """
+        moved = self._guard.moved()
+        if moved is not None:
+            raise StaleKVTensorError(moved)
+        plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
+        handles = self._handles
+        wait_for = [handles[j] for j in job.wait_for if j in handles]
+        handle = self.engine.submit(plan, wait_for=wait_for)
+        handles[job.job_id] = handle
+        pairs = plan.blocks  # build_plan's own record: its byte count, no second sum
+        return Submitted(
+            handle,
+            plan.num_blocks,
+            plan.num_pages,
+            plan.num_descriptors,
+            plan.num_bytes if pairs is None else pairs.num_bytes,
+        )
+
+    def handle(self, job_id: int) -> BatchHandle | None:
+        """The engine handle of a job this worker still tracks."""
+        return self._handles.get(job_id)
+
+    def adopt(self, job_id: int, handle: BatchHandle) -> None:
+        """Track a handle submitted for ``job_id`` outside ``submit`` (layerwise groups)."""
+        self._handles[job_id] = handle
+
+    def forget(self, job_id: int) -> None:
+        """The job's outcome was applied (or it was never submitted): stop tracking it."""
+        self._handles.pop(job_id, None)
+        self._prebuilt.pop(job_id, None)
+
+    def stream_wait(self, job_id: int, stream: Any = None) -> None:
+        """Make ``stream`` wait on the device for a job's copy (no-op on the host engine)."""
+        handle = self._handles.get(job_id)
+        if handle is not None:
+            self.engine.stream_wait(handle, stream)
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        """Close the engine (bounded wait for copies in flight).
+
+        Raises:
+            TransferTimeoutError: copies still running after ``timeout_s``.
+        """
+        self.engine.close(timeout_s)

@@ -1,0 +1,75 @@
+"""Rank processes for the multi-rank tests: each builds its own KV tensors and worker.
+
+``make_rank`` is the ``RankGroup`` factory (imported by the spawned rank processes; this
+directory is on their ``sys.path``). ``spec`` is a plain dict:
+
+- ``num_gpu_blocks``, ``num_cpu_blocks``, ``seed``;
+- ``layout``: ``"heads"`` (each rank its own slice of the heads: its own random bytes) or
+  ``"replicated"`` (every rank the same bytes; the CPU tier is the shared file ``shm``);
+- ``heads``: heads per rank (``"heads"``); ``bad_rank``: that rank gets one more head;
+- ``fault``: ``{"rank": r, "kind": "fail" | "slow" | "die", "delay_s": s}``: rank ``r``'s
+  engine fails every batch it is given / sleeps before each submit / exits mid-job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from kvmgr.errors import TransferError
+from kvmgr.transfer.host import HostEngine
+from kvmgr.worker import TransferWorker, shared_host_pool
+
+HEAD_BYTES = 24  #: bytes of one head of one token row
+ROWS = 4  #: token rows per block
+
+
+def rank_kv(spec: dict[str, Any], rank: int) -> list[torch.Tensor]:
+    """The KV tensors rank ``rank`` starts with (K and V: ``[blocks, rows, heads, bytes]``)."""
+    heads = spec.get("heads", 2) + (1 if spec.get("bad_rank") == rank else 0)
+    replicated = spec.get("layout", "heads") == "replicated"
+    gen = torch.Generator().manual_seed(spec["seed"] * 1000 + (0 if replicated else rank))
+    shape = (spec["num_gpu_blocks"], ROWS, heads, HEAD_BYTES)
+    return [torch.randint(1, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(2)]
+
+
+class _FaultyHost(HostEngine):
+    def __init__(self, kind: str, delay_s: float) -> None:
+        super().__init__()
+        self.kind, self.delay_s = kind, delay_s
+
+    def submit(self, plan: Any, *, wait_for: Any = ()) -> Any:
+        if self.kind == "fail":
+            raise TransferError("injected: this rank's engine refuses the batch")
+        if self.kind == "die":
+            os._exit(3)  # the process dies in the middle of a job
+        if self.kind == "slow":
+            time.sleep(self.delay_s)
+        return super().submit(plan, wait_for=wait_for)
+
+
+def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker:
+    """One rank's worker (see the module docstring)."""
+    kv = rank_kv(spec, rank)
+    fault = spec.get("fault") or {}
+    if fault.get("rank") == rank:
+        engine: HostEngine = _FaultyHost(fault["kind"], fault.get("delay_s", 0.0))
+    else:
+        engine = HostEngine()
+    layout = spec.get("layout", "heads")
+    pool = None
+    if layout == "replicated":
+        pages = [t[0].numel() * t.element_size() for t in kv]
+        pool = shared_host_pool(spec["shm"], pages, spec["num_cpu_blocks"])
+    return TransferWorker(
+        kv,
+        spec["num_cpu_blocks"],
+        engine,
+        layout=layout,
+        rank=rank,
+        num_ranks=num_ranks,
+        cpu_pool=pool,
+    )

@@ -1,0 +1,232 @@
+"""Several ranks, one process each (CPU tensors, the host engine, real bytes).
+
+The scheduler side (``OffloadManager.over_ranks``) runs here; each rank process holds its own
+KV tensors and CPU tier (``tests/ranks_support.py``). Every scenario runs the same calls on a
+single-process ``OffloadManager`` per rank, over that rank's starting tensors, and the bytes of
+each rank must equal its reference; ``check_invariants`` runs after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the rank processes import ranks_support
+
+from ranks_support import make_rank, rank_kv
+
+from kvmgr import (
+    LayoutMismatchError,
+    ManagerConfig,
+    OffloadManager,
+    RankError,
+    RankTimeoutError,
+)
+from kvmgr.testing import check_invariants
+from kvmgr.transport import RankGroup
+
+CONFIG = ManagerConfig(num_cpu_blocks=12, engine="host")
+KEYS = [b"key-%02d" % i for i in range(12)]
+MLA_KEYS = [b"mla-%02d" % i for i in range(4)]
+
+
+def _spec(**extra: Any) -> dict[str, Any]:
+    return {"num_gpu_blocks": 16, "num_cpu_blocks": 12, "seed": 7, **extra}
+
+
+async def _step(mgr: OffloadManager, *futures: asyncio.Future[Any]) -> list[Any]:
+    await mgr.step()
+    results = list(await asyncio.gather(*futures))
+    check_invariants(mgr)
+    return results
+
+
+async def _scenario(mgr: OffloadManager) -> None:
+    """Store, prefix reuse, load, preempt / resume, batched store and load."""
+    a = mgr.allocate("a", 6)
+    # 1. store six blocks under a chain of keys
+    (stored,) = await _step(mgr, mgr.swap_out(a, KEYS[:6]))
+    assert stored.num_blocks == 6
+    # 2. prefix reuse: a second request finds the first four READY, loads them
+    assert mgr.lookup([*KEYS[:4], b"missing"]) == 4
+    b = mgr.allocate("b", 4)
+    await _step(mgr, mgr.swap_in(KEYS[:4], b))
+    # 3. preempt a, resume it into fresh blocks
+    await _step(mgr, mgr.preempt("a"))
+    (resumed,) = await _step(mgr, mgr.resume("a"))
+    assert len(resumed.gpu_block_ids) == 6
+    # 4. one batched store and one batched load in a single step
+    c = mgr.allocate("c", 3)
+    d = mgr.allocate("d", 2)
+    many = mgr.store_many(np.array(c), KEYS[6:9])
+    load = mgr.load_many(KEYS[4:6], np.array(d))
+    result, _ = await _step(mgr, many, load)
+    assert bool(result.stored.all())
+    mgr.free("b")
+
+
+def _reference(spec: dict[str, Any], rank: int) -> list[bytes]:
+    """A single-process manager over rank ``rank``'s starting tensors, same calls."""
+    kv = rank_kv(spec, rank)
+
+    async def main() -> None:
+        async with OffloadManager(kv, CONFIG) as mgr:
+            await _scenario(mgr)
+
+    asyncio.run(main())
+    return [t.numpy().tobytes() for t in kv]
+
+
+async def _over_ranks(group: RankGroup, body: Callable[[OffloadManager], Awaitable[None]]) -> None:
+    mgr = OffloadManager.over_ranks(group, CONFIG)
+    try:
+        await body(mgr)
+    finally:
+        await mgr.aclose(timeout_s=10)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_heads_split_ranks_move_the_bytes_of_a_single_process_reference(num_ranks: int) -> None:
+    spec = _spec(layout="heads")
+    group = RankGroup(num_ranks, make_rank, (spec,))
+    try:
+        assert group.geometry.num_ranks == num_ranks
+        asyncio.run(_over_ranks(group, _scenario))
+        for rank in range(num_ranks):  # each rank's GPU bytes equal its own reference
+            assert group.dump(rank).gpu == _reference(spec, rank), f"rank {rank}"
+    finally:
+        assert group.close() == []
+
+
+def test_mla_replicated_stores_once_per_block_and_loads_to_every_rank() -> None:
+    shm = f"/dev/shm/kvmgr-test-{uuid.uuid4().hex}"
+    spec = _spec(layout="replicated", shm=shm)
+    group = RankGroup(2, make_rank, (spec,))
+    try:
+        reports = []
+
+        async def body(mgr: OffloadManager) -> None:
+            m = mgr.allocate("m1", 4)
+            store = mgr.swap_out(m, MLA_KEYS)
+            reports.append(await mgr.step())
+            await store
+            check_invariants(mgr)
+            load = mgr.swap_in(MLA_KEYS, mgr.allocate("m2", 4))
+            reports.append(await mgr.step())
+            await load
+            check_invariants(mgr)
+            mgr.free("m1")
+            mgr.free("m2")
+            await _scenario(mgr)
+
+        asyncio.run(_over_ranks(group, body))
+        block_bytes = group.geometry.block_bytes
+        # the store was written once per block (by rank cpu_id % 2), the load read by both
+        assert reports[0].d2h.bytes == 4 * block_bytes
+        assert reports[1].h2d.bytes == 2 * 4 * block_bytes
+        dumps = [group.dump(rank) for rank in range(2)]
+        assert dumps[0].cpu == dumps[1].cpu  # one shared CPU tier
+        assert dumps[0].gpu == dumps[1].gpu  # replicated: identical on every rank
+        # and equal to a single process that did the same (its body's first part included)
+        kv = rank_kv(spec, 0)
+
+        async def reference() -> None:
+            async with OffloadManager(kv, CONFIG) as mgr:
+                await _step(mgr, mgr.swap_out(mgr.allocate("m1", 4), MLA_KEYS))
+                await _step(mgr, mgr.swap_in(MLA_KEYS, mgr.allocate("m2", 4)))
+                mgr.free("m1")
+                mgr.free("m2")
+                await _scenario(mgr)
+
+        asyncio.run(reference())
+        assert dumps[0].gpu == [t.numpy().tobytes() for t in kv]
+    finally:
+        group.close()
+        if os.path.exists(shm):
+            os.unlink(shm)
+
+
+def test_mismatched_layouts_are_refused_at_start() -> None:
+    with pytest.raises(LayoutMismatchError) as info:
+        RankGroup(2, make_rank, (_spec(bad_rank=1),))
+    assert info.value.rank == 1
+
+
+def test_a_rank_that_reports_failure_fails_the_job_on_every_rank() -> None:
+    group = RankGroup(2, make_rank, (_spec(fault={"rank": 1, "kind": "fail"}),))
+    try:
+
+        async def body(mgr: OffloadManager) -> None:
+            a = mgr.allocate("a", 3)
+            store = mgr.swap_out(a, KEYS[:3])
+            await mgr.step()
+            with pytest.raises(RankError) as info:
+                await mgr.wait(store, timeout_s=20)
+            assert info.value.rank == 1
+            assert mgr.lookup(KEYS[:3]) == 0  # never READY: no wrong KV served
+            check_invariants(mgr)
+            assert mgr.statistics().cpu_blocks_used == 0
+
+        asyncio.run(_over_ranks(group, body))
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("kind", ["die", "kill"])
+def test_a_rank_that_dies_mid_job_turns_the_offload_off(kind: str) -> None:
+    fault = (
+        {"rank": 1, "kind": "die"} if kind == "die" else {"rank": 1, "kind": "slow", "delay_s": 30}
+    )
+    group = RankGroup(2, make_rank, (_spec(fault=fault),), deadline_s=60)
+    try:
+
+        async def body(mgr: OffloadManager) -> None:
+            a = mgr.allocate("a", 3)
+            store = mgr.swap_out(a, KEYS[:3])
+            await mgr.step()
+            if kind == "kill":
+                await asyncio.sleep(0.2)  # the rank is inside the job (sleeping in submit)
+                group.kill(1)
+            with pytest.raises(RankError) as info:
+                await mgr.wait(store, timeout_s=20)  # detected by the closed pipe, not a hang
+            assert info.value.rank == 1 and not isinstance(info.value, RankTimeoutError)
+            assert mgr.lookup(KEYS[:3]) == 0
+            check_invariants(mgr)
+            # new work fails fast: the offload is off
+            later = mgr.swap_out(mgr.allocate("b", 1), KEYS[5:6])
+            await mgr.step()
+            with pytest.raises(RankError):
+                await mgr.wait(later, timeout_s=5)
+            check_invariants(mgr)
+
+        asyncio.run(_over_ranks(group, body))
+    finally:
+        group.close()
+
+
+def test_a_rank_slower_than_the_deadline_fails_the_job_with_a_timeout() -> None:
+    fault = {"rank": 0, "kind": "slow", "delay_s": 3.0}
+    group = RankGroup(2, make_rank, (_spec(fault=fault),), deadline_s=0.5)
+    try:
+
+        async def body(mgr: OffloadManager) -> None:
+            a = mgr.allocate("a", 2)
+            store = mgr.swap_out(a, KEYS[:2])
+            await mgr.step()
+            with pytest.raises(RankTimeoutError) as info:
+                await mgr.wait(store, timeout_s=10)  # fails at the deadline, long before 3 s
+            assert info.value.rank == 0
+            assert mgr.lookup(KEYS[:2]) == 0
+            check_invariants(mgr)
+
+        asyncio.run(_over_ranks(group, body))
+    finally:
+        group.close()
