@@ -5,12 +5,13 @@ Offers `ARCPolicy`, registered as ``"arc"``.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
 
 __all__ = ["ARCPolicy"]
 
@@ -101,12 +102,27 @@ class ARCPolicy:
             BlockStateError: If a key is already tracked or repeated; nothing changed then.
             ValueError: If ``len(parents) != len(keys)``; nothing changed then.
         """
-        check_new(self._parent_of, keys, parents, self.name)
+        parent_of, b1, b2 = self._parent_of, self._b1, self._b2
+        if (
+            len(keys) == 1
+            and len(parents) == 1
+            and (key := keys[0]) not in parent_of
+            and key not in b1
+            and key not in b2
+        ):  # the per-call store of a new key
+            parent = parents[0]
+            if parent is not None:
+                num_children = self._tree.num_children
+                num_children[parent] = num_children.get(parent, 0) + 1
+            parent_of[key] = parent
+            self._t1[key] = None
+            self._trim_ghosts()
+            return
+        check_new(parent_of, keys, parents, self.name)
         self._tree.add(keys, parents)
-        self._parent_of.update(zip(keys, parents))
-        b1, b2 = self._b1, self._b2
+        parent_of.update(zip(keys, parents))
         if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
-            self._t1.update(dict.fromkeys(reversed(keys)))
+            self._t1.update(zip(reversed(keys), repeat(None)))
         else:
             for key in reversed(keys):
                 if key in b1:
@@ -132,7 +148,7 @@ class ARCPolicy:
         promoted = list(filter(t1.__contains__, backwards))
         if promoted:
             deque(map(t1.pop, promoted, repeat(None)), 0)
-            t2.update(dict.fromkeys(promoted))
+            t2.update(zip(promoted, repeat(None)))
         if refresh:  # keys already in T2 join the promoted ones in reverse batch order
             deque(map(t2.move_to_end, filter(t2.__contains__, backwards)), 0)
 
@@ -165,41 +181,65 @@ class ARCPolicy:
         _check_evict_count(n)
         if n == 0:
             return []
+        if n == 1:
+            return self._evict_one(can_evict, protected)
         # Phase 1: collect without mutating. Each list is scanned once from its LRU end, so
-        # skipped keys are visited at most once per call.
+        # skipped keys are visited at most once per call. T1 is preferred while its size less
+        # the T1 keys taken exceeds ``target``: a T1 run may take ``quota`` keys before the
+        # preference can flip (a victim of the run may be a released T2 ancestor, so the size
+        # is recounted after it). The size only shrinks, so once T2 is preferred it stays so.
         victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
-        scans = {True: iter(self._t1), False: iter(self._t2)}
-        exhausted = {True: False, False: False}
-        t1, target = self._t1, self._target
+        t1, t2, target = self._t1, self._t2, self._target
+        scan_t1, scan_t2 = iter(t1), iter(t2)
+        taken = victims.keys
         virtual_t1_size = len(t1)
-        while not victims.is_full:
-            prefer_t1 = virtual_t1_size > target
-            from_t1 = prefer_t1 if not exhausted[prefer_t1] else not prefer_t1
-            if exhausted[from_t1]:
+        t1_left = True
+        while virtual_t1_size > target and t1_left:
+            before = len(taken)
+            quota = virtual_t1_size - math.floor(target)
+            t1_left = victims.offer_all(scan_t1, stop=min(n, before + quota))
+            virtual_t1_size -= sum(map(t1.__contains__, taken[before:]))
+            if len(taken) >= n:
+                break
+        else:
+            if not victims.offer_all(scan_t2) and not (t1_left and victims.offer_all(scan_t1)):
                 victims.rollback()
                 return None  # fewer than n evictable keys in T1 and T2 together
-            for key in scans[from_t1]:  # take from this list while the choice holds
-                before = len(victims.keys)
-                if not victims.offer(key):
-                    continue
-                virtual_t1_size -= sum(map(t1.__contains__, victims.keys[before:]))
-                now_prefer = virtual_t1_size > target
-                if victims.is_full or (now_prefer != prefer_t1 and not exhausted[now_prefer]):
-                    break
-            else:
-                exhausted[from_t1] = True
         # Phase 2: commit all of them (the tree's counts already are).
-        chosen = victims.keys
-        deque(map(self._parent_of.__delitem__, chosen), 0)
-        for key in chosen:
-            if key in t1:
-                del t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
+        parent_of, b1, b2 = self._parent_of, self._b1, self._b2
+        deque(map(parent_of.__delitem__, taken), 0)
+        if t2.keys().isdisjoint(taken):  # the common case: every victim from T1
+            deque(map(t1.__delitem__, taken), 0)
+            b1.update(zip(taken, repeat(None)))
+        else:
+            for key in taken:
+                if key in t1:
+                    del t1[key]
+                    b1[key] = None
+                else:
+                    del t2[key]
+                    b2[key] = None
         self._trim_ghosts()
-        return chosen
+        return taken
+
+    def _evict_one(
+        self, can_evict: KeyPredicate, protected: Collection[bytes]
+    ) -> list[bytes] | None:
+        """``evict(1, ...)`` (the per-call store): the same choice without a `VictimSet`."""
+        t1, t2, tree = self._t1, self._t2, self._tree
+        first, second = (t1, t2) if len(t1) > self._target else (t2, t1)
+        key = first_leaf(tree, first, can_evict, protected)
+        source = first
+        if key is None:
+            key = first_leaf(tree, second, can_evict, protected)
+            source = second
+            if key is None:
+                return None
+        tree.release((self._parent_of.pop(key),))
+        del source[key]
+        (self._b1 if source is t1 else self._b2)[key] = None
+        self._trim_ghosts()
+        return [key]
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -245,13 +285,27 @@ class ARCPolicy:
     def _trim_ghosts(self) -> None:
         """Enforce the ghost bounds of the class docstring by dropping LRU ghosts."""
         cap = self.capacity
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        while b1 and len(t1) + len(b1) > cap:
-            b1.popitem(last=False)
-        while len(b2) > cap:
-            b2.popitem(last=False)
-        excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * cap
-        for ghosts in (b2, b1):
-            while excess > 0 and ghosts:
-                ghosts.popitem(last=False)
-                excess -= 1
+        b1, b2 = self._b1, self._b2
+        size_t1, size_b1, size_b2 = len(self._t1), len(b1), len(b2)
+        over = size_t1 + size_b1 - cap
+        if over > 0 and size_b1:
+            if over == 1:
+                b1.popitem(last=False)
+            else:
+                _drop_oldest(b1, over)
+            size_b1 = len(b1)
+        if size_b2 > cap:
+            _drop_oldest(b2, size_b2 - cap)
+            size_b2 = cap
+        excess = size_t1 + len(self._t2) + size_b1 + size_b2 - 2 * cap
+        if excess > 0 and size_b2:
+            excess -= _drop_oldest(b2, excess)
+        if excess > 0 and b1:
+            _drop_oldest(b1, excess)
+
+
+def _drop_oldest(ghosts: OrderedDict[bytes, None], count: int) -> int:
+    """Drop up to ``count`` keys from the LRU end of ``ghosts``; return how many were dropped."""
+    oldest = list(islice(ghosts, count))
+    deque(map(ghosts.__delitem__, oldest), 0)
+    return len(oldest)

@@ -9,7 +9,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
 
 __all__ = ["LRUPolicy"]
 
@@ -91,6 +91,12 @@ class LRUPolicy:
         _check_evict_count(n)
         if n == 0:
             return []
+        if n == 1:  # the per-call store
+            key = first_leaf(self._tree, self._order, can_evict, protected)
+            if key is None:
+                return None
+            self._tree.release((self._order.pop(key),))
+            return [key]
         victims = VictimSet(self._tree, self._order, n, can_evict, protected)
         if not victims.offer_all(self._order):  # phase 1: collect; the order is not mutated
             victims.rollback()

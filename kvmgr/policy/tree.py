@@ -3,6 +3,7 @@
 Offers:
 
 - `PrefixTree`: per key, the number of tracked children (keys that extend it).
+- `first_leaf`: the one-victim case of `VictimSet` (the per-call store), without its set-up.
 - `VictimSet`: collects victims from candidates offered in a policy's own preference order so
   that the result is closed under "tracked children" (a key goes only with all its tracked
   children, which go first), and undoes its bookkeeping when the collection fails.
@@ -24,7 +25,7 @@ from typing import Protocol
 from kvmgr.errors import BlockStateError, UnknownKeyError
 from kvmgr.policy.base import KeyPredicate, _as_lookup
 
-__all__ = ["PrefixTree", "VictimSet", "check_new", "check_tracked"]
+__all__ = ["PrefixTree", "VictimSet", "check_new", "check_tracked", "first_leaf"]
 
 
 def check_new(
@@ -61,6 +62,26 @@ def check_tracked(tracked: Collection[bytes], keys: Iterable[bytes], name: str) 
     for key in keys:
         if key not in tracked:
             raise UnknownKeyError(f"key {key!r} is not tracked by the {name} policy")
+
+
+def first_leaf(
+    tree: PrefixTree, keys: Iterable[bytes], can_evict: KeyPredicate, protected: Collection[bytes]
+) -> bytes | None:
+    """The first of ``keys`` that a one-victim `VictimSet` would take: not protected,
+    evictable, and without tracked children (a waiting key is never released when only one
+    victim is taken). Changes nothing (the caller untracks the key and releases its parent).
+    """
+    num_children = tree.num_children
+    if not protected:
+        for key in keys:
+            if key not in num_children and can_evict(key):
+                return key
+        return None
+    protected = _as_lookup(protected)
+    for key in keys:
+        if key not in num_children and key not in protected and can_evict(key):
+            return key
+    return None
 
 
 class ParentLookup(Protocol):
@@ -168,10 +189,17 @@ class VictimSet:
             return 0
         return self._take(key)
 
-    def offer_all(self, keys: Iterable[bytes]) -> bool:
-        """Offer keys in order until ``limit`` are taken; return whether it was reached."""
+    def offer_all(self, keys: Iterable[bytes], stop: int | None = None) -> bool:
+        """Offer keys in order until ``limit`` are taken; return whether it was reached.
+
+        ``stop`` (``<= limit``): return ``True`` as soon as ``stop`` keys were taken in all
+        (checked between offers; a waiting ancestor released by an offer is still taken up
+        to ``limit``), leaving the rest of ``keys`` unread, so that a caller can offer one
+        iterator in several runs and look at the victims between them (ARC's list choice).
+        """
         protected, can_evict, num_children = self._protected, self._can_evict, self._num_children
         victims, limit, waiting = self.keys, self._limit, self._waiting
+        end = limit if stop is None else stop
         parent_of, released = self._parent_of, self._released
         for key in keys:
             if key in protected or not can_evict(key):
@@ -191,7 +219,7 @@ class VictimSet:
                     if waiting and up in waiting and len(victims) < limit:
                         waiting.discard(up)
                         self._take(up)
-            if len(victims) >= limit:
+            if len(victims) >= end:
                 return True
         return False
 

@@ -123,7 +123,7 @@ class CpuTier:
         Raises:
             PoolExhaustedError: (reason ``"cpu_full"``) too few free and evictable blocks.
         """
-        self._evict_for(n, protected)
+        self.evict_for(n, protected)
         ids = self.pool.take(n)
         assert ids is not None
         return ids
@@ -140,7 +140,12 @@ class CpuTier:
             self._blocks_ready = None  # all pinned: never ask again
         return True
 
-    def _evict_for(self, n: int, protected: Collection[bytes]) -> None:
+    def evict_for(self, n: int, protected: Collection[bytes]) -> None:
+        """Make ``n`` CPU blocks free, evicting READY blocks without readers if needed.
+
+        Raises:
+            PoolExhaustedError: too few free and evictable blocks; nothing changed then.
+        """
         shortfall = n - self.pool.num_free
         if shortfall > 0 and self.grow():
             shortfall = n - self.pool.num_free
@@ -179,7 +184,7 @@ class CpuTier:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""
         pool = self.pool
         if n > pool.num_free:
-            self._evict_for(n, protected)
+            self.evict_for(n, protected)
         return [pool.take_one() for _ in range(n)]  # type: ignore[misc]
 
     def _forget(self, keys: list[bytes]) -> None:

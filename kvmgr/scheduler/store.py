@@ -242,10 +242,14 @@ class Stores:
         )
 
     def _small(self, gpu: list[int], keys: list[bytes], future: Any) -> Part | None:
-        """The per-call store of a few fresh keys into free CPU blocks, in plain Python.
+        """The per-call store of a few fresh keys, in plain Python (evicting when the tier
+        is full).
 
         Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
-        to reject, a key already present, or too few free CPU blocks (eviction).
+        to reject, a key already present, or a key with indexed children.
+
+        Raises:
+            PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
         """
         n = len(keys)
         if len(gpu) != n:
@@ -265,8 +269,10 @@ class Stores:
                 return None
         if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
             return None
-        if pool.num_free < n or not cpu.chains.children.keys().isdisjoint(keys):
-            return None  # eviction, or a key with indexed children (a cycle to look for)
+        if not cpu.chains.children.keys().isdisjoint(keys):
+            return None  # a key with indexed children (a cycle to look for)
+        if pool.num_free < n:  # the last check: raises PoolExhaustedError, nothing changed
+            cpu.evict_for(n, keys)
         take_one, state, busy = pool.take_one, cpu.state, gpu_blocks.busy
         cpu_ids = []
         for key, b in zip(keys, gpu):
