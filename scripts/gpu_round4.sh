@@ -25,7 +25,7 @@ if [ "$what" = merged1 ] || [ "$what" = tests ]; then
   TAIL=8 run pytest_all 280 python3 -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests
 fi
 if [ "$what" = suite ]; then  # the whole suite over 4 workers (pytest-xdist is on the image)
-  TAIL=25 run pytest_suite 240 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark --timeout 120 -n 4 tests
+  TAIL=25 run pytest_suite "${SUITE_SECS:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark --timeout 120 -n 4 tests
   shift
 fi
 if [ "$what" = merged1 ]; then
@@ -45,7 +45,7 @@ case $what in merged1|merged2|tests) ;; *)
   for name in "$@"; do
     f=scripts/gpu/$name.sh; [ -f "$f" ] || { echo "no $f"; continue; }
     mkdir -p "$OUT/$name"
-    TAIL=25 run "gpu_$name" 330 env OUT="$OUT/$name" bash "$f"
+    TAIL=25 run "gpu_$name" "${GPU_SECS:-330}" env OUT="$OUT/$name" bash "$f"
   done ;;
 esac
 echo "=== done ($(date -u +%T))"
