@@ -30,18 +30,27 @@ def test_the_stress_catches_a_manager_that_serves_wrong_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bookkeeper that flips one byte of the fifth landed store's CPU block: caught."""
-    from kvmgr.manager import bookkeeping
+    from kvmgr.scheduler import bookkeeping
+    from kvmgr.worker import TransferWorker
 
     complete = bookkeeping.Bookkeeper.complete
+    init = TransferWorker.__init__
+    workers: list[TransferWorker] = []  # the scheduler holds no tensors: the worker's CPU tier
     landed = [0]
 
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        workers.append(self)
+
     def corrupting(self, lane, gpu_ids, cpu_ids, ok):  # type: ignore[no-untyped-def]
-        complete(self, lane, gpu_ids, cpu_ids, ok)
+        result = complete(self, lane, gpu_ids, cpu_ids, ok)
         if ok and lane.keys:
             landed[0] += 1
             if landed[0] == 5:
-                self.cpu_pool.tensors[0][int(cpu_ids[0])] ^= 0x5A
+                workers[-1].cpu_pool.tensors[0][int(cpu_ids[0])] ^= 0x5A
+        return result
 
+    monkeypatch.setattr(TransferWorker, "__init__", recording)
     monkeypatch.setattr(bookkeeping.Bookkeeper, "complete", corrupting)
     with pytest.raises(StressFailure, match="wrong bytes"):
         asyncio.run(run_stress(3_000, seed=0, episode_ops=1_000))

@@ -42,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks per store and per load")
     parser.add_argument("--rounds", type=int, default=50, help="timed rounds per variant")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: CPU tensors and the host engine; cuda: each rank holds its share of the KV heads on the one GPU",
+    )
     parser.add_argument("--engine", default="auto", help="engine for --device cuda")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 

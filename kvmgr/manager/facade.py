@@ -649,7 +649,7 @@ class OffloadManager:
         """
         self._check_open()
         if self._tiers is not None:
-            self._tiers.write_evicted()
+            self._tiers.write_evicted(self._books.take_evicted(), asyncio.get_running_loop())
             await self._tiers.drain(timeout_s)
 
     def tier_statistics(self) -> list[tuple[Any, Any]]:
