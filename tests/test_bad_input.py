@@ -33,6 +33,7 @@ from kvmgr import (
     UnknownKeyError,
     UnknownRequestError,
 )
+from kvmgr.testing import check_invariants
 from kvmgr.transfer import HostEngine
 
 NUM_GPU = 8
@@ -359,3 +360,17 @@ def test_step_context_is_frozen() -> None:
     ctx = StepContext(step=1)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         ctx.step = 2  # type: ignore[misc]
+
+
+@pytest.mark.asyncio
+async def test_an_empty_key_is_refused_on_every_store_path() -> None:
+    """The one key rule (``kvmgr._keys``): ``b""`` is not a key, on the per-call fast path too."""
+    kv = [torch.randn(8, 16) for _ in range(2)]
+    async with OffloadManager(kv, ManagerConfig(num_cpu_blocks=8, engine="host")) as mgr:
+        blocks = mgr.allocate("a", 1)
+        with pytest.raises(InvalidKeyError, match="non-empty"):
+            await mgr.swap_out(blocks, [b""])
+        with pytest.raises(InvalidKeyError, match="non-empty"):
+            await mgr.store_many(blocks, [b""])
+        check_invariants(mgr)  # nothing was reserved: the block frees at once
+        mgr.free("a")

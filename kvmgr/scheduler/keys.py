@@ -1,6 +1,6 @@
 """Validation of keys and parents at the scheduler's boundary.
 
-Private to ``kvmgr.scheduler``. Offers ``check_keys`` (a list of bytes keys), ``check_parents``
+Private to ``kvmgr.scheduler``. Offers ``check_keys`` (``kvmgr._keys``: a list of non-empty bytes keys), ``check_parents``
 (one parent per key) and ``SMALL`` (calls with at most this many blocks take the list path, no
 numpy per call).
 """
@@ -9,36 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmgr._keys import check_keys  # the one key rule (non-empty bytes), shared with the tiers
 from kvmgr.errors import InvalidKeyError
 
 __all__ = ["SMALL", "check_keys", "check_parents"]
 
 #: Calls with at most this many blocks take the list path (no numpy per call).
 SMALL = 8
-
-
-def check_keys(keys: object, *, distinct: bool) -> list[bytes]:
-    """``keys`` as a list of bytes (a copy: the caller may reuse its list).
-
-    Raises:
-        InvalidKeyError: not a sequence of bytes, or repeated keys where ``distinct``.
-    """
-    if type(keys) is list:
-        out = keys[:]
-    elif isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-        raise InvalidKeyError(f"expected a sequence of bytes keys, got {type(keys).__name__}")
-    else:
-        out = list(keys)
-    if len(out) > SMALL:
-        is_bytes = set(map(type, out)) == {bytes}
-    else:
-        is_bytes = all(type(key) is bytes for key in out)
-    if not is_bytes:
-        key = next(k for k in out if type(k) is not bytes)
-        raise InvalidKeyError(f"expected bytes keys, got {type(key).__name__}: {key!r}")
-    if distinct and len(out) > 1 and len(set(out)) != len(out):
-        raise InvalidKeyError("keys of one store must be distinct")
-    return out
 
 
 def check_parents(keys: list[bytes], parents: object) -> list[bytes | None]:

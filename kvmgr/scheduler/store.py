@@ -261,6 +261,7 @@ class Stores:
         for key, b in zip(keys, gpu):
             if (
                 type(key) is not bytes
+                or not key
                 or key in index
                 or type(b) is not int
                 or not 0 <= b < num_gpu
