@@ -1,9 +1,9 @@
 """Where the vLLM backend meets the rest of kvmgr: the CPU tier's bookkeeping, a rank's copies.
 
 Private to ``kvmgr.integrations.vllm``. The backend's manager and worker reach kvmgr's
-bookkeeping and engines only through this module, so re-pointing the backend at another
-scheduler-side package (issue 21's ``kvmgr/scheduler/``) or worker (``kvmgr/worker/``) changes
-this file and nothing else.
+bookkeeping (``kvmgr.scheduler``) and data path (``kvmgr.worker``) only through this module, so
+re-pointing the backend at another scheduler-side package or worker changes this file and
+nothing else.
 
 Offers:
     scheduler_tier      the CPU tier's torch-free bookkeeping (block states PENDING / READY,
@@ -12,9 +12,8 @@ Offers:
     forget_all          drop every key at once (a cache reset); returns the blocks still busy
     release_forgotten   free those blocks once no copy touches them any more
     transfer_engine     a kvmgr ``TransferEngine`` for KV tensors on a device
-    rank_copies         one rank's copies (`RankCopies`): its KV tensors, its CPU tier's memory,
-                        jobs in block ids -> plans -> its engine (the stand-in for issue 21's
-                        ``kvmgr.worker.TransferWorker`` until the split is on main)
+    rank_copies         one rank's copies (`RankCopies`): a ``kvmgr.worker.TransferWorker`` over
+                        its KV tensors and its CPU tier's memory, jobs in block ids
 """
 
 from __future__ import annotations
@@ -25,13 +24,12 @@ import numpy as np
 import torch
 
 from kvmgr.policy import make_policy
+from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import BatchHandle, Direction, TransferEngine, build_plan, make_engine
-
-try:  # issue 21's split moves the CPU tier's bookkeeping to the torch-free scheduler package
-    from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
-except ImportError:  # pragma: no cover - before the split
-    from kvmgr.manager.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.jobs import TransferJob
+from kvmgr.transfer import BatchHandle, Direction, TransferEngine, make_engine
+from kvmgr.worker import TransferWorker
 
 __all__ = [
     "CpuState",
@@ -109,7 +107,10 @@ def transfer_engine(name: str, device: torch.device) -> TransferEngine:
 
 
 class RankCopies:
-    """One rank's copies between its KV tensors and its CPU tier, jobs named in block ids.
+    """One rank's copies between its KV tensors and its CPU tier, jobs named in block ids: a
+    ``kvmgr.worker.TransferWorker`` (the same data path as ``OffloadManager``'s ranks) over a
+    CPU tier allocated at once through the engine (no background pinning: vLLM's worker has no
+    step that could wait for blocks still being pinned).
 
     Args:
         gpu_kv_caches: this rank's KV tensors (``[num_blocks, page_bytes]`` views, one device).
@@ -124,17 +125,19 @@ class RankCopies:
     def __init__(
         self, gpu_kv_caches: list[torch.Tensor], num_cpu_blocks: int, engine: TransferEngine
     ) -> None:
-        self.engine = engine
-        self.gpu_layout = KVLayout.from_tensors(gpu_kv_caches)
-        pages = self.gpu_layout.page_bytes.tolist()
-        self._host: torch.Tensor | None = engine.allocate_host(num_cpu_blocks * sum(pages))
-        views, offset = [], 0
-        for page in pages:
-            views.append(self._host[offset : offset + num_cpu_blocks * page].view(-1, page))
-            offset += num_cpu_blocks * page
-        self.cpu_tensors: list[torch.Tensor] = views  #: uint8 ``[num_cpu_blocks, page]`` each
-        self.cpu_layout = KVLayout.from_tensors(views)
-        self._handles: dict[int, BatchHandle] = {}
+        pages = KVLayout.from_tensors(gpu_kv_caches).page_bytes.tolist()
+        pool = HostKVPool(pages, num_cpu_blocks, engine.allocate_host)
+        self.worker = TransferWorker(gpu_kv_caches, num_cpu_blocks, engine, cpu_pool=pool)
+        self.cpu_tensors: list[torch.Tensor] = pool.tensors  #: uint8 ``[num_cpu_blocks, page]``
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The worker's engine (tests may wrap it before the first job)."""
+        return self.worker.engine
+
+    @engine.setter
+    def engine(self, engine: TransferEngine) -> None:
+        self.worker.engine = engine
 
     def submit(
         self,
@@ -148,27 +151,21 @@ class RankCopies:
         ``wait_for``.
 
         Raises:
+            StaleKVTensorError: a KV tensor moved since construction.
             TransferError: the engine refused the batch.
             KVMgrError: the plan could not be built (bad ids, a repeated destination).
         """
-        if direction is Direction.D2H:
-            plan = build_plan(direction, self.gpu_layout, self.cpu_layout, gpu_ids, cpu_ids)
-        else:
-            plan = build_plan(direction, self.cpu_layout, self.gpu_layout, cpu_ids, gpu_ids)
-        handles = self._handles
-        handle = self.engine.submit(plan, wait_for=[handles[j] for j in wait_for if j in handles])
-        handles[job_id] = handle
-        return handle
+        job = TransferJob(job_id, direction, gpu_ids, cpu_ids, tuple(wait_for))
+        return self.worker.submit(job).handle
 
     def forget(self, job_id: int) -> None:
         """The job's outcome was taken: stop tracking its handle."""
-        self._handles.pop(job_id, None)
+        self.worker.forget(job_id)
 
     def close(self) -> None:
         """Close the engine (after the copies in flight) and let go of the CPU tier."""
-        self.engine.close()
+        self.worker.close(None)
         self.cpu_tensors = []
-        self._host = None
 
 
 def rank_copies(
