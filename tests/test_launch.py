@@ -409,8 +409,9 @@ def test_a_refused_launch_raises_with_the_drivers_error_name(runtime, monkeypatc
         bound.launch((1, 1, 1))
 
 
+@pytest.mark.parametrize("method", ["run", "launch"])  # launch tests the usual case inline
 @pytest.mark.parametrize("case", ["enter hook", "exit callable", "other device", "other context"])
-def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case):
+def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case, method):
     kernel = RecordingJIT(_body)
     bound = _packed(runtime, kernel)
     if case == "enter hook":  # a profiler registers a hook
@@ -423,6 +424,9 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case)
         runtime.libcuda.context = 2
     words = torch.arange(4, dtype=torch.int32)
     run = lambda: bound.run((2, 1, 1), None, (words.data_ptr(), 3), (words, 3))  # noqa: E731
+    if method == "launch":
+        bound.set((words.data_ptr(), 3), (words, 3))
+        run = lambda: bound.launch((2, 1, 1))  # noqa: E731
     if case == "other context":
         thread = threading.Thread(target=run)
         thread.start()
