@@ -18,7 +18,9 @@ reads them; a step writes its few changing values and calls the driver once.
 kernels); one 8-byte cell per *varying* argument (the positions the owner changes per step; a
 scratch cell where the compiled signature has none, e.g. an int equal to 1, which Triton turns
 into a constant); the other arguments' cells; and the hidden scratch pointers Triton appends
-(one, or two from Triton 3.5), passed NULL. A step then costs one ``struct.pack_into`` (grid, stream and values) and one ctypes call. The
+(one, or two from Triton 3.5), passed NULL. A step then costs one ``struct.pack_into`` (grid,
+stream and values) and one driver call: from C (:mod:`kvmgr.kernels.launch.native`, one
+``METH_O`` call of a record in C memory) where that module builds, else through ctypes. The
 driver copies the parameters at the call, so later writes never change an enqueued or captured
 launch.
 
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from kvmgr.kernels.launch.libcuda import Libcuda
+from kvmgr.kernels.launch.native import Record, native_fire
 from kvmgr.kernels.launch.signature import CELL, Packing
 
 __all__ = ["PackedLaunch", "TritonLaunch"]
@@ -147,6 +150,12 @@ class PackedLaunch(TritonLaunch):
         self._block, self._shared = packing.block, packing.shared
         self._call = (ctypes.c_void_p(base), ctypes.c_void_p(packing.function), self.params, None)
         self._driver = libcuda
+        # the driver call from C where it can be built (kvmgr.kernels.launch.native), else ctypes
+        address = getattr(libcuda, "launch_address", None)
+        self._native = native_fire() if address else None
+        self._record = None if self._native is None else Record(
+            address, base, packing.function, ctypes.addressof(self.params))  # fmt: skip
+        self._record_address = None if self._record is None else self._record.address
         self._knobs = knobs
         self._context = libcuda.current_context()
         self._thread = threading.get_ident()
@@ -210,7 +219,8 @@ class PackedLaunch(TritonLaunch):
         if handle != self._handle or (grid is not self._grid and grid != self._grid):
             self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
             self._grid, self._handle = grid, handle
-        result = self._driver.launch(*self._call)
+        native = self._native
+        result = self._driver.launch(*self._call) if native is None else native(self._record_address)  # fmt: skip
         if result:
             raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
 
@@ -241,7 +251,8 @@ class PackedLaunch(TritonLaunch):
         return False
 
     def _fire(self) -> None:
-        result = self._driver.launch(*self._call)
+        native = self._native
+        result = self._driver.launch(*self._call) if native is None else native(self._record_address)  # fmt: skip
         if result:
             raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
 
