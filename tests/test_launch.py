@@ -453,6 +453,16 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case,
     assert kernel.log[0][3][:2] == (words, 3)  # Triton's launch got the new arguments
 
 
+def test_the_c_driver_call_can_be_turned_off(monkeypatch):
+    native.native_fire.cache_clear()
+    monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
+    try:
+        assert native.native_fire() is None
+    finally:
+        monkeypatch.undo()
+        native.native_fire.cache_clear()
+
+
 def test_a_new_thread_with_the_kernels_context_is_adopted(runtime):
     bound = _packed(runtime)
     thread = threading.Thread(target=lambda: bound.launch((1, 1, 1)))

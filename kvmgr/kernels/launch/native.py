@@ -15,12 +15,15 @@ The module is compiled once per machine by Triton's own helper for its launchers
 (``triton.runtime.build.compile_module_from_src``: the system C compiler, Triton's cache), the
 first time a packed launch is bound. Anything that fails there (no compiler, another Triton)
 leaves :func:`native_fire` None and packed launches on the ctypes call: the same launch.
+``KVMGR_NATIVE_LAUNCH=0`` in the environment keeps the ctypes call (a way around a platform where
+the module misbehaves, and the baseline of the A/B in ``scripts/gpu/launchhost.sh``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from typing import Any
 
 __all__ = ["Record", "native_fire"]
@@ -75,6 +78,8 @@ class Record:
 @functools.cache
 def native_fire() -> Any:
     """The C ``fire`` function (module docstring), built once; None where it cannot be."""
+    if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
+        return None
     try:
         from triton.runtime.build import compile_module_from_src
 
