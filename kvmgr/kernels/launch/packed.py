@@ -177,7 +177,7 @@ class PackedLaunch(TritonLaunch):
             RuntimeError: the driver refused the launch (its error name in the message).
         """
         self._changed = args
-        if self._blocked():
+        if not self._usual() and self._blocked():
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
@@ -205,13 +205,7 @@ class PackedLaunch(TritonLaunch):
     def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
         """Launch with the values last written (:meth:`set` or :meth:`run`); raises as
         :meth:`run`."""
-        enter, leave = self._chains  # the usual case tested inline: no hook, same device, thread
-        knobs = self._knobs
-        if (
-            knobs.launch_enter_hook is not enter or knobs.launch_exit_hook is not leave
-            or enter.calls or leave.calls or self._get_device() != self.device
-            or _get_ident() != self._thread
-        ) and self._blocked():  # fmt: skip
+        if not self._usual() and self._blocked():
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
@@ -231,6 +225,17 @@ class PackedLaunch(TritonLaunch):
             return None
         fmt = "<Q" if ty[0] == "*" else "<" + CELL[ty][0]
         return struct.unpack_from(fmt, self._buffer, self._offset[index])[0]
+
+    def _usual(self) -> bool:
+        """The usual case, tested first: the knobs hold the hook chains of the bind, both empty,
+        and the call comes from the bound device and thread (False: ask :meth:`_blocked`)."""
+        enter, leave = self._chains
+        knobs = self._knobs
+        return (
+            knobs.launch_enter_hook is enter and knobs.launch_exit_hook is leave
+            and not enter.calls and not leave.calls and self._get_device() == self.device
+            and _get_ident() == self._thread
+        )  # fmt: skip
 
     def _blocked(self) -> bool:
         """Whether this call must take Triton's own launch: a Triton launch hook is set (a
