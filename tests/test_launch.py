@@ -42,6 +42,7 @@ from kvmgr.kernels.launch import (
     PackedLaunch,
     TritonLaunch,
     libcuda,
+    native,
     packed,
     rule,
     shared_launcher,
@@ -217,12 +218,23 @@ class RecordingJIT(JITFunction):
         return self.make_compiled(self.log)
 
 
+_C_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)  # fmt: skip
+
+
 class FakeLibcuda:
     """libcuda's three entry points as a packed launch calls them; records each launch: the
-    launch config and every parameter cell, read at the time of the call."""
+    launch config and every parameter cell, read at the time of the call. ``native``: it also
+    offers a C entry point (a ctypes callback into ``launch``) for the C call of
+    :mod:`kvmgr.kernels.launch.native`; else packed launches call ``launch`` through ctypes."""
 
-    def __init__(self):
-        self.calls, self.context = [], 1
+    def __init__(self, native=False, num_params=7):
+        self.calls, self.context, self.num_params = [], 1, num_params
+        self._entry = _C_LAUNCH(self._from_c)  # kept alive as long as the fake
+        self.launch_address = ctypes.cast(self._entry, ctypes.c_void_p).value if native else None
+
+    def _from_c(self, config, function, params, extra):
+        array = (ctypes.c_void_p * self.num_params).from_address(params)
+        return self.launch(ctypes.c_void_p(config), ctypes.c_void_p(function), array, extra)
 
     def launch(self, config, function, params, extra):
         grid, block, shared, stream, num_attrs = _config(config.value)
@@ -250,15 +262,18 @@ def _read(cell: bytes, fmt: str) -> object:
     return struct.unpack_from(fmt, cell)[0]
 
 
-@pytest.fixture
-def runtime(monkeypatch):
-    """A fake process runtime (device 0, current stream 55) and libcuda in place of the real."""
+@pytest.fixture(params=["ctypes", "native"])
+def runtime(monkeypatch, request):
+    """A fake process runtime (device 0, current stream 55) and libcuda in place of the real;
+    packed launches call the fake driver through ctypes, or from C (``native``)."""
+    if request.param == "native" and native.native_fire() is None:
+        pytest.skip("the C launch module cannot be built here (no C compiler?)")
     device = [0]
     knobs = SimpleNamespace(debug=False, override_arch=None, launch_enter_hook=HookChain(),
                             launch_exit_hook=HookChain(), add_stages_inspection_hook=None)  # fmt: skip
     fake = launcher_module._Runtime(lambda: device[0], knobs, SimpleNamespace(instrumentation_mode=""),
                                     SimpleNamespace(default_fp_fusion=True), FakeCompiled)  # fmt: skip
-    libcuda = FakeLibcuda()
+    libcuda = FakeLibcuda(native=request.param == "native")
     monkeypatch.setattr(launcher_module, "_direct_runtime", lambda: fake)
     monkeypatch.setattr(launcher_module, "driver", lambda: libcuda)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: device[0], raising=False)
@@ -383,6 +398,7 @@ def _packed(runtime, kernel=None, args=None, varying=(0, 1)):
 
 def test_packed_launch_writes_config_and_cells_and_calls_the_driver(runtime):
     bound = _packed(runtime)
+    assert (bound._native is None) == (runtime.libcuda.launch_address is None)  # the path asked
     x, y = torch.arange(8, dtype=torch.int32), torch.arange(16, dtype=torch.int32)
     assert [bound.value(i) for i in range(6)][1:] == [7, 9, 0.25, 1, None]
     bound.run((3, 2, 1), None, (y.data_ptr(), 11), (y, 11))
@@ -409,8 +425,9 @@ def test_a_refused_launch_raises_with_the_drivers_error_name(runtime, monkeypatc
         bound.launch((1, 1, 1))
 
 
+@pytest.mark.parametrize("method", ["run", "launch"])  # launch tests the usual case inline
 @pytest.mark.parametrize("case", ["enter hook", "exit callable", "other device", "other context"])
-def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case):
+def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case, method):
     kernel = RecordingJIT(_body)
     bound = _packed(runtime, kernel)
     if case == "enter hook":  # a profiler registers a hook
@@ -423,6 +440,9 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case)
         runtime.libcuda.context = 2
     words = torch.arange(4, dtype=torch.int32)
     run = lambda: bound.run((2, 1, 1), None, (words.data_ptr(), 3), (words, 3))  # noqa: E731
+    if method == "launch":
+        bound.set((words.data_ptr(), 3), (words, 3))
+        run = lambda: bound.launch((2, 1, 1))  # noqa: E731
     if case == "other context":
         thread = threading.Thread(target=run)
         thread.start()
@@ -431,6 +451,16 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case)
         run()
     assert runtime.libcuda.calls == [] and _paths(kernel) == ["triton"]
     assert kernel.log[0][3][:2] == (words, 3)  # Triton's launch got the new arguments
+
+
+def test_the_c_driver_call_can_be_turned_off(monkeypatch):
+    native.native_fire.cache_clear()
+    monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
+    try:
+        assert native.native_fire() is None
+    finally:
+        monkeypatch.undo()
+        native.native_fire.cache_clear()
 
 
 def test_a_new_thread_with_the_kernels_context_is_adopted(runtime):
@@ -612,7 +642,8 @@ def test_bench_launch_host_runs_every_row_packed_on_the_stand_in(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     launch_rows = [r for r in rows if "alone" not in r["row"] and "(in every" not in r["row"]]
-    assert len(rows) == 6 + 5 + 2 and len(launch_rows) == 10
+    floor = 3 if native.native_fire() is not None else 2  # the C call's row where it builds
+    assert len(rows) == 6 + 5 + floor and len(launch_rows) == 10
     assert all(r["packed"] and 0 < r["min_us"] <= r["median_us"] for r in launch_rows)
 
 

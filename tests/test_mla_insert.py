@@ -463,7 +463,10 @@ def test_the_same_step_tensors_again_only_relaunch() -> None:
         assert _same_bytes(caches, expected) and insert.num_bound == 1
 
 
-@pytest.mark.parametrize("change", ["set_", "resize_", "as_strided_", "new list, same tensors"])
+@pytest.mark.parametrize(
+    "change",
+    ["set_", "resize_", "as_strided_", "restrided, same shape", ".data = a view", "new list, same tensors"],
+)  # fmt: skip
 def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: str) -> None:
     # grouped_mla_insert remembers its cache sets by what a plan is made of (shape, strides,
     # dtype, device, pointers); a cache swapped for new storage, resized or restrided in place
@@ -488,6 +491,12 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: st
     elif change == "as_strided_":  # blocks 0 and 2 as a 2-block cache: a doubled block stride
         for cache in caches:
             cache.as_strided_((2, block_size, width), (block_size * width * 2, width, 1))
+    elif change == "restrided, same shape":  # token-major blocks: no longer contiguous
+        for cache in caches:
+            cache.as_strided_(cache.shape, (width, num_blocks * width, 1))
+    elif change == ".data = a view":  # the first blocks of the same storage, no version bump
+        for cache in caches:
+            cache.data = cache.data[: num_blocks - 3]
     else:
         caches = list(caches)
     is_same_set = change == "new list, same tensors"

@@ -24,7 +24,8 @@ samples of ``--calls`` calls, the minimum being the figure on a busy machine):
 - c128 compressor hook, D = 512, S = 8, one decode token at position 126 (no boundary): gated
   (the state write alone; the target row), ungated, and gated over fresh step tensors; the gate
   and the cached checks alone.
-- the stub driver call alone (the floor every launch row includes) and one ``HookReport``.
+- the stub driver call alone, through kvmgr's C call (the floor every launch row includes) and
+  through ctypes (the call where the C module cannot be built), and one ``HookReport``.
 
 Targets (issue 27): the public grouped function, the MLA hook and the gated c128 step at most
 10 us per call on the H200 host. Here the rows say what the Python costs; add the driver's share
@@ -191,17 +192,20 @@ def _c128_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _floor_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvmgr.hooks import HookReport
-    from kvmgr.kernels.launch import launcher
+    from kvmgr.kernels.launch import launcher, native
 
     libcuda = launcher.driver()
     assert libcuda is not None
     config = (ctypes.c_uint64 * 7)()
     call = (ctypes.c_void_p(ctypes.addressof(config)), ctypes.c_void_p(1), (ctypes.c_void_p * 4)(), None)  # fmt: skip
+    fire = native.native_fire()
+    record = native.Record(libcuda.launch_address or 0, call[0].value, 1, ctypes.addressof(call[2]))  # fmt: skip
     cases = {
-        "stub cuLaunchKernelEx through ctypes (in every launch row)": [lambda: libcuda.launch(*call)],
+        "stub cuLaunchKernelEx alone, through ctypes (without the C module)": [lambda: libcuda.launch(*call)],
+        "stub cuLaunchKernelEx through the C call (in every launch row)": [lambda: fire(record.address)] if fire else [],
         "HookReport(...) (in every hook row)": [lambda: HookReport(name="x", launches=1, host_s=0.0, extra={"num_tokens": 1})],
     }  # fmt: skip
-    return [_timed(name, calls, args, lambda: []) for name, calls in cases.items()]
+    return [_timed(name, calls, args, lambda: []) for name, calls in cases.items() if calls]
 
 
 def _print(rows: list[dict[str, Any]]) -> None:

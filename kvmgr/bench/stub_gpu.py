@@ -10,8 +10,8 @@ Offers:
 Nothing is executed: a launch writes nothing, so this is for host paths only (what a step costs
 on the host, which arguments reach the driver). The stub ``cuLaunchKernelEx`` is libm's
 ``fegetround`` (a C function that ignores its arguments and returns 0), called through the same
-ctypes path as libcuda's, so the figures include ctypes' argument passing but none of the driver's
-own time (5.6-7.1 us per launch on the H200 host, BENCHMARKS.md). With ``record=True`` it is a
+path as libcuda's (kvmgr's C call, :mod:`kvmgr.kernels.launch.native`, or ctypes where that cannot
+be built), so the figures include that call but none of the driver's own time (5.6-7.1 us per launch on the H200 host, BENCHMARKS.md). With ``record=True`` it is a
 Python function that records each launch's configuration and parameter cells instead (tests).
 
 Once installed, the process stays so: run it in a process of its own (``kvmgr bench
@@ -84,8 +84,10 @@ class _Libcuda:
             libm = ctypes.CDLL(ctypes.util.find_library("m"))
             self.launch = libm.fegetround  # returns 0 (round to nearest); ignores the arguments
             self.launch.restype = ctypes.c_int
-        else:
+            self.launch_address = ctypes.cast(self.launch, ctypes.c_void_p).value
+        else:  # a Python function: packed launches take the ctypes path to it
             self.launch = lambda *args: _record(seen, *args)
+            self.launch_address = None
 
     def current_context(self) -> int:
         return 1

@@ -36,7 +36,8 @@ def c128_boundary(
     ``start = num_computed_tokens[r]`` and ``qlen = query_start_loc[r+1] - query_start_loc[r]``;
     it crosses a boundary iff ``start % 128 + qlen >= 128``.
 
-    Cost: no allocation beyond two small lists for up to 32 requests (a Python scan), a few
+    Cost: one compare for one request, no allocation beyond two small lists for up to 32
+    requests (a Python scan), a few
     numpy operations above that; arrays that are not 1-D signed-integer numpy arrays are
     converted first (slower, same answer).
 
@@ -57,17 +58,22 @@ def c128_boundary(
     if not (
         type(start) is _NDARRAY
         and type(loc) is _NDARRAY
-        and start.dtype in _WIDE_INTS  # int32/int64: no overflow in the sums below
-        and loc.dtype in _WIDE_INTS
         and start.ndim == 1
         and loc.ndim == 1
-        and loc.shape[0] == start.shape[0] + 1
+        and start.dtype in _WIDE_INTS  # int32/int64: no overflow in the sums below
+        and loc.dtype in _WIDE_INTS
     ):
         start = _host_ints(num_computed_tokens, "num_computed_tokens")
         loc = _host_ints(query_start_loc, "query_start_loc")
-        if loc.shape[0] != start.shape[0] + 1:
-            raise fail("query_start_loc", f"length {start.shape[0] + 1}", loc.shape[0])
-    if start.shape[0] <= _GATE_SCAN_MAX:
+    num_reqs = len(start)  # 1-D arrays: len() is the cheapest read of the length
+    if len(loc) != num_reqs + 1:
+        raise fail("query_start_loc", f"length {num_reqs + 1}", len(loc))
+    if num_reqs == 1:  # a batch-1 step: one compare
+        first, (begin, end) = start.item(0), loc.tolist()
+        if first < 0 or end < begin:
+            raise _bad_counts([first], [end - begin])
+        return first % C128_RATIO + end - begin >= C128_RATIO
+    if num_reqs <= _GATE_SCAN_MAX:
         starts, locs = start.tolist(), loc.tolist()
         crosses, prev = False, locs[0]
         for first, end in zip(starts, locs[1:]):  # every request checked before answering

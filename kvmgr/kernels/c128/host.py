@@ -160,7 +160,7 @@ class Layer:
         if (
             last is not None and kv is last[0] and score is last[1] and positions is last[2]
             and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
-            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.numel())
         ):  # fmt: skip
             return last[5], last[4][-1]
         try:
@@ -247,7 +247,7 @@ class Layer:
         if (
             last is not None and kv is last[0] and score is last[1] and positions is last[2]
             and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
-            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.shape[0])
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.numel())
         ):  # fmt: skip
             last[5].launch(last[6], stream)
             return last[4][-1]

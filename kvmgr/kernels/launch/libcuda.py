@@ -18,11 +18,17 @@ __all__ = ["Libcuda", "driver"]
 
 
 class Libcuda:
-    """The three libcuda entry points a packed launch uses (resolved once per process)."""
+    """The three libcuda entry points a packed launch uses (resolved once per process).
+
+    Attributes: ``launch`` (``cuLaunchKernelEx`` through ctypes), ``launch_address`` (its
+    address, or None: then packed launches take the ctypes call).
+    """
 
     def __init__(self, lib: Any) -> None:
         self.launch = lib.cuLaunchKernelEx
         self.launch.restype = ctypes.c_int
+        #: the entry point's address, for the C call of :mod:`kvmgr.kernels.launch.native`
+        self.launch_address: int | None = ctypes.cast(self.launch, ctypes.c_void_p).value
         self._get_context = lib.cuCtxGetCurrent
         self._error_name = lib.cuGetErrorName
 

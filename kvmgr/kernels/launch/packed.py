@@ -18,7 +18,9 @@ reads them; a step writes its few changing values and calls the driver once.
 kernels); one 8-byte cell per *varying* argument (the positions the owner changes per step; a
 scratch cell where the compiled signature has none, e.g. an int equal to 1, which Triton turns
 into a constant); the other arguments' cells; and the hidden scratch pointers Triton appends
-(one, or two from Triton 3.5), passed NULL. A step then costs one ``struct.pack_into`` (grid, stream and values) and one ctypes call. The
+(one, or two from Triton 3.5), passed NULL. A step then costs one ``struct.pack_into`` (grid,
+stream and values) and one driver call: from C (:mod:`kvmgr.kernels.launch.native`, one
+``METH_O`` call of a record in C memory) where that module builds, else through ctypes. The
 driver copies the parameters at the call, so later writes never change an enqueued or captured
 launch.
 
@@ -42,12 +44,23 @@ from typing import Any
 import torch
 
 from kvmgr.kernels.launch.libcuda import Libcuda
+from kvmgr.kernels.launch.native import Record, native_fire
 from kvmgr.kernels.launch.signature import CELL, Packing
 
 __all__ = ["PackedLaunch", "TritonLaunch"]
 
 _HEADER = "<7I4xQ16x"  # CUlaunchConfig: grid, block, shared, pad, stream, attrs NULL, 0 attrs
 _HEADER_BYTES = struct.calcsize(_HEADER)  # 56
+_get_ident = threading.get_ident
+
+
+class _Never:
+    """A hook chain the knobs never hold (for a Triton whose launch hooks are not chains)."""
+
+    calls = (None,)
+
+
+_NEVER = _Never()
 
 
 class TritonLaunch:
@@ -120,7 +133,8 @@ class PackedLaunch(TritonLaunch):
         order = [*self._varying, *fixed]
         self._pack = struct.Struct(_HEADER + "".join(cells[i] for i in self._varying)).pack_into
         self._pack_header = struct.Struct(_HEADER[:-3]).pack_into
-        self._header: tuple[Any, int] | None = None  # (grid, stream handle) in the buffer
+        self._grid: Any = None  # the grid and stream handle in the buffer's header
+        self._handle: Any = None
         self._pack_values = struct.Struct("<" + "".join(cells[i] for i in self._varying)).pack_into
         size = _HEADER_BYTES + 8 * (len(order) + packing.num_hidden)
         self._buffer = (ctypes.c_uint64 * (size // 8))()
@@ -136,11 +150,22 @@ class PackedLaunch(TritonLaunch):
         self._block, self._shared = packing.block, packing.shared
         self._call = (ctypes.c_void_p(base), ctypes.c_void_p(packing.function), self.params, None)
         self._driver = libcuda
+        # the driver call from C where it can be built (kvmgr.kernels.launch.native), else ctypes
+        address = getattr(libcuda, "launch_address", None)
+        self._native = native_fire() if address else None
+        self._record = None if self._native is None else Record(
+            address, base, packing.function, ctypes.addressof(self.params))  # fmt: skip
+        self._record_address = None if self._record is None else self._record.address
         self._knobs = knobs
         self._context = libcuda.current_context()
         self._thread = threading.get_ident()
         self._get_device: Any = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
         self._get_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        # Triton's two launch hook chains as bound: while the knobs hold these very chains and
+        # both are empty, a launch skips ``_blocked``'s general test (a sentinel never matches)
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        chains = isinstance(getattr(enter, "calls", None), list) and isinstance(getattr(leave, "calls", None), list)  # fmt: skip
+        self._chains = (enter, leave) if chains else (_NEVER, _NEVER)
 
     def run(self, grid: tuple[int, int, int], stream: Any, values: Sequence[Any], args: Sequence[Any]) -> None:  # fmt: skip
         """:meth:`set` and :meth:`launch` in one write: ``values`` (the varying arguments' packed
@@ -152,16 +177,16 @@ class PackedLaunch(TritonLaunch):
             RuntimeError: the driver refused the launch (its error name in the message).
         """
         self._changed = args
-        if self._blocked():
+        if not self._usual() and self._blocked():
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
         try:
             self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)
         except struct.error as exc:
-            self._header = None
+            self._grid = self._handle = None
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
-        self._header = (grid, handle)
+        self._grid, self._handle = grid, handle
         self._fire()
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
@@ -180,15 +205,16 @@ class PackedLaunch(TritonLaunch):
     def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
         """Launch with the values last written (:meth:`set` or :meth:`run`); raises as
         :meth:`run`."""
-        if self._blocked():
+        if not self._usual() and self._blocked():
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
-        header = (grid, handle)
-        if header != self._header:  # a loop relaunches with the same grid and stream
+        # a loop relaunches with the same grid (often the very tuple) and stream
+        if handle != self._handle or (grid is not self._grid and grid != self._grid):
             self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
-            self._header = header
-        result = self._driver.launch(*self._call)
+            self._grid, self._handle = grid, handle
+        native = self._native
+        result = self._driver.launch(*self._call) if native is None else native(self._record_address)  # fmt: skip
         if result:
             raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
 
@@ -199,6 +225,17 @@ class PackedLaunch(TritonLaunch):
             return None
         fmt = "<Q" if ty[0] == "*" else "<" + CELL[ty][0]
         return struct.unpack_from(fmt, self._buffer, self._offset[index])[0]
+
+    def _usual(self) -> bool:
+        """The usual case, tested first: the knobs hold the hook chains of the bind, both empty,
+        and the call comes from the bound device and thread (False: ask :meth:`_blocked`)."""
+        enter, leave = self._chains
+        knobs = self._knobs
+        return (
+            knobs.launch_enter_hook is enter and knobs.launch_exit_hook is leave
+            and not enter.calls and not leave.calls and self._get_device() == self.device
+            and _get_ident() == self._thread
+        )  # fmt: skip
 
     def _blocked(self) -> bool:
         """Whether this call must take Triton's own launch: a Triton launch hook is set (a
@@ -219,7 +256,8 @@ class PackedLaunch(TritonLaunch):
         return False
 
     def _fire(self) -> None:
-        result = self._driver.launch(*self._call)
+        native = self._native
+        result = self._driver.launch(*self._call) if native is None else native(self._record_address)  # fmt: skip
         if result:
             raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
 

@@ -52,7 +52,8 @@ class InsertMemo:
         self._max_sets = max_sets
         self._recent: OrderedDict[tuple[CacheKey, bool], GroupedInsert] = OrderedDict()
         self._held: dict[tuple[CacheKey, bool], GroupedInsert] = {}  # used under capture
-        # id(list) -> (kv_cache_dtype, direct, weak refs, ptrs, shape, strides, dtype, key, insert)
+        # id(list) -> (kv_cache_dtype, direct, weak refs, ptrs, shape, strides, dtype, contiguous,
+        # key, insert)
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
 
     @property
@@ -91,7 +92,9 @@ class InsertMemo:
                 recent.popitem(last=False)
         _, _, shape, strides, dtype, ptrs = key[0]
         refs = tuple(map(weakref.ref, caches))
-        self._lists[id(caches)] = (kv_cache_dtype, direct, refs, ptrs, shape, strides, dtype, key, insert)  # fmt: skip
+        contiguous = strides == _contiguous_strides(shape)
+        self._lists[id(caches)] = (kv_cache_dtype, direct, refs, ptrs, shape, strides, dtype,
+                                   contiguous, key, insert)  # fmt: skip
         self._lists.move_to_end(id(caches))
         if len(self._lists) > self._max_sets:
             self._lists.popitem(last=False)
@@ -107,14 +110,28 @@ class InsertMemo:
 def _unchanged(seen: tuple[Any, ...], caches: Sequence[torch.Tensor]) -> bool:
     """Whether ``caches`` are the very tensors remembered in ``seen``, each with the same pointer,
     shape, strides and dtype (what an in-place ``set_``, ``resize_``, ``as_strided_`` or
-    ``.data =`` changes)."""
-    _, _, refs, ptrs, shape, strides, dtype, _, _ = seen
+    ``.data =`` changes).
+
+    Caches remembered contiguous are tested with ``is_contiguous()`` instead of their strides
+    (half the cost): with the same shape that fixes every stride but those of size-1 dims, which
+    the kernel multiplies by index 0 (one block, a block of one token)."""
+    _, _, refs, ptrs, shape, strides, dtype, contiguous, _, _ = seen
     if len(refs) != len(caches):
         return False
     for ref, ptr, cache in zip(refs, ptrs, caches):
         if (
-            ref() is not cache or cache.data_ptr() != ptr or cache.shape != shape
-            or cache.stride() != strides or cache.dtype is not dtype
+            ref() is not cache or cache.data_ptr() != ptr or cache.dtype is not dtype
+            or cache.shape != shape
+            or not (cache.is_contiguous() if contiguous else cache.stride() == strides)
         ):  # fmt: skip
             return False
     return True
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
