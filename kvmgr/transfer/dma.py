@@ -3,16 +3,16 @@
 Offers:
     DmaCopy     ``issue(plan, stream)``: one driver call per chunk of at most ``max_descriptors``
 
-The plan's own int64 arrays are the descriptor buffers: the driver reads them through their
-addresses (``CopyDriver.batch_at``), nothing is copied or converted per descriptor, and the plan
-stays referenced until the batch's end event (rule 7; ``CopyStreams`` holds it).
+The plan's descriptor table (``TransferPlan.descriptor_table``: int64 ``[3, n]``, one allocation,
+built in a few numpy operations for a plan from ``build_plan``) is the descriptor buffer: the
+driver reads its three rows through their addresses (``CopyDriver.batch_at``), nothing is copied
+or converted per descriptor, and the table stays referenced until the batch's end event (rule 7;
+``Issued.keep_alive``).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 from kvmgr.errors import TransferError
 from kvmgr.transfer.driver import CopyDriver, access_order, batch_or_loop
@@ -47,28 +47,26 @@ class DmaCopy:
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Enqueue the plan's copies on ``stream``; a refused call is returned in ``error`` with
         ``fail_index`` in plan coordinates (chunks before it still run)."""
-        srcs, dsts, sizes = (
-            np.ascontiguousarray(a, dtype=np.int64)
-            for a in (plan.src_addrs, plan.dst_addrs, plan.sizes)
-        )
-        keep = (srcs, dsts, sizes)
-        n = len(sizes)
+        table = plan.descriptor_table()  # int64 [3, n], C-contiguous: srcs, dsts, sizes
+        n = table.shape[1]
         handle = stream.cuda_stream
         path = batch_or_loop(self.path, self.driver.batch_abi, handle)
         if n == 0:
-            return Issued(path, num_chunks=0, keep_alive=keep)
+            return Issued(path, num_chunks=0, keep_alive=(table,))
         order = self._orders[plan.direction]
         cap = self.max_descriptors
         num_chunks = 0
         try:
             if path == "batch" and self.batch_call == "ctypes":
-                dst_at, src_at, size_at = dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data
+                src_at = table.ctypes.data
+                dst_at, size_at = src_at + n * _WORD, src_at + 2 * n * _WORD
                 for first in range(0, n, cap):
                     offset = first * _WORD
                     self.driver.batch_at(dst_at + offset, src_at + offset, size_at + offset,
                                          min(cap, n - first), handle, order)  # fmt: skip
                     num_chunks += 1
             else:
+                srcs, dsts, sizes = table
                 for first in range(0, n, cap):
                     part = slice(first, first + cap)
                     if path == "batch":
@@ -79,8 +77,9 @@ class DmaCopy:
         except TransferError as exc:
             index = None if exc.fail_index is None else num_chunks * cap + exc.fail_index
             failure = TransferError(str(exc), fail_index=index)
-            return Issued(path, num_chunks, self._fallbacks(path, num_chunks), keep, error=failure)
-        return Issued(path, num_chunks, self._fallbacks(path, num_chunks), keep)
+            return Issued(path, num_chunks, self._fallbacks(path, num_chunks), (table,),
+                          error=failure)  # fmt: skip
+        return Issued(path, num_chunks, self._fallbacks(path, num_chunks), (table,))
 
     def _fallbacks(self, path: str, num_chunks: int) -> int:
         return num_chunks if path != self.path else 0
