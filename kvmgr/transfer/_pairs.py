@@ -89,13 +89,15 @@ class LayoutPair:
         """Descriptors of a plan of ``num_pairs`` block pairs in ``num_runs`` runs."""
         return num_runs * self.num_dense + num_pairs * (self.num_tensors - self.num_dense)
 
-    def descriptors(self, runs: Runs) -> np.ndarray:
-        """int64 ``[3, num_descriptors]``, C-contiguous: source addresses, destination addresses
-        and bytes; tensor-major, one descriptor per run in the tensors dense on both sides
-        (listed first), then one per page in the others."""
+    def descriptors(self, runs: Runs, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[3, num_descriptors]``: source addresses, destination addresses and bytes;
+        tensor-major, one descriptor per run in the tensors dense on both sides (listed first),
+        then one per page in the others. Written into ``out`` (a C-contiguous array of that
+        shape) if given, else into a new array."""
         dense, paged = self._dense, self._paged
         merged = dense.count * len(runs.run_src)
-        out = np.empty((3, merged + paged.count * len(runs.src_ids)), dtype=np.int64)
+        if out is None:
+            out = np.empty((3, merged + paged.count * len(runs.src_ids)), dtype=np.int64)
         if dense.count:
             dense.fill(out[:, :merged] if paged.count else out, runs.run_table())
         if paged.count:

@@ -101,11 +101,12 @@ class BlockPairs:
         """Runs of consecutive blocks (on both sides)."""
         return len(self._runs.run_src)
 
-    def descriptor_table(self) -> np.ndarray:
-        """int64 ``[3, num_descriptors]``, C-contiguous: source addresses, destination addresses
-        and bytes, tensor-major: one descriptor per run in tensors dense on both sides, listed
-        first (unless every tensor is), then one per page elsewhere. A new array per call."""
-        return self._pair.descriptors(self._runs)
+    def descriptor_table(self, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[3, num_descriptors]``: source addresses, destination addresses and bytes,
+        tensor-major: one descriptor per run in tensors dense on both sides, listed first (unless
+        every tensor is), then one per page elsewhere. Written into ``out`` (C-contiguous, that
+        shape) if given, else into a new C-contiguous array."""
+        return self._pair.descriptors(self._runs, out)
 
     def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The rows of ``descriptor_table()``: int64 ``[num_descriptors]`` each."""
