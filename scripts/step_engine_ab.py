@@ -19,6 +19,8 @@ Per case (512 queued one-block stores of 48 x 4 KiB pages; ``cuda`` on consecuti
 - ``engine``: the engine's ``submit`` (``statistics().submit_s``); ``issue``: its ``issue_s``;
 - ``below``: plan + engine, the part below the scheduler this helper owns.
 
+The minimum of each is printed too (on a shared machine the minimum moves least with the load).
+
 The store calls before each step leave the caches as a serving loop does, so these figures are
 several times those of a tight loop over ``submit`` alone. Run it on two trees alternately to
 compare (``PYTHONPATH``).
@@ -144,7 +146,8 @@ async def _case(engine_name: str, scattered: bool, swaps: int, repeats: int) -> 
                    "issue": after.issue_s - before.issue_s, "below": sum(plan_s) + engine_s}  # fmt: skip
             for key, value in row.items():
                 samples.setdefault(key, []).append(value * 1e6)
-    return {key: statistics.median(values) for key, values in samples.items()}
+    out = {key: statistics.median(values) for key, values in samples.items()}
+    return out | {f"{key}_min": min(values) for key, values in samples.items() if key != "issue"}
 
 
 def _worker(mgr: Any) -> Any:
@@ -169,7 +172,14 @@ def main() -> None:
         row = asyncio.run(_case(engine, scattered, args.swaps, args.repeats))
         ids = "scattered" if scattered else "consecutive"
         rows.append({"engine": engine, "ids": ids, **row})
-        print(f"{engine:6s} {ids:11s} " + "  ".join(f"{k} {v:5.0f}" for k, v in row.items()))
+        print(
+            f"{engine:6s} {ids:11s} "
+            + "  ".join(f"{k} {v:5.0f}" for k, v in row.items() if not k.endswith("_min"))
+        )
+        print(
+            f"{'':18s} min: "
+            + "  ".join(f"{k[:-4]} {v:5.0f}" for k, v in row.items() if k.endswith("_min"))
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

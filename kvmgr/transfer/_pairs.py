@@ -217,12 +217,7 @@ def check_hazards(dst_block_ids: np.ndarray) -> None:
     ids = np.asarray(dst_block_ids, dtype=np.int64)
     if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # strictly increasing: no repeat
         return
-    ordered = np.sort(ids)
-    repeats = ordered[1:] == ordered[:-1]
-    if repeats.any():
-        raise HazardError(
-            f"destination block {int(ordered[1:][repeats][0])} is written twice in one batch"
-        )
+    _check_repeats(np.sort(ids))
 
 
 def _is_range(ids: np.ndarray, n: int, num_blocks: int) -> bool:
@@ -253,9 +248,13 @@ def _check_destinations(d: np.ndarray, num_dst: int) -> None:
     """Range and repeats of destination ids in no particular order (one sort)."""
     ordered = np.sort(d)
     _check_range("destination", int(ordered[0]), int(ordered[-1]), num_dst)
-    if len(ordered) > 1:
-        repeats = ordered[1:] == ordered[:-1]
-        if repeats.any():
-            raise HazardError(
-                f"destination block {int(ordered[1:][repeats][0])} is written twice in one batch"
-            )
+    _check_repeats(ordered)
+
+
+def _check_repeats(ordered: np.ndarray) -> None:
+    """``HazardError`` naming the first id that repeats in sorted ``ordered``, if one does."""
+    repeats = ordered[1:] == ordered[:-1]
+    if repeats.any():
+        raise HazardError(
+            f"destination block {int(ordered[1:][repeats][0])} is written twice in one batch"
+        )

@@ -23,8 +23,8 @@ import numpy as np
 
 from kvmgr.errors import TransferError
 from kvmgr.transfer.driver import CopyDriver, access_order, batch_or_loop
+from kvmgr.transfer.issued import Issued
 from kvmgr.transfer.plan import Direction, TransferPlan
-from kvmgr.transfer.streams import Issued
 
 __all__ = ["DescriptorBuffers", "DmaCopy"]
 

@@ -30,8 +30,8 @@ from kvmgr.kernels.copy.row import DEFAULT_CHUNK_BYTES, DEFAULT_D2H_PROGRAMS, DE
 from kvmgr.kernels.copy.staging import CopyStager, Staged
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.driver import CopyDriver
+from kvmgr.transfer.issued import Issued
 from kvmgr.transfer.plan import Direction, TransferPlan
-from kvmgr.transfer.streams import Issued
 
 __all__ = ["KernelCopy"]
 

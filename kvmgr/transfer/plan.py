@@ -13,12 +13,18 @@ destination blocks into one descriptor per tensor (rule 6). Engines split plans 
 descriptor cap with ``TransferPlan.split``.
 
 ``build_plan`` records the block pairs, their runs and the layouts (``TransferPlan.blocks``) and
-computes nothing per page: the descriptor arrays of its plans are built on first access (one numpy
-broadcast per tensor group, then cached), while ``num_descriptors`` and ``num_bytes`` come from the
-run count and the dense mask. An engine that copies from the blocks (the host engine's tensor
-indexing, the paged copy kernel) never builds them. A plan given any descriptor array (made by
-hand, edited with ``attrs.evolve``, a ``split`` chunk) is copied from its descriptors by every
+computes nothing per page: the descriptors of its plans are one int64 ``[3, n]`` table built on
+first access (``scale * (source block, destination block, run length) + base`` for every tensor in
+one broadcast, then cached), while ``num_descriptors`` and ``num_bytes`` come from the run count
+and the layout pair's dense tensors. An engine that copies from the blocks (the host engine's
+tensor indexing, the paged copy kernel) never builds them; the DMA issuer builds them into its own
+pooled buffer (``BlockPairs.descriptor_table(out=...)``). A plan given any descriptor array (made
+by hand, edited with ``attrs.evolve``, a ``split`` chunk) is copied from its descriptors by every
 engine (``matching_blocks()`` is then ``None``).
+
+Host cost: a serving loop builds a plan per step with cold caches, where each numpy call costs
+microseconds; the arithmetic (``kvmgr.transfer._pairs``) uses as few as it can: the layout pair's
+checks and stacked arrays are cached per pair of layouts, consecutive ids are one byte comparison.
 """
 
 from __future__ import annotations
