@@ -48,11 +48,17 @@ class _Tensors:
 
     def fill(self, out: np.ndarray, runs: np.ndarray) -> None:
         """Write into ``out`` (int64 ``[3, count * K]``, rows contiguous) the descriptors of
-        ``runs`` (int64 ``[3, K]``: first source block, first destination block, blocks),
-        tensor-major."""
+        ``runs`` (int64 ``[3, K]``: first source block, first destination block, blocks; or
+        ``[2, K]`` when every run is one block), tensor-major."""
         view = out.reshape(3, self.count, runs.shape[1])
-        np.multiply(self.scale, runs[:, None, :], out=view)
-        view += self.base
+        if len(runs) == 3:
+            np.multiply(self.scale, runs[:, None, :], out=view)
+            view += self.base
+            return
+        addrs = view[:2]
+        np.multiply(self.scale[:2], runs[:, None, :], out=addrs)
+        addrs += self.base[:2]
+        view[2] = self.scale[2]  # one page each
 
 
 class LayoutPair:
@@ -142,16 +148,15 @@ class Runs:
     max_run: int
 
     def run_table(self) -> np.ndarray:
-        """int64 ``[3, num_runs]``: first source block, first destination block, blocks."""
+        """int64 ``[3, num_runs]``: first source block, first destination block, blocks (or
+        ``pair_table()`` when every run is one block)."""
         if self.lengths is None:
             return self.pair_table()
         return np.array((self.run_src, self.run_dst, self.lengths), dtype=np.int64)
 
     def pair_table(self) -> np.ndarray:
-        """int64 ``[3, num_pairs]``: source block, destination block, 1."""
-        table = np.empty((3, len(self.src_ids)), dtype=np.int64)
-        table[0], table[1], table[2] = self.src_ids, self.dst_ids, 1
-        return table
+        """int64 ``[2, num_pairs]``: source block, destination block."""
+        return np.array((self.src_ids, self.dst_ids), dtype=np.int64)
 
 
 def int_ids(name: str, ids: object) -> np.ndarray:
