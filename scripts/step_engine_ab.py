@@ -4,7 +4,7 @@
 
 Runs the CUDA engines without a GPU, like ``scripts/submit_cost.py``: ``torch.cuda`` streams and
 events are stand-ins that do nothing, ``cuMemcpyBatchAsync`` / ``cuMemcpyAsync`` resolve to
-libc's ``sched_yield`` (a C call that returns 0), host registration is a no-op and the copy
+libm's ``fegetround`` (a C call that returns 0), host registration is a no-op and the copy
 kernel's table slots are plain CPU tensors; the paged kernel's launch is stubbed at
 ``launch_block_table``. Everything else is the real code: ``build_plan``, the descriptors, the
 DMA issuer's driver call through ctypes, the kernel's run table staging and upload call, the
@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import ctypes.util
 import json
 import statistics
 import time
@@ -98,10 +99,18 @@ def fake_cuda() -> None:
 
 
 def stub_driver() -> Any:
-    """A ``CopyDriver`` whose entry points are libc's ``sched_yield``."""
+    """A ``CopyDriver`` whose entry points are libm's ``fegetround`` (no arguments read, no
+    system call, returns 0 = ``FE_TONEAREST`` on x86-64), else libc's ``sched_yield`` (a system
+    call that gives the CPU away on a loaded machine: its figures then include other processes)."""
     from kvmgr.transfer.driver import CopyDriver
 
-    noop = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6").fegetround
+        if fn() != 0:
+            raise OSError("fegetround is not 0")
+    except (OSError, AttributeError):
+        fn = ctypes.CDLL(None).sched_yield
+    noop = ctypes.cast(fn, ctypes.c_void_p).value
     return CopyDriver(lambda symbol, version: noop, driver_version=13000)
 
 
