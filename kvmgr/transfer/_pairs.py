@@ -37,14 +37,26 @@ class _Tensors:
     one broadcast: ``scale`` holds the source and destination block strides and the page bytes,
     ``base`` the source and destination base addresses and 0."""
 
-    __slots__ = ("base", "count", "scale")
+    __slots__ = ("base", "count", "matrix", "scale")
 
     def __init__(self, src: KVLayout, dst: KVLayout, pick: np.ndarray) -> None:
         pages = src.page_bytes[pick]
-        self.count = len(pages)
+        self.count = count = len(pages)
         zeros = np.zeros_like(pages)
         self.scale = np.stack((src.block_strides[pick], dst.block_strides[pick], pages))[..., None]
         self.base = np.stack((src.base_addrs[pick], dst.base_addrs[pick], zeros))[..., None]
+        # [3 * count, 4]: row r of tensor t is scale[r, t] in column r and base[r, t] in column 3,
+        # so that matrix @ (src block, dst block, length, 1) is one run's descriptors (one C call)
+        matrix = np.zeros((3, count, 4), dtype=np.int64)
+        for row in range(3):
+            matrix[row, :, row] = self.scale[row, :, 0]
+        matrix[:, :, 3] = self.base[:, :, 0]
+        self.matrix = matrix.reshape(3 * count, 4)
+
+    def fill_one(self, out: np.ndarray, src_block: int, dst_block: int, length: int) -> None:
+        """Write one run's descriptors into ``out`` (int64 ``[3, count]``, C-contiguous)."""
+        run = np.array((src_block, dst_block, length, 1), dtype=np.int64)
+        np.dot(self.matrix, run, out=out.reshape(-1))
 
     def fill(self, out: np.ndarray, runs: np.ndarray) -> None:
         """Write into ``out`` (int64 ``[3, count * K]``, rows contiguous) the descriptors of
@@ -104,6 +116,10 @@ class LayoutPair:
         merged = dense.count * len(runs.run_src)
         if out is None:
             out = np.empty((3, merged + paged.count * len(runs.src_ids)), dtype=np.int64)
+        if len(runs.run_src) == 1 and not paged.count:  # one run, every tensor dense
+            length = 1 if runs.lengths is None else int(runs.lengths[0])
+            dense.fill_one(out, int(runs.run_src[0]), int(runs.run_dst[0]), length)
+            return out
         if dense.count:
             dense.fill(out[:, :merged] if paged.count else out, runs.run_table())
         if paged.count:
