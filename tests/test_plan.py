@@ -400,3 +400,20 @@ def test_random_ids_with_and_without_merge_match_the_reference(seed: int) -> Non
         table = plan.descriptor_table()
         assert table.flags.c_contiguous and table.shape == (3, plan.num_descriptors)
         assert all(np.shares_memory(row, table) for row in (plan.src_addrs, plan.sizes))
+
+
+@pytest.mark.parametrize(("first", "n"), [(100, 40), (100, 80), (0, 80), (10, 20)])
+def test_consecutive_ids_past_the_cached_range_are_found_all_the_same(
+    monkeypatch: pytest.MonkeyPatch, first: int, n: int
+) -> None:
+    from kvmgr.transfer import _pairs
+
+    monkeypatch.setattr(_pairs, "_MAX_IOTA", 64)  # the ids above 64: subtraction or diffs
+    monkeypatch.setattr(_pairs, "_IOTA", np.arange(16, dtype=np.int64))
+    src, dst = _layout([1000], [10], [10], 300), _layout([90_000], [10], [10], 300)
+    ids = np.arange(first, first + n)
+    plan = build_plan(Direction.D2H, src, dst, ids, ids[::-1].copy() - first)  # no run
+    assert plan.num_descriptors == n
+    plan = build_plan(Direction.D2H, src, dst, ids, ids + 7)
+    assert _arrays(plan) == ([1000 + 10 * first], [90_000 + 10 * (first + 7)], [10 * n])
+    assert len(_pairs._IOTA) <= 64

@@ -17,6 +17,8 @@ after it is built (``KVLayout`` is frozen; the copy kernel's stager caches by id
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import numpy as np
 
@@ -28,6 +30,8 @@ __all__ = ["LayoutPair", "Runs", "find_runs", "layout_pair"]
 _I64 = np.dtype(np.int64)
 _MAX_PAIRS = 64
 _PAIRS: dict[tuple[KVLayout, KVLayout], LayoutPair] = {}
+_PAIRS_LOCK = threading.Lock()
+_MAX_IOTA = 1 << 21  # the cached range of block ids: at most 16 MiB
 _IOTA = np.arange(4096, dtype=np.int64)
 
 
@@ -137,9 +141,10 @@ def layout_pair(src: KVLayout, dst: KVLayout) -> LayoutPair:
     pair = _PAIRS.get(key)
     if pair is None:
         pair = LayoutPair(src, dst)
-        if len(_PAIRS) >= _MAX_PAIRS:
-            _PAIRS.pop(next(iter(_PAIRS)), None)
-        _PAIRS[key] = pair
+        with _PAIRS_LOCK:  # a miss: rare, and the oldest pair is dropped under the lock
+            if len(_PAIRS) >= _MAX_PAIRS:
+                _PAIRS.pop(next(iter(_PAIRS)), None)
+            _PAIRS[key] = pair
     return pair
 
 
@@ -247,16 +252,21 @@ def _is_range(ids: np.ndarray, n: int, num_blocks: int) -> bool:
     first = int(ids[0])
     if first < 0 or first + n > num_blocks:
         return False
-    return ids.tobytes() == _iota(first + n)[first:].tobytes()
+    if first + n <= _MAX_IOTA:
+        return ids.tobytes() == _iota(first + n)[first:].tobytes()
+    if n <= _MAX_IOTA:  # ids beyond the cached range: one subtraction more
+        return (ids - first).tobytes() == _iota(n).tobytes()
+    return bool((ids[1:] - ids[:-1] == 1).all())
 
 
 def _iota(count: int) -> np.ndarray:
-    """``arange(count)`` as a view of a cached range grown on demand (to twice the largest
-    count asked for)."""
+    """``arange(count)`` (``count <= _MAX_IOTA``) as a view of a cached range grown on demand
+    (to twice the largest count asked for, at most ``_MAX_IOTA``)."""
     global _IOTA
-    if len(_IOTA) < count:
-        _IOTA = np.arange(max(2 * count, 4096), dtype=np.int64)
-    return _IOTA[:count]
+    iota = _IOTA
+    if len(iota) < count:
+        iota = _IOTA = np.arange(min(max(2 * count, 4096), _MAX_IOTA), dtype=np.int64)
+    return iota[:count]
 
 
 def _check_range(name: str, low: int, high: int, num_blocks: int) -> None:
