@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27, step() host time below the scheduler (helper stepplan), on the H200, from the repo
 # root; writes under $OUT/stepplan/. About 2.5 minutes (limits 50 + 2-4 x 25 + 20 + 2 x 10 s;
-# the second round of section 2 runs only if less than 80 s have passed); each section has its
+# the second round of section 2 runs only if less than 60 s have passed); each section has its
 # own time limit and a failing one does not stop the others. Prints a summary at the end.
 #  1. GPU tests of the engine side: test_plan, test_cuda_engine, test_copy_kernel, test_copy_blocks,
 #     test_manager_engines (real engines, bytes compared with random data).
@@ -31,7 +31,7 @@ if git rev-parse --verify -q "$BASE" >/dev/null 2>&1; then
   git archive "$BASE" kvmgr scripts | tar -x -C "$OLD"
 fi
 for run in 1 2; do
-  [ "$run" = 2 ] && [ "$SECONDS" -gt 80 ] && { echo "section 2: second round skipped (time)"; break; }
+  [ "$run" = 2 ] && [ "$SECONDS" -gt 60 ] && { echo "section 2: second round skipped (time)"; break; }
   for tree in old new; do
     root="$NEW"; [ "$tree" = old ] && root="$OLD"
     [ -z "$root" ] && continue
