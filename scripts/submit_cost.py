@@ -30,6 +30,7 @@ import torch
 
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.kernels.copy import staging
+from kvmgr.transfer import pinned
 from kvmgr.transfer.driver import CopyDriver
 
 
@@ -79,6 +80,7 @@ def _fake_cuda() -> None:
                                  table.data_ptr())  # fmt: skip
 
     staging.new_table_slot = slot  # type: ignore[assignment]
+    pinned.torch_registrar = lambda: pinned.HostRegistrar(lambda a, n: None, lambda a: None)
     staging.launch_copy_table = lambda table, n, programs, **kw: min(n, programs)  # type: ignore[assignment]
     staging.launch_block_table = lambda layout, runs, t, n, programs, **kw: min(t * n, programs)  # type: ignore[assignment]
 
@@ -96,7 +98,6 @@ async def _case(engine_name: str, scattered: bool, swaps: int, repeats: int) -> 
     if engine_name != "cuda":
         options["warmup"] = False
     engine = cls(**options)
-    engine.allocate_host = lambda n: torch.empty(n, dtype=torch.uint8)  # type: ignore[method-assign]
     kv = [torch.empty((2 * swaps + 1, 4096), dtype=torch.uint8) for _ in range(48)]
     config = ManagerConfig(num_cpu_blocks=4 * swaps, manage_gpu_blocks=False)
     ids = 2 * np.random.default_rng(0).permutation(swaps) if scattered else np.arange(swaps)

@@ -25,7 +25,7 @@ from kvmgr.transfer import pinned
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
 from kvmgr.transfer.driver import CopyDriver, MemcpyAttributes
 from kvmgr.transfer.pinned import HostRegistrar, PinnedHostBuffer, mapped_device_pointer
-from kvmgr.transfer.plan import Direction, build_plan
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 HAS_CUDA = torch.cuda.is_available()
 _P, _N = ctypes.c_void_p, ctypes.c_size_t
@@ -542,6 +542,35 @@ def test_plan_arrays_stay_alive_until_the_end_event(fake_cuda: FakeCuda) -> None
         handle.future.result(timeout=5)
         gc.collect()
         assert alive() is None
+
+
+def test_descriptor_buffer_lives_until_the_end_event_then_is_reused(fake_cuda: FakeCuda) -> None:
+    rng = np.random.default_rng(23)
+    with _fake_engine(fake_cuda)[0] as engine:
+        buffers = engine.issuer.buffers
+        gate = threading.Event()
+        fake_cuda.gates.append(gate)
+        plan, *_ = _store_plan(rng, 584, 3)
+        first = engine.submit(plan)
+        # the batch has not ended: its descriptor table is not free (rule 7)
+        assert buffers.num_allocated == 1 and not any(buffers._free.values())
+        second = engine.submit(plan)  # a second batch in flight takes a second table
+        assert buffers.num_allocated == 2
+        gate.set()
+        first.future.result(timeout=5)
+        second.future.result(timeout=5)
+        assert plan._built is None  # the plan's own descriptor arrays were never built
+        # both ended: their tables are back, and the next batch allocates none
+        plan, src, dst, src_ids, dst_ids = _store_plan(rng, 584, 4)
+        engine.submit(plan).future.result(timeout=5)
+        assert buffers.num_allocated == 2
+        assert torch.equal(_pages(dst, dst_ids), _pages(src, src_ids))
+        # a hand-made plan (the same descriptors) is copied from its own arrays, no buffer
+        plan, src, dst, src_ids, dst_ids = _store_plan(rng, 584, 2)
+        hand = TransferPlan(Direction.D2H, plan.src_addrs, plan.dst_addrs, plan.sizes)
+        engine.submit(hand).future.result(timeout=5)
+        assert buffers.num_allocated == 2
+        assert torch.equal(_pages(dst, dst_ids), _pages(src, src_ids))
 
 
 def test_close_waits_times_out_and_is_idempotent(fake_cuda: FakeCuda) -> None:

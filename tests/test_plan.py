@@ -353,3 +353,67 @@ def test_descriptors_are_built_once_and_edits_keep_the_descriptor_path() -> None
     assert (hand.num_descriptors, hand.num_bytes) == (plan.num_descriptors, plan.num_bytes)
     empty = TransferPlan(Direction.H2D)
     assert (empty.num_descriptors, empty.num_bytes, len(empty.src_addrs)) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ the fast paths of build_plan
+
+
+@pytest.mark.parametrize("first", [0, 3, 8 - 4])
+def test_consecutive_ids_are_one_run_and_checked_at_both_ends(first: int) -> None:
+    plan = build_plan(Direction.D2H, SRC, DST, np.arange(first, first + 4), np.arange(4))
+    pairs = plan.matching_blocks()
+    assert pairs is not None and (pairs.num_runs, pairs.max_run) == (1, 4)
+    assert _arrays(plan) == ([1000 + 10 * first], [5000], [40])
+    with pytest.raises(InvalidBlockError, match="source block id 8"):
+        build_plan(Direction.D2H, SRC, DST, np.arange(5, 9), np.arange(4))  # runs past the end
+    with pytest.raises(InvalidBlockError, match="destination block id -1"):
+        build_plan(Direction.D2H, SRC, DST, np.arange(4), np.arange(-1, 3))
+
+
+def test_ids_far_above_the_cached_range_still_compare_right() -> None:
+    big_src = _layout([1000], [10], [10], 50_000)
+    big_dst = _layout([9_000_000], [10], [10], 50_000)
+    ids = np.arange(40_000, 40_512)
+    plan = build_plan(Direction.H2D, big_src, big_dst, ids, ids - 39_000)
+    assert plan.num_descriptors == 1 and plan.sizes.tolist() == [5120]
+    broken = ids.copy()
+    broken[100] += 1  # a repeat and a gap: two breaks, and a hazard on the destinations
+    with pytest.raises(HazardError):
+        build_plan(Direction.H2D, big_src, big_dst, ids, broken)
+    plan = build_plan(Direction.H2D, big_src, big_dst, broken, ids)
+    assert plan.num_descriptors == 3  # 40000-40099, 40101 -> 100 (repeat breaks), rest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ids_with_and_without_merge_match_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    src = _layout([1 << 30, 3 << 30], [64, 32], [64, 48], 300)
+    dst = _layout([5 << 30, 7 << 30], [64, 32], [64, 32], 400)
+    n = int(rng.integers(1, 200))
+    first = int(rng.integers(0, 100))
+    src_ids = [first + i for i in range(n)] if seed % 2 else rng.integers(0, 300, n).tolist()
+    dst_ids = rng.permutation(400)[:n].tolist() if seed % 3 else list(range(n))
+    for merge in (True, False):
+        plan = build_plan(Direction.D2H, src, dst, np.array(src_ids), np.array(dst_ids),
+                          merge=merge)  # fmt: skip
+        assert _arrays(plan) == _reference_descriptors(src, dst, src_ids, dst_ids, merge)
+        table = plan.descriptor_table()
+        assert table.flags.c_contiguous and table.shape == (3, plan.num_descriptors)
+        assert all(np.shares_memory(row, table) for row in (plan.src_addrs, plan.sizes))
+
+
+@pytest.mark.parametrize(("first", "n"), [(100, 40), (100, 80), (0, 80), (10, 20)])
+def test_consecutive_ids_past_the_cached_range_are_found_all_the_same(
+    monkeypatch: pytest.MonkeyPatch, first: int, n: int
+) -> None:
+    from kvmgr.transfer import _pairs
+
+    monkeypatch.setattr(_pairs, "_MAX_IOTA", 64)  # the ids above 64: subtraction or diffs
+    monkeypatch.setattr(_pairs, "_IOTA", np.arange(16, dtype=np.int64))
+    src, dst = _layout([1000], [10], [10], 300), _layout([90_000], [10], [10], 300)
+    ids = np.arange(first, first + n)
+    plan = build_plan(Direction.D2H, src, dst, ids, ids[::-1].copy() - first)  # no run
+    assert plan.num_descriptors == n
+    plan = build_plan(Direction.D2H, src, dst, ids, ids + 7)
+    assert _arrays(plan) == ([1000 + 10 * first], [90_000 + 10 * (first + 7)], [10 * n])
+    assert len(_pairs._IOTA) <= 64

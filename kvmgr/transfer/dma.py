@@ -1,27 +1,69 @@
 """The DMA issuer: a plan's descriptors as ``cuMemcpyBatchAsync`` calls (or a per-copy loop).
 
 Offers:
-    DmaCopy     ``issue(plan, stream)``: one driver call per chunk of at most ``max_descriptors``
+    DmaCopy             ``issue(plan, stream)``: one driver call per chunk of at most
+                        ``max_descriptors``
+    DescriptorBuffers   reusable int64 host buffers for descriptor tables (addresses known)
 
-The plan's own int64 arrays are the descriptor buffers: the driver reads them through their
-addresses (``CopyDriver.batch_at``), nothing is copied or converted per descriptor, and the plan
-stays referenced until the batch's end event (rule 7; ``CopyStreams`` holds it).
+The driver reads one int64 ``[3, n]`` descriptor table (sources, destinations, bytes) through the
+addresses of its rows (``CopyDriver.batch_at``); nothing is converted per descriptor. For a plan
+from ``build_plan`` the table is computed straight into a pooled buffer whose address is known
+(``BlockPairs.descriptor_table(out=...)``: a few numpy operations; the plan's own descriptor
+arrays are never built), and the buffer goes back to the pool after the batch's end event
+(``Issued.release``, rule 7). Any other plan's arrays are copied into one new table, kept alive
+until that event.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 from kvmgr.errors import TransferError
 from kvmgr.transfer.driver import CopyDriver, access_order, batch_or_loop
+from kvmgr.transfer.issued import Issued
 from kvmgr.transfer.plan import Direction, TransferPlan
-from kvmgr.transfer.streams import Issued
 
-__all__ = ["DmaCopy"]
+__all__ = ["DescriptorBuffers", "DmaCopy"]
 
 _WORD = 8  # bytes per descriptor entry (int64 / size_t / CUdeviceptr)
+_MIN_DESCRIPTORS = 256  # smallest buffer: 6 KiB
+
+
+class _Buffer:
+    __slots__ = ("address", "capacity", "rows")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows = np.empty(3 * capacity, dtype=np.int64)
+        self.address = int(self.rows.ctypes.data)
+
+
+class DescriptorBuffers:
+    """Free ``3 * capacity`` int64 host buffers by size class (powers of two from 256
+    descriptors); ``take`` on the submitting thread, ``give`` from the completion thread."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[_Buffer]] = {}
+        self._lock = threading.Lock()
+        self.num_allocated = 0
+
+    def take(self, num_descriptors: int) -> _Buffer:
+        """A free buffer of at least ``num_descriptors`` descriptors (allocated if none is)."""
+        capacity = max(_MIN_DESCRIPTORS, 1 << (num_descriptors - 1).bit_length())
+        with self._lock:
+            free = self._free.get(capacity)
+            if free:
+                return free.pop()
+        self.num_allocated += 1
+        return _Buffer(capacity)
+
+    def give(self, buffer: _Buffer) -> None:
+        """Return a buffer whose batch has ended."""
+        with self._lock:
+            self._free.setdefault(buffer.capacity, []).append(buffer)
 
 
 class DmaCopy:
@@ -33,6 +75,9 @@ class DmaCopy:
             default stream, rule 1).
         max_descriptors: descriptors per driver call; larger plans are issued in chunks.
         batch_call: ``"ctypes"`` (raw addresses, the default) or ``"lists"`` (cuda-python lists).
+
+    Attributes:
+        buffers: the pool of descriptor tables for plans from ``build_plan``.
     """
 
     def __init__(
@@ -42,45 +87,60 @@ class DmaCopy:
         self.path = path
         self.max_descriptors = max_descriptors
         self.batch_call = batch_call
+        self.buffers = DescriptorBuffers()
         self._orders = {d: access_order(d) for d in Direction}
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Enqueue the plan's copies on ``stream``; a refused call is returned in ``error`` with
         ``fail_index`` in plan coordinates (chunks before it still run)."""
-        srcs, dsts, sizes = (
-            np.ascontiguousarray(a, dtype=np.int64)
-            for a in (plan.src_addrs, plan.dst_addrs, plan.sizes)
-        )
-        keep = (srcs, dsts, sizes)
-        n = len(sizes)
         handle = stream.cuda_stream
         path = batch_or_loop(self.path, self.driver.batch_abi, handle)
+        n = plan.num_descriptors
         if n == 0:
-            return Issued(path, num_chunks=0, keep_alive=keep)
+            return Issued(path, num_chunks=0)
+        pairs = plan.matching_blocks()
+        if pairs is not None:  # computed into a pooled buffer: no allocation, address known
+            buffer = self.buffers.take(n)
+            table = pairs.descriptor_table(buffer.rows[: 3 * n].reshape(3, n))
+            address, keep = buffer.address, ()
+            release = lambda: self.buffers.give(buffer)  # noqa: E731  (after the end event)
+        else:
+            table = plan.descriptor_table()
+            address, keep, release = None, (table,), None
         order = self._orders[plan.direction]
-        cap = self.max_descriptors
+        num_chunks, error = self._copy(path, table, address, handle, order)
+        return Issued(path, num_chunks, self._fallbacks(path, num_chunks), keep, release, error)
+
+    def _copy(
+        self, path: str, table: np.ndarray, address: int | None, handle: int, order: int
+    ) -> tuple[int, TransferError | None]:
+        """The driver calls of one ``[3, n]`` table, ``max_descriptors`` at a time: their
+        count, and the refusal that stopped them (``fail_index`` in table coordinates) or
+        ``None``."""
+        n, cap, driver = table.shape[1], self.max_descriptors, self.driver
         num_chunks = 0
         try:
             if path == "batch" and self.batch_call == "ctypes":
-                dst_at, src_at, size_at = dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data
+                src_at = int(table.ctypes.data) if address is None else address
+                dst_at, size_at = src_at + n * _WORD, src_at + 2 * n * _WORD
                 for first in range(0, n, cap):
                     offset = first * _WORD
-                    self.driver.batch_at(dst_at + offset, src_at + offset, size_at + offset,
-                                         min(cap, n - first), handle, order)  # fmt: skip
+                    driver.batch_at(dst_at + offset, src_at + offset, size_at + offset,
+                                    min(cap, n - first), handle, order)  # fmt: skip
                     num_chunks += 1
             else:
+                srcs, dsts, sizes = table
                 for first in range(0, n, cap):
                     part = slice(first, first + cap)
                     if path == "batch":
-                        self.driver.batch_lists(dsts[part], srcs[part], sizes[part], handle, order)
+                        driver.batch_lists(dsts[part], srcs[part], sizes[part], handle, order)
                     else:
-                        self.driver.loop(dsts[part], srcs[part], sizes[part], handle)
+                        driver.loop(dsts[part], srcs[part], sizes[part], handle)
                     num_chunks += 1
         except TransferError as exc:
             index = None if exc.fail_index is None else num_chunks * cap + exc.fail_index
-            failure = TransferError(str(exc), fail_index=index)
-            return Issued(path, num_chunks, self._fallbacks(path, num_chunks), keep, error=failure)
-        return Issued(path, num_chunks, self._fallbacks(path, num_chunks), keep)
+            return num_chunks, TransferError(str(exc), fail_index=index)
+        return num_chunks, None
 
     def _fallbacks(self, path: str, num_chunks: int) -> int:
         return num_chunks if path != self.path else 0

@@ -30,10 +30,12 @@ from kvmgr.kernels.copy.row import DEFAULT_CHUNK_BYTES, DEFAULT_D2H_PROGRAMS, DE
 from kvmgr.kernels.copy.staging import CopyStager, Staged
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.driver import CopyDriver
+from kvmgr.transfer.issued import Issued
 from kvmgr.transfer.plan import Direction, TransferPlan
-from kvmgr.transfer.streams import Issued
 
 __all__ = ["KernelCopy"]
+
+_MAX_PAIRS = 64  # layout pairs whose addressability is remembered
 
 
 class KernelCopy:
@@ -70,6 +72,7 @@ class KernelCopy:
         self.chunk_bytes = chunk_bytes
         self.stager = CopyStager(device, driver.memcpy, chunk_bytes=chunk_bytes)
         self.slots = self.stager.slots
+        self._addressable_pairs: dict[tuple[KVLayout, KVLayout], bool] = {}
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Stage, upload and launch on ``stream`` (paged for a plan from ``build_plan`` whose
@@ -80,17 +83,28 @@ class KernelCopy:
         its descriptors even where its counts still match ``blocks``: they are what it says."""
         programs = self.programs[plan.direction]
         pairs = plan.matching_blocks()
-        if pairs is not None and self._addressable(pairs.src) and self._addressable(pairs.dst):
+        if pairs is not None and self._addressable(pairs.src, pairs.dst):
             staged = self.stager.copy_runs(pairs.src, pairs.dst, pairs.run_src_ids,
-                                           pairs.run_dst_ids, pairs.run_lengths, programs, stream)  # fmt: skip
+                                           pairs.run_dst_ids, pairs.run_lengths_or_none,
+                                           programs, stream, max_run=pairs.max_run)  # fmt: skip
         else:
             staged = self.stager.copy_descriptors(plan.src_addrs, plan.dst_addrs, plan.sizes,
                                                   programs, stream)  # fmt: skip
         return _issued(staged)
 
-    def _addressable(self, layout: KVLayout) -> bool:
-        """Host memory (pinned or registered: the engine sends pageable tiers to DMA) or this
-        issuer's device."""
+    def _addressable(self, src: KVLayout, dst: KVLayout) -> bool:
+        """Whether both layouts are host memory (pinned or registered: the engine sends pageable
+        tiers to DMA) or this issuer's device; cached per pair of layouts."""
+        key = (src, dst)
+        known = self._addressable_pairs.get(key)
+        if known is None:
+            known = self._on_reach(src) and self._on_reach(dst)
+            if len(self._addressable_pairs) >= _MAX_PAIRS:
+                self._addressable_pairs.pop(next(iter(self._addressable_pairs)), None)
+            self._addressable_pairs[key] = known
+        return known
+
+    def _on_reach(self, layout: KVLayout) -> bool:
         device = layout.device
         if device.type == "cpu":
             return True

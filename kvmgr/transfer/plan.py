@@ -13,12 +13,18 @@ destination blocks into one descriptor per tensor (rule 6). Engines split plans 
 descriptor cap with ``TransferPlan.split``.
 
 ``build_plan`` records the block pairs, their runs and the layouts (``TransferPlan.blocks``) and
-computes nothing per page: the descriptor arrays of its plans are built on first access (one numpy
-broadcast per tensor group, then cached), while ``num_descriptors`` and ``num_bytes`` come from the
-run count and the dense mask. An engine that copies from the blocks (the host engine's tensor
-indexing, the paged copy kernel) never builds them. A plan given any descriptor array (made by
-hand, edited with ``attrs.evolve``, a ``split`` chunk) is copied from its descriptors by every
+computes nothing per page: the descriptors of its plans are one int64 ``[3, n]`` table built on
+first access (``scale * (source block, destination block, run length) + base`` for every tensor in
+one broadcast, then cached), while ``num_descriptors`` and ``num_bytes`` come from the run count
+and the layout pair's dense tensors. An engine that copies from the blocks (the host engine's
+tensor indexing, the paged copy kernel) never builds them; the DMA issuer builds them into its own
+pooled buffer (``BlockPairs.descriptor_table(out=...)``). A plan given any descriptor array (made
+by hand, edited with ``attrs.evolve``, a ``split`` chunk) is copied from its descriptors by every
 engine (``matching_blocks()`` is then ``None``).
+
+Host cost: a serving loop builds a plan per step with cold caches, where each numpy call costs
+microseconds; the arithmetic (``kvmgr.transfer._pairs``) uses as few as it can: the layout pair's
+checks and stacked arrays are cached per pair of layouts, consecutive ids are one byte comparison.
 """
 
 from __future__ import annotations
@@ -26,14 +32,15 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from kvmgr.errors import GeometryError, HazardError, InvalidBlockError
+from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction  # the scheduler's (torch-free) name for it
+from kvmgr.transfer._pairs import LayoutPair, Runs, check_hazards, find_runs, int_ids, layout_pair
 
 __all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards"]
 
 
-_EMPTY = np.zeros(0, dtype=np.int64)
+_NO_DESCRIPTORS = np.zeros((3, 0), dtype=np.int64)
 
 
 @attrs.frozen(eq=False)
@@ -49,42 +56,68 @@ class BlockPairs:
         run_src_ids, run_dst_ids, run_lengths: int64 ``[num_runs]``: the same pairs as runs,
             blocks ``run_src_ids[r] + k -> run_dst_ids[r] + k`` for ``k < run_lengths[r]`` (one
             run per pair when not merged); a dense tensor's run is one descriptor.
+        max_run: the longest run, in blocks (1 when no pairs merged).
     """
 
     src: KVLayout
     dst: KVLayout
-    src_block_ids: np.ndarray
-    dst_block_ids: np.ndarray
     num_bytes: int
     num_descriptors: int
-    run_src_ids: np.ndarray
-    run_dst_ids: np.ndarray
-    run_lengths: np.ndarray
+    _runs: Runs = attrs.field(alias="runs", repr=False)
+    _pair: LayoutPair = attrs.field(alias="pair", repr=False)
+
+    @property
+    def src_block_ids(self) -> np.ndarray:
+        """int64 ``[num_blocks]``: source block of each pair, in copy order."""
+        return self._runs.src_ids
+
+    @property
+    def dst_block_ids(self) -> np.ndarray:
+        """int64 ``[num_blocks]``: destination block of each pair, in copy order."""
+        return self._runs.dst_ids
+
+    @property
+    def run_src_ids(self) -> np.ndarray:
+        """int64 ``[num_runs]``: first source block of each run."""
+        return self._runs.run_src
+
+    @property
+    def run_dst_ids(self) -> np.ndarray:
+        """int64 ``[num_runs]``: first destination block of each run."""
+        return self._runs.run_dst
+
+    @property
+    def run_lengths(self) -> np.ndarray:
+        """int64 ``[num_runs]``: blocks of each run (a new array of ones when none merged)."""
+        lengths = self._runs.lengths
+        return np.ones(self.num_runs, dtype=np.int64) if lengths is None else lengths
+
+    @property
+    def run_lengths_or_none(self) -> np.ndarray | None:
+        """``run_lengths``, or ``None`` when every run is one block (nothing is built)."""
+        return self._runs.lengths
+
+    @property
+    def max_run(self) -> int:
+        """The longest run, in blocks."""
+        return self._runs.max_run
 
     @property
     def num_runs(self) -> int:
         """Runs of consecutive blocks (on both sides)."""
-        return len(self.run_lengths)
+        return len(self._runs.run_src)
+
+    def descriptor_table(self, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[3, num_descriptors]``: source addresses, destination addresses and bytes,
+        tensor-major: one descriptor per run in tensors dense on both sides, listed first (unless
+        every tensor is), then one per page elsewhere. Written into ``out`` (C-contiguous, that
+        shape) if given, else into a new C-contiguous array."""
+        return self._pair.descriptors(self._runs, out)
 
     def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int64 ``[num_descriptors]`` source addresses, destination addresses and bytes,
-        tensor-major: one descriptor per run in tensors dense on both sides, listed first (unless
-        every tensor is), then one per page elsewhere."""
-        src, dst = self.src, self.dst
-        merged = self.run_lengths if self.num_runs < len(self.src_block_ids) else None
-        dense = src.is_dense & dst.is_dense
-        run_s, run_d = self.run_src_ids, self.run_dst_ids
-        if dense.all():  # the common case: every tensor dense, one descriptor per run
-            return _descriptors(src, dst, None, run_s, run_d, merged)
-        parts = []
-        if dense.any():  # one descriptor per run in dense tensors
-            parts.append(_descriptors(src, dst, dense, run_s, run_d, merged))
-        # one descriptor per page elsewhere
-        parts.append(_descriptors(src, dst, ~dense, self.src_block_ids, self.dst_block_ids, None))
-        if len(parts) == 1:
-            return parts[0]
-        srcs, dsts, sizes = (np.concatenate(p) for p in zip(*parts))
-        return srcs, dsts, sizes
+        """The rows of ``descriptor_table()``: int64 ``[num_descriptors]`` each."""
+        table = self.descriptor_table()
+        return table[0], table[1], table[2]
 
 
 @attrs.frozen(eq=False)
@@ -114,36 +147,49 @@ class TransferPlan:
     num_blocks: int = 0
     num_pages: int = 0
     blocks: BlockPairs | None = None
-    _built: tuple[np.ndarray, np.ndarray, np.ndarray] | None = attrs.field(
-        default=None, init=False, repr=False
-    )
+    # (table, its three rows), built once from ``blocks``
+    _built: tuple[np.ndarray, ...] | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def src_addrs(self) -> np.ndarray:
         """int64 ``[num_descriptors]``: source addresses."""
-        return self._src_addrs if self._src_addrs is not None else self._from_blocks()[0]
+        return self._src_addrs if self._src_addrs is not None else self._from_blocks()[1]
 
     @property
     def dst_addrs(self) -> np.ndarray:
         """int64 ``[num_descriptors]``: destination addresses."""
-        return self._dst_addrs if self._dst_addrs is not None else self._from_blocks()[1]
+        return self._dst_addrs if self._dst_addrs is not None else self._from_blocks()[2]
 
     @property
     def sizes(self) -> np.ndarray:
         """int64 ``[num_descriptors]``: bytes of each copy."""
-        return self._sizes if self._sizes is not None else self._from_blocks()[2]
+        return self._sizes if self._sizes is not None else self._from_blocks()[3]
 
     @property
     def is_from_blocks(self) -> bool:
         """Whether every descriptor array is (to be) computed from ``blocks``: a plan from
         ``build_plan``, not edited; it never needs its descriptors checked."""
-        given = (self._src_addrs, self._dst_addrs, self._sizes)
-        return self.blocks is not None and all(a is None for a in given)
+        return (
+            self.blocks is not None
+            and self._src_addrs is None
+            and self._dst_addrs is None
+            and self._sizes is None
+        )
 
-    def _from_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def descriptor_table(self) -> np.ndarray:
+        """int64 ``[3, num_descriptors]``, C-contiguous: ``src_addrs``, ``dst_addrs`` and
+        ``sizes`` as the rows of one array (what a driver reads through one pointer). A plan from
+        ``build_plan`` builds it once and keeps it (the three attributes are its rows); any other
+        plan gets a new copy per call."""
+        if self._src_addrs is None and self._dst_addrs is None and self._sizes is None:
+            return self._from_blocks()[0]
+        return np.array((self.src_addrs, self.dst_addrs, self.sizes), dtype=np.int64)
+
+    def _from_blocks(self) -> tuple[np.ndarray, ...]:
         built = self._built
         if built is None:
-            built = (_EMPTY, _EMPTY, _EMPTY) if self.blocks is None else self.blocks.descriptors()
+            table = _NO_DESCRIPTORS if self.blocks is None else self.blocks.descriptor_table()
+            built = (table, table[0], table[1], table[2])
             object.__setattr__(self, "_built", built)  # a cache: the plan stays the same value
         return built
 
@@ -194,39 +240,6 @@ class TransferPlan:
         ]
 
 
-def check_hazards(dst_block_ids: np.ndarray) -> None:
-    """Reject a batch that writes one destination block twice (docs/transfer.md, rule 5).
-
-    A batch always reads one tier and writes the other, so a read and a write of one block cannot
-    share a batch; the manager orders batches that touch a block both ways.
-
-    Raises:
-        HazardError: a destination block id occurs more than once (the first one is named).
-    """
-    ids = np.asarray(dst_block_ids, dtype=np.int64)
-    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # strictly increasing: no repeat
-        return
-    ordered = np.sort(ids)
-    repeats = ordered[1:] == ordered[:-1]
-    if repeats.any():
-        raise HazardError(
-            f"destination block {int(ordered[1:][repeats][0])} is written twice in one batch"
-        )
-
-
-def _int_ids(name: str, ids: object) -> np.ndarray:
-    array = np.asarray(ids).reshape(-1)
-    if array.size and array.dtype.kind not in "iu":
-        raise InvalidBlockError(f"{name} block ids: expected integers, got dtype {array.dtype}")
-    return array.astype(np.int64, copy=False)
-
-
-def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
-        raise InvalidBlockError(f"{name} block id {bad} out of range [0, {num_blocks})")
-
-
 def build_plan(
     direction: Direction,
     src: KVLayout,
@@ -257,64 +270,16 @@ def build_plan(
         InvalidBlockError: lengths differ or an id is out of range.
         HazardError: a destination block repeats.
     """
-    if src.num_tensors != dst.num_tensors or not np.array_equal(src.page_bytes, dst.page_bytes):
-        raise GeometryError(
-            f"expected equal page bytes per tensor, got {src.page_bytes.tolist()} and "
-            f"{dst.page_bytes.tolist()}"
-        )
-    s, d = _int_ids("source", src_block_ids), _int_ids("destination", dst_block_ids)
-    if len(s) != len(d):
-        raise InvalidBlockError(
-            f"expected as many destination as source blocks, got {len(d)} and {len(s)}"
-        )
-    _check_ids("source", s, src.num_blocks)
-    _check_ids("destination", d, dst.num_blocks)
-    check_hazards(d)
+    pair = layout_pair(src, dst)
+    s, d = int_ids("source", src_block_ids), int_ids("destination", dst_block_ids)
     n = len(s)
+    if len(d) != n:
+        raise InvalidBlockError(
+            f"expected as many destination as source blocks, got {len(d)} and {n}"
+        )
     if n == 0:
         return TransferPlan(direction)
-    run_s, run_d, lengths = s, d, np.ones(n, dtype=np.int64)  # one run per pair unless merged
-    if merge and n > 1:
-        step_s = s[1:] - s[:-1]
-        if not bool((step_s >= 0).all()):  # sort by source block unless already sorted
-            order = np.argsort(s, kind="stable")
-            s, d = s[order], d[order]
-            step_s = s[1:] - s[:-1]
-        breaks = (step_s != 1) | (d[1:] - d[:-1] != 1)
-        if not breaks.any():  # one run: the common case of consecutive ids
-            lengths = np.array([n], dtype=np.int64)
-            run_s, run_d = s[:1], d[:1]
-        elif breaks.all():  # no run: the common case of scattered ids
-            run_s, run_d = s, d
-        else:
-            starts = np.flatnonzero(breaks)
-            starts += 1
-            bounds = np.concatenate(((0,), starts, (n,)))
-            lengths = bounds[1:] - bounds[:-1]
-            run_s, run_d = s[bounds[:-1]], d[bounds[:-1]]
-    num_dense = int(np.count_nonzero(src.is_dense & dst.is_dense))
-    num_descriptors = len(lengths) * num_dense + n * (src.num_tensors - num_dense)
-    pairs = BlockPairs(src, dst, s, d, n * src.block_bytes, num_descriptors, run_s, run_d, lengths)
-    return TransferPlan(direction, num_blocks=n, num_pages=n * src.num_tensors, blocks=pairs)
-
-
-def _descriptors(
-    src: KVLayout,
-    dst: KVLayout,
-    tensors: np.ndarray | None,
-    s: np.ndarray,
-    d: np.ndarray,
-    runs: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tensor-major descriptors of the given tensors (``None``: all) for blocks ``s -> d``, each
-    ``runs[i]`` pages long (``None``: one page each)."""
-    pick = slice(None) if tensors is None else tensors
-    src_addrs = np.multiply.outer(src.block_strides[pick], s)
-    src_addrs += src.base_addrs[pick, None]
-    dst_addrs = np.multiply.outer(dst.block_strides[pick], d)
-    dst_addrs += dst.base_addrs[pick, None]
-    if runs is None:
-        sizes = np.repeat(src.page_bytes[pick], len(s))
-    else:
-        sizes = np.multiply.outer(src.page_bytes[pick], runs).reshape(-1)
-    return src_addrs.reshape(-1), dst_addrs.reshape(-1), sizes
+    runs = find_runs(s, d, src.num_blocks, dst.num_blocks, merge)
+    num_descriptors = pair.num_descriptors(n, len(runs.run_src))
+    pairs = BlockPairs(src, dst, n * pair.block_bytes, num_descriptors, runs, pair)
+    return TransferPlan(direction, num_blocks=n, num_pages=n * pair.num_tensors, blocks=pairs)

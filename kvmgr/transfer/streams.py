@@ -1,13 +1,9 @@
 """Streams, events and completion shared by the CUDA engines.
 
 Offers:
-    Issued          what one ``issue(plan, stream)`` call enqueued: path, chunks, keep-alive, error
-    CopyIssuer      the protocol of ``issue``: ``DmaCopy`` (dma.py), ``KernelCopy`` (kernel.py),
-                    ``ChoiceCopy`` (auto.py)
-    StreamTotals    the counters the streams add to ``BatchTotals`` (declared once)
-    CopyCounters    the one set of running totals of an engine (thread-safe updates)
     CopyStreams     per-direction copy streams, compute fences, start/end events and FIFO
-                    completion threads around an issuer's work
+                    completion threads around an issuer's work (``kvmgr.transfer.issued``'s
+                    names are re-exported)
 
 Ordering (docs/transfer.md): each direction has its own non-default copy stream, H2D at higher
 priority. Before a batch, its copy stream waits on an event recorded on the compute stream (rules
@@ -16,7 +12,8 @@ copies. Batches of one direction therefore run and complete in FIFO order.
 
 Completion: one thread per direction sleeps in ``end_event.synchronize()`` (blocking-sync events,
 no polling, GIL released) for each batch in submission order, then drops what the issuer asked to
-keep alive (rule 7), hands its reusable buffers back, updates the totals and resolves the future.
+keep alive (rule 7), hands its reusable buffers back, updates the totals, resolves the future and
+makes a spare one for a later submit (a ``Future`` costs ~15 us of a cold step).
 
 Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its start/end
 events from a per-direction pool instead of creating two (a new event with its first record cost
@@ -37,77 +34,21 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.engine import BatchHandle, BatchResult, BatchTotals
+from kvmgr.transfer.engine import BatchHandle, BatchResult
+from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
 
 __all__ = ["CopyCounters", "CopyIssuer", "CopyStreams", "Issued", "StreamTotals"]
 
 _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the device's range
-
-
-@attrs.define(eq=False)
-class Issued:
-    """What an issuer enqueued for one plan.
-
-    Attributes:
-        path: ``"batch"``, ``"loop"`` or ``"kernel"``: reported as ``BatchResult.path``.
-        num_chunks: driver calls or launches made.
-        num_fallbacks: chunks the driver copied with the per-copy loop instead of the batch.
-        keep_alive: objects the device may still read (pointer arrays, tables) until the end event.
-        release: called once on the completion thread after the end event (returns a reusable
-            descriptor buffer to its pool), or ``None``.
-        error: a refused call, reported through the batch's future; copies enqueued before it
-            still run.
-    """
-
-    path: str
-    num_chunks: int = 1
-    num_fallbacks: int = 0
-    keep_alive: tuple[Any, ...] = ()
-    release: Callable[[], None] | None = None
-    error: TransferError | None = None
-
-
-class CopyIssuer(Protocol):
-    """Enqueues one plan's copies on a stream; everything else is ``CopyStreams``'."""
-
-    def issue(self, plan: TransferPlan, stream: Any) -> Issued:
-        """Enqueue ``plan``'s copies on ``stream`` (a ``torch.cuda.Stream``) and return at once.
-        Must not raise for a refused driver call or launch: report it in ``Issued.error``."""
-        ...
-
-
-@attrs.define(kw_only=True, slots=False)
-class StreamTotals:
-    """The counters ``CopyStreams`` adds to ``BatchTotals``, declared once (their meanings:
-    ``CudaEngineStatistics``, which freezes them)."""
-
-    chunks_submitted: int = 0
-    loop_fallbacks: int = 0
-    kernel_batches: int = 0
-    dma_batches: int = 0
-    submit_s: float = 0.0
-    issue_s: float = 0.0
-
-
-@attrs.define(kw_only=True)
-class CopyCounters(StreamTotals, BatchTotals):
-    """Running totals of one engine, updated under ``lock`` (all counters only grow, except
-    ``in_flight``)."""
-
-    lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False, eq=False)
-
-    def totals(self) -> dict[str, Any]:
-        """A consistent snapshot of every counter, by field name."""
-        with self.lock:
-            return {k: v for k, v in attrs.asdict(self).items() if k != "lock"}
+_SPARE_FUTURES = 4  # futures the completion threads make ahead for the next submits
 
 
 @attrs.define(eq=False)
@@ -123,12 +64,8 @@ class _InFlight:
 
 def _real_cuda_events() -> bool:
     """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
-    base = getattr(torch._C, "_CudaEventBase", None)
-    return (
-        base is not None
-        and isinstance(torch.cuda.Event, type)
-        and issubclass(torch.cuda.Event, base)
-    )
+    base, event = getattr(torch._C, "_CudaEventBase", None), torch.cuda.Event
+    return base is not None and isinstance(event, type) and issubclass(event, base)
 
 
 class CopyStreams:
@@ -164,6 +101,7 @@ class CopyStreams:
         self._pooled = _real_cuda_events()
         self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
         self.counters = CopyCounters()
+        self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
         self._next_batch_id = 0
         self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
             d: queue.SimpleQueue() for d in Direction
@@ -245,9 +183,9 @@ class CopyStreams:
                 f"batch {batch_id}: {issued.error}", fail_index=issued.error.fail_index
             )
         start, end = events
-        handle = BatchHandle(
-            batch_id, direction, concurrent.futures.Future(), end_event=end, refused=issued.error
-        )
+        spares = self._spare_futures  # made on the completion threads, off this path
+        future = spares.pop() if spares else concurrent.futures.Future()
+        handle = BatchHandle(batch_id, direction, future, end_event=end, refused=issued.error)
         item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch
@@ -296,53 +234,60 @@ class CopyStreams:
 
     def _complete_in_order(self, inbox: queue.SimpleQueue[_InFlight | None]) -> None:
         """Completion thread of one direction: one event synchronize per batch, FIFO."""
-        counters = self.counters
+        spares = self._spare_futures
         while (item := inbox.get()) is not None:
-            handle, issued, device_s = item.handle, item.issued, 0.0
-            error = issued.error
-            try:
-                handle.end_event.synchronize()  # blocking-sync event: sleeps, GIL released
-                if error is None:
-                    device_s = item.start.elapsed_time(handle.end_event) / 1e3
-            except Exception as exc:  # an asynchronous CUDA error surfaced at the event
-                error = error or TransferError(
-                    f"batch {handle.batch_id} failed on the device: {exc}"
-                )
-            # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
-            item.plan, keep, release = None, issued.keep_alive, issued.release
-            issued.keep_alive, issued.release = (), None
-            del keep
-            if release is not None:
-                release()
-            with counters.lock:
-                counters.in_flight -= 1
-                if error is not None:
-                    counters.batches_failed += 1
-                elif handle.direction is Direction.D2H:
-                    counters.batches_completed += 1
-                    counters.bytes_d2h += item.num_bytes
-                    counters.device_s_d2h += device_s
-                else:
-                    counters.batches_completed += 1
-                    counters.bytes_h2d += item.num_bytes
-                    counters.device_s_h2d += device_s
-            # A cancelled future raises InvalidStateError: nobody is left to tell.
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                if error is not None:
-                    handle.future.set_exception(error)
-                else:
-                    handle.future.set_result(
-                        BatchResult(
-                            batch_id=handle.batch_id,
-                            direction=handle.direction,
-                            num_bytes=item.num_bytes,
-                            num_descriptors=item.num_descriptors,
-                            device_s=device_s,
-                            path=issued.path,
-                        )
+            self._complete(item)
+            if len(spares) < _SPARE_FUTURES:
+                spares.append(concurrent.futures.Future())
+
+    def _complete(self, item: _InFlight) -> None:
+        """Wait for one batch's end event, release what it kept, count it, resolve its future."""
+        handle, issued, device_s = item.handle, item.issued, 0.0
+        error = issued.error
+        try:
+            handle.end_event.synchronize()  # blocking-sync event: sleeps, GIL released
+            if error is None:
+                device_s = item.start.elapsed_time(handle.end_event) / 1e3
+        except Exception as exc:  # an asynchronous CUDA error surfaced at the event
+            error = error or TransferError(f"batch {handle.batch_id} failed on the device: {exc}")
+        # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
+        item.plan, release = None, issued.release
+        issued.keep_alive, issued.release = (), None
+        if release is not None:
+            release()
+        self._count_done(handle.direction, item.num_bytes, device_s, error is not None)
+        # A cancelled future raises InvalidStateError: nobody is left to tell.
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if error is not None:
+                handle.future.set_exception(error)
+            else:
+                handle.future.set_result(
+                    BatchResult(
+                        batch_id=handle.batch_id,
+                        direction=handle.direction,
+                        num_bytes=item.num_bytes,
+                        num_descriptors=item.num_descriptors,
+                        device_s=device_s,
+                        path=issued.path,
                     )
-            if item.pool is not None and error is issued.error:  # not after a device error
-                item.pool.append((item.start, handle.end_event))  # the future has resolved
+                )
+        if item.pool is not None and error is issued.error:  # not after a device error
+            item.pool.append((item.start, handle.end_event))  # the future has resolved
+
+    def _count_done(self, direction: Direction, num_bytes: int, device_s: float, failed: bool) -> None:  # fmt: skip
+        counters = self.counters
+        with counters.lock:
+            counters.in_flight -= 1
+            if failed:
+                counters.batches_failed += 1
+            elif direction is Direction.D2H:
+                counters.batches_completed += 1
+                counters.bytes_d2h += num_bytes
+                counters.device_s_d2h += device_s
+            else:
+                counters.batches_completed += 1
+                counters.bytes_h2d += num_bytes
+                counters.device_s_h2d += device_s
 
 
 def _on_device(device: torch.device) -> Any:

@@ -155,11 +155,14 @@ class CopyStager:
 
     def copy_runs(
         self, src: KVLayout, dst: KVLayout, run_src_ids: np.ndarray, run_dst_ids: np.ndarray,
-        run_lengths: np.ndarray, max_programs: int, stream: Any,
+        run_lengths: np.ndarray | None, max_programs: int, stream: Any, *,
+        max_run: int | None = None,
     ) -> Staged:  # fmt: skip
         """Copy blocks ``run_src_ids[r] + k -> run_dst_ids[r] + k`` (``k < run_lengths[r]``) of
         every tensor from ``src`` to ``dst`` with one paged-kernel launch on ``stream``.
 
+        ``run_lengths`` ``None`` means one block per run; ``max_run``, if given, is the longest
+        run (then no run that needs splitting is looked for: the ids go straight into the slot).
         ``src`` and ``dst`` must be addressable by the kernel (device memory of this device,
         pinned or registered host memory) with equal page bytes per tensor; the runs must lie in
         both caches and not overlap (the plan's checks). A refused upload or launch is returned
@@ -169,10 +172,21 @@ class CopyStager:
             layout = self._layout_table(src, dst, stream)
         except Exception as exc:  # the upload of a new layout table was refused
             return Staged(0, error=exc, failed="layout upload")
-        table = build_run_table(run_src_ids, run_dst_ids, run_lengths, layout.max_blocks)
-        n = table.shape[1]
-        slot = self.slots.take(n)
-        slot.rows[: 3 * n] = table.reshape(-1)
+        n = len(run_src_ids)
+        if max_run is None:
+            max_run = 1 if run_lengths is None else int(run_lengths.max(initial=1))
+        if max_run <= layout.max_blocks:  # the common case: each run is one row
+            slot = self.slots.take(n)
+            rows = slot.rows
+            rows[:n] = run_src_ids
+            rows[n : 2 * n] = run_dst_ids
+            rows[2 * n : 3 * n] = 1 if run_lengths is None else run_lengths
+        else:
+            lengths = np.ones(n, dtype=np.int64) if run_lengths is None else run_lengths
+            table = build_run_table(run_src_ids, run_dst_ids, lengths, layout.max_blocks)
+            n = table.shape[1]
+            slot = self.slots.take(n)
+            slot.rows[: 3 * n] = table.reshape(-1)
         if self._runs is None:
             self._runs = block_table_launches()
         return self._launch(slot, (layout.slot, slot), n, stream, launch_block_table,
