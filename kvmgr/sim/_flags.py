@@ -12,7 +12,7 @@ from typing import Any
 
 from kvmgr.policy import POLICIES
 from kvmgr.sim._counts import count, count_list
-from kvmgr.sim.loop import SimConfig
+from kvmgr.sim.config import SimConfig
 from kvmgr.sim.presets import MODEL_PRESETS
 from kvmgr.sim.scheduler import WRITE_POLICIES
 from kvmgr.sim.sweep import DEFAULT_SWEEP_TOKENS

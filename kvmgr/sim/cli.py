@@ -28,7 +28,8 @@ from kvmgr.sim._flags import (
     trace_flag,
 )
 from kvmgr.sim._progress import progress_display as _progress
-from kvmgr.sim.loop import SimConfig, simulate
+from kvmgr.sim.config import SimConfig
+from kvmgr.sim.loop import simulate
 from kvmgr.sim.multi_cli import (
     add_multi_arguments,
     check_multi_arguments,

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from kvmgr.sim._counts import finite_count
 from kvmgr.sim._progress import progress_display
-from kvmgr.sim.loop import SimConfig
+from kvmgr.sim.config import SimConfig
 from kvmgr.sim.multi import ROUTES, MultiReport, disk_file, run_instances
 
 __all__ = ["add_multi_arguments", "check_multi_arguments", "run_multi", "wants_multi"]

@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 from rich.table import Table
 
-from kvmgr.sim.loop import SimConfig, simulate
+from kvmgr.sim.config import SimConfig
+from kvmgr.sim.loop import simulate
 from kvmgr.sim.report import SimReport
 from kvmgr.sim.trace import TraceRequest
 
