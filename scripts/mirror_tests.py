@@ -10,10 +10,10 @@ Run it from the repository root on a clean working tree (it refuses otherwise, s
 
 1. checks the plan before touching anything: every mapped file exists; basenames stay unique
    under ``tests/`` (test modules are imported by basename: ``tests/`` has no ``__init__.py``,
-   pytest's default ``prepend`` import mode); a test file that imports another test file
-   (``from test_cuda_engine import FakeCuda``) goes to the same folder as it;
+   pytest's default ``prepend`` import mode); test files that import one another are listed;
 2. runs ``pytest --collect-only -q`` and records every node id;
-3. ``git mv``s each mapped file to ``tests/<folder>/``;
+3. ``git mv``s each mapped file to ``tests/<folder>/`` and adds the ``sys.path`` lines below
+   to ``tests/conftest.py``;
 4. rewrites the moved files' ``Path(__file__)`` references to the repository root or to
    ``tests/`` (``parents[1]`` -> ``parents[2]``, ``Path(__file__).parent`` -> ``parents[1]``
    where it means the folder of the helpers); an unknown ``__file__`` use stops the run;
@@ -21,11 +21,13 @@ Run it from the repository root on a clean working tree (it refuses otherwise, s
    (not in history: ``BENCHMARKS.md``, ``notes/``, ``docs/results/``);
 6. collects again and compares the node ids, mapped to their new paths: equal sets, or exit 1.
 
-No ``__init__.py`` and no new conftest are needed: ``tests/conftest.py`` stays at the root, so
-pytest puts ``tests/`` on ``sys.path`` before collecting, and the helper modules that stay there
-(``vllm_support.py``, ``tiers_server.py``, ``ranks_support.py``, ``mounts.py``, ...) and the
-conftest's ``pytest_plugins`` stay importable by their plain names from every subfolder. Test
-files not in ``MAPPING`` (written after it) stay at ``tests/`` and are listed.
+No ``__init__.py`` and no new conftest: ``tests/conftest.py`` stays at the root (pytest puts
+``tests/`` on ``sys.path`` before collecting, so the helpers that stay there, ``vllm_support.py``,
+``tiers_server.py``, ``ranks_support.py``, ``mounts.py``, ..., and its ``pytest_plugins`` stay
+importable by their plain names), and step 3 adds to it a few lines that put every folder under
+``tests/`` on ``sys.path`` too: a test file that imports another (``from test_pinning import
+FakeRegistrar``) finds it by name in any folder, in any collection order, as when they shared
+one folder. Test files not in ``MAPPING`` (written after it) stay at ``tests/`` and are listed.
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def _git(*args: str) -> str:
     ).stdout
 
 
-def _plan() -> tuple[dict[str, str], list[str], list[str]]:
-    """``(moves: name -> folder, unmapped test files, problems)`` for the tree as it is."""
+def _plan() -> tuple[dict[str, str], list[str], list[str], list[str]]:
+    """``(moves: name -> folder, unmapped test files, problems, notes)`` for the tree as it is."""
     present = sorted(p.name for p in TESTS.glob("test_*.py"))
     moves = {n: MAPPING[n] for n in present if MAPPING.get(n)}
     unmapped = [n for n in present if n not in MAPPING]
@@ -155,15 +157,37 @@ def _plan() -> tuple[dict[str, str], list[str], list[str]]:
     problems += [
         f"{n}: two files of this name under tests/" for n in set(names) if names.count(n) > 1
     ]
+    notes = []
     for name in present:
-        for imported in _TEST_IMPORT.findall((TESTS / name).read_text()):
+        for imported in sorted(set(_TEST_IMPORT.findall((TESTS / name).read_text()))):
             here, there = MAPPING.get(name, ""), MAPPING.get(f"{imported}.py", "")
             if (TESTS / f"{imported}.py").exists() and here != there:
-                problems.append(
-                    f"{name} imports {imported} but they map to {here or '.'!r} and "
-                    f"{there or '.'!r}: put them in one folder"
+                notes.append(
+                    f"{name} ({here or '.'}) imports {imported} ({there or '.'}): found through "
+                    "the conftest's sys.path lines"
                 )
-    return moves, unmapped, problems
+    return moves, unmapped, problems, notes
+
+
+_CONFTEST_LINES = """
+# The test files live in folders that mirror kvmgr's packages (scripts/mirror_tests.py); they
+# import one another and the helpers here by their plain names, as when they shared one folder.
+sys.path[:0] = sorted({str(p.parent) for p in Path(__file__).parent.glob("*/**/test_*.py")})
+"""
+
+
+def _extend_conftest() -> None:
+    """Put every folder under ``tests/`` on ``sys.path`` from ``tests/conftest.py`` (once)."""
+    path = TESTS / "conftest.py"
+    text = path.read_text()
+    if "scripts/mirror_tests.py" in text:
+        return
+    for line, before in (("import sys\n", "from "), ("from pathlib import Path\n", "from typing")):
+        if line not in text:
+            at = text.index(f"\n{before}") + 1 if line.startswith("import") else text.index(before)
+            text = text[:at] + line + text[at:]
+    anchor = text.index("\n", text.index("pytest_plugins")) + 1
+    path.write_text(text[:anchor] + _CONFTEST_LINES + text[anchor:])
 
 
 def _collect() -> set[str]:
@@ -224,12 +248,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--apply", action="store_true", help="move the files (default: plan)")
     parser.add_argument("--no-verify", action="store_true", help="skip the collection check")
     args = parser.parse_args(argv)
-    moves, unmapped, problems = _plan()
+    moves, unmapped, problems, notes = _plan()
     for name, folder in moves.items():
         print(f"  tests/{name} -> tests/{folder}/{name}")
     print(f"{len(moves)} to move, {len(MAPPING) - len(moves)} stay at tests/ by the mapping")
     if unmapped:
         print("not in MAPPING (they stay at tests/):", ", ".join(unmapped))
+    for note in notes:
+        print("note:", note)
     if problems:
         print("refused, nothing moved:\n  " + "\n  ".join(problems))
         return 1
@@ -244,6 +270,7 @@ def main(argv: list[str]) -> int:
         (TESTS / folder).mkdir(parents=True, exist_ok=True)
         _git("mv", f"tests/{name}", f"tests/{folder}/{name}")
         unknown += _fix_file_refs(TESTS / folder / name, depth=len(Path(folder).parts))
+    _extend_conftest()
     changed = _fix_mentions(moves)
     print(f"moved {len(moves)} files; path mentions rewritten in {len(changed)} files")
     if unknown:
@@ -269,7 +296,7 @@ def main(argv: list[str]) -> int:
         print("undo: git reset --hard")
         return 1
     print(f"collection unchanged: {len(before)} tests before, {len(after)} after")
-    _git("add", "-A", "tests")
+    _git("add", "-A", ".")
     print("staged; review with git status, then commit")
     return 0
 
