@@ -138,6 +138,7 @@ HISTORY = ("BENCHMARKS.md", "notes/", "docs/results/", "CHANGELOG")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".yml", ".yaml", ".cfg", ".ini", ".txt", ""}
 
 _ROOT_REF = re.compile(r"Path\(__file__\)(\.resolve\(\))?(\.parents\[(\d)\]|(\.parent)+)")
+_OWN_FILE = re.compile(r"(?<![.\w])__file__")
 _TEST_IMPORT = re.compile(r"^\s*(?:from|import)\s+(test_\w+)", re.M)
 
 
@@ -215,10 +216,10 @@ def _fix_file_refs(path: Path, depth: int) -> list[str]:
 
     lines, unknown = [], []
     for number, line in enumerate(text.splitlines(keepends=True), 1):
-        if "__file__" in line and "Path(__file__)" in line and not line.lstrip().startswith("#"):
+        if _OWN_FILE.search(line) and not line.lstrip().startswith("#"):  # not module.__file__
             line = _ROOT_REF.sub(climb, line)
-        elif "__file__" in line and not line.lstrip().startswith("#"):
-            unknown.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+            if _OWN_FILE.search(_ROOT_REF.sub("", line)):
+                unknown.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
         lines.append(line)
     path.write_text("".join(lines))
     return unknown
