@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import re
 import subprocess
 import sys
@@ -186,19 +187,74 @@ def _extend_conftest() -> None:
         return
     tree = ast.parse(text)
     names = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-    froms = {(n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    froms = {
+        (n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names
+    }
     wanted = ["import sys\n"] if "sys" not in names else []
     wanted += ["from pathlib import Path\n"] if ("pathlib", "Path") not in froms else []
-    last_import = max(n.end_lineno or n.lineno for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom))
+    last_import = max(
+        n.end_lineno or n.lineno for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
+    )
     lines = text.splitlines(keepends=True)
     lines[last_import:last_import] = wanted
     text = "".join(lines)
     anchor = text.index("\n", text.index("pytest_plugins")) + 1
     path.write_text(text[:anchor] + _CONFTEST_LINES + text[anchor:])
-    try:  # sort the two imports into place, as the project's lint wants
+    with contextlib.suppress(FileNotFoundError):  # sort the two imports as the lint wants
         subprocess.run(["ruff", "check", "-q", "--fix", "--select", "I", str(path)], check=False)
-    except FileNotFoundError:
-        pass
+
+
+def _collect() -> set[str]:
+    """Node ids that ``pytest --collect-only -q`` prints (it exits 0 or 5: none collected)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode not in (0, 5):
+        sys.exit(f"collection failed (exit {out.returncode}):\n{out.stdout[-4000:]}{out.stderr}")
+    return {line for line in out.stdout.splitlines() if "::" in line}
+
+
+def _fix_file_refs(path: Path, depth: int) -> list[str]:
+    """Rewrite ``Path(__file__)`` climbs in a file moved ``depth`` folders down; what remains
+    unknown (a ``__file__`` use this does not understand) is returned."""
+    text = path.read_text()
+
+    def climb(match: re.Match[str]) -> str:
+        up = int(match.group(3)) + 1 if match.group(3) else match.group(0).count(".parent")
+        resolve = match.group(1) or ""
+        return f"Path(__file__){resolve}.parents[{up - 1 + depth}]"
+
+    lines, unknown = [], []
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        if _OWN_FILE.search(line) and not line.lstrip().startswith("#"):  # not module.__file__
+            line = _ROOT_REF.sub(climb, line)
+            if _OWN_FILE.search(_ROOT_REF.sub("", line)):
+                unknown.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+        lines.append(line)
+    path.write_text("".join(lines))
+    return unknown
+
+
+def _fix_mentions(moves: dict[str, str]) -> list[str]:
+    """Rewrite ``tests/<name>`` to ``tests/<folder>/<name>`` in tracked text files."""
+    pattern = re.compile(r"\btests/(" + "|".join(re.escape(n) for n in moves) + r")\b")
+    changed = []
+    for rel in _git("ls-files").splitlines():
+        path = ROOT / rel
+        if rel.startswith(HISTORY) or path.suffix not in TEXT_SUFFIXES or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        new = pattern.sub(lambda m: f"tests/{moves[m.group(1)]}/{m.group(1)}", text)
+        if new != text:
+            path.write_text(new)
+            changed.append(rel)
+    return changed
 
 
 def main(argv: list[str]) -> int:
