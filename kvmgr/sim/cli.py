@@ -105,14 +105,7 @@ def _run_single(
     if args.json is not None:
         data = {"trace": str(trace), **report.to_dict()}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
-    if report.page_mismatches:
-        print(
-            f"kvmgr simulate: error: {report.page_mismatches} loaded pages failed their "
-            "fingerprint check",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return mismatch_status(report.page_mismatches)
 
 
 def _run_sweep(
@@ -122,9 +115,7 @@ def _run_sweep(
     trace: Path,
     console: Console,
 ) -> int:
-    try:  # fail before a long sweep, not after it
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not _has_matplotlib():  # fail before a long sweep, not after it
         print(
             "kvmgr simulate: --sweep needs matplotlib: pip install 'kvmgr[plot]'", file=sys.stderr
         )
@@ -144,12 +135,6 @@ def _run_sweep(
         )
         reports = run_sweep(configs, requests, jobs=args.jobs, on_progress=on_progress)
     console.print(sweep_table(reports, title=f"kvmgr simulate --sweep: {trace.name}"))
-    gpu = config.gpu_tokens
-    title = (
-        f"{trace.name}: {len(requests):,} requests, {config.model}, block "
-        f"{config.block_size}, GPU {'unbounded' if gpu is None else f'{gpu / 1e6:g}M'} "
-        f"tokens, write-{config.write_policy}"
-    )
     if args.json is not None:  # before the plot, so a bad --plot path loses nothing
         data = {
             "trace": str(trace),
@@ -157,12 +142,36 @@ def _run_sweep(
             "gap_closed": gap_closed(reports),  # per run: share of the LRU -> opt gap
         }
         args.json.write_text(json.dumps(data, indent=2) + "\n")
-    path = plot_sweep(reports, args.plot or _DEFAULT_PLOT, title=title)
+    path = plot_sweep(
+        reports, args.plot or _DEFAULT_PLOT, title=_sweep_title(config, requests, trace)
+    )
     console.print(f"plot: {path}")
-    mismatches = sum(r.page_mismatches for r in reports)
-    if mismatches:
+    return mismatch_status(sum(r.page_mismatches for r in reports))
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sweep_title(config: SimConfig, requests: list[Any], trace: Path) -> str:
+    gpu = config.gpu_tokens
+    return (
+        f"{trace.name}: {len(requests):,} requests, {config.model}, block "
+        f"{config.block_size}, GPU {'unbounded' if gpu is None else f'{gpu / 1e6:g}M'} "
+        f"tokens, write-{config.write_policy}"
+    )
+
+
+def mismatch_status(num_mismatches: int) -> int:
+    """The exit status of a run: 1 (with a line on stderr) when loaded pages failed their
+    fingerprint check, else 0."""
+    if num_mismatches:
         print(
-            f"kvmgr simulate: error: {mismatches} loaded pages failed their fingerprint check",
+            f"kvmgr simulate: error: {num_mismatches} loaded pages failed their fingerprint check",
             file=sys.stderr,
         )
         return 1

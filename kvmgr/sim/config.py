@@ -85,6 +85,12 @@ class SimConfig:
     hint_horizon_s: float = 300.0
 
     def __attrs_post_init__(self) -> None:
+        self._check_hints()  # in this order: the first bad field of the old single list
+        self._check_geometry()
+        self._check_policies_and_costs()
+
+    def _check_hints(self) -> None:
+        """The oracle hints' precision, recall and horizon."""
         check(
             self.hint_precision is None or 0.0 < self.hint_precision <= 1.0,
             f"hint_precision: expected (0, 1] or None, got {self.hint_precision!r}",
@@ -94,6 +100,9 @@ class SimConfig:
             f"hint_recall: expected [0, 1], got {self.hint_recall!r}",
         )
         check(self.hint_horizon_s > 0, f"hint_horizon_s: expected > 0, got {self.hint_horizon_s}")
+
+    def _check_geometry(self) -> None:
+        """Fault rate, model, block size and capacities."""
         check(
             0.0 <= self.fail_rate <= 1.0,
             f"fail_rate: expected a fraction in [0, 1], got {self.fail_rate!r}",
@@ -118,6 +127,9 @@ class SimConfig:
                 value is None or value >= self.block_size,
                 f"{name}: expected >= block_size ({self.block_size}) or unbounded, got {value}",
             )
+
+    def _check_policies_and_costs(self) -> None:
+        """Policies, engine, the scheduler's limits and the cost model."""
         check(
             self.policy in POLICIES,
             f"policy: expected one of {sorted(POLICIES)}, got {self.policy!r}",
