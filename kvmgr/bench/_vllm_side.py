@@ -12,18 +12,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Keys", "VllmSide", "contexts", "vllm_key", "vllm_steps"]
+from kvmgr.bench._keys import FreshKeys
 
-
-class Keys:
-    """Distinct 8-byte keys (kvmgr) and the matching vLLM ``OffloadKey`` (hash + group 0)."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def take(self, n: int) -> list[bytes]:
-        start, self._next = self._next, self._next + n
-        return [i.to_bytes(8, "little") for i in range(start, start + n)]
+__all__ = ["VllmSide", "contexts", "vllm_key", "vllm_steps"]
 
 
 def vllm_key(key: bytes) -> bytes:
@@ -59,9 +50,9 @@ class VllmSide:
             from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
             self.mgr = CPUOffloadingManager(num_cpu_blocks, cache_policy=policy)
-        self.fill(Keys())
+        self.fill(FreshKeys())
 
-    def fill(self, fresh: Keys) -> None:
+    def fill(self, fresh: FreshKeys) -> None:
         chains = [[vllm_key(k) for k in fresh.take(64)] for _ in range(self.num_cpu_blocks // 64)]
         for ctx, chain in zip(contexts("fill", chains), chains):
             self.mgr.on_new_request(ctx)
@@ -104,7 +95,7 @@ def vllm_steps(
     """Seconds of each step of vLLM's ``CPUOffloadingManager`` (or with ``backend`` kvmgr's
     ``KvmgrOffloadingManager``) on the same calls, endlessly."""
     side = VllmSide(policy, num_cpu_blocks, backend)
-    fresh = Keys()
+    fresh = FreshKeys()
     fresh.take(num_cpu_blocks)  # the fill's keys
     hot = [
         [vllm_key(i.to_bytes(8, "little")) for i in range(s, s + 64)]

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.bench._vllm_side import Keys, vllm_steps
+from kvmgr.bench._keys import FreshKeys
+from kvmgr.bench._vllm_side import vllm_steps
 from kvmgr.config import ManagerConfig
 from kvmgr.manager import OffloadManager
 from kvmgr.testing import NullEngine
@@ -66,7 +67,7 @@ async def _kvmgr_steps(policy: str, scenario: str, api: str) -> AsyncIterator[fl
     mgr = OffloadManager(
         kv, ManagerConfig(num_cpu_blocks=NUM_CPU_BLOCKS, policy=policy), engine=NullEngine()
     )
-    fresh = Keys()
+    fresh = FreshKeys()
     async with mgr:
         held = mgr.allocate("bench", NUM_GPU_BLOCKS)
         fill = np.array(held[:64], dtype=np.int64)
