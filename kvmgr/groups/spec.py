@@ -150,6 +150,16 @@ class GroupSpec:
     ratio: int | None = None
     group_id: int | None = None
 
+    def _only_for(self, kind: GroupKind, field: str) -> bool:
+        """Whether the group is of ``kind``; raises unless ``field`` is set exactly then."""
+        value = getattr(self, field)
+        if (self.kind is kind) != (value is not None):
+            raise GroupSpecError(
+                f"group {self.name!r}: {field} is required for {kind.value} groups and only "
+                f"for them, got kind={self.kind.value} {field}={value!r}"
+            )
+        return self.kind is kind
+
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise GroupSpecError(f"name: expected a non-empty str, got {self.name!r}")
@@ -158,21 +168,10 @@ class GroupSpec:
             raise GroupSpecError(f"group {self.name!r} page_bytes: expected at least one tensor")
         for b in self.page_bytes:
             _positive(f"group {self.name!r} page_bytes", b)
-        sliding = self.kind is GroupKind.SLIDING_WINDOW
-        if sliding != (self.window is not None):
-            raise GroupSpecError(
-                f"group {self.name!r}: window is required for sliding_window groups and only "
-                f"for them, got kind={self.kind.value} window={self.window!r}"
-            )
+        sliding = self._only_for(GroupKind.SLIDING_WINDOW, "window")
         if sliding:
             _positive(f"group {self.name!r} window", self.window)
-        compressed = self.kind is GroupKind.COMPRESSED
-        if compressed != (self.ratio is not None):
-            raise GroupSpecError(
-                f"group {self.name!r}: ratio is required for compressed groups and only for "
-                f"them, got kind={self.kind.value} ratio={self.ratio!r}"
-            )
-        if compressed:
+        if self._only_for(GroupKind.COMPRESSED, "ratio"):
             assert self.ratio is not None
             if isinstance(self.ratio, bool) or not isinstance(self.ratio, int) or self.ratio < 2:
                 raise GroupSpecError(f"group {self.name!r} ratio: expected an int >= 2")

@@ -19,7 +19,7 @@ import contextlib
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvmgr.errors import LayoutMismatchError, RankError
 from kvmgr.scheduler.jobs import JobOutcome, KVGeometry
@@ -36,6 +36,8 @@ from kvmgr.transport.rank import serve_rank
 from kvmgr.transport.rank_transport import RankTransport
 
 __all__ = ["RankGroup", "RankTransport", "check_layouts"]
+
+_Frame = TypeVar("_Frame")
 
 
 def check_layouts(hellos: Sequence[Hello], num_ranks: int) -> KVGeometry:
@@ -124,16 +126,11 @@ class RankGroup:
             raise
 
     def _hello(self, rank: int, timeout_s: float) -> Hello:
-        conn = self.control[rank]
-        try:
-            if conn.poll(timeout_s):
-                frame = decode(conn.recv_bytes())
-                if isinstance(frame, Hello):
-                    return frame
-        except (EOFError, OSError):
-            pass
-        code = self.processes[rank].exitcode
-        raise RankError(f"rank {rank} did not start (exit code {code})", rank=rank)
+        frame = _answer(self.control[rank], Hello, timeout_s)
+        if frame is None:
+            code = self.processes[rank].exitcode
+            raise RankError(f"rank {rank} did not start (exit code {code})", rank=rank)
+        return frame
 
     def dump(self, rank: int, timeout_s: float = 30.0) -> PagesFrame:
         """The bytes of a rank's KV tensors and CPU tier (tests; call between steps).
@@ -144,12 +141,12 @@ class RankGroup:
         conn = self.control[rank]
         try:
             conn.send_bytes(encode(DumpFrame()))
-            if conn.poll(timeout_s):
-                frame = decode(conn.recv_bytes())
-                if isinstance(frame, PagesFrame):
-                    return frame
-        except (EOFError, OSError):
+        except OSError:
             pass
+        else:
+            frame = _answer(conn, PagesFrame, timeout_s)
+            if frame is not None:
+                return frame
         raise RankError(f"rank {rank} did not answer a dump", rank=rank)
 
     def kill(self, rank: int) -> None:
@@ -187,3 +184,16 @@ class RankGroup:
     def connect(self, deliver: Callable[[JobOutcome], None]) -> RankTransport:
         """The transport over this group, delivering outcomes to ``deliver``."""
         return RankTransport(self, deliver)
+
+
+def _answer(conn: Any, kind: type[_Frame], timeout_s: float) -> _Frame | None:
+    """The next frame on a control pipe if it comes within ``timeout_s`` and is a ``kind``;
+    ``None`` otherwise (nothing came, another frame, or the pipe closed)."""
+    try:
+        if conn.poll(timeout_s):
+            frame = decode(conn.recv_bytes())
+            if isinstance(frame, kind):
+                return frame
+    except (EOFError, OSError):
+        pass
+    return None
