@@ -4,7 +4,7 @@ Offers:
     GroupKind         full attention, sliding window, recurrent state, MLA latent, compressed
     GroupSpec         one group: kind, block size (tokens), page bytes per tensor, window/ratio
     GroupedLayout     a model's groups over one hash block size; keys and restore spans
-    offload_key       ``block_hash + group_id`` as 4 big-endian bytes (vLLM's ``OffloadKey``)
+    offload_key       ``block_hash + group_id`` (``kvmgr.groups.keys``, re-exported)
     split_offload_key the inverse: ``(block_hash, group_id)``
 
 A *cache group* is a set of KV tensors that share one block table (vLLM's ``KVCacheGroupSpec``).
@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from kvmgr.groups.errors import GroupKeyError, GroupSpecError
+from kvmgr.groups.keys import GROUP_ID_BYTES, check_group_id, offload_key, split_offload_key
 
 __all__ = [
     "GROUP_ID_BYTES",
@@ -47,10 +48,6 @@ __all__ = [
     "offload_key",
     "split_offload_key",
 ]
-
-#: Bytes of the group id at the end of every grouped key (vLLM: 4, big-endian, unsigned).
-GROUP_ID_BYTES = 4
-_MAX_GROUP_ID = 2 ** (8 * GROUP_ID_BYTES) - 1
 
 
 class GroupKind(enum.Enum):
@@ -66,38 +63,6 @@ class GroupKind(enum.Enum):
     def needs_prefix(self) -> bool:
         """True for the kinds whose restore point needs every block of the prefix."""
         return self in (GroupKind.FULL, GroupKind.MLA, GroupKind.COMPRESSED)
-
-
-def offload_key(block_hash: bytes, group_id: int) -> bytes:
-    """``block_hash`` followed by ``group_id`` as 4 big-endian bytes (vLLM ``make_offload_key``).
-
-    Raises:
-        GroupKeyError: ``block_hash`` is not non-empty bytes, or ``group_id`` is not in
-            ``[0, 2**32)``.
-    """
-    if not isinstance(block_hash, bytes) or not block_hash:
-        raise GroupKeyError(f"expected a non-empty bytes block hash, got {block_hash!r:.60}")
-    _check_group_id(group_id)
-    return block_hash + group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
-
-
-def split_offload_key(key: bytes) -> tuple[bytes, int]:
-    """``(block_hash, group_id)`` of a grouped key (vLLM ``get_offload_block_hash`` and
-    ``get_offload_group_idx``).
-
-    Raises:
-        GroupKeyError: ``key`` is not bytes longer than the 4-byte group id.
-    """
-    if not isinstance(key, bytes) or len(key) <= GROUP_ID_BYTES:
-        raise GroupKeyError(f"expected bytes longer than {GROUP_ID_BYTES}, got {key!r:.60}")
-    return key[:-GROUP_ID_BYTES], int.from_bytes(key[-GROUP_ID_BYTES:], "big", signed=False)
-
-
-def _check_group_id(group_id: object) -> None:
-    if isinstance(group_id, bool) or not isinstance(group_id, int):
-        raise GroupKeyError(f"expected an int group id, got {group_id!r}")
-    if not 0 <= group_id <= _MAX_GROUP_ID:
-        raise GroupKeyError(f"expected a group id in [0, {_MAX_GROUP_ID}], got {group_id}")
 
 
 def _positive(what: str, value: object) -> None:
@@ -182,7 +147,7 @@ class GroupSpec:
                 )
         if self.group_id is not None:
             try:
-                _check_group_id(self.group_id)
+                check_group_id(self.group_id)
             except GroupKeyError as exc:
                 raise GroupSpecError(f"group {self.name!r} group_id: {exc}") from None
 
