@@ -8,17 +8,39 @@ to the CPU tier until the free list reaches the watermark (plus what admission l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from kvmgr.sim.counters import SimCounters
+from kvmgr.sim.gpu_cache import GPUPrefixCache
+from kvmgr.sim.pages import PageStore
 from kvmgr.sim.request import SimRequest
-
-if TYPE_CHECKING:
-    from kvmgr.sim.scheduler import Scheduler, StepPlan
-
-__all__ = ["execute_step"]
+from kvmgr.sim.swaps import SwapIssuer
 
 
-def execute_step(sched: Scheduler, plan: StepPlan, end_s: float) -> None:
+class SchedulerState(Protocol):
+    """What a step's execution uses of ``kvmgr.sim.scheduler.Scheduler`` (which imports this
+    module: the protocol keeps the import one-way)."""
+
+    config: Any  #: ``SchedulerConfig``: block_size, watermark_blocks
+    counters: SimCounters
+    gpu: GPUPrefixCache
+    pages: PageStore
+    swaps: SwapIssuer
+    running: list[SimRequest]
+    shortfall: int
+
+
+class PlannedStep(Protocol):
+    """What one step computes (``kvmgr.sim.scheduler.StepPlan``)."""
+
+    decodes: list[SimRequest]
+    prefills: list[tuple[SimRequest, int]]
+
+
+__all__ = ["PlannedStep", "SchedulerState", "execute_step"]
+
+
+def execute_step(sched: SchedulerState, plan: PlannedStep, end_s: float) -> None:
     """``sched.execute``: compute the plan's tokens (virtually), publish and store full prefix
     blocks, finish requests, and drain cached blocks under write-on-evict; ``end_s`` is the
     step's end."""
@@ -42,7 +64,7 @@ def execute_step(sched: Scheduler, plan: StepPlan, end_s: float) -> None:
 
 
 def _run_prefill(
-    sched: Scheduler,
+    sched: SchedulerState,
     request: SimRequest,
     chunk: int,
     stores: tuple[list[int], list[bytes]],
@@ -70,7 +92,7 @@ def _run_prefill(
         request.ttft_s = end_s - request.trace.arrival_s
 
 
-def _finish(sched: Scheduler, request: SimRequest) -> None:
+def _finish(sched: SchedulerState, request: SimRequest) -> None:
     """A request generated its last token: its blocks go back, its TTFT is counted."""
     sched.gpu.release(list(reversed(request.block_ids)))
     request.block_ids = []

@@ -23,16 +23,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvmgr.errors import RankError, RankTimeoutError
-from kvmgr.scheduler.jobs import Direction, JobOutcome, TransferJob
+from kvmgr.scheduler.jobs import Direction, JobOutcome, KVGeometry, TransferJob
 from kvmgr.transport.frames import DoneFrame, decode, encode, job_frame
 
-if TYPE_CHECKING:
-    from kvmgr.transport.group import RankGroup
 
-__all__ = ["RankTransport"]
+class Ranks(Protocol):
+    """What the transport uses of a started ``RankGroup`` (``group.py``, which imports this
+    module: the protocol keeps the import one-way)."""
+
+    num_ranks: int
+    deadline_s: float
+    geometry: KVGeometry
+    jobs: list[Any]  #: per rank, the scheduler's end of its job pipe
+    processes: list[Any]  #: per rank, its process (``exitcode`` once it died)
+
+
+__all__ = ["RankTransport", "Ranks"]
 
 
 class _Pending:
@@ -61,7 +70,7 @@ class RankTransport:
             down (every later job is refused with it).
     """
 
-    def __init__(self, group: RankGroup, deliver: Callable[[JobOutcome], None]) -> None:
+    def __init__(self, group: Ranks, deliver: Callable[[JobOutcome], None]) -> None:
         self.group = group
         self.num_ranks = group.num_ranks
         self._deliver = deliver
