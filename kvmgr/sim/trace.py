@@ -23,13 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from kvmgr.sim.trace_formats import (
-    AZURE_HEADER,
-    numbered_lines,
-    open_text,
-    read_azure,
-    read_mooncake,
-)
+from kvmgr.sim.trace_formats import open_text, read_requests
 from kvmgr.sim.trace_request import TRACE_BLOCK_TOKENS, TraceError, TraceRequest
 
 __all__ = [
@@ -88,23 +82,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
     name = str(path)
     try:
         with open_text(Path(path)) as handle:
-            lines = numbered_lines(handle)
-            first = next(lines, None)
-            if first is None:
-                raise TraceError(name, None, None, "the trace is empty")
-            if first[1].lstrip().startswith("{"):
-                requests = read_mooncake(name, first, lines, limit)
-            elif first[1].strip().split(",")[:3] == list(AZURE_HEADER):
-                requests = read_azure(name, lines, limit)
-            else:
-                raise TraceError(
-                    name,
-                    first[0],
-                    None,
-                    "unknown trace format (expected Mooncake "
-                    "JSON lines or an Azure CSV with header "
-                    f"{','.join(AZURE_HEADER)})",
-                )
+            requests = read_requests(name, handle, limit)
     except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
         raise TraceError(name, None, None, f"cannot read: {exc}") from None
     if not requests:

@@ -19,7 +19,14 @@ from typing import Any
 
 from kvmgr.sim.trace_request import TRACE_BLOCK_TOKENS, TraceError, TraceRequest
 
-__all__ = ["AZURE_HEADER", "numbered_lines", "open_text", "read_azure", "read_mooncake"]
+__all__ = [
+    "AZURE_HEADER",
+    "numbered_lines",
+    "open_text",
+    "read_azure",
+    "read_mooncake",
+    "read_requests",
+]
 
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _AZURE_TIME = re.compile(r"^(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?$")
@@ -149,3 +156,30 @@ def _azure_time(name: str, number: int, text: str) -> float:
     except ValueError as exc:
         raise TraceError(name, number, "TIMESTAMP", f"invalid date {text!r}: {exc}") from None
     return moment.timestamp() + fraction
+
+
+def read_requests(name: str, handle: Any, limit: int | None) -> list[TraceRequest]:
+    """The requests of an open trace file, its format recognised from the first non-empty
+    line (a ``{`` for Mooncake JSONL, the ``TIMESTAMP,...`` header for Azure CSV).
+
+    Raises:
+        TraceError: the file is empty, of an unknown format, or has a malformed line.
+    """
+    lines = numbered_lines(handle)
+    first = next(lines, None)
+    if first is None:
+        raise TraceError(name, None, None, "the trace is empty")
+    if first[1].lstrip().startswith("{"):
+        requests = read_mooncake(name, first, lines, limit)
+    elif first[1].strip().split(",")[:3] == list(AZURE_HEADER):
+        requests = read_azure(name, lines, limit)
+    else:
+        raise TraceError(
+            name,
+            first[0],
+            None,
+            "unknown trace format (expected Mooncake "
+            "JSON lines or an Azure CSV with header "
+            f"{','.join(AZURE_HEADER)})",
+        )
+    return requests
