@@ -83,7 +83,7 @@ def replay(
     capacity = max(0, capacity_tokens // TRACE_BLOCK_TOKENS)
     cache, future = _policy(policy, capacity, options, all_keys, lambda: now[0])
     hinted = hints is not None and getattr(cache, "takes_hints", False)
-    tally = _Tally()
+    tally = dict.fromkeys(_COUNTS, 0)
     for i, (request, keys) in enumerate(zip(requests, all_keys)):
         now[0] = request.arrival_s
         hits = _prefix_hits(cache, keys)
@@ -91,11 +91,11 @@ def replay(
         if future is not None:
             future.consume(i)
         if request.arrival_s >= measure_from_s:
-            tally.prompt_tokens += request.input_length
-            tally.hit_tokens += hits * TRACE_BLOCK_TOKENS
+            tally["prompt_tokens"] += request.input_length
+            tally["hit_tokens"] += hits * TRACE_BLOCK_TOKENS
         hint = hints[i] if hinted and hints is not None else _NO_HINT
         _store_misses(cache, capacity, keys, hits, hint, tally)
-    return ReplayResult(policy=policy, capacity_blocks=capacity, **attrs.asdict(tally))
+    return ReplayResult(policy=policy, capacity_blocks=capacity, **tally)
 
 
 _NO_HINT = object()
@@ -128,17 +128,12 @@ def _prefix_hits(cache: Any, keys: list[bytes]) -> int:
     return hits
 
 
-@attrs.define
-class _Tally:
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    stored_blocks: int = 0
-    rejected_blocks: int = 0
-    evicted_blocks: int = 0
+#: what a replay counts, by ``ReplayResult`` field
+_COUNTS = ("prompt_tokens", "hit_tokens", "stored_blocks", "rejected_blocks", "evicted_blocks")
 
 
 def _store_misses(
-    cache: Any, capacity: int, keys: list[bytes], hits: int, hint: Any, tally: _Tally
+    cache: Any, capacity: int, keys: list[bytes], hits: int, hint: Any, tally: dict[str, int]
 ) -> None:
     """Offer a request's missing blocks to the policy (``admit``, with ``hint`` when the policy
     takes hints), keep what fits, evict to make room (never the request's own hits), insert."""
@@ -151,17 +146,17 @@ def _store_misses(
         else:
             accepted = np.asarray(admit(new, parents), dtype=bool)
         take = len(new) if accepted.all() else int(np.argmin(accepted))
-        tally.rejected_blocks += len(new) - take
+        tally["rejected_blocks"] += len(new) - take
         new, parents = new[:take], parents[:take]
     new, parents = new[: max(0, capacity - hits)], parents[: max(0, capacity - hits)]
     shortfall = len(cache) + len(new) - capacity
     if shortfall > 0:
         victims = cache.evict(shortfall, _any, frozenset(keys[:hits]))
         assert victims is not None, "everything but the request's own blocks is evictable"
-        tally.evicted_blocks += len(victims)
+        tally["evicted_blocks"] += len(victims)
     if new:
         cache.insert(new, parents)
-        tally.stored_blocks += len(new)
+        tally["stored_blocks"] += len(new)
 
 
 def _any(key: bytes) -> bool:
