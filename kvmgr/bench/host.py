@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmgr.bench._keys import FreshKeys
 from kvmgr.config import ManagerConfig
 from kvmgr.manager import OffloadManager
 from kvmgr.testing import NullEngine
@@ -47,17 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=2000, help="rounds of the steady-state GC run (>= 2000)"
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-
-
-class _Keys:
-    """Fresh distinct keys on demand (every round stores new keys)."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def take(self, n: int) -> list[bytes]:
-        start, self._next = self._next, self._next + n
-        return [i.to_bytes(8, "little") for i in range(start, start + n)]
 
 
 async def _round(
@@ -98,7 +88,7 @@ async def _variant(kind: str, api: str, reqs: int, per: int, rounds: int) -> dic
         held = mgr.allocate("bench", 2 * n)
         src = held[:n] if api == "per-call" else np.array(held[:n], dtype=np.int64)
         dst = held[n:] if api == "per-call" else np.array(held[n:], dtype=np.int64)
-        fresh = _Keys()
+        fresh = FreshKeys()
         samples = []
         for i in range(rounds + 10):  # 10 warm-up rounds
             keys = fresh.take(n)
@@ -139,7 +129,7 @@ async def _steady(api: str, steps: int) -> dict[str, Any]:
     async with mgr:
         held = mgr.allocate("bench", n)
         ids: Any = held if api == "per-call" else np.array(held, dtype=np.int64)
-        fresh = _Keys()
+        fresh = FreshKeys()
         for _ in range(20):
             await _round(mgr, "store", api, reqs, per, fresh.take(n), ids)
         gc.collect()
@@ -168,7 +158,7 @@ async def _steady(api: str, steps: int) -> dict[str, Any]:
     }
 
 
-async def _tracked(mgr: OffloadManager, api: str, fresh: _Keys, ids: Any) -> float:
+async def _tracked(mgr: OffloadManager, api: str, fresh: FreshKeys, ids: Any) -> float:
     """GC-tracked objects kept alive per queued call (512 one-block calls, or one batch)."""
     keys = fresh.take(len(ids))
     gc.collect()

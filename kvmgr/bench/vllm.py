@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import platform
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvmgr.bench._keys import FreshKeys
+from kvmgr.bench._vllm_side import vllm_steps
 from kvmgr.config import ManagerConfig
 from kvmgr.manager import OffloadManager
 from kvmgr.testing import NullEngine
@@ -57,91 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
-class _Keys:
-    """Distinct 8-byte keys (kvmgr) and the matching vLLM ``OffloadKey`` (hash + group 0)."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def take(self, n: int) -> list[bytes]:
-        start, self._next = self._next, self._next + n
-        return [i.to_bytes(8, "little") for i in range(start, start + n)]
-
-
-def _vllm_key(key: bytes) -> bytes:
-    from vllm.v1.kv_offload.base import make_offload_key
-
-    return make_offload_key(key, 0)
-
-
-def _contexts(prefix: str, chains: list[list[bytes]]) -> list[Any]:
-    from vllm.v1.kv_offload.base import ReqContext
-
-    out = []
-    for i, chain in enumerate(chains):
-        ctx = ReqContext(req_id=f"{prefix}-{i}")
-        for j, k in enumerate(chain):
-            ctx.set_offload_key_position(k, (j + 1) * 16)
-        out.append(ctx)
-    return out
-
-
-# -- vLLM's side ----------------------------------------------------------------------------------
-
-
-class _Vllm:
-    """An ``OffloadingManager`` driven the way vLLM's connector drives it: vLLM's own
-    ``CPUOffloadingManager``, or with ``backend`` kvmgr's ``KvmgrOffloadingManager`` (the
-    scheduler side of ``KvmgrOffloadingSpec``)."""
-
-    def __init__(self, policy: str, backend: bool = False) -> None:
-        if backend:
-            from kvmgr.integrations.vllm.backend import KvmgrOffloadingManager
-
-            self.mgr: Any = KvmgrOffloadingManager(NUM_CPU_BLOCKS, policy)
-        else:
-            from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
-            self.mgr = CPUOffloadingManager(NUM_CPU_BLOCKS, cache_policy=policy)
-        self.fill(_Keys())
-
-    def fill(self, fresh: _Keys) -> None:
-        chains = [[_vllm_key(k) for k in fresh.take(64)] for _ in range(NUM_CPU_BLOCKS // 64)]
-        for ctx, chain in zip(_contexts("fill", chains), chains):
-            self.mgr.on_new_request(ctx)
-            out = self.mgr.prepare_store(chain, ctx)
-            assert out is not None
-            self.mgr.complete_store(out.keys_to_store, ctx)
-            self.mgr.on_request_finished(ctx)
-
-    def stores(self, chains: list[list[bytes]], ctxs: list[Any]) -> None:
-        mgr, outs = self.mgr, []
-        for chain, ctx in zip(chains, ctxs):
-            mgr.on_new_request(ctx)
-            outs.append(mgr.prepare_store(chain, ctx))
-        for out, ctx in zip(outs, ctxs):
-            assert out is not None
-            mgr.complete_store(out.keys_to_store, ctx)
-            mgr.on_request_finished(ctx)
-
-    def loads(self, chains: list[list[bytes]], ctxs: list[Any]) -> None:
-        from vllm.v1.kv_offload.base import LookupResult
-
-        mgr, hit = self.mgr, LookupResult.HIT
-        for chain, ctx in zip(chains, ctxs):
-            mgr.on_new_request(ctx)
-            n = 0
-            for k in chain:
-                if mgr.lookup(k, ctx) is not hit:
-                    break
-                n += 1
-            assert n == len(chain)
-            mgr.prepare_load(chain, ctx)
-        for chain, ctx in zip(chains, ctxs):
-            mgr.complete_load(chain, ctx)
-            mgr.on_request_finished(ctx)
-
-
 # -- kvmgr's side ---------------------------------------------------------------------------------
 
 
@@ -151,7 +67,7 @@ async def _kvmgr_steps(policy: str, scenario: str, api: str) -> AsyncIterator[fl
     mgr = OffloadManager(
         kv, ManagerConfig(num_cpu_blocks=NUM_CPU_BLOCKS, policy=policy), engine=NullEngine()
     )
-    fresh = _Keys()
+    fresh = FreshKeys()
     async with mgr:
         held = mgr.allocate("bench", NUM_GPU_BLOCKS)
         fill = np.array(held[:64], dtype=np.int64)
@@ -187,38 +103,6 @@ async def _kvmgr_steps(policy: str, scenario: str, api: str) -> AsyncIterator[fl
             yield time.perf_counter() - t0
 
 
-def _vllm_steps(policy: str, scenario: str, backend: bool = False) -> Iterator[float]:
-    """Seconds of each step of vLLM's ``CPUOffloadingManager`` (or with ``backend`` kvmgr's
-    ``KvmgrOffloadingManager``) on the same calls, endlessly."""
-    side = _Vllm(policy, backend)
-    fresh = _Keys()
-    fresh.take(NUM_CPU_BLOCKS)  # the fill's keys
-    hot = [
-        [_vllm_key(i.to_bytes(8, "little")) for i in range(s, s + 64)]
-        for s in range(0, NUM_CPU_BLOCKS, 64)
-    ]
-    for i in itertools.count():
-        if scenario == "store 512 x 1":
-            chains = [[_vllm_key(k)] for k in fresh.take(512)]
-            ctxs = _contexts(f"s{i}", chains)
-            t0 = time.perf_counter()
-            side.stores(chains, ctxs)
-        elif scenario == "lookup+load 32 x 64":
-            chains = hot[-32:]
-            ctxs = _contexts(f"l{i}", chains)
-            t0 = time.perf_counter()
-            side.loads(chains, ctxs)
-        else:
-            keys = [_vllm_key(k) for k in fresh.take(512)]
-            stores = [keys[r * 8 : r * 8 + 8] for r in range(64)]
-            loads = [chain[:16] for chain in hot[-16:]]
-            sctx, lctx = _contexts(f"ms{i}", stores), _contexts(f"ml{i}", loads)
-            t0 = time.perf_counter()
-            side.stores(stores, sctx)
-            side.loads(loads, lctx)
-        yield time.perf_counter() - t0
-
-
 SCENARIOS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("store 512 x 1", ("backend", "batched", "per-call")),
     ("lookup+load 32 x 64", ("backend", "per-call")),
@@ -235,8 +119,10 @@ async def _interleaved(
     policy: str, scenario: str, apis: tuple[str, ...], steps: int
 ) -> dict[str, list[float]]:
     """Step vLLM's manager and each kvmgr variant in turn, so machine noise hits all alike."""
-    theirs = _vllm_steps(policy, scenario)
-    backend = _vllm_steps(policy, scenario, backend=True) if "backend" in apis else None
+    theirs = vllm_steps(policy, scenario, NUM_CPU_BLOCKS)
+    backend = (
+        vllm_steps(policy, scenario, NUM_CPU_BLOCKS, backend=True) if "backend" in apis else None
+    )
     ours = {api: _kvmgr_steps(policy, scenario, api) for api in apis if api != "backend"}
     samples: dict[str, list[float]] = {"vllm": [], **{api: [] for api in apis}}
     try:

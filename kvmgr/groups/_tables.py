@@ -1,15 +1,18 @@
 """Checks of a grouped store's and load's block tables, turned into per-group work (no torch).
 
 Package-private: ``GroupedManager`` validates every group's table with these before it queues
-anything, so a bad entry in the last group leaves nothing queued in the first.
+anything, so a bad entry in the last group leaves nothing queued in the first; ``check_room``
+refuses a store that some group has no room for, before any group's store is queued.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from kvmgr.errors import InvalidBlockError
+from kvmgr.errors import InvalidBlockError, PoolExhaustedError
 from kvmgr.groups.errors import GroupKeyError
+from kvmgr.groups.index import GroupIndex
 from kvmgr.groups.restore import RestorePlan
 from kvmgr.groups.spec import GroupedLayout
 
@@ -88,3 +91,28 @@ def load_work(
             raise InvalidBlockError(f"block_tables[{spec.name!r}]: expected int block ids")
         work.append((g, list(keys), ids))  # type: ignore[arg-type]
     return work
+
+
+def check_room(
+    work: StoreWork, layout: GroupedLayout, index: GroupIndex, managers: Sequence[Any]
+) -> None:
+    """All or nothing: raise ``PoolExhaustedError`` before queueing any group's store if a
+    group cannot find room for its new blocks (free blocks plus READY blocks without loads
+    in flight, less this store's own READY keys, which are never evicted for it)."""
+    for g, _, keys, _ in work:
+        new = sum(not index.is_held(k) for k in keys)
+        if not new:
+            continue
+        stats = managers[g].statistics()
+        protected = sum(index.is_ready(k) for k in keys)
+        evictable = max(0, stats.cpu_keys_ready - stats.cpu_keys_loading - protected)
+        room = max(0, stats.cpu_blocks_ready - stats.cpu_blocks_used) + evictable
+        if room < new:
+            name = layout.groups[g].name
+            raise PoolExhaustedError(
+                f"group {name!r}: need {new} CPU blocks, {room} free or evictable; "
+                "no group's store was queued",
+                needed=new,
+                available=room,
+                reason="cpu_full",
+            )

@@ -2,7 +2,7 @@
 
 Offers:
     GroupedManager   lookup / store / load / step over a model's cache groups
-    GroupedStore     what a grouped store did, per group
+    GroupedStore     what a grouped store did, per group (``_results.py``, re-exported)
 
 Composition, not inheritance: each group keeps its own ``OffloadManager`` (its tensors, block
 ids, CPU pool and policy); the grouped manager holds the ``GroupIndex`` and needs only the
@@ -28,7 +28,8 @@ import attrs
 
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import PoolExhaustedError, UnknownKeyError
-from kvmgr.groups._tables import load_work, store_work
+from kvmgr.groups._results import GroupedStore, gather_store, group_results
+from kvmgr.groups._tables import check_room, load_work, store_work
 from kvmgr.groups._tracker import IndexTracker
 from kvmgr.groups.errors import GroupSpecError
 from kvmgr.groups.index import GroupIndex
@@ -38,23 +39,6 @@ from kvmgr.manager import OffloadManager
 from kvmgr.reports import KVEvent, SwapResult
 
 __all__ = ["GroupedManager", "GroupedStore"]
-
-
-@attrs.frozen
-class GroupedStore:
-    """A completed grouped store.
-
-    Attributes:
-        results: per group, in layout order: the group's ``SwapResult`` (``None`` when the
-            store named no block of that group).
-    """
-
-    results: tuple[SwapResult | None, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes copied across the groups."""
-        return sum(r.num_bytes for r in self.results if r is not None)
 
 
 class GroupedManager:
@@ -206,7 +190,15 @@ class GroupedManager:
         hashes = self.layout.check_hashes(block_hashes)
         self.index.check_chain(hashes)
         work = store_work(self.layout, hashes, block_tables)
-        self._check_room(work)
+        check_room(work, self.layout, self.index, self.managers)
+        futures = self._queue_stores(hashes, work)
+        self.sync()  # the stores' evictions
+        return asyncio.ensure_future(gather_store(futures))
+
+    def _queue_stores(
+        self, hashes: list[bytes], work: list[tuple[int, list[int], list[bytes], Any]]
+    ) -> list[asyncio.Future[SwapResult] | None]:
+        """Each group's ``swap_out`` (its keys PENDING in the index); the future per group."""
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         queued: list[bytes] = []
         for g, ids, keys, parents in work:
@@ -219,34 +211,11 @@ class GroupedManager:
             queued.extend(keys)
             future.add_done_callback(self._store_done(keys))
             futures[g] = future
-        self.sync()  # the stores' evictions
-        return asyncio.ensure_future(self._gather(futures))
-
-    def _check_room(self, work: list[tuple[int, list[int], list[bytes], Any]]) -> None:
-        """All or nothing: raise ``PoolExhaustedError`` before queueing any group's store if a
-        group cannot find room for its new blocks (free blocks plus READY blocks without loads
-        in flight, less this store's own READY keys, which are never evicted for it)."""
-        for g, _, keys, _ in work:
-            new = sum(not self.index.is_held(k) for k in keys)
-            if not new:
-                continue
-            stats = self.managers[g].statistics()
-            protected = sum(self.index.is_ready(k) for k in keys)
-            evictable = max(0, stats.cpu_keys_ready - stats.cpu_keys_loading - protected)
-            room = max(0, stats.cpu_blocks_ready - stats.cpu_blocks_used) + evictable
-            if room < new:
-                name = self.layout.groups[g].name
-                raise PoolExhaustedError(
-                    f"group {name!r}: need {new} CPU blocks, {room} free or evictable; "
-                    "no group's store was queued",
-                    needed=new,
-                    available=room,
-                    reason="cpu_full",
-                )
+        return futures
 
     def _store_done(self, keys: list[bytes]) -> Any:
         """A failed store's PENDING keys leave the index; the orphans that leaves behind are
-        dropped at the next sync. (The futures are never cancelled: ``_gather`` shields them.)"""
+        dropped at the next sync. (The futures are never cancelled: ``gather_store`` shields them.)"""
 
         def done(future: asyncio.Future[SwapResult]) -> None:
             if not future.cancelled() and future.exception() is not None:
@@ -254,22 +223,6 @@ class GroupedManager:
                 self._tracker.defer(self.index.removed(failed))
 
         return done
-
-    @staticmethod
-    async def _results(futures: list[asyncio.Future[SwapResult] | None]) -> list[Any]:
-        """Every group's result, in group order (``None`` where none), once all completed;
-        raises the first group's error. Cancelling the caller leaves the copies running."""
-        live = [f for f in futures if f is not None]
-        done = await asyncio.gather(*(asyncio.shield(f) for f in live), return_exceptions=True)
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
-        it = iter(done)
-        return [None if f is None else next(it) for f in futures]
-
-    @classmethod
-    async def _gather(cls, futures: list[asyncio.Future[SwapResult] | None]) -> GroupedStore:
-        return GroupedStore(tuple(await cls._results(futures)))
 
     def load(
         self, plan: RestorePlan, block_tables: Mapping[str, Sequence[int]]
@@ -295,7 +248,7 @@ class GroupedManager:
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         for g, group_keys, ids in work:
             futures[g] = self.managers[g].swap_in(group_keys, ids)
-        return asyncio.ensure_future(self._results(futures))
+        return asyncio.ensure_future(group_results(futures))
 
     async def step(self, ctx: Any = None) -> list[Any]:
         """One scheduler step of every group's manager (hooks, then one flush each); then the

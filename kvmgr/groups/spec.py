@@ -4,7 +4,7 @@ Offers:
     GroupKind         full attention, sliding window, recurrent state, MLA latent, compressed
     GroupSpec         one group: kind, block size (tokens), page bytes per tensor, window/ratio
     GroupedLayout     a model's groups over one hash block size; keys and restore spans
-    offload_key       ``block_hash + group_id`` as 4 big-endian bytes (vLLM's ``OffloadKey``)
+    offload_key       ``block_hash + group_id`` (``kvmgr.groups.keys``, re-exported)
     split_offload_key the inverse: ``(block_hash, group_id)``
 
 A *cache group* is a set of KV tensors that share one block table (vLLM's ``KVCacheGroupSpec``).
@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from kvmgr.groups.errors import GroupKeyError, GroupSpecError
+from kvmgr.groups.keys import GROUP_ID_BYTES, check_group_id, offload_key, split_offload_key
 
 __all__ = [
     "GROUP_ID_BYTES",
@@ -47,10 +48,6 @@ __all__ = [
     "offload_key",
     "split_offload_key",
 ]
-
-#: Bytes of the group id at the end of every grouped key (vLLM: 4, big-endian, unsigned).
-GROUP_ID_BYTES = 4
-_MAX_GROUP_ID = 2 ** (8 * GROUP_ID_BYTES) - 1
 
 
 class GroupKind(enum.Enum):
@@ -66,38 +63,6 @@ class GroupKind(enum.Enum):
     def needs_prefix(self) -> bool:
         """True for the kinds whose restore point needs every block of the prefix."""
         return self in (GroupKind.FULL, GroupKind.MLA, GroupKind.COMPRESSED)
-
-
-def offload_key(block_hash: bytes, group_id: int) -> bytes:
-    """``block_hash`` followed by ``group_id`` as 4 big-endian bytes (vLLM ``make_offload_key``).
-
-    Raises:
-        GroupKeyError: ``block_hash`` is not non-empty bytes, or ``group_id`` is not in
-            ``[0, 2**32)``.
-    """
-    if not isinstance(block_hash, bytes) or not block_hash:
-        raise GroupKeyError(f"expected a non-empty bytes block hash, got {block_hash!r:.60}")
-    _check_group_id(group_id)
-    return block_hash + group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
-
-
-def split_offload_key(key: bytes) -> tuple[bytes, int]:
-    """``(block_hash, group_id)`` of a grouped key (vLLM ``get_offload_block_hash`` and
-    ``get_offload_group_idx``).
-
-    Raises:
-        GroupKeyError: ``key`` is not bytes longer than the 4-byte group id.
-    """
-    if not isinstance(key, bytes) or len(key) <= GROUP_ID_BYTES:
-        raise GroupKeyError(f"expected bytes longer than {GROUP_ID_BYTES}, got {key!r:.60}")
-    return key[:-GROUP_ID_BYTES], int.from_bytes(key[-GROUP_ID_BYTES:], "big", signed=False)
-
-
-def _check_group_id(group_id: object) -> None:
-    if isinstance(group_id, bool) or not isinstance(group_id, int):
-        raise GroupKeyError(f"expected an int group id, got {group_id!r}")
-    if not 0 <= group_id <= _MAX_GROUP_ID:
-        raise GroupKeyError(f"expected a group id in [0, {_MAX_GROUP_ID}], got {group_id}")
 
 
 def _positive(what: str, value: object) -> None:
@@ -150,6 +115,16 @@ class GroupSpec:
     ratio: int | None = None
     group_id: int | None = None
 
+    def _only_for(self, kind: GroupKind, field: str) -> bool:
+        """Whether the group is of ``kind``; raises unless ``field`` is set exactly then."""
+        value = getattr(self, field)
+        if (self.kind is kind) != (value is not None):
+            raise GroupSpecError(
+                f"group {self.name!r}: {field} is required for {kind.value} groups and only "
+                f"for them, got kind={self.kind.value} {field}={value!r}"
+            )
+        return self.kind is kind
+
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise GroupSpecError(f"name: expected a non-empty str, got {self.name!r}")
@@ -158,21 +133,10 @@ class GroupSpec:
             raise GroupSpecError(f"group {self.name!r} page_bytes: expected at least one tensor")
         for b in self.page_bytes:
             _positive(f"group {self.name!r} page_bytes", b)
-        sliding = self.kind is GroupKind.SLIDING_WINDOW
-        if sliding != (self.window is not None):
-            raise GroupSpecError(
-                f"group {self.name!r}: window is required for sliding_window groups and only "
-                f"for them, got kind={self.kind.value} window={self.window!r}"
-            )
+        sliding = self._only_for(GroupKind.SLIDING_WINDOW, "window")
         if sliding:
             _positive(f"group {self.name!r} window", self.window)
-        compressed = self.kind is GroupKind.COMPRESSED
-        if compressed != (self.ratio is not None):
-            raise GroupSpecError(
-                f"group {self.name!r}: ratio is required for compressed groups and only for "
-                f"them, got kind={self.kind.value} ratio={self.ratio!r}"
-            )
-        if compressed:
+        if self._only_for(GroupKind.COMPRESSED, "ratio"):
             assert self.ratio is not None
             if isinstance(self.ratio, bool) or not isinstance(self.ratio, int) or self.ratio < 2:
                 raise GroupSpecError(f"group {self.name!r} ratio: expected an int >= 2")
@@ -183,7 +147,7 @@ class GroupSpec:
                 )
         if self.group_id is not None:
             try:
-                _check_group_id(self.group_id)
+                check_group_id(self.group_id)
             except GroupKeyError as exc:
                 raise GroupSpecError(f"group {self.name!r} group_id: {exc}") from None
 

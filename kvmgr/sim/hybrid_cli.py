@@ -59,6 +59,28 @@ def _row(r: VariantResult) -> dict[str, Any]:
     }
 
 
+def _table(title: str, rows: list[dict[str, Any]]) -> Table:
+    """One CPU budget's variants, a row each."""
+    table = Table(title=title)
+    for col in (
+        "variant",
+        "hit ratio",
+        "hits",
+        "MB/hit",
+        "KB/hit token",
+        "GB stored",
+        "orphans",
+    ):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in rows:
+        table.add_row(
+            str(r["variant"]), f"{r['hit_ratio']:.4f}", str(r["num_hits"]),
+            f"{r['mb_per_hit']:.1f}", f"{r['kb_per_hit_token']:.1f}",
+            f"{r['gb_stored']:.1f}", str(r["orphans_dropped"]),
+        )  # fmt: skip
+    return table
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status."""
     console = Console()
@@ -77,24 +99,8 @@ def run(args: argparse.Namespace) -> int:
     for gib in budgets:
         config = attrs.evolve(base, cpu_bytes=int(gib * 2**30))
         rows = [_row(r) for r in simulate_hybrid(config, trace)]
-        table = Table(title=f"{args.preset}, {len(trace)} requests of {path.name}, CPU {gib:g} GiB")
-        for col in (
-            "variant",
-            "hit ratio",
-            "hits",
-            "MB/hit",
-            "KB/hit token",
-            "GB stored",
-            "orphans",
-        ):
-            table.add_column(col, justify="left" if col == "variant" else "right")
-        for r in rows:
-            table.add_row(
-                str(r["variant"]), f"{r['hit_ratio']:.4f}", str(r["num_hits"]),
-                f"{r['mb_per_hit']:.1f}", f"{r['kb_per_hit_token']:.1f}",
-                f"{r['gb_stored']:.1f}", str(r["orphans_dropped"]),
-            )  # fmt: skip
-        console.print(table)
+        title = f"{args.preset}, {len(trace)} requests of {path.name}, CPU {gib:g} GiB"
+        console.print(_table(title, rows))
         out.append({"cpu_gib": gib, "runs": rows})
     console.print(
         "full: every layer as full attention (one key space); all / tail: cache groups, the "

@@ -1,7 +1,7 @@
 """The simulated serving loop: a virtual clock driving the scheduler and kvmgr's manager.
 
 Offers:
-    SimConfig       every knob of one simulation run (frozen, validated)
+    SimConfig       every knob of one simulation run (``kvmgr.sim.config``, re-exported)
     simulate        run it (synchronously) and return a ``SimReport``
     run_simulation  the same, as a coroutine, for callers that own an event loop
 
@@ -24,145 +24,27 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import torch
 
 from kvmgr.config import ManagerConfig
-from kvmgr.errors import ConfigError
 from kvmgr.manager import OffloadManager
 from kvmgr.policy import POLICIES
 from kvmgr.policy.opt import FutureUses
-from kvmgr.sim.ceiling import reuse_ceiling
+from kvmgr.sim.ceiling import ReuseCeiling, reuse_ceiling
+from kvmgr.sim.config import RunSize, SimConfig, check, scheduler_config
 from kvmgr.sim.counters import SimCounters
+from kvmgr.sim.engines import device_and_engine, failing_stores
 from kvmgr.sim.keys import BlockKeyer
 from kvmgr.sim.pages import PageStore
-from kvmgr.sim.presets import MODEL_PRESETS, get_preset
 from kvmgr.sim.report import SimReport
 from kvmgr.sim.request import SimRequest
-from kvmgr.sim.scheduler import WRITE_POLICIES, Scheduler, SchedulerConfig
-from kvmgr.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmgr.sim.scheduler import Scheduler
+from kvmgr.sim.trace import TraceRequest
 from kvmgr.transfer.engine import TransferEngine
 
 __all__ = ["ProgressFn", "SimConfig", "run_simulation", "simulate"]
 
 ProgressFn = Callable[[int, int], None]
 """Called now and then with (requests finished or rejected, requests in the run)."""
-
-_ENGINES = ("auto", "host", "cuda", "kernel")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-@attrs.frozen(kw_only=True)
-class SimConfig:
-    """One simulation run. Capacities of ``None`` mean unbounded: enough blocks for every
-    distinct prefix block of the run plus every request's private blocks.
-
-    Attributes:
-        model: geometry preset (``MODEL_PRESETS``).
-        block_size: tokens per block; divides 512.
-        gpu_tokens / cpu_tokens: tier capacities in tokens (rounded up to blocks), or ``None``.
-        policy: CPU eviction policy, a name of ``kvmgr.policy.POLICIES``; ``"opt"`` is the
-            offline optimum (it is given the trace's future), policies taking a ``clock``
-            get the virtual clock.
-        write_policy: ``"through"`` (store prefix blocks when filled) or ``"evict"`` (when the
-            GPU cache evicts them).
-        engine: ``"auto"`` (host engine without CUDA), ``"host"``, ``"cuda"``, ``"kernel"``.
-        seed: seeds the page fingerprint salts (a ``random.Random``; no global state).
-        time_scale: arrival times are multiplied by this (< 1 compresses the trace).
-        max_batched_tokens: token budget of a step. max_seqs: requests running at once.
-        watermark: fraction of GPU blocks kept available when admitting.
-        step_ms / tokens_per_s / h2d_gbps: the cost model of one step (see the module).
-        tp: tensor-parallel ranks; each moves 1/tp of the loaded bytes over its own link (GQA
-            heads split across ranks: ``h2d_gbps`` is one rank's link).
-        max_memory_bytes: refuse runs whose GPU + CPU pages would exceed this.
-        fail_rate: fraction of store batches (GPU -> CPU) that a ``kvmgr.testing.FaultyEngine``
-            fails on purpose (a soak of the failure paths; failed stores are counted and their
-            blocks recomputed later). Loads are never failed: a failed load aborts the run.
-        hint_precision / hint_recall / hint_horizon_s: give every store an oracle
-            ``StoreHint`` (does the conversation continue within ``hint_horizon_s``?) of this
-            precision and recall (``kvmgr.sim.hints``); ``None``: no hints. Only policies
-            that take hints use them.
-    """
-
-    model: str = attrs.field(default="tiny")
-    block_size: int = 64
-    gpu_tokens: int | None = 1_000_000
-    cpu_tokens: int | None = 16_000_000
-    policy: str = "lru"
-    write_policy: str = "through"
-    engine: str = "auto"
-    seed: int = 0
-    time_scale: float = 1.0
-    max_batched_tokens: int = 8192
-    max_seqs: int = 128
-    watermark: float = 0.01
-    step_ms: float = 30.0
-    tokens_per_s: float = 60_000.0
-    h2d_gbps: float = 25.0
-    tp: int = 1
-    max_memory_bytes: int = 8 << 30
-    fail_rate: float = 0.0
-    hint_precision: float | None = None
-    hint_recall: float = 0.75
-    hint_horizon_s: float = 300.0
-
-    def __attrs_post_init__(self) -> None:
-        _check(
-            self.hint_precision is None or 0.0 < self.hint_precision <= 1.0,
-            f"hint_precision: expected (0, 1] or None, got {self.hint_precision!r}",
-        )
-        _check(
-            0.0 <= self.hint_recall <= 1.0,
-            f"hint_recall: expected [0, 1], got {self.hint_recall!r}",
-        )
-        _check(self.hint_horizon_s > 0, f"hint_horizon_s: expected > 0, got {self.hint_horizon_s}")
-        _check(
-            0.0 <= self.fail_rate <= 1.0,
-            f"fail_rate: expected a fraction in [0, 1], got {self.fail_rate!r}",
-        )
-        _check(
-            self.model in MODEL_PRESETS,
-            f"model: expected one of {list(MODEL_PRESETS)}, got {self.model!r}",
-        )
-        _check(
-            self.block_size >= 1 and TRACE_BLOCK_TOKENS % self.block_size == 0,
-            f"block_size: expected a divisor of {TRACE_BLOCK_TOKENS}, got {self.block_size}",
-        )
-        page = get_preset(self.model).page_bytes(self.block_size)
-        _check(
-            page % 8 == 0 and page >= 32,
-            f"block_size: model {self.model!r} pages would be {page} B; need a multiple of "
-            "8 and >= 32 (use a larger block size)",
-        )
-        for name in ("gpu_tokens", "cpu_tokens"):
-            value = getattr(self, name)
-            _check(
-                value is None or value >= self.block_size,
-                f"{name}: expected >= block_size ({self.block_size}) or unbounded, got {value}",
-            )
-        _check(
-            self.policy in POLICIES,
-            f"policy: expected one of {sorted(POLICIES)}, got {self.policy!r}",
-        )
-        _check(
-            self.write_policy in WRITE_POLICIES,
-            f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}",
-        )
-        _check(self.engine in _ENGINES, f"engine: expected one of {_ENGINES}, got {self.engine!r}")
-        _check(self.time_scale > 0, f"time_scale: expected > 0, got {self.time_scale}")
-        _check(
-            self.max_batched_tokens >= 1 and self.max_seqs >= 1,
-            "max_batched_tokens and max_seqs: expected >= 1",
-        )
-        _check(0 <= self.watermark < 0.5, f"watermark: expected [0, 0.5), got {self.watermark}")
-        _check(
-            self.step_ms >= 0 and self.tokens_per_s > 0 and self.h2d_gbps > 0,
-            "cost model: expected step_ms >= 0, tokens_per_s > 0, h2d_gbps > 0",
-        )
-        _check(self.tp >= 1, f"tp: expected >= 1 ranks, got {self.tp}")
 
 
 def simulate(
@@ -200,62 +82,56 @@ async def run_simulation(
             the engine cannot use.
         TransferError: a copy failed.
     """
-    _check(len(requests) > 0, "the trace holds no requests")
+    check(len(requests) > 0, "the trace holds no requests")
     ceiling = reuse_ceiling(requests)
-    gpu_blocks, cpu_blocks = _capacities(config, requests, ceiling.num_distinct_blocks)
-    preset = get_preset(config.model)
-    block_bytes = preset.block_bytes(config.block_size)
-    total = (gpu_blocks + cpu_blocks) * block_bytes
-    _check(
-        total <= config.max_memory_bytes,
-        f"the run needs {total / 2**30:.2f} GiB of pages ({gpu_blocks} GPU + {cpu_blocks} CPU "
-        f"blocks x {block_bytes} B); lower the capacities or raise --max-memory-gib",
-    )
-    device = "cpu" if config.engine == "host" or not _has_cuda() or _is_host(engine) else "cuda"
-    engine_name = "host" if config.engine == "auto" and device == "cpu" else config.engine
-    rng = random.Random(config.seed)
-    pages = PageStore(
-        gpu_blocks,
-        [preset.page_bytes(config.block_size)] * preset.num_tensors,
-        device,
-        seed=rng.getrandbits(63),
-    )
+    size = RunSize.of(config, requests, ceiling.num_distinct_blocks)
+    device, engine_name = device_and_engine(config, engine)
     clock = _VirtualClock()
     options, on_admit = _policy_options(config, requests, clock)
     manager_config = ManagerConfig(
-        num_cpu_blocks=cpu_blocks,
+        num_cpu_blocks=size.cpu_blocks,
         policy=config.policy,
         engine=engine_name,
         manage_gpu_blocks=False,
         policy_options=options,
     )
-    if engine is None and config.fail_rate > 0:
-        from kvmgr.testing import FaultyEngine
-        from kvmgr.transfer import Direction, make_engine
+    engine = failing_stores(config, engine_name, device, manager_config, given=engine)
+    plan = _RunPlan(config, requests, ceiling, size, device, manager_config, on_admit, clock)
+    return await _replay(plan, engine, progress)
 
-        engine = FaultyEngine(
-            make_engine(engine_name, torch.device(device), manager_config),
-            fail_rate=config.fail_rate,
-            seed=config.seed,
-            fail_directions=(Direction.D2H,),
-        )
+
+@attrs.frozen
+class _RunPlan:
+    """What ``run_simulation`` settled before the manager starts."""
+
+    config: SimConfig
+    requests: Sequence[TraceRequest]
+    ceiling: ReuseCeiling
+    size: RunSize
+    device: str
+    manager_config: ManagerConfig
+    on_admit: Callable[[int], None] | None
+    clock: _VirtualClock
+
+
+async def _replay(
+    plan: _RunPlan, engine: TransferEngine | None, progress: ProgressFn | None
+) -> SimReport:
+    """Run the manager and the scheduler over the trace; the report of the run."""
+    config, requests, size = plan.config, plan.requests, plan.size
+    pages = PageStore(
+        size.gpu_blocks,
+        [size.page_bytes] * size.num_tensors,
+        plan.device,
+        seed=random.Random(config.seed).getrandbits(63),
+    )
     counters = SimCounters()
     start = time.perf_counter()
-    async with OffloadManager(pages.tensors, manager_config, engine=engine) as manager:
-        scheduler = Scheduler(
-            _scheduler_config(config, gpu_blocks), manager, pages, counters, on_admit=on_admit
-        )
-        if config.hint_precision is not None:
-            from kvmgr.sim.hints import oracle_hints
-
-            scheduler.swaps.hints = oracle_hints(
-                requests,
-                config.hint_precision,
-                config.hint_recall,
-                horizon_s=config.hint_horizon_s,
-                seed=config.seed,
-            )
-        await _drive(config, requests, scheduler, manager, block_bytes, progress, clock)
+    async with OffloadManager(pages.tensors, plan.manager_config, engine=engine) as manager:
+        sched_config = scheduler_config(config, size.gpu_blocks)
+        scheduler = Scheduler(sched_config, manager, pages, counters, on_admit=plan.on_admit)
+        _give_oracle_hints(scheduler, config, requests)
+        await _drive(config, requests, scheduler, manager, size.block_bytes, progress, plan.clock)
         stats = manager.statistics()
         declined = int(getattr(getattr(manager, "policy", None), "num_declined", 0))
         counters.store_declined_blocks = declined  # reported by the manager as skipped
@@ -263,17 +139,30 @@ async def run_simulation(
     return SimReport.build(
         config=config,
         counters=counters,
-        ceiling=ceiling,
+        ceiling=plan.ceiling,
         stats=stats,
         gpu_evictions=scheduler.gpu.num_evicted,
         wall_s=time.perf_counter() - start,
-        engine_used=engine_name if engine is None else engine.name,
-        gpu_blocks=gpu_blocks,
-        cpu_blocks=cpu_blocks,
-        block_bytes=block_bytes,
-        page_bytes=preset.page_bytes(config.block_size),
-        num_tensors=preset.num_tensors,
+        engine_used=plan.manager_config.engine if engine is None else engine.name,
+        **attrs.asdict(size),
         num_requests=len(requests),
+    )
+
+
+def _give_oracle_hints(
+    scheduler: Scheduler, config: SimConfig, requests: Sequence[TraceRequest]
+) -> None:
+    """With ``config.hint_precision`` set: every store gets an oracle ``StoreHint``."""
+    if config.hint_precision is None:
+        return
+    from kvmgr.sim.hints import oracle_hints
+
+    scheduler.swaps.hints = oracle_hints(
+        requests,
+        config.hint_precision,
+        config.hint_recall,
+        horizon_s=config.hint_horizon_s,
+        seed=config.seed,
     )
 
 
@@ -368,43 +257,3 @@ def _add(a: Any, b: Any) -> Any:
     return attrs.evolve(
         a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in attrs.fields(type(a))}
     )
-
-
-def _scheduler_config(config: SimConfig, gpu_blocks: int) -> SchedulerConfig:
-    return SchedulerConfig(
-        block_size=config.block_size,
-        max_batched_tokens=config.max_batched_tokens,
-        max_seqs=config.max_seqs,
-        write_policy=config.write_policy,
-        watermark_blocks=int(gpu_blocks * config.watermark),
-    )
-
-
-def _capacities(
-    config: SimConfig, requests: Sequence[TraceRequest], distinct_trace_blocks: int
-) -> tuple[int, int]:
-    bs = config.block_size
-    unbounded = distinct_trace_blocks * (TRACE_BLOCK_TOKENS // bs) + sum(
-        -(-(r.input_length + r.output_length) // bs)
-        - r.num_full_trace_blocks * (TRACE_BLOCK_TOKENS // bs)
-        for r in requests
-    )
-    largest = max(-(-(r.input_length + r.output_length) // bs) for r in requests)
-    gpu = unbounded + largest if config.gpu_tokens is None else -(-config.gpu_tokens // bs)
-    cpu = unbounded if config.cpu_tokens is None else -(-config.cpu_tokens // bs)
-    return gpu, cpu
-
-
-def _is_host(engine: TransferEngine | None) -> bool:
-    """Whether a given engine copies between CPU tensors (looking through wrappers)."""
-    from kvmgr.transfer import HostEngine
-
-    while engine is not None and not isinstance(engine, HostEngine):
-        engine = getattr(engine, "inner", None)
-    return engine is not None
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())

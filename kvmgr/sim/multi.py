@@ -27,60 +27,30 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-
-import attrs
 
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import ConfigError
 from kvmgr.manager import OffloadManager
 from kvmgr.sim.ceiling import reuse_ceiling
+from kvmgr.sim.config import RunSize, SimConfig, scheduler_config
 from kvmgr.sim.counters import SimCounters
-from kvmgr.sim.loop import SimConfig, _capacities, _scheduler_config, run_step
+from kvmgr.sim.instance_tiers import (
+    disk_file,
+    instance_tiers,
+    remove_disk_files,
+    tier_namespace,
+)
+from kvmgr.sim.loop import run_step
+from kvmgr.sim.multi_report import MultiReport, instance_report, summarize
 from kvmgr.sim.pages import PageStore
-from kvmgr.sim.presets import get_preset
-from kvmgr.sim.report import SimReport
 from kvmgr.sim.request import SimRequest
 from kvmgr.sim.scheduler import Scheduler
 from kvmgr.sim.trace import TraceRequest
 
-__all__ = ["ROUTES", "MultiReport", "run_instances"]
+__all__ = ["ROUTES", "MultiReport", "disk_file", "run_instances"]
 
 ROUTES = ("round-robin", "session")
-
-
-@attrs.frozen(kw_only=True)
-class MultiReport:
-    """One multi-instance run.
-
-    Attributes:
-        instances: one ``SimReport`` per instance.
-        route: the routing rule.
-        shared: whether a shared tier was used (its URL is never reported).
-        prompt_tokens: prompt tokens of all admitted requests.
-        hit_ratio: prompt tokens served from any tier / prompt tokens.
-        gpu_hit_ratio / cpu_hit_ratio / lower_hit_ratio: the split: the GPU prefix cache, the
-            CPU tier's own blocks, and blocks the instance fetched from its lower tiers.
-        fetched_blocks: blocks staged from lower tiers into CPU tiers.
-        tier_bytes_written / tier_bytes_read: bytes moved to and from the lower tiers.
-        page_mismatches: loaded pages with a wrong fingerprint (must be 0).
-        wall_s: seconds the run took.
-    """
-
-    instances: tuple[SimReport, ...]
-    route: str
-    shared: bool
-    prompt_tokens: int
-    hit_ratio: float
-    gpu_hit_ratio: float
-    cpu_hit_ratio: float
-    lower_hit_ratio: float
-    fetched_blocks: int
-    tier_bytes_written: int
-    tier_bytes_read: int
-    page_mismatches: int
-    wall_s: float
 
 
 def _route(route: str, index: int, request: TraceRequest, num: int) -> int:
@@ -126,16 +96,7 @@ async def run_instances(
     if not requests:
         raise ConfigError("the trace holds no requests")
     ceiling = reuse_ceiling(requests)
-    gpu_blocks, cpu_blocks = _capacities(config, requests, ceiling.num_distinct_blocks)
-    preset = get_preset(config.model)
-    page_bytes = preset.page_bytes(config.block_size)
-    block_bytes = preset.block_bytes(config.block_size)
-    total = num_instances * (gpu_blocks + cpu_blocks) * block_bytes
-    if total > config.max_memory_bytes:
-        raise ConfigError(
-            f"{num_instances} instances need {total / 2**30:.2f} GiB of pages; lower the "
-            "capacities or raise --max-memory-gib"
-        )
+    size = RunSize.of(config, requests, ceiling.num_distinct_blocks, instances=num_instances)
     seed = random.Random(config.seed).getrandbits(63)
     start = time.perf_counter()
     instances: list[_Instance] = []
@@ -143,53 +104,18 @@ async def run_instances(
     counters = [SimCounters() for _ in range(num_instances)]
     try:
         for i in range(num_instances):
-            tiers = _tiers(i, shared_url, disk_path, disk_tokens, config, block_bytes)
+            tiers = instance_tiers(i, shared_url, disk_path, disk_tokens, config, size.block_bytes)
             backends += tiers
-            pages = PageStore(gpu_blocks, [page_bytes] * preset.num_tensors, "cpu", seed=seed)
-            namespace = _namespace(config, page_bytes, preset.num_tensors)
-            manager_config = ManagerConfig(
-                num_cpu_blocks=cpu_blocks,
-                policy=config.policy,
-                engine="host",
-                manage_gpu_blocks=False,
-                tier_write_through=shared_url is not None,
-            )
-            manager = OffloadManager(
-                pages.tensors, manager_config, tiers=tiers, tier_namespace=namespace
-            )
-            await manager.__aenter__()
-            scheduler = Scheduler(
-                _scheduler_config(config, gpu_blocks), manager, pages, counters[i]
-            )
-            instances.append(_Instance(scheduler, manager, pages, bool(tiers)))
-        await _drive(config, requests, instances, route, block_bytes, progress)
-        reports = []
-        for i, inst in enumerate(instances):
-            stats = inst.manager.statistics()
-            tier_stats = inst.manager.tier_statistics()
-            reports.append(
-                (
-                    SimReport.build(
-                        config=config,
-                        counters=counters[i],
-                        ceiling=ceiling,
-                        stats=stats,
-                        gpu_evictions=inst.scheduler.gpu.num_evicted,
-                        wall_s=time.perf_counter() - start,
-                        engine_used="host",
-                        gpu_blocks=gpu_blocks,
-                        cpu_blocks=cpu_blocks,
-                        block_bytes=block_bytes,
-                        page_bytes=page_bytes,
-                        num_tensors=preset.num_tensors,
-                        num_requests=counters[i].requests_arrived,
-                    ),
-                    inst.fetched_tokens,
-                    inst.fetched_blocks,
-                    sum(b.bytes_demoted for b, _ in tier_stats),
-                    sum(b.bytes_promoted for b, _ in tier_stats),
+            instances.append(
+                await _start_instance(
+                    config, size, seed, counters[i], tiers, shared_url is not None
                 )
             )
+        await _drive(config, requests, instances, route, size.block_bytes, progress)
+        reports = [
+            instance_report(inst, config, ceiling, size, time.perf_counter() - start)
+            for inst in instances
+        ]
     finally:
         for inst in instances:
             await inst.manager.aclose()
@@ -198,64 +124,31 @@ async def run_instances(
         if disk_path is not None:  # scratch: GBs per instance, and a warm start next time
             for i in range(num_instances):
                 remove_disk_files(disk_file(disk_path, i))
-    return _summary(reports, counters, route, shared_url is not None, time.perf_counter() - start)
+    return summarize(reports, counters, route, shared_url is not None, time.perf_counter() - start)
 
 
-def _namespace(config: SimConfig, page_bytes: int, num_tensors: int) -> Any:
-    from kvmgr.tiers import TierNamespace
-
-    return TierNamespace(
-        model=f"sim-{config.model}",
-        page_bytes=(page_bytes,) * num_tensors,
-        dtype_names=("uint8",) * num_tensors,
-        block_size=config.block_size,
-    )
-
-
-def disk_file(disk_path: str | Path, index: int) -> Path:
-    """The scratch file of instance ``index``'s disk tier in the folder ``disk_path``."""
-    return Path(disk_path) / f"kvmgr-sim-instance-{index}.bin"
-
-
-def remove_disk_files(path: Path) -> bool:
-    """Delete a disk tier's scratch file and its saved index; whether any existed."""
-    found = False
-    for p in (path, path.with_name(path.name + ".index")):
-        if p.exists():
-            p.unlink()
-            found = True
-    return found
-
-
-def _tiers(
-    index: int,
-    shared_url: str | None,
-    disk_path: str | None,
-    disk_tokens: int | None,
+async def _start_instance(
     config: SimConfig,
-    block_bytes: int,
-) -> list[Any]:
-    tiers: list[Any] = []
-    if disk_path is not None:
-        from kvmgr.tiers import DiskTier
-        from kvmgr.tiers.blob import HEADER_BYTES
-
-        slots = -(-(disk_tokens or 50_000_000) // config.block_size)
-        path = disk_file(disk_path, index)
-        remove_disk_files(path)  # a previous run's blocks must not make this run start warm
-        tiers.append(
-            DiskTier(
-                path,
-                slot_bytes=HEADER_BYTES + block_bytes,
-                num_slots=slots,
-                persist_index=False,
-            )
-        )
-    if shared_url is not None:
-        from kvmgr.tiers import SharedTier
-
-        tiers.append(SharedTier(shared_url, single_tenant=True))  # one simulated tenant
-    return tiers
+    size: RunSize,
+    seed: int,
+    counters: SimCounters,
+    tiers: list[Any],
+    write_through: bool,
+) -> _Instance:
+    """One instance: its pages, its manager (started) over ``tiers``, its scheduler."""
+    pages = PageStore(size.gpu_blocks, [size.page_bytes] * size.num_tensors, "cpu", seed=seed)
+    namespace = tier_namespace(config, size.page_bytes, size.num_tensors)
+    manager_config = ManagerConfig(
+        num_cpu_blocks=size.cpu_blocks,
+        policy=config.policy,
+        engine="host",
+        manage_gpu_blocks=False,
+        tier_write_through=write_through,
+    )
+    manager = OffloadManager(pages.tensors, manager_config, tiers=tiers, tier_namespace=namespace)
+    await manager.__aenter__()
+    scheduler = Scheduler(scheduler_config(config, size.gpu_blocks), manager, pages, counters)
+    return _Instance(scheduler, manager, pages, bool(tiers))
 
 
 async def _drive(
@@ -307,33 +200,3 @@ async def _prefetch(inst: _Instance, trace: TraceRequest) -> None:
     if after > before:
         inst.fetched_blocks += after - before
         inst.fetched_tokens += (after - before) * inst.scheduler.config.block_size
-
-
-def _summary(
-    reports: list[tuple[SimReport, int, int, int, int]],
-    counters: list[SimCounters],
-    route: str,
-    shared: bool,
-    wall_s: float,
-) -> MultiReport:
-    prompt = sum(c.prompt_tokens for c in counters)
-    gpu = sum(c.gpu_hit_tokens for c in counters)
-    cpu_all = sum(c.cpu_hit_tokens for c in counters)
-    fetched = sum(r[1] for r in reports)
-    lower = min(fetched, cpu_all)  # fetched blocks are served as CPU hits
-    ratio = (lambda x: x / prompt) if prompt else (lambda x: 0.0)
-    return MultiReport(
-        instances=tuple(r[0] for r in reports),
-        route=route,
-        shared=shared,
-        prompt_tokens=prompt,
-        hit_ratio=ratio(gpu + cpu_all),
-        gpu_hit_ratio=ratio(gpu),
-        cpu_hit_ratio=ratio(cpu_all - lower),
-        lower_hit_ratio=ratio(lower),
-        fetched_blocks=sum(r[2] for r in reports),
-        tier_bytes_written=sum(r[3] for r in reports),
-        tier_bytes_read=sum(r[4] for r in reports),
-        page_mismatches=sum(c.page_mismatches for c in counters),
-        wall_s=wall_s,
-    )

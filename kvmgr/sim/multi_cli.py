@@ -21,7 +21,7 @@ from rich.table import Table
 
 from kvmgr.sim._counts import finite_count
 from kvmgr.sim._progress import progress_display
-from kvmgr.sim.loop import SimConfig
+from kvmgr.sim.config import SimConfig
 from kvmgr.sim.multi import ROUTES, MultiReport, disk_file, run_instances
 
 __all__ = ["add_multi_arguments", "check_multi_arguments", "run_multi", "wants_multi"]
@@ -165,9 +165,40 @@ def _per_instance(reports: list[tuple[str, MultiReport]]) -> Table:
     return table
 
 
+def _json(
+    runs: list[tuple[str, MultiReport]], args: argparse.Namespace, trace: Path
+) -> dict[str, Any]:
+    """The ``--json`` document of a multi-instance replay: each run's figures by name."""
+    return {
+        "trace": str(trace),
+        "instances": args.instances,
+        "route": args.route,
+        "runs": {
+            name: {
+                k: v
+                for k, v in (
+                    ("hit_ratio", r.hit_ratio),
+                    ("gpu_hit_ratio", r.gpu_hit_ratio),
+                    ("cpu_hit_ratio", r.cpu_hit_ratio),
+                    ("lower_hit_ratio", r.lower_hit_ratio),
+                    ("fetched_blocks", r.fetched_blocks),
+                    ("tier_bytes_written", r.tier_bytes_written),
+                    ("tier_bytes_read", r.tier_bytes_read),
+                    ("per_instance_hit_ratio", [i.hit_ratio for i in r.instances]),
+                    ("page_mismatches", r.page_mismatches),
+                    ("wall_s", r.wall_s),
+                )
+            }
+            for name, r in runs
+        },
+    }
+
+
 def run_multi(
     args: argparse.Namespace, config: SimConfig, requests: list[Any], trace: Path, console: Console
 ) -> int:
+    """Replay without and with the lower tiers, print the split, write ``--json``; the exit
+    status (1 when loaded pages failed their fingerprint check)."""
     if args.disk is not None:  # (the flags were checked by check_multi_arguments)
         stale = [disk_file(args.disk, i) for i in range(args.instances)]
         stale = [p for p in stale if p.exists()]
@@ -189,30 +220,7 @@ def run_multi(
         "written to / read from the lower tiers; bad: pages that failed their fingerprint."
     )
     if args.json is not None:
-        data = {
-            "trace": str(trace),
-            "instances": args.instances,
-            "route": args.route,
-            "runs": {
-                name: {
-                    k: v
-                    for k, v in (
-                        ("hit_ratio", r.hit_ratio),
-                        ("gpu_hit_ratio", r.gpu_hit_ratio),
-                        ("cpu_hit_ratio", r.cpu_hit_ratio),
-                        ("lower_hit_ratio", r.lower_hit_ratio),
-                        ("fetched_blocks", r.fetched_blocks),
-                        ("tier_bytes_written", r.tier_bytes_written),
-                        ("tier_bytes_read", r.tier_bytes_read),
-                        ("per_instance_hit_ratio", [i.hit_ratio for i in r.instances]),
-                        ("page_mismatches", r.page_mismatches),
-                        ("wall_s", r.wall_s),
-                    )
-                }
-                for name, r in runs
-            },
-        }
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        args.json.write_text(json.dumps(_json(runs, args, trace), indent=2) + "\n")
     if any(r.page_mismatches for _, r in runs):
         print("kvmgr simulate: error: loaded pages failed their fingerprint check", file=sys.stderr)
         return 1

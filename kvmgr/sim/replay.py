@@ -80,58 +80,83 @@ def replay(
     keyer = BlockKeyer(TRACE_BLOCK_TOKENS)
     all_keys = [keyer.prefix_keys(r) for r in requests]
     now = [0.0]
+    capacity = max(0, capacity_tokens // TRACE_BLOCK_TOKENS)
+    cache, future = _policy(policy, capacity, options, all_keys, lambda: now[0])
+    hinted = hints is not None and getattr(cache, "takes_hints", False)
+    tally = dict.fromkeys(_COUNTS, 0)
+    for i, (request, keys) in enumerate(zip(requests, all_keys)):
+        now[0] = request.arrival_s
+        hits = _prefix_hits(cache, keys)
+        cache.touch(keys[:hits])
+        if future is not None:
+            future.consume(i)
+        if request.arrival_s >= measure_from_s:
+            tally["prompt_tokens"] += request.input_length
+            tally["hit_tokens"] += hits * TRACE_BLOCK_TOKENS
+        hint = hints[i] if hinted and hints is not None else _NO_HINT
+        _store_misses(cache, capacity, keys, hits, hint, tally)
+    return ReplayResult(policy=policy, capacity_blocks=capacity, **tally)
+
+
+_NO_HINT = object()
+
+
+def _policy(
+    policy: str,
+    capacity: int,
+    options: dict[str, Any] | None,
+    all_keys: list[list[bytes]],
+    clock: Any,
+) -> tuple[Any, FutureUses | None]:
+    """The policy of a replay and, for ``opt``, the trace's future it consumes."""
     opts: dict[str, Any] = dict(options or {})
     future = None
     if policy == "opt":
         future = opts["future"] = FutureUses(all_keys)
     else:
-        opts.setdefault("clock", lambda: now[0])
-    capacity = max(0, capacity_tokens // TRACE_BLOCK_TOKENS)
-    cache = make_policy(policy, capacity, **_accepted(policy, opts))
+        opts.setdefault("clock", clock)
+    return make_policy(policy, capacity, **_accepted(policy, opts)), future
+
+
+def _prefix_hits(cache: Any, keys: list[bytes]) -> int:
+    """How many leading ``keys`` the policy holds."""
+    hits = 0
+    for key in keys:
+        if key not in cache:
+            break
+        hits += 1
+    return hits
+
+
+#: what a replay counts, by ``ReplayResult`` field
+_COUNTS = ("prompt_tokens", "hit_tokens", "stored_blocks", "rejected_blocks", "evicted_blocks")
+
+
+def _store_misses(
+    cache: Any, capacity: int, keys: list[bytes], hits: int, hint: Any, tally: dict[str, int]
+) -> None:
+    """Offer a request's missing blocks to the policy (``admit``, with ``hint`` when the policy
+    takes hints), keep what fits, evict to make room (never the request's own hits), insert."""
+    new = keys[hits:]
+    parents = [keys[hits - 1] if hits else None, *new[:-1]][: len(new)]
     admit = getattr(cache, "admit", None)
-    hinted = hints is not None and getattr(cache, "takes_hints", False)
-    prompt = hit = stored = rejected = evicted = 0
-    for i, (request, keys) in enumerate(zip(requests, all_keys)):
-        now[0] = request.arrival_s
-        hits = 0
-        for key in keys:
-            if key not in cache:
-                break
-            hits += 1
-        cache.touch(keys[:hits])
-        if future is not None:
-            future.consume(i)
-        if request.arrival_s >= measure_from_s:
-            prompt += request.input_length
-            hit += hits * TRACE_BLOCK_TOKENS
-        new = keys[hits:]
-        parents = [keys[hits - 1] if hits else None, *new[:-1]][: len(new)]
-        if admit is not None and new:
-            if hinted:
-                accepted = np.asarray(admit(new, parents, hints=[hints[i]] * len(new)))
-            else:
-                accepted = np.asarray(admit(new, parents), dtype=bool)
-            take = len(new) if accepted.all() else int(np.argmin(accepted))
-            rejected += len(new) - take
-            new, parents = new[:take], parents[:take]
-        new, parents = new[: max(0, capacity - hits)], parents[: max(0, capacity - hits)]
-        shortfall = len(cache) + len(new) - capacity
-        if shortfall > 0:
-            victims = cache.evict(shortfall, _any, frozenset(keys[:hits]))
-            assert victims is not None, "everything but the request's own blocks is evictable"
-            evicted += len(victims)
-        if new:
-            cache.insert(new, parents)
-            stored += len(new)
-    return ReplayResult(
-        policy=policy,
-        capacity_blocks=capacity,
-        prompt_tokens=prompt,
-        hit_tokens=hit,
-        stored_blocks=stored,
-        rejected_blocks=rejected,
-        evicted_blocks=evicted,
-    )
+    if admit is not None and new:
+        if hint is not _NO_HINT:
+            accepted = np.asarray(admit(new, parents, hints=[hint] * len(new)))
+        else:
+            accepted = np.asarray(admit(new, parents), dtype=bool)
+        take = len(new) if accepted.all() else int(np.argmin(accepted))
+        tally["rejected_blocks"] += len(new) - take
+        new, parents = new[:take], parents[:take]
+    new, parents = new[: max(0, capacity - hits)], parents[: max(0, capacity - hits)]
+    shortfall = len(cache) + len(new) - capacity
+    if shortfall > 0:
+        victims = cache.evict(shortfall, _any, frozenset(keys[:hits]))
+        assert victims is not None, "everything but the request's own blocks is evictable"
+        tally["evicted_blocks"] += len(victims)
+    if new:
+        cache.insert(new, parents)
+        tally["stored_blocks"] += len(new)
 
 
 def _any(key: bytes) -> bool:

@@ -31,6 +31,7 @@ import attrs
 
 from kvmgr.errors import PoolExhaustedError
 from kvmgr.sim.counters import SimCounters
+from kvmgr.sim.execute import execute_step
 from kvmgr.sim.gpu_cache import GPUPrefixCache
 from kvmgr.sim.keys import BlockKeyer
 from kvmgr.sim.pages import PageStore
@@ -106,7 +107,7 @@ class Scheduler:
         self.keyer = BlockKeyer(config.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self._shortfall = 0
+        self.shortfall = 0  #: blocks admission lacked this step (write-on-evict drains them)
         self._on_admit = on_admit
 
     @property
@@ -127,7 +128,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Choose this step's decodes, prefill chunks and admissions; queue their swaps."""
-        self._shortfall = 0
+        self.shortfall = 0
         plan = StepPlan()
         prefilling: list[SimRequest] = []
         num_preempted = self._schedule_decodes(plan, prefilling)
@@ -164,7 +165,7 @@ class Scheduler:
                         return num_preempted  # everything after it is preempted too
                 ids = self.gpu.allocate(1)
                 if ids is None:  # write-on-evict: cached blocks must drain first
-                    self._shortfall += 1
+                    self.shortfall += 1
                     continue
                 self._write_private(request, ids, len(request.block_ids))
                 request.block_ids.extend(ids)
@@ -215,8 +216,17 @@ class Scheduler:
         if gpu.evict_clean:
             room -= gpu.num_unreferenced(hit_ids)  # acquiring them takes them off the LRU
         if need > room:
-            self._shortfall += need
+            self.shortfall += need
             return "no_room"
+        self._place(request, num_gpu_hits, hit_ids, need)
+        return "admitted"
+
+    def _place(self, request: SimRequest, num_gpu_hits: int, hit_ids: list[int], need: int) -> None:
+        """Admit a request that fits: GPU hits acquired, CPU hits loaded, a preempted tail
+        resumed, new blocks for the rest (their private pages written), counted."""
+        bs, gpu = self.config.block_size, self.gpu
+        keys = request.keys
+        assert keys is not None
         num_cpu_hits = self.swaps.lookup(keys[num_gpu_hits:])
         self.swaps.claim(keys[num_gpu_hits + num_cpu_hits :], request.index)
         gpu.acquire(hit_ids)
@@ -245,7 +255,6 @@ class Scheduler:
             cpu_hits=num_cpu_hits,
             block_size=bs,
         )
-        return "admitted"
 
     def _write_private(self, request: SimRequest, block_ids: list[int], first: int) -> None:
         self.pages.write(block_ids, request.private_keys(first, len(block_ids)))
@@ -276,55 +285,6 @@ class Scheduler:
 
     def execute(self, plan: StepPlan, end_s: float) -> None:
         """Compute the plan's tokens (virtually), publish and store full prefix blocks, finish
-        requests, and drain cached blocks under write-on-evict; ``end_s`` is the step's end."""
-        stores: tuple[list[int], list[bytes]] = ([], [])
-        for request, chunk in plan.prefills:
-            self._run_prefill(request, chunk, stores, end_s)
-        for request in plan.decodes:
-            request.num_computed += 1
-            request.num_decoded += 1
-            if request.ttft_s is None:  # the whole prompt was a hit: nothing was prefilled
-                request.ttft_s = end_s - request.trace.arrival_s
-            if request.num_decoded >= request.trace.output_length:
-                self._finish(request)
-        self.counters.decode_tokens += len(plan.decodes)
-        if stores[0]:
-            self.swaps.store(*stores)
-        if not self.gpu.evict_clean:
-            want = self.config.watermark_blocks + self._shortfall - self.gpu.num_free
-            if want > 0:
-                self.swaps.store(*self.gpu.start_drain(want), drain=True)
-
-    def _run_prefill(
-        self,
-        request: SimRequest,
-        chunk: int,
-        stores: tuple[list[int], list[bytes]],
-        end_s: float,
-    ) -> None:
-        assert request.keys is not None
-        bs, keys = self.config.block_size, request.keys
-        before, request.num_computed = request.num_computed, request.num_computed + chunk
-        self.counters.prefill_tokens += chunk
-        if request.num_admissions > 1:
-            self.counters.recompute_tokens += chunk
-        first, last = before // bs, min(request.num_computed // bs, len(keys))
-        if last > first:
-            ids = request.block_ids[first:last]
-            self.pages.write(ids, keys[first:last])
-            ready = [i for i, b in enumerate(ids, start=first) if self.gpu.is_published(b)]
-            self.gpu.mark_ready([request.block_ids[i] for i in ready])
-            if self.gpu.evict_clean:
-                stores[0].extend(request.block_ids[i] for i in ready)
-                stores[1].extend(keys[i] for i in ready)
-        request.maybe_jump(bs)
-        if request.num_computed >= request.target and request.ttft_s is None:
-            request.ttft_s = end_s - request.trace.arrival_s
-
-    def _finish(self, request: SimRequest) -> None:
-        self.gpu.release(list(reversed(request.block_ids)))
-        request.block_ids = []
-        self.running.remove(request)
-        self.counters.requests_done += 1
-        if request.ttft_s is not None:
-            self.counters.ttft_s.append(request.ttft_s)
+        requests, and drain cached blocks under write-on-evict; ``end_s`` is the step's end
+        (``kvmgr.sim.execute``)."""
+        execute_step(self, plan, end_s)

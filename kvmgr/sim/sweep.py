@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 from rich.table import Table
 
-from kvmgr.sim.loop import SimConfig, simulate
+from kvmgr.sim.config import SimConfig
+from kvmgr.sim.loop import simulate
 from kvmgr.sim.report import SimReport
 from kvmgr.sim.trace import TraceRequest
 
@@ -96,13 +97,29 @@ def run_sweep(
     if jobs < 1:
         raise ValueError(f"expected jobs >= 1, got {jobs}")
     reports: list[SimReport | None] = [None] * len(configs)
+
+    def done(i: int, report: SimReport) -> None:
+        reports[i] = report
+        if on_done is not None:
+            on_done(i, report)
+
     if jobs == 1:
         for i, config in enumerate(configs):
             progress = None if on_progress is None else functools.partial(on_progress, i)
-            reports[i] = simulate(config, requests, progress=progress)
-            if on_done is not None:
-                on_done(i, reports[i])  # type: ignore[arg-type]
-        return [r for r in reports if r is not None]
+            done(i, simulate(config, requests, progress=progress))
+    else:
+        _run_in_processes(configs, requests, jobs, done, on_progress)
+    return [r for r in reports if r is not None]
+
+
+def _run_in_processes(
+    configs: Sequence[SimConfig],
+    requests: Sequence[TraceRequest],
+    jobs: int,
+    done: Callable[[int, SimReport], None],
+    on_progress: Callable[[int, int, int], None] | None,
+) -> None:
+    """``run_sweep`` over ``jobs`` spawned worker processes (progress through a queue)."""
     context = multiprocessing.get_context("spawn")
     with contextlib.ExitStack() as stack:
         queue = None
@@ -114,16 +131,12 @@ def run_sweep(
         }
         pending: set[concurrent.futures.Future[SimReport]] = set(futures)
         while pending:
-            done, pending = concurrent.futures.wait(
+            finished, pending = concurrent.futures.wait(
                 pending, timeout=_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
             )
             _drain(queue, on_progress)
-            for future in done:
-                i = futures[future]
-                reports[i] = future.result()
-                if on_done is not None:
-                    on_done(i, reports[i])  # type: ignore[arg-type]
-    return [r for r in reports if r is not None]
+            for future in finished:
+                done(futures[future], future.result())
 
 
 def _drain(queue: Any, on_progress: Callable[[int, int, int], None] | None) -> None:

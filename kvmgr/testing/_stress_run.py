@@ -16,43 +16,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.config import ManagerConfig
 from kvmgr.errors import ClosedError, KVMgrError, PoolExhaustedError, TransferError
 from kvmgr.manager import OffloadManager
-from kvmgr.pool.block_table import Tier
+from kvmgr.testing._stress_model import (
+    NUM_KEYS,
+    PAGES,
+    ModelRequest,
+    StressFailure,
+    check_cpu_pages,
+    check_gpu_pages,
+    key_of,
+    misuses,
+    random_config,
+    random_prompt,
+    settle_moves,
+)
 from kvmgr.testing.clock import VirtualClock
 from kvmgr.testing.faults import FaultyEngine
 from kvmgr.testing.invariants import check_invariants
 from kvmgr.transfer import HostEngine
 
-__all__ = ["Episode", "StressFailure"]
-
-#: prefix families x blocks per prompt: keys ``f * MAX_LEN + j``
-FAMILIES, MAX_LEN = 12, 8
-NUM_KEYS = FAMILIES * MAX_LEN
-PAGES = (24, 20)  # bytes of one page of the uint8 and of the int32 tensor
-
-
-class StressFailure(AssertionError):
-    """The stress found wrong bytes, a broken invariant or an untyped error; the message names
-    the seed, the operation count and the last operations."""
-
-
-def key_of(k: int) -> bytes:
-    return b"stress" + k.to_bytes(4, "little")
-
-
-class _Req:
-    """A request of the model: its prompt (key ids) and, per logical block, what is known."""
-
-    __slots__ = ("blocks", "kind", "loading", "prompt", "state", "valid")
-
-    def __init__(self, prompt: list[int], blocks: list[int]) -> None:
-        self.prompt, self.blocks = prompt, blocks
-        self.valid = [False] * len(blocks)  # holds content[prompt[j]]
-        self.loading: set[int] = set()
-        self.state = "gpu"  # "gpu" | "moving" | "cpu"
-        self.kind = ""  # "preempt" | "resume" while moving
+__all__ = ["NUM_KEYS", "PAGES", "Episode", "StressFailure"]
 
 
 class Episode:
@@ -73,15 +57,7 @@ class Episode:
             torch.randint(1, 1 << 30, (num_gpu, PAGES[1] // 4), dtype=torch.int32, generator=gen),
         ]
         self.rows = [self.kv[0], self.kv[1].view(torch.uint8)]
-        self.config = ManagerConfig(
-            num_cpu_blocks=rng.choice((4, 8, 16, 24)),
-            engine="host",
-            policy=rng.choice(("lru", "arc", "s3fifo", "reuse")),
-            flush=rng.choice(("step", "step", "tick")),
-            backpressure=rng.choice(("fail", "wait")),
-            store_wait_s=rng.choice((0.5, 5.0)),
-            merge=rng.random() < 0.8,
-        )
+        self.config = random_config(rng)
         fail_rate = rng.choice((0.0, 0.05, 0.2))
         refused = {rng.randrange(400) for _ in range(rng.randrange(3))}
         self.engine = FaultyEngine(
@@ -89,7 +65,7 @@ class Episode:
         )
         self.mgr = OffloadManager(self.kv, self.config, engine=self.engine)
         self.engine.hold()
-        self.reqs: dict[int, _Req] = {}
+        self.reqs: dict[int, ModelRequest] = {}
         self.next_req = 0
         self.futures: list[asyncio.Future[Any]] = []
         self.load_of: dict[asyncio.Future[Any], int] = {}  # load future -> its request
@@ -104,7 +80,7 @@ class Episode:
         for rows, content in zip(self.rows, self.content):
             rows[block] = content[k]
 
-    def _track(self, future: asyncio.Future[Any], what: str, req: _Req | None = None,
+    def _track(self, future: asyncio.Future[Any], what: str, req: ModelRequest | None = None,
                loading: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.futures.append(future)
 
@@ -120,11 +96,8 @@ class Episode:
             ):
                 self.counts["untyped"] += 1
                 self.log.append(f"untyped {what} failure: {error!r}")
-            if req is not None and loading:
-                req.loading.difference_update(loading)
-                if error is None:
-                    for j in loading:
-                        req.valid[j] = True
+            if req is not None:
+                req.loaded(loading, ok=error is None)
 
         future.add_done_callback(done)
 
@@ -133,7 +106,7 @@ class Episode:
             raise StressFailure(f"{what} raised an untyped {type(exc).__name__}: {exc}") from exc
         self.counts[f"refused.{what}.{type(exc).__name__}"] += 1
 
-    def _pick(self, state: str) -> tuple[int, _Req] | None:
+    def _pick(self, state: str) -> tuple[int, ModelRequest] | None:
         ids = [i for i, r in self.reqs.items() if r.state == state]
         if not ids:
             return None
@@ -145,8 +118,8 @@ class Episode:
     def op_new(self) -> None:
         """A new request: its cached prefix is loaded, the rest computed (written)."""
         rng, mgr = self.rng, self.mgr
-        family, length = rng.randrange(FAMILIES), rng.randint(1, MAX_LEN)
-        prompt = [family * MAX_LEN + j for j in range(length)]
+        prompt = random_prompt(rng)
+        length = len(prompt)
         keys = [key_of(k) for k in prompt]
         hits = mgr.lookup(keys) if rng.random() < 0.8 else mgr.peek(keys)
         rid = self.next_req
@@ -156,7 +129,7 @@ class Episode:
         except KVMgrError as exc:
             self._refused("allocate", exc)
             return
-        req = self.reqs[rid] = _Req(prompt, blocks)
+        req = self.reqs[rid] = ModelRequest(prompt, blocks)
         for j in range(hits, length):
             self._write(blocks[j], prompt[j])
             req.valid[j] = True
@@ -209,29 +182,23 @@ class Episode:
 
     def op_preempt(self) -> None:
         picked = self._pick("gpu")
-        if picked is None or picked[1].loading:
-            return
-        rid, req = picked
-        try:
-            future = self.mgr.preempt(rid)
-        except KVMgrError as exc:
-            self._refused("preempt", exc)
-            return
-        req.state, req.kind = "moving", "preempt"
-        self._track(future, "preempt")
+        if picked is not None and not picked[1].loading:
+            self._move(*picked, "preempt")
 
     def op_resume(self) -> None:
         picked = self._pick("cpu")
-        if picked is None:
-            return
-        rid, req = picked
+        if picked is not None:
+            self._move(*picked, "resume")
+
+    def _move(self, rid: int, req: ModelRequest, kind: str) -> None:
+        """Preempt or resume request ``rid``; it is ``moving`` until ``settle_moves`` sees the end."""
         try:
-            future = self.mgr.resume(rid)
+            future = self.mgr.preempt(rid) if kind == "preempt" else self.mgr.resume(rid)
         except KVMgrError as exc:
-            self._refused("resume", exc)
+            self._refused(kind, exc)
             return
-        req.state, req.kind = "moving", "resume"
-        self._track(future, "resume")
+        req.state, req.kind = "moving", kind
+        self._track(future, kind)
 
     def op_free(self) -> None:
         if not self.reqs:
@@ -280,16 +247,7 @@ class Episode:
         before = mgr.snapshot()
         k = rng.randrange(NUM_KEYS)
         held = [b for r in self.reqs.values() if r.state == "gpu" for b in r.blocks]
-        calls = [
-            lambda: mgr.allocate(-1, -1),
-            lambda: mgr.swap_in([b"never-stored"], held[:1] or [0]),
-            lambda: mgr.store_many(
-                held[:2], [b"cycle-a", b"cycle-b"], parents=[b"cycle-b", b"cycle-a"]
-            ),
-            lambda: mgr.swap_out([10**6], [key_of(k)]),
-            lambda: mgr.resume("no-such-request"),
-        ]
-        call = rng.choice(calls)
+        call = rng.choice(misuses(mgr, held, key_of(k)))
         try:
             future = call()
         except KVMgrError as exc:
@@ -324,19 +282,6 @@ class Episode:
 
     # ------------------------------------------------------------------ checks
 
-    def sync_moving(self) -> None:
-        """Requests whose preempt or resume ended (or was cancelled and ended since)."""
-        for rid, req in self.reqs.items():
-            if req.state != "moving" or self.mgr.is_moving(rid):
-                continue
-            table = self.mgr.block_table(rid)
-            on_gpu = bool(table) and table[0][0] is Tier.GPU
-            if not table:
-                on_gpu = req.kind == "preempt"  # an empty table: unchanged
-            req.state = "gpu" if on_gpu else "cpu"
-            if on_gpu:
-                req.blocks = [b for _, b in table]
-
     def check(self) -> None:
         """Invariants, every READY key's CPU pages, every known GPU page of every request."""
         if len(self.futures) > 256:
@@ -347,27 +292,8 @@ class Episode:
 
     def check_bytes(self) -> None:
         """Every READY key's CPU pages and every known GPU page of every request."""
-        self.sync_moving()
-        snap = self.mgr.snapshot()
-        ready = [(k, e.cpu_block_id) for k, e in snap.keys.items() if e.state.name == "READY"]
-        if ready:
-            ids = torch.tensor([int.from_bytes(k[6:], "little") for k, _ in ready])
-            blocks = torch.tensor([b for _, b in ready])
-            for pages, content in zip(self.mgr.cpu_pool.tensors, self.content):
-                bad = (pages[blocks] != content[ids]).any(dim=1)
-                if bad.any():
-                    key = ready[int(bad.nonzero()[0])][0]
-                    raise StressFailure(f"CPU tier serves wrong bytes for key {key!r}")
-            self.page_checks += len(ready) * len(self.content)
-        for rid, req in self.reqs.items():
-            if req.state != "gpu":
-                continue
-            known = [j for j, ok in enumerate(req.valid) if ok and j not in req.loading]
-            if not known:
-                continue
-            blocks = torch.tensor([req.blocks[j] for j in known])
-            ids = torch.tensor([req.prompt[j] for j in known])
-            for rows, content in zip(self.rows, self.content):
-                if (rows[blocks] != content[ids]).any():
-                    raise StressFailure(f"request {rid}: a GPU block holds wrong bytes")
-            self.page_checks += len(known) * len(self.content)
+        settle_moves(self.reqs, self.mgr)  # preempts and resumes that ended since
+        self.page_checks += check_cpu_pages(
+            self.mgr.snapshot(), self.mgr.cpu_pool.tensors, self.content
+        )
+        self.page_checks += check_gpu_pages(self.reqs, self.rows, self.content)

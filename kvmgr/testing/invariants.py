@@ -8,7 +8,7 @@ Offers:
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,10 +67,30 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
     """
     snap = manager.snapshot()
     problems = _check_keys(snap) + _check_cpu(snap) + _check_gpu(snap)
+    problems += _check_statistics(snap, manager.statistics())
+    problems += _check_scripted_engine(manager, snap, scan_poison)
+    if problems:
+        raise InvariantError("kvmgr invariants broken:\n- " + "\n- ".join(problems))
+
+
+def _check_scripted_engine(
+    manager: OffloadManager, snap: ManagerSnapshot, scan_poison: bool
+) -> list[str]:
+    """With a ``FaultyEngine``: its unresolved batches and, when asked, the poison scan."""
+    if not isinstance(manager.engine, FaultyEngine):
+        return []
+    problems = _check_engine(snap, manager.engine)
+    if scan_poison and manager.engine.poisons:
+        problems += _check_poison(snap, manager.cpu_pool.tensors)
+    return problems
+
+
+def _check_statistics(snap: ManagerSnapshot, stats: Any) -> list[str]:
+    """Futures resolved early, and ``statistics()`` against the snapshot."""
+    problems: list[str] = []
     for swap in snap.swaps:
         if swap.future_done and not swap.future_cancelled:
             problems.append(f"a {swap.kind}'s future resolved before its copy settled")
-    stats = manager.statistics()
     queued = sum(1 for s in snap.swaps if s.batch_seq is None and s.kind in _QUEUED_KINDS)
     if stats.batches_in_flight != len(snap.batches):
         problems.append(
@@ -87,12 +107,7 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
     loading = sum(1 for k in snap.keys.values() if k.readers)
     if stats.cpu_keys_loading != loading:
         problems.append(f"statistics: {stats.cpu_keys_loading} keys loading, snapshot {loading}")
-    if isinstance(manager.engine, FaultyEngine):
-        problems += _check_engine(snap, manager.engine)
-        if scan_poison and manager.engine.poisons:
-            problems += _check_poison(snap, manager.cpu_pool.tensors)
-    if problems:
-        raise InvariantError("kvmgr invariants broken:\n- " + "\n- ".join(problems))
+    return problems
 
 
 def _short(key: bytes) -> str:

@@ -21,6 +21,8 @@ import attrs
 import torch
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
+from kvmgr.testing._controls import ScriptControls
+from kvmgr.testing._no_copy import count_batch, no_copy_result
 from kvmgr.testing._order import Batch, BatchOrder, closed_before_copy
 from kvmgr.testing._script import POISON_BYTE, FaultScript
 from kvmgr.transfer.engine import (
@@ -39,7 +41,7 @@ __all__ = ["POISON_BYTE", "ScriptedEngine"]
 SubmitHook = Callable[[int, TransferPlan], "TransferPlan | None"]
 
 
-class ScriptedEngine(TransferEngine):
+class ScriptedEngine(ScriptControls, TransferEngine):
     """A ``TransferEngine`` that runs every copy on ``inner`` (none: copies nothing) and does to
     each batch what the test scripted.
 
@@ -252,82 +254,6 @@ class ScriptedEngine(TransferEngine):
         elif pending and type(self.inner).stream_wait is not TransferEngine.stream_wait:
             raise TransferError(f"batch {handle.batch_id} is held; its copy has not started")
 
-    # ------------------------------------------------------------------ test controls
-
-    def hold(self) -> None:
-        """Gate every batch submitted from now on until ``complete_next`` or ``release``."""
-        self._holding = True
-
-    def complete_next(self, n: int = 1, *, fail: bool = False) -> list[BatchHandle]:
-        """Start the copies of the ``n`` oldest gated batches (held or hung); with ``fail``,
-        those batches fail after their copy. Returns their handles (fewer if fewer wait).
-
-        Raises:
-            ValueError: ``n < 0``.
-        """
-        if n < 0:
-            raise ValueError(f"expected n >= 0, got {n}")
-        with self._order.lock:
-            chosen = [b for b in self._order.batches if b.gated and not b.resolved][:n]
-            for batch in chosen:
-                batch.gated = False
-                if fail:
-                    batch.fate = "fail"
-                    self._script.fail(batch.handle.batch_id)
-            self._order.start_ready()
-        return [batch.handle for batch in chosen]
-
-    def fail_later(self, batch_id: int) -> None:
-        """Make a batch whose copy has not started fail once it has run.
-
-        Raises:
-            ValueError: batch ``batch_id`` is resolved, started, or was never submitted.
-        """
-        with self._order.lock:
-            batch = self._order.by_id.get(batch_id)
-            if batch is None or batch.started:
-                raise ValueError(f"batch {batch_id} is not waiting")
-            batch.fate = "fail"
-            self._script.fail(batch_id)
-
-    def release(self) -> list[BatchHandle]:
-        """Stop holding and start every gated batch, hung ones included. Returns their handles."""
-        self._holding = False
-        return self.complete_next(len(self._order.batches))
-
-    @property
-    def waiting_batch_ids(self) -> list[int]:
-        """Batches whose copy has not started (gated, or behind a gated batch), oldest first."""
-        with self._order.lock:
-            return [b.handle.batch_id for b in self._order.batches if not b.started]
-
-    def unresolved_wait_for(self, batch_id: int) -> tuple[int, ...] | None:
-        """The ``wait_for`` batch ids given with an unresolved batch; ``None`` once it resolved."""
-        with self._order.lock:
-            batch = self._order.by_id.get(batch_id)
-            return None if batch is None else batch.wait_for_ids
-
-    @property
-    def unresolved_batch_ids(self) -> list[int]:
-        """Batches submitted and not resolved yet, oldest first."""
-        with self._order.lock:
-            return [b.handle.batch_id for b in self._order.batches]
-
-    @property
-    def num_pending(self) -> int:
-        """Batches submitted and not resolved yet."""
-        return len(self._order.batches)
-
-    @property
-    def poisons(self) -> bool:
-        """Whether failed stores' destination pages are overwritten with ``POISON_BYTE``."""
-        return self._script.poison
-
-    @property
-    def num_submitted(self) -> int:
-        """Calls to ``submit`` so far (refused ones included)."""
-        return self._next_batch_id
-
     # ------------------------------------------------------------------ internals
 
     def _complete_now(self, plan: TransferPlan) -> BatchHandle:
@@ -336,8 +262,8 @@ class ScriptedEngine(TransferEngine):
         self._next_batch_id += 1
         future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
         handle = BatchHandle(batch_id, plan.direction, future)
-        self._count(plan, ok=True)
-        future.set_result(_no_copy_result(batch_id, plan, self.name))
+        count_batch(self._totals, plan, ok=True)
+        future.set_result(no_copy_result(batch_id, plan, self.name))
         return handle
 
     def _start(self, batch: Batch, waits: Sequence[BatchHandle]) -> None:
@@ -366,31 +292,8 @@ class ScriptedEngine(TransferEngine):
         elif future is not None:
             outcome = future.result()
         else:
-            outcome = _no_copy_result(batch.handle.batch_id, batch.plan, self.name)
+            outcome = no_copy_result(batch.handle.batch_id, batch.plan, self.name)
         if future is None:
             with self._order.lock:
-                self._count(batch.plan, ok=not isinstance(outcome, BaseException))
+                count_batch(self._totals, batch.plan, ok=not isinstance(outcome, BaseException))
         self._order.finish(batch, outcome)
-
-    def _count(self, plan: TransferPlan, *, ok: bool) -> None:
-        """Count a batch of the no-copy engine."""
-        totals = self._totals
-        if not ok:
-            totals.batches_failed += 1
-            return
-        totals.batches_completed += 1
-        if plan.direction is Direction.D2H:
-            totals.bytes_d2h += plan.num_bytes
-        else:
-            totals.bytes_h2d += plan.num_bytes
-
-
-def _no_copy_result(batch_id: int, plan: TransferPlan, path: str) -> BatchResult:
-    return BatchResult(
-        batch_id=batch_id,
-        direction=plan.direction,
-        num_bytes=plan.num_bytes,
-        num_descriptors=0,
-        device_s=None,
-        path=path,
-    )

@@ -75,6 +75,15 @@ class SlotTable:
             self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
         return entry
 
+    def pin_reads(self, keys: list[bytes]) -> list[tuple[int, int, int, bytes]]:
+        """``(slot, blob bytes, position, key)`` of each readable key, pinned (``pin``)."""
+        reads = []
+        for pos, key in enumerate(keys):
+            entry = self.pin(key)
+            if entry is not None:
+                reads.append((entry[0], entry[1], pos, key))
+        return reads
+
     def unpin(self, slot: int) -> None:
         """A read of ``slot`` ended."""
         left = self._pins[slot] - 1

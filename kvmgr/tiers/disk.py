@@ -17,7 +17,8 @@ Direct I/O: files open with ``O_DIRECT`` when ``direct=True`` and the filesystem
 and an aligned probe read (tmpfs does not); otherwise buffered I/O. ``statistics().io_mode``
 says which. Slot bytes are a multiple of 4 KiB; slot-sized blobs at 4 KiB-aligned addresses
 (``TierBridge`` pads its rows so, see ``blob_alignment``) are written by ``pwritev`` as they
-are, others through aligned staging buffers. Files and I/O: ``kvmgr.tiers._slot_files``.
+are, others through aligned staging buffers. Files and I/O: ``kvmgr.tiers._slot_files``;
+the tier's writes, reads and index saves over them, errors as tier errors: ``_disk_io``.
 
 Restart: ``aclose()`` saves the index beside the first file (``PATH.index``); the next
 ``DiskTier`` with the same geometry loads it and removes the file. A stale or torn entry cannot
@@ -34,7 +35,6 @@ files and threads before raising ``TierFullError``.
 from __future__ import annotations
 
 import asyncio
-import errno
 import math
 import os
 import time
@@ -49,13 +49,21 @@ from kvmgr.errors import (
     InvalidArgumentError,
     InvalidKeyError,
     TierError,
-    TierFullError,
     TierTimeoutError,
     TierUnavailableError,
 )
-from kvmgr.tiers._disk_index import load_index, save_index
+from kvmgr.tiers._disk_index import load_index
+from kvmgr.tiers._disk_io import (
+    DiskIO,
+    fold_reads,
+    open_slot_files,
+    plan_writes,
+    read_and_release,
+    save_index_or_error,
+    write_and_commit,
+)
 from kvmgr.tiers._disk_slots import SlotTable
-from kvmgr.tiers._slot_files import ALIGN_BYTES, MAX_RUN_BYTES, FileInUseError, SlotFiles
+from kvmgr.tiers._slot_files import ALIGN_BYTES, MAX_RUN_BYTES
 from kvmgr.tiers.base import (
     Buffer,
     PutResult,
@@ -64,7 +72,6 @@ from kvmgr.tiers.base import (
     check_keys,
     with_deadline,
 )
-from kvmgr.tiers.blob import blob_length
 
 __all__ = ["ALIGN_BYTES", "DiskTier"]
 
@@ -116,20 +123,7 @@ class DiskTier:
         self._paths = [Path(path)] + [Path(f"{path}.{i}") for i in range(1, num_files)]
         self._deadline_s = deadline_s
         self._persist = persist_index
-        try:
-            self._files = SlotFiles(self._paths, self.slot_bytes, num_slots, direct)
-        except FileInUseError:
-            raise TierUnavailableError(
-                f"disk tier {os.fspath(path)}: in use by another open DiskTier (its files are "
-                "locked; one tier per file, one process per tier)"
-            ) from None
-        except OSError as exc:
-            size_gb = self.slot_bytes * num_slots / 1e9
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TierFullError(
-                    f"disk tier {os.fspath(path)}: no room to preallocate {size_gb:.3g} GB"
-                ) from None
-            raise TierUnavailableError(f"disk tier {os.fspath(path)}: {exc.strerror}") from None
+        self._files = open_slot_files(self._paths, self.slot_bytes, num_slots, direct)
         self.is_direct = self._files.is_direct
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvmgr-disk")
         self._inflight: set[asyncio.Task[object]] = set()
@@ -140,6 +134,7 @@ class DiskTier:
         if persist_index:
             saved = load_index(self._index_path(), self._geometry(), num_slots, self.slot_bytes)
         self._slots = SlotTable(num_slots, saved)
+        self._io = DiskIO(self._files, self._pool, self._slots, self._counters)
 
     def __repr__(self) -> str:
         return (
@@ -173,9 +168,9 @@ class DiskTier:
         self._check_open()
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
-        writes, positions = self._plan_writes(keys, views, stored)
+        writes, positions = plan_writes(self._io, keys, views, stored)
         self._slots.pending.update(w[1] for w in writes)
-        task = asyncio.ensure_future(self._write_and_commit(writes))
+        task = asyncio.ensure_future(write_and_commit(self._io, writes, self._write_run))
         self._track(task)
         try:
             await with_deadline(asyncio.shield(task), self._deadline_s, "disk put_many")
@@ -189,42 +184,14 @@ class DiskTier:
         num_bytes = sum(w[3] for w in writes)
         return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
 
-    def _plan_writes(
-        self, keys: list[bytes], views: list[memoryview], stored: np.ndarray
-    ) -> tuple[list[tuple[int, bytes, memoryview, int]], list[int]]:
-        """``(slot, key, view, blob bytes)`` per blob to write, and the blobs' positions;
-        ``stored[i]`` set where the key is there already. Blobs that find no slot are counted
-        in ``num_full`` and not written."""
-        new: list[tuple[int, bytes, memoryview]] = []  # (position, key, view)
-        for i, key in enumerate(keys):
-            if self._slots.is_stored(key):
-                stored[i] = True
-            else:
-                new.append((i, key, views[i]))
-        slots, num_evicted = self._slots.reserve(len(new))
-        self._counters.num_evicted += num_evicted
-        if len(slots) < len(new):
-            self._counters.num_full += len(new) - len(slots)
-            new = new[: len(slots)]
-        writes = [
-            (slot, key, view, blob_length(view) or view.nbytes)
-            for slot, (_i, key, view) in zip(slots, new)
-        ]
-        return writes, [i for i, _k, _v in new]
-
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Read the blobs (structure checked; the bridge verifies them); see ``TierBackend.get_many``."""
         keys = check_keys(keys)
         self._check_open()
         start = time.perf_counter()
-        reads: list[tuple[int, int, int, bytes]] = []  # (slot, length, position, key)
-        for pos, key in enumerate(keys):
-            entry = self._slots.pin(key)
-            if entry is not None:
-                reads.append((entry[0], entry[1], pos, key))
-        task = asyncio.ensure_future(self._read_and_release(reads))
+        reads = self._slots.pin_reads(keys)
+        task = asyncio.ensure_future(read_and_release(self._io, reads))
         self._track(task)
-        out: list[Buffer | None] = [None] * len(keys)
         try:
             results, num_failed = await with_deadline(
                 asyncio.shield(task), self._deadline_s, "disk get_many"
@@ -236,17 +203,7 @@ class DiskTier:
             raise
         finally:
             self._counters.add_get_time(time.perf_counter() - start)
-        self._counters.num_corrupt += sum(b is None for b in results) - num_failed
-        for (_slot, length, pos, _key), blob in zip(reads, results):
-            if blob is None:
-                continue
-            else:
-                out[pos] = blob
-                self._counters.bytes_read += length
-        num_hits = sum(b is not None for b in out)
-        self._counters.num_hits += num_hits
-        self._counters.num_misses += len(keys) - num_hits
-        return out
+        return fold_reads(self._io, len(keys), reads, results, num_failed)
 
     async def contains_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """bool ``[n]`` from the in-memory index (no I/O)."""
@@ -286,7 +243,7 @@ class DiskTier:
                     f"{self._deadline_s:g} s at close; index not saved"
                 )
             elif self._persist:
-                error = self._save_index()
+                error = save_index_or_error(self._index_path(), self._geometry(), self._slots.index)
         finally:
             self._pool.shutdown(wait=not stuck, cancel_futures=True)
             self._files.close()  # (deferred to the last stuck call's return)
@@ -294,79 +251,15 @@ class DiskTier:
             self._counters.last_error = str(error)
             raise error
 
-    def _save_index(self) -> TierError | None:
-        try:
-            save_index(self._index_path(), self._geometry(), self._slots.index)
-        except OSError as exc:
-            where = f"disk tier {os.fspath(self._paths[0])}: index not saved"
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                return TierFullError(f"{where}: the disk is full")
-            return TierError(f"{where}: {exc.strerror or exc}")
-        return None
-
     def statistics(self) -> TierStatistics:
         """Totals since construction (``io_mode`` ``"direct"`` or ``"buffered"``)."""
         return self._counters.snapshot()
 
     # ---- I/O ------------------------------------------------------------------------------
 
-    async def _write_and_commit(self, writes: list[tuple[int, bytes, memoryview, int]]) -> None:
-        """Write ``(slot, key, view, blob bytes)`` entries; then index them, or free the slots."""
-        loop = asyncio.get_running_loop()
-        slots = [w[0] for w in writes]
-        jobs = []
-        for run in self._files.runs(slots):
-            file, offset = self._files.locate(slots[run[0]])
-            views = [writes[i][2] for i in run]
-            jobs.append(loop.run_in_executor(self._pool, self._write_run, file, offset, views))
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        self._slots.commit([(slot, key, length) for slot, key, _view, length in writes], not errors)
-        if errors:
-            exc = errors[0]
-            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._counters.num_full += len(writes) if full else 0
-            self._counters.num_errors += 0 if full else 1
-            message = f"disk write failed: {getattr(exc, 'strerror', None) or exc!r}"
-            self._counters.last_error = message
-            raise (TierFullError if full else TierError)(message)
-        self._counters.num_stored += len(writes)
-        self._counters.bytes_written += sum(w[3] for w in writes)
-
     def _write_run(self, file: int, offset: int, views: list[memoryview]) -> None:
         """One run's write, in a worker thread (a method, so tests can stall the device)."""
         self._files.pwrite_run(file, offset, views)
-
-    async def _read_and_release(
-        self, reads: list[tuple[int, int, int, bytes]]
-    ) -> tuple[list[memoryview | None], int]:
-        """Verified blob (or ``None``) per read, and how many reads failed with an I/O error."""
-        loop = asyncio.get_running_loop()
-        out: list[memoryview | None] = [None] * len(reads)
-        num_failed = 0
-        try:
-            slots = [r[0] for r in reads]
-            runs = self._files.runs(slots)
-            jobs = []
-            for run in runs:
-                file, offset = self._files.locate(slots[run[0]])
-                items = [(reads[i][1], reads[i][3]) for i in run]
-                jobs.append(
-                    loop.run_in_executor(self._pool, self._files.pread_run, file, offset, items)
-                )
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-            for run, result in zip(runs, results):
-                if isinstance(result, BaseException):
-                    num_failed += len(run)
-                    self._counters.num_errors += 1
-                    self._counters.last_error = f"disk read failed: {result!r}"
-                    continue
-                for i, blob in zip(run, result):
-                    out[i] = blob
-        finally:
-            for slot in (r[0] for r in reads):
-                self._slots.unpin(slot)
-        return out, num_failed
 
     # ---- files and the saved index ------------------------------------------------------
 

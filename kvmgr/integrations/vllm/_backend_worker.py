@@ -38,7 +38,6 @@ import attrs
 import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -49,30 +48,10 @@ from vllm.v1.kv_offload.base import (
 from kvmgr.errors import TransferError
 from kvmgr.integrations.vllm import _seam
 from kvmgr.integrations.vllm._fault_table import FaultTable
+from kvmgr.integrations.vllm._worker_jobs import Batch, Job, job_of, succeeded
 from kvmgr.transfer import BatchHandle, Direction, TransferEngine
 
 __all__ = ["KvmgrOffloadingWorker", "WorkerStatistics"]
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-@attrs.define(eq=False)
-class _Job:
-    job_id: int
-    gpu_ids: np.ndarray  # int64 GPU block ids
-    cpu_ids: np.ndarray  # int64 CPU sub-block ids, same length
-    chunk_ids: np.ndarray  # int64 CPU chunk ids (stores: for the fault table)
-    seq: int  # store sequence number (0 for loads)
-
-
-@attrs.define(eq=False)
-class _Batch:
-    batch_id: int
-    direction: Direction
-    handle: BatchHandle
-    jobs: list[_Job]
-    gpu_ids: np.ndarray
-    reported: bool = False  # a failed load already counted / raised
 
 
 @attrs.frozen
@@ -129,10 +108,10 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         #: this rank's copies: its KV tensors, its CPU tier of ``num_chunks * bpc`` blocks
         self.copies = _seam.rank_copies(gpu, max(1, num_chunks) * blocks_per_chunk, engine)
         self._faults = faults
-        self._stores: list[_Job] = []
-        self._loads: list[_Job] = []
-        self._expedited: list[_Job] = []
-        self._in_flight: list[_Batch] = []
+        self._stores: list[Job] = []
+        self._loads: list[Job] = []
+        self._expedited: list[Job] = []
+        self._in_flight: list[Batch] = []
         self._load_errors: set[int] = set()
         self._next_batch_id = 0
         self._stats = WorkerStatistics()
@@ -169,8 +148,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             TransferError: a load failed and no load-error channel is set (module docstring).
         """
         self._flush()
-        done: list[_Batch] = []
-        pending: list[_Batch] = []
+        done: list[Batch] = []
+        pending: list[Batch] = []
         for batch in self._in_flight:  # one look at each: a batch ending meanwhile waits
             (done if batch.handle.done() else pending).append(batch)
         if not done:
@@ -233,21 +212,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
 
     # -- private ------------------------------------------------------------------------------
 
-    def _job(self, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec) -> _Job:
-        assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
-        chunks = cpu_spec.block_ids.astype(np.int64)
-        gpu = gpu_spec.block_ids.astype(np.int64)
-        bpc = self.blocks_per_chunk
-        if bpc == 1:
-            cpu = chunks
-        else:  # GPU block k of group g sits at sub-block (first + k) % bpc of its chunk
-            parts, c0 = [], 0
-            for size, first in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
-                pos = first % bpc + np.arange(size, dtype=np.int64)
-                parts.append(chunks[c0 + pos // bpc] * bpc + pos % bpc)
-                c0 += -(-(first % bpc + size) // bpc) if size else 0
-            cpu = np.concatenate(parts) if parts else _EMPTY
-        return _Job(job_id, gpu, cpu, chunks, int(getattr(cpu_spec, "store_seq", 0)))
+    def _job(self, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec) -> Job:
+        return job_of(job_id, gpu_spec, cpu_spec, self.blocks_per_chunk)
 
     def _flush(self) -> None:
         self._flush_stores()
@@ -261,7 +227,7 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             self._submit(Direction.D2H, self._stores)
             self._stores.clear()
 
-    def _submit(self, direction: Direction, jobs: Sequence[_Job]) -> None:
+    def _submit(self, direction: Direction, jobs: Sequence[Job]) -> None:
         gpu = np.concatenate([j.gpu_ids for j in jobs])
         cpu = np.concatenate([j.cpu_ids for j in jobs])
         dst = cpu if direction is Direction.D2H else gpu
@@ -284,13 +250,13 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             future.set_exception(exc)
             handle = BatchHandle(-1, direction, future)
-        self._in_flight.append(_Batch(batch_id, direction, handle, list(jobs), gpu))
+        self._in_flight.append(Batch(batch_id, direction, handle, list(jobs), gpu))
         if direction is Direction.D2H:
             self._bump(num_store_batches=1)
         else:
             self._bump(num_load_batches=1)
 
-    def _finish(self, batch: _Batch) -> list[TransferResult]:
+    def _finish(self, batch: Batch) -> list[TransferResult]:
         """TransferResults of an ended batch (its failure recorded first)."""
         error = batch.handle.future.exception()
         if error is not None:
@@ -299,21 +265,9 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             else:
                 self._load_failed(batch)
             return [TransferResult(j.job_id, True) for j in batch.jobs]
-        result = batch.handle.future.result()
-        total = max(1, len(batch.gpu_ids))
-        seconds = result.device_s or 0.0
-        block_bytes = result.num_bytes / total
-        return [
-            TransferResult(
-                j.job_id,
-                True,
-                int(block_bytes * len(j.gpu_ids)),
-                seconds * len(j.gpu_ids) / total,
-            )
-            for j in batch.jobs
-        ]
+        return succeeded(batch)
 
-    def _store_failed(self, batch: _Batch, error: BaseException) -> None:
+    def _store_failed(self, batch: Batch, error: BaseException) -> None:
         if self._faults is None:
             raise TransferError(f"store copy failed and no fault table is set: {error}") from error
         for job in batch.jobs:
@@ -321,7 +275,7 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             self._faults.record(self.rank, job.chunk_ids, seqs)
         self._bump(num_failed_store_jobs=len(batch.jobs))
 
-    def _load_failed(self, batch: _Batch) -> None:
+    def _load_failed(self, batch: Batch) -> None:
         if batch.reported:
             return
         batch.reported = True

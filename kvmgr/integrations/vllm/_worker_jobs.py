@@ -1,0 +1,85 @@
+"""What the vLLM worker moves: a vLLM job as kvmgr block ids, a kvmgr batch of jobs, and the
+results vLLM gets back for a batch that succeeded.
+
+Private to ``kvmgr.integrations.vllm`` (``_backend_worker`` documents the CPU tier's layout:
+sub-block ``chunk * blocks_per_chunk + i`` holds GPU block ``i`` of that chunk).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    TransferResult,
+)
+
+from kvmgr.transfer import BatchHandle, Direction
+
+__all__ = ["Batch", "Job", "job_of", "succeeded"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@attrs.define(eq=False)
+class Job:
+    """One vLLM job as kvmgr block ids."""
+
+    job_id: int
+    gpu_ids: np.ndarray  # int64 GPU block ids
+    cpu_ids: np.ndarray  # int64 CPU sub-block ids, same length
+    chunk_ids: np.ndarray  # int64 CPU chunk ids (stores: for the fault table)
+    seq: int  # store sequence number (0 for loads)
+
+
+@attrs.define(eq=False)
+class Batch:
+    """One kvmgr engine batch of jobs (one direction)."""
+
+    batch_id: int
+    direction: Direction
+    handle: BatchHandle
+    jobs: list[Job]
+    gpu_ids: np.ndarray
+    reported: bool = False  # a failed load already counted / raised
+
+
+def job_of(
+    job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec, blocks_per_chunk: int
+) -> Job:
+    """A vLLM job as kvmgr block ids: its GPU blocks and, for each, the CPU sub-block
+    ``chunk * blocks_per_chunk + i`` that holds it."""
+    assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)
+    chunks = cpu_spec.block_ids.astype(np.int64)
+    gpu = gpu_spec.block_ids.astype(np.int64)
+    bpc = blocks_per_chunk
+    if bpc == 1:
+        cpu = chunks
+    else:  # GPU block k of group g sits at sub-block (first + k) % bpc of its chunk
+        parts, c0 = [], 0
+        for size, first in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
+            pos = first % bpc + np.arange(size, dtype=np.int64)
+            parts.append(chunks[c0 + pos // bpc] * bpc + pos % bpc)
+            c0 += -(-(first % bpc + size) // bpc) if size else 0
+        cpu = np.concatenate(parts) if parts else _EMPTY
+    return Job(job_id, gpu, cpu, chunks, int(getattr(cpu_spec, "store_seq", 0)))
+
+
+def succeeded(batch: Batch) -> list[TransferResult]:
+    """The ``TransferResult`` of each job of a batch that succeeded: its share of the bytes and
+    of the device time, by its number of blocks."""
+    result = batch.handle.future.result()
+    total = max(1, len(batch.gpu_ids))
+    seconds = result.device_s or 0.0
+    block_bytes = result.num_bytes / total
+    return [
+        TransferResult(
+            j.job_id,
+            True,
+            int(block_bytes * len(j.gpu_ids)),
+            seconds * len(j.gpu_ids) / total,
+        )
+        for j in batch.jobs
+    ]
