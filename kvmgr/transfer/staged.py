@@ -45,9 +45,10 @@ from kvmgr.transfer.streams import CopyIssuer, Issued
 
 __all__ = ["DEFAULT_STAGING_BYTES", "StagedCopy", "host_runs", "staged_descriptors"]
 
-#: Staging bytes per (direction, page geometry): 512 blocks of Qwen2.5-0.5B (48 x 4 KiB) fit in
-#: one chunk; Llama-3-8B (64 x 32 KiB, 2 MiB blocks) goes in 128-block chunks.
-DEFAULT_STAGING_BYTES = 256 << 20
+#: Staging bytes per (direction, page geometry), engine "auto"'s default: 320 blocks of
+#: Qwen2.5-0.5B (48 x 4 KiB) a chunk, 31 of Llama-3-8B (64 x 32 KiB); the chunks of a plan run
+#: back to back on its stream, each adding one launch and one driver call of host time.
+DEFAULT_STAGING_BYTES = 64 << 20
 _ALIGN = 256  # each tensor's staging pages start on this many bytes
 
 
