@@ -194,3 +194,36 @@ def test_choice_copy_stages_where_told_and_where_it_can() -> None:
     choice.duplex = {H2D: ("staged", 1, 1)}
     choice.issue(plan, None)
     assert log == ["staged:h2d", "kernel:h2d", "staged:h2d", "dma:h2d"]
+
+
+class _PlansHost(_DuplexHost):
+    """``_DuplexHost`` that also takes the plans themselves (as engine ``"auto"`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[tuple[int | None, int | None]] = []
+
+    def plan_duplex_plans(self, d2h, h2d):  # type: ignore[no-untyped-def]
+        from kvmgr.transfer.staged import host_runs
+
+        self.runs.append((host_runs(d2h), host_runs(h2d)))
+        return H2D, D2H
+
+
+@pytest.mark.asyncio
+async def test_worker_hands_the_plans_to_an_engine_that_takes_them() -> None:
+    caches = [torch.randn(16, 4, 8) for _ in range(3)]
+    engine = _PlansHost()
+    keys = [hashlib.blake2b(bytes([i])).digest() for i in range(6)]
+    async with OffloadManager(caches, ManagerConfig(num_cpu_blocks=32), engine=engine) as mgr:
+        first = mgr.store_many(mgr.allocate("a", 3), keys[:3])
+        await mgr.step()
+        await first
+        store = mgr.store_many(mgr.allocate("b", 3), keys[3:])
+        load = mgr.load_many(keys[:3], mgr.allocate("c", 3))
+        await mgr.step()
+        await store
+        await load
+    # fresh CPU ids: one run each way; the counts-only hook is not asked
+    assert engine.runs == [(1, 1)] and engine.asked == []
+    assert engine.order == [D2H, H2D, D2H]

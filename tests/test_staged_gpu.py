@@ -34,7 +34,7 @@ POISON = 0xA5
 def test_staged_bytes_on_the_gpu(direction: Direction, staging_blocks: int) -> None:
     rng = np.random.default_rng(staging_blocks)
     driver = CopyDriver()
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())  # the paged kernel's own device
     move = KernelCopy(cuda, driver, d2h_programs=32, h2d_programs=32)
     staged = StagedCopy(cuda, move, DmaCopy(driver, "batch", 8192),
                         staging_bytes=staging_blocks * (sum(PAGES) + 256 * len(PAGES)))  # fmt: skip
@@ -63,6 +63,7 @@ def test_staged_bytes_on_the_gpu(direction: Direction, staging_blocks: int) -> N
         issued = staged.issue(plan, stream)
         assert issued.error is None and issued.path == "staged"
     stream.synchronize()
+    assert move.stager._layouts  # the paged kernel's path (layout tables), not descriptors
     if issued.release is not None:
         issued.release()
     s, d = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)

@@ -192,7 +192,9 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
         plans = _plans(pool, args.blocks, rng, args.host_runs)
         num_bytes = plans[_D2H][0].num_bytes
         dma = DmaCopy(driver, "batch", 8192)
-        cuda = torch.device("cuda")
+        # with its index: KernelCopy takes the paged path only for layouts on its own device
+        # (a plain "cuda" device made every kernel row here use the descriptor kernel)
+        cuda = torch.device("cuda", torch.cuda.current_device())
         kernel = KernelCopy(cuda, driver) if KERNEL_AVAILABLE else None
         issuers: dict[str, Any] = {"dma": dma}
         move = None
