@@ -78,12 +78,12 @@ def test_choice_copy_takes_the_duplex_path_once() -> None:
     choice = ChoiceCopy(_Recorder("dma", log), _Recorder("kernel", log), lambda p, b: False)  # type: ignore[arg-type]
     one = np.array([1], dtype=np.int64)
     plan = TransferPlan(D2H, one, one, one)
-    choice.duplex = {D2H: (True, 1, 1), H2D: (False, 1, 1)}
+    choice.duplex = {D2H: ("kernel", 1, 1), H2D: ("dma", 1, 1)}
     choice.issue(plan, None)
     choice.issue(plan, None)  # used once: back to the per-plan choice
     assert log == ["kernel:d2h", "dma:d2h"]
-    assert choice.duplex == {H2D: (False, 1, 1)}
-    choice.duplex = {D2H: (True, 2, 1)}  # meant for another plan: ignored, and dropped
+    assert choice.duplex == {H2D: ("dma", 1, 1)}
+    choice.duplex = {D2H: ("kernel", 2, 1)}  # meant for another plan: ignored, and dropped
     choice.issue(plan, None)
     assert log[-1] == "dma:d2h" and not choice.duplex
 
@@ -124,4 +124,106 @@ async def test_flusher_submits_in_the_engines_order() -> None:
     block_bytes = 3 * 4 * 8 * 4
     # exact counts from the plans: two consecutive blocks each way merge into one run per tensor
     assert engine.asked == [((3, 2 * block_bytes), (3, 2 * block_bytes))]
+    assert engine.order == [D2H, H2D, D2H]
+
+
+# ------------------------------------------------------------------ the staged path (issue 24)
+
+
+def test_staged_is_chosen_only_where_cpu_ids_run() -> None:
+    for n, num_bytes in (QWEN, LLAMA):
+        tensors = n // 512
+        # scattered CPU ids: the staged DMA has as many descriptors as the plain one, plus a copy
+        scattered = duplex_choice((n, num_bytes), (n, num_bytes), staged=(n, n))
+        assert "staged" not in (scattered.path(D2H), scattered.path(H2D))
+        # 512 consecutive CPU ids: one descriptor per tensor each way, both staged
+        runs = duplex_choice((n, num_bytes), (n, num_bytes), staged=(tensors, tensors))
+        assert runs.path(D2H) == runs.path(H2D) == "staged"
+        assert not runs.kernel(D2H) and not runs.kernel(H2D)
+        assert runs.us < scattered.us
+        # not stageable one way: that way keeps its old paths
+        one = duplex_choice((n, num_bytes), (n, num_bytes), staged=(tensors, None))
+        assert one.path(H2D) != "staged"
+    alone = duplex_choice((0, 0), QWEN, staged=(None, 48))
+    assert alone.first is H2D and alone.path(H2D) == "staged" and alone.path(D2H) == "dma"
+
+
+def test_choose_path_keeps_the_old_choice_without_staging() -> None:
+    from kvmgr.transfer.duplex import choose_path
+
+    assert choose_path(*QWEN, D2H) == "kernel"
+    assert choose_path(48, 48 * 32768, D2H) == "dma"
+    assert choose_path(*QWEN, D2H, staged_descriptors=48) == "staged"
+    assert choose_path(*QWEN, D2H, staged_descriptors=QWEN[0]) == "kernel"
+
+
+def test_fit_duplex_reads_the_mixed_and_gather_rows() -> None:
+    rows = [
+        {"variant": "kernel+contiguous", "gbps": 80.0},
+        {"variant": "contiguous+kernel", "gbps": 60.0},
+        {"variant": "gather d2h", "gbps": 900.0},
+        {"variant": "scatter h2d", "gbps": 700.0},
+    ]
+    calib = Calibration.fit_duplex(rows)
+    assert calib.duplex_mixed_gbps == 70.0 and calib.staged_gather_gbps == 800.0
+    assert calib.duplex_limit_gbps == Calibration().duplex_limit_gbps  # no row: kept
+
+
+class _Staged(_Recorder):
+    def __init__(self, log: list[str], stageable: bool) -> None:
+        super().__init__("staged", log)
+        self.stageable = stageable
+
+    def can_stage(self, plan: TransferPlan) -> bool:
+        return self.stageable
+
+
+def test_choice_copy_stages_where_told_and_where_it_can() -> None:
+    log: list[str] = []
+    one = np.array([1], dtype=np.int64)
+    plan = TransferPlan(H2D, one, one, one)
+    staged = _Staged(log, stageable=True)
+    choice = ChoiceCopy(_Recorder("dma", log), _Recorder("kernel", log), lambda p, b: True,  # type: ignore[arg-type]
+                        staged, lambda p: False)  # type: ignore[arg-type]  # fmt: skip
+    choice.duplex = {H2D: ("staged", 1, 1)}
+    choice.issue(plan, None)  # the step's pair says staged
+    choice.issue(plan, None)  # then the per-plan choice: stage() says no, choose() says kernel
+    choice.stage = lambda p: True
+    choice.issue(plan, None)
+    staged.stageable = False  # cannot stage this plan: the per-plan choice decides
+    choice.duplex = {H2D: ("staged", 1, 1)}
+    choice.issue(plan, None)
+    assert log == ["staged:h2d", "kernel:h2d", "staged:h2d", "dma:h2d"]
+
+
+class _PlansHost(_DuplexHost):
+    """``_DuplexHost`` that also takes the plans themselves (as engine ``"auto"`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[tuple[int | None, int | None]] = []
+
+    def plan_duplex_plans(self, d2h, h2d):  # type: ignore[no-untyped-def]
+        from kvmgr.transfer.staged import host_runs
+
+        self.runs.append((host_runs(d2h), host_runs(h2d)))
+        return H2D, D2H
+
+
+@pytest.mark.asyncio
+async def test_worker_hands_the_plans_to_an_engine_that_takes_them() -> None:
+    caches = [torch.randn(16, 4, 8) for _ in range(3)]
+    engine = _PlansHost()
+    keys = [hashlib.blake2b(bytes([i])).digest() for i in range(6)]
+    async with OffloadManager(caches, ManagerConfig(num_cpu_blocks=32), engine=engine) as mgr:
+        first = mgr.store_many(mgr.allocate("a", 3), keys[:3])
+        await mgr.step()
+        await first
+        store = mgr.store_many(mgr.allocate("b", 3), keys[3:])
+        load = mgr.load_many(keys[:3], mgr.allocate("c", 3))
+        await mgr.step()
+        await store
+        await load
+    # fresh CPU ids: one run each way; the counts-only hook is not asked
+    assert engine.runs == [(1, 1)] and engine.asked == []
     assert engine.order == [D2H, H2D, D2H]

@@ -9,15 +9,20 @@ engines do). Variants:
 
 - ``limit``: two contiguous copies of the same bytes in opposite directions at once (``torch``
   ``copy_`` on the two streams);
-- every pair of ``dma`` / ``kernel`` per direction (``<d2h>+<h2d>``) issued from one thread, the
-  kernel first in mixed pairs; ``dma+dma threads``: each direction's driver call on its own host
+- every pair of ``dma`` / ``kernel`` / ``staged`` per direction (``<d2h>+<h2d>``) issued from
+  one thread, the cheaper to issue first (kernel, then staged, then dma); ``dma+dma threads``: each direction's driver call on its own host
   thread (is the driver call what serializes?);
 - ``contiguous+kernel`` / ``kernel+contiguous``: the kernel one way against an ideal contiguous
   DMA copy the other way (which direction of SM copies slows the link for the other; not checked
   for bytes: the contiguous half copies other buffers);
-- ``staged+kernel``: the store gathered by the kernel into a contiguous GPU buffer, then one
-  contiguous DMA copy to the host, under the load by the kernel (not checked for bytes);
-- ``auto``: the pair and order ``kvmgr.transfer.duplex.duplex_choice`` picks;
+- ``staged`` as a third path (``kvmgr.transfer.staged.StagedCopy``, ``--staging-mib`` per
+  direction): D2H gathered device to device, then one DMA descriptor per CPU run and tensor;
+  H2D the mirror. It pays only where the CPU ids run: ``--host-runs R`` draws the CPU ids as
+  runs of ``R`` consecutive blocks (the GPU ids stay scattered; 1: scattered, as before);
+- ``gather d2h`` / ``scatter h2d``: the staged path's device-to-device part alone (one
+  direction's bytes; ``Calibration.staged_gather_gbps`` is fitted from them);
+- ``auto``: the paths and order ``kvmgr.transfer.duplex.duplex_choice`` picks (staged counts
+  given);
 - ``engine cuda`` / ``engine auto``: both plans through the engine's ``submit`` as a step submits
   them (``AutoEngine.plan_duplex`` first), timed on the host until both futures resolved (what a
   caller sees, completion threads included);
@@ -52,12 +57,15 @@ from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.duplex import duplex_choice
 from kvmgr.transfer.kernel import KernelCopy
 from kvmgr.transfer.plan import Direction, build_plan
+from kvmgr.transfer.staged import StagedCopy, staged_descriptors
 
 __all__ = ["add_arguments", "run"]
 
 _D2H, _H2D = Direction.D2H, Direction.H2D
 #: variants whose bytes are not checked: one half copies other buffers than the plans name
-_UNCHECKED = frozenset({"limit", "contiguous+kernel", "kernel+contiguous", "staged+kernel"})
+_UNCHECKED = frozenset({"limit", "contiguous+kernel", "kernel+contiguous"})
+#: issue order in mixed pairs: the cheapest host part first
+_ISSUE_RANK = {"kernel": 0, "staged": 1, "dma": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant first")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument(
+        "--host-runs", type=int, default=1,
+        help="CPU block ids in runs of this many consecutive blocks (1: scattered)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--staging-mib", type=int, default=64, help="staged path: staging MiB per direction"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,10 +122,24 @@ def _write(path: str | None, rows: list[dict[str, Any]]) -> None:
         json.dump(result, handle, indent=1)
 
 
-def _plans(pool: CasePool, blocks: int, rng: np.random.Generator) -> dict[Direction, Any]:
-    """Disjoint scattered GPU and host blocks for a store and a load (one page a descriptor)."""
+def _host_ids(pool: CasePool, n: int, run: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` distinct CPU ids: scattered (``run`` 1, never adjacent), else runs of ``run``
+    consecutive ids at least ``run`` apart, in random order."""
+    if run <= 1:
+        return 2 * rng.choice(pool.size // 2, n, replace=False)
+    num_runs = -(-n // run)
+    slots = pool.size // (2 * run)
+    if slots < num_runs:
+        raise ValueError(f"--host-runs {run}: {num_runs} runs do not fit {pool.size} blocks")
+    starts = 2 * run * rng.choice(slots, num_runs, replace=False)
+    return (starts[:, None] + np.arange(run)[None, :]).reshape(-1)[:n]
+
+
+def _plans(pool: CasePool, blocks: int, rng: np.random.Generator, run: int = 1) -> dict[Direction, Any]:  # fmt: skip
+    """Disjoint scattered GPU blocks and host blocks (scattered or in runs of ``run``) for a
+    store and a load."""
     gpu = 2 * rng.choice(pool.size // 2, 2 * blocks, replace=False)
-    host = 2 * rng.choice(pool.size // 2, 2 * blocks, replace=False)
+    host = _host_ids(pool, 2 * blocks, run, rng)
     g, h = pool.layouts["gpu"], pool.layouts["host"]
     return {
         _D2H: (build_plan(_D2H, g, h, gpu[:blocks], host[:blocks]), gpu[:blocks], host[:blocks]),
@@ -160,11 +189,19 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
     rows: list[dict[str, Any]] = []
     with CasePool(key, 2 * args.blocks, driver) as pool:  # room for two disjoint sets
         streams = {_D2H: torch.cuda.Stream(priority=0), _H2D: torch.cuda.Stream(priority=-1)}
-        plans = _plans(pool, args.blocks, rng)
+        plans = _plans(pool, args.blocks, rng, args.host_runs)
         num_bytes = plans[_D2H][0].num_bytes
         dma = DmaCopy(driver, "batch", 8192)
-        kernel = KernelCopy(torch.device("cuda"), driver) if KERNEL_AVAILABLE else None
-        issuers = {"dma": dma} | ({"kernel": kernel} if kernel is not None else {})
+        # with its index: KernelCopy takes the paged path only for layouts on its own device
+        # (a plain "cuda" device made every kernel row here use the descriptor kernel)
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        kernel = KernelCopy(cuda, driver) if KERNEL_AVAILABLE else None
+        issuers: dict[str, Any] = {"dma": dma}
+        move = None
+        if kernel is not None:
+            move = KernelCopy(cuda, driver, d2h_programs=32, h2d_programs=32)
+            staged = StagedCopy(cuda, move, dma, staging_bytes=args.staging_mib << 20)
+            issuers |= {"kernel": kernel, "staged": staged}
         keep: list[Any] = []
         marks: dict[Direction, tuple[Any, Any]] = {}
 
@@ -235,8 +272,8 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
         pairs = [(a, b) for a in issuers for b in issuers]
         for d2h_name, h2d_name in pairs:
             order = [(d2h_name, _D2H), (h2d_name, _H2D)]
-            if h2d_name == "kernel" and d2h_name == "dma":
-                order.reverse()  # the kernel first: its host cost is small
+            if _ISSUE_RANK[h2d_name] < _ISSUE_RANK[d2h_name]:
+                order.reverse()  # the cheaper host part first
             variants[f"{d2h_name}+{h2d_name}"] = both(*order)
         variants["dma+dma threads"] = threaded
         if kernel is not None:  # the kernel against an ideal DMA copy the other way: which
@@ -245,18 +282,16 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
             kernel_d2h, kernel_h2d = one("kernel", _D2H), one("kernel", _H2D)
             variants["contiguous+kernel"] = lambda: (kernel_h2d(), contiguous_d2h())
             variants["kernel+contiguous"] = lambda: (kernel_d2h(), contiguous_h2d())
-            variants["staged+kernel"] = _staged(
-                pool, plans, kernel, streams, host_dst, kernel_h2d, keep
-            )
-        choice = duplex_choice(
-            (plans[_D2H][0].num_descriptors, num_bytes), (plans[_H2D][0].num_descriptors, num_bytes)
-        )
+            assert move is not None
+            alone |= _device_parts(pool, plans, move, streams, keep)
+        counts = {d: (plans[d][0].num_descriptors, num_bytes) for d in Direction}
+        staged_counts = (staged_descriptors(plans[_D2H][0]), staged_descriptors(plans[_H2D][0]))
+        choice = duplex_choice(counts[_D2H], counts[_H2D], staged=staged_counts)
         if kernel is not None:
-            names = {d: "kernel" if choice.kernel(d) else "dma" for d in Direction}
+            names = {d: choice.path(d) for d in Direction}
             second = _H2D if choice.first is _D2H else _D2H
             variants["auto"] = both((names[choice.first], choice.first), (names[second], second))
-        engines = _engines(driver)
-        counts = {d: (plans[d][0].num_descriptors, num_bytes) for d in Direction}
+        engines = _engines(driver, args.staging_mib << 20)
         for engine_name, engine in engines.items():
             variants[f"engine {engine_name}"] = _through(engine, plans, counts)
         limit_us = None
@@ -286,6 +321,7 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
             moved = num_bytes * (1 if name in alone else 2)
             row = {
                 "geometry": label, "variant": name, "blocks": args.blocks,
+                "host_runs": args.host_runs,
                 "descriptors": plans[_D2H][0].num_descriptors, "bytes": moved,
                 "us": round(us, 1), "host_us": round(statistics.median(hosts), 1),
                 "gbps": round(moved / us / 1e3, 2),
@@ -299,19 +335,20 @@ def _geometry(key: str, args: argparse.Namespace, driver: CopyDriver) -> list[di
             if name == "auto":
                 row["choice"] = f"d2h={names[_D2H]} h2d={names[_H2D]} first={choice.first.value}"
                 row["model_us"] = round(choice.us, 1)
+                row["staged_descriptors"] = list(staged_counts)
             rows.append(row)
         for engine in engines.values():
             engine.close()
     return rows
 
 
-def _engines(driver: CopyDriver) -> dict[str, Any]:
+def _engines(driver: CopyDriver, staging_bytes: int) -> dict[str, Any]:
     """The engines ``cuda`` and ``auto`` (where they can be built) on the current device."""
     from kvmgr.transfer.cuda_engine import AutoEngine, CudaBatchEngine
 
     engines: dict[str, Any] = {"cuda": CudaBatchEngine(driver=driver)}
     try:
-        engines["auto"] = AutoEngine(driver=driver)
+        engines["auto"] = AutoEngine(driver=driver, staging_bytes=staging_bytes)
     except Exception as exc:  # no kernel: the row says so
         print(json.dumps({"variant": "engine auto", "error": repr(exc)}))
     return engines
@@ -322,8 +359,8 @@ def _through(engine: Any, plans: dict[Direction, Any], counts: dict[Direction, A
     the engine has it), returning once both futures resolved: the wall time a caller sees."""
 
     def issue() -> None:
-        duplex = getattr(engine, "plan_duplex", None)
-        order = duplex(counts[_D2H], counts[_H2D]) if duplex is not None else (_D2H, _H2D)
+        duplex = getattr(engine, "plan_duplex_plans", None)
+        order = duplex(plans[_D2H][0], plans[_H2D][0]) if duplex is not None else (_D2H, _H2D)
         handles = [engine.submit(plans[d][0]) for d in order]
         for handle in handles:
             handle.future.result()
@@ -331,42 +368,38 @@ def _through(engine: Any, plans: dict[Direction, Any], counts: dict[Direction, A
     return issue
 
 
-def _staged(
+def _device_parts(
     pool: CasePool,
     plans: dict[Direction, Any],
-    kernel: KernelCopy,
+    move: KernelCopy,
     streams: dict[Direction, torch.cuda.Stream],
-    host_dst: torch.Tensor,
-    h2d: Callable[[], None],
     keep: list[Any],
-) -> Callable[[], None]:
-    """The store staged: the copy kernel gathers the scattered GPU pages into a contiguous GPU
-    buffer (device to device), then ONE contiguous DMA copy takes it to the host (what a store
-    into consecutive CPU blocks could do: few descriptors, the copy engine's own ordering); the
-    load by the kernel meanwhile, issued first."""
-    _, gpu_ids, _ = plans[_D2H]
-    n = len(gpu_ids)
-    staging = torch.empty(n * sum(t[0].numel() for t in pool.gpu), dtype=torch.uint8, device="cuda")
-    views, offset = [], 0
-    for t in pool.gpu:
-        page = t[0].numel()
-        views.append(staging[offset : offset + n * page].view(n, page))
-        offset += n * page
-    gather = build_plan(
-        _D2H, pool.layouts["gpu"], KVLayout.from_tensors(views), gpu_ids, np.arange(n)
-    )
-    stream = streams[_D2H]
+) -> dict[str, Callable[[], None]]:
+    """``gather d2h``: the store's scattered GPU pages into a dense GPU buffer by the staged
+    path's kernel; ``scatter h2d``: the load's from such a buffer (device to device only)."""
+    rows: dict[str, Callable[[], None]] = {}
+    for name, direction in (("gather d2h", _D2H), ("scatter h2d", _H2D)):
+        _, src_ids, dst_ids = plans[direction]
+        gpu_ids = src_ids if direction is _D2H else dst_ids
+        n = len(gpu_ids)
+        views = [torch.empty((n, t[0].numel()), dtype=torch.uint8, device="cuda") for t in pool.gpu]
+        dense = KVLayout.from_tensors(views)
+        gpu = pool.layouts["gpu"]
+        slots = np.arange(n)
+        plan = (
+            build_plan(_D2H, gpu, dense, gpu_ids, slots)
+            if direction is _D2H
+            else build_plan(_H2D, dense, gpu, slots, gpu_ids)
+        )
 
-    def issue() -> None:
-        h2d()
-        issued = kernel.issue(gather, stream)
-        if issued.error is not None:
-            raise issued.error
-        with torch.cuda.stream(stream):
-            host_dst[: staging.numel()].copy_(staging, non_blocking=True)
-        keep.append(issued)  # its table slot goes back after the streams synchronized
+        def issue(plan: Any = plan, views: Any = views, direction: Direction = direction) -> None:
+            issued = move.issue(plan, streams[direction])
+            if issued.error is not None:
+                raise issued.error
+            keep.append(issued)  # its table slot goes back after the streams synchronized
 
-    return issue
+        rows[name] = issue
+    return rows
 
 
 def _check(pool: CasePool, plans: dict[Direction, Any], issue: Callable[[], None]) -> None:

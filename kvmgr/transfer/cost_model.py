@@ -81,6 +81,14 @@ class Calibration:
             32 KiB; the SM's host reads and writes share the link). ``duplex.duplex_choice``.
         duplex_limit_gbps: both directions together at best (two contiguous copies in opposite
             directions at once): 100 GB/s (issue 24's H200 run: 100-101 GB/s).
+        duplex_mixed_gbps: both directions together when the copy kernel copies one way and the
+            DMA engine the other: 75 GB/s (issue 24's H200 run, a kernel against a contiguous
+            copy: 0.87 of the limit with 4 KiB pages, 0.73 with 32 KiB).
+        staged_gather_gbps: the staged path's device-to-device part (the copy kernel's gather or
+            scatter between the GPU tier and the staging buffer), bytes of the batch per second:
+            600 GB/s (an estimate until ``kvmgr bench duplex``'s ``gather`` rows fit it).
+        staged_slowdown: the compute slowdown while that part runs: 0.5 (an estimate: it
+            streams HBM with the staged kernel's programs, but only for ~1/10 of the copy).
 
     Raises:
         ConfigError: a direction's charged ``batch_*_us_per_descriptor`` is below ``kernel_margin *
@@ -106,6 +114,9 @@ class Calibration:
     kernel_margin: float = attrs.field(default=1.1, validator=attrs.validators.ge(1.0))
     duplex_kernel_gbps: float = attrs.field(default=45.0, validator=_positive)
     duplex_limit_gbps: float = attrs.field(default=100.0, validator=_positive)
+    duplex_mixed_gbps: float = attrs.field(default=75.0, validator=_positive)
+    staged_gather_gbps: float = attrs.field(default=600.0, validator=_positive)
+    staged_slowdown: float = attrs.field(default=0.5, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         for direction in Direction:
@@ -145,6 +156,17 @@ class Calibration:
         slowdown = _pick(direction, self.kernel_h2d_slowdown, self.kernel_d2h_slowdown)
         charge = 1.0 + self.compute_overlap * slowdown
         return self.kernel_us(num_descriptors, num_bytes, direction) * charge
+
+    def staged_gather_us(self, num_bytes: int) -> float:
+        """Modelled microseconds of the staged path's device-to-device part (one launch)."""
+        return self.kernel_launch_us + num_bytes / (1e3 * self.staged_gather_gbps)
+
+    def staged_step_us(self, num_descriptors: int, num_bytes: int, direction: Direction) -> float:
+        """The staged path (``kvmgr.transfer.staged``): its device-to-device part, then (D2H;
+        before it, H2D) the DMA batch of ``num_descriptors`` (CPU runs x tensors) on the same
+        stream, each charged the compute it slows (module docstring)."""
+        gather = self.staged_gather_us(num_bytes) * (1.0 + self.compute_overlap * self.staged_slowdown)  # fmt: skip
+        return gather + self.batch_step_us(num_descriptors, num_bytes, direction)
 
     def crossover_bytes(self, direction: Direction) -> float | None:
         """Bytes per descriptor above which DMA wins large batches (launch costs ignored, step
@@ -224,9 +246,12 @@ class Calibration:
     def fit_duplex(
         cls, rows: Sequence[Mapping[str, Any]], base: Calibration | None = None
     ) -> Calibration:
-        """Set ``duplex_kernel_gbps`` and ``duplex_limit_gbps`` to the medians of ``kvmgr bench
-        duplex``'s ``"kernel+kernel"`` and ``"limit"`` rows (``variant``, ``gbps``: both
-        directions' bytes over the time both took); other fields from ``base``.
+        """Set ``duplex_kernel_gbps``, ``duplex_limit_gbps`` and ``duplex_mixed_gbps`` to the
+        medians of ``kvmgr bench duplex``'s ``"kernel+kernel"``, ``"limit"`` and
+        ``"kernel+contiguous"`` / ``"contiguous+kernel"`` rows (``variant``, ``gbps``: both
+        directions' bytes over the time both took), ``staged_gather_gbps`` to the median of its
+        ``"gather d2h"`` / ``"scatter h2d"`` rows (one direction's bytes); other fields from
+        ``base``.
 
         Raises:
             ConfigError: a row lacks a key, or the values are invalid.
@@ -299,14 +324,18 @@ class Calibration:
 def _fit_duplex(cls: type[Calibration], rows: Sequence[Mapping[str, Any]], base: Calibration | None) -> Calibration:  # fmt: skip
     values = attrs.asdict(base or cls())
     try:
-        kernel = [float(r["gbps"]) for r in rows if r.get("variant") == "kernel+kernel"]
-        limit = [float(r["gbps"]) for r in rows if r.get("variant") == "limit"]
+        fields = {
+            "duplex_kernel_gbps": ("kernel+kernel",),
+            "duplex_limit_gbps": ("limit",),
+            "duplex_mixed_gbps": ("kernel+contiguous", "contiguous+kernel"),
+            "staged_gather_gbps": ("gather d2h", "scatter h2d"),
+        }
+        for field, variants in fields.items():
+            measured = [float(r["gbps"]) for r in rows if r.get("variant") in variants]
+            if measured:
+                values[field] = statistics.median(measured)
     except (KeyError, ValueError, TypeError) as exc:
         raise ConfigError(f"duplex rows need variant and gbps: {exc!r}") from exc
-    if kernel:
-        values["duplex_kernel_gbps"] = statistics.median(kernel)
-    if limit:
-        values["duplex_limit_gbps"] = statistics.median(limit)
     return cls.from_dict(values)
 
 

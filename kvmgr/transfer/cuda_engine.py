@@ -37,7 +37,7 @@ from kvmgr.transfer._options import (
     dma_parts,
     kernel_options,
 )
-from kvmgr.transfer.auto import ChoiceCopy, always_kernel, cost_model
+from kvmgr.transfer.auto import ChoiceCopy, always_kernel, cost_model, cost_model_staged
 from kvmgr.transfer.cost_model import Calibration
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.driver import CopyDriver
@@ -46,6 +46,7 @@ from kvmgr.transfer.engine import BatchHandle, EngineStatistics, TransferEngine
 from kvmgr.transfer.kernel import KernelCopy
 from kvmgr.transfer.pinning import PinnedRegion, PinOptions, PinStatistics
 from kvmgr.transfer.plan import Direction, TransferPlan
+from kvmgr.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy, staged_descriptors
 from kvmgr.transfer.streams import CopyIssuer, CopyStreams, StreamTotals
 
 __all__ = [
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
+#: program cap of engine "auto"'s staged device-to-device copies (short: they run at HBM speed)
+_STAGED_PROGRAMS = 32
 
 
 @attrs.frozen(kw_only=True)
@@ -367,6 +370,10 @@ class AutoEngine(CudaEngine):
 
     Args:
         calibration: cost-model constants; ``Calibration()`` (H200 figures) if ``None``.
+        staging_bytes: GPU bytes of each staging buffer of the staged path (one per direction
+            and page geometry, allocated on its first staged plan; ``kvmgr.transfer.staged``);
+            0: no staged path.
+        staged_programs: program cap of the staged path's device-to-device copies.
         Other arguments as for ``CopyKernelEngine``.
 
     Raises:
@@ -380,16 +387,27 @@ class AutoEngine(CudaEngine):
         compute_stream: torch.cuda.Stream | None = None,
         *,
         calibration: Calibration | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staged_programs: int = _STAGED_PROGRAMS,
         **options: Any,
     ) -> None:
         self._released = True
         if calibration is not None and not isinstance(calibration, Calibration):
             raise ConfigError(f"expected a Calibration, got {type(calibration).__name__}")
+        for name, value, least in (("staging_bytes", staging_bytes, 0),
+                                   ("staged_programs", staged_programs, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"expected {name} an int >= {least}, got {value!r}")
         self.calibration = calibration or Calibration()
         kernel_kwargs, warmup = kernel_options(options)
         dev, dma, driver, common = dma_parts(device, options)
         kernel = KernelCopy(dev, driver, **kernel_kwargs) if KERNEL_AVAILABLE else None
-        choice = ChoiceCopy(dma, kernel, cost_model(self.calibration))
+        staged = None
+        if kernel is not None and staging_bytes:
+            move = KernelCopy(dev, driver, d2h_programs=staged_programs, h2d_programs=staged_programs)  # fmt: skip
+            staged = StagedCopy(dev, move, dma, staging_bytes=staging_bytes)
+        choice = ChoiceCopy(dma, kernel, cost_model(self.calibration), staged,
+                            cost_model_staged(self.calibration))  # fmt: skip
         super().__init__("auto", dev, choice, driver, compute_stream=compute_stream,
                          path="auto", **common)  # fmt: skip
         if kernel is not None and warmup:
@@ -397,21 +415,34 @@ class AutoEngine(CudaEngine):
                 _warmup(self, kernel)
             except Exception as exc:
                 _LOG.warning("copy kernel unusable (%s); engine 'auto' copies by DMA", exc)
-                choice.kernel = None
+                choice.kernel = choice.staged = None
 
-    def plan_duplex(self, d2h: tuple[int, int], h2d: tuple[int, int]) -> tuple[Direction, ...]:
-        """A step is about to submit ``d2h = (descriptors, bytes)`` out and ``h2d`` in: choose
-        each direction's path knowing the other (``kvmgr.transfer.duplex``) for the next plan of
-        each direction (if it has those counts), and return the order to submit them in."""
-        choice = duplex_choice(d2h, h2d, self.calibration)
+    def plan_duplex(
+        self, d2h: tuple[int, int], h2d: tuple[int, int],
+        staged: tuple[int | None, int | None] = (None, None),
+    ) -> tuple[Direction, ...]:  # fmt: skip
+        """A step is about to submit ``d2h = (descriptors, bytes)`` out and ``h2d`` in (``staged``:
+        their staged descriptors, ``None`` where not stageable): choose each direction's path
+        knowing the other (``kvmgr.transfer.duplex``) for the next plan of each direction (if it
+        has those counts), and return the order to submit them in."""
         issuer = self._issuer
         assert isinstance(issuer, ChoiceCopy)
+        if issuer.staged is None:
+            staged = (None, None)
+        choice = duplex_choice(d2h, h2d, self.calibration, staged=staged)
         issuer.duplex = {
-            Direction.D2H: (choice.d2h_kernel, *d2h),
-            Direction.H2D: (choice.h2d_kernel, *h2d),
+            Direction.D2H: (choice.path(Direction.D2H), *d2h),
+            Direction.H2D: (choice.path(Direction.H2D), *h2d),
         }
         second = Direction.H2D if choice.first is Direction.D2H else Direction.D2H
         return choice.first, second
+
+    def plan_duplex_plans(self, d2h: TransferPlan, h2d: TransferPlan) -> tuple[Direction, ...]:
+        """``plan_duplex`` for the two plans themselves (their staged descriptors counted:
+        O(blocks) numpy each)."""
+        staged = (staged_descriptors(d2h), staged_descriptors(h2d))
+        return self.plan_duplex((d2h.num_descriptors, d2h.num_bytes),
+                                (h2d.num_descriptors, h2d.num_bytes), staged)  # fmt: skip
 
 
 def _warmup(engine: CudaEngine, kernel: KernelCopy) -> None:

@@ -40,7 +40,8 @@ class BatchResult:
         device_s: seconds between the batch's start and end events on the device, or the worker
             thread's copy time for the host engine; ``None`` if not measured.
         path: how it was copied: ``"host"``, ``"batch"`` (cuMemcpyBatchAsync), ``"loop"``
-            (per-copy cuMemcpyAsync) or ``"kernel"`` (SM copy kernel).
+            (per-copy cuMemcpyAsync), ``"kernel"`` (SM copy kernel) or ``"staged"`` (a device
+            staging buffer and few DMA descriptors, ``kvmgr.transfer.staged``).
     """
 
     batch_id: int

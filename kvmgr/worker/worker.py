@@ -103,6 +103,7 @@ class TransferWorker:
         self._handles: dict[int, BatchHandle] = {}
         self._prebuilt: dict[int, TransferPlan] = {}  # job id -> its plan (``order``)
         self._duplex = getattr(engine, "plan_duplex", None)  # engine "auto": paths per step
+        self._duplex_plans = getattr(engine, "plan_duplex_plans", None)  # ... given the plans
 
     def blocks_ready(self) -> int:
         """Leading CPU blocks pinned so far (all of them unless still pinning)."""
@@ -143,7 +144,7 @@ class TransferWorker:
         first. The plans built to decide are kept for ``submit``."""
         if self._duplex is None:
             return d2h, h2d
-        counts = []
+        counts, plans = [], []
         for job in (d2h, h2d):
             try:
                 plan = self._plan(job)
@@ -152,8 +153,12 @@ class TransferWorker:
                 counts.append((n * self.gpu_layout.num_tensors, n * self.gpu_layout.block_bytes))
                 continue
             self._prebuilt[job.job_id] = plan
+            plans.append(plan)
             counts.append((plan.num_descriptors, plan.num_bytes))
-        first, _ = self._duplex(*counts)
+        if self._duplex_plans is not None and len(plans) == 2:  # the staged path's counts too
+            first, _ = self._duplex_plans(*plans)
+        else:
+            first, _ = self._duplex(*counts)
         return (d2h, h2d) if first is Direction.D2H else (h2d, d2h)
 
     def submit(self, job: TransferJob) -> Submitted:
