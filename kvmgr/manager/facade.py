@@ -186,6 +186,7 @@ class OffloadManager:
     @property
     def policy(self) -> Any:
         """The CPU tier's eviction policy (read it; do not drive it)."""
+        self._settle_deferred()
         return self._books.cpu.policy
 
     @property
@@ -199,6 +200,7 @@ class OffloadManager:
         the copies in flight and apply their bookkeeping, then close the engine. Idempotent."""
         if self._closed:
             return
+        self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closing = True  # from here on, new swaps raise ClosedError
         self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
@@ -215,6 +217,7 @@ class OffloadManager:
         every in-flight batch here. Idempotent."""
         if self._closed:
             return
+        self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closed = True
         self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
@@ -227,6 +230,19 @@ class OffloadManager:
             self._books.events.close()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
+        loop = self._open_loop()
+        if self._books.deferred.futures:
+            self._settle_deferred()
+        return loop
+
+    def _settle_deferred(self) -> None:
+        """Prepare and queue the per-call stores recorded so far (``scheduler.deferred``):
+        before anything reads or changes the bookkeeping, so every call sees what it would
+        have seen had each store been prepared at its call."""
+        for part in self._books.settle_deferred():
+            self._enqueue(part)
+
+    def _open_loop(self) -> asyncio.AbstractEventLoop:
         if self._closed or self._closing:
             raise ClosedError("the manager is closed")
         try:
@@ -248,6 +264,8 @@ class OffloadManager:
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError("the manager is closed")
+        if self._books.deferred.futures:
+            self._settle_deferred()
 
     def _enqueue(self, part: Part) -> None:
         if not self._scheduler.enqueue(part):  # nothing to copy: resolve now, no batch
@@ -262,6 +280,7 @@ class OffloadManager:
         self._tick_scheduled = False
         if not self._closed:
             assert self._loop is not None
+            self._settle_deferred()
             self._flusher.flush(self._loop)
 
     # ------------------------------------------------------------------ keyed API
@@ -363,6 +382,25 @@ class OffloadManager:
         used by policies that take hints (``"online"``); bad hints raise
         ``InvalidArgumentError`` before any change.
         """
+        loop = self._open_loop()
+        if (
+            parents is None
+            and token_ids is None
+            and hint is None
+            and type(keys) is list
+            and type(gpu_block_ids) is list
+        ):  # the plain per-call store: recorded now, prepared with the others at the step
+            future: asyncio.Future[SwapResult] = loop.create_future()
+            try:
+                recorded = self._books.deferred.record(gpu_block_ids, keys, future)
+            except PoolExhaustedError as exc:  # the policy was asked once: not again
+                self._settle_deferred()
+                return self._when_room(exc, gpu_block_ids, keys, None, None, batched=False)
+            if recorded:
+                if self._flush_on_tick and not self._tick_scheduled:
+                    self._tick_scheduled = True
+                    loop.call_soon(self._flush_tick)
+                return future
         return self._store(gpu_block_ids, keys, parents, token_ids, batched=False, hints=hint)
 
     def store_many(
@@ -695,6 +733,7 @@ class OffloadManager:
             UnknownRequestError: no table for ``req_id``.
             InvalidArgumentError: ``req_id`` is not hashable.
         """
+        self._settle_deferred()
         return self._books.requests.lookup(req_id).entries()
 
     def is_moving(self, req_id: Hashable) -> bool:
@@ -703,6 +742,7 @@ class OffloadManager:
         Raises:
             UnknownRequestError, InvalidArgumentError: as ``block_table``.
         """
+        self._settle_deferred()
         return self._books.requests.lookup(req_id).moving
 
     def preempt(self, req_id: Hashable) -> asyncio.Future[SwapResult]:
@@ -869,6 +909,7 @@ class OffloadManager:
 
     def statistics(self) -> ManagerStatistics:
         """A snapshot of totals and gauges (see ``ManagerStatistics``)."""
+        self._settle_deferred()
         books = self._books
         c, cpu = books.counters, books.cpu
         gpu_pool = books.gpu.pool
@@ -900,6 +941,7 @@ class OffloadManager:
     def snapshot(self) -> ManagerSnapshot:
         """Every block, key, table and queued or in-flight swap, as frozen values (for tests
         and ``kvmgr.testing.check_invariants``; costs O(blocks), not for the hot path)."""
+        self._settle_deferred()
         promoting = () if self._tiers is None else tuple(self._tiers.promoting)
         return take_snapshot(
             self._books,
@@ -912,6 +954,7 @@ class OffloadManager:
     def take_events(self) -> list[KVEvent]:
         """Remove and return the KV events recorded since the last call, oldest first: a
         ``removed`` event of the keys a store evicted comes before that store's ``stored``."""
+        self._settle_deferred()
         return self._books.events.take()
 
     def events(self) -> AsyncIterator[KVEvent]:

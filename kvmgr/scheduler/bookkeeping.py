@@ -32,6 +32,7 @@ from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
 from kvmgr.reports import LoadResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.deferred import DeferredStores, settle
 from kvmgr.scheduler.events import EventStream
 from kvmgr.scheduler.gpu_blocks import GpuBlocks
 from kvmgr.scheduler.jobs import Direction, KVGeometry
@@ -89,6 +90,13 @@ class Bookkeeper:
         self.gpu = GpuBlocks(geometry.num_gpu_blocks, owned=config.manage_gpu_blocks)
         self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes, self.counters)
         self.stores = Stores(self.cpu, self.gpu, self.counters, config, self.block_bytes)
+        #: per-call stores recorded, prepared together by ``settle_deferred``
+        self.deferred = DeferredStores(self.cpu, self.gpu, enabled=self.stores.plain_admission)
+
+    def settle_deferred(self) -> list[Part]:
+        """Prepare the per-call stores recorded since the last call (``deferred``): one
+        ``Part`` for all of them, to queue before anything else (empty list: none)."""
+        return settle(self.deferred, self.stores)
 
     def gpu_ids(self, block_ids: object, what: str) -> list[int] | np.ndarray:
         """Validated GPU ids (``GpuBlocks.checked_ids``).

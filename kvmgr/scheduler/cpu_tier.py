@@ -89,6 +89,8 @@ class CpuTier:
         self.readers_np = np.frombuffer(self.readers, dtype=np.int64)
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
+        #: blocks promised to recorded per-call stores (``deferred``): kept free or evictable
+        self.reserved = 0
         self._on_removed = on_removed
         self._keep_evicted = keep_evicted
         #: (keys, CPU ids) of blocks the policy evicted since ``take_evicted`` (freed, not
@@ -146,6 +148,7 @@ class CpuTier:
         Raises:
             PoolExhaustedError: too few free and evictable blocks; nothing changed then.
         """
+        n += self.reserved  # the room promised to recorded stores stays free or evictable
         shortfall = n - self.pool.num_free
         if shortfall > 0 and self.grow():
             shortfall = n - self.pool.num_free
@@ -183,7 +186,7 @@ class CpuTier:
     def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""
         pool = self.pool
-        if n > pool.num_free:
+        if n + self.reserved > pool.num_free:
             self.evict_for(n, protected)
         return [pool.take_one() for _ in range(n)]  # type: ignore[misc]
 

@@ -96,6 +96,8 @@ class Lane:
 
     Attributes:
         parts: every part, in the order added.
+        num_calls: the swap calls its parts stand for (a part of recorded per-call stores
+            stands for many).
         keys: D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
             ``requests`` is empty); H2D lanes: empty.
         parents: D2H lanes: one parent per entry of ``keys`` (``None``: a root).
@@ -104,7 +106,8 @@ class Lane:
     """
 
     __slots__ = (
-        "_cpu", "_gpu", "direction", "keys", "num_token_parts", "parents", "parts", "requests"
+        "_cpu", "_gpu", "direction", "keys", "num_calls", "num_token_parts", "parents", "parts",
+        "requests",
     )  # fmt: skip
 
     def __init__(self, direction: Direction) -> None:
@@ -113,13 +116,16 @@ class Lane:
         self.keys: list[bytes] = []
         self.parents: list[bytes | None] = []
         self.num_token_parts = 0
+        self.num_calls = 0
         self.requests: list[Part] = []
         self._gpu = array.array("q")
         self._cpu = array.array("q")
 
-    def add(self, part: Part) -> None:
-        """Append a part (not after ``arrays()``: its views pin the buffers' size)."""
+    def add(self, part: Part, num_calls: int = 1) -> None:
+        """Append a part standing for ``num_calls`` swap calls (not after ``arrays()``: its
+        views pin the buffers' size)."""
         self.parts.append(part)
+        self.num_calls += num_calls
         gpu, cpu = part.gpu_ids, part.cpu_ids
         if type(gpu) is list:
             self._gpu.fromlist(gpu)
@@ -268,8 +274,9 @@ class SwapQueue:
                 marks[b] = number
         else:
             (self._read_np if is_store else self._written_np)[ids] = number
-        (newest.d2h if is_store else newest.h2d).add(part)
-        self.num_queued += 1
+        calls = getattr(part.future, "num_calls", 1)  # a StoreFanOut: many recorded calls
+        (newest.d2h if is_store else newest.h2d).add(part, calls)
+        self.num_queued += calls
 
     def take(self) -> list[Generation]:
         """Remove and return every queued generation, oldest first."""

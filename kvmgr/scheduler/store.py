@@ -55,7 +55,7 @@ class Stores:
         self.block_bytes = block_bytes
         self._threshold = config.store_threshold
         #: no admission control: the per-call fast path may be used
-        self._plain_admission = config.store_threshold == 1 and not hasattr(cpu.policy, "admit")
+        self.plain_admission = config.store_threshold == 1 and not hasattr(cpu.policy, "admit")
         #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
         self._seen: dict[bytes, int] = {}
 
@@ -95,7 +95,7 @@ class Stores:
             and token_ids is None
             and hints is None
             and 0 < len(keys) <= SMALL
-            and self._plain_admission
+            and self.plain_admission
         ):
             part = self._small(gpu_block_ids, keys, future)
             if part is not None:
@@ -272,7 +272,9 @@ class Stores:
             return None
         if not cpu.chains.children.keys().isdisjoint(keys):
             return None  # a key with indexed children (a cycle to look for)
-        if pool.num_free < n:  # the last check: raises PoolExhaustedError, nothing changed
+        if (
+            pool.num_free < n + cpu.reserved
+        ):  # the last check: raises PoolExhaustedError, nothing changed
             cpu.evict_for(n, keys)
         take_one, state, busy = pool.take_one, cpu.state, gpu_blocks.busy
         cpu_ids = []
