@@ -4,11 +4,11 @@ Private to ``kvmgr.scheduler``. A plain ``swap_out(ids, keys)`` (a list of a few
 list of fresh keys, the default chain, no tokens, no hints, no admission control) only passes a
 few checks and is *recorded*: its ids and keys are appended to flat buffers, its future to a
 list, and its blocks are counted in ``CpuTier.reserved`` (the room it was promised: every other
-consumer of CPU blocks sees that much less; when the free blocks run short the policy evicts
-the shortfall at the call, as before). ``settle`` then prepares every recorded call in one go,
-with the array operations of the batched API (allocation, PENDING keys, policy insert, GPU
-busy counts), as ONE ``Part`` whose future is a ``StoreFanOut`` that resolves each call's
-future with its own ``SwapResult``.
+consumer of CPU blocks sees that much less). When the free blocks run short, the victims are
+evicted in one policy call at the settle if the tier surely has them, else at the call.
+``settle`` prepares every recorded call in one go, with the array operations of the batched
+API (allocation, PENDING keys, policy insert, GPU busy counts), as ONE ``Part`` whose future is
+a ``StoreFanOut`` that resolves each call's future with its own ``SwapResult``.
 
 The owner settles before anything reads or changes the bookkeeping (every other call of the
 manager, the step, the tick, close), so what any call observes is exactly what it would have
@@ -35,6 +35,7 @@ from kvmgr.scheduler.store import Stores
 __all__ = ["DeferredStores", "StoreFanOut", "settle"]
 
 _HELD = int(GpuState.HELD)
+_new = tuple.__new__  # a SwapResult from its fields without the NamedTuple's Python __new__
 
 
 class StoreFanOut:
@@ -75,9 +76,11 @@ class StoreFanOut:
         for future, end in zip(self.futures, self.ends):
             if not future.cancelled():
                 n = end - start
-                future.set_result(
-                    SwapResult(n, n * size, 0, tuple(cpu[start:end]), tuple(gpu[start:end]))
-                )
+                if n == 1:
+                    ids = (cpu[start],), (gpu[start],)
+                else:
+                    ids = tuple(cpu[start:end]), tuple(gpu[start:end])
+                future.set_result(_new(SwapResult, (n, n * size, 0, *ids)))
             start = end
 
     def set_exception(self, error: BaseException) -> None:
@@ -120,9 +123,10 @@ class DeferredStores:
         path: bad or repeated ids or keys, a key indexed or recorded already, a key with
         indexed children, an owned block not held.
 
-        The blocks are reserved (``CpuTier.reserved``) and, when the free blocks do not cover
-        every reservation, the policy evicts the shortfall now (the victims a store prepared
-        now would evict), so the settle only allocates; nothing else changes here.
+        The blocks are reserved (``CpuTier.reserved``). When the free blocks do not cover
+        every reservation, the settle evicts the shortfall in one policy call if the tier
+        surely has that many victims (``_sure_victims``); otherwise the policy evicts it now
+        (what a store prepared now would evict), raising here if it cannot.
 
         Raises:
             PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
@@ -149,8 +153,10 @@ class DeferredStores:
         children = cpu.chains.children
         if children and not children.keys().isdisjoint(keys):
             return False  # a key with indexed children: the general path looks for cycles
-        if cpu.pool.num_free < n + cpu.reserved:  # evict now, as a store prepared now would
-            cpu.evict_for(n, keys)  # PoolExhaustedError: nothing changed
+        short = cpu.reserved + n - cpu.pool.num_free  # blocks the settle must evict
+        if short > 0 and short > _sure_victims(cpu):  # not sure: evict now, as before
+            cpu.evict_for(n, keys)  # evicts every recorded shortfall; PoolExhaustedError:
+            # nothing changed
         self.futures.append(future)
         self.gpu_ids.fromlist(gpu_ids)
         self.keys += keys
@@ -173,6 +179,13 @@ class DeferredStores:
         self.ends, self.gpu_ids = array.array("q"), array.array("q")
         self._seen = set()
         return taken
+
+
+def _sure_victims(cpu: CpuTier) -> int:
+    """A lower bound of the keys the policy can evict now: READY keys without readers that
+    are leaves of their chains (every key with an indexed child left out, and then some: a
+    parent counted in ``chains.children`` may not be indexed). A policy evicts any such key."""
+    return len(cpu.index) - cpu.num_pending - cpu.num_loading - len(cpu.chains.children)
 
 
 def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
