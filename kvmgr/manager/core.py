@@ -40,6 +40,7 @@ class ManagerCore:
         self._worker = parts.worker
         self._scheduler = parts.scheduler
         self._books = parts.scheduler.books
+        self._deferred = self._books.deferred  # plain per-call stores recorded, not prepared
         self._queue = parts.scheduler.queue
         self._flusher = parts.flusher
         self._transport = parts.flusher.transport
@@ -84,7 +85,7 @@ class ManagerCore:
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         loop = self._open_loop()
-        if self._books.deferred.futures:
+        if self._deferred.futures:
             self._settle_deferred()
         return loop
 
@@ -106,7 +107,9 @@ class ManagerCore:
                 "(for example inside asyncio.run(main()))"
             ) from None
         if loop is not self._loop:
-            if self._loop is not None and (self._queue.in_flight or len(self._queue)):
+            if self._loop is not None and (
+                self._queue.in_flight or len(self._queue) or self._deferred.futures
+            ):
                 raise EventLoopError(
                     "the manager has swaps queued or in flight on another event loop; "
                     "use one manager per loop"
@@ -117,7 +120,7 @@ class ManagerCore:
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError("the manager is closed")
-        if self._books.deferred.futures:
+        if self._deferred.futures:
             self._settle_deferred()
 
     def _enqueue(self, part: Part) -> None:

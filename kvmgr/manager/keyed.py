@@ -142,7 +142,7 @@ class KeyedCalls(ManagerCore):
         ):  # the plain per-call store: recorded now, prepared with the others at the step
             future: asyncio.Future[SwapResult] = loop.create_future()
             try:
-                recorded = self._books.deferred.record(gpu_block_ids, keys, future)
+                recorded = self._deferred.record(gpu_block_ids, keys, future)
             except PoolExhaustedError as exc:  # the policy was asked once: not again
                 self._settle_deferred()
                 return self._when_room(exc, gpu_block_ids, keys, None, None, batched=False)

@@ -102,7 +102,10 @@ class DeferredStores:
         enabled: whether plain stores may be recorded (no admission control, threshold 1).
     """
 
-    __slots__ = ("_seen", "cpu", "enabled", "ends", "futures", "gpu", "gpu_ids", "keys")
+    __slots__ = (
+        "_children", "_gpu_state", "_index", "_num_gpu", "_owned", "_seen",
+        "cpu", "enabled", "ends", "futures", "gpu", "gpu_ids", "keys",
+    )  # fmt: skip
 
     def __init__(self, cpu: CpuTier, gpu: GpuBlocks, *, enabled: bool) -> None:
         self.cpu = cpu
@@ -113,6 +116,14 @@ class DeferredStores:
         self.gpu_ids = array.array("q")
         self.keys: list[bytes] = []
         self._seen: set[bytes] = set()
+        # never rebound by their owners: read on every call without the attribute chains
+        self._index = cpu.index
+        self._children = cpu.chains.children
+        self._num_gpu, self._gpu_state, self._owned = (
+            gpu.num_blocks,
+            gpu.state,
+            gpu.pool is not None,
+        )
 
     def __len__(self) -> int:
         return len(self.futures)
@@ -132,37 +143,51 @@ class DeferredStores:
             PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
         """
         n = len(keys)
-        if not self.enabled or not 0 < n <= SMALL or len(gpu_ids) != n:
+        if not 0 < n <= SMALL or len(gpu_ids) != n or not self.enabled:
             return False
-        cpu = self.cpu
-        index, seen, gpu = cpu.index, self._seen, self.gpu
-        num_gpu, gpu_state, owned = gpu.num_blocks, gpu.state, gpu.pool is not None
-        for key, b in zip(keys, gpu_ids):
+        index, seen, children = self._index, self._seen, self._children
+        num_gpu, gpu_state, owned = self._num_gpu, self._gpu_state, self._owned
+        if n == 1:
+            key, b = keys[0], gpu_ids[0]
             if (
                 type(key) is not bytes
                 or not key
                 or key in index
                 or key in seen
+                or key in children  # indexed children: the general path looks for cycles
                 or type(b) is not int
                 or not 0 <= b < num_gpu
                 or (owned and gpu_state[b] != _HELD)
             ):
                 return False
-        if n > 1 and (len(set(keys)) != n or len(set(gpu_ids)) != n):
-            return False
-        children = cpu.chains.children
-        if children and not children.keys().isdisjoint(keys):
-            return False  # a key with indexed children: the general path looks for cycles
+        else:
+            for key, b in zip(keys, gpu_ids):
+                if (
+                    type(key) is not bytes
+                    or not key
+                    or key in index
+                    or key in seen
+                    or type(b) is not int
+                    or not 0 <= b < num_gpu
+                    or (owned and gpu_state[b] != _HELD)
+                ):
+                    return False
+            if len(set(keys)) != n or len(set(gpu_ids)) != n:
+                return False
+            if children and not children.keys().isdisjoint(keys):
+                return False  # indexed children: the general path looks for cycles
+        cpu = self.cpu
         short = cpu.reserved + n - cpu.pool.num_free  # blocks the settle must evict
         if short > 0 and short > _sure_victims(cpu):  # not sure: evict now, as before
             cpu.evict_for(n, keys)  # evicts every recorded shortfall; PoolExhaustedError:
             # nothing changed
+        cpu.reserved += n
         self.futures.append(future)
         self.gpu_ids.fromlist(gpu_ids)
-        self.keys += keys
-        self.ends.append(len(self.keys))
+        keys_so_far = self.keys
+        keys_so_far += keys
+        self.ends.append(len(keys_so_far))
         seen.update(keys)
-        cpu.reserved += n
         return True
 
     def take(self) -> tuple[list[Any], array.array[int], np.ndarray, list[bytes]]:
