@@ -145,7 +145,7 @@ class Flusher:
             raise
         scheduler.books.counters.batch_blocks.observe(job.num_blocks)
         return DirectionReport(
-            swaps=len(lane.parts),
+            swaps=lane.num_calls,
             blocks=sub.num_blocks,
             pages=sub.num_pages,
             descriptors=sub.num_descriptors,

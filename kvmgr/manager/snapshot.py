@@ -19,6 +19,7 @@ from kvmgr.manager.backpressure import WaitingStore
 from kvmgr.pool.block_table import Tier
 from kvmgr.scheduler.bookkeeping import Bookkeeper
 from kvmgr.scheduler.cpu_tier import CpuState
+from kvmgr.scheduler.deferred import StoreFanOut
 from kvmgr.scheduler.gpu_blocks import GpuState
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.queue import Kind, Part, SwapQueue
@@ -144,18 +145,41 @@ def _ints(ids: object) -> tuple[int, ...]:
     return tuple(int(b) for b in np.asarray(ids, dtype=np.int64).reshape(-1))
 
 
-def _swap(part: Part, batch_seq: int | None) -> SwapSnapshot:
-    return SwapSnapshot(
-        kind=_KIND_NAMES[part.kind],
-        direction=part.direction,
-        gpu_block_ids=_ints(part.gpu_ids),
-        cpu_block_ids=_ints(part.cpu_ids),
-        keys=tuple(part.keys or ()),
-        req_id=part.req_id,
-        batch_seq=batch_seq,
-        future_done=part.future.done(),
-        future_cancelled=part.future.cancelled(),
-    )
+def _swaps(part: Part, batch_seq: int | None) -> list[SwapSnapshot]:
+    """The part's swaps: one, or one per call for recorded per-call stores (a fan-out)."""
+    future = part.future
+    if not isinstance(future, StoreFanOut):
+        return [
+            SwapSnapshot(
+                kind=_KIND_NAMES[part.kind],
+                direction=part.direction,
+                gpu_block_ids=_ints(part.gpu_ids),
+                cpu_block_ids=_ints(part.cpu_ids),
+                keys=tuple(part.keys or ()),
+                req_id=part.req_id,
+                batch_seq=batch_seq,
+                future_done=future.done(),
+                future_cancelled=future.cancelled(),
+            )
+        ]
+    gpu, cpu, keys = _ints(part.gpu_ids), _ints(part.cpu_ids), part.keys or []
+    swaps, start = [], 0
+    for call, end in zip(future.futures, future.ends):
+        swaps.append(
+            SwapSnapshot(
+                "store",
+                part.direction,
+                gpu[start:end],
+                cpu[start:end],
+                tuple(keys[start:end]),
+                None,
+                batch_seq,
+                call.done(),
+                call.cancelled(),
+            )
+        )
+        start = end
+    return swaps
 
 
 def take_snapshot(
@@ -174,7 +198,7 @@ def take_snapshot(
         key: KeySnapshot(block, CpuState(cpu.state[block]), int(cpu.readers[block]))
         for key, block in cpu.index.items()
     }
-    swaps = [_swap(p, None) for p in queue.queued_parts()]
+    swaps = [s for p in queue.queued_parts() for s in _swaps(p, None)]
     swaps += [
         SwapSnapshot(
             "promote", Direction.H2D, (), _ints(ids), tuple(keys), None, None, False, False
@@ -197,7 +221,7 @@ def take_snapshot(
     ]
     batches = []
     for batch in queue.in_flight.values():
-        swaps += [_swap(p, batch.seq) for p in batch.lane.parts]
+        swaps += [s for p in batch.lane.parts for s in _swaps(p, batch.seq)]
         engine_waits = tuple(
             e
             for s in batch.wait_for

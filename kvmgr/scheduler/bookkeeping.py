@@ -23,7 +23,7 @@ changing anything.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -32,10 +32,12 @@ from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
 from kvmgr.reports import LoadResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
+from kvmgr.scheduler.deferred import DeferredStores, settle
 from kvmgr.scheduler.events import EventStream
 from kvmgr.scheduler.gpu_blocks import GpuBlocks
-from kvmgr.scheduler.jobs import Direction, KVGeometry
+from kvmgr.scheduler.jobs import KVGeometry
 from kvmgr.scheduler.keys import check_keys
+from kvmgr.scheduler.landing import Landed, complete_lane
 from kvmgr.scheduler.queue import Kind, Lane, Part
 from kvmgr.scheduler.requests import RequestTables
 from kvmgr.scheduler.store import Stores
@@ -43,14 +45,6 @@ from kvmgr.scheduler.store import Stores
 __all__ = ["Bookkeeper", "Landed", "check_keys"]
 
 _READY = int(CpuState.READY)
-
-
-class Landed(NamedTuple):
-    """Keyed stores that just became READY: ``keys`` on CPU blocks ``cpu_ids`` (int64,
-    aligned). Returned by ``Bookkeeper.complete`` for the write-through to lower tiers."""
-
-    keys: list[bytes]
-    cpu_ids: np.ndarray
 
 
 class Bookkeeper:
@@ -89,6 +83,13 @@ class Bookkeeper:
         self.gpu = GpuBlocks(geometry.num_gpu_blocks, owned=config.manage_gpu_blocks)
         self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes, self.counters)
         self.stores = Stores(self.cpu, self.gpu, self.counters, config, self.block_bytes)
+        #: per-call stores recorded, prepared together by ``settle_deferred``
+        self.deferred = DeferredStores(self.cpu, self.gpu, enabled=self.stores.plain_admission)
+
+    def settle_deferred(self) -> list[Part]:
+        """Prepare the per-call stores recorded since the last call (``deferred``): one
+        ``Part`` for all of them, to queue before anything else (empty list: none)."""
+        return settle(self.deferred, self.stores)
 
     def gpu_ids(self, block_ids: object, what: str) -> list[int] | np.ndarray:
         """Validated GPU ids (``GpuBlocks.checked_ids``).
@@ -275,77 +276,11 @@ class Bookkeeper:
     def complete(
         self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool
     ) -> Landed | None:
-        """Apply the outcome of a lane's copy (``ok``: it completed on every rank) to every part.
-
-        ``gpu_ids``/``cpu_ids`` are the lane's ids as its job carried them. Array operations
-        over the lane's blocks, plus one step per request-level part; futures are the caller's
-        to resolve after this returns.
+        """Apply the outcome of a lane's copy (``ok``: it completed on every rank) to every part
+        (``landing.complete_lane``: array operations over the lane's blocks, one step per
+        request-level part; the caller resolves the futures after this returns).
 
         Returns:
             The keyed stores that became READY (``Landed``), or ``None`` (none, or a failure).
         """
-        cpu, counters = self.cpu, self.counters
-        n = len(cpu_ids)
-        self.gpu.release(gpu_ids)
-        requests = lane.requests
-        if lane.direction is Direction.D2H:
-            keys = lane.keys
-            landed = None
-            if ok:
-                cpu.stores_landed(cpu_ids, all_pending=not requests)
-                counters.stores_completed += n
-                self._emit_stored(lane)
-                if keys:
-                    landed = Landed(keys, _store_ids(lane, cpu_ids))
-            else:
-                cpu.stores_failed(keys, cpu_ids)
-                counters.stores_failed += n
-            for part in requests:
-                self.requests.preempt_done(part, ok)
-            return landed
-        if not requests:
-            cpu.remove_readers(cpu_ids)
-        else:
-            loads = [
-                np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.LOAD
-            ]
-            if loads:
-                cpu.remove_readers(np.concatenate(loads))
-            for part in requests:
-                self.requests.resume_done(part, ok)
-        if ok:
-            counters.loads_completed += n
-        else:
-            counters.loads_failed += n
-        return None
-
-    def _emit_stored(self, lane: Lane) -> None:
-        """The ``stored`` event of a landed D2H lane: one for the lane, with the token ids
-        concatenated when every keyed store gave them (of one block size) or none did; one per
-        store otherwise, so that no event mixes rows with and without tokens."""
-        events, keys = self.events, lane.keys
-        if not events.enabled or not keys:
-            return
-        if lane.num_token_parts == 0:
-            events.stored(keys, lane.parents)
-            return
-        stores = [p for p in lane.parts if p.kind is Kind.STORE and p.keys]
-        tokens = [p.token_ids for p in stores if p.token_ids is not None]
-        if len(tokens) == len(stores) and len({t.shape[1] for t in tokens}) == 1:
-            events.stored(
-                keys, lane.parents, np.concatenate(tokens) if len(tokens) > 1 else tokens[0]
-            )
-            return
-        for part in stores:
-            part_keys: list[bytes] = part.keys  # type: ignore[assignment]
-            parents = part.parents if part.parents is not None else [None, *part_keys[:-1]]
-            events.stored(part_keys, parents, part.token_ids)
-
-
-def _store_ids(lane: Lane, cpu_ids: np.ndarray) -> np.ndarray:
-    """CPU ids of the lane's keyed stores, aligned with ``lane.keys``."""
-    if not lane.requests:  # stores only: the lane's ids, in part order
-        return cpu_ids
-    return np.concatenate(
-        [np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.STORE]
-    )
+        return complete_lane(self, lane, gpu_ids, cpu_ids, ok)

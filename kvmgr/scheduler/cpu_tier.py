@@ -1,8 +1,6 @@
 """The CPU tier's bookkeeping: block states, the key index, readers, eviction through a policy.
 
-Private to ``kvmgr.scheduler``.
-
-States of a CPU block (``CpuState``):
+Private to ``kvmgr.scheduler``. States of a CPU block (``CpuState``):
 
 - ``FREE``: in the allocator.
 - ``PENDING``: keyed; a store copy writes it. Not readable, not evictable.
@@ -11,9 +9,10 @@ States of a CPU block (``CpuState``):
 - ``SWAPPED``: holds a block of a preempted request (its block table points here).
 - ``RESUMING``: a resume copy reads it back to the GPU; FREE once that completes.
 
-Keyed blocks are found through ``index`` (a plain ``dict[bytes, int]``, key -> CPU block).
-The state bytes and reader counts are buffers with numpy views, so a
-batch is one array operation and a single block is one index operation.
+Keyed blocks are found through ``index`` (a plain ``dict[bytes, int]``, key -> CPU block). The
+state bytes and reader counts are buffers with numpy views, so a batch is one array operation
+and a single block is one index operation. ``reserved`` blocks are promised to recorded
+per-call stores (``deferred``): every allocation keeps them free or evictable.
 """
 
 from __future__ import annotations
@@ -89,6 +88,7 @@ class CpuTier:
         self.readers_np = np.frombuffer(self.readers, dtype=np.int64)
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
+        self.reserved = 0  #: blocks promised to recorded per-call stores (``deferred``)
         self._on_removed = on_removed
         self._keep_evicted = keep_evicted
         #: (keys, CPU ids) of blocks the policy evicted since ``take_evicted`` (freed, not
@@ -146,6 +146,7 @@ class CpuTier:
         Raises:
             PoolExhaustedError: too few free and evictable blocks; nothing changed then.
         """
+        n += self.reserved  # the room promised to recorded stores stays free or evictable
         shortfall = n - self.pool.num_free
         if shortfall > 0 and self.grow():
             shortfall = n - self.pool.num_free
@@ -177,15 +178,13 @@ class CpuTier:
         return evicted
 
     def _ids_of(self, keys: list[bytes]) -> np.ndarray:
-        get = self.index.__getitem__
-        return np.fromiter(map(get, keys), dtype=np.int64, count=len(keys))
+        return np.fromiter(map(self.index.__getitem__, keys), dtype=np.int64, count=len(keys))
 
     def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""
-        pool = self.pool
-        if n > pool.num_free:
+        if n + self.reserved > self.pool.num_free:
             self.evict_for(n, protected)
-        return [pool.take_one() for _ in range(n)]  # type: ignore[misc]
+        return [self.pool.take_one() for _ in range(n)]  # type: ignore[misc]
 
     def _forget(self, keys: list[bytes]) -> None:
         """Drop READY keys without readers (already untracked by the policy); free blocks."""

@@ -102,10 +102,10 @@ class GpuBlocks:
             held = self.state_np[ids] == GpuState.HELD
             if not held.all():
                 raise self._not_held(int(ids[np.flatnonzero(~held)[0]]), what)
-        if len(ids) > 1 and not self._distinct(ids):
+        if len(ids) > 1 and not self.distinct(ids):
             raise InvalidBlockError(f"duplicate gpu block ids in {ids.tolist()[:16]}")
 
-    def _distinct(self, ids: np.ndarray) -> bool:
+    def distinct(self, ids: np.ndarray) -> bool:
         """Whether ``ids`` (in range) are distinct: write each id's position into a scratch
         array and read it back (a repeated id keeps only its last position); O(n), no sort."""
         if len(ids) > self.num_blocks:

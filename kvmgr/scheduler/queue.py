@@ -14,143 +14,13 @@ part, never a set of block ids.
 from __future__ import annotations
 
 import array
-import asyncio
-import enum
-from collections.abc import Hashable
-from typing import Any
 
 import numpy as np
 
 from kvmgr.scheduler.jobs import Direction, TransferJob
+from kvmgr.scheduler.lanes import Kind, Lane, Part
 
 __all__ = ["Batch", "Generation", "Kind", "Lane", "Part", "SwapQueue"]
-
-
-class Kind(enum.IntEnum):
-    """What a part does; the direction follows from it."""
-
-    STORE = 0  #: keyed GPU -> CPU
-    LOAD = 1  #: keyed CPU -> GPU
-    PREEMPT = 2  #: a request's blocks GPU -> CPU
-    RESUME = 3  #: a request's blocks CPU -> GPU
-
-
-class Part:
-    """One swap call's share of a lane.
-
-    Attributes:
-        kind: what it does.
-        future: resolved with ``result`` once the copy and its bookkeeping completed.
-        result: the value the future gets on success (built when the part was prepared).
-        gpu_ids / cpu_ids: its block ids (list or int64 array), GPU read/written and CPU
-            written/read, aligned.
-        keys: keyed parts: the keys copied, aligned with the ids; else ``None``.
-        req_id: request-level parts: the request; else ``None``.
-        parents: keyed stores: ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root),
-            for the ``stored`` event; ``None`` for the default chain (``keys[i]`` extends
-            ``keys[i - 1]``, ``keys[0]`` a root: no list kept per queued call) and for others.
-        token_ids: keyed stores given token ids: int32 ``[len(keys), block_size]`` (the
-            caller's copy, rows of the keys stored); else ``None``.
-    """
-
-    __slots__ = (
-        "cpu_ids", "future", "gpu_ids", "keys", "kind", "parents", "req_id", "result", "token_ids"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        kind: Kind,
-        future: asyncio.Future[Any],
-        result: object,
-        gpu_ids: Any,
-        cpu_ids: Any,
-        keys: list[bytes] | None = None,
-        req_id: Hashable | None = None,
-        *,
-        parents: list[bytes | None] | None = None,
-        token_ids: np.ndarray | None = None,
-    ) -> None:
-        self.kind = kind
-        self.future = future
-        self.result = result
-        self.gpu_ids = gpu_ids
-        self.cpu_ids = cpu_ids
-        self.keys = keys
-        self.req_id = req_id
-        self.parents = parents
-        self.token_ids = token_ids
-
-    @property
-    def direction(self) -> Direction:
-        """D2H for stores and preempts, H2D for loads and resumes."""
-        return Direction.D2H if self.kind in (Kind.STORE, Kind.PREEMPT) else Direction.H2D
-
-
-class Lane:
-    """One direction of a generation: its parts and their block ids, accumulated cheaply.
-
-    Ids accumulate in part order in int64 ``array.array`` buffers (a small part's list is
-    appended in C, a large part's array copied in), so ``arrays()`` is two zero-copy views. A
-    D2H lane also accumulates its keyed stores' keys, and request-level parts (preempts,
-    resumes) are listed apart, so completion never walks every part.
-
-    Attributes:
-        parts: every part, in the order added.
-        keys: D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
-            ``requests`` is empty); H2D lanes: empty.
-        parents: D2H lanes: one parent per entry of ``keys`` (``None``: a root).
-        num_token_parts: keyed stores of the lane that carry token ids.
-        requests: the request-level parts (preempts, resumes), in part order.
-    """
-
-    __slots__ = (
-        "_cpu", "_gpu", "direction", "keys", "num_token_parts", "parents", "parts", "requests"
-    )  # fmt: skip
-
-    def __init__(self, direction: Direction) -> None:
-        self.direction = direction
-        self.parts: list[Part] = []
-        self.keys: list[bytes] = []
-        self.parents: list[bytes | None] = []
-        self.num_token_parts = 0
-        self.requests: list[Part] = []
-        self._gpu = array.array("q")
-        self._cpu = array.array("q")
-
-    def add(self, part: Part) -> None:
-        """Append a part (not after ``arrays()``: its views pin the buffers' size)."""
-        self.parts.append(part)
-        gpu, cpu = part.gpu_ids, part.cpu_ids
-        if type(gpu) is list:
-            self._gpu.fromlist(gpu)
-        else:
-            self._gpu.frombytes(_raw(gpu))
-        if type(cpu) is list:
-            self._cpu.fromlist(cpu)
-        else:
-            self._cpu.frombytes(_raw(cpu))
-        keys = part.keys
-        if keys is None:
-            self.requests.append(part)
-        elif self.direction is Direction.D2H:
-            self.keys += keys
-            if part.parents is not None:
-                self.parents += part.parents
-            elif keys:  # the default chain
-                self.parents.append(None)
-                self.parents += keys[:-1]
-            if part.token_ids is not None:
-                self.num_token_parts += 1
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(GPU ids, CPU ids) of every part, int64, aligned, in part order (views of the
-        lane's buffers: read them, do not write)."""
-        return np.frombuffer(self._gpu, dtype=np.int64), np.frombuffer(self._cpu, dtype=np.int64)
-
-
-def _raw(ids: Any) -> np.ndarray:
-    """The bytes of an int64 id array, for ``array.frombytes`` (no copy when already int64)."""
-    return np.ascontiguousarray(ids, dtype=np.int64).view(np.uint8)
 
 
 class Generation:
@@ -268,8 +138,9 @@ class SwapQueue:
                 marks[b] = number
         else:
             (self._read_np if is_store else self._written_np)[ids] = number
-        (newest.d2h if is_store else newest.h2d).add(part)
-        self.num_queued += 1
+        calls = getattr(part.future, "num_calls", 1)  # a StoreFanOut: many recorded calls
+        (newest.d2h if is_store else newest.h2d).add(part, calls)
+        self.num_queued += calls
 
     def take(self) -> list[Generation]:
         """Remove and return every queued generation, oldest first."""

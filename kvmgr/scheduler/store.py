@@ -21,15 +21,12 @@ from kvmgr.events.tokens import check_token_ids
 from kvmgr.policy.hints import hints_per_key
 from kvmgr.reports import StoreResult, SwapResult
 from kvmgr.scheduler.counters import Counters
-from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
-from kvmgr.scheduler.gpu_blocks import GpuBlocks, GpuState
+from kvmgr.scheduler.cpu_tier import CpuTier
+from kvmgr.scheduler.gpu_blocks import GpuBlocks
 from kvmgr.scheduler.keys import SMALL, check_keys, check_parents
 from kvmgr.scheduler.queue import Kind, Part
 
 __all__ = ["Stores"]
-
-_PENDING = int(CpuState.PENDING)
-_HELD = int(GpuState.HELD)
 
 
 class Stores:
@@ -54,8 +51,8 @@ class Stores:
         self.counters = counters
         self.block_bytes = block_bytes
         self._threshold = config.store_threshold
-        #: no admission control: the per-call fast path may be used
-        self._plain_admission = config.store_threshold == 1 and not hasattr(cpu.policy, "admit")
+        #: no admission control: plain per-call stores may be recorded (``deferred``)
+        self.plain_admission = config.store_threshold == 1 and not hasattr(cpu.policy, "admit")
         #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
         self._seen: dict[bytes, int] = {}
 
@@ -86,20 +83,6 @@ class Stores:
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed.
         """
-        if (
-            not batched
-            and not held
-            and type(gpu_block_ids) is list
-            and type(keys) is list
-            and parents is None
-            and token_ids is None
-            and hints is None
-            and 0 < len(keys) <= SMALL
-            and self._plain_admission
-        ):
-            part = self._small(gpu_block_ids, keys, future)
-            if part is not None:
-                return part
         gpu: Any = gpu_block_ids if held else self.gpu.checked_ids(gpu_block_ids, "store")
         keys = check_keys(keys, distinct=not batched)
         n = len(keys)
@@ -240,54 +223,3 @@ class Stores:
         return StoreResult(
             stored=stored, present=present, cpu_block_ids=cpu_block_ids, num_bytes=m * block_bytes
         )
-
-    def _small(self, gpu: list[int], keys: list[bytes], future: Any) -> Part | None:
-        """The per-call store of a few fresh keys, in plain Python (evicting when the tier
-        is full).
-
-        Returns ``None`` (nothing changed) whenever the general path is needed: an id or key
-        to reject, a key already present, or a key with indexed children.
-
-        Raises:
-            PoolExhaustedError: too few free and evictable CPU blocks; nothing changed.
-        """
-        n = len(keys)
-        if len(gpu) != n:
-            return None
-        cpu, gpu_blocks = self.cpu, self.gpu
-        index, pool = cpu.index, cpu.pool
-        num_gpu, gpu_state = gpu_blocks.num_blocks, gpu_blocks.state
-        owned = gpu_blocks.pool is not None
-        for key, b in zip(keys, gpu):
-            if (
-                type(key) is not bytes
-                or not key
-                or key in index
-                or type(b) is not int
-                or not 0 <= b < num_gpu
-                or (owned and gpu_state[b] != _HELD)
-            ):
-                return None
-        if n > 1 and (len(set(keys)) != n or len(set(gpu)) != n):
-            return None
-        if not cpu.chains.children.keys().isdisjoint(keys):
-            return None  # a key with indexed children (a cycle to look for)
-        if pool.num_free < n:  # the last check: raises PoolExhaustedError, nothing changed
-            cpu.evict_for(n, keys)
-        take_one, state, busy = pool.take_one, cpu.state, gpu_blocks.busy
-        cpu_ids = []
-        for key, b in zip(keys, gpu):
-            block = take_one()
-            cpu_ids.append(block)
-            index[key] = block
-            state[block] = _PENDING
-            busy[b] += 1
-        cpu.num_pending += n
-        keys = keys[:]  # the caller may reuse its lists
-        parents: list[bytes | None] = [None, *keys[:-1]] if n > 1 else [None]
-        cpu.policy.insert(keys, parents)
-        cpu.chains.add(keys, parents)
-        self.counters.stores_queued += n
-        gpu_ids = tuple(gpu)
-        result = SwapResult(n, n * self.block_bytes, 0, tuple(cpu_ids), gpu_ids)
-        return Part(Kind.STORE, future, result, list(gpu_ids), cpu_ids, keys)  # a default chain
