@@ -48,4 +48,7 @@ case $what in merged1|merged2|tests) ;; *)
     TAIL=25 run "gpu_$name" "${GPU_SECS:-330}" env OUT="$OUT/$name" bash "$f"
   done ;;
 esac
+# at most 8 files come back: the sections' folders travel as one archive
+dirs=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
+[ -n "$dirs" ] && (cd "$OUT" && tar czf sections.tgz $dirs && rm -rf $dirs)
 echo "=== done ($(date -u +%T))"

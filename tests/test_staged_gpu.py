@@ -59,13 +59,16 @@ def test_staged_bytes_on_the_gpu(direction: Direction, staging_blocks: int) -> N
     plan = build_plan(direction, KVLayout.from_tensors(src), KVLayout.from_tensors(dst),
                       src_ids, dst_ids)  # fmt: skip
     stream = torch.cuda.Stream()
+    issues = []  # each kept (with its keep-alives) until the stream finished, as CopyStreams does
     for _ in range(2):  # twice: the second use waits for the first on the device
         issued = staged.issue(plan, stream)
         assert issued.error is None and issued.path == "staged"
+        issues.append(issued)
     stream.synchronize()
     assert move.stager._layouts  # the paged kernel's path (layout tables), not descriptors
-    if issued.release is not None:
-        issued.release()
+    for issued in issues:
+        if issued.release is not None:
+            issued.release()
     s, d = torch.from_numpy(src_ids), torch.from_numpy(dst_ids)
     for a, b in zip(src, dst):
         assert torch.equal(a[s.to(a.device)].cpu(), b[d.to(b.device)].cpu())
@@ -77,8 +80,9 @@ def test_staged_bytes_on_the_gpu(direction: Direction, staging_blocks: int) -> N
 
 @pytest.mark.asyncio
 async def test_auto_stages_a_step_of_consecutive_cpu_blocks() -> None:
-    # 48 x 4 KiB pages (Qwen2.5-0.5B): scattered GPU blocks, fresh (consecutive) CPU blocks
-    caches = [torch.randint(0, 256, (1024, 4096), dtype=torch.uint8, device="cuda")
+    # 48 x 32 KiB pages: scattered GPU blocks, fresh (consecutive) CPU blocks (with 4 KiB pages
+    # the gather's cost per page makes the kernel the choice: test_duplex)
+    caches = [torch.randint(0, 256, (1024, 32768), dtype=torch.uint8, device="cuda")
               for _ in range(48)]  # fmt: skip
     keys = [hashlib.blake2b(i.to_bytes(4, "little")).digest() for i in range(512)]
     config = ManagerConfig(num_cpu_blocks=1024, engine="auto", manage_gpu_blocks=False)

@@ -77,16 +77,22 @@ class Calibration:
         kernel_margin: factor by which the kernel must win; DMA leaves the SMs to compute, so it
             keeps close calls. 1.1 (not fitted).
         duplex_kernel_gbps: both directions' bytes per second together when the copy kernel
-            copies both at once: 45 GB/s (issue 24's H200 run: 41 GB/s with 4 KiB pages, 63 with
-            32 KiB; the SM's host reads and writes share the link). ``duplex.duplex_choice``.
+            copies both at once: 64 GB/s (``kvmgr bench duplex`` on the H200, 2026-12-02, the
+            paged kernel, fitted by ``scripts/fit_calibration.py``: 59-62 GB/s with 4 KiB pages,
+            65-71 with 32 KiB; the SMs' host reads and writes share the link).
+            ``duplex.duplex_choice``.
         duplex_limit_gbps: both directions together at best (two contiguous copies in opposite
-            directions at once): 100 GB/s (issue 24's H200 run: 100-101 GB/s).
+            directions at once): 98 GB/s (the same run: 93-101 GB/s).
         duplex_mixed_gbps: both directions together when the copy kernel copies one way and the
-            DMA engine the other: 75 GB/s (issue 24's H200 run, a kernel against a contiguous
-            copy: 0.87 of the limit with 4 KiB pages, 0.73 with 32 KiB).
-        staged_gather_gbps: the staged path's device-to-device part (the copy kernel's gather or
-            scatter between the GPU tier and the staging buffer), bytes of the batch per second:
-            600 GB/s (an estimate until ``kvmgr bench duplex``'s ``gather`` rows fit it).
+            DMA engine the other: 69 GB/s (the same run, a kernel against a contiguous copy:
+            0.66-0.92 of the limit).
+        staged_gather_gbps, staged_gather_us_per_row: the staged path's device-to-device part
+            (the copy kernel's gather or scatter between the GPU tier and the staging buffer)
+            costs ``rows * staged_gather_us_per_row + bytes / staged_gather_gbps``, ``rows`` the
+            plan's descriptors (a run of one tensor each): 479 GB/s and 0.0185 us, fitted to the
+            H200's ``kvmgr bench duplex`` gather rows of 2026-12-02 (512 blocks: 48 x 4 KiB
+            pages 665-684 us, 148 GB/s; 64 x 32 KiB 2,818-2,892 us, 371-381 GB/s; one rate alone
+            cannot fit both page sizes).
         staged_slowdown: the compute slowdown while that part runs: 0.5 (an estimate: it
             streams HBM with the staged kernel's programs, but only for ~1/10 of the copy).
 
@@ -112,10 +118,11 @@ class Calibration:
         default=1.0, validator=[_non_negative, attrs.validators.le(1.0)]
     )
     kernel_margin: float = attrs.field(default=1.1, validator=attrs.validators.ge(1.0))
-    duplex_kernel_gbps: float = attrs.field(default=45.0, validator=_positive)
-    duplex_limit_gbps: float = attrs.field(default=100.0, validator=_positive)
-    duplex_mixed_gbps: float = attrs.field(default=75.0, validator=_positive)
-    staged_gather_gbps: float = attrs.field(default=600.0, validator=_positive)
+    duplex_kernel_gbps: float = attrs.field(default=64.0, validator=_positive)
+    duplex_limit_gbps: float = attrs.field(default=98.0, validator=_positive)
+    duplex_mixed_gbps: float = attrs.field(default=69.0, validator=_positive)
+    staged_gather_gbps: float = attrs.field(default=479.0, validator=_positive)
+    staged_gather_us_per_row: float = attrs.field(default=0.0185, validator=_non_negative)
     staged_slowdown: float = attrs.field(default=0.5, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
@@ -157,15 +164,21 @@ class Calibration:
         charge = 1.0 + self.compute_overlap * slowdown
         return self.kernel_us(num_descriptors, num_bytes, direction) * charge
 
-    def staged_gather_us(self, num_bytes: int) -> float:
-        """Modelled microseconds of the staged path's device-to-device part (one launch)."""
-        return self.kernel_launch_us + num_bytes / (1e3 * self.staged_gather_gbps)
+    def staged_gather_us(self, num_bytes: int, num_rows: int = 0) -> float:
+        """Modelled microseconds of the staged path's device-to-device part (one launch) over
+        ``num_rows`` runs (the plan's descriptors) of ``num_bytes`` in all."""
+        rows_us = num_rows * self.staged_gather_us_per_row
+        return self.kernel_launch_us + rows_us + num_bytes / (1e3 * self.staged_gather_gbps)
 
-    def staged_step_us(self, num_descriptors: int, num_bytes: int, direction: Direction) -> float:
-        """The staged path (``kvmgr.transfer.staged``): its device-to-device part, then (D2H;
-        before it, H2D) the DMA batch of ``num_descriptors`` (CPU runs x tensors) on the same
-        stream, each charged the compute it slows (module docstring)."""
-        gather = self.staged_gather_us(num_bytes) * (1.0 + self.compute_overlap * self.staged_slowdown)  # fmt: skip
+    def staged_step_us(
+        self, num_descriptors: int, num_bytes: int, direction: Direction, gather_rows: int = 0
+    ) -> float:
+        """The staged path (``kvmgr.transfer.staged``): its device-to-device part over
+        ``gather_rows`` runs, then (D2H; before it, H2D) the DMA batch of ``num_descriptors``
+        (CPU runs x tensors) on the same stream, each charged the compute it slows (module
+        docstring)."""
+        charge = 1.0 + self.compute_overlap * self.staged_slowdown
+        gather = self.staged_gather_us(num_bytes, gather_rows) * charge
         return gather + self.batch_step_us(num_descriptors, num_bytes, direction)
 
     def crossover_bytes(self, direction: Direction) -> float | None:
@@ -249,9 +262,9 @@ class Calibration:
         """Set ``duplex_kernel_gbps``, ``duplex_limit_gbps`` and ``duplex_mixed_gbps`` to the
         medians of ``kvmgr bench duplex``'s ``"kernel+kernel"``, ``"limit"`` and
         ``"kernel+contiguous"`` / ``"contiguous+kernel"`` rows (``variant``, ``gbps``: both
-        directions' bytes over the time both took), ``staged_gather_gbps`` to the median of its
-        ``"gather d2h"`` / ``"scatter h2d"`` rows (one direction's bytes); other fields from
-        ``base``.
+        directions' bytes over the time both took); other fields from ``base``. The staged
+        gather's two constants are fitted over two page sizes (see the class docstring), not
+        from one rate.
 
         Raises:
             ConfigError: a row lacks a key, or the values are invalid.
@@ -328,7 +341,6 @@ def _fit_duplex(cls: type[Calibration], rows: Sequence[Mapping[str, Any]], base:
             "duplex_kernel_gbps": ("kernel+kernel",),
             "duplex_limit_gbps": ("limit",),
             "duplex_mixed_gbps": ("kernel+contiguous", "contiguous+kernel"),
-            "staged_gather_gbps": ("gather d2h", "scatter h2d"),
         }
         for field, variants in fields.items():
             measured = [float(r["gbps"]) for r in rows if r.get("variant") in variants]

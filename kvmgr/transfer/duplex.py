@@ -75,11 +75,12 @@ class DuplexChoice:
         return "kernel" if self.kernel(direction) else "staged" if staged else "dma"
 
 
-def _alone_us(calib: Calibration, direction: Direction, path: str, n: int, num_bytes: int) -> float:  # fmt: skip
+def _alone_us(calib: Calibration, direction: Direction, path: str, n: int, num_bytes: int, rows: int = 0) -> float:  # fmt: skip
+    """``rows``: the plan's descriptors (the staged path's gather rows; ``n`` is its DMA's)."""
     if path == "kernel":
         return calib.kernel_step_us(n, num_bytes, direction)
     if path == "staged":
-        return calib.staged_step_us(n, num_bytes, direction)
+        return calib.staged_step_us(n, num_bytes, direction, rows)
     return calib.batch_step_us(n, num_bytes, direction)
 
 
@@ -98,13 +99,14 @@ def _together_gbps(calib: Calibration, paths: tuple[str, str]) -> float:
 
 
 def _pair_us(
-    calib: Calibration, counts: Mapping[Direction, tuple[int, int]], paths: Mapping[Direction, str],
-    first: Direction,
+    calib: Calibration, counts: Mapping[Direction, tuple[int, int, int]],
+    paths: Mapping[Direction, str], first: Direction,
 ) -> float:  # fmt: skip
+    """``counts``: per direction (descriptors of its path, bytes, the plan's descriptors)."""
     second = _H2D if first is _D2H else _D2H
-    (n1, b1), (n2, b2) = counts[first], counts[second]
-    alone1 = _alone_us(calib, first, paths[first], n1, b1)
-    alone2 = _alone_us(calib, second, paths[second], n2, b2)
+    (n1, b1, r1), (n2, b2, r2) = counts[first], counts[second]
+    alone1 = _alone_us(calib, first, paths[first], n1, b1, r1)
+    alone2 = _alone_us(calib, second, paths[second], n2, b2, r2)
     together = (b1 + b2) / (1e3 * _together_gbps(calib, (paths[first], paths[second])))
     # the second direction is issued once the first one's host part returned
     return max(alone1, _host_us(calib, first, paths[first], n1) + alone2, together)
@@ -126,7 +128,8 @@ def choose_path(
         cost = calib.kernel_step_us(num_descriptors, num_bytes, direction) * calib.kernel_margin
     else:
         cost = calib.batch_step_us(num_descriptors, num_bytes, direction)
-    staged = calib.staged_step_us(staged_descriptors, num_bytes, direction) * calib.kernel_margin
+    staged = calib.staged_step_us(staged_descriptors, num_bytes, direction, num_descriptors)
+    staged *= calib.kernel_margin
     return "staged" if staged < cost else best
 
 
@@ -161,7 +164,7 @@ def duplex_choice(
         for h2d_path in options[_H2D]:
             paths = {_D2H: d2h_path, _H2D: h2d_path}
             used = {
-                d: (stage[d] if paths[d] == "staged" else counts[d][0], counts[d][1])
+                d: (stage[d] if paths[d] == "staged" else counts[d][0], counts[d][1], counts[d][0])
                 for d in Direction
             }
             margin = 1.0 if d2h_path == h2d_path == "dma" else calib.kernel_margin

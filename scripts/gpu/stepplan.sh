@@ -21,7 +21,7 @@ BASE=f5ab5bc
 STEP_ARGS=(--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3
   --step-swaps 512 --step-engines cuda kernel)
 
-PYTHONPATH="$NEW" timeout 50 python3 -m pytest -q -p no:randomly tests/test_plan.py \
+PYTHONPATH="$NEW${PYTHONPATH:+:$PYTHONPATH}" timeout 50 python3 -m pytest -q -p no:randomly tests/test_plan.py \
   tests/test_cuda_engine.py tests/test_copy_kernel.py tests/test_copy_blocks.py \
   tests/test_manager_engines.py > "$D/pytest.txt" 2>&1 || echo "section 1: pytest rc=$? (pytest.txt)"
 
@@ -35,20 +35,20 @@ for run in 1 2; do
   for tree in old new; do
     root="$NEW"; [ "$tree" = old ] && root="$OLD"
     [ -z "$root" ] && continue
-    PYTHONPATH="$root" timeout 25 python3 -m kvmgr.cli bench swap "${STEP_ARGS[@]}" \
+    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" timeout 25 python3 -m kvmgr.cli bench swap "${STEP_ARGS[@]}" \
       --json "$D/step_${tree}_${run}.json" > "$D/step_${tree}_${run}.txt" 2>&1 \
       || echo "section 2: step table ($tree, run $run) rc=$?"
   done
 done
 [ -z "$OLD" ] && echo "section 2: no git history: the old tree's step table is skipped"
-PYTHONPATH="$NEW" timeout 20 python3 -m kvmgr.cli bench swap --geometries qwen --blocks 512 \
+PYTHONPATH="$NEW${PYTHONPATH:+:$PYTHONPATH}" timeout 20 python3 -m kvmgr.cli bench swap --geometries qwen --blocks 512 \
   --variants kernel auto --repeats 5 --warmup 2 --step-swaps 0 --json "$D/copies.json" \
   > "$D/copies.txt" 2>&1 || echo "section 2: copy columns rc=$? (copies.txt)"
 
 for tree in old new; do
   root="$NEW"; [ "$tree" = old ] && root="$OLD"
   [ -z "$root" ] && continue
-  (cd /tmp && PYTHONPATH="$root" timeout 10 python3 "$NEW/scripts/step_engine_ab.py" \
+  (cd /tmp && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" timeout 10 python3 "$NEW/scripts/step_engine_ab.py" \
     --repeats 20) >> "$D/cpu_ab_$tree.txt" 2>&1 || echo "section 3: cpu a/b ($tree) rc=$?"
 done
 
