@@ -107,7 +107,7 @@ class Flusher:
                     jobs.reverse()
             for job, lane in jobs:
                 try:
-                    report = self._submit(job, lane, loop)
+                    report = self._submit(job, lane, loop)  # moved() was None just above
                 except Exception as exc:  # a bug: fail the swaps with it, raise after the rest
                     bug = bug or exc
                     continue
@@ -131,7 +131,7 @@ class Flusher:
         """
         scheduler = self.scheduler
         try:
-            sub = self.transport.submit(job, loop)
+            sub = self.transport.submit(job, loop, checked=True)
         except KVMgrError as exc:
             error = (
                 exc

@@ -39,14 +39,17 @@ class LocalTransport:
         flush, before any job is handed out)."""
         return self.worker.moved()
 
-    def submit(self, job: TransferJob, loop: asyncio.AbstractEventLoop) -> Submitted:
+    def submit(
+        self, job: TransferJob, loop: asyncio.AbstractEventLoop, *, checked: bool = False
+    ) -> Submitted:
         """Hand ``job`` to the worker; its outcome is delivered on ``loop`` when it ends.
+        ``checked``: `moved` returned ``None`` earlier in this step (``TransferWorker.submit``).
 
         Raises:
             KVMgrError: the worker refused it (nothing runs then; roll it back).
         """
         try:
-            submitted = self.worker.submit(job)
+            submitted = self.worker.submit(job, checked=checked)
         except BaseException:
             self.worker.forget(job.job_id)  # a plan kept by ``order``
             raise

@@ -102,8 +102,11 @@ class RankTransport:
             with contextlib.suppress(OSError, ValueError):  # closed already
                 loop.remove_reader(conn.fileno())
 
-    def submit(self, job: TransferJob, loop: asyncio.AbstractEventLoop) -> Any:
-        """Send ``job`` to every rank (the same frame bytes, one write per rank).
+    def submit(
+        self, job: TransferJob, loop: asyncio.AbstractEventLoop, *, checked: bool = False
+    ) -> Any:
+        """Send ``job`` to every rank (the same frame bytes, one write per rank). ``checked``
+        is ignored: each rank checks its own KV tensors.
 
         Raises:
             RankError: the group is down, or a rank's pipe is closed (the group goes down).

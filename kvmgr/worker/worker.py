@@ -161,16 +161,18 @@ class TransferWorker:
             first, _ = self._duplex(*counts)
         return (d2h, h2d) if first is Direction.D2H else (h2d, d2h)
 
-    def submit(self, job: TransferJob) -> Submitted:
+    def submit(self, job: TransferJob, *, checked: bool = False) -> Submitted:
         """Plan and submit this rank's share of ``job``, fenced on the jobs it names that this
-        worker still tracks.
+        worker still tracks. ``checked``: the caller ran `moved` in this same step, with no
+        user code since (the KV tensors cannot have moved), so it is not run again (48
+        tensors: 37-136 us of host time each run).
 
         Raises:
             StaleKVTensorError: a KV tensor moved.
             TransferError: the engine refused the batch.
             KVMgrError: the plan could not be built (bad ids).
         """
-        moved = self._guard.moved()
+        moved = None if checked else self._guard.moved()
         if moved is not None:
             raise StaleKVTensorError(moved)
         plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
