@@ -54,7 +54,10 @@ class LayerBatches:
     block is released while a group may still copy it): with the summed ``BatchResult`` if all
     ``num_groups`` groups were submitted and succeeded, else with the first failure
     (``LayerLoadError``). Its ``end_event`` is the last group's, set when that group is
-    submitted (one FIFO stream: the last group's end means every group ended).
+    submitted (one FIFO stream: the last group's end means every group ended). A group's
+    ``end_event`` marks that group only until its future resolved: the CUDA engines pool their
+    events, and a later batch (a later group of the same load, too) may re-record it
+    (``kvmgr.transfer.streams``); ``wait_layer`` waits only on groups still in flight.
 
     Args:
         direction: of every group.
