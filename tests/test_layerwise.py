@@ -171,8 +171,13 @@ async def test_min_group_bytes_merges_layers() -> None:
         for layer in range(NUM_LAYERS):
             load.wait_layer(layer)
         first, second = (h.batch_id for h in load.batches.handles)
-        # stream waits (not host waits) on the group's event; layers 0-1 share group 0
-        assert engine.waits == [first, first, second, second]
+        # stream waits (not host waits) on the group's event; layers 0-1 share group 0, whose
+        # wait is issued once on the stream; another stream needs its own wait
+        assert engine.waits == [first, second]
+        load.wait_layer(NUM_LAYERS - 1)  # again: a no-op
+        assert engine.waits == [first, second]
+        load.wait_layer(NUM_LAYERS - 1, stream="other")
+        assert engine.waits == [first, second, second]
         await load
 
 
