@@ -224,6 +224,7 @@ async def run_variant(
         "layerwise_step_s": stats.layerwise_step_s,
         "layerwise_load_s": stats.layerwise_load_s,
         "layerwise_failed": stats.layerwise_failed,
+        "layerwise_stores": stats.layerwise_stores,
         # a layerwise step against its own loads' device time (1.0: the step took the load's time)
         "layerwise_step_over_load": (
             stats.layerwise_step_s / stats.layerwise_load_s if stats.layerwise_load_s else None
