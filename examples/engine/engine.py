@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -344,11 +345,11 @@ class Engine:
             else:
                 if self.config.layerwise:  # this step's full prompt blocks, saved per layer
                     store = self._store_layerwise(chosen)
-                logits = self.model(
+                logits = self.model(  # the per-layer calls count as kvmgr host time too
                     batch,
                     self.kv_caches,
-                    None if load is None else load.wait_layer,
-                    None if store is None else store.save_layer,
+                    None if load is None else functools.partial(self._timed, load.wait_layer),
+                    None if store is None else functools.partial(self._timed, store.save_layer),
                 )
         except LayerLoadError:  # no layer of a failed load was read: recompute those requests
             if store is not None:
