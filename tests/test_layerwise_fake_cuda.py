@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_cuda_engine import FakeCuda, FakeDriverLib
 
-from kvmgr import LayerLoadError, ManagerConfig, OffloadManager
+from kvmgr import LayerLoadError, LayerOrderError, ManagerConfig, OffloadManager
 from kvmgr.testing import check_invariants
 from kvmgr.transfer import streams
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
@@ -174,4 +174,33 @@ async def test_pooled_events_each_group_bracketed_on_the_load_stream_in_order(
             first.wait_layer(layer)  # resolved: its events now mark the second load's groups
         assert not any(isinstance(e, tuple) and e[0] == "wait" for e in fake_cuda.log)
         assert all(torch.equal(t[torch.from_numpy(src)], t[torch.from_numpy(dst)]) for t in caches)
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_wait_and_save_inside_a_capture_raise(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither call is capturable: inside a capture both raise ``LayerOrderError`` and issue
+    nothing; outside it the same calls go on."""
+    mgr, _ = _manager(fake_cuda, FakeDriverLib())
+    async with mgr:
+        keys = _keys(4)
+        src = await _stored(mgr, keys)
+        load = mgr.load_layerwise(keys, np.asarray(mgr.allocate("b", 4)), layers=2)
+        store = mgr.store_layerwise(src, _keys(8)[4:], layers=2)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        fake_cuda.log.clear()
+        with pytest.raises(LayerOrderError):
+            load.wait_layer(0)
+        with pytest.raises(LayerOrderError):
+            store.save_layer(0)
+        assert not any(isinstance(e, tuple) and e[0] == "wait" for e in fake_cuda.log)
+        assert store.layers_saved == 0
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        for layer in range(LAYERS):
+            load.wait_layer(layer)
+            store.save_layer(layer)
+        await load
+        await store
         check_invariants(mgr)
