@@ -28,12 +28,15 @@ from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.queue import Lane, Part
 from kvmgr.transfer.engine import BatchHandle
-from kvmgr.transfer.layer_groups import LayerGroups, group_plan, sub_layout
+from kvmgr.transfer.layer_groups import LayerGroups, dense_tensors, group_plan, sub_layout
 from kvmgr.transfer.layerwise import LayerBatches, LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import BlockPairs, build_plan
 from kvmgr.worker import TransferWorker
 
-__all__ = ["LayerLayouts", "start_load", "start_store"]
+__all__ = ["GroupLayouts", "LayerLayouts", "start_load", "start_store"]
+
+#: per group: its GPU and CPU sub-layouts and how many of its tensors are dense on both sides
+GroupLayouts = tuple[tuple[KVLayout, KVLayout, int], ...]
 
 
 class LayerLayouts:
@@ -44,7 +47,7 @@ class LayerLayouts:
 
     def __init__(self) -> None:
         self._pairs: dict[bytes, tuple[KVLayout, KVLayout]] = {}
-        self._groups: dict[Hashable, tuple[LayerGroups, tuple[tuple[KVLayout, KVLayout], ...]]] = {}
+        self._groups: dict[Hashable, tuple[LayerGroups, GroupLayouts]] = {}
 
     def groups(
         self,
@@ -52,9 +55,9 @@ class LayerLayouts:
         layers: Sequence[int] | int | None,
         min_group_bytes: int,
         max_groups: int | None,
-    ) -> tuple[LayerGroups, tuple[tuple[KVLayout, KVLayout], ...]]:
+    ) -> tuple[LayerGroups, GroupLayouts]:
         """``LayerGroups.build`` over the worker's tensors (cached by its arguments) and each
-        group's ``(gpu, cpu)`` layouts.
+        group's ``(gpu, cpu, tensors dense on both sides)``.
 
         Raises:
             LayerOrderError: as ``LayerGroups.build``.
@@ -69,7 +72,8 @@ class LayerLayouts:
         if cached is None:
             page_bytes = worker.gpu_layout.page_bytes.tolist()
             groups = LayerGroups.build(page_bytes, layers, min_group_bytes, max_groups)
-            cached = (groups, tuple(self.get(worker, t) for t in groups.tensors))
+            pairs = [self.get(worker, t) for t in groups.tensors]
+            cached = (groups, tuple((g, c, dense_tensors(g, c)) for g, c in pairs))
             if key is not None and len(self._groups) < 64:
                 self._groups[key] = cached
         return cached
@@ -99,12 +103,12 @@ class _GroupSubmits:
     """``submit(group)`` of an operation's groups: the whole operation's plan is built (and its
     ids checked) once, at the first group, and each group's plan is its block pairs over the
     group's sub-layouts (``group_plan``); fenced on the in-flight jobs of the other direction
-    that share its GPU blocks (computed once for a load, whose groups are submitted together)."""
+    that share its GPU blocks (found once for a load, whose groups all go out together; per
+    group for a store, as it goes)."""
 
     def __init__(
         self, flusher: Flusher, worker: TransferWorker, direction: Direction,
-        layouts: tuple[tuple[KVLayout, KVLayout], ...],
-        gpu_ids: np.ndarray, cpu_ids: np.ndarray, *, fence_once: bool,
+        layouts: GroupLayouts, gpu_ids: np.ndarray, cpu_ids: np.ndarray, *, fence_once: bool,
     ) -> None:  # fmt: skip
         self._flusher, self._worker, self._direction = flusher, worker, direction
         self._layouts, self._gpu_ids, self._cpu_ids = layouts, gpu_ids, cpu_ids
@@ -125,11 +129,11 @@ class _GroupSubmits:
             else:
                 whole = build_plan(direction, gpu, cpu, self._gpu_ids, self._cpu_ids, merge=worker.merge)  # fmt: skip
             self._pairs, self._built = whole.blocks, True
-        gpu, cpu = self._layouts[group]
+        gpu, cpu, dense = self._layouts[group]
         if direction is Direction.H2D:
-            plan = group_plan(direction, self._pairs, cpu, gpu)
+            plan = group_plan(direction, self._pairs, cpu, gpu, dense)
         else:
-            plan = group_plan(direction, self._pairs, gpu, cpu)
+            plan = group_plan(direction, self._pairs, gpu, cpu, dense)
         fences = self._fences
         if fences is None:
             in_flight = self._flusher.scheduler.queue.fences(direction, self._gpu_ids)
@@ -143,7 +147,7 @@ def start_load(
     flusher: Flusher,
     worker: TransferWorker,
     loop: asyncio.AbstractEventLoop,
-    layouts: tuple[tuple[KVLayout, KVLayout], ...],
+    layouts: GroupLayouts,
     groups: LayerGroups,
     part: Part,
     is_open: Callable[[], bool],
@@ -154,8 +158,9 @@ def start_load(
     lane.add(part)
     gpu_ids, cpu_ids = lane.arrays()
     batches = LayerBatches(Direction.H2D, groups.num_groups)
-    submits = _GroupSubmits(flusher, worker, Direction.H2D, layouts, gpu_ids, cpu_ids,
-                            fence_once=True)  # fmt: skip
+    submits = _GroupSubmits(
+        flusher, worker, Direction.H2D, layouts, gpu_ids, cpu_ids, fence_once=True
+    )
     for group in range(groups.num_groups):
         if batches.submit(group, functools.partial(submits, group)) is None:
             break
@@ -168,7 +173,7 @@ def start_store(
     flusher: Flusher,
     worker: TransferWorker,
     loop: asyncio.AbstractEventLoop,
-    layouts: tuple[tuple[KVLayout, KVLayout], ...],
+    layouts: GroupLayouts,
     groups: LayerGroups,
     part: Part,
     is_open: Callable[[], bool],
@@ -183,5 +188,5 @@ def start_store(
     _launch(flusher, lane, batches, loop)
     submit_group = _GroupSubmits(
         flusher, worker, Direction.D2H, layouts, gpu_ids, cpu_ids, fence_once=False
-    )  # later groups: what is in flight then
+    )
     return LayerwiseStore(groups, batches, part.future, submit_group, is_open)

@@ -19,7 +19,7 @@ from kvmgr.errors import LayerOrderError
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.plan import BlockPairs, Direction, TransferPlan
 
-__all__ = ["LayerGroups", "group_plan", "sub_layout"]
+__all__ = ["LayerGroups", "dense_tensors", "group_plan", "sub_layout"]
 
 
 @attrs.frozen(eq=False)
@@ -148,18 +148,29 @@ def sub_layout(layout: KVLayout, tensors: np.ndarray) -> KVLayout:
 
 
 def group_plan(
-    direction: Direction, pairs: BlockPairs | None, src: KVLayout, dst: KVLayout
+    direction: Direction,
+    pairs: BlockPairs | None,
+    src: KVLayout,
+    dst: KVLayout,
+    num_dense: int | None = None,
 ) -> TransferPlan:
     """The plan copying ``pairs``' blocks (a whole-load plan from ``build_plan``, whose ids were
     checked there) over the sub-layouts ``src`` / ``dst`` of one group's tensors: what
     ``build_plan`` would return for them, without checking, sorting or merging again. ``None``
-    pairs (no block): an empty plan."""
+    pairs (no block): an empty plan. ``num_dense``: the tensors dense on both sides, if known
+    (``dense_tensors(src, dst)``)."""
     if pairs is None:
         return TransferPlan(direction)
     n = len(pairs.src_block_ids)
     num_tensors = src.num_tensors
-    num_dense = int(np.count_nonzero(src.is_dense & dst.is_dense))
+    if num_dense is None:
+        num_dense = dense_tensors(src, dst)
     num_descriptors = pairs.num_runs * num_dense + n * (num_tensors - num_dense)
     sub = BlockPairs(src, dst, pairs.src_block_ids, pairs.dst_block_ids, n * src.block_bytes,
                      num_descriptors, pairs.run_src_ids, pairs.run_dst_ids, pairs.run_lengths)  # fmt: skip
     return TransferPlan(direction, num_blocks=n, num_pages=n * num_tensors, blocks=sub)
+
+
+def dense_tensors(a: KVLayout, b: KVLayout) -> int:
+    """How many tensors are dense (block stride == page bytes) in both layouts."""
+    return int(np.count_nonzero(a.is_dense & b.is_dense))
