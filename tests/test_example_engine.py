@@ -148,6 +148,7 @@ def test_layerwise_prefix_loads_are_token_exact() -> None:
     assert stats.layerwise_steps > 0 and stats.hit_tokens > 0, stats
     assert stats.graph_steps > 0, stats
     assert stats.layerwise_failed == 0 and mgr_stats.loads_completed > 0
+    assert stats.layerwise_stores > 0, stats  # the hits load what the forward saved per layer
     for req, prompt in zip(served, prompts):
         tokens, logits = _reference(hf, prompt)
         assert req.output == tokens, f"request {req.req_id}: layerwise engine vs HF generate"

@@ -171,8 +171,13 @@ async def test_min_group_bytes_merges_layers() -> None:
         for layer in range(NUM_LAYERS):
             load.wait_layer(layer)
         first, second = (h.batch_id for h in load.batches.handles)
-        # stream waits (not host waits) on the group's event; layers 0-1 share group 0
-        assert engine.waits == [first, first, second, second]
+        # stream waits (not host waits) on the group's event; layers 0-1 share group 0, whose
+        # wait is issued once on the stream; another stream needs its own wait
+        assert engine.waits == [first, second]
+        load.wait_layer(NUM_LAYERS - 1)  # again: a no-op
+        assert engine.waits == [first, second]
+        load.wait_layer(NUM_LAYERS - 1, stream="other")
+        assert engine.waits == [first, second, second]
         await load
 
 
@@ -381,3 +386,36 @@ async def test_group_layouts_are_made_once() -> None:
     assert len(seen) == 2 * NUM_LAYERS
     for (src_a, dst_a), (src_b, dst_b) in zip(seen[:NUM_LAYERS], seen[NUM_LAYERS:]):
         assert src_a is src_b and dst_a is dst_b
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3], [5, 1, 9, 2], [3, 4, 9, 10, 0]])
+def test_group_plan_equals_build_plan_of_the_group(ids: list[int]) -> None:
+    """A group's plan sliced from the whole operation's equals ``build_plan`` over the group's
+    sub-layouts: same counts, same descriptors (dense and strided tensors, runs or none)."""
+    from kvmgr.pool.layout import KVLayout
+    from kvmgr.transfer.layer_groups import group_plan, sub_layout
+    from kvmgr.transfer.plan import Direction, build_plan
+
+    def layout(base: int, strides: list[int]) -> KVLayout:
+        pages = np.array([64, 64, 128, 128], dtype=np.int64)
+        bases = base + np.arange(4, dtype=np.int64) * (1 << 20)
+        return KVLayout(bases, np.asarray(strides, dtype=np.int64), pages, 16, torch.device("cpu"))
+
+    gpu = layout(1 << 30, [64, 96, 128, 128])  # tensor 1 strided: a descriptor per page
+    cpu = layout(1 << 34, [64, 64, 128, 256])  # tensor 3 strided on this side
+    src = np.asarray(ids, dtype=np.int64)
+    dst = np.arange(len(ids), dtype=np.int64) + 2
+    whole = build_plan(Direction.H2D, cpu, gpu, src, dst)
+    for tensors in (np.array([0, 1]), np.array([2, 3]), np.array([1, 2, 3])):
+        sub_cpu, sub_gpu = sub_layout(cpu, tensors), sub_layout(gpu, tensors)
+        expected = build_plan(Direction.H2D, sub_cpu, sub_gpu, src, dst)
+        got = group_plan(Direction.H2D, whole.blocks, sub_cpu, sub_gpu)
+        assert (got.num_blocks, got.num_pages, got.num_bytes, got.num_descriptors) == (
+            expected.num_blocks, expected.num_pages, expected.num_bytes, expected.num_descriptors
+        )  # fmt: skip
+        for a, b in zip(
+            (got.src_addrs, got.dst_addrs, got.sizes),
+            (expected.src_addrs, expected.dst_addrs, expected.sizes),
+        ):
+            assert np.array_equal(a, b)
+    assert group_plan(Direction.H2D, None, cpu, gpu).num_descriptors == 0

@@ -6,15 +6,19 @@ before the first wait."""
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 from test_cuda_engine import FakeCuda, FakeDriverLib
 
-from kvmgr import LayerLoadError, ManagerConfig, OffloadManager
+from kvmgr import LayerLoadError, LayerOrderError, ManagerConfig, OffloadManager
 from kvmgr.testing import check_invariants
+from kvmgr.transfer import streams
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
 from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.plan import Direction
@@ -107,3 +111,96 @@ async def test_a_refused_layer_fails_the_load_before_any_wait(fake_cuda: FakeCud
             await load
         check_invariants(mgr)
         assert mgr.peek(keys) == 4
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``condition`` (set by a completion thread) until it holds or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return condition()
+
+
+def _group_records(log: list, h2d: object) -> list[tuple[str, object]]:
+    """``("batch", stream handle)`` and ``("record", stream)`` of the start/end events, in order."""
+    out = []
+    for e in log:
+        if isinstance(e, dict) and "batch" in e:
+            out.append(("batch", e["stream"]))
+        elif isinstance(e, tuple) and e[0] == "record" and e[2] is not None:
+            out.append(("record", e[2]))  # (the compute fence is recorded on None: the current)
+    return out
+
+
+@pytest.mark.asyncio
+async def test_pooled_events_each_group_bracketed_on_the_load_stream_in_order(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the event pool on (as with torch's real events): every group's copy sits between
+    its own start and end records on the load stream, group 0 first; a resolved load's pairs go
+    back to the pool and the next load's groups re-record them, so a resolved handle's
+    ``end_event`` is no longer its own (why the GPU test reads end times with fresh events
+    only), and ``wait_layer`` on a resolved group never waits on such a recycled event."""
+    monkeypatch.setattr(streams, "_real_cuda_events", lambda: True)
+    mgr, caches = _manager(fake_cuda, FakeDriverLib())
+    async with mgr:
+        keys = _keys(4)
+        src = await _stored(mgr, keys)
+        dst = np.asarray(mgr.allocate("b", 4))
+        h2d = mgr.engine.stream(Direction.H2D)  # type: ignore[attr-defined]
+        pool = mgr.engine._streams._pools[Direction.H2D]  # type: ignore[attr-defined]
+        gates = [threading.Event() for _ in range(LAYERS)]
+        fake_cuda.gates[:] = gates  # the first load's groups run until their gates are set
+        first = mgr.load_layerwise(keys, dst, layers=2)
+        first_ends = [h.end_event for h in first.batches.handles]
+        assert len(set(map(id, first_ends))) == LAYERS  # none ended yet: three fresh pairs
+        for gate in gates:
+            gate.set()
+        await first
+        assert _until(lambda: len(pool) == LAYERS)  # back after the futures resolved
+        fake_cuda.log.clear()
+        second = mgr.load_layerwise(keys, dst, layers=2)
+        ends = [h.end_event for h in second.batches.handles]
+        # recycled pairs (a group may even reuse one of the same load's, ended meanwhile)
+        assert set(map(id, ends)) <= set(map(id, first_ends))
+        # per group: start record, the driver's batch, end record, all on the load stream
+        expected = [("record", h2d), ("batch", h2d.cuda_stream), ("record", h2d)] * LAYERS
+        assert _group_records(fake_cuda.log, h2d) == expected
+        records = [e[1] for e in fake_cuda.log if isinstance(e, tuple) and e[0] == "record"]
+        assert [r for r in records if r in ends] == ends  # end events in layer order
+        await second
+        fake_cuda.log.clear()
+        for layer in range(LAYERS):
+            first.wait_layer(layer)  # resolved: its events now mark the second load's groups
+        assert not any(isinstance(e, tuple) and e[0] == "wait" for e in fake_cuda.log)
+        assert all(torch.equal(t[torch.from_numpy(src)], t[torch.from_numpy(dst)]) for t in caches)
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_wait_and_save_inside_a_capture_raise(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither call is capturable: inside a capture both raise ``LayerOrderError`` and issue
+    nothing; outside it the same calls go on."""
+    mgr, _ = _manager(fake_cuda, FakeDriverLib())
+    async with mgr:
+        keys = _keys(4)
+        src = await _stored(mgr, keys)
+        load = mgr.load_layerwise(keys, np.asarray(mgr.allocate("b", 4)), layers=2)
+        store = mgr.store_layerwise(src, _keys(8)[4:], layers=2)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        fake_cuda.log.clear()
+        with pytest.raises(LayerOrderError):
+            load.wait_layer(0)
+        with pytest.raises(LayerOrderError):
+            store.save_layer(0)
+        assert not any(isinstance(e, tuple) and e[0] == "wait" for e in fake_cuda.log)
+        assert store.layers_saved == 0
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        for layer in range(LAYERS):
+            load.wait_layer(layer)
+            store.save_layer(layer)
+        await load
+        await store
+        check_invariants(mgr)

@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-probe", action="store_true", help="skip the hit probe (load / compute / layerwise)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--probe-engines", default="",
+        help="comma-separated engines (cuda, kernel) whose hit probe (8 groups) also runs",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny = {
@@ -224,6 +228,7 @@ async def run_variant(
         "layerwise_step_s": stats.layerwise_step_s,
         "layerwise_load_s": stats.layerwise_load_s,
         "layerwise_failed": stats.layerwise_failed,
+        "layerwise_stores": stats.layerwise_stores,
         # a layerwise step against its own loads' device time (1.0: the step took the load's time)
         "layerwise_step_over_load": (
             stats.layerwise_step_s / stats.layerwise_load_s if stats.layerwise_load_s else None
@@ -276,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump({"meta": meta, "results": results}, f, indent=2)
     if not args.no_probe:  # one hit timed three ways, same process (probe.py)
         tb = args.trace_block_tokens
-        for key, groups in (("hit_probe", 8), ("hit_probe_per_layer", mconf.num_layers)):
+        probes = [("hit_probe", 8, "auto"), ("hit_probe_per_layer", mconf.num_layers, "auto")]
+        probes += [(f"hit_probe_{e}", 8, e) for e in args.probe_engines.split(",") if e]
+        for key, groups, engine in probes:
             meta[key] = asyncio.run(
                 hit_probe(
                     model,
@@ -284,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                     block_size=args.block_size,
                     prefix_blocks=args.max_prompt_blocks * tb // args.block_size,
                     suffix_tokens=tb,
-                    engine="auto" if cuda else "host",
+                    engine=engine if cuda else "host",
                     max_groups=groups,
                 )
             )
@@ -322,11 +329,11 @@ def print_table(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         else:
             cells = [fmt.format(r[key]) for r in results]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    for probe in (meta.get("hit_probe"), meta.get("hit_probe_per_layer")):
+    for probe in [v for k, v in meta.items() if k.startswith("hit_probe")]:
         if not probe:
             continue
         print(f"hit of {probe['prefix_blocks']} blocks + {probe['suffix_tokens']} tokens, "
-              f"{probe['max_groups']} groups at most: load "
+              f"engine {probe['engine']}, {probe['max_groups']} groups at most: load "
               f"{probe['load_s'] * 1e3:.2f} ms, suffix compute {probe['compute_s'] * 1e3:.2f} ms, "
               f"layerwise {probe['layerwise_s'] * 1e3:.2f} ms = {probe['ratio']:.2f}x "
               "max(load, compute) (goal <= 1.1)")  # fmt: skip

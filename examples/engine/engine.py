@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -330,6 +331,8 @@ class Engine:
         load, self._layerwise = self._layerwise, None
         started = time.perf_counter()
         graphs = self._graphs
+        store = None
+        stored_before = [(req, req.num_stored) for req, _ in chosen]
         try:
             if (
                 graphs is not None
@@ -340,10 +343,19 @@ class Engine:
                 logits = graphs.run(batch)
                 self.stats.graph_steps += 1
             else:
-                logits = self.model(
-                    batch, self.kv_caches, None if load is None else load.wait_layer
+                if self.config.layerwise:  # this step's full prompt blocks, saved per layer
+                    store = self._store_layerwise(chosen)
+                logits = self.model(  # the per-layer calls count as kvmgr host time too
+                    batch,
+                    self.kv_caches,
+                    None if load is None else functools.partial(self._timed, load.wait_layer),
+                    None if store is None else functools.partial(self._timed, store.save_layer),
                 )
         except LayerLoadError:  # no layer of a failed load was read: recompute those requests
+            if store is not None:
+                store.abort()  # its blocks' K/V is rewritten when the requests run again
+            for req, num_stored in stored_before:  # and stored then
+                req.num_stored = num_stored
             self.stats.layerwise_failed += 1
             for req in self._layerwise_reqs:
                 self._recompute(req)
@@ -390,17 +402,17 @@ class Engine:
             req.first_token_s = self._now()
         req.output.append(token)
 
-    def _store_full_blocks(self, reqs: list[Request]) -> None:
-        """Queue ONE ``store_many`` of the prompt blocks that became full this step, over all
-        requests (a full block is never written again, so nothing waits for the future)."""
-        if not self.config.offload:
-            return
+    def _full_blocks(
+        self, chosen: list[tuple[Request, int]]
+    ) -> tuple[list[int], list[bytes], list[bytes | None]]:
+        """The prompt blocks that are full once each request computed its ``n`` more tokens
+        and are not stored yet (``req.num_stored`` advanced to them): ids, keys, parents."""
         ids: list[int] = []
         keys: list[bytes] = []
         parents: list[bytes | None] = []
         seen: set[bytes] = set()  # requests sharing a prefix in one step: store each key once
-        for req in reqs:
-            full = min(req.num_computed, len(req.prompt)) // self.config.block_size
+        for req, n in chosen:
+            full = min(req.num_computed + n, len(req.prompt)) // self.config.block_size
             for i in range(req.num_stored, full):
                 if req.keys[i] in seen:
                     continue
@@ -409,6 +421,41 @@ class Engine:
                 keys.append(req.keys[i])
                 parents.append(req.keys[i - 1] if i else None)
             req.num_stored = max(req.num_stored, full)
+        return ids, keys, parents
+
+    def _store_layerwise(self, chosen: list[tuple[Request, int]]) -> Any:
+        """ONE ``store_layerwise`` of the prompt blocks this step's forward fills (the model
+        calls ``save_layer(i)`` once layer ``i`` wrote its K/V), or ``None``: nothing to store,
+        or no room (``stores_rejected``). On a failed step the caller aborts it and rolls
+        ``num_stored`` back: the blocks are stored when the requests run again."""
+        if not self.config.offload:
+            return None
+        before = [(req, req.num_stored) for req, _ in chosen]
+        ids, keys, parents = self._full_blocks(chosen)
+        if not keys:
+            return None
+        try:
+            store = self._timed(
+                self.mgr.store_layerwise, np.asarray(ids, dtype=np.int64), keys,
+                parents=parents, layers=2, max_groups=self.config.layer_groups,
+            )  # fmt: skip
+        except PoolExhaustedError:  # every CPU block pinned or pending: skip these stores
+            self.stats.stores_rejected += 1
+            for req, num_stored in before:
+                req.num_stored = num_stored
+            return None
+        self.stats.layerwise_stores += 1
+        self._stores.add(store.future)
+        store.future.add_done_callback(self._stores.discard)
+        store.future.add_done_callback(_retrieved)  # an aborted store fails: nobody awaits it
+        return store
+
+    def _store_full_blocks(self, reqs: list[Request]) -> None:
+        """Queue ONE ``store_many`` of the prompt blocks that became full this step, over all
+        requests (a full block is never written again, so nothing waits for the future)."""
+        if not self.config.offload:
+            return
+        ids, keys, parents = self._full_blocks([(req, 0) for req in reqs])
         if not keys:
             return
         try:
@@ -421,3 +468,10 @@ class Engine:
         if not fut.done():
             self._stores.add(fut)
             fut.add_done_callback(self._stores.discard)
+
+
+def _retrieved(future: Any) -> None:
+    """Read a finished future's exception (an aborted layerwise store's), so asyncio does not
+    report it as never retrieved."""
+    if not future.cancelled():
+        future.exception()

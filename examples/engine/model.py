@@ -322,9 +322,12 @@ class PagedDecoder(nn.Module):
         b: StepBatch,
         kv_caches: list[torch.Tensor],
         before_attention: Any = None,
+        after_attention: Any = None,
     ) -> torch.Tensor:
         """``before_attention(i)``, if given, runs right before layer ``i``'s attention reads the
-        cache (``LayerwiseLoad.wait_layer``: a stream wait, no host sync)."""
+        cache (``LayerwiseLoad.wait_layer``: a stream wait, no host sync); ``after_attention(i)``
+        right after layer ``i``'s attention wrote the step's K/V (``LayerwiseStore.save_layer``:
+        the layer's copy starts there, fenced on the compute stream)."""
         b.prepare()
         x = self.model.embed_tokens(b.input_ids)
         freqs = b.positions[:, None].float() * self.inv_freq  # LlamaRotaryEmbedding's math
@@ -335,6 +338,8 @@ class PagedDecoder(nn.Module):
             if before_attention is not None:
                 before_attention(i)
             x = x + layer.self_attn(layer.input_layernorm(x), rope, kv, b)
+            if after_attention is not None:
+                after_attention(i)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.model.norm(x[b.sample_rows])
         return self.lm_head(x).float()

@@ -57,7 +57,10 @@ class EngineConfig:
         realtime: honour ``Request.arrival_s`` (seconds after the run starts).
         layerwise: load a hit's prefix layer by layer in the step that computes its suffix
             (``OffloadManager.load_layerwise``; the model waits for layer ``i`` before its
-            attention), instead of loading the whole prefix first and computing a step later.
+            attention), instead of loading the whole prefix first and computing a step later;
+            and store the prompt blocks an eager step fills layer by layer as the forward writes
+            them (``OffloadManager.store_layerwise``: ``save_layer(i)`` after layer ``i``'s
+            attention), instead of one ``store_many`` after the forward.
         layer_groups: at most this many batches per layerwise load (``max_groups``: layers
             merged by size, each batch costs host time to submit).
         decode_graphs: run decode-only steps through ``graphs.DecodeGraphs`` (CUDA graphs on a
@@ -116,5 +119,6 @@ class EngineStats:
     layerwise_step_s: float = 0.0  # their forward's wall time (waits on the loads included)
     layerwise_load_s: float = 0.0  # their loads' device time (summed over the layer groups)
     layerwise_failed: int = 0  # loads that failed (their requests recompute)
+    layerwise_stores: int = 0  # store_layerwise calls (the forward saved each layer's K/V)
     graph_steps: int = 0  # decode steps run by DecodeGraphs
     forward_s: float = 0.0  # the model's forward + sampling sync, all steps

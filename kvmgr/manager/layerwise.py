@@ -17,7 +17,8 @@ queued meanwhile into one of its GPU blocks is refused at ``step()`` (it cannot 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -27,21 +28,55 @@ from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.queue import Lane, Part
 from kvmgr.transfer.engine import BatchHandle
-from kvmgr.transfer.layer_groups import LayerGroups, sub_layout
+from kvmgr.transfer.layer_groups import LayerGroups, dense_tensors, group_plan, sub_layout
 from kvmgr.transfer.layerwise import LayerBatches, LayerwiseLoad, LayerwiseStore
-from kvmgr.transfer.plan import build_plan
+from kvmgr.transfer.plan import BlockPairs, build_plan
 from kvmgr.worker import TransferWorker
 
-__all__ = ["LayerLayouts", "start_load", "start_store"]
+__all__ = ["GroupLayouts", "LayerLayouts", "start_load", "start_store"]
+
+#: per group: its GPU and CPU sub-layouts and how many of its tensors are dense on both sides
+GroupLayouts = tuple[tuple[KVLayout, KVLayout, int], ...]
 
 
 class LayerLayouts:
-    """The GPU and CPU sub-layouts of each group's tensors, made once per tensor set: the copy
-    kernel keeps one device table per layout pair (``CopyStager``), keyed by the layout objects,
-    so a new pair per load would upload (and allocate) a table every time."""
+    """Layer groups and the GPU and CPU sub-layouts of each group's tensors, made once per
+    grouping: the copy kernel keeps one device table per layout pair (``CopyStager``), keyed by
+    the layout objects, so a new pair per load would upload (and allocate) a table every time;
+    and grouping the layers again per load cost host time for nothing."""
 
     def __init__(self) -> None:
         self._pairs: dict[bytes, tuple[KVLayout, KVLayout]] = {}
+        self._groups: dict[Hashable, tuple[LayerGroups, GroupLayouts]] = {}
+
+    def groups(
+        self,
+        worker: TransferWorker,
+        layers: Sequence[int] | int | None,
+        min_group_bytes: int,
+        max_groups: int | None,
+    ) -> tuple[LayerGroups, GroupLayouts]:
+        """``LayerGroups.build`` over the worker's tensors (cached by its arguments) and each
+        group's ``(gpu, cpu, tensors dense on both sides)``.
+
+        Raises:
+            LayerOrderError: as ``LayerGroups.build``.
+        """
+        try:
+            layer_key = layers if layers is None or isinstance(layers, int) else tuple(layers)
+            key: Hashable = (layer_key, min_group_bytes, max_groups)
+            hash(key)
+        except TypeError:  # odd input: build (and let it raise) without caching
+            key = None
+        cached = self._groups.get(key) if key is not None else None
+        if cached is None:
+            page_bytes = worker.gpu_layout.page_bytes.tolist()
+            groups = LayerGroups.build(page_bytes, layers, min_group_bytes, max_groups)
+            pairs = [self.get(worker, t) for t in groups.tensors]
+            cached = (groups, tuple((g, c, dense_tensors(g, c)) for g, c in pairs))
+            if key is not None and len(self._groups) < 64:
+                self._groups[key] = cached
+        return cached
 
     def get(self, worker: TransferWorker, tensors: np.ndarray) -> tuple[KVLayout, KVLayout]:
         """``(gpu, cpu)`` layouts of ``tensors`` (int64 tensor indices) on ``worker``."""
@@ -64,34 +99,55 @@ def _launch(
     flusher.transport.track(job.job_id, batches.handle, loop)
 
 
-def _group_submit(
-    flusher: Flusher, worker: TransferWorker, layouts: LayerLayouts, direction: Direction,
-    tensors: np.ndarray,
-    gpu_ids: np.ndarray, cpu_ids: np.ndarray, moved: str | None,
-) -> Callable[[], BatchHandle]:  # fmt: skip
-    """``submit()`` of one group: its plan over the group's tensors, fenced on the in-flight
-    jobs of the other direction that share its GPU blocks."""
+class _GroupSubmits:
+    """``submit(group)`` of an operation's groups: the whole operation's plan is built (and its
+    ids checked) once, at the first group, and each group's plan is its block pairs over the
+    group's sub-layouts (``group_plan``); fenced on the in-flight jobs of the other direction
+    that share its GPU blocks (found once for a load, whose groups all go out together; per
+    group for a store, as it goes)."""
 
-    def submit() -> BatchHandle:
-        if moved is not None:
-            raise StaleKVTensorError(moved)
-        gpu, cpu = layouts.get(worker, tensors)
+    def __init__(
+        self, flusher: Flusher, worker: TransferWorker, direction: Direction,
+        layouts: GroupLayouts, gpu_ids: np.ndarray, cpu_ids: np.ndarray, *, fence_once: bool,
+    ) -> None:  # fmt: skip
+        self._flusher, self._worker, self._direction = flusher, worker, direction
+        self._layouts, self._gpu_ids, self._cpu_ids = layouts, gpu_ids, cpu_ids
+        self._moved = worker.moved()
+        self._fence_once = fence_once
+        self._pairs: BlockPairs | None = None
+        self._built = False
+        self._fences: list[BatchHandle] | None = None
+
+    def __call__(self, group: int) -> BatchHandle:
+        if self._moved is not None:
+            raise StaleKVTensorError(self._moved)
+        worker, direction = self._worker, self._direction
+        if not self._built:
+            gpu, cpu = worker.gpu_layout, worker.cpu_pool.layout
+            if direction is Direction.H2D:
+                whole = build_plan(direction, cpu, gpu, self._cpu_ids, self._gpu_ids, merge=worker.merge)  # fmt: skip
+            else:
+                whole = build_plan(direction, gpu, cpu, self._gpu_ids, self._cpu_ids, merge=worker.merge)  # fmt: skip
+            self._pairs, self._built = whole.blocks, True
+        gpu, cpu, dense = self._layouts[group]
         if direction is Direction.H2D:
-            plan = build_plan(direction, cpu, gpu, cpu_ids, gpu_ids, merge=worker.merge)
+            plan = group_plan(direction, self._pairs, cpu, gpu, dense)
         else:
-            plan = build_plan(direction, gpu, cpu, gpu_ids, cpu_ids, merge=worker.merge)
-        in_flight = flusher.scheduler.queue.fences(direction, gpu_ids)
-        fences = [h for b in in_flight if (h := worker.handle(b.seq)) is not None]
+            plan = group_plan(direction, self._pairs, gpu, cpu, dense)
+        fences = self._fences
+        if fences is None:
+            in_flight = self._flusher.scheduler.queue.fences(direction, self._gpu_ids)
+            fences = [h for b in in_flight if (h := worker.handle(b.seq)) is not None]
+            if self._fence_once:
+                self._fences = fences
         return worker.engine.submit(plan, wait_for=fences)
-
-    return submit
 
 
 def start_load(
     flusher: Flusher,
     worker: TransferWorker,
     loop: asyncio.AbstractEventLoop,
-    layouts: LayerLayouts,
+    layouts: GroupLayouts,
     groups: LayerGroups,
     part: Part,
     is_open: Callable[[], bool],
@@ -102,12 +158,11 @@ def start_load(
     lane.add(part)
     gpu_ids, cpu_ids = lane.arrays()
     batches = LayerBatches(Direction.H2D, groups.num_groups)
-    moved = worker.moved()
-    for group, tensors in enumerate(groups.tensors):
-        submit = _group_submit(
-            flusher, worker, layouts, Direction.H2D, tensors, gpu_ids, cpu_ids, moved
-        )
-        if batches.submit(group, submit) is None:
+    submits = _GroupSubmits(
+        flusher, worker, Direction.H2D, layouts, gpu_ids, cpu_ids, fence_once=True
+    )
+    for group in range(groups.num_groups):
+        if batches.submit(group, functools.partial(submits, group)) is None:
             break
     batches.close()
     _launch(flusher, lane, batches, loop)
@@ -118,7 +173,7 @@ def start_store(
     flusher: Flusher,
     worker: TransferWorker,
     loop: asyncio.AbstractEventLoop,
-    layouts: LayerLayouts,
+    layouts: GroupLayouts,
     groups: LayerGroups,
     part: Part,
     is_open: Callable[[], bool],
@@ -131,13 +186,7 @@ def start_store(
     gpu_ids, cpu_ids = lane.arrays()
     batches = LayerBatches(Direction.D2H, groups.num_groups)
     _launch(flusher, lane, batches, loop)
-    moved = worker.moved()
-
-    def submit_group(group: int) -> BatchHandle:
-        tensors = groups.tensors[group]
-        submit = _group_submit(
-            flusher, worker, layouts, Direction.D2H, tensors, gpu_ids, cpu_ids, moved
-        )
-        return submit()
-
+    submit_group = _GroupSubmits(
+        flusher, worker, Direction.D2H, layouts, gpu_ids, cpu_ids, fence_once=False
+    )
     return LayerwiseStore(groups, batches, part.future, submit_group, is_open)

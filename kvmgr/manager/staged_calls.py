@@ -16,7 +16,6 @@ from kvmgr.reports import (
     LoadResult,
     StoreResult,
 )
-from kvmgr.transfer.layer_groups import LayerGroups
 from kvmgr.transfer.layerwise import LayerwiseLoad, LayerwiseStore
 
 __all__ = ["StagedCalls"]
@@ -60,14 +59,10 @@ class StagedCalls(ManagerCore):
         """
         loop = self._check_open()
         worker = self._local_worker("load_layerwise")
-        groups = LayerGroups.build(
-            worker.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
-        )
+        groups, layouts = self._layer_layouts.groups(worker, layers, min_group_bytes, max_groups)
         future: asyncio.Future[LoadResult] = loop.create_future()
         part = self._books.prepare_load(keys, gpu_block_ids, future, batched=True)
-        return start_load(
-            self._flusher, worker, loop, self._layer_layouts, groups, part, self._is_open
-        )
+        return start_load(self._flusher, worker, loop, layouts, groups, part, self._is_open)
 
     def store_layerwise(
         self,
@@ -97,14 +92,10 @@ class StagedCalls(ManagerCore):
         """
         loop = self._check_open()
         worker = self._local_worker("store_layerwise")
-        groups = LayerGroups.build(
-            worker.gpu_layout.page_bytes.tolist(), layers, min_group_bytes, max_groups
-        )
+        groups, layouts = self._layer_layouts.groups(worker, layers, min_group_bytes, max_groups)
         future: asyncio.Future[StoreResult] = loop.create_future()
         part = self._books.prepare_store(gpu_block_ids, keys, parents, future, batched=True)
-        store = start_store(
-            self._flusher, worker, loop, self._layer_layouts, groups, part, self._is_open
-        )
+        store = start_store(self._flusher, worker, loop, layouts, groups, part, self._is_open)
         self._layerwise_stores = [s for s in self._layerwise_stores if not s.batches.handle.done()]
         self._layerwise_stores.append(store)
         return store

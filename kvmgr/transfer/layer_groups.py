@@ -3,6 +3,7 @@
 Offers:
     LayerGroups     which KV tensors make up each layer, and layers merged into groups by size
     sub_layout      a ``KVLayout`` of some of a layout's tensors
+    group_plan      a checked whole-load plan's block pairs over one group's sub-layouts
 
 Pure numpy; used by ``kvmgr.transfer.layerwise`` and the manager's layerwise operations.
 """
@@ -16,8 +17,9 @@ import numpy as np
 
 from kvmgr.errors import LayerOrderError
 from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer.plan import BlockPairs, Direction, TransferPlan
 
-__all__ = ["LayerGroups", "sub_layout"]
+__all__ = ["LayerGroups", "dense_tensors", "group_plan", "sub_layout"]
 
 
 @attrs.frozen(eq=False)
@@ -30,12 +32,27 @@ class LayerGroups:
         group_of: int64 ``[num_layers]``: the group of each layer.
         tensors: per group, the int64 indices of its tensors.
         group_bytes: per group, its bytes per block.
+        layer_group: ``group_of`` as a tuple of ints (read per ``wait_layer`` / ``save_layer``).
+        group_last: per group, its highest layer.
     """
 
     layer_of: np.ndarray
     group_of: np.ndarray
     tensors: tuple[np.ndarray, ...]
     group_bytes: tuple[int, ...]
+    layer_group: tuple[int, ...] = attrs.field(init=False)
+    group_last: tuple[int, ...] = attrs.field(init=False)
+
+    @layer_group.default
+    def _layer_group(self) -> tuple[int, ...]:
+        return tuple(self.group_of.tolist())
+
+    @group_last.default
+    def _group_last(self) -> tuple[int, ...]:
+        last = [0] * len(self.tensors)
+        for layer, group in enumerate(self.layer_group):
+            last[group] = layer
+        return tuple(last)
 
     @property
     def num_layers(self) -> int:
@@ -49,7 +66,7 @@ class LayerGroups:
 
     def last_layer(self, group: int) -> int:
         """The highest layer of ``group``."""
-        return int(np.flatnonzero(self.group_of == group)[-1])
+        return self.group_last[group]
 
     @classmethod
     def build(
@@ -128,3 +145,32 @@ def sub_layout(layout: KVLayout, tensors: np.ndarray) -> KVLayout:
         num_blocks=layout.num_blocks,
         device=layout.device,
     )
+
+
+def group_plan(
+    direction: Direction,
+    pairs: BlockPairs | None,
+    src: KVLayout,
+    dst: KVLayout,
+    num_dense: int | None = None,
+) -> TransferPlan:
+    """The plan copying ``pairs``' blocks (a whole-load plan from ``build_plan``, whose ids were
+    checked there) over the sub-layouts ``src`` / ``dst`` of one group's tensors: what
+    ``build_plan`` would return for them, without checking, sorting or merging again. ``None``
+    pairs (no block): an empty plan. ``num_dense``: the tensors dense on both sides, if known
+    (``dense_tensors(src, dst)``)."""
+    if pairs is None:
+        return TransferPlan(direction)
+    n = len(pairs.src_block_ids)
+    num_tensors = src.num_tensors
+    if num_dense is None:
+        num_dense = dense_tensors(src, dst)
+    num_descriptors = pairs.num_runs * num_dense + n * (num_tensors - num_dense)
+    sub = BlockPairs(src, dst, pairs.src_block_ids, pairs.dst_block_ids, n * src.block_bytes,
+                     num_descriptors, pairs.run_src_ids, pairs.run_dst_ids, pairs.run_lengths)  # fmt: skip
+    return TransferPlan(direction, num_blocks=n, num_pages=n * num_tensors, blocks=sub)
+
+
+def dense_tensors(a: KVLayout, b: KVLayout) -> int:
+    """How many tensors are dense (block stride == page bytes) in both layouts."""
+    return int(np.count_nonzero(a.is_dense & b.is_dense))

@@ -54,7 +54,10 @@ class LayerBatches:
     block is released while a group may still copy it): with the summed ``BatchResult`` if all
     ``num_groups`` groups were submitted and succeeded, else with the first failure
     (``LayerLoadError``). Its ``end_event`` is the last group's, set when that group is
-    submitted (one FIFO stream: the last group's end means every group ended).
+    submitted (one FIFO stream: the last group's end means every group ended). A group's
+    ``end_event`` marks that group only until its future resolved: the CUDA engines pool their
+    events, and a later batch (a later group of the same load, too) may re-record it
+    (``kvmgr.transfer.streams``); ``wait_layer`` waits only on groups still in flight.
 
     Args:
         direction: of every group.
@@ -149,7 +152,7 @@ class LayerBatches:
 
 
 def _check_not_capturing(what: str) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():
         raise LayerOrderError(
             f"{what} is not capturable in a CUDA graph: call it in an eager piece of a piecewise "
             "graph (between captured regions)"
@@ -181,6 +184,11 @@ class LayerwiseLoad:
         self.future = future
         self._is_open = is_open
         self._waited = -1  # highest layer waited for
+        self._waited_group = -1  # the group of the last wait issued, and its stream argument
+        self._waited_stream: Any = None
+        self._layer_group = groups.layer_group
+        self._num_layers = groups.num_layers
+        self._cuda = torch.cuda.is_available()  # no CUDA: nothing can be capturing
         self._closed = False
 
     @property
@@ -211,21 +219,26 @@ class LayerwiseLoad:
         """
         if self._closed or not self._is_open():
             raise ClosedError("the layerwise load (or its manager) is closed")
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
-        layer = int(layer)
-        if not 0 <= layer < self.num_layers:
+        if type(layer) is not int:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
+            layer = int(layer)
+        if not 0 <= layer < self._num_layers:
             raise LayerOrderError(f"layer {layer} is not scheduled: the load covers layers "
-                                  f"0..{self.num_layers - 1}")  # fmt: skip
+                                  f"0..{self._num_layers - 1}")  # fmt: skip
         if layer < self._waited:
             raise LayerOrderError(
                 f"layer {layer} waited for after layer {self._waited}: wait in layer order"
             )
-        _check_not_capturing("wait_layer")
+        if self._cuda:
+            _check_not_capturing("wait_layer")
         batches = self.batches
-        if batches.failed:
+        if batches.error is not None:
             raise LayerLoadError(f"the layerwise load failed: {batches.error}")
-        group = int(self.groups.group_of[layer])
+        group = self._layer_group[layer]
+        if group == self._waited_group and stream is self._waited_stream:
+            self._waited = layer  # the group's wait was issued on this stream already
+            return
         handle = batches.handles[group]
         if handle.end_event is None:  # the host engine: block until the group's copy ended
             error = handle.future.exception()
@@ -235,7 +248,7 @@ class LayerwiseLoad:
             if handle.future.done() and handle.future.exception() is not None:
                 raise LayerLoadError(f"the layerwise load failed: {batches.error}")
             self.engine.stream_wait(handle, stream)
-        self._waited = layer
+        self._waited, self._waited_group, self._waited_stream = layer, group, stream
 
     def wait_all(self, stream: Any = None) -> None:
         """``wait_layer`` of the last layer (every layer's KV has then landed on the device)."""
@@ -271,6 +284,7 @@ class LayerwiseStore:
         self._is_open = is_open
         self._next = 0  # the next layer to save
         self._aborted = False
+        self._cuda = torch.cuda.is_available()  # no CUDA: nothing can be capturing
 
     @property
     def num_layers(self) -> int:
@@ -303,20 +317,23 @@ class LayerwiseStore:
         """
         if not self._is_open():
             raise ClosedError("the layerwise store's manager is closed")
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
-        layer = int(layer)
-        if self._aborted or self.batches.failed:
+        if type(layer) is not int:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
+            layer = int(layer)
+        if self._aborted or self.batches.error is not None:
             return
         if layer != self._next:
             expected = (
                 "none: every layer was saved" if self._next >= self.num_layers else self._next
             )
             raise LayerOrderError(f"layer {layer} saved out of order: the next layer to save is {expected}")  # fmt: skip
-        _check_not_capturing("save_layer")
+        if self._cuda:
+            _check_not_capturing("save_layer")
         self._next += 1
-        group = int(self.groups.group_of[layer])
-        if layer == self.groups.last_layer(group):
+        groups = self.groups
+        group = groups.layer_group[layer]
+        if layer == groups.group_last[group]:
             self.batches.submit(group, lambda: self._submit_group(group))
 
     def abort(self) -> None:
