@@ -17,6 +17,7 @@ import numpy as np
 
 from kvmgr.errors import LayerOrderError
 from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer._pairs import layout_pair
 from kvmgr.transfer.plan import BlockPairs, Direction, TransferPlan
 
 __all__ = ["LayerGroups", "dense_tensors", "group_plan", "sub_layout"]
@@ -157,18 +158,15 @@ def group_plan(
     """The plan copying ``pairs``' blocks (a whole-load plan from ``build_plan``, whose ids were
     checked there) over the sub-layouts ``src`` / ``dst`` of one group's tensors: what
     ``build_plan`` would return for them, without checking, sorting or merging again. ``None``
-    pairs (no block): an empty plan. ``num_dense``: the tensors dense on both sides, if known
-    (``dense_tensors(src, dst)``)."""
+    pairs (no block): an empty plan. ``num_dense`` is accepted for callers that counted it
+    (``dense_tensors(src, dst)``); the layout pair's own count is used."""
     if pairs is None:
         return TransferPlan(direction)
     n = len(pairs.src_block_ids)
-    num_tensors = src.num_tensors
-    if num_dense is None:
-        num_dense = dense_tensors(src, dst)
-    num_descriptors = pairs.num_runs * num_dense + n * (num_tensors - num_dense)
-    sub = BlockPairs(src, dst, pairs.src_block_ids, pairs.dst_block_ids, n * src.block_bytes,
-                     num_descriptors, pairs.run_src_ids, pairs.run_dst_ids, pairs.run_lengths)  # fmt: skip
-    return TransferPlan(direction, num_blocks=n, num_pages=n * num_tensors, blocks=sub)
+    pair = layout_pair(src, dst)  # cached per layout objects (the group's sub-layouts are)
+    num_descriptors = pair.num_descriptors(n, pairs.num_runs)
+    sub = BlockPairs(src, dst, n * pair.block_bytes, num_descriptors, pairs._runs, pair)
+    return TransferPlan(direction, num_blocks=n, num_pages=n * pair.num_tensors, blocks=sub)
 
 
 def dense_tensors(a: KVLayout, b: KVLayout) -> int:
