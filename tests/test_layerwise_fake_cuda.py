@@ -17,6 +17,7 @@ import torch
 from test_cuda_engine import FakeCuda, FakeDriverLib
 
 from kvmgr import LayerLoadError, LayerOrderError, ManagerConfig, OffloadManager
+from kvmgr.errors import TransferError
 from kvmgr.testing import check_invariants
 from kvmgr.transfer import streams
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
@@ -204,3 +205,36 @@ async def test_wait_and_save_inside_a_capture_raise(
         await load
         await store
         check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_a_load_into_an_open_layerwise_stores_blocks_never_runs_early(
+    fake_cuda: FakeCuda,
+) -> None:
+    """A store that saved layer 0 only still reads its blocks in the later groups: a load into
+    them must not be fenced on layer 0's event alone (it would overwrite KV not yet stored)."""
+    lib = FakeDriverLib()
+    mgr, caches = _manager(fake_cuda, lib)
+    async with mgr:
+        old = _keys(8)[4:]
+        await _stored(mgr, old)
+        src = np.asarray(mgr.allocate("s", 4))
+        expected = [t[torch.from_numpy(src)].clone() for t in caches]
+        keys = _keys(4)
+        store = mgr.store_layerwise(src, keys, layers=2)
+        store.save_layer(0)
+        assert store.batches.handle.end_event is None  # no event for the whole store yet
+        load = mgr.load_many(old, src)  # into the blocks the store has yet to read
+        await mgr.step()  # refused (typed), not run early, and the step itself does not raise
+        with pytest.raises(TransferError, match="layerwise store"):
+            await load
+        for layer in range(1, LAYERS):
+            store.save_layer(layer)
+        await store
+        check_invariants(mgr)
+        dst = np.asarray(mgr.allocate("d", 4))
+        back = mgr.load_many(keys, dst)
+        await mgr.step()
+        await back
+        for t, want in zip(caches, expected):
+            assert torch.equal(t[torch.from_numpy(dst)], want)  # the store kept the old KV

@@ -94,7 +94,10 @@ class LayerBatches:
             self.handle.batch_id = handle.batch_id
         self.handles.append(handle)
         self.handle.member_ids.append(handle.batch_id)  # type: ignore[union-attr]
-        self.handle.end_event = handle.end_event
+        if len(self.handles) == self.num_groups:
+            # only now: an earlier group's event would let a later batch that is fenced on the
+            # whole operation (a load into a block a store has yet to read) start too early
+            self.handle.end_event = handle.end_event
         refused = getattr(handle, "refused", None)
         if refused is not None:
             self._fail(LayerLoadError(f"layer group {group}: {refused}"))

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvmgr.errors import KVMgrError, StaleKVTensorError
+from kvmgr.errors import KVMgrError, StaleKVTensorError, TransferError
 from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction, KVGeometry, TransferJob
@@ -169,7 +169,8 @@ class TransferWorker:
 
         Raises:
             StaleKVTensorError: a KV tensor moved.
-            TransferError: the engine refused the batch.
+            TransferError: the engine refused the batch, or it cannot be fenced on a job it
+                must follow (an open layerwise store).
             KVMgrError: the plan could not be built (bad ids).
         """
         moved = None if checked else self._guard.moved()
@@ -178,7 +179,16 @@ class TransferWorker:
         plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
         handles = self._handles
         wait_for = [handles[j] for j in job.wait_for if j in handles]
-        handle = self.engine.submit(plan, wait_for=wait_for)
+        try:
+            handle = self.engine.submit(plan, wait_for=wait_for)
+        except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
+            if any(h.end_event is None and not h.done() for h in wait_for):
+                raise TransferError(
+                    f"the {job.direction.value} job touches GPU blocks of a batch still being "
+                    "submitted (a layerwise store whose layers are not all saved): it cannot be "
+                    "ordered after it; save the store's layers (or abort it) first"
+                ) from exc
+            raise
         handles[job.job_id] = handle
         pairs = plan.blocks  # build_plan's own record: its byte count, no second sum
         return Submitted(
