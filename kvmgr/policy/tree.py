@@ -77,7 +77,8 @@ def first_leaf(
             if key not in num_children and can_evict(key):
                 return key
         return None
-    protected = _as_lookup(protected)
+    if len(protected) > 8:  # a few keys (the per-call store's) are searched without a set
+        protected = _as_lookup(protected)
     for key in keys:
         if key not in num_children and key not in protected and can_evict(key):
             return key
