@@ -123,6 +123,9 @@ MAPPING: dict[str, str] = {
     # kvmgr/transfer
     "test_cuda_engine.py": "transfer",
     "test_duplex.py": "transfer",
+    "test_staged.py": "transfer",
+    "test_staged_gpu.py": "transfer",
+    "test_deferred_stores.py": "scheduler",
     "test_host_engine.py": "transfer",
     "test_layerwise.py": "transfer",
     "test_layerwise_fake_cuda.py": "transfer",
