@@ -33,7 +33,7 @@ def _policy_name(instance: Any, attribute: Any, value: str) -> None:
 
 
 #: The engines' names: ``kvmgr.transfer.ENGINES`` holds one factory per name (kept equal by
-#: tests/test_scheduler_split.py), named here so the scheduler side validates without torch.
+#: tests/scheduler/test_scheduler_split.py), named here so the scheduler side validates without torch.
 ENGINE_NAMES = ("host", "cuda", "kernel", "auto")
 
 

@@ -25,6 +25,6 @@ case ${1:-a} in
     TAIL=40 run bench_peer 220 python3 -m kvmgr.cli bench peer --mla-json "$OUT/peer_mla.json" --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
     ;;
   c)
-    TAIL=25 run pytest_rest 140 python3 -m pytest -q -rf -p no:cacheprovider --timeout 60 tests/test_mla_insert.py tests/test_reliability.py tests/test_sim.py tests/test_manager_v2.py tests/test_manager_stateful.py tests/test_testing_kit.py tests/test_policy.py
+    TAIL=25 run pytest_rest 140 python3 -m pytest -q -rf -p no:cacheprovider --timeout 60 tests/kernels/test_mla_insert.py tests/manager/test_reliability.py tests/sim/test_sim.py tests/manager/test_manager_v2.py tests/manager/test_manager_stateful.py tests/testing/test_testing_kit.py tests/policy/test_policy.py
     TAIL=30 run engine_bench 380 python3 -m examples.engine.bench --json "$OUT/engine.json" ;;
 esac

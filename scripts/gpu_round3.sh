@@ -15,7 +15,7 @@ run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee 
 what=${1:-all}
 TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
 if [ "$what" = kernels ]; then
-  TAIL=4 run pytest_kernels 200 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 tests/test_copy_blocks.py tests/test_copy_kernel.py tests/test_cuda_engine.py tests/test_manager_engines.py tests/test_mla_insert.py tests/test_sim.py tests/test_reliability.py tests/test_example_engine.py
+  TAIL=4 run pytest_kernels 200 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 tests/kernels/test_copy_blocks.py tests/kernels/test_copy_kernel.py tests/transfer/test_cuda_engine.py tests/manager/test_manager_engines.py tests/kernels/test_mla_insert.py tests/sim/test_sim.py tests/manager/test_reliability.py tests/examples/test_example_engine.py
   TAIL=32 run bench_swap 60 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 7 --warmup 2 --variants kernel kernel_desc auto --json "$OUT/swap.json"
   TAIL=14 run bench_peer_swap 150 python3 -m kvmgr.cli bench peer --halves swap --swap-repeats 8 --swap-json "$OUT/peer_swap.json"
   exit 0

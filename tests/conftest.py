@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,10 @@ import pytest
 import torch
 
 pytest_plugins = ["tiers_server", "mounts"]  # real servers and filesystems for the tier tests
+
+# The test files live in folders that mirror kvmgr's packages (scripts/mirror_tests.py); they
+# import one another and the helpers here by their plain names, as when they shared one folder.
+sys.path[:0] = sorted({str(p.parent) for p in Path(__file__).parent.glob("*/**/test_*.py")})
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

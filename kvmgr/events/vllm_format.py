@@ -4,7 +4,7 @@ Offers:
     BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch
                         msgspec structs with the field names, order, tags and struct options of
                         vLLM's ``vllm.distributed.kv_events`` (checked against vLLM 0.33.0:
-                        tests/test_events_vllm.py encodes the same content with vLLM's own
+                        tests/events/test_events_vllm.py encodes the same content with vLLM's own
                         classes and compares the bytes)
     TierMedium          how one kvmgr tier is named in an event (medium, locality, ownership)
     VllmEventFormat     ``KVEvent`` -> those structs (block hashes, chains, token ids, group)

@@ -13,7 +13,7 @@ Offers:
 Modules: ``bookkeeping``, ``store`` (keyed stores, step by step), ``keys`` (validation),
 ``cpu_tier`` (CPU blocks, key index, eviction), ``gpu_blocks`` (busy counts, the owned pool),
 ``requests`` (block tables, preempt/resume), ``queue`` (generations, lanes, batches in flight),
-``events`` (the KV event stream), ``counters``, ``jobs``. ``tests/test_scheduler_split.py``
+``events`` (the KV event stream), ``counters``, ``jobs``. ``tests/scheduler/test_scheduler_split.py``
 imports this package with torch blocked.
 """
 

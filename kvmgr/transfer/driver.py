@@ -68,7 +68,7 @@ class _MemLocation(ctypes.Structure):
 class MemcpyAttributes(ctypes.Structure):
     """``CUmemcpyAttributes_v1`` from ``cuda.h``: order, two location hints, flags; 24 bytes.
 
-    ``tests/test_cuda_engine.py`` checks the bytes against cuda-python's own struct.
+    ``tests/transfer/test_cuda_engine.py`` checks the bytes against cuda-python's own struct.
     """
 
     _fields_ = [

@@ -5,7 +5,7 @@
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 timeout 70 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 4 \
-  tests/test_staged_gpu.py tests/test_example_engine.py tests/test_staged.py 2>&1 | tail -6
+  tests/transfer/test_staged_gpu.py tests/examples/test_example_engine.py tests/transfer/test_staged.py 2>&1 | tail -6
 OUT="$OUT" timeout 230 bash scripts/gpu/staged.sh > "$OUT/staged.txt" 2>&1; echo "staged rc=$?"
 grep -E "^== |staged\+staged|auto |engine auto|kernel\+kernel|dma\+kernel|staged\+kernel|kernel\+staged" "$OUT/staged/summary.txt" 2>/dev/null
 OUT="$OUT" timeout 150 bash scripts/gpu/stepplan.sh > "$OUT/stepplan.txt" 2>&1; echo "stepplan rc=$?"

@@ -6,8 +6,8 @@
 # Writes $OUT/groups/round_trip.json and $OUT/groups/pytest.txt.
 set -euo pipefail
 mkdir -p "$OUT/groups"
-python3 -m pytest -q -p no:randomly tests/test_groups_spec.py tests/test_groups_index.py \
-  tests/test_groups_manager.py tests/test_groups_workload.py tests/test_example_hybrid.py \
+python3 -m pytest -q -p no:randomly tests/groups/test_groups_spec.py tests/groups/test_groups_index.py \
+  tests/groups/test_groups_manager.py tests/groups/test_groups_workload.py tests/examples/test_example_hybrid.py \
   > "$OUT/groups/pytest.txt" 2>&1 || echo "pytest failed (see pytest.txt)"
 python3 - "$OUT/groups/round_trip.json" <<'PY'
 import asyncio, hashlib, json, sys, time

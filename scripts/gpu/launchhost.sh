@@ -26,8 +26,8 @@ LOG="$D/log.txt"
 step() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
   timeout "$secs" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$?" | tee -a "$LOG"; }
 step env 15 python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name()); from kvmgr.kernels.launch.native import native_fire; print('native fire:', native_fire())"
-step tests 35 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_launch.py \
-  tests/test_c128.py tests/test_mla_insert.py tests/test_dsv4_state.py
+step tests 35 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels/test_launch.py \
+  tests/kernels/test_c128.py tests/kernels/test_mla_insert.py tests/models/test_dsv4_state.py
 C128="--batch 1 --prefill 1 --repeats 7 --steps 100 --warmup 2"
 step c128_native 18 python3 -m kvmgr.cli bench c128 $C128 --json "$D/c128_native.json"
 step c128_ctypes 12 env KVMGR_NATIVE_LAUNCH=0 python3 -m kvmgr.cli bench c128 $C128 --json "$D/c128_ctypes.json"

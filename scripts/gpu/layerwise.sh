@@ -11,11 +11,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$DIR/sections.jsonl"; }
 
 # 1. GPU tests of the new code (layerwise on the CUDA engines, the example engine with layerwise)
-timeout 60 python3 -m pytest -q -rfE -p no:randomly tests/test_layerwise_gpu.py \
-  tests/test_layerwise.py tests/test_layerwise_fake_cuda.py tests/test_duplex.py \
-  "tests/test_example_engine.py::test_engine_on_cuda_equals_its_run_without_offload" \
-  "tests/test_example_engine.py::test_decode_graphs_match_the_eager_decode" \
-  "tests/test_example_engine.py::test_engine_decodes_in_cuda_graphs_on_the_gpu" \
+timeout 60 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_layerwise_gpu.py \
+  tests/transfer/test_layerwise.py tests/transfer/test_layerwise_fake_cuda.py tests/transfer/test_duplex.py \
+  "tests/examples/test_example_engine.py::test_engine_on_cuda_equals_its_run_without_offload" \
+  "tests/examples/test_example_engine.py::test_decode_graphs_match_the_eager_decode" \
+  "tests/examples/test_example_engine.py::test_engine_decodes_in_cuda_graphs_on_the_gpu" \
   >"$DIR/pytest.log" 2>&1
 section pytest $?
 tail -5 "$DIR/pytest.log"

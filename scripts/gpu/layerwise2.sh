@@ -13,12 +13,12 @@ section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$DIR/sections.jso
 
 # 1. the layerwise tests, serial, then the GPU file under 4 workers (pytest-benchmark refuses
 #    xdist: -p no:benchmark)
-timeout 40 python3 -m pytest -q -rfE -p no:randomly tests/test_layerwise_gpu.py \
-  tests/test_layerwise.py tests/test_layerwise_fake_cuda.py >"$DIR/pytest_serial.log" 2>&1
+timeout 40 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_layerwise_gpu.py \
+  tests/transfer/test_layerwise.py tests/transfer/test_layerwise_fake_cuda.py >"$DIR/pytest_serial.log" 2>&1
 section pytest_serial $?
 tail -4 "$DIR/pytest_serial.log"
 timeout 30 python3 -m pytest -q -rfE -p no:randomly -p no:benchmark -n 4 \
-  tests/test_layerwise_gpu.py >"$DIR/pytest_n4.log" 2>&1
+  tests/transfer/test_layerwise_gpu.py >"$DIR/pytest_n4.log" 2>&1
 section pytest_n4 $?
 tail -4 "$DIR/pytest_n4.log"
 

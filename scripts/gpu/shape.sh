@@ -19,9 +19,9 @@ run() {  # name, command...: log to $out/name.log, remember a failure, go on
     fi
 }
 export KVMGR_STATEFUL_GPU_EXAMPLES=15
-run stateful python3 -m pytest -q -x -m gpu tests/test_reliability.py -k "Stateful"
-run gpu_tests python3 -m pytest -q -x -m gpu tests/test_c128.py tests/test_mla_insert.py \
-    tests/test_cuda_engine.py tests/test_manager_engines.py
+run stateful python3 -m pytest -q -x -m gpu tests/manager/test_reliability.py -k "Stateful"
+run gpu_tests python3 -m pytest -q -x -m gpu tests/kernels/test_c128.py tests/kernels/test_mla_insert.py \
+    tests/transfer/test_cuda_engine.py tests/manager/test_manager_engines.py
 run bench_c128 python3 -m kvmgr.cli bench c128 --batch 1 --prefill 128 --repeats 5 \
     --json "$out/c128.json"
 run bench_swap_kernel python3 -m kvmgr.cli bench swap-kernel --geometries qwen --blocks 64 \

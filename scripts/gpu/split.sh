@@ -11,8 +11,8 @@ set -uo pipefail
 D="$OUT/split"
 mkdir -p "$D"
 
-timeout 120 python3 -m pytest -q -p no:randomly -m gpu tests/test_manager_engines.py \
-  tests/test_reliability.py tests/test_layerwise.py > "$D/pytest_gpu.txt" 2>&1 \
+timeout 120 python3 -m pytest -q -p no:randomly -m gpu tests/manager/test_manager_engines.py \
+  tests/manager/test_reliability.py tests/transfer/test_layerwise.py > "$D/pytest_gpu.txt" 2>&1 \
   || echo "section 1: pytest failed or timed out (see pytest_gpu.txt)"
 
 timeout 150 python3 -m kvmgr.cli bench ranks --device cuda --engine auto --ranks 1,2 \

@@ -12,8 +12,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$DIR/sections.jsonl"; }
 
 # 1. GPU tests: staged bytes (both directions, chunked), auto staging a step; CPU tests too
-timeout 45 python3 -m pytest -q -rfE -p no:randomly tests/test_staged_gpu.py tests/test_staged.py \
-  tests/test_duplex.py >"$DIR/pytest.log" 2>&1
+timeout 45 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_staged_gpu.py tests/transfer/test_staged.py \
+  tests/transfer/test_duplex.py >"$DIR/pytest.log" 2>&1
 section pytest $?
 tail -5 "$DIR/pytest.log"
 

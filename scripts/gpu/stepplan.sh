@@ -21,9 +21,9 @@ BASE=f5ab5bc
 STEP_ARGS=(--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3
   --step-swaps 512 --step-engines cuda kernel)
 
-PYTHONPATH="$NEW${PYTHONPATH:+:$PYTHONPATH}" timeout 50 python3 -m pytest -q -p no:randomly tests/test_plan.py \
-  tests/test_cuda_engine.py tests/test_copy_kernel.py tests/test_copy_blocks.py \
-  tests/test_manager_engines.py > "$D/pytest.txt" 2>&1 || echo "section 1: pytest rc=$? (pytest.txt)"
+PYTHONPATH="$NEW${PYTHONPATH:+:$PYTHONPATH}" timeout 50 python3 -m pytest -q -p no:randomly tests/transfer/test_plan.py \
+  tests/transfer/test_cuda_engine.py tests/kernels/test_copy_kernel.py tests/kernels/test_copy_blocks.py \
+  tests/manager/test_manager_engines.py > "$D/pytest.txt" 2>&1 || echo "section 1: pytest rc=$? (pytest.txt)"
 
 OLD=""
 if git rev-parse --verify -q "$BASE" >/dev/null 2>&1; then

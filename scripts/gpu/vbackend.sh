@@ -9,6 +9,6 @@ out="${OUT:-out/vbackend}"  # scripts/gpu_round4.sh passes OUT=$OUT/vbackend
 mkdir -p "$out"
 {
     python3 -c "import vllm, sys; print('vllm', vllm.__version__)" 2>&1 | tail -1
-    python3 -m pytest -q -rs -p no:randomly -m gpu tests/test_vllm_backend_worker.py 2>&1 | tail -15
+    python3 -m pytest -q -rs -p no:randomly -m gpu tests/integrations/vllm/test_vllm_backend_worker.py 2>&1 | tail -15
 } > "$out/worker_gpu.txt"
 cat "$out/worker_gpu.txt"

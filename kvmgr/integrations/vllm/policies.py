@@ -44,7 +44,7 @@ vLLM ``CachePolicy``        kvmgr
 ==========================  =================================================================
 
 Where the results depart from vLLM's own LRU/ARC on the same calls (prefix consistency, ARC's
-ghost adaptation), see docs/guides/vllm.md; tests/test_vllm_policies.py checks both.
+ghost adaptation), see docs/guides/vllm.md; tests/integrations/vllm/test_vllm_policies.py checks both.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-sys.path.insert(0, str(Path(__file__).parent))  # the rank processes import ranks_support
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the rank processes import ranks_support
 
 from ranks_support import make_rank, rank_kv
 

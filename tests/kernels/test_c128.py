@@ -611,7 +611,7 @@ def test_gate_module_is_triton_free_and_reexported():
     assert c128.c128_boundary is api.c128_boundary is gate.c128_boundary is kvmgr.c128_boundary
     code = ("import sys, kvmgr; kvmgr.c128_boundary; import kvmgr.kernels.c128.gate; "
             "sys.exit('triton' in sys.modules or 'kvmgr.kernels.c128.kernel' in sys.modules)")  # fmt: skip
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the rank processes import ranks_support
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the rank processes import ranks_support
 
 from ranks_support import make_rank, rank_kv
 

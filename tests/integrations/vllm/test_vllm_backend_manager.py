@@ -1,6 +1,6 @@
 """kvmgr's ``KvmgrOffloadingManager`` against vLLM 0.33's ``CPUOffloadingManager`` on the same calls.
 
-The workloads and the request driver are the policy tests' (tests/test_vllm_policies.py): request
+The workloads and the request driver are the policy tests' (tests/integrations/vllm/test_vllm_policies.py): request
 after request, lookup, load the hit prefix, store the rest, finish, as vLLM's scheduler drives
 a manager. kvmgr's manager must give vLLM's answers where kvmgr's policies agree with vLLM's
 (LRU; ARC without ghost hits), and the answers of kvmgr's own policy inside vLLM's manager

@@ -9,7 +9,7 @@ bytes stored under its key. It uses only the public API: GPU blocks come from ``
 a swap is known settled when it left ``snapshot().swaps``. Profiles: ``KVMGR_STATEFUL=ci`` (default, a few seconds) and
 ``KVMGR_STATEFUL=long`` (``KVMGR_STATEFUL_EXAMPLES`` examples, default 3000), for example::
 
-    KVMGR_STATEFUL=long python -m pytest -q -s tests/test_reliability.py -k Stateful --timeout 0
+    KVMGR_STATEFUL=long python -m pytest -q -s tests/manager/test_reliability.py -k Stateful --timeout 0
 """
 
 from __future__ import annotations

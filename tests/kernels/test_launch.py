@@ -50,7 +50,7 @@ from kvmgr.kernels.launch import (
 )
 from kvmgr.kernels.launch import launcher as launcher_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _body(x_ptr, n, m, f, b, FLAG: tl.constexpr):  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ completed load), swapped-out request's CPU pages and key's CPU pages hold exactl
 bytes.
 
 Default profile ``kvmgr-ci`` runs in ~10 s; more:
-``HYPOTHESIS_PROFILE=kvmgr-long python -m pytest -s --timeout 0 tests/test_manager_stateful.py``
+``HYPOTHESIS_PROFILE=kvmgr-long python -m pytest -s --timeout 0 tests/manager/test_manager_stateful.py``
 (3000 examples of 80 steps, about 10 minutes; ``--timeout 0`` lifts pytest-timeout's 300 s,
 ``-s`` prints the totals; an interrupt with Ctrl-C prints them too).
 """
