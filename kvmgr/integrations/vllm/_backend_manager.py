@@ -157,8 +157,7 @@ class KvmgrOffloadingManager(OffloadingManager):
             ids.append(block)
         self.tier.add_readers(ids)
         access = self._access(req_context)
-        self._saw(access, keys, req_context)
-        access.reused.update(keys)
+        self._saw_loaded(access, keys, req_context)
         return KvmgrChunkSpec(ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -190,28 +189,55 @@ class KvmgrOffloadingManager(OffloadingManager):
         """Allocate chunks for the keys not in the tier (PENDING until ``complete_store``),
         evicting READY chunks without readers if needed; ``None`` (nothing changed) when too few
         are free or evictable. Keys of the offer are never evicted by it."""
-        keys = list(keys)
-        get = self._index_get
-        new = [k for k in keys if get(k) is None]
+        get, state = self._index_get, self._state
         access = self._access(req_context)
-        self._saw(access, keys, req_context)
-        if len(new) < len(keys):  # READY keys offered again count as reused (vLLM's rule)
-            state = self._state
-            access.reused.update(
-                k for k in keys if (b := get(k)) is not None and state[b] == _READY
-            )
+        seen, reused, positions = access.seen, access.reused, access.positions
+        get_position = req_context.get_offload_key_position
+        new: list[OffloadKey] = []
+        new_positions: list[int | None] = []
+        resident: list[OffloadKey] = []  # keys of the offer in the tier: never its victims
+        fresh: list[OffloadKey] = []  # resident keys the request shows for the first time
+        for key in keys:  # one pass: keys seen, positions, new, reused, resident
+            block = get(key)
+            if key in seen:
+                if block is None:
+                    new.append(key)
+                    new_positions.append(get_position(key))
+                elif state[block] == _READY:  # READY keys offered again: reused (vLLM's rule)
+                    reused.add(key)
+                    resident.append(key)
+                else:
+                    resident.append(key)
+                continue
+            seen.add(key)
+            access.keys.append(key)
+            position = get_position(key)
+            if position is not None:
+                positions.add(key, position)
+            if block is None:
+                new.append(key)
+                new_positions.append(position)
+            else:
+                fresh.append(key)
+                resident.append(key)
+                if state[block] == _READY:
+                    reused.add(key)
+        if self._touch_is_recency and fresh:
+            self.tier.policy.touch(fresh)
         if not new:
             return PrepareStoreOutput([], KvmgrChunkSpec([]), [])
         try:
-            ids = self.tier.make_room_small(len(new), keys if len(keys) <= 4 else set(keys))
+            ids = self.tier.make_room_small(
+                len(new), resident if len(resident) <= 8 else set(resident)
+            )
         except PoolExhaustedError:
             return None
         evicted: list[OffloadKey] = []
         for batch in self._evicted:
             evicted.extend(batch)  # type: ignore[arg-type]
         self._evicted.clear()
-        position, parent = req_context.get_offload_key_position, access.positions.parent
-        parents = [None if (p := position(k)) is None else parent(k, p) for k in new]
+        parent = positions.parent
+        parents = [None if p is None else parent(k, p) for k, p in zip(new, new_positions)]
         # one batch, its first key most recent (OffloadKey is bytes)
         self.tier.add_pending(new, ids, parents)  # type: ignore[arg-type]
         seq = self._next_seq
@@ -343,27 +369,25 @@ class KvmgrOffloadingManager(OffloadingManager):
             req_context.set_state(access)
         return access
 
-    def _saw(self, access: _Access, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        """Record the keys a request showed (positions for parents; LRU: a use refreshes)."""
-        seen, fresh = access.seen, []
+    def _saw_loaded(
+        self, access: _Access, keys: Iterable[OffloadKey], req_context: ReqContext
+    ) -> None:
+        """Record keys a request loads (all in the tier): positions for parents, each key as
+        reused; with LRU the ones shown for the first time are a use and refresh."""
+        seen, reused, fresh = access.seen, access.reused, []
+        get_position, positions = req_context.get_offload_key_position, access.positions
         for key in keys:
+            reused.add(key)
             if key not in seen:
                 seen.add(key)
                 fresh.append(key)
-        if not fresh:
-            return
-        access.keys.extend(fresh)
-        get_position, positions = req_context.get_offload_key_position, access.positions
-        resident = []
-        get = self._index_get
-        for key in fresh:
-            position = get_position(key)
-            if position is not None:
-                positions.add(key, position)
-            if get(key) is not None:
-                resident.append(key)
-        if self._touch_is_recency and resident:
-            self.tier.policy.touch(resident)
+                position = get_position(key)
+                if position is not None:
+                    positions.add(key, position)
+        if fresh:
+            access.keys.extend(fresh)
+            if self._touch_is_recency:
+                self.tier.policy.touch(fresh)
 
     def _scan_faults(self) -> None:
         """A rank recorded faults since the last scan: find the PENDING chunks they hit."""
