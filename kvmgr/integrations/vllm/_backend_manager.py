@@ -197,6 +197,8 @@ class KvmgrOffloadingManager(OffloadingManager):
         new_positions: list[int | None] = []
         resident: list[OffloadKey] = []  # keys of the offer in the tier: never its victims
         fresh: list[OffloadKey] = []  # resident keys the request shows for the first time
+        placed: list[OffloadKey] = []  # keys shown for the first time, with a position
+        placed_at: list[int] = []
         for key in keys:  # one pass: keys seen, positions, new, reused, resident
             block = get(key)
             if key in seen:
@@ -213,7 +215,8 @@ class KvmgrOffloadingManager(OffloadingManager):
             access.keys.append(key)
             position = get_position(key)
             if position is not None:
-                positions.add(key, position)
+                placed.append(key)
+                placed_at.append(position)
             if block is None:
                 new.append(key)
                 new_positions.append(position)
@@ -222,6 +225,8 @@ class KvmgrOffloadingManager(OffloadingManager):
                 resident.append(key)
                 if state[block] == _READY:
                     reused.add(key)
+        if placed:
+            positions.add_many(placed, placed_at)
         if self._touch_is_recency and fresh:
             self.tier.policy.touch(fresh)
         if not new:
@@ -236,8 +241,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         for batch in self._evicted:
             evicted.extend(batch)  # type: ignore[arg-type]
         self._evicted.clear()
-        parent = positions.parent
-        parents = [None if p is None else parent(k, p) for k, p in zip(new, new_positions)]
+        parents = positions.parents(new, new_positions)
         # one batch, its first key most recent (OffloadKey is bytes)
         self.tier.add_pending(new, ids, parents)  # type: ignore[arg-type]
         seq = self._next_seq
@@ -297,6 +301,9 @@ class KvmgrOffloadingManager(OffloadingManager):
         (its head most recent), with the others the keys it read from the tier."""
         access = req_context.get_state(_Access)
         if access is None or access.owner is not self or access.generation != self._generation:
+            return
+        if not self._touch_is_recency and not access.reused:  # nothing read: nothing to touch
+            access.keys, access.seen = [], set()
             return
         keys = order_request_keys([access.keys], req_context)
         get, state = self._index_get, self._state

@@ -95,6 +95,38 @@ class _RequestKeys:
         else:
             bisect.insort(positions, position)
 
+    def add_many(self, keys: Sequence[OffloadKey], positions: Sequence[int]) -> None:
+        """``add`` of each ``(keys[i], positions[i])``, in one call."""
+        position_keys, by_group = self.position_keys, self.positions
+        for key, position in zip(keys, positions):
+            group = get_offload_group_idx(key)
+            if (group, position) in position_keys:
+                continue
+            position_keys[group, position] = key
+            sorted_positions = by_group.get(group)
+            if sorted_positions is None:
+                by_group[group] = [position]
+            elif sorted_positions[-1] < position:
+                sorted_positions.append(position)
+            else:
+                bisect.insort(sorted_positions, position)
+
+    def parents(
+        self, keys: Sequence[OffloadKey], positions: Sequence[int | None]
+    ) -> list[OffloadKey | None]:
+        """``parent`` of each ``(keys[i], positions[i])`` (``None`` where the position is)."""
+        position_keys, by_group, out = self.position_keys, self.positions, []
+        bisect_left = bisect.bisect_left
+        for key, position in zip(keys, positions):
+            if position is None:
+                out.append(None)
+                continue
+            group = get_offload_group_idx(key)
+            sorted_positions = by_group.get(group)
+            i = bisect_left(sorted_positions, position) if sorted_positions else 0
+            out.append(position_keys[group, sorted_positions[i - 1]] if i > 0 else None)
+        return out
+
     def parent(self, key: OffloadKey, position: int) -> OffloadKey | None:
         group = get_offload_group_idx(key)
         positions = self.positions.get(group)
