@@ -5,15 +5,23 @@ Private to ``kvmgr.scheduler``; ``Bookkeeper.complete`` calls ``complete_lane``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.lanes import Kind, Lane
 
-if TYPE_CHECKING:
-    from kvmgr.scheduler.bookkeeping import Bookkeeper
+
+class _Books(Protocol):
+    """What landing reads of the ``Bookkeeper`` (which imports this module: no import back)."""
+
+    cpu: Any
+    gpu: Any
+    requests: Any
+    events: Any
+    counters: Any
+
 
 __all__ = ["Landed", "complete_lane"]
 
@@ -27,7 +35,7 @@ class Landed(NamedTuple):
 
 
 def complete_lane(
-    books: Bookkeeper, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool
+    books: _Books, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, ok: bool
 ) -> Landed | None:
     """Apply the outcome of a lane's copy (``ok``: it completed on every rank) to every part.
 
@@ -72,7 +80,7 @@ def complete_lane(
     return None
 
 
-def _emit_stored(books: Bookkeeper, lane: Lane) -> None:
+def _emit_stored(books: _Books, lane: Lane) -> None:
     """The ``stored`` event of a landed D2H lane: one for the lane, with the token ids
     concatenated when every keyed store gave them (of one block size) or none did; one per
     store otherwise, so that no event mixes rows with and without tokens."""
