@@ -15,21 +15,13 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 import numpy as np
 
+from kvmgr._direction import Direction
 from kvmgr.errors import GeometryError
 
 __all__ = ["Direction", "JobOutcome", "KVGeometry", "TransferJob"]
-
-
-class Direction(enum.Enum):
-    """Copy direction."""
-
-    D2H = "d2h"  #: GPU -> CPU: a store (swap-out)
-    H2D = "h2d"  #: CPU -> GPU: a load (swap-in)
 
 
 #: How the ranks of a tensor-parallel group share one page of the KV cache.

@@ -32,9 +32,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from kvmgr._direction import Direction  # the scheduler's (torch-free) name for it too
 from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.layout import KVLayout
-from kvmgr.scheduler.jobs import Direction  # the scheduler's (torch-free) name for it
 from kvmgr.transfer._pairs import LayoutPair, Runs, check_hazards, find_runs, int_ids, layout_pair
 
 __all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards"]
