@@ -163,7 +163,8 @@ class Episode:
         blocks = [req.blocks[j] for j in span]
         try:
             if rng.random() < 0.5:
-                future = self.mgr.swap_out(blocks, keys, parents)
+                # a root span gives the default chain as None: the per-call deferred path
+                future = self.mgr.swap_out(blocks, keys, None if a == 0 else parents)
             else:
                 future = self.mgr.store_many(np.array(blocks), keys, parents=parents)
         except KVMgrError as exc:
