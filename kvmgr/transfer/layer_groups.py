@@ -165,7 +165,7 @@ def group_plan(
     n = len(pairs.src_block_ids)
     pair = layout_pair(src, dst)  # cached per layout objects (the group's sub-layouts are)
     num_descriptors = pair.num_descriptors(n, pairs.num_runs)
-    sub = BlockPairs(src, dst, n * pair.block_bytes, num_descriptors, pairs._runs, pair)
+    sub = BlockPairs(src, dst, n * pair.block_bytes, num_descriptors, pairs.runs, pair)
     return TransferPlan(direction, num_blocks=n, num_pages=n * pair.num_tensors, blocks=sub)
 
 

@@ -67,6 +67,11 @@ class BlockPairs:
     _pair: LayoutPair = attrs.field(alias="pair", repr=False)
 
     @property
+    def runs(self) -> Runs:
+        """The pairs as runs (``kvmgr.transfer._pairs.Runs``), to slice a plan by tensors."""
+        return self._runs
+
+    @property
     def src_block_ids(self) -> np.ndarray:
         """int64 ``[num_blocks]``: source block of each pair, in copy order."""
         return self._runs.src_ids
