@@ -134,48 +134,42 @@ def parse_address(
     scheme = scheme.lower()
     is_tls, is_cluster = SCHEMES[scheme]
     userinfo, at, rest = rest.rpartition("@")  # the password may hold any character but "@"...
-    if not at:  # ...and with "@" inside, the last one still ends it
-        userinfo = ""
-    url_user, url_password = _userinfo(userinfo) if at else (None, None)
+    url_user, url_password = _userinfo(userinfo) if at else (None, None)  # ...the last ends it
     location, _, query = rest.partition("?")
     options = _query(query)
     url_user = url_user or options.get("username")
     if url_password is None:
         url_password = options.get("password")
-    if scheme == "unix":
-        if not location.startswith("/"):
-            raise ConfigError("tier URL: expected unix:///absolute/path.sock")
-        servers, unix_path, db = (), location, _db(options.get("db", "0"))
-    else:
-        hosts, _, path = location.partition("/")
-        servers = tuple(_host_port(h) for h in hosts.split(",")) if hosts else ()
-        if not servers:
-            raise ConfigError("tier URL: expected a host (redis://HOST:PORT/DB)")
-        if len(servers) > 1 and not is_cluster:
-            raise ConfigError("tier URL: several hosts need a cluster scheme (redis+cluster://)")
-        unix_path, db = None, _db(options.get("db", path or "0"))
-        if is_cluster and db:
-            raise ConfigError(f"tier URL: a cluster has only db 0, got {db}")
+    servers, unix_path, db = _locate(scheme, location, options, is_cluster)
     password, source = _password(url_password, password_file, password_env)
-    clean_scheme = ("rediss" if is_tls else "redis") if scheme != "unix" else "unix"
-    if is_cluster:
-        clean_scheme += "+cluster"
     if unix_path is not None:
         clean = f"unix://{unix_path}" + (f"?db={db}" if db else "")
     else:
         hosts_text = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers)
+        clean_scheme = ("rediss" if is_tls else "redis") + ("+cluster" if is_cluster else "")
         clean = f"{clean_scheme}://{hosts_text}" + ("" if is_cluster else f"/{db}")
-    return ServerAddress(
-        url=clean,
-        servers=servers,
-        unix_path=unix_path,
-        db=db,
-        is_tls=is_tls,
-        is_cluster=is_cluster,
-        username=(url_user or username) or None,
-        password=password,
-        password_source=source,
-    )
+    user = (url_user or username) or None
+    return ServerAddress(clean, servers, unix_path, db, is_tls, is_cluster, user, password, source)
+
+
+def _locate(
+    scheme: str, location: str, options: dict[str, str], is_cluster: bool
+) -> tuple[tuple[tuple[str, int], ...], str | None, int]:
+    """``(servers, unix_path, db)`` of a URL's location (the part before ``?``)."""
+    if scheme == "unix":
+        if not location.startswith("/"):
+            raise ConfigError("tier URL: expected unix:///absolute/path.sock")
+        return (), location, _db(options.get("db", "0"))
+    hosts, _, path = location.partition("/")
+    servers = tuple(_host_port(h) for h in hosts.split(",")) if hosts else ()
+    if not servers:
+        raise ConfigError("tier URL: expected a host (redis://HOST:PORT/DB)")
+    if len(servers) > 1 and not is_cluster:
+        raise ConfigError("tier URL: several hosts need a cluster scheme (redis+cluster://)")
+    db = _db(options.get("db", path or "0"))
+    if is_cluster and db:
+        raise ConfigError(f"tier URL: a cluster has only db 0, got {db}")
+    return servers, None, db
 
 
 def _userinfo(text: str) -> tuple[str | None, str | None]:
@@ -287,10 +281,18 @@ def endpoint_for(
 
 def check_limits(**limits: Any) -> None:
     """Each limit is a float > 0 (a ``(value, True)`` pair may be 0; ``(value, None)`` may be
-    ``None``), finite."""
+    ``None``), finite; a ``(value, int)`` pair is an int >= 1.
+
+    Raises:
+        ConfigError: a limit that is none of these (the message names it).
+    """
     for name, spec in limits.items():
         value, allowed = spec if isinstance(spec, tuple) else (spec, False)
         if value is None and allowed is None:
+            continue
+        if allowed is int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SharedTier: expected {name} an int >= 1, got {value!r}")
             continue
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         ok = ok and math.isfinite(value) and (value > 0 or (allowed is True and value == 0))

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
+import attrs
+
 from kvmgr.errors import TierError, TierFullError, TierTimeoutError, TierUnavailableError
 from kvmgr.tiers._nodes import Breaker, NodePool, SlotMap
 from kvmgr.tiers._resp import Endpoint, ReplyError
@@ -36,28 +38,29 @@ _ROUNDS = 3  # the first try and two rounds of redirection
 _SINGLE = ("", 0)
 
 
+@attrs.define(eq=False)
 class Dispatcher:
-    """Routes the calls of one ``SharedTier`` (see the module docstring)."""
+    """Routes the calls of one ``SharedTier`` (see the module docstring).
 
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        make_breaker: Callable[[], Breaker],
-        max_connections: int,
-        slots: SlotMap | None,
-        executor: Executor,
-        counters: TierCounters,
-        url: str,
-    ) -> None:
-        self._endpoint = endpoint
-        self._make_breaker = make_breaker
-        self._max_connections = max_connections
-        self._slots = slots
-        self._executor = executor
-        self._counters = counters
-        self._url = url
-        self._pools: dict[tuple[str, int], NodePool] = {}
-        self.closed = False
+    Args (positional, as ``SharedTier`` builds it):
+        endpoint: the server (a cluster: its seed; ``Endpoint.at`` reaches the other nodes).
+        make_breaker: a new server's ``Breaker``.
+        max_connections: connections per server's pool.
+        slots: the cluster's slot map; ``None`` for one server.
+        executor: the worker pool the jobs run in.
+        counters: the tier's counters (failures, redirections).
+        url: the server URL without credentials (for messages).
+    """
+
+    _endpoint: Endpoint
+    _make_breaker: Callable[[], Breaker]
+    _max_connections: int
+    _slots: SlotMap | None
+    _executor: Executor
+    _counters: TierCounters
+    _url: str
+    _pools: dict[tuple[str, int], NodePool] = attrs.field(factory=dict, init=False)
+    closed: bool = attrs.field(default=False, init=False)
 
     def pool(self, address: tuple[str, int]) -> NodePool:
         """The pool of one server (created on first use)."""
@@ -89,22 +92,7 @@ class Dispatcher:
         errors: list[TierError] = []
         groups = await self._route(keys, deadline, errors, what)
         for _round in range(_ROUNDS):
-            launched = []
-            for (address, asking), positions in groups.items():
-                pool = self.pool(address)
-                if not pool.breaker.admit():
-                    self._counters.num_fail_fast += 1
-                    self._fail(
-                        TierUnavailableError(
-                            f"{what} on {self._url}: server {pool.endpoint.address} "
-                            "unreachable (backing off)"
-                        ),
-                        errors,
-                    )
-                    continue
-                sub = [keys[p] for p in positions]
-                future = self._executor.submit(job, pool, sub, positions, deadline, asking)
-                launched.append((pool, positions, asyncio.wrap_future(future)))
+            launched = self._launch(groups, keys, job, deadline, errors, what)
             if not launched:
                 break
             results = await join_worker(asyncio.gather(*(f for _p, _q, f in launched)))
@@ -124,6 +112,29 @@ class Dispatcher:
         if errors and all(v is FAILED for v in outcome):
             raise errors[0]
         return outcome
+
+    def _launch(
+        self,
+        groups: dict[tuple[tuple[str, int], bool], list[int]],
+        keys: list[bytes],
+        job: Callable[..., JobResult],
+        deadline: float,
+        errors: list[TierError],
+        what: str,
+    ) -> list[tuple[NodePool, list[int], asyncio.Future[JobResult]]]:
+        """Submit one job per group whose server's breaker admits it; fail the others fast."""
+        launched = []
+        for (address, asking), positions in groups.items():
+            pool = self.pool(address)
+            if not pool.breaker.admit():
+                self._counters.num_fail_fast += 1
+                message = f"{what} on {self._url}: server {pool.endpoint.address} unreachable"
+                self._fail(TierUnavailableError(message + " (backing off)"), errors)
+                continue
+            sub = [keys[p] for p in positions]
+            future = self._executor.submit(job, pool, sub, positions, deadline, asking)
+            launched.append((pool, positions, asyncio.wrap_future(future)))
+        return launched
 
     async def _route(
         self, keys: list[bytes], deadline: float, errors: list[TierError], what: str

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import ConfigError, InvalidKeyError, TierError, TierSecurityWarning
+from kvmgr.errors import InvalidKeyError, TierError, TierSecurityWarning
 from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
 from kvmgr.tiers._nodes import Breaker, SlotMap
 from kvmgr.tiers._resp import nbytes
@@ -121,11 +121,9 @@ class SharedTier:
             reconnect_backoff_s=(reconnect_backoff_s, True),
             max_backoff_s=(max_backoff_s, True),
             ttl_s=(ttl_s, None),
+            max_connections=(max_connections, int),
+            trip_after_timeouts=(trip_after_timeouts, int),
         )
-        for name, value in (("max_connections", max_connections),
-                            ("trip_after_timeouts", trip_after_timeouts)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"SharedTier: expected {name} an int >= 1, got {value!r}")
         address = parse_address(
             url, username=username, password_file=password_file, password_env=password_env
         )
@@ -138,17 +136,13 @@ class SharedTier:
         self._hint_deadline_s = hint_deadline_s
         self._skip_present = skip_present
         self._executor = ThreadPoolExecutor(max_connections, thread_name_prefix="kvmgr-shared")
-        self._counters = TierCounters(
-            name="shared", io_mode="cluster" if address.is_cluster else "resp"
+        self._counters = TierCounters("shared", "cluster" if address.is_cluster else "resp")
+        breaker = functools.partial(
+            Breaker, reconnect_backoff_s, max_backoff_s, trip_after_timeouts
         )
+        slots = SlotMap(list(address.servers)) if address.is_cluster else None
         self._calls = Dispatcher(
-            endpoint,
-            lambda: Breaker(reconnect_backoff_s, max_backoff_s, trip_after_timeouts),
-            max_connections,
-            SlotMap(list(address.servers)) if address.is_cluster else None,
-            self._executor,
-            self._counters,
-            self.url,
+            endpoint, breaker, max_connections, slots, self._executor, self._counters, self.url
         )
         self._closed = False
         if address.username is None and not single_tenant:
