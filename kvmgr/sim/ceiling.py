@@ -17,13 +17,14 @@ from collections.abc import Iterable
 
 import attrs
 
+from kvmgr.sim._ratio import TokenRatio
 from kvmgr.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["ReuseCeiling", "reuse_ceiling"]
 
 
 @attrs.frozen(kw_only=True)
-class ReuseCeiling:
+class ReuseCeiling(TokenRatio):
     """What an infinite prefix cache would reuse.
 
     Attributes:
@@ -39,11 +40,6 @@ class ReuseCeiling:
     hit_tokens: int
     num_full_blocks: int
     num_distinct_blocks: int
-
-    @property
-    def ratio(self) -> float:
-        """``hit_tokens / prompt_tokens`` (0 for an empty trace)."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def distinct_tokens(self) -> int:

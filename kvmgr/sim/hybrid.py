@@ -37,7 +37,9 @@ import torch
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import ConfigError, PoolExhaustedError
 from kvmgr.groups.manager import GroupedManager
+from kvmgr.groups.restore import RestorePlan
 from kvmgr.groups.spec import GroupedLayout, GroupSpec
+from kvmgr.sim._ratio import TokenRatio
 from kvmgr.sim.hybrid_presets import HybridPreset, get_hybrid
 from kvmgr.sim.keys import BlockKeyer
 from kvmgr.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
@@ -84,7 +86,7 @@ class HybridSimConfig:
 
 
 @attrs.frozen(kw_only=True)
-class VariantResult:
+class VariantResult(TokenRatio):
     """One variant of a run (totals over the trace).
 
     Attributes:
@@ -116,8 +118,8 @@ class VariantResult:
 
     @property
     def hit_ratio(self) -> float:
-        """Prompt tokens restored / prompt tokens."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        """Prompt tokens restored / prompt tokens (``ratio``)."""
+        return self.ratio
 
     @property
     def bytes_per_hit(self) -> float:
@@ -158,6 +160,56 @@ def _tiny(layout: GroupedLayout) -> GroupedLayout:
     return GroupedLayout(specs, hash_block_size=layout.hash_block_size)
 
 
+def _manager(tiny: GroupedLayout, cpu: Sequence[int], num_gpu: int, policy: str) -> GroupedManager:
+    """A manager over ``tiny`` with ``num_gpu`` random GPU blocks and ``cpu[g]`` CPU blocks."""
+    gen = torch.Generator().manual_seed(0)
+    gpu = {
+        g.name: [
+            torch.randint(1, 256, (num_gpu, _SIM_PAGE_BYTES), dtype=torch.uint8, generator=gen)
+        ]
+        for g in tiny.groups
+    }
+    template = ManagerConfig(
+        num_cpu_blocks=1, engine="host", manage_gpu_blocks=False, policy=policy
+    )
+    return GroupedManager.create(
+        tiny, gpu, {g.name: n for g, n in zip(tiny.groups, cpu, strict=True)}, template
+    )
+
+
+async def _load(mgr: GroupedManager, plan: RestorePlan, real: GroupedLayout) -> int:
+    """Load a hit's blocks into GPU blocks ``0..``; the bytes ``real`` would move."""
+    dst = {g.name: list(range(b.stop)) for g, b in zip(mgr.layout.groups, plan.blocks, strict=True)}
+    done = mgr.load(plan, dst)
+    await mgr.step()
+    await done
+    return sum(len(b) * g.block_bytes for b, g in zip(plan.blocks, real.groups, strict=True))
+
+
+async def _store(
+    mgr: GroupedManager, hashes: Sequence[bytes], real: GroupedLayout, tail: bool
+) -> int | None:
+    """Store a prompt's blocks (the tail variant: only those a restore needs); the bytes
+    ``real`` would move, ``None`` where some group had no room."""
+    tiny = mgr.layout
+    tables: dict[str, list[int | None]] = {}
+    for g, spec in enumerate(tiny.groups):
+        keep = _stored_blocks(spec, tiny.num_blocks(g, len(hashes)), tail)
+        tables[spec.name] = [j if j in keep else None for j in range(keep.stop)]
+    try:
+        done_store = mgr.store(hashes, tables)
+    except PoolExhaustedError:
+        return None
+    await mgr.step()
+    result = await done_store
+    mgr.take_events()
+    return sum(
+        r.num_blocks * g.block_bytes
+        for r, g in zip(result.results, real.groups, strict=True)
+        if r is not None
+    )
+
+
 async def _run_variant(
     preset: HybridPreset, config: HybridSimConfig, variant: str, trace: Sequence[TraceRequest]
 ) -> VariantResult:
@@ -168,62 +220,25 @@ async def _run_variant(
     prompts = [keyer.prefix_keys(r) for r in trace]
     cpu = _cpu_split(real, [len(h) for h in prompts], config.cpu_bytes, tail)
     num_gpu = max(1, max((len(h) for h in prompts), default=1))
-    gen = torch.Generator().manual_seed(0)
-    gpu = {
-        g.name: [
-            torch.randint(1, 256, (num_gpu, _SIM_PAGE_BYTES), dtype=torch.uint8, generator=gen)
-        ]
-        for g in tiny.groups
-    }
-    template = ManagerConfig(
-        num_cpu_blocks=1, engine="host", manage_gpu_blocks=False, policy=config.policy
-    )
-    mgr = GroupedManager.create(
-        tiny, gpu, {g.name: n for g, n in zip(tiny.groups, cpu, strict=True)}, template
-    )
-    hits = hit_tokens = loaded = stored = rejected = prompt_tokens = 0
+    mgr = _manager(tiny, cpu, num_gpu, config.policy)
+    hits = hit_tokens = loaded = stored = rejected = 0
     async with mgr:
         for request, hashes in zip(trace, prompts, strict=True):
-            prompt_tokens += request.input_length
             if not hashes:
                 continue
             plan = mgr.lookup(hashes, max_tokens=request.input_length - 1)
             if plan.is_hit:
                 hits += 1
                 hit_tokens += plan.num_tokens
-                loaded += sum(
-                    len(b) * g.block_bytes for b, g in zip(plan.blocks, real.groups, strict=True)
-                )
-                dst = {
-                    g.name: list(range(b.stop))
-                    for g, b in zip(tiny.groups, plan.blocks, strict=True)
-                }
-                done = mgr.load(plan, dst)
-                await mgr.step()
-                await done
-            n = len(hashes)
-            tables: dict[str, list[int | None]] = {}
-            for g, spec in enumerate(tiny.groups):
-                keep = _stored_blocks(spec, tiny.num_blocks(g, n), tail)
-                tables[spec.name] = [j if j in keep else None for j in range(keep.stop)]
-            try:
-                done_store = mgr.store(hashes, tables)
-            except PoolExhaustedError:
-                rejected += 1
-                continue
-            await mgr.step()
-            result = await done_store
-            stored += sum(
-                r.num_blocks * g.block_bytes
-                for r, g in zip(result.results, real.groups, strict=True)
-                if r is not None
-            )
-            mgr.take_events()
+                loaded += await _load(mgr, plan, real)
+            num_stored = await _store(mgr, hashes, real, tail)
+            rejected += num_stored is None
+            stored += num_stored or 0
     return VariantResult(
         variant=variant,
         num_requests=len(trace),
         num_hits=hits,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=sum(r.input_length for r in trace),
         hit_tokens=hit_tokens,
         bytes_loaded=loaded,
         bytes_stored=stored,

@@ -94,43 +94,37 @@ class HybridPreset:
         return GroupedLayout(specs, hash_block_size=block_size)
 
 
-def _attention(
-    name: str, kind: GroupKind, layers: int, bpt: int, window: int | None = None
-) -> LayerGroup:
-    return LayerGroup(name=name, kind=kind, num_layers=layers, bytes_per_token=bpt, window=window)
+def _full_and_window(
+    name: str, title: str, full: int, swa: int, bpt: int, window: int, heads: str
+) -> HybridPreset:
+    """A model of ``full`` full-attention and ``swa`` sliding-window layers of ``bpt`` bytes per
+    token each (``heads``: the KV heads x dims text of the description)."""
+    return HybridPreset(
+        name=name,
+        groups=(
+            LayerGroup(name="full", kind=GroupKind.FULL, num_layers=full, bytes_per_token=bpt),
+            LayerGroup(
+                name="swa",
+                kind=GroupKind.SLIDING_WINDOW,
+                num_layers=swa,
+                bytes_per_token=bpt,
+                window=window,
+            ),
+        ),
+        description=f"{title}: {full} full + {swa} sliding-window ({window}) layers, {heads}",
+    )
 
 
 HYBRID_PRESETS: dict[str, HybridPreset] = {
     p.name: p
     for p in (
-        HybridPreset(
-            name="gpt-oss-120b",
-            groups=(
-                _attention("full", GroupKind.FULL, 18, 2048),
-                _attention("swa", GroupKind.SLIDING_WINDOW, 18, 2048, 128),
-            ),
-            description="gpt-oss-120b: 18 full + 18 sliding-window (128) layers, 8 KV heads x 64",
-        ),
-        HybridPreset(
-            name="gpt-oss-20b",
-            groups=(
-                _attention("full", GroupKind.FULL, 12, 2048),
-                _attention("swa", GroupKind.SLIDING_WINDOW, 12, 2048, 128),
-            ),
-            description="gpt-oss-20b: 12 full + 12 sliding-window (128) layers, 8 KV heads x 64",
-        ),
-        HybridPreset(
-            name="gemma-3-27b",
-            groups=(
-                _attention("full", GroupKind.FULL, 10, 8192),
-                _attention("swa", GroupKind.SLIDING_WINDOW, 52, 8192, 1024),
-            ),
-            description="Gemma-3-27B: 10 full + 52 sliding-window (1024) layers, 16 KV heads x 128",
-        ),
+        _full_and_window("gpt-oss-120b", "gpt-oss-120b", 18, 18, 2048, 128, "8 KV heads x 64"),
+        _full_and_window("gpt-oss-20b", "gpt-oss-20b", 12, 12, 2048, 128, "8 KV heads x 64"),
+        _full_and_window("gemma-3-27b", "Gemma-3-27B", 10, 52, 8192, 1024, "16 KV heads x 128"),
         HybridPreset(
             name="qwen3-next-80b",
             groups=(
-                _attention("full", GroupKind.FULL, 12, 2048),
+                LayerGroup(name="full", kind=GroupKind.FULL, num_layers=12, bytes_per_token=2048),
                 LayerGroup(
                     name="gdn", kind=GroupKind.RECURRENT, num_layers=36, state_bytes=1_097_728
                 ),

@@ -29,10 +29,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import ConfigError
 from kvmgr.manager import OffloadManager
-from kvmgr.sim.ceiling import reuse_ceiling
+from kvmgr.sim.ceiling import ReuseCeiling, reuse_ceiling
 from kvmgr.sim.config import RunSize, SimConfig, scheduler_config
 from kvmgr.sim.counters import SimCounters
 from kvmgr.sim.instance_tiers import (
@@ -60,16 +62,14 @@ def _route(route: str, index: int, request: TraceRequest, num: int) -> int:
     return hash(conversation) % num
 
 
+@attrs.define(eq=False)
 class _Instance:
-    def __init__(
-        self, scheduler: Scheduler, manager: OffloadManager, pages: PageStore, has_tiers: bool
-    ) -> None:
-        self.scheduler = scheduler
-        self.has_tiers = has_tiers
-        self.manager = manager
-        self.pages = pages
-        self.fetched_blocks = 0
-        self.fetched_tokens = 0
+    scheduler: Scheduler
+    manager: OffloadManager
+    pages: PageStore
+    has_tiers: bool
+    fetched_blocks: int = 0
+    fetched_tokens: int = 0
 
 
 async def run_instances(
@@ -91,12 +91,8 @@ async def run_instances(
     Raises:
         ConfigError: bad arguments, or the run needs more memory than allowed.
     """
-    if num_instances < 1 or route not in ROUTES:
-        raise ConfigError(f"expected instances >= 1 and route in {ROUTES}")
-    if not requests:
-        raise ConfigError("the trace holds no requests")
-    ceiling = reuse_ceiling(requests)
-    size = RunSize.of(config, requests, ceiling.num_distinct_blocks, instances=num_instances)
+    ceiling, size = _plan_run(config, requests, num_instances, route)
+    shared = shared_url is not None
     seed = random.Random(config.seed).getrandbits(63)
     start = time.perf_counter()
     instances: list[_Instance] = []
@@ -106,25 +102,42 @@ async def run_instances(
         for i in range(num_instances):
             tiers = instance_tiers(i, shared_url, disk_path, disk_tokens, config, size.block_bytes)
             backends += tiers
-            instances.append(
-                await _start_instance(
-                    config, size, seed, counters[i], tiers, shared_url is not None
-                )
-            )
+            instances.append(await _start_instance(config, size, seed, counters[i], tiers, shared))
         await _drive(config, requests, instances, route, size.block_bytes, progress)
         reports = [
             instance_report(inst, config, ceiling, size, time.perf_counter() - start)
             for inst in instances
         ]
     finally:
-        for inst in instances:
-            await inst.manager.aclose()
-        for backend in backends:
-            await backend.aclose()
-        if disk_path is not None:  # scratch: GBs per instance, and a warm start next time
-            for i in range(num_instances):
-                remove_disk_files(disk_file(disk_path, i))
-    return summarize(reports, counters, route, shared_url is not None, time.perf_counter() - start)
+        await _close(instances, backends, disk_path, num_instances)
+    return summarize(reports, counters, route, shared, time.perf_counter() - start)
+
+
+def _plan_run(
+    config: SimConfig, requests: Sequence[TraceRequest], num_instances: int, route: str
+) -> tuple[ReuseCeiling, RunSize]:
+    """The trace's reuse ceiling and the run's sizes, after checking the arguments."""
+    if num_instances < 1 or route not in ROUTES:
+        raise ConfigError(f"expected instances >= 1 and route in {ROUTES}")
+    if not requests:
+        raise ConfigError("the trace holds no requests")
+    ceiling = reuse_ceiling(requests)
+    return ceiling, RunSize.of(
+        config, requests, ceiling.num_distinct_blocks, instances=num_instances
+    )
+
+
+async def _close(
+    instances: list[_Instance], backends: list[Any], disk_path: str | None, num: int
+) -> None:
+    """Close the managers, then their tiers; delete the ``num`` instances' disk files."""
+    for inst in instances:
+        await inst.manager.aclose()
+    for backend in backends:
+        await backend.aclose()
+    if disk_path is not None:  # scratch: GBs per instance, and a warm start next time
+        for i in range(num):
+            remove_disk_files(disk_file(disk_path, i))
 
 
 async def _start_instance(

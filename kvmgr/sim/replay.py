@@ -22,6 +22,7 @@ import numpy as np
 
 from kvmgr.policy import make_policy
 from kvmgr.policy.opt import FutureUses
+from kvmgr.sim._ratio import TokenRatio
 from kvmgr.sim.keys import BlockKeyer
 from kvmgr.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
@@ -29,7 +30,7 @@ __all__ = ["ReplayResult", "replay"]
 
 
 @attrs.frozen(kw_only=True)
-class ReplayResult:
+class ReplayResult(TokenRatio):
     """Counts of one replay; only requests arriving at or after ``measure_from_s`` count hits.
 
     Attributes:
@@ -46,11 +47,6 @@ class ReplayResult:
     stored_blocks: int
     rejected_blocks: int
     evicted_blocks: int
-
-    @property
-    def ratio(self) -> float:
-        """``hit_tokens / prompt_tokens``."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def replay(
@@ -77,24 +73,21 @@ def replay(
     Raises:
         ConfigError: unknown policy, capacity below one block, or bad options.
     """
-    keyer = BlockKeyer(TRACE_BLOCK_TOKENS)
-    all_keys = [keyer.prefix_keys(r) for r in requests]
+    all_keys = list(map(BlockKeyer(TRACE_BLOCK_TOKENS).prefix_keys, requests))
     now = [0.0]
     capacity = max(0, capacity_tokens // TRACE_BLOCK_TOKENS)
     cache, future = _policy(policy, capacity, options, all_keys, lambda: now[0])
-    hinted = hints is not None and getattr(cache, "takes_hints", False)
+    given = hints if getattr(cache, "takes_hints", False) else None
     tally = dict.fromkeys(_COUNTS, 0)
     for i, (request, keys) in enumerate(zip(requests, all_keys)):
         now[0] = request.arrival_s
-        hits = _prefix_hits(cache, keys)
-        cache.touch(keys[:hits])
+        hits = _touch_prefix(cache, keys)
         if future is not None:
             future.consume(i)
         if request.arrival_s >= measure_from_s:
             tally["prompt_tokens"] += request.input_length
             tally["hit_tokens"] += hits * TRACE_BLOCK_TOKENS
-        hint = hints[i] if hinted and hints is not None else _NO_HINT
-        _store_misses(cache, capacity, keys, hits, hint, tally)
+        _store_misses(cache, capacity, keys, hits, _NO_HINT if given is None else given[i], tally)
     return ReplayResult(policy=policy, capacity_blocks=capacity, **tally)
 
 
@@ -118,13 +111,14 @@ def _policy(
     return make_policy(policy, capacity, **_accepted(policy, opts)), future
 
 
-def _prefix_hits(cache: Any, keys: list[bytes]) -> int:
-    """How many leading ``keys`` the policy holds."""
+def _touch_prefix(cache: Any, keys: list[bytes]) -> int:
+    """How many leading ``keys`` the policy holds (touched, as a lookup would)."""
     hits = 0
     for key in keys:
         if key not in cache:
             break
         hits += 1
+    cache.touch(keys[:hits])
     return hits
 
 

@@ -163,11 +163,18 @@ def _direction_row(name: str, d: dict[str, int]) -> tuple[str, str]:
 
 def render_report(report: SimReport, title: str = "kvmgr simulate") -> Table:
     """The report as a two-column rich table."""
-    c, s = report.counters, report.settings
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("figure", style="bold")
     table.add_column("value")
-    rows = [
+    for name, value in [*_setup_rows(report), *_traffic_rows(report)]:
+        table.add_row(name, value)
+    return table
+
+
+def _setup_rows(report: SimReport) -> list[tuple[str, str]]:
+    """The rows of the run's settings, requests and hit ratio."""
+    c, s = report.counters, report.settings
+    return [
         (
             "model / block",
             f"{s['model']} ({s['num_tensors']} tensors x {s['page_bytes']:,} B "
@@ -201,6 +208,13 @@ def render_report(report: SimReport, title: str = "kvmgr simulate") -> Table:
             f"{c['lookup_blocks']:,} = GPU hit {c['gpu_hit_blocks']:,} + "
             f"CPU hit {c['cpu_hit_blocks']:,} + miss {c['miss_blocks']:,}",
         ),
+    ]
+
+
+def _traffic_rows(report: SimReport) -> list[tuple[str, str]]:
+    """The rows of what moved, what it cost and what was verified."""
+    c = report.counters
+    return [
         (
             "prefill tokens saved",
             f"{report.prefill_tokens_saved:,} (computed "
@@ -236,6 +250,3 @@ def render_report(report: SimReport, title: str = "kvmgr simulate") -> Table:
         ),
         ("wall time", f"{report.wall_s:.1f} s"),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
-    return table

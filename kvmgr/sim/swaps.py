@@ -16,6 +16,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from kvmgr.errors import PoolExhaustedError, TransferError
 from kvmgr.sim.counters import SimCounters
 from kvmgr.sim.gpu_cache import GPUPrefixCache
@@ -29,6 +31,7 @@ _Pending = tuple[
 ]
 
 
+@attrs.define(eq=False)
 class SwapIssuer:
     """The scheduler's side of the manager API.
 
@@ -40,26 +43,18 @@ class SwapIssuer:
         block_size: tokens per block.
     """
 
-    def __init__(
-        self,
-        manager: Any,
-        pages: PageStore,
-        gpu: GPUPrefixCache,
-        counters: SimCounters,
-        block_size: int,
-    ) -> None:
-        self.manager = manager
-        self.pages = pages
-        self.gpu = gpu
-        self.counters = counters
-        self.block_size = block_size
-        self.num_draining = 0
-        self._pending: list[_Pending] = []
-        #: published key -> the key it extends (``None`` for a prompt's first block).
-        self._parent_of: dict[bytes, bytes | None] = {}
-        #: per trace request, the hint its stores carry (``None``: no hints are given)
-        self.hints: Sequence[Any] | None = None
-        self._owner: dict[bytes, int] = {}  # key -> the request that last computed it
+    manager: Any
+    pages: PageStore
+    gpu: GPUPrefixCache
+    counters: SimCounters
+    block_size: int
+    num_draining: int = attrs.field(default=0, init=False)
+    _pending: list[_Pending] = attrs.field(factory=list, init=False)
+    #: published key -> the key it extends (``None`` for a prompt's first block).
+    _parent_of: dict[bytes, bytes | None] = attrs.field(factory=dict, init=False)
+    #: per trace request, the hint its stores carry (``None``: no hints are given)
+    hints: Sequence[Any] | None = attrs.field(default=None, init=False)
+    _owner: dict[bytes, int] = attrs.field(factory=dict, init=False)  # key -> its last computer
 
     def claim(self, keys: Sequence[bytes], request_index: int) -> None:
         """The request computes ``keys``: their stores carry its hint (only with hints)."""

@@ -223,39 +223,38 @@ def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) ->
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
     policies = list(dict.fromkeys(r.settings["policy"] for r in reports))
-    online = [p for p in policies if p != "opt"]
+    with_cpu = len([p for p in policies if p != "opt"]) <= 2
     for n, policy in enumerate(policies):
         runs = sorted(
             (r for r in reports if r.settings["policy"] == policy),
             key=lambda r: r.settings["cpu_blocks"],
         )
-        xs = [r.settings["cpu_blocks"] * r.settings["block_size"] / 1e6 for r in runs]
-        if policy == "opt":
-            ax.plot(
-                xs,
-                [100 * r.hit_ratio for r in runs],
-                "k^--",
-                label="opt (offline optimum): GPU + CPU hits",
-            )
-            continue
-        color = f"C{n}"
-        ax.plot(
-            xs,
-            [100 * r.hit_ratio for r in runs],
-            "o-",
-            color=color,
-            label=f"{policy}: GPU + CPU hits",
-        )
-        if len(online) > 2:
-            continue
-        ax.plot(
-            xs,
-            [100 * r.cpu_hit_ratio for r in runs],
-            "s--",
-            color=color,
-            alpha=0.6,
-            label=f"{policy}: CPU hits",
-        )
+        _plot_policy(ax, policy, runs, f"C{n}", with_cpu=with_cpu)
+    _decorate(ax, reports, title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _plot_policy(
+    ax: Any, policy: str, runs: list[SimReport], color: str, *, with_cpu: bool
+) -> None:
+    """One policy's line (``opt``: black triangles), and its CPU-hit part when ``with_cpu``."""
+    xs = [r.settings["cpu_blocks"] * r.settings["block_size"] / 1e6 for r in runs]
+    hits = [100 * r.hit_ratio for r in runs]
+    if policy == "opt":
+        ax.plot(xs, hits, "k^--", label="opt (offline optimum): GPU + CPU hits")
+        return
+    ax.plot(xs, hits, "o-", color=color, label=f"{policy}: GPU + CPU hits")
+    if with_cpu:
+        cpu_hits = [100 * r.cpu_hit_ratio for r in runs]
+        ax.plot(xs, cpu_hits, "s--", color=color, alpha=0.6, label=f"{policy}: CPU hits")
+
+
+def _decorate(ax: Any, reports: Sequence[SimReport], title: str) -> None:
+    """The ceiling line, the axes (log capacity in tokens), the title, grid and legend."""
     if reports:
         ceiling = 100 * reports[0].ceiling_ratio
         ax.axhline(
@@ -272,8 +271,3 @@ def plot_sweep(reports: Sequence[SimReport], path: str | Path, *, title: str) ->
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    plt.close(fig)
-    return out

@@ -33,9 +33,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import heapq
+import itertools
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -91,6 +94,21 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: int, 
     return int(np.clip(round(median * float(np.exp(sigma * rng.standard_normal()))), low, high))
 
 
+_Turn = tuple[float, int, dict[str, Any]]  # (arrival, tie-break, conversation state)
+
+
+@attrs.define
+class _Ids:
+    """Fresh block ids, counted from 0."""
+
+    next_id: int = 0
+
+    def fresh(self, n: int) -> list[int]:
+        ids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        return ids
+
+
 def synth_trace(config: SynthConfig | None = None) -> list[TraceRequest]:
     """Generate the trace of ``config`` (default `SynthConfig()`), sorted by arrival.
 
@@ -100,60 +118,52 @@ def synth_trace(config: SynthConfig | None = None) -> list[TraceRequest]:
     """
     c = config if config is not None else SynthConfig()
     rng = np.random.Generator(np.random.PCG64(c.seed))
-    next_id = 0
+    ids, serial = _Ids(), itertools.count()
+    pending = _openings(c, rng, ids, serial)  # a heap of pending turns
+    requests: list[TraceRequest] = []
+    while pending:
+        arrival, _, state = heapq.heappop(pending)
+        tokens = state["base"] + _lognormal(rng, c.message_tokens, 1.0, 8, 16_000)
+        if tokens > c.max_prompt_tokens:
+            continue
+        output = _lognormal(rng, c.output_tokens, 0.7, 8, 4096)
+        kept = state["ids"][: tokens // TRACE_BLOCK_TOKENS]
+        hash_ids = kept + ids.fresh(-(-tokens // TRACE_BLOCK_TOKENS) - len(kept))
+        requests.append(TraceRequest(arrival, tokens, output, tuple(hash_ids)))
+        chatty = state["chatty"]
+        if rng.random() < (c.chatty_continue if chatty else c.casual_continue):
+            think = c.chatty_think_s if chatty else c.casual_think_s
+            gap = output / c.decode_tokens_per_s + _lognormal(rng, think, c.think_sigma, 1, 10**6)
+            if arrival + gap < c.duration_s:
+                # the next prompt repeats this prompt's full blocks and continues after them
+                full = list(hash_ids[: tokens // TRACE_BLOCK_TOKENS])
+                state = {"chatty": chatty, "ids": full, "base": tokens + output}
+                heapq.heappush(pending, (arrival + gap, next(serial), state))
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
 
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
 
+def _openings(
+    c: SynthConfig, rng: np.random.Generator, ids: _Ids, serial: Iterator[int]
+) -> list[_Turn]:
+    """The first turn of every conversation (Poisson arrivals over ``duration_s``), as a heap;
+    each opens with one of the shared system prompts (Zipf popularity), maybe a document."""
     weights = 1.0 / np.arange(1, c.num_system_prompts + 1) ** c.zipf_s
     weights /= weights.sum()
-    system = [fresh(int(rng.integers(1, 9))) for _ in range(c.num_system_prompts)]
-    # a heap of pending turns: (arrival, tie-break, conversation state)
-    pending: list[tuple[float, int, dict[str, object]]] = []
-    t, serial = 0.0, 0
+    system = [ids.fresh(int(rng.integers(1, 9))) for _ in range(c.num_system_prompts)]
+    pending: list[_Turn] = []
+    t = 0.0
     while True:
         t += float(rng.exponential(1.0 / c.conversations_per_s))
         if t >= c.duration_s:
-            break
+            return pending
         chatty = bool(rng.random() < c.chatty_fraction)
         prompt = int(rng.choice(c.num_system_prompts, p=weights))
         tokens = len(system[prompt]) * TRACE_BLOCK_TOKENS
         if rng.random() < c.document_probability:
             tokens += _lognormal(rng, c.document_tokens, 0.8, 256, 48_000)
-        state: dict[str, object] = {"chatty": chatty, "ids": list(system[prompt]), "base": tokens}
-        heapq.heappush(pending, (t, serial, state))
-        serial += 1
-    requests: list[TraceRequest] = []
-    while pending:
-        arrival, _, state = heapq.heappop(pending)
-        ids: list[int] = state["ids"]  # type: ignore[assignment]
-        tokens = int(state["base"]) + _lognormal(rng, c.message_tokens, 1.0, 8, 16_000)  # type: ignore[call-overload]
-        if tokens > c.max_prompt_tokens:
-            continue
-        output = _lognormal(rng, c.output_tokens, 0.7, 8, 4096)
-        kept = ids[: tokens // TRACE_BLOCK_TOKENS]
-        hash_ids = kept + fresh(-(-tokens // TRACE_BLOCK_TOKENS) - len(kept))
-        requests.append(TraceRequest(arrival, tokens, output, tuple(hash_ids)))
-        chatty = bool(state["chatty"])
-        go_on = c.chatty_continue if chatty else c.casual_continue
-        if rng.random() < go_on:
-            think = c.chatty_think_s if chatty else c.casual_think_s
-            gap = output / c.decode_tokens_per_s + _lognormal(rng, think, c.think_sigma, 1, 10**6)
-            nxt = arrival + gap
-            if nxt < c.duration_s:
-                # the next prompt repeats this prompt's full blocks and continues after them
-                state = {
-                    "chatty": chatty,
-                    "ids": list(hash_ids[: tokens // TRACE_BLOCK_TOKENS]),
-                    "base": tokens + output,
-                }
-                heapq.heappush(pending, (nxt, serial, state))
-                serial += 1
-    requests.sort(key=lambda r: r.arrival_s)
-    return requests
+        state = {"chatty": chatty, "ids": list(system[prompt]), "base": tokens}
+        heapq.heappush(pending, (t, next(serial), state))
 
 
 def write_trace(requests: list[TraceRequest], path: str | Path) -> Path:
