@@ -42,18 +42,13 @@ __all__ = [
     "tls_context",
 ]
 
-#: accepted URL schemes -> (TLS, cluster)
+#: accepted URL schemes -> (TLS, cluster): redis, rediss, valkey, valkeys (each +cluster), unix
 SCHEMES = {
-    "redis": (False, False),
-    "valkey": (False, False),
-    "rediss": (True, False),
-    "valkeys": (True, False),
-    "unix": (False, False),
-    "redis+cluster": (False, True),
-    "valkey+cluster": (False, True),
-    "rediss+cluster": (True, True),
-    "valkeys+cluster": (True, True),
-}
+    f"{name}{'s' * tls}{'+cluster' * cluster}": (tls, cluster)
+    for name in ("redis", "valkey")
+    for tls in (False, True)
+    for cluster in (False, True)
+} | {"unix": (False, False)}
 _QUERY = ("db", "username", "password")
 
 
@@ -138,18 +133,23 @@ def parse_address(
     location, _, query = rest.partition("?")
     options = _query(query)
     url_user = url_user or options.get("username")
-    if url_password is None:
-        url_password = options.get("password")
+    url_password = options.get("password") if url_password is None else url_password
     servers, unix_path, db = _locate(scheme, location, options, is_cluster)
     password, source = _password(url_password, password_file, password_env)
-    if unix_path is not None:
-        clean = f"unix://{unix_path}" + (f"?db={db}" if db else "")
-    else:
-        hosts_text = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers)
-        clean_scheme = ("rediss" if is_tls else "redis") + ("+cluster" if is_cluster else "")
-        clean = f"{clean_scheme}://{hosts_text}" + ("" if is_cluster else f"/{db}")
+    clean = _clean_url(servers, unix_path, db, is_tls, is_cluster)
     user = (url_user or username) or None
     return ServerAddress(clean, servers, unix_path, db, is_tls, is_cluster, user, password, source)
+
+
+def _clean_url(
+    servers: tuple[tuple[str, int], ...], unix_path: str | None, db: int, tls: bool, cluster: bool
+) -> str:
+    """The URL as the tier reports it: scheme normalised, no credentials."""
+    if unix_path is not None:
+        return f"unix://{unix_path}" + (f"?db={db}" if db else "")
+    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers)
+    scheme = ("rediss" if tls else "redis") + ("+cluster" if cluster else "")
+    return f"{scheme}://{hosts}" + ("" if cluster else f"/{db}")
 
 
 def _locate(
