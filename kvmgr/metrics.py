@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -114,7 +114,19 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
     def add(name: str, kind: str, help: str, value: float, **labels: str) -> None:
         samples.append(Sample(name=name, kind=kind, help=help, value=float(value), labels=labels))
 
-    counter, gauge = "counter", "gauge"
+    _add_counters(st, add)
+    _add_gauges(st, add)
+    _add_histograms(st, add)
+    if st.gpu_blocks_free is not None:
+        add("gpu_blocks_free", "gauge", "free blocks of the owned GPU pool", st.gpu_blocks_free)
+    return MetricsSnapshot(tuple(samples))
+
+
+_Add = Callable[..., None]  # add(name, kind, help, value, **labels)
+
+
+def _add_counters(st: ManagerStatistics, add: _Add) -> None:
+    counter = "counter"
     add("lookups_total", counter, "lookup calls", st.lookups)
     add("lookup_keys_total", counter, "keys asked by lookups", st.lookup_keys)
     add("lookup_hits_total", counter, "keys found READY by lookups", st.lookup_hits)
@@ -127,10 +139,8 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
         add("stores_rejected_total", counter, "stores refused, by reason", count, reason=reason)
     add("await_timeouts_total", counter, "awaits that passed their deadline", st.await_timeouts)
     add("events_dropped_total", counter, "KV events dropped undrained", st.events_dropped)
-    stored = {"queued": st.stores_queued, "completed": st.stores_completed}
-    stored.update(
-        failed=st.stores_failed, skipped=st.stores_skipped, not_admitted=st.stores_not_admitted
-    )
+    stored = dict(queued=st.stores_queued, completed=st.stores_completed, failed=st.stores_failed)
+    stored.update(skipped=st.stores_skipped, not_admitted=st.stores_not_admitted)
     for outcome, count in stored.items():
         add("blocks_stored_total", counter, "blocks stored (GPU -> CPU)", count, outcome=outcome)
     loaded = {"queued": st.loads_queued, "completed": st.loads_completed}
@@ -150,6 +160,10 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
             direction=direction,
         )
     add("steps_total", counter, "step() calls", st.steps)
+
+
+def _add_gauges(st: ManagerStatistics, add: _Add) -> None:
+    gauge = "gauge"
     add("copies_in_flight", gauge, "batches submitted and not completed", st.batches_in_flight)
     add("queued_swaps", gauge, "swaps waiting for the next flush", st.queued_swaps)
     add("stores_waiting", gauge, "stores waiting for room (backpressure)", st.stores_waiting)
@@ -163,6 +177,9 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_pending, state="pending")
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_ready, state="ready")
     add("cpu_keys", gauge, "keyed CPU blocks by state", st.cpu_keys_loading, state="loading")
+
+
+def _add_histograms(st: ManagerStatistics, add: _Add) -> None:
     for name, hist, help_text in (
         ("batch_blocks", st.batch_blocks, "blocks per submitted batch, blocks"),
         ("completion_seconds", st.completion_s, "submission to completion per batch, seconds"),
@@ -174,9 +191,6 @@ def metrics_snapshot(source: OffloadManager | ManagerStatistics) -> MetricsSnaps
             cumulative += count
             add(f"{name}_bucket", "histogram", help_text, cumulative, le=_le(bound))
         add(f"{name}_sum", "histogram", help_text, hist.total)
-    if st.gpu_blocks_free is not None:
-        add("gpu_blocks_free", gauge, "free blocks of the owned GPU pool", st.gpu_blocks_free)
-    return MetricsSnapshot(tuple(samples))
 
 
 def _le(bound: float) -> str:

@@ -22,7 +22,7 @@ from kvmgr.scheduler.cpu_tier import CpuState
 from kvmgr.scheduler.deferred import StoreFanOut
 from kvmgr.scheduler.gpu_blocks import GpuState
 from kvmgr.scheduler.jobs import Direction
-from kvmgr.scheduler.queue import Kind, Part, SwapQueue
+from kvmgr.scheduler.queue import Batch, Kind, Part, SwapQueue
 
 __all__ = [
     "BatchSnapshot",
@@ -182,6 +182,55 @@ def _swaps(part: Part, batch_seq: int | None) -> list[SwapSnapshot]:
     return swaps
 
 
+def _side_swaps(
+    promoting: Sequence[tuple[list[bytes], np.ndarray]], waiting: Sequence[WaitingStore]
+) -> list[SwapSnapshot]:
+    """The promotes from lower tiers in flight and the stores waiting for room, as swaps."""
+    swaps = [
+        SwapSnapshot(
+            "promote", Direction.H2D, (), _ints(ids), tuple(keys), None, None, False, False
+        )
+        for keys, ids in promoting
+    ]
+    return swaps + [
+        SwapSnapshot(
+            "waiting",
+            Direction.D2H,
+            _ints(w.gpu_ids),
+            (),
+            tuple(w.keys),
+            None,
+            None,
+            w.future.done(),
+            w.future.cancelled(),
+        )
+        for w in waiting
+    ]
+
+
+def _batch(
+    batch: Batch,
+    queue: SwapQueue,
+    engine_batches: Callable[[int], tuple[int | None, tuple[int, ...]]],
+) -> BatchSnapshot:
+    """One batch in flight, with its engine batch and the engine batches it waits for."""
+    engine_waits = tuple(
+        e
+        for s in batch.wait_for
+        if s in queue.in_flight and (e := engine_batches(s)[0]) is not None
+    )
+    engine_id, engine_ids = engine_batches(batch.seq)
+    return BatchSnapshot(
+        batch.seq,
+        batch.direction,
+        engine_id,
+        _ints(batch.gpu_ids),
+        batch.wait_for,
+        engine_waits,
+        engine_ids,
+    )
+
+
 def take_snapshot(
     books: Bookkeeper,
     queue: SwapQueue,
@@ -199,48 +248,12 @@ def take_snapshot(
         for key, block in cpu.index.items()
     }
     swaps = [s for p in queue.queued_parts() for s in _swaps(p, None)]
-    swaps += [
-        SwapSnapshot(
-            "promote", Direction.H2D, (), _ints(ids), tuple(keys), None, None, False, False
-        )
-        for keys, ids in promoting
-    ]
-    swaps += [
-        SwapSnapshot(
-            "waiting",
-            Direction.D2H,
-            _ints(w.gpu_ids),
-            (),
-            tuple(w.keys),
-            None,
-            None,
-            w.future.done(),
-            w.future.cancelled(),
-        )
-        for w in waiting
-    ]
-    batches = []
-    for batch in queue.in_flight.values():
-        swaps += [s for p in batch.lane.parts for s in _swaps(p, batch.seq)]
-        engine_waits = tuple(
-            e
-            for s in batch.wait_for
-            if s in queue.in_flight and (e := engine_batches(s)[0]) is not None
-        )
-        engine_id, engine_ids = engine_batches(batch.seq)
-        batches.append(
-            BatchSnapshot(
-                batch.seq,
-                batch.direction,
-                engine_id,
-                _ints(batch.gpu_ids),
-                batch.wait_for,
-                engine_waits,
-                engine_ids,
-            )
-        )
-    busy = {int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)}
+    swaps += _side_swaps(promoting, waiting)
+    in_flight = list(queue.in_flight.values())
+    swaps += [s for b in in_flight for p in b.lane.parts for s in _swaps(p, b.seq)]
+    batches = [_batch(b, queue, engine_batches) for b in in_flight]
     pool = gpu.pool
+    allocated = None if pool is None else frozenset(np.flatnonzero(pool.allocated_mask()).tolist())
     return ManagerSnapshot(
         keys=keys,
         policy_keys=frozenset(k for k in cpu.index if k in cpu.policy),
@@ -248,10 +261,8 @@ def take_snapshot(
         cpu_states=tuple(CpuState(s) for s in cpu.state),
         cpu_allocated=frozenset(np.flatnonzero(cpu.pool.allocated_mask()).tolist()),
         gpu_states=None if pool is None else tuple(GpuState(s) for s in gpu.state),
-        gpu_allocated=None
-        if pool is None
-        else frozenset(np.flatnonzero(pool.allocated_mask()).tolist()),
-        gpu_busy=busy,
+        gpu_allocated=allocated,
+        gpu_busy={int(b): int(gpu.busy_np[b]) for b in np.flatnonzero(gpu.busy_np)},
         tables={
             req: TableSnapshot(req, t.tier, tuple(t.block_ids), t.gpu_owned, t.moving)
             for req, t in books.requests.tables.items()
