@@ -68,36 +68,12 @@ def build_local(
     """
     tensors = list(gpu_kv_caches)
     device = KVLayout.from_tensors(tensors).device
-    for tier in tiers:
-        from kvmgr.tiers.base import TierBackend
-
-        if not isinstance(tier, TierBackend):
-            raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
-    if engine is not None and not isinstance(engine, TransferEngine):
-        raise ConfigError(f"engine: expected a TransferEngine, got {type(engine).__name__}")
-    if tier_namespace is not None:
-        from kvmgr.tiers.blob import TierNamespace
-
-        if not isinstance(tier_namespace, TierNamespace):
-            raise ConfigError(
-                f"tier_namespace: expected a kvmgr.tiers.TierNamespace or None, got "
-                f"{type(tier_namespace).__name__}"
-            )
+    _check_parts(engine, tiers, tier_namespace)
     if engine is None:
         engine = make_engine(config.engine, device, config)
     elif isinstance(engine, HostEngine) and device.type != "cpu":
         raise GeometryError(f"the host engine needs CPU tensors, got {device}")
-    try:
-        worker = TransferWorker(tensors, config.num_cpu_blocks, engine, merge=config.merge)
-    except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
-        engine.close(0)
-        block_bytes = KVLayout.from_tensors(tensors).block_bytes
-        num_bytes = config.num_cpu_blocks * block_bytes
-        raise HostMemoryError(
-            f"could not allocate the CPU tier: num_cpu_blocks={config.num_cpu_blocks} x "
-            f"{block_bytes} B = {num_bytes} B ({exc or type(exc).__name__})",
-            num_bytes=num_bytes,
-        ) from exc
+    worker = _worker(tensors, config, engine)
     scheduler = Scheduler(
         config,
         worker.geometry,
@@ -108,6 +84,45 @@ def build_local(
     lower = _lower_tiers(scheduler, worker, tensors, tiers, tier_namespace, config)
     flusher = Flusher(scheduler, room, lower, lambda deliver: LocalTransport(worker, deliver))
     return Parts(scheduler, flusher, room, lower, worker)
+
+
+def _check_parts(engine: Any, tiers: Sequence[Any], tier_namespace: Any) -> None:
+    """``ConfigError`` for an engine, a lower tier or a namespace of the wrong type (the
+    tiers package is imported only when tiers or a namespace are given)."""
+    for tier in tiers:
+        from kvmgr.tiers.base import TierBackend
+
+        if not isinstance(tier, TierBackend):
+            raise ConfigError(f"expected a TierBackend, got {type(tier).__name__}")
+    if engine is not None and not isinstance(engine, TransferEngine):
+        raise ConfigError(f"engine: expected a TransferEngine, got {type(engine).__name__}")
+    if tier_namespace is None:
+        return
+    from kvmgr.tiers.blob import TierNamespace
+
+    if not isinstance(tier_namespace, TierNamespace):
+        raise ConfigError(
+            f"tier_namespace: expected a kvmgr.tiers.TierNamespace or None, got "
+            f"{type(tier_namespace).__name__}"
+        )
+
+
+def _worker(
+    tensors: list[torch.Tensor], config: ManagerConfig, engine: TransferEngine
+) -> TransferWorker:
+    """The rank's worker; ``HostMemoryError`` (the engine closed) when its CPU tier's memory
+    cannot be allocated."""
+    try:
+        return TransferWorker(tensors, config.num_cpu_blocks, engine, merge=config.merge)
+    except (TransferError, MemoryError) as exc:  # the region, or the CPU tier's arrays
+        engine.close(0)
+        block_bytes = KVLayout.from_tensors(tensors).block_bytes
+        num_bytes = config.num_cpu_blocks * block_bytes
+        raise HostMemoryError(
+            f"could not allocate the CPU tier: num_cpu_blocks={config.num_cpu_blocks} x "
+            f"{block_bytes} B = {num_bytes} B ({exc or type(exc).__name__})",
+            num_bytes=num_bytes,
+        ) from exc
 
 
 def _lower_tiers(

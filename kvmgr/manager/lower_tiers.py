@@ -26,6 +26,7 @@ import numpy as np
 
 from kvmgr.errors import PoolExhaustedError, TierError
 from kvmgr.scheduler.bookkeeping import Bookkeeper, Landed, check_keys
+from kvmgr.scheduler.cpu_tier import CpuTier
 from kvmgr.tiers.base import TierBackend
 from kvmgr.tiers.blob import TierNamespace
 from kvmgr.tiers.bridge import StagedBlobs, TierBridge
@@ -193,13 +194,7 @@ class LowerTiers:
         keys = check_keys(keys, distinct=False)
         cpu = self.books.cpu
         prefix = cpu.ready_prefix(keys)
-        rest = []
-        seen = set()
-        for key in keys[prefix:]:
-            if key in cpu.index or key in seen:  # PENDING, or a gap: stop at it
-                break
-            seen.add(key)
-            rest.append(key)
+        rest = _after_prefix(cpu, keys, prefix)
         for bridge in self.bridges:
             if not rest:
                 break
@@ -212,33 +207,51 @@ class LowerTiers:
                 continue
             rest, later = rest[:run], rest[run:]
             protected = set(keys[:prefix]) | set(rest)
-            books = self.books
             try:
-                ids = books.prepare_promote(rest, protected)
+                ids = self.books.prepare_promote(rest, protected)
             except PoolExhaustedError:  # fetch what fits in free blocks
                 rest = rest[: cpu.pool.num_free]
                 if not rest:
                     break
-                ids = books.prepare_promote(rest, protected)
-            deferred = self.stage_evicted(write=False)  # victims' pages before the promote
-            entry = (rest, ids)
-            self.promoting.append(entry)
-            try:  # (promote ends, cancelled or not, only after its scatter thread let go of
-                # the blocks, so settling them here never frees memory a worker still writes)
-                hit = await bridge.promote(rest, ids)
-            except BaseException:
-                hit = np.zeros(len(rest), dtype=bool)
-                raise
-            finally:
-                self.promoting.remove(entry)
-                num_hits = books.complete_promote(rest, ids, hit)
-                self.num_fetch_hits += num_hits
-                self.num_fetch_misses += len(rest) - num_hits
-                for job in deferred:
-                    self._spawn(*job)
+                ids = self.books.prepare_promote(rest, protected)
+            hit = await self._promote(bridge, rest, ids)
             if not hit.all():
                 first_miss = int(np.argmin(hit))
                 rest = [k for k, ok in zip(rest[first_miss:], hit[first_miss:].tolist()) if not ok]
             else:
                 rest = later
         return cpu.ready_prefix(keys)
+
+    async def _promote(self, bridge: TierBridge, keys: list[bytes], ids: np.ndarray) -> np.ndarray:
+        """Promote ``keys`` into their prepared CPU blocks ``ids`` and settle the blocks (the
+        hits READY), however the promote ends; bool ``[n]`` hits."""
+        deferred = self.stage_evicted(write=False)  # victims' pages before the promote
+        entry = (keys, ids)
+        self.promoting.append(entry)
+        try:  # (promote ends, cancelled or not, only after its scatter thread let go of
+            # the blocks, so settling them here never frees memory a worker still writes)
+            hit = await bridge.promote(keys, ids)
+        except BaseException:
+            hit = np.zeros(len(keys), dtype=bool)
+            raise
+        finally:
+            self.promoting.remove(entry)
+            num_hits = self.books.complete_promote(keys, ids, hit)
+            self.num_fetch_hits += num_hits
+            self.num_fetch_misses += len(keys) - num_hits
+            for job in deferred:
+                self._spawn(*job)
+        return hit
+
+
+def _after_prefix(cpu: CpuTier, keys: list[bytes], prefix: int) -> list[bytes]:
+    """The keys after the ready ``prefix``, up to the first the CPU tier holds (PENDING, or a
+    gap: stop at it) or a repeated one."""
+    rest: list[bytes] = []
+    seen = set()
+    for key in keys[prefix:]:
+        if key in cpu.index or key in seen:
+            break
+        seen.add(key)
+        rest.append(key)
+    return rest
