@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import attrs
+
 from kvmgr.groups.errors import GroupKeyError
 from kvmgr.groups.spec import GROUP_ID_BYTES, GroupedLayout
 
@@ -38,15 +40,13 @@ __all__ = ["GroupIndex"]
 _PENDING, _READY = 1, 2
 
 
+@attrs.define(eq=False)
 class _Node:
-    __slots__ = ("children", "depth", "hash", "held", "parent")
-
-    def __init__(self, block_hash: bytes, parent: bytes | None, depth: int) -> None:
-        self.hash = block_hash
-        self.parent = parent
-        self.depth = depth
-        self.children: set[bytes] = set()
-        self.held: dict[int, int] = {}  # group index -> _PENDING | _READY
+    hash: bytes
+    parent: bytes | None
+    depth: int
+    children: set[bytes] = attrs.field(factory=set, init=False)
+    held: dict[int, int] = attrs.field(factory=dict, init=False)  # group index -> _PENDING | _READY
 
 
 class GroupIndex:
@@ -77,10 +77,8 @@ class GroupIndex:
     def is_held(self, key: bytes) -> bool:
         """Whether a grouped key is PENDING or READY."""
         node = self._nodes.get(key[:-GROUP_ID_BYTES])
-        return (
-            node is not None
-            and self._id_to_index.get(int.from_bytes(key[-GROUP_ID_BYTES:], "big"), -1) in node.held
-        )
+        gid = int.from_bytes(key[-GROUP_ID_BYTES:], "big")
+        return node is not None and self._id_to_index.get(gid, -1) in node.held
 
     def num_held(self) -> int:
         """Grouped keys held, PENDING or READY."""
@@ -176,13 +174,8 @@ class GroupIndex:
             for orphan in self._sweep(h, g):
                 found[orphan] = None
             self._prune(h)
-        drop = []
-        for key in found:
-            if key in self._ready:
-                drop.append(key)
-            else:
-                self._recheck.add(key)
-        return drop
+        self._recheck.update(key for key in found if key not in self._ready)
+        return [key for key in found if key in self._ready]
 
     def _unhold(self, h: bytes, g: int, *, prune: bool = True) -> None:
         node = self._nodes.get(h)

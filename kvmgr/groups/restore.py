@@ -107,7 +107,14 @@ def find_restorable(
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise GroupKeyError(f"max_tokens: expected an int >= 0, got {max_tokens!r}")
         limit = min(limit, max_tokens)
-    # the prefix groups bound the boundary by their leading run of ready blocks
+    limit = _prefix_limit(layout, hashes, is_ready, limit)
+    return plan_at(layout, hashes, _longest_boundary(layout, hashes, is_ready, limit))
+
+
+def _prefix_limit(
+    layout: GroupedLayout, hashes: list[bytes], is_ready: Callable[[bytes], bool], limit: int
+) -> int:
+    """``limit`` bounded by each prefix group's leading run of ready blocks (in tokens)."""
     for i, g in enumerate(layout.groups):
         if g.kind.needs_prefix:
             run = 0
@@ -116,6 +123,14 @@ def find_restorable(
                     break
                 run += 1
             limit = min(limit, run * g.block_size)
+    return limit
+
+
+def _longest_boundary(
+    layout: GroupedLayout, hashes: list[bytes], is_ready: Callable[[bytes], bool], limit: int
+) -> int:
+    """The longest boundary ``<= limit`` whose live blocks every window and recurrent group
+    holds ready (0: none); ``is_ready`` is asked once per key."""
     others = [i for i, g in enumerate(layout.groups) if not g.kind.needs_prefix]
     step = layout.boundary_tokens
     cache: dict[bytes, bool] = {}
@@ -131,5 +146,5 @@ def find_restorable(
             all(ready(k) for k in layout.keys(i, hashes, layout.groups[i].live_blocks(n)))
             for i in others
         ):
-            return plan_at(layout, hashes, n)
-    return plan_at(layout, hashes, 0)
+            return n
+    return 0
