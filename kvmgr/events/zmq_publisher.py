@@ -128,18 +128,24 @@ class ZmqEventPublisher:
         try:
             self._pub.set_hwm(hwm)
             self.endpoint = self._attach(self._pub, offset_endpoint(endpoint, self._rank))
-            self.replay_endpoint: str | None = None
-            if replay_endpoint is not None:
-                self._replay = ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a full replay
-                target = offset_endpoint(replay_endpoint, self._rank)
-                self._replay.bind(target)
-                self.replay_endpoint = self._last_endpoint(self._replay, target)
+            self.replay_endpoint = self._bind_replay(ctx, replay_endpoint, buffer_steps)
         except BaseException:
             self._close_sockets()
             raise
         self._thread = threading.Thread(target=self._run, name="kvmgr-kv-events", daemon=True)
         self._thread.start()
+
+    def _bind_replay(
+        self, ctx: zmq.Context[Any], replay_endpoint: str | None, buffer_steps: int
+    ) -> str | None:
+        """Bind the ROUTER socket of replay requests (none without ``replay_endpoint``)."""
+        if replay_endpoint is None:
+            return None
+        self._replay = ctx.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a full replay
+        target = offset_endpoint(replay_endpoint, self._rank)
+        self._replay.bind(target)
+        return self._last_endpoint(self._replay, target)
 
     def _attach(self, sock: zmq.Socket[Any], endpoint: str) -> str:
         if not _is_bind(endpoint):
