@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvmgr.errors import ClosedBeforeCopyError
+from kvmgr.errors import ClosedBeforeCopyError, ConfigError
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.plan import Direction, TransferPlan
 
@@ -54,9 +54,14 @@ class BatchOrder:
         start: starts one batch's copy (``Batch`` and the inner handles it must wait for); it
             sets ``batch.inner`` or, for a copy that ends at once, calls ``finish``.
         delay_s: real seconds between a copy's end and its batch's resolution.
+
+    Raises:
+        ConfigError: negative ``delay_s``.
     """
 
     def __init__(self, start: Callable[[Batch, Sequence[BatchHandle]], None], delay_s: float):
+        if not delay_s >= 0.0:
+            raise ConfigError(f"delay_s: expected seconds >= 0, got {delay_s!r}")
         self._start = start
         self._delay_s = delay_s
         self.lock = threading.RLock()

@@ -32,7 +32,6 @@ class FaultScript:
 
     def __init__(
         self,
-        *,
         fail_batches: Collection[int],
         hang_batches: Collection[int],
         refuse_batches: Collection[int],

@@ -112,29 +112,17 @@ class ScriptedEngine(ScriptControls, TransferEngine):
     ) -> None:
         if inner is not None and not isinstance(inner, TransferEngine):
             raise ConfigError(f"expected a TransferEngine, got {type(inner).__name__}")
-        if not delay_s >= 0.0:
-            raise ConfigError(f"delay_s: expected seconds >= 0, got {delay_s!r}")
         self.inner = inner
         self.name = name or ("null" if inner is None else f"faulty({inner.name})")
         if inner is not None:
             self.max_descriptors = inner.max_descriptors
-        self._script = FaultScript(
-            fail_batches=fail_batches,
-            hang_batches=hang_batches,
-            refuse_batches=refuse_batches,
-            fail_when=fail_when,
-            fail_rate=fail_rate,
-            fail_directions=fail_directions,
-            seed=seed,
-            poison=poison,
-        )
+        self._script = FaultScript(fail_batches, hang_batches, refuse_batches, fail_when,
+                                   fail_rate, fail_directions, seed, poison)  # fmt: skip
         self.injected = self._script.injected  #: batch id -> "fail", "hang" or "refuse"
         self._on_submit = on_submit
         self._close_hangs = close_hangs
         self._order = BatchOrder(self._start, delay_s)
-        self._holding = hold
-        self._closed = False
-        self._next_batch_id = 0
+        self._holding, self._closed, self._next_batch_id = hold, False, 0
         self._totals = BatchTotals()  # without an inner engine: this engine's own
         #: with ``record``: ``(plan, wait_for, handle)`` per submitted batch, in order
         self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
@@ -172,9 +160,7 @@ class ScriptedEngine(ScriptControls, TransferEngine):
                 if pred is not None and pred.handle is not handle:
                     raise TransferError(f"wait_for batch {handle.batch_id} is not from this engine")
             batch_id = self._next_batch_id
-            copy_plan = plan
-            if self._on_submit is not None:
-                copy_plan = self._on_submit(batch_id, plan) or plan
+            copy_plan = (self._on_submit and self._on_submit(batch_id, plan)) or plan
             self._next_batch_id += 1
             fate = self._script.fate(batch_id, plan)
             future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()

@@ -142,13 +142,8 @@ async def run_stress(
             operations.
         ValueError: ``num_ops`` or ``episode_ops`` < 1, or an unknown operation in ``weights``.
     """
-    if num_ops < 1 or episode_ops < 1:
-        raise ValueError(f"expected num_ops, episode_ops >= 1, got {num_ops}, {episode_ops}")
-    unknown = set(weights) - set(WEIGHTS)
-    if unknown:
-        raise ValueError(f"unknown operations {sorted(unknown)}; known: {sorted(WEIGHTS)}")
-    rng, counts = random.Random(seed), Counter[str]()
-    content = _content(seed)
+    _check_args(num_ops, episode_ops, weights)
+    rng, counts, content = random.Random(seed), Counter[str](), _content(seed)
     names, draw = list(weights), list(weights.values())
     start, done, steps, pages, episodes = time.perf_counter(), 0, 0, 0, 0
     while done < num_ops:
@@ -160,10 +155,8 @@ async def run_stress(
             raise StressFailure(f"seed {seed}, op {done + ep.op_index}: {exc}; last ops: "
                                 f"{list(ep.log)}") from exc  # fmt: skip
         except Exception as exc:
-            raise StressFailure(
-                f"seed {seed}, episode {episodes}: {type(exc).__name__}: {exc}; last ops: "
-                f"{list(ep.log)}"
-            ) from exc
+            raise StressFailure(f"seed {seed}, episode {episodes}: {type(exc).__name__}: {exc}; "
+                                f"last ops: {list(ep.log)}") from exc  # fmt: skip
         finally:
             ep.engine.release()
             ep.mgr.close(5.0)
@@ -172,6 +165,14 @@ async def run_stress(
         seed=seed, ops=done, episodes=episodes, steps=steps, page_checks=pages,
         seconds=time.perf_counter() - start, counts=dict(counts),
     )  # fmt: skip
+
+
+def _check_args(num_ops: int, episode_ops: int, weights: Mapping[str, int]) -> None:
+    if num_ops < 1 or episode_ops < 1:
+        raise ValueError(f"expected num_ops, episode_ops >= 1, got {num_ops}, {episode_ops}")
+    unknown = set(weights) - set(WEIGHTS)
+    if unknown:
+        raise ValueError(f"unknown operations {sorted(unknown)}; known: {sorted(WEIGHTS)}")
 
 
 def _worker(args: tuple[int, int, int]) -> StressReport:
