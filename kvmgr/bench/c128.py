@@ -50,6 +50,7 @@ import torch
 
 from kvmgr.bench._c128_case import Case, D, check_boundary_step, decode_case
 from kvmgr.bench._c128_print import TARGET_BATCH, print_tables
+from kvmgr.bench._options import add_output
 from kvmgr.kernels.c128.api import c128_boundary, c128_entry_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -71,8 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps (replays) per timed run")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs (median)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+    add_output(parser)
 
 
 def run(args: argparse.Namespace) -> int:

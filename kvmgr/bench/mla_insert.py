@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from kvmgr.bench._mla_insert_report import meta, print_tables, target_rows
+from kvmgr.bench._options import add_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -69,8 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tune", action="store_true", help="also sweep tile sizes at the largest T (graph)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+    add_output(parser)
 
 
 def run(args: argparse.Namespace) -> int:

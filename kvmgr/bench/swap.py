@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmgr.bench._options import add_cases, add_output
 from kvmgr.bench._swap_print import print_swap
 from kvmgr.bench.common import (
     GEOMETRIES,
@@ -60,10 +61,7 @@ _STEP_TARGET_US = {"consecutive": 150.0, "scattered": 300.0}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmgr bench swap``."""
-    parser.add_argument(
-        "--geometries", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES)
-    )
-    parser.add_argument("--blocks", nargs="+", type=int, default=[64, 512])
+    add_cases(parser, GEOMETRIES)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=None, help="subset of columns")
@@ -71,8 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step-engines", nargs="+", choices=_STEP_ENGINES, default=list(_STEP_ENGINES)
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+    add_output(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,30 +195,7 @@ async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> 
     samples: dict[str, list[float]] = {}
     async with OffloadManager(gpu_kv, config) as mgr:
         for r in range(args.warmup + args.repeats):
-            asked = time.perf_counter()
-            futures = [
-                mgr.swap_out([int(g)], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(gpu_ids)
-            ]
-            before = mgr.engine.statistics()
-            t0 = time.perf_counter()
-            report = await mgr.step()
-            wall_s = time.perf_counter() - t0
-            after = mgr.engine.statistics()
-            results = await asyncio.gather(*futures)
-            landed_s = time.perf_counter() - asked
-            if r < args.warmup:
-                continue
-            engine_s = _delta(before, after, "submit_s")
-            cpu_ids = np.concatenate([_cpu_ids(res) for res in results])
-            step = {
-                "host_us": report.host_s,
-                "manager_us": report.host_s - engine_s,
-                "plan_us": _plan_s(mgr, gpu_ids, cpu_ids),
-                "engine_us": engine_s,
-                "issue_us": _delta(before, after, "issue_s"),
-                "wall_us": wall_s,
-                "landed_us": landed_s,
-            }
+            step, report, before, after = await _step_round(mgr, r, gpu_ids, r >= args.warmup)
             for key, seconds in step.items():
                 samples.setdefault(key, []).append(seconds * 1e6)
     return {
@@ -235,6 +209,37 @@ async def _step_case(args: argparse.Namespace, engine: str, scattered: bool) -> 
         **{key: statistics.median(values) for key, values in samples.items()},
         "target_us": _STEP_TARGET_US["scattered" if scattered else "consecutive"],
     }
+
+
+async def _step_round(
+    mgr: Any, r: int, gpu_ids: np.ndarray, measured: bool
+) -> tuple[dict[str, float], Any, Any, Any]:
+    """Round ``r``: one one-block store per GPU id, ``step()``, await them all. Returns the
+    seconds by part (empty when not ``measured``), the step's report, and the engine's
+    statistics before and after the step."""
+    asked = time.perf_counter()
+    futures = [mgr.swap_out([int(g)], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(gpu_ids)]
+    before = mgr.engine.statistics()
+    t0 = time.perf_counter()
+    report = await mgr.step()
+    wall_s = time.perf_counter() - t0
+    after = mgr.engine.statistics()
+    results = await asyncio.gather(*futures)
+    landed_s = time.perf_counter() - asked
+    if not measured:
+        return {}, report, before, after
+    engine_s = _delta(before, after, "submit_s")
+    cpu_ids = np.concatenate([_cpu_ids(res) for res in results])
+    step = {
+        "host_us": report.host_s,
+        "manager_us": report.host_s - engine_s,
+        "plan_us": _plan_s(mgr, gpu_ids, cpu_ids),
+        "engine_us": engine_s,
+        "issue_us": _delta(before, after, "issue_s"),
+        "wall_us": wall_s,
+        "landed_us": landed_s,
+    }
+    return step, report, before, after
 
 
 def _cpu_ids(result: Any) -> np.ndarray:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvmgr.bench._interference import interference_rows
+from kvmgr.bench._options import add_cases, add_output
 from kvmgr.bench._swap_print import print_swap_kernel
 from kvmgr.bench.common import (
     GEOMETRIES,
@@ -63,10 +64,7 @@ _TARGET_GBPS, _TARGET_X_BATCH, _AUTO_SLACK = 40.0, 8.0, 1.05  # auto may be 5% s
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmgr bench swap-kernel``."""
-    parser.add_argument(
-        "--geometries", nargs="+", choices=sorted(GEOMETRIES), default=list(GEOMETRIES)
-    )
-    parser.add_argument("--blocks", nargs="+", type=int, default=[64, 512])
+    add_cases(parser, GEOMETRIES)
     parser.add_argument(
         "--programs",
         nargs="*",
@@ -84,8 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interference-repeats", type=int, default=5, help="window triples per column (median)"
     )
     parser.add_argument("--calibration", default=None, help="JSON for auto's cost model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+    add_output(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +97,26 @@ def run(args: argparse.Namespace) -> int:
         "auto": auto_variant(calib),
     }
     columns |= {f"kernel@{n}": kernel_variant(n) for n in args.programs}
+    result = _measure(args, columns, calib)
+    result["targets"] = _targets(result["copies"])
+    try:
+        fitted = Calibration.fit(result["copies"], calib, interference_rows=result["interference"])
+        result["calibration"] = attrs.asdict(fitted)
+    except ConfigError as exc:
+        result["errors"].append(f"calibration fit: {exc}")
+    print_swap_kernel(result)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    ok = all(r["ok"] for r in result["copies"]) and all(t["ok"] for t in result["targets"])
+    return 0 if ok else 1
+
+
+def _measure(
+    args: argparse.Namespace, columns: dict[str, Variant], calib: Calibration | None
+) -> dict[str, Any]:
+    """Every column over every geometry, block count and direction; on ``qwen``, the matmul
+    interference of each column but ``auto``."""
     rng = np.random.default_rng(args.seed)
     result: dict[str, Any] = {"copies": [], "interference": [], "errors": []}
     driver = CopyDriver()
@@ -118,18 +135,7 @@ def run(args: argparse.Namespace) -> int:
                         result["interference"] += interference_rows(case, busy, args)
                     except Exception as exc:
                         result["errors"].append(f"interference {direction.value}: {exc!r}")
-    result["targets"] = _targets(result["copies"])
-    try:
-        fitted = Calibration.fit(result["copies"], calib, interference_rows=result["interference"])
-        result["calibration"] = attrs.asdict(fitted)
-    except ConfigError as exc:
-        result["errors"].append(f"calibration fit: {exc}")
-    print_swap_kernel(result)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    ok = all(r["ok"] for r in result["copies"]) and all(t["ok"] for t in result["targets"])
-    return 0 if ok else 1
+    return result
 
 
 def _row(

@@ -36,6 +36,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from kvmgr.bench._options import add_output
 from kvmgr.tiers import TierNamespace
 
 __all__ = ["CASES", "add_arguments", "run", "run_tiers_bench"]
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="primaries of the local cluster (no replicas)")  # fmt: skip
     parser.add_argument("--disk-dir", default=None, help="directory of the disk tier's file")
     parser.add_argument("--buffered", action="store_true", help="disk tier without O_DIRECT")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+    add_output(parser, seed=False)
 
 
 def run(args: argparse.Namespace) -> int:
