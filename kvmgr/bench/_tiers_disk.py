@@ -50,14 +50,12 @@ def _fio(path: Path, direction: str, size: int, block: int, depth: int, direct: 
     return float(job[direction]["bw_bytes"])
 
 
-async def bench_disk(
-    case: str, namespace: TierNamespace, batch: int, directory: Path, rounds: int,
-    buffered: bool,
-) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+async def bench_disk(case: str, namespace: TierNamespace, batch: int, directory: Path,
+                     rounds: int, buffered: bool) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
     """Rows ``tier=disk`` against ``ceiling=fio`` (or without a ratio when fio is missing)."""
-    pages = Pages(namespace, batch)
-    tier = DiskTier(directory / f"{case}-{batch}.bin", slot_bytes=namespace.blob_bytes,
-                    num_slots=2 * batch, direct=not buffered)  # fmt: skip
+    pages, tier_path = Pages(namespace, batch), directory / f"{case}-{batch}.bin"
+    tier = DiskTier(tier_path, slot_bytes=namespace.blob_bytes, num_slots=2 * batch,
+                    direct=not buffered)  # fmt: skip
     bridge = TierBridge(pages.pool.tensors, tier, namespace)
     slot = tier.slot_bytes
     run = min(batch * slot, max(1, MAX_RUN_BYTES // slot) * slot)
@@ -67,9 +65,8 @@ async def bench_disk(
     fio = {"store": [], "load": []}
 
     def run_fio() -> None:
-        if have_fio:
-            fio["store"].append(_fio(fio_path, "write", size, run, depth, tier.is_direct))
-            fio["load"].append(_fio(fio_path, "read", size, run, depth, tier.is_direct))
+        for direction, rw in (("store", "write"), ("load", "read")) if have_fio else ():
+            fio[direction].append(_fio(fio_path, rw, size, run, depth, tier.is_direct))
 
     async def store(keys: list[bytes]) -> bool:
         return bool((await bridge.demote(keys, np.arange(batch))).all())
@@ -87,23 +84,30 @@ async def bench_disk(
     finally:
         mode = tier.statistics().io_mode
         await tier.aclose()
-        for p in (
-            fio_path,
-            directory / f"{case}-{batch}.bin",
-            directory / f"{case}-{batch}.bin.index",
-        ):
+        for p in (fio_path, tier_path, tier_path.with_name(tier_path.name + ".index")):
             p.unlink(missing_ok=True)
+    label = f"fio libaio bs={run >> 10}K qd={depth}" if have_fio else "fio missing"
+    per_block = {"tier": namespace.payload_bytes, "device": slot}
+    return _rows(case, batch, f"disk ({mode})", times, fio, label, per_block), ok
+
+
+def _rows(
+    case: str, batch: int, tier: str, times: dict[str, list[float]],
+    fio: dict[str, list[float]], ceiling: str, per_block: dict[str, int],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per direction: the tier's median batch time and rate, against fio's mean rate
+    where fio ran (ratio: the device's bytes per second, slots, over fio's)."""
     rows = []
     for direction in ("store", "load"):
         seconds = statistics.median(times[f"disk/{direction}"])
         row: dict[str, Any] = {
-            "case": case, "batch_blocks": batch, "direction": direction, "tier": f"disk ({mode})",
-            "gbps": batch * namespace.payload_bytes / seconds / 1e9, "p50_ms": seconds * 1e3,
-            "ceiling": f"fio libaio bs={run >> 10}K qd={depth}" if have_fio else "fio missing",
+            "case": case, "batch_blocks": batch, "direction": direction, "tier": tier,
+            "gbps": batch * per_block["tier"] / seconds / 1e9, "p50_ms": seconds * 1e3,
+            "ceiling": ceiling,
         }  # fmt: skip
-        if have_fio:
+        if fio[direction]:
             fio_bps = sum(fio[direction]) / len(fio[direction])
             row["ceiling_gbps"] = fio_bps / 1e9
-            row["ratio"] = batch * slot / seconds / fio_bps
+            row["ratio"] = batch * per_block["device"] / seconds / fio_bps
         rows.append(row)
-    return rows, ok
+    return rows
