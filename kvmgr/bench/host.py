@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -120,12 +121,6 @@ async def _steady(api: str, steps: int) -> dict[str, Any]:
     reqs, per = 512, 1
     n = reqs * per
     mgr, _kv = _manager(n, 4 * n)  # the CPU tier fills up: every round evicts n blocks
-    full = [0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and info["generation"] == 2:
-            full[0] += 1
-
     async with mgr:
         held = mgr.allocate("bench", n)
         ids: Any = held if api == "per-call" else np.array(held, dtype=np.int64)
@@ -133,16 +128,13 @@ async def _steady(api: str, steps: int) -> dict[str, Any]:
         for _ in range(20):
             await _round(mgr, "store", api, reqs, per, fresh.take(n), ids)
         gc.collect()
-        gc.callbacks.append(on_gc)
         rounds, steps_s = [], []
-        try:
+        with _full_collections() as full:
             for _ in range(steps):
                 keys = fresh.take(n)
                 calls_s, step_s, done_s = await _round(mgr, "store", api, reqs, per, keys, ids)
                 rounds.append(calls_s + step_s + done_s)
                 steps_s.append(step_s)
-        finally:
-            gc.callbacks.remove(on_gc)
         tracked = await _tracked(mgr, api, fresh, ids)
     r, s = np.array(rounds) * 1e6, np.array(steps_s) * 1e6
     return {
@@ -156,6 +148,22 @@ async def _steady(api: str, steps: int) -> dict[str, Any]:
         "full_collections": full[0],
         "gc_tracked_per_queued_call": tracked,
     }
+
+
+@contextlib.contextmanager
+def _full_collections() -> Iterator[list[int]]:
+    """``[count]`` of the full (generation 2) collections that start inside the block."""
+    full = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full[0] += 1
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield full
+    finally:
+        gc.callbacks.remove(on_gc)
 
 
 async def _tracked(mgr: OffloadManager, api: str, fresh: FreshKeys, ids: Any) -> float:
