@@ -32,9 +32,7 @@ the same calls with ``direct_launch=False`` (Triton's own launch, the baseline).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import statistics
 import sys
 import time
@@ -44,11 +42,11 @@ from typing import Any
 import torch
 
 from kvmgr.bench._mla_insert_report import meta, print_tables, target_rows
+from kvmgr.bench._mla_insert_sets import TIMED, bound_calls, make_sets, variant_calls
 from kvmgr.bench._options import add_output
 
 __all__ = ["add_arguments", "run"]
 
-_MAX_SETS = 16  # the pointer-table memo must hold every set captured in one graph
 _MIN_INSERTS_PER_SAMPLE = 16
 
 
@@ -87,40 +85,14 @@ def run(args: argparse.Namespace) -> int:
     kv_cache_dtypes = args.kv_cache_dtypes.split(",")
     modes = args.modes.split(",")
     peak_gbps = _copy_peak_gbps(args.reps)
-    variants = {
-        "per_layer": mla_insert.per_layer_mla_insert,
-        "grouped": mla_insert.grouped_mla_insert,
-    }
     rows = []
     for kv_cache_dtype in kv_cache_dtypes:
         for num_tokens in tokens:
-            sets = _make_sets(args, kv_cache_dtype, num_tokens)
-            calls = {name: _calls(fn, sets) for name, fn in variants.items()}
-            triton_grouped = functools.partial(mla_insert.grouped_mla_insert, direct_launch=False)
-            calls["grouped_triton"] = _calls(triton_grouped, sets)
-            calls["grouped_same"] = _calls(mla_insert.grouped_mla_insert, sets, same_caches=True)
-            calls["hook"] = _hook_calls(sets, validate=True)
-            calls["hook_triton"] = _hook_calls(sets, validate=True, direct_launch=False)
-            calls["hook_unchecked"] = _hook_calls(sets)
+            sets = make_sets(args, kv_cache_dtype, num_tokens)
+            calls = variant_calls(mla_insert, sets)
             for mode in modes:
-                time_us = {name: _time_us(calls[name], mode, args.reps) for name in variants}
-                host_us: dict[str, float | None] = dict.fromkeys(calls)  # none for graphs
-                if mode == "eager":
-                    host_us = {name: _host_us(c, args.reps) for name, c in calls.items()}
-                gbps = sets[0]["bytes"] / (time_us["grouped"] * 1e-6) / 1e9
                 rows.append(
-                    {
-                        "kv_cache_dtype": kv_cache_dtype,
-                        "mode": mode,
-                        "tokens": num_tokens,
-                        "per_layer_us": time_us["per_layer"],
-                        "grouped_us": time_us["grouped"],
-                        "speedup": time_us["per_layer"] / time_us["grouped"],
-                        **{f"{name}_host_us": us for name, us in host_us.items()},
-                        "bytes": sets[0]["bytes"],
-                        "grouped_gbps": gbps,
-                        "peak_fraction": gbps / peak_gbps,
-                    }
+                    _mode_row(args, (kv_cache_dtype, num_tokens, mode), sets, calls, peak_gbps)
                 )
             del sets, calls
     tuning = _tune(args, mla_insert.grouped_mla_insert, max(tokens), peak_gbps) if args.tune else []
@@ -134,72 +106,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_sets(
-    args: argparse.Namespace, kv_cache_dtype: str, num_tokens: int
-) -> list[dict[str, Any]]:
-    """Rotating input sets: random non-zero inputs, shuffled blocks filled in token order."""
-    dtype = getattr(torch, args.dtype)
-    cache_dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(
-        kv_cache_dtype, dtype
-    )
-    layers, rank, rope, block = args.layers, args.rank, args.rope_dim, args.block_size
-    width = rank + rope
-    num_bytes = (
-        layers * num_tokens * width * (dtype.itemsize + cache_dtype.itemsize) + num_tokens * 8
-    )
-    num_sets = max(1, min(_MAX_SETS, math.ceil(args.rotate_mib * 2**20 / num_bytes)))
-    num_blocks = math.ceil(num_tokens / block)
-    cpu_gen = torch.Generator().manual_seed(args.seed + num_tokens)
-    gpu_gen = torch.Generator(device="cuda").manual_seed(args.seed + num_tokens)
-    sets = []
-    for _ in range(num_sets):
-        both = torch.randn(layers, num_tokens, width, device="cuda", generator=gpu_gen) * 4 + 0.5
-        order = torch.randperm(num_blocks, generator=cpu_gen)
-        token_ids = torch.arange(num_tokens)
-        slots = (order[token_ids // block] * block + token_ids % block).cuda()
-        scales = None
-        if kv_cache_dtype != "auto":
-            scales = torch.rand(layers, device="cuda", generator=gpu_gen) * 0.1 + 0.01
-        sets.append(
-            {
-                "kv_c": both[..., :rank].to(dtype).contiguous(),
-                "k_pe": both[..., rank:].to(dtype).contiguous(),
-                "caches": [
-                    torch.empty(num_blocks, block, width, device="cuda", dtype=cache_dtype)
-                    for _ in range(layers)
-                ],
-                "slots": slots,
-                "kwargs": {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales},
-                "bytes": num_bytes,
-            }
-        )
-        del both
-    return sets
-
-
-def _calls(
-    fn: Callable[..., None], sets: list[dict[str, Any]], *, same_caches: bool = False, **tuning: Any
-) -> list[Any]:
-    """One zero-argument insert per set, arguments bound up front (``same_caches``: every call
-    into the first set's caches)."""
-    calls = []
-    for s in sets:
-        caches = sets[0]["caches"] if same_caches else s["caches"]
-        calls.append(functools.partial(fn, s["kv_c"], s["k_pe"], caches, s["slots"], **s["kwargs"], **tuning))  # fmt: skip
-    return calls
-
-
-def _hook_calls(sets: list[dict[str, Any]], **options: Any) -> list[Any]:
-    """One ``GroupedMLAInsertHook`` call per set (default ``validate=False``), context prebuilt."""
-    from kvmgr.hooks import StepContext
-    from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
-
-    calls = []
-    for s in sets:
-        hook = GroupedMLAInsertHook(s["caches"], **{"validate": False, **options}, **s["kwargs"])
-        tensors = {"kv_c": s["kv_c"], "k_pe": s["k_pe"], "slot_mapping": s["slots"]}
-        calls.append(functools.partial(hook, StepContext(tensors=tensors)))
-    return calls
+def _mode_row(
+    args: argparse.Namespace,
+    case: tuple[str, int, str],
+    sets: list[dict[str, Any]],
+    calls: dict[str, list[Any]],
+    peak_gbps: float,
+) -> dict[str, Any]:
+    """One row of ``case`` (KV-cache dtype, tokens, mode): the timed variants' device
+    microseconds, every variant's host microseconds (eager only), the grouped insert's GB/s and
+    its share of the copy peak."""
+    kv_cache_dtype, num_tokens, mode = case
+    time_us = {name: _time_us(calls[name], mode, args.reps) for name in TIMED}
+    host_us: dict[str, float | None] = dict.fromkeys(calls)  # none for graphs
+    if mode == "eager":
+        host_us = {name: _host_us(c, args.reps) for name, c in calls.items()}
+    gbps = sets[0]["bytes"] / (time_us["grouped"] * 1e-6) / 1e9
+    return {
+        "kv_cache_dtype": kv_cache_dtype,
+        "mode": mode,
+        "tokens": num_tokens,
+        "per_layer_us": time_us["per_layer"],
+        "grouped_us": time_us["grouped"],
+        "speedup": time_us["per_layer"] / time_us["grouped"],
+        **{f"{name}_host_us": us for name, us in host_us.items()},
+        "bytes": sets[0]["bytes"],
+        "grouped_gbps": gbps,
+        "peak_fraction": gbps / peak_gbps,
+    }
 
 
 def _sample(calls: list[Any]) -> tuple[Callable[[], None], int]:
@@ -269,11 +203,11 @@ def _tune(
     """Grouped kernel at ``num_tokens`` (every kv_cache_dtype, graph mode) over tile choices."""
     results = []
     for kv_cache_dtype in args.kv_cache_dtypes.split(","):
-        sets = _make_sets(args, kv_cache_dtype, num_tokens)
+        sets = make_sets(args, kv_cache_dtype, num_tokens)
         for block_tokens in (1, 2, 4, 8, 16):
             for num_warps in (2, 4, 8):
                 tiles = {"block_tokens": block_tokens, "num_warps": num_warps}
-                us = _time_us(_calls(grouped, sets, **tiles), "graph", args.reps)
+                us = _time_us(bound_calls(grouped, sets, **tiles), "graph", args.reps)
                 gbps = sets[0]["bytes"] / (us * 1e-6) / 1e9
                 results.append(
                     {
