@@ -154,16 +154,9 @@ def _case(op: Any, args: argparse.Namespace, kv_cache_dtype: str, num_tokens: in
     from kvmgr.hooks import StepContext
     from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
 
-    layers, rank, rope, block = args.mla_layers, 512, 64, 64
+    layers, rank, rope, block = args.mla_layers, _RANK, _ROPE, _BLOCK
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-    both = torch.randn(layers, num_tokens, rank + rope, device="cuda", generator=gen) * 4 + 0.5
-    kv_c = both[..., :rank].to(torch.bfloat16).contiguous()
-    k_pe = both[..., rank:].to(torch.bfloat16).contiguous()
-    num_blocks = -(-num_tokens // block) + 1
-    order = torch.randperm(num_blocks * block, device="cuda", generator=gen)
-    slots = order[:num_tokens].contiguous()
-    if num_tokens >= 16:
-        slots[::8] = -1  # some padding
+    kv_c, k_pe, slots, num_blocks = _step_inputs(layers, num_tokens, gen)
     fp8 = kv_cache_dtype == "fp8_e4m3"
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     nbytes = num_blocks * block * (rank + rope) * cache_dtype.itemsize
@@ -195,6 +188,25 @@ def _case(op: Any, args: argparse.Namespace, kv_cache_dtype: str, num_tokens: in
         row[f"{name}_eager_us"], row[f"{name}_host_us"] = _eager(call, args)
         row[f"{name}_graph_us"] = _graph(call, args)
     return row
+
+
+_RANK, _ROPE, _BLOCK = 512, 64, 64  # kv_lora_rank, qk_rope_head_dim, tokens per block
+
+
+def _step_inputs(
+    layers: int, num_tokens: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``kv_c``, ``k_pe`` (bf16, random non-zero), the slots (shuffled, some padding) and the
+    blocks they span (one spare)."""
+    both = torch.randn(layers, num_tokens, _RANK + _ROPE, device="cuda", generator=gen) * 4 + 0.5
+    kv_c = both[..., :_RANK].to(torch.bfloat16).contiguous()
+    k_pe = both[..., _RANK:].to(torch.bfloat16).contiguous()
+    num_blocks = -(-num_tokens // _BLOCK) + 1
+    order = torch.randperm(num_blocks * _BLOCK, device="cuda", generator=gen)
+    slots = order[:num_tokens].contiguous()
+    if num_tokens >= 16:
+        slots[::8] = -1  # some padding
+    return kv_c, k_pe, slots, num_blocks
 
 
 def _eager(call: Callable[[], None], args: argparse.Namespace) -> tuple[float, float]:
