@@ -44,29 +44,41 @@ def interference_rows(
     alone = gate.window(20_000.0, matmuls, None, 0)
     rows = []
     for name, variant in columns.items():
-        issue = variant(case)
-        t0 = time.perf_counter()
-        issue()  # warm-up (kernel compile, staging blocks), timed on the host
-        torch.cuda.synchronize()
-        issue_us = (time.perf_counter() - t0) * 1e6
-        # The gate covers the matmul loop's enqueue and the first copy's issue; later copies
-        # are issued back to back, as an engine does (the driver may block a long enqueue).
-        gate_us = 20_000.0 + 2.0 * (alone["enqueue_us"] + issue_us)
-        probe = gate.window(gate_us, None, issue, 2)
-        copy_us = max(probe["ends_us"][-1] - probe["copy_start_us"], 1.0) / 2
-        count = math.ceil(2.0 * alone["matmul_us"] / copy_us) + 1
-        runs: list[tuple[_Window, _Window, _Window]] = []
-        for r in range(args.interference_repeats):
-            copies = gate.window(gate_us, None, issue, count)
-            if r % 2 == 0:
-                matmul = gate.window(gate_us, matmuls, None, 0)
-                both = gate.window(gate_us, matmuls, issue, count)
-            else:  # the other order, so drift between the pair's windows cancels over repeats
-                both = gate.window(gate_us, matmuls, issue, count)
-                matmul = gate.window(gate_us, matmuls, None, 0)
-            runs.append((copies, matmul, both))
+        count, runs = _windows(gate, variant(case), matmuls, alone, args.interference_repeats)
         rows.append(_interference_row(name, case, count, runs))
     return rows
+
+
+def _windows(
+    gate: _Gate,
+    issue: Callable[[], None],
+    matmuls: Callable[[], None],
+    alone: _Window,
+    repeats: int,
+) -> tuple[int, list[tuple[_Window, _Window, _Window]]]:
+    """One column's copies per window (enough to outlast the matmuls) and, per repeat, the
+    windows of the copies alone, the matmuls alone and both."""
+    t0 = time.perf_counter()
+    issue()  # warm-up (kernel compile, staging blocks), timed on the host
+    torch.cuda.synchronize()
+    issue_us = (time.perf_counter() - t0) * 1e6
+    # The gate covers the matmul loop's enqueue and the first copy's issue; later copies
+    # are issued back to back, as an engine does (the driver may block a long enqueue).
+    gate_us = 20_000.0 + 2.0 * (alone["enqueue_us"] + issue_us)
+    probe = gate.window(gate_us, None, issue, 2)
+    copy_us = max(probe["ends_us"][-1] - probe["copy_start_us"], 1.0) / 2
+    count = math.ceil(2.0 * alone["matmul_us"] / copy_us) + 1
+    runs: list[tuple[_Window, _Window, _Window]] = []
+    for r in range(repeats):
+        copies = gate.window(gate_us, None, issue, count)
+        if r % 2 == 0:
+            matmul = gate.window(gate_us, matmuls, None, 0)
+            both = gate.window(gate_us, matmuls, issue, count)
+        else:  # the other order, so drift between the pair's windows cancels over repeats
+            both = gate.window(gate_us, matmuls, issue, count)
+            matmul = gate.window(gate_us, matmuls, None, 0)
+        runs.append((copies, matmul, both))
+    return count, runs
 
 
 def _interference_row(

@@ -29,46 +29,31 @@ _TARGET_PEAK_FRACTION, _TARGET_PEAK_T = 0.75, 16384
 def target_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's targets, per (kv_cache_dtype, mode): speedup for small T, peak for T=16384."""
     out = []
-    for key in sorted({(r["kv_cache_dtype"], r["mode"]) for r in rows}):
-        mine = [r for r in rows if (r["kv_cache_dtype"], r["mode"]) == key]
+    for dtype, mode in sorted({(r["kv_cache_dtype"], r["mode"]) for r in rows}):
+        mine = [r for r in rows if (r["kv_cache_dtype"], r["mode"]) == (dtype, mode)]
         small = [r["speedup"] for r in mine if r["tokens"] <= _TARGET_SPEEDUP_MAX_T]
         if small:
+            target = f"speedup >= {_TARGET_SPEEDUP} for T <= {_TARGET_SPEEDUP_MAX_T}"
             got = min(small)
-            out.append(
-                {
-                    "kv_cache_dtype": key[0],
-                    "mode": key[1],
-                    "target": f"speedup >= {_TARGET_SPEEDUP} for T <= {_TARGET_SPEEDUP_MAX_T}",
-                    "got": f"min {got:.2f}x",
-                    "met": got >= _TARGET_SPEEDUP,
-                }
-            )
+            out.append(_target(dtype, mode, target, f"min {got:.2f}x", got >= _TARGET_SPEEDUP))
         big = [r["peak_fraction"] for r in mine if r["tokens"] == _TARGET_PEAK_T]
         if big:
-            out.append(
-                {
-                    "kv_cache_dtype": key[0],
-                    "mode": key[1],
-                    "target": f">= {_TARGET_PEAK_FRACTION:.0%} of HBM peak at T = {_TARGET_PEAK_T}",
-                    "got": f"{big[0]:.1%}",
-                    "met": big[0] >= _TARGET_PEAK_FRACTION,
-                }
-            )
-    for key in sorted({r["kv_cache_dtype"] for r in rows if r["mode"] == "eager"}):
-        mine = [r for r in rows if r["kv_cache_dtype"] == key and r["mode"] == "eager"]
+            target = f">= {_TARGET_PEAK_FRACTION:.0%} of HBM peak at T = {_TARGET_PEAK_T}"
+            met = big[0] >= _TARGET_PEAK_FRACTION
+            out.append(_target(dtype, mode, target, f"{big[0]:.1%}", met))
+    for dtype in sorted({r["kv_cache_dtype"] for r in rows if r["mode"] == "eager"}):
+        mine = [r for r in rows if r["kv_cache_dtype"] == dtype and r["mode"] == "eager"]
         for name in ("grouped", "grouped_same", "hook"):
             host = [r[f"{name}_host_us"] for r in mine if r["tokens"] <= _TARGET_HOST_MAX_T]
             if host:
-                out.append(
-                    {
-                        "kv_cache_dtype": key,
-                        "mode": "eager",
-                        "target": f"host {name} <= {_TARGET_HOST_US:.0f} µs for T <= {_TARGET_HOST_MAX_T}",
-                        "got": f"max {max(host):.1f} µs",
-                        "met": max(host) <= _TARGET_HOST_US,
-                    }
-                )
+                target = f"host {name} <= {_TARGET_HOST_US:.0f} µs for T <= {_TARGET_HOST_MAX_T}"
+                met = max(host) <= _TARGET_HOST_US
+                out.append(_target(dtype, "eager", target, f"max {max(host):.1f} µs", met))
     return out
+
+
+def _target(dtype: str, mode: str, target: str, got: str, met: bool) -> dict[str, Any]:
+    return {"kv_cache_dtype": dtype, "mode": mode, "target": target, "got": got, "met": met}
 
 
 def meta(args: argparse.Namespace) -> dict[str, Any]:
