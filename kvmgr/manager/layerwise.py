@@ -155,14 +155,8 @@ def start_load(
     is_open: Callable[[], bool],
 ) -> LayerwiseLoad:
     """Flush what is queued, then submit the load's groups in layer order; the handle."""
-    flusher.flush(loop)
-    lane = Lane(Direction.H2D)
-    lane.add(part)
-    gpu_ids, cpu_ids = lane.arrays()
-    batches = LayerBatches(Direction.H2D, groups.num_groups)
-    submits = _GroupSubmits(
-        flusher, worker, Direction.H2D, layouts, gpu_ids, cpu_ids, fence_once=True
-    )
+    lane, batches, ids = _begin(flusher, loop, Direction.H2D, part, groups.num_groups)
+    submits = _GroupSubmits(flusher, worker, Direction.H2D, layouts, *ids, fence_once=True)
     for group in range(groups.num_groups):
         if batches.submit(group, functools.partial(submits, group)) is None:
             break
@@ -182,13 +176,17 @@ def start_store(
 ) -> LayerwiseStore:
     """Flush what is queued and enter the store as in flight; its groups are submitted by
     ``save_layer``."""
-    flusher.flush(loop)
-    lane = Lane(Direction.D2H)
-    lane.add(part)
-    gpu_ids, cpu_ids = lane.arrays()
-    batches = LayerBatches(Direction.D2H, groups.num_groups)
+    lane, batches, ids = _begin(flusher, loop, Direction.D2H, part, groups.num_groups)
     _launch(flusher, lane, batches, loop)
-    submit_group = _GroupSubmits(
-        flusher, worker, Direction.D2H, layouts, gpu_ids, cpu_ids, fence_once=False
-    )
+    submit_group = _GroupSubmits(flusher, worker, Direction.D2H, layouts, *ids, fence_once=False)
     return LayerwiseStore(groups, batches, part.future, submit_group, is_open)
+
+
+def _begin(
+    flusher: Flusher, loop: asyncio.AbstractEventLoop, direction: Direction, part: Part, num: int
+) -> tuple[Lane, LayerBatches, tuple[np.ndarray, np.ndarray]]:
+    """Flush what is queued; the part's lane, its ``num`` layer batches, its (GPU, CPU) ids."""
+    flusher.flush(loop)
+    lane = Lane(direction)
+    lane.add(part)
+    return lane, LayerBatches(direction, num), lane.arrays()
