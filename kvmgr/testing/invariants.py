@@ -8,15 +8,14 @@ Offers:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from kvmgr.manager.snapshot import ManagerSnapshot
 from kvmgr.pool.block_table import Tier
 from kvmgr.scheduler.cpu_tier import CpuState
 from kvmgr.scheduler.gpu_blocks import GpuState
-from kvmgr.testing.faults import POISON_BYTE, FaultyEngine
+from kvmgr.testing._engine_invariants import check_scripted_engine
 
 if TYPE_CHECKING:
     from kvmgr.manager import OffloadManager
@@ -68,21 +67,9 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
     snap = manager.snapshot()
     problems = _check_keys(snap) + _check_cpu(snap) + _check_gpu(snap)
     problems += _check_statistics(snap, manager.statistics())
-    problems += _check_scripted_engine(manager, snap, scan_poison)
+    problems += check_scripted_engine(manager, snap, scan_poison)
     if problems:
         raise InvariantError("kvmgr invariants broken:\n- " + "\n- ".join(problems))
-
-
-def _check_scripted_engine(
-    manager: OffloadManager, snap: ManagerSnapshot, scan_poison: bool
-) -> list[str]:
-    """With a ``FaultyEngine``: its unresolved batches and, when asked, the poison scan."""
-    if not isinstance(manager.engine, FaultyEngine):
-        return []
-    problems = _check_engine(snap, manager.engine)
-    if scan_poison and manager.engine.poisons:
-        problems += _check_poison(snap, manager.cpu_pool.tensors)
-    return problems
 
 
 def _check_statistics(snap: ManagerSnapshot, stats: Any) -> list[str]:
@@ -189,14 +176,10 @@ def _check_cpu(snap: ManagerSnapshot) -> list[str]:
                 f"request {req_id!r}: moving={table.moving} with {moving[req_id]} "
                 "preempts/resumes queued or in flight"
             )
-    shared = {b: who for b, who in owners.items() if len(who) > 1}
-    if shared:
-        problems.append(f"CPU blocks with several owners: {dict(list(shared.items())[:8])}")
+    problems += _check_holders("CPU", owners, "with several owners", snap.cpu_states,
+                               snap.cpu_allocated, CpuState.FREE)  # fmt: skip
     for b, state in enumerate(snap.cpu_states):
-        allocated = b in snap.cpu_allocated
-        if allocated != (state is not CpuState.FREE):
-            problems.append(f"CPU block {b} is {state.name} but allocated={allocated}")
-        elif allocated and b not in owners:
+        if state is not CpuState.FREE and b in snap.cpu_allocated and b not in owners:
             problems.append(f"CPU block {b} ({state.name}) is allocated with no owner (leaked)")
     for b in owners:
         if b not in snap.cpu_allocated:
@@ -223,13 +206,9 @@ def _check_gpu(snap: ManagerSnapshot) -> list[str]:
         if swap.kind == "resume":
             for b in swap.gpu_block_ids:
                 holders.setdefault(b, []).append(f"resume of {swap.req_id!r}")
-    twice = {b: who for b, who in holders.items() if len(who) > 1}
-    if twice:
-        problems.append(f"GPU blocks held twice: {dict(list(twice.items())[:8])}")
+    problems += _check_holders("GPU", holders, "held twice", snap.gpu_states,
+                               snap.gpu_allocated, GpuState.FREE)  # fmt: skip
     for b, state in enumerate(snap.gpu_states):
-        allocated = b in snap.gpu_allocated
-        if allocated != (state is not GpuState.FREE):
-            problems.append(f"GPU block {b} is {state.name} but allocated={allocated}")
         if state is GpuState.HELD and b not in holders:
             problems.append(f"GPU block {b} is HELD by no request and no resume (leaked)")
         if state is not GpuState.HELD and b in holders:
@@ -244,50 +223,22 @@ def _check_gpu(snap: ManagerSnapshot) -> list[str]:
     return problems
 
 
-def _check_engine(snap: ManagerSnapshot, engine: FaultyEngine) -> list[str]:
-    problems: list[str] = []
-    known = {i for b in snap.batches for i in (b.engine_batch_ids or (b.engine_batch_id,))}
-    stray = sorted(set(engine.unresolved_batch_ids) - known)
-    if stray:
-        problems.append(f"engine batches {stray} are unresolved but unknown to the manager")
-    batches = snap.batches
-    waits = {b.engine_batch_id: engine.unresolved_wait_for(b.engine_batch_id) for b in batches}
-    position = {b.engine_batch_id: i for i, b in enumerate(batches)}
-    # after[i]: the batches that batch i certainly runs after: those it waits for, every
-    # earlier batch of their direction (one direction runs in submission order), transitively
-    after: list[set[int]] = []
-    for i, batch in enumerate(batches):
-        done: set[int] = set()
-        for w in waits[batch.engine_batch_id] or ():
-            j = position.get(w)
-            if j is None or j >= i:
-                continue
-            done |= after[j] | {
-                k for k in range(j + 1) if batches[k].direction is batches[j].direction
-            }
-        after.append(done)
-    for i, later in enumerate(batches):
-        if waits[later.engine_batch_id] is None:
-            continue  # its copy has ended
-        for j, earlier in enumerate(batches[:i]):
-            if earlier.direction is later.direction or waits[earlier.engine_batch_id] is None:
-                continue
-            shared = set(earlier.gpu_block_ids) & set(later.gpu_block_ids)
-            if shared and j not in after[i]:
-                problems.append(
-                    f"batches {earlier.engine_batch_id} and {later.engine_batch_id} share GPU "
-                    f"blocks {sorted(shared)[:8]} without a wait_for fence"
-                )
+def _check_holders(
+    tier: str,
+    holders: dict[int, list[str]],
+    several: str,
+    states: Sequence[Any],
+    allocated: frozenset[int],
+    free: Any,
+) -> list[str]:
+    """Blocks of ``tier`` with several holders, and blocks whose state (``free`` or not)
+    disagrees with the allocator."""
+    problems = []
+    twice = {b: who for b, who in holders.items() if len(who) > 1}
+    if twice:
+        problems.append(f"{tier} blocks {several}: {dict(list(twice.items())[:8])}")
+    for b, state in enumerate(states):
+        is_allocated = b in allocated
+        if is_allocated != (state is not free):
+            problems.append(f"{tier} block {b} is {state.name} but allocated={is_allocated}")
     return problems
-
-
-def _check_poison(snap: ManagerSnapshot, pages: list[torch.Tensor]) -> list[str]:
-    ready = [(k, e.cpu_block_id) for k, e in snap.keys.items() if e.state is CpuState.READY]
-    if not ready:
-        return []
-    block_ids = torch.tensor([b for _, b in ready], dtype=torch.long)
-    poisoned = torch.ones(len(ready), dtype=torch.bool)
-    for tensor in pages:
-        poisoned &= (tensor[block_ids] == POISON_BYTE).all(dim=1)
-    bad = [_short(ready[i][0]) for i in torch.nonzero(poisoned).flatten().tolist()]
-    return [f"READY keys hold the poison of a failed store: {bad[:8]}"] if bad else []
