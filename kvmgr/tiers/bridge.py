@@ -18,8 +18,9 @@ serving. A backend with ``get_into`` (the shared tier) receives read blobs strai
 pages. Tier errors never escape ``demote``/``put_staged``/``promote``: they become ``False``
 entries (recompute) and are counted here and in the backend's statistics.
 
-Every blob read is verified here, against the namespace (``blob.verify_parts``: layout, the
-checksum, the tenant's MAC), before its block counts as a hit.
+The read path (``kvmgr.tiers._bridge_reads``) and the write path share one failure log. Every
+blob read is verified against the namespace (``blob.verify_parts``: layout, the checksum, the
+tenant's MAC), before its block counts as a hit.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 import numpy as np
@@ -40,10 +40,11 @@ from kvmgr.errors import (
     TierError,
     TierSecurityWarning,
 )
+from kvmgr.tiers._bridge_reads import BridgeReads, FailureLog, retrieve
 from kvmgr.tiers._bridge_records import BridgeCounters, BridgeStatistics, StagedBlobs
-from kvmgr.tiers._pages import CORRUPT, LAYOUT, OK, CpuPages
+from kvmgr.tiers._pages import CpuPages
 from kvmgr.tiers.base import TierBackend, check_keys, join_worker
-from kvmgr.tiers.blob import HEADER_BYTES, TierNamespace
+from kvmgr.tiers.blob import TierNamespace
 
 __all__ = ["BridgeStatistics", "StagedBlobs", "TierBridge"]
 
@@ -101,7 +102,7 @@ class TierBridge:
         self.namespace = namespace
         self._offload_bytes = offload_bytes
         self._counters = BridgeCounters()
-        self._failing = False  # the last call failed (log once per run of failures)
+        self._failures = FailureLog(self._counters, backend)
         # a backend doing direct I/O asks for aligned blobs padded to its alignment, which it
         # then writes without another copy (pwritev straight from these rows)
         align = max(1, int(getattr(backend, "blob_alignment", 1)))
@@ -113,8 +114,10 @@ class TierBridge:
         self._chunk_blocks = (
             max(1, int(chunk_bytes) // namespace.blob_bytes) if chunk_bytes else 1 << 62
         )
-        # zero-copy reads: blobs land in the pages themselves
-        self._receives_into = callable(getattr(backend, "get_into", None))
+        self._reads = BridgeReads(
+            self._pages, backend, namespace, self._counters, self._failures, self._chunk_blocks,
+            self._maybe_thread,
+        )  # fmt: skip
         if not namespace.is_sealed and getattr(backend, "single_tenant", True) is False:
             _warn_unsealed(type(backend).__name__)
 
@@ -152,7 +155,7 @@ class TierBridge:
             )
             await self._maybe_thread(len(staged.stored_keys), gather)
             task = asyncio.ensure_future(self.put_staged(staged))
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
             puts.append((part, task))
         for part, task in puts:
             stored[part] = await task
@@ -186,11 +189,11 @@ class TierBridge:
             result = await self.backend.put_many(staged.stored_keys, list(staged.padded))
         except TierError as exc:
             # (the buffer is dropped, not reused: a timed-out write may still be reading it)
-            self._report_failure("demote", num, exc)
+            self._failures.failed("demote", num, exc)
             stored = np.zeros(num, dtype=bool)
         else:
             self._pages.give_back_rows(staged.buffer)
-            self._failing = False
+            self._failures.succeeded()
             stored = np.asarray(result.stored, dtype=bool)
         num_stored = int(stored.sum())
         self._counters.num_demoted += num_stored
@@ -227,87 +230,14 @@ class TierBridge:
         hit = np.zeros(len(keys), dtype=bool)
         if not keys:
             return hit
-        stored_keys = self.namespace.stored_keys(keys)
-        if self._receives_into:
-            hit = await self._promote_into(stored_keys, ids)
-        else:
-            hit = await self._promote_copied(stored_keys, ids)
+        hit = await self._reads.read(self.namespace.stored_keys(keys), ids)
         num_hits = int(hit.sum())
         self._counters.num_promoted += num_hits
         self._counters.num_promote_misses += len(keys) - num_hits
         self._counters.bytes_promoted += num_hits * self.namespace.payload_bytes
         return hit
 
-    async def _promote_copied(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
-        """Read blobs, then verify and scatter them (in a worker thread for large batches)."""
-        hit = np.zeros(len(stored_keys), dtype=bool)
-        # all chunks' reads start at once; chunk k is scattered while later ones are read
-        gets = []
-        for lo in range(0, len(stored_keys), self._chunk_blocks):
-            part = slice(lo, lo + self._chunk_blocks)
-            task = asyncio.ensure_future(self.backend.get_many(stored_keys[part]))
-            task.add_done_callback(_retrieve)
-            gets.append((lo, task))
-        for lo, task in gets:
-            try:
-                blobs = await task
-            except TierError as exc:
-                num = len(stored_keys[lo : lo + self._chunk_blocks])
-                self._report_failure("promote", num, exc)
-                continue
-            self._failing = False
-            positions = [i for i, blob in enumerate(blobs, start=lo) if blob is not None]
-            if not positions:
-                continue
-            verdict = np.zeros(len(positions), dtype=np.int8)
-            scatter = functools.partial(
-                self._pages.verify_scatter,
-                [stored_keys[i] for i in positions],
-                ids[positions],
-                [blobs[i - lo] for i in positions],
-                verdict,
-            )
-            await self._maybe_thread(len(positions), scatter)
-            self._count_verdicts(verdict)
-            hit[np.asarray(positions)[verdict == OK]] = True
-        return hit
-
-    async def _promote_into(self, stored_keys: list[bytes], ids: np.ndarray) -> np.ndarray:
-        """Zero-copy: each blob is received into a header row and the block's pages, and
-        verified there by the backend's worker (``check``)."""
-        headers = np.empty((len(ids), HEADER_BYTES), dtype=np.uint8)
-        pages = [self._pages.pages(block) for block in ids.tolist()]
-        vectors = [[headers[i], *pages[i]] for i in range(len(ids))]
-        verdict = np.zeros(len(ids), dtype=np.int8)
-
-        def check(i: int) -> bool:
-            verdict[i] = self._pages.judge(stored_keys[i], headers[i], pages[i])
-            return bool(verdict[i] == OK)
-
-        get_into = self.backend.get_into  # type: ignore[attr-defined]
-        try:
-            hit = await get_into(stored_keys, vectors, check, self.namespace.blob_bytes)
-        except TierError as exc:
-            self._report_failure("promote", len(ids), exc)
-            return np.zeros(len(ids), dtype=bool)
-        self._failing = False
-        self._count_verdicts(verdict)
-        return np.asarray(hit, dtype=bool) & (verdict == OK)
-
-    def _count_verdicts(self, verdict: np.ndarray) -> None:
-        self._counters.num_layout_mismatch += int(np.count_nonzero(verdict == LAYOUT))
-        self._counters.num_corrupt += int(np.count_nonzero(verdict == CORRUPT))
-
     # ---- internals ----------------------------------------------------------------------
-
-    def _report_failure(self, what: str, num_blocks: int, exc: TierError) -> None:
-        """Count a tier error; log a warning on the first of a run of failures, then debug."""
-        self._counters.num_errors += 1
-        level = logging.DEBUG if self._failing else logging.WARNING
-        self._failing = True
-        _log.log(
-            level, "tier %s: %s of %d blocks failed: %s", self.backend.name, what, num_blocks, exc
-        )
 
     def _check(
         self,
@@ -343,9 +273,3 @@ def _warn_unsealed(backend_name: str) -> None:
     )
     _log.warning(message)
     warnings.warn(message, TierSecurityWarning, stacklevel=3)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Mark a task's exception retrieved (a cancelled demote/promote leaves tasks behind)."""
-    if not task.cancelled():
-        task.exception()
