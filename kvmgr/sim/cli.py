@@ -90,11 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_single(
-    args: argparse.Namespace,
-    config: SimConfig,
-    requests: list[Any],
-    trace: Path,
-    console: Console,
+    args: argparse.Namespace, config: SimConfig, requests: list[Any], trace: Path, console: Console
 ) -> int:
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("requests", total=len(requests))
@@ -109,11 +105,7 @@ def _run_single(
 
 
 def _run_sweep(
-    args: argparse.Namespace,
-    config: SimConfig,
-    requests: list[Any],
-    trace: Path,
-    console: Console,
+    args: argparse.Namespace, config: SimConfig, requests: list[Any], trace: Path, console: Console
 ) -> int:
     if not _has_matplotlib():  # fail before a long sweep, not after it
         print(
