@@ -5,15 +5,17 @@ Private to ``kvmgr.bench``.
 
 from __future__ import annotations
 
+import attrs
+
 __all__ = ["FreshKeys"]
 
 
+@attrs.define
 class FreshKeys:
     """Distinct 8-byte keys on demand (key ``i`` is ``i`` little-endian; every ``take`` gives
     keys not given before)."""
 
-    def __init__(self) -> None:
-        self._next = 0
+    _next: int = attrs.field(default=0, init=False)
 
     def take(self, n: int) -> list[bytes]:
         """The next ``n`` keys."""

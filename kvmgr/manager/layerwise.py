@@ -22,6 +22,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Hashable, Sequence
 
+import attrs
 import numpy as np
 
 from kvmgr.errors import StaleKVTensorError
@@ -41,15 +42,17 @@ __all__ = ["GroupLayouts", "LayerLayouts", "start_load", "start_store"]
 GroupLayouts = tuple[tuple[KVLayout, KVLayout, int], ...]
 
 
+@attrs.define(eq=False)
 class LayerLayouts:
     """Layer groups and the GPU and CPU sub-layouts of each group's tensors, made once per
     grouping: the copy kernel keeps one device table per layout pair (``CopyStager``), keyed by
     the layout objects, so a new pair per load would upload (and allocate) a table every time;
     and grouping the layers again per load cost host time for nothing."""
 
-    def __init__(self) -> None:
-        self._pairs: dict[bytes, tuple[KVLayout, KVLayout]] = {}
-        self._groups: dict[Hashable, tuple[LayerGroups, GroupLayouts]] = {}
+    _pairs: dict[bytes, tuple[KVLayout, KVLayout]] = attrs.field(factory=dict, init=False)
+    _groups: dict[Hashable, tuple[LayerGroups, GroupLayouts]] = attrs.field(
+        factory=dict, init=False
+    )
 
     def groups(
         self,
