@@ -344,16 +344,11 @@ def test_calibration_from_json_shapes(tmp_path) -> None:
 def test_calibration_fit_recovers_a_known_model() -> None:
     # Rows generated from a known model with 1% multiplicative noise: the fit finds it again.
     truth = Calibration(
-        batch_launch_us=12.0,
-        batch_h2d_us_per_descriptor=1.7,
-        batch_d2h_us_per_descriptor=0.7,
-        batch_h2d_gbps=50.0,
-        batch_d2h_gbps=53.0,
-        kernel_launch_us=90.0,
-        kernel_us_per_descriptor=0.004,
-        kernel_h2d_gbps=44.0,
-        kernel_d2h_gbps=49.0,
-    )
+        batch_launch_us=12.0, batch_h2d_us_per_descriptor=1.7, batch_d2h_us_per_descriptor=0.7,
+        batch_h2d_gbps=50.0, batch_d2h_gbps=53.0,
+        kernel_launch_us=90.0, kernel_us_per_descriptor=0.004,
+        kernel_h2d_gbps=44.0, kernel_d2h_gbps=49.0,
+    )  # fmt: skip
     rng = np.random.default_rng(2)
     rows = []  # in the "copies" format of `kvmgr bench swap --json`
     for (tensors, page), blocks, direction in zip(
