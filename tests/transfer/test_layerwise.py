@@ -186,8 +186,7 @@ async def test_misuse_raises_typed_errors() -> None:
     caches = _caches()
     keys = _keys(2, salt=3)
     async with _manager(caches) as mgr:
-        a = mgr.allocate("a", 2)
-        await _store(mgr, a, keys)
+        await _store(mgr, mgr.allocate("a", 2), keys)
         load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
         with pytest.raises(LayerOrderError, match="not scheduled"):
             load.wait_layer(NUM_LAYERS)
