@@ -17,6 +17,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,9 +26,11 @@ from kvmgr.testing.servers import LocalServer
 __all__ = [
     "TierServer",
     "make_certs",
+    "random_bridge",
     "server_binary",
     "tier_server",
     "tier_server_factory",
+    "tls_server",
 ]
 
 _INSTALL_HINT = (
@@ -102,6 +105,26 @@ def random_cpu_tensors(page_bytes: tuple[int, ...], num_blocks: int, seed: int) 
     return [
         torch.randint(0, 256, (num_blocks, p), dtype=torch.uint8, generator=gen) for p in page_bytes
     ]
+
+
+def random_bridge(tier: Any, namespace: Any, num_blocks: int, seed: int) -> tuple[list, Any]:
+    """``num_blocks`` random CPU blocks of ``namespace``'s pages (``random_cpu_tensors``) and a
+    ``TierBridge`` between them and ``tier``: ``(cpu tensors, bridge)``."""
+    from kvmgr.tiers import TierBridge
+
+    cpu = random_cpu_tensors(namespace.page_bytes, num_blocks, seed)
+    return cpu, TierBridge(cpu, tier, namespace)
+
+
+def tls_server(
+    factory: Callable[..., TierServer], certs: dict[str, str], auth_clients: str
+) -> TierServer:
+    """A TLS-only server (plain port off) with ``make_certs``' server certificate and CA;
+    ``auth_clients``: ``--tls-auth-clients`` (``no``, ``optional``, ``yes``)."""
+    return factory(
+        "--port", "0", "--tls-auth-clients", auth_clients, "--tls-cert-file", certs["crt"],
+        "--tls-key-file", certs["key"], "--tls-ca-cert-file", certs["ca"], tls=True,
+    )  # fmt: skip
 
 
 def make_certs(tmp_path: Path) -> dict[str, str]:
