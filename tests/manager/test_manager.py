@@ -148,6 +148,13 @@ async def _open(
     assert leaked == []
 
 
+async def _swapped_out(mgr: OffloadManager, *args: Any) -> Any:
+    """``mgr.swap_out(*args)``, stepped and awaited: its ``SwapResult``."""
+    store = mgr.swap_out(*args)
+    await mgr.step()
+    return await store
+
+
 def _snapshot(mgr: OffloadManager, req_ids: Sequence[Any] = ()) -> dict[str, Any]:
     """Everything a rejected call must leave unchanged (statistics less ``rejected``)."""
     stats = attrs.asdict(mgr.statistics())
@@ -227,9 +234,7 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
     async with _open(kv, _cfg(), engine=engine) as mgr:
         _hold(mgr)
         # 1. K0 stored from block 0 and READY
-        first = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await first
+        await _swapped_out(mgr, [0], [K[0]])
         # 2. hold the engine: K1 stored from block 1 stays PENDING in flight
         engine.hold()
         second = mgr.swap_out([1], [K[1]])
@@ -258,9 +263,7 @@ async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> 
     kv = _kv(seed=3)
     async with _open(kv, _cfg()) as mgr:
         _hold(mgr)
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         again = mgr.swap_out([2, 3], K[:2])
         assert again.done()  # nothing to copy: no queue entry, no step needed
         assert again.result() == SwapResult(num_blocks=0, num_bytes=0, num_skipped=2)
@@ -308,9 +311,7 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
     async with _open(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
         _hold(mgr)
         # 1. K0 READY in CPU block 0
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0], [K[0]])
         # 2. hold the engine: K1 PENDING in block 1; a load of K0 in flight (one reader)
         engine.hold()
         pending = mgr.swap_out([1], [K[1]])
@@ -371,9 +372,7 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
     async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         _hold(mgr)
         # 1. batch 0: K0, K1 stored in CPU blocks 0, 1 (READY)
-        ok = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await ok
+        await _swapped_out(mgr, [0, 1], K[:2])
         # 2. batch 1 fails: store of K0 (present, skipped), K2, K3 into blocks 2, 3
         bad = mgr.swap_out([4, 2, 3], [K[0], K[2], K[3]])
         await mgr.step()
@@ -424,9 +423,7 @@ async def test_failed_load_releases_the_reader() -> None:
     engine = _scripted(fail=lambda batch_id, plan: plan.direction is Direction.H2D)
     async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
         _hold(mgr)
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0], [K[0]])
         load = mgr.swap_in([K[0]], [5])
         await mgr.step()
         with pytest.raises(TransferError):
@@ -434,9 +431,7 @@ async def test_failed_load_releases_the_reader() -> None:
         assert _entry(mgr, K[0]).readers == 0
         assert mgr.statistics().loads_failed == 1
         # K0 is evictable again: a store of K1 evicts it
-        store = mgr.swap_out([1], [K[1]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [1], [K[1]])
         assert _keys(mgr) == [K[1]]
 
 
@@ -625,9 +620,7 @@ async def test_one_plan_per_direction_per_step() -> None:
     async with _open(kv, _cfg(num_cpu_blocks=8)) as mgr:
         _hold(mgr)
         # 1. K0, K1 stored in CPU blocks 0, 1
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         # 2. three stores and two loads, no shared GPU block, in one step
         stores = [
             mgr.swap_out([2, 3], K[2:4]),
@@ -704,9 +697,7 @@ async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches()
     kv = _kv(seed=17)
     async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
         _hold(mgr)
-        store = mgr.swap_out([1, 2], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [1, 2], K[:2])
         first, second = mgr.swap_in([K[0]], [6]), mgr.swap_in([K[1]], [6])
         report = await mgr.step()
         await asyncio.gather(first, second)
@@ -819,9 +810,7 @@ async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
     cfg = _cfg(num_cpu_blocks=1, backpressure="wait", store_wait_s=0.0)
     async with _open(kv, cfg) as mgr:
         _hold(mgr)
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0], [K[0]])
         load = mgr.swap_in([K[0]], [3])  # queued, never stepped before the timeout
         before = _snapshot(mgr)
         with pytest.raises(PoolExhaustedError) as info:
@@ -1022,12 +1011,12 @@ async def test_root_invalidated_and_stored_again_keeps_index_and_policy_in_step(
     async with _open(kv, _cfg(num_cpu_blocks=4, policy=policy)) as mgr:
         _hold(mgr)
         # 1. a chain K0 <- K1 is stored; its root K0 is invalidated (K1 stays), then stored again
-        await _stored_now(mgr, [0, 1], K[:2])
+        await _swapped_out(mgr, [0, 1], K[:2])
         assert mgr.invalidate([K[0]]) == 1
-        await _stored_now(mgr, [2], [K[0]])
+        await _swapped_out(mgr, [2], [K[0]])
         # 2. stores that need every block evict each key once (reuse used to raise KeyError)
-        await _stored_now(mgr, [3, 4], K[2:4])
-        await _stored_now(mgr, [5, 6, 7], K[4:7])
+        await _swapped_out(mgr, [3, 4], K[2:4])
+        await _swapped_out(mgr, [5, 6, 7], K[4:7])
         check_invariants(mgr)
         # 3. the manager stays usable: clear drops what is left, index and policy agree
         resident = len(mgr.snapshot().keys)
@@ -1035,12 +1024,6 @@ async def test_root_invalidated_and_stored_again_keeps_index_and_policy_in_step(
         snap = mgr.snapshot()
         assert len(snap.keys) == snap.num_policy_keys == 0
         check_invariants(mgr)
-
-
-async def _stored_now(mgr: OffloadManager, blocks: list[int], keys: list[bytes]) -> None:
-    store = mgr.swap_out(blocks, keys)
-    await mgr.step()
-    await store
 
 
 @pytest.mark.parametrize("owned", [True, False])

@@ -98,6 +98,13 @@ def _hold(mgr: OffloadManager, n: int = NUM_GPU) -> list[int]:
     return held
 
 
+async def _swapped_out(mgr: OffloadManager, *args: Any) -> Any:
+    """``mgr.swap_out(*args)``, stepped and awaited: its ``SwapResult``."""
+    store = mgr.swap_out(*args)
+    await mgr.step()
+    return await store
+
+
 async def _settle() -> None:
     """Let completion callbacks scheduled from the engine run on the loop."""
     for _ in range(3):
@@ -160,9 +167,7 @@ async def test_load_side_hole_a_load_into_a_block_nobody_holds_is_refused() -> N
     kv = _kv(seed=1)
     async with OffloadManager(kv, _cfg()) as mgr:
         src = mgr.allocate("r", 1)
-        st = mgr.swap_out(src, [K[0]])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, src, [K[0]])
         before = mgr.snapshot()
         with pytest.raises(InvalidBlockError, match="not held"):
             mgr.swap_in([K[0]], [5])  # block 5 is free: allocate() could hand it out mid-load
@@ -191,9 +196,7 @@ async def test_caller_owned_blocks_may_be_named_freely() -> None:
     # manage_gpu_blocks=False: the caller owns every block, any id in range may be swapped
     kv = _kv(seed=2)
     async with OffloadManager(kv, _cfg(manage_gpu_blocks=False)) as mgr:
-        st = mgr.swap_out([3], [K[0]])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, [3], [K[0]])
         _poison(kv, 9)
         ld = mgr.swap_in([K[0]], [9])
         await mgr.step()
@@ -424,9 +427,7 @@ async def _evicted_after_touching_the_last(parents: list[bytes | None] | None) -
         await mgr.step()
         await many
         mgr.touch([K[3]])  # D becomes the most recently used
-        extra = mgr.swap_out([5], [K[9]])
-        await mgr.step()
-        await extra
+        await _swapped_out(mgr, [5], [K[9]])
         check_invariants(mgr)
         return sorted(set(K[:4]) - set(mgr.snapshot().keys))
 
@@ -446,14 +447,10 @@ async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
     # the prefix every lookup needs, as the first victim
     async with OffloadManager(_kv(seed=30), _cfg(num_cpu_blocks=4)) as mgr:
         _hold(mgr)
-        st = mgr.swap_out([0, 1, 2, 3], K[:4])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, [0, 1, 2, 3], K[:4])
         mgr.take_events()
         for n, key in enumerate((K[10], K[11]), start=1):
-            extra = mgr.swap_out([4 + n], [key])
-            await mgr.step()
-            await extra
+            await _swapped_out(mgr, [4 + n], [key])
             assert (
                 mgr.peek(K[:4]) == 4 - n
             )  # the ready prefix shrinks from its end (peek: no touch)
@@ -592,18 +589,14 @@ async def test_events_are_in_order_a_removal_before_the_store_that_evicted() -> 
     async with OffloadManager(kv, _cfg(num_cpu_blocks=2)) as mgr:
         _hold(mgr)
         for b in (0, 1):  # K0 then K1, one step each
-            st = mgr.swap_out([b], [K[b]])
-            await mgr.step()
-            await st
+            await _swapped_out(mgr, [b], [K[b]])
         assert mgr.take_events() == [
             KVEvent("stored", (K[0],), "cpu"),
             KVEvent("stored", (K[1],), "cpu"),
         ]
         assert mgr.take_events() == []  # drained
         # a store of K2, K3 evicts both K0 and K1: the removal comes first
-        st = mgr.swap_out([2, 3], K[2:4])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, [2, 3], K[2:4])
         events = mgr.take_events()
         assert [e.kind for e in events] == ["removed", "stored"]
         assert sorted(events[0].keys) == sorted(K[:2])
@@ -642,9 +635,7 @@ async def test_the_async_iterator_yields_events_as_they_happen() -> None:
         consumer = asyncio.ensure_future(consume(4))
         await asyncio.sleep(0)  # the consumer waits for the first event
         for b in range(3):  # the third store evicts K0
-            st = mgr.swap_out([b], [K[b]])
-            await mgr.step()
-            await st
+            await _swapped_out(mgr, [b], [K[b]])
         await asyncio.wait_for(consumer, timeout=10)
         assert seen == [
             KVEvent("stored", (K[0],)),
@@ -669,16 +660,12 @@ async def test_a_bounded_stream_drops_the_oldest_and_counts_them() -> None:
     async with OffloadManager(kv, _cfg(num_cpu_blocks=8, max_events=2)) as mgr:
         _hold(mgr)
         for b in range(5):
-            st = mgr.swap_out([b], [K[b]])
-            await mgr.step()
-            await st
+            await _swapped_out(mgr, [b], [K[b]])
         assert mgr.take_events() == [KVEvent("stored", (K[3],)), KVEvent("stored", (K[4],))]
         assert mgr.statistics().events_dropped == 3
     async with OffloadManager(_kv(seed=18), _cfg(num_cpu_blocks=8, max_events=0)) as mgr:
         _hold(mgr)
-        st = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, [0], [K[0]])
         assert mgr.invalidate([K[0]]) == 1
         assert mgr.take_events() == []  # recording disabled: nothing kept, nothing dropped
         assert mgr.statistics().events_dropped == 0
