@@ -148,6 +148,16 @@ async def _open(
     assert leaked == []
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    kv: list[torch.Tensor], cfg: ManagerConfig, **kw: Any
+) -> AsyncIterator[OffloadManager]:
+    """``_open``'s manager with every GPU block held by a "serving" request (``_hold``)."""
+    async with _open(kv, cfg, **kw) as mgr:
+        _hold(mgr)
+        yield mgr
+
+
 async def _swapped_out(mgr: OffloadManager, *args: Any) -> Any:
     """``mgr.swap_out(*args)``, stepped and awaited: its ``SwapResult``."""
     store = mgr.swap_out(*args)
@@ -181,8 +191,7 @@ def _snapshot(mgr: OffloadManager, req_ids: Sequence[Any] = ()) -> dict[str, Any
 async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, merge: bool) -> None:
     kv = _kv(seed=1)
     originals = {b: _gpu(kv, b) for b in range(NUM_GPU)}
-    async with _open(kv, _cfg(policy=policy, merge=merge)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(policy=policy, merge=merge)) as mgr:
         # 1. store GPU blocks 2, 5, 6 under K0..K2: fresh CPU blocks 0, 1, 2 in order
         store = mgr.swap_out([2, 5, 6], keys=K[:3])
         assert mgr.lookup(K[:3]) == 0  # PENDING until the copy completes
@@ -231,8 +240,7 @@ async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, mer
 async def test_store_skips_keys_already_present_in_any_state() -> None:
     kv = _kv(seed=2)
     engine = _scripted()
-    async with _open(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         # 1. K0 stored from block 0 and READY
         await _swapped_out(mgr, [0], [K[0]])
         # 2. hold the engine: K1 stored from block 1 stays PENDING in flight
@@ -261,8 +269,7 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
 @pytest.mark.asyncio
 async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> None:
     kv = _kv(seed=3)
-    async with _open(kv, _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg()) as mgr:
         await _swapped_out(mgr, [0, 1], K[:2])
         again = mgr.swap_out([2, 3], K[:2])
         assert again.done()  # nothing to copy: no queue entry, no step needed
@@ -273,8 +280,7 @@ async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> 
 @pytest.mark.asyncio
 async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -> None:
     kv = _kv(seed=4)
-    async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
         # 1. fill the tier: K0..K3 in CPU blocks 0..3, LRU order K0 K1 K2 K3 (one call each:
         #    four roots; one call would chain them and insert K0 as the most recent)
         stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
@@ -308,8 +314,7 @@ async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -
 async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_nothing() -> None:
     kv = _kv(seed=5)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
         # 1. K0 READY in CPU block 0
         await _swapped_out(mgr, [0], [K[0]])
         # 2. hold the engine: K1 PENDING in block 1; a load of K0 in flight (one reader)
@@ -339,8 +344,7 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
 @pytest.mark.asyncio
 async def test_touch_order_via_lookup_decides_eviction() -> None:
     kv = _kv(seed=6)
-    async with _open(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
         # 1. K0, K1, K2 in blocks 0, 1, 2 (LRU order K0 K1 K2: one call each, three roots)
         stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
         await mgr.step()
@@ -369,8 +373,7 @@ async def test_touch_order_via_lookup_decides_eviction() -> None:
 async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
     kv = _kv(seed=7)
     engine = _scripted(fail=lambda batch_id, plan: batch_id == 1)
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. batch 0: K0, K1 stored in CPU blocks 0, 1 (READY)
         await _swapped_out(mgr, [0, 1], K[:2])
         # 2. batch 1 fails: store of K0 (present, skipped), K2, K3 into blocks 2, 3
@@ -396,8 +399,7 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
 async def test_a_failed_batch_fails_every_swap_in_it() -> None:
     kv = _kv(seed=28)
     engine = _scripted(fail=lambda batch_id, plan: batch_id >= 1)
-    async with _open(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
         # 1. batch 0: K0, K1 READY in CPU blocks 0, 1
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -421,8 +423,7 @@ async def test_a_failed_batch_fails_every_swap_in_it() -> None:
 async def test_failed_load_releases_the_reader() -> None:
     kv = _kv(seed=8)
     engine = _scripted(fail=lambda batch_id, plan: plan.direction is Direction.H2D)
-    async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
         await _swapped_out(mgr, [0], [K[0]])
         load = mgr.swap_in([K[0]], [5])
         await mgr.step()
@@ -439,8 +440,7 @@ async def test_failed_load_releases_the_reader() -> None:
 async def test_swap_in_of_pending_or_unknown_key_raises_and_changes_nothing() -> None:
     kv = _kv(seed=9)
     engine = _scripted()
-    async with _open(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         engine.hold()
         store = mgr.swap_out([0], [K[0]])
         before = _snapshot(mgr)
@@ -600,8 +600,7 @@ async def test_failed_preempt_and_failed_resume_roll_back() -> None:
 @pytest.mark.asyncio
 async def test_tick_flush_mode_needs_no_step() -> None:
     kv = _kv(seed=13)
-    async with _open(kv, _cfg(num_cpu_blocks=4, flush="tick")) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4, flush="tick")) as mgr:
         # 1. three stores queued in one tick become one batch, without step()
         futures = [mgr.swap_out([b], [K[b]]) for b in (0, 1, 2)]
         results = await asyncio.gather(*futures)
@@ -617,8 +616,7 @@ async def test_tick_flush_mode_needs_no_step() -> None:
 @pytest.mark.asyncio
 async def test_one_plan_per_direction_per_step() -> None:
     kv = _kv(seed=14)
-    async with _open(kv, _cfg(num_cpu_blocks=8)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=8)) as mgr:
         # 1. K0, K1 stored in CPU blocks 0, 1
         await _swapped_out(mgr, [0, 1], K[:2])
         # 2. three stores and two loads, no shared GPU block, in one step
@@ -654,8 +652,7 @@ async def test_one_plan_per_direction_per_step() -> None:
 async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None:
     kv = _kv(seed=15)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. J stored from block 5
         store = mgr.swap_out([5], [K[7]])
         await mgr.step()
@@ -678,8 +675,7 @@ async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None
 async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None:
     kv = _kv(seed=16)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         store = mgr.swap_out([5], [K[7]])
         await mgr.step()
         await store
@@ -695,8 +691,7 @@ async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None
 @pytest.mark.asyncio
 async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches() -> None:
     kv = _kv(seed=17)
-    async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
         await _swapped_out(mgr, [1, 2], K[:2])
         first, second = mgr.swap_in([K[0]], [6]), mgr.swap_in([K[1]], [6])
         report = await mgr.step()
@@ -712,8 +707,7 @@ async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches()
 async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> None:
     kv = _kv(seed=18)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. a task awaits a store; cancel it before the step
         store = mgr.swap_out([2], [K[0]])
         task = asyncio.ensure_future(_await(store))
@@ -749,8 +743,7 @@ async def _await(future: asyncio.Future[Any]) -> Any:
 async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
     kv = _kv(seed=19)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
         # 1. the engine holds the store of K0
         engine.hold()
         store = mgr.swap_out([0], [K[0]])
@@ -776,8 +769,7 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
     kv = _kv(seed=20)
     engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
-    async with _open(kv, cfg, engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, cfg, engine=engine) as mgr:
         # 1. K0, K1 fill the tier; loads of both are held in flight (both pinned)
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
@@ -808,8 +800,7 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
 async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
     kv = _kv(seed=21)
     cfg = _cfg(num_cpu_blocks=1, backpressure="wait", store_wait_s=0.0)
-    async with _open(kv, cfg) as mgr:
-        _hold(mgr)
+    async with _serving(kv, cfg) as mgr:
         await _swapped_out(mgr, [0], [K[0]])
         load = mgr.swap_in([K[0]], [3])  # queued, never stepped before the timeout
         before = _snapshot(mgr)
@@ -827,8 +818,7 @@ async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
     kv = _kv(seed=26)
     engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
-    async with _open(kv, cfg, engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, cfg, engine=engine) as mgr:
         store = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await store
@@ -958,8 +948,7 @@ async def test_hooks_run_in_order_before_the_flush() -> None:
     kv = _kv(seed=24)
     calls: list[tuple[str, int | None]] = []
     hooks = [_WriteHook("a", kv, 3, 0x11, calls), _WriteHook("b", kv, 3, 0x22, calls)]
-    async with _open(kv, _cfg(), hooks=hooks) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), hooks=hooks) as mgr:
         # 1. a store of block 3 is queued before the step in which the hooks write block 3
         store = mgr.swap_out([3], [K[0]])
         report = await mgr.step(StepContext(step=7))
@@ -985,8 +974,7 @@ async def test_a_failing_hook_leaves_the_queue_untouched() -> None:
                 raise RuntimeError("hook failed")
             return HookReport(name=self.name)
 
-    async with _open(kv, _cfg(), hooks=[_FailsOnce()]) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), hooks=[_FailsOnce()]) as mgr:
         # 1. the hook raises: step() raises it, nothing was submitted
         store = mgr.swap_out([0], [K[0]])
         with pytest.raises(RuntimeError, match="hook failed"):
@@ -1008,8 +996,7 @@ async def test_root_invalidated_and_stored_again_keeps_index_and_policy_in_step(
     policy: str,
 ) -> None:
     kv = _kv(seed=40)
-    async with _open(kv, _cfg(num_cpu_blocks=4, policy=policy)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4, policy=policy)) as mgr:
         # 1. a chain K0 <- K1 is stored; its root K0 is invalidated (K1 stays), then stored again
         await _swapped_out(mgr, [0, 1], K[:2])
         assert mgr.invalidate([K[0]]) == 1

@@ -21,13 +21,15 @@ owned pool lets a swap name only held blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from test_manager import _swapped_out
 
 import kvmgr.errors
 from kvmgr import (
@@ -98,11 +100,13 @@ def _hold(mgr: OffloadManager, n: int = NUM_GPU) -> list[int]:
     return held
 
 
-async def _swapped_out(mgr: OffloadManager, *args: Any) -> Any:
-    """``mgr.swap_out(*args)``, stepped and awaited: its ``SwapResult``."""
-    store = mgr.swap_out(*args)
-    await mgr.step()
-    return await store
+@contextlib.asynccontextmanager
+async def _serving(*args: Any, **kw: Any) -> AsyncIterator[OffloadManager]:
+    """``OffloadManager(*args, **kw)``, open, with every GPU block held by a "serving"
+    request (``_hold``)."""
+    async with OffloadManager(*args, **kw) as mgr:
+        _hold(mgr)
+        yield mgr
 
 
 async def _settle() -> None:
@@ -300,8 +304,7 @@ async def test_a_moved_kv_tensor_fails_the_batch_and_nothing_is_served(
     move: Callable[[list[torch.Tensor]], None],
 ) -> None:
     kv = _kv(seed=5)
-    async with OffloadManager(kv, _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg()) as mgr:
         st = mgr.swap_out([0], [K[0]])  # before the move: a READY key to load later
         await mgr.step()
         await st
@@ -343,8 +346,7 @@ def test_stale_kv_tensor_error_is_a_transfer_error() -> None:
 @pytest.mark.asyncio
 async def test_store_many_and_load_many_results_are_arrays_with_one_future_each() -> None:
     kv = _kv(seed=6)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=12)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=12)) as mgr:
         first = mgr.swap_out([0], [K[0]])  # K0 READY in CPU block 0
         await mgr.step()
         await first
@@ -397,8 +399,7 @@ async def test_store_many_and_load_many_results_are_arrays_with_one_future_each(
 @pytest.mark.asyncio
 async def test_store_many_of_many_blocks_as_a_list_and_of_nothing() -> None:
     kv = _kv(seed=7)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=12)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=12)) as mgr:
         # more than a handful of ids as a plain list (the array path)
         ids = [15, 3, 8, 0, 1, 2, 11, 12, 5, 7]
         many = mgr.store_many(ids, K[:10])
@@ -421,8 +422,7 @@ async def _evicted_after_touching_the_last(parents: list[bytes | None] | None) -
     """Store A, B, C, D in one store_many (with ``parents``), touch D, then make one room:
     which key was evicted?"""
     kv = _kv(seed=8)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
         many = mgr.store_many(np.arange(4), K[:4], parents=parents)
         await mgr.step()
         await many
@@ -445,8 +445,7 @@ async def test_store_many_passes_parents_to_the_policy() -> None:
 async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
     # policy protocol v2: a store of [A, B, C, D] (one chain by default) must not leave A,
     # the prefix every lookup needs, as the first victim
-    async with OffloadManager(_kv(seed=30), _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
+    async with _serving(_kv(seed=30), _cfg(num_cpu_blocks=4)) as mgr:
         await _swapped_out(mgr, [0, 1, 2, 3], K[:4])
         mgr.take_events()
         for n, key in enumerate((K[10], K[11]), start=1):
@@ -461,19 +460,22 @@ async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
 # ====================================================================== 4. peek, touch, invalidate, clear
 
 
-async def _three_roots(mgr: OffloadManager) -> None:
-    """K0, K1, K2 READY in CPU blocks 0, 1, 2; LRU order K0 K1 K2 (one call each: roots)."""
-    stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
+async def _roots(mgr: OffloadManager, n: int = 3, engine: NullEngine | None = None) -> None:
+    """K0 .. K(n-1) READY in CPU blocks 0 .. n-1; LRU order K0 K1 ... (one call each: roots).
+    With a holding ``engine``, its one batch is completed by ``complete_next`` (``release``
+    would stop holding)."""
+    stores = [mgr.swap_out([b], [K[b]]) for b in range(n)]
     await mgr.step()
+    if engine is not None:
+        assert len(engine.complete_next()) == 1
     await asyncio.gather(*stores)
 
 
 @pytest.mark.asyncio
 async def test_peek_touches_nothing_lookup_and_touch_do() -> None:
     kv = _kv(seed=9)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        _hold(mgr)
-        await _three_roots(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
+        await _roots(mgr)
         order = mgr.policy.ordered_keys()
         assert order == K[:3]
         # 1. peek: the ready-prefix length, no policy change, counted apart from lookups
@@ -497,9 +499,8 @@ async def test_peek_touches_nothing_lookup_and_touch_do() -> None:
 @pytest.mark.asyncio
 async def test_touch_ignores_pending_keys() -> None:
     kv = _kv(seed=10)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        _hold(mgr)
-        await _three_roots(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
+        await _roots(mgr)
         mgr.invalidate([K[2]])
         st = mgr.swap_out([3], [K[3]])  # PENDING, the newest
         mgr.touch([K[0]])
@@ -515,12 +516,8 @@ async def test_touch_ignores_pending_keys() -> None:
 async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_flight() -> None:
     kv = _kv(seed=11)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        _hold(mgr)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
-        await mgr.step()
-        assert len(engine.complete_next()) == 1  # (release() would stop holding)
-        await asyncio.gather(*stores)
+    async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+        await _roots(mgr, 3, engine)
         mgr.take_events()
         # 1. READY keys are dropped (unknown ones ignored, not counted), their blocks freed
         assert mgr.invalidate([K[1], K[9], K[1]]) == 1
@@ -554,12 +551,8 @@ async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_fligh
 async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> None:
     kv = _kv(seed=12)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        _hold(mgr)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
-        await mgr.step()
-        assert len(engine.complete_next()) == 1  # (release() would stop holding)
-        await asyncio.gather(*stores)
+    async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+        await _roots(mgr, 4, engine)
         pending = mgr.swap_out([5], [K[5]])
         loading = mgr.swap_in([K[1]], [7])
         await mgr.step()
@@ -586,8 +579,7 @@ async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> N
 @pytest.mark.asyncio
 async def test_events_are_in_order_a_removal_before_the_store_that_evicted() -> None:
     kv = _kv(seed=13)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=2)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2)) as mgr:
         for b in (0, 1):  # K0 then K1, one step each
             await _swapped_out(mgr, [b], [K[b]])
         assert mgr.take_events() == [
@@ -607,8 +599,7 @@ async def test_events_are_in_order_a_removal_before_the_store_that_evicted() -> 
 async def test_a_failed_store_emits_no_event() -> None:
     kv = _kv(seed=15)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
         st = mgr.swap_out([0], [K[0]])
         await mgr.step()
         engine.complete_next(fail=True)
@@ -622,8 +613,7 @@ async def test_a_failed_store_emits_no_event() -> None:
 @pytest.mark.asyncio
 async def test_the_async_iterator_yields_events_as_they_happen() -> None:
     kv = _kv(seed=16)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=2)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2)) as mgr:
         seen: list[KVEvent] = []
 
         async def consume(n: int) -> None:
@@ -657,14 +647,12 @@ async def test_the_async_iterator_yields_events_as_they_happen() -> None:
 @pytest.mark.asyncio
 async def test_a_bounded_stream_drops_the_oldest_and_counts_them() -> None:
     kv = _kv(seed=17)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=8, max_events=2)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=8, max_events=2)) as mgr:
         for b in range(5):
             await _swapped_out(mgr, [b], [K[b]])
         assert mgr.take_events() == [KVEvent("stored", (K[3],)), KVEvent("stored", (K[4],))]
         assert mgr.statistics().events_dropped == 3
-    async with OffloadManager(_kv(seed=18), _cfg(num_cpu_blocks=8, max_events=0)) as mgr:
-        _hold(mgr)
+    async with _serving(_kv(seed=18), _cfg(num_cpu_blocks=8, max_events=0)) as mgr:
         await _swapped_out(mgr, [0], [K[0]])
         assert mgr.invalidate([K[0]]) == 1
         assert mgr.take_events() == []  # recording disabled: nothing kept, nothing dropped
@@ -677,8 +665,7 @@ async def test_a_bounded_stream_drops_the_oldest_and_counts_them() -> None:
 @pytest.mark.asyncio
 async def test_store_threshold_stores_a_key_only_once_seen_n_times() -> None:
     kv = _kv(seed=19)
-    async with OffloadManager(kv, _cfg(store_threshold=3)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(store_threshold=3)) as mgr:
         # sightings 1 and 2: not admitted, nothing copied, resolved at once
         for n in (1, 2):
             st = mgr.swap_out([0, 1], K[:2])
@@ -710,8 +697,7 @@ async def test_store_threshold_stores_a_key_only_once_seen_n_times() -> None:
 @pytest.mark.asyncio
 async def test_store_threshold_one_stores_on_first_sight() -> None:
     kv = _kv(seed=20)
-    async with OffloadManager(kv, _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg()) as mgr:
         st = mgr.swap_out([0], [K[0]])
         await mgr.step()
         assert (await st).num_blocks == 1
@@ -799,8 +785,7 @@ async def test_transfer_timeout_error_is_not_the_builtin_timeout_error() -> None
     assert issubclass(ClosedBeforeCopyError, ClosedError)
     assert issubclass(ClosedBeforeCopyError, TransferError)
     engine = NullEngine(hold=True)
-    async with OffloadManager(_kv(seed=23), _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(_kv(seed=23), _cfg(), engine=engine) as mgr:
         st = mgr.swap_out([0], [K[0]])
         await mgr.step()
         # kvmgr's deadline: TransferTimeoutError, which `except TimeoutError` does not catch
@@ -831,8 +816,7 @@ def _buggy_engine() -> ScriptedEngine:
 @pytest.mark.asyncio
 async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
     kv = _kv(seed=24)
-    async with OffloadManager(kv, _cfg(), engine=_buggy_engine()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=_buggy_engine()) as mgr:
         st = mgr.swap_out([0], [K[0]])
         with pytest.raises(ZeroDivisionError):
             await mgr.step()  # re-raised after every lane was handled
@@ -844,8 +828,7 @@ async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
 
 @pytest.mark.asyncio
 async def test_statistics_histograms_count_every_batch() -> None:
-    async with OffloadManager(_kv(seed=29), _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(_kv(seed=29), _cfg()) as mgr:
         stats = mgr.statistics()
         assert stats.batch_blocks is not None and stats.batch_blocks.num == 0
         st = mgr.store_many(np.arange(5), K[:5])  # one batch of 5 blocks
@@ -870,8 +853,7 @@ async def test_statistics_histograms_count_every_batch() -> None:
 async def test_null_engine_completes_at_once_and_copies_nothing() -> None:
     kv = _kv(seed=25)
     engine = NullEngine()
-    async with OffloadManager(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         st = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await _settle()
@@ -892,8 +874,7 @@ async def test_null_engine_completes_at_once_and_copies_nothing() -> None:
 async def test_null_engine_holds_batches_until_told() -> None:
     kv = _kv(seed=26)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         first = mgr.swap_out([0], [K[0]])
         await mgr.step()
         await _settle()
