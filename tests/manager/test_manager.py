@@ -401,9 +401,7 @@ async def test_a_failed_batch_fails_every_swap_in_it() -> None:
     engine = _scripted(fail=lambda batch_id, plan: batch_id >= 1)
     async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
         # 1. batch 0: K0, K1 READY in CPU blocks 0, 1
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         # 2. one step, two stores (one batch) and two loads (one batch); both batches fail
         stores = [mgr.swap_out([2], [K[2]]), mgr.swap_out([3, 4], K[3:5])]
         loads = [mgr.swap_in([K[0]], [6]), mgr.swap_in([K[1], K[0]], [7, 5])]
@@ -771,9 +769,7 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _serving(kv, cfg, engine=engine) as mgr:
         # 1. K0, K1 fill the tier; loads of both are held in flight (both pinned)
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
@@ -819,9 +815,7 @@ async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
     engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _serving(kv, cfg, engine=engine) as mgr:
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
@@ -853,9 +847,7 @@ async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
     async with mgr:
         _hold(mgr)
         # 1. K0, K1 fill the tier; loads of both held in flight; a store of K2 waits for room
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
@@ -880,9 +872,7 @@ async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
     mgr = OffloadManager(kv, _cfg(num_cpu_blocks=4), engine=engine)
     async with mgr:
         _hold(mgr)
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0], [K[0]])
         # 1. in flight: a store of K1 held by the engine; queued: a store of K2 and a load of K0
         engine.hold()
         in_flight = mgr.swap_out([1], [K[1]])

@@ -514,9 +514,8 @@ async def test_touch_ignores_pending_keys() -> None:
 
 @pytest.mark.asyncio
 async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_flight() -> None:
-    kv = _kv(seed=11)
     engine = NullEngine(hold=True)
-    async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+    async with _serving(_kv(seed=11), _cfg(num_cpu_blocks=6), engine=engine) as mgr:
         await _roots(mgr, 3, engine)
         mgr.take_events()
         # 1. READY keys are dropped (unknown ones ignored, not counted), their blocks freed
@@ -549,9 +548,8 @@ async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_fligh
 
 @pytest.mark.asyncio
 async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> None:
-    kv = _kv(seed=12)
     engine = NullEngine(hold=True)
-    async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+    async with _serving(_kv(seed=12), _cfg(num_cpu_blocks=6), engine=engine) as mgr:
         await _roots(mgr, 4, engine)
         pending = mgr.swap_out([5], [K[5]])
         loading = mgr.swap_in([K[1]], [7])
@@ -962,9 +960,7 @@ async def test_the_event_iterator_ends_when_the_manager_closes() -> None:
 
     async with mgr:
         task = asyncio.create_task(consume())
-        stored = mgr.swap_out(mgr.allocate("a", 2), [b"a", b"b"])
-        await mgr.step()
-        await stored
+        await _swapped_out(mgr, mgr.allocate("a", 2), [b"a", b"b"])
     await asyncio.wait_for(task, 5)
     assert [(e.kind, e.keys) for e in got] == [("stored", (b"a", b"b")), ("cleared", ())]
 
