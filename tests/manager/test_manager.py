@@ -165,6 +165,19 @@ async def _swapped_out(mgr: OffloadManager, *args: Any) -> Any:
     return await store
 
 
+async def _roots(
+    mgr: OffloadManager, keys: Sequence[bytes], engine: ScriptedEngine | None = None
+) -> None:
+    """``keys[i]`` READY in CPU block ``i`` from GPU block ``i``; LRU order as ``keys`` (one
+    call each: roots). With a holding ``engine``, its one batch is completed by
+    ``complete_next`` (``release`` would stop holding)."""
+    stores = [mgr.swap_out([b], [key]) for b, key in enumerate(keys)]
+    await mgr.step()
+    if engine is not None:
+        assert len(engine.complete_next()) == 1
+    await asyncio.gather(*stores)
+
+
 def _snapshot(mgr: OffloadManager, req_ids: Sequence[Any] = ()) -> dict[str, Any]:
     """Everything a rejected call must leave unchanged (statistics less ``rejected``)."""
     stats = attrs.asdict(mgr.statistics())
@@ -283,9 +296,7 @@ async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -
     async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
         # 1. fill the tier: K0..K3 in CPU blocks 0..3, LRU order K0 K1 K2 K3 (one call each:
         #    four roots; one call would chain them and insert K0 as the most recent)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
-        await mgr.step()
-        await asyncio.gather(*stores)
+        await _roots(mgr, K[:4])
         # 2. lookup(K1) makes K1 most recent: K0 K2 K3 K1
         assert mgr.lookup([K[1]]) == 1
         # 3. a queued load of K0 pins it (reader) and touches it: K2 K3 K1 K0
@@ -346,9 +357,7 @@ async def test_touch_order_via_lookup_decides_eviction() -> None:
     kv = _kv(seed=6)
     async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
         # 1. K0, K1, K2 in blocks 0, 1, 2 (LRU order K0 K1 K2: one call each, three roots)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
-        await mgr.step()
-        await asyncio.gather(*stores)
+        await _roots(mgr, K[:3])
         # 2. lookup(K0): K1 K2 K0; lookup([K2, K1]) walks in reverse, K2 ends most recent: K0 K1 K2
         assert mgr.lookup([K[0]]) == 1
         assert mgr.lookup([K[2], K[1]]) == 2

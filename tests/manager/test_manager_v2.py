@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_manager import _swapped_out
+from test_manager import _roots, _swapped_out
 
 import kvmgr.errors
 from kvmgr import (
@@ -460,22 +460,11 @@ async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
 # ====================================================================== 4. peek, touch, invalidate, clear
 
 
-async def _roots(mgr: OffloadManager, n: int = 3, engine: NullEngine | None = None) -> None:
-    """K0 .. K(n-1) READY in CPU blocks 0 .. n-1; LRU order K0 K1 ... (one call each: roots).
-    With a holding ``engine``, its one batch is completed by ``complete_next`` (``release``
-    would stop holding)."""
-    stores = [mgr.swap_out([b], [K[b]]) for b in range(n)]
-    await mgr.step()
-    if engine is not None:
-        assert len(engine.complete_next()) == 1
-    await asyncio.gather(*stores)
-
-
 @pytest.mark.asyncio
 async def test_peek_touches_nothing_lookup_and_touch_do() -> None:
     kv = _kv(seed=9)
     async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        await _roots(mgr)
+        await _roots(mgr, K[:3])
         order = mgr.policy.ordered_keys()
         assert order == K[:3]
         # 1. peek: the ready-prefix length, no policy change, counted apart from lookups
@@ -500,7 +489,7 @@ async def test_peek_touches_nothing_lookup_and_touch_do() -> None:
 async def test_touch_ignores_pending_keys() -> None:
     kv = _kv(seed=10)
     async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        await _roots(mgr)
+        await _roots(mgr, K[:3])
         mgr.invalidate([K[2]])
         st = mgr.swap_out([3], [K[3]])  # PENDING, the newest
         mgr.touch([K[0]])
@@ -516,7 +505,7 @@ async def test_touch_ignores_pending_keys() -> None:
 async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_flight() -> None:
     engine = NullEngine(hold=True)
     async with _serving(_kv(seed=11), _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        await _roots(mgr, 3, engine)
+        await _roots(mgr, K[:3], engine)
         mgr.take_events()
         # 1. READY keys are dropped (unknown ones ignored, not counted), their blocks freed
         assert mgr.invalidate([K[1], K[9], K[1]]) == 1
@@ -550,7 +539,7 @@ async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_fligh
 async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> None:
     engine = NullEngine(hold=True)
     async with _serving(_kv(seed=12), _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        await _roots(mgr, 4, engine)
+        await _roots(mgr, K[:4], engine)
         pending = mgr.swap_out([5], [K[5]])
         loading = mgr.swap_in([K[1]], [7])
         await mgr.step()
