@@ -771,17 +771,26 @@ async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
         assert mgr.lookup([K[0]]) == 1
 
 
-@pytest.mark.asyncio
-async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
-    kv = _kv(seed=20)
+@contextlib.asynccontextmanager
+async def _full_of_pinned_keys(
+    kv: list[torch.Tensor],
+) -> AsyncIterator[tuple[OffloadManager, ScriptedEngine, asyncio.Future[Any]]]:
+    """A ``backpressure="wait"`` manager (60 s) whose 2-block tier K0, K1 fill, both pinned by
+    loads held in flight: yields it, its held engine and the loads' future."""
     engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
     async with _serving(kv, cfg, engine=engine) as mgr:
-        # 1. K0, K1 fill the tier; loads of both are held in flight (both pinned)
         await _swapped_out(mgr, [0, 1], K[:2])
         engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
+        yield mgr, engine, load
+
+
+@pytest.mark.asyncio
+async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
+    kv = _kv(seed=20)
+    async with _full_of_pinned_keys(kv) as (mgr, engine, load):
         # 2. a store of K2 finds no room and waits instead of raising
         waiting = mgr.swap_out([2], [K[2]])
         for _ in range(5):
@@ -821,13 +830,7 @@ async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
 @pytest.mark.asyncio
 async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
     kv = _kv(seed=26)
-    engine = _scripted()
-    cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
-    async with _serving(kv, cfg, engine=engine) as mgr:
-        await _swapped_out(mgr, [0, 1], K[:2])
-        engine.hold()
-        load = mgr.swap_in(K[:2], [4, 5])
-        await mgr.step()
+    async with _full_of_pinned_keys(kv) as (mgr, engine, load):
         # 1. bad input still raises at once in wait mode
         with pytest.raises(InvalidKeyError):
             mgr.swap_out([6], K[5])
