@@ -4,16 +4,9 @@
 # b: the whole suite without -x, and the peer baselines (MLA + swap)
 # c: the end-to-end serving-loop bench (examples/engine)
 # One combined log ($OUT/log.txt) plus JSON files, so everything fits the files that come back.
-set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
-LOG="$OUT/log.txt"
-run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"; timeout "$secs" "$@" >"/tmp/$name.log" 2>&1; local rc=$?; cat "/tmp/$name.log" >>"$LOG"; tail -n "${TAIL:-12}" "/tmp/$name.log"; echo "=== $name rc=$rc" | tee -a "$LOG"; }
+source scripts/gpu/_session.sh  # OUT, the wheels, LOG, run(), the env step
 case ${1:-a} in
   a)
-    TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
     TAIL=25 run pytest_all 270 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 -x tests
     TAIL=22 run bench_host 80 python3 -m kvmgr.cli bench host --rounds 150 --steps 2000 --json "$OUT/host.json"
     TAIL=30 run bench_swap 75 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 5 --warmup 1 --variants batch_ctypes kernel auto --json "$OUT/swap.json"

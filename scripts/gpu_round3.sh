@@ -5,15 +5,8 @@
 # of BENCHMARKS.md round 3 (the copy/engine/manager GPU tests, step table, peer swaps), "launch"
 # call 5 (copy-kernel programs and interference, MLA insert, peer MLA, c128). One combined log
 # ($OUT/log.txt) plus JSON files, so everything fits the files that come back.
-set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
-LOG="$OUT/log.txt"
-run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"; timeout "$secs" "$@" >"/tmp/$name.log" 2>&1; local rc=$?; cat "/tmp/$name.log" >>"$LOG"; tail -n "${TAIL:-12}" "/tmp/$name.log"; echo "=== $name rc=$rc" | tee -a "$LOG"; }
+source scripts/gpu/_session.sh  # OUT, the wheels, LOG, run(), the env step
 what=${1:-all}
-TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
 if [ "$what" = kernels ]; then
   TAIL=4 run pytest_kernels 200 python3 -m pytest -q -rf -p no:cacheprovider --timeout 120 tests/kernels/test_copy_blocks.py tests/kernels/test_copy_kernel.py tests/transfer/test_cuda_engine.py tests/manager/test_manager_engines.py tests/kernels/test_mla_insert.py tests/sim/test_sim.py tests/manager/test_reliability.py tests/examples/test_example_engine.py
   TAIL=32 run bench_swap 60 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 7 --warmup 2 --variants kernel kernel_desc auto --json "$OUT/swap.json"

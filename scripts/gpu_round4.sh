@@ -6,19 +6,8 @@
 #   bash scripts/gpu_round4.sh suite NAME...  # the suite over 4 workers, then the NAME sections
 #   bash scripts/gpu_round4.sh NAME...   # the sections scripts/gpu/NAME.sh of this round's work
 # One combined log ($OUT/log.txt) plus JSON files (at most 8 files come back: keep it so).
-set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-LOG="$OUT/log.txt"
-run() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"; timeout "$secs" "$@" >"/tmp/$name.log" 2>&1; local rc=$?; cat "/tmp/$name.log" >>"$LOG"; tail -n "${TAIL:-12}" "/tmp/$name.log"; echo "=== $name rc=$rc" | tee -a "$LOG"; }
+source scripts/gpu/_session.sh  # OUT, the wheels, LOG, run(), the env step
 what=${1:-merged1}
-TAIL=3 run env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, numpy.__version__)"'
 J="$OUT/r4.jsonl"  # every bench's JSON, one object per line: {"bench": name, "result": ...}
 keep() { local name=$1 file=$2; [ -f "$file" ] && python3 -c "import json,sys; print(json.dumps({'bench': sys.argv[1], 'result': json.load(open(sys.argv[2]))}))" "$name" "$file" >>"$J"; }
 if [ "$what" = merged1 ] || [ "$what" = tests ]; then

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -39,63 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _fake_cuda  # scripts/: this script's folder
 import numpy as np
 import torch
-
-
-class _Stream:
-    cuda_stream = 0x1234
-    device = torch.device("cpu")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: Any) -> float:
-        return 0.0
-
-
-def fake_cuda() -> None:
-    """Stand-ins for ``torch.cuda``, host registration and the kernel's table slots/launch."""
-    from kvmgr.kernels.copy import staging
-    from kvmgr.transfer import pinned
-
-    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
-    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
-    torch.cuda.Event = _Event  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
-    torch.cuda.device = lambda device: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
-    pinned.torch_registrar = lambda: pinned.HostRegistrar(lambda a, n: None, lambda a: None)
-
-    def slot(capacity: int, device: Any) -> Any:
-        host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
-        return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(),
-                                 table.data_ptr())  # fmt: skip
-
-    staging.new_table_slot = slot  # type: ignore[assignment]
-    staging.launch_block_table = lambda *a, **kw: 1  # type: ignore[assignment]
-    staging.launch_copy_table = lambda *a, **kw: 1  # type: ignore[assignment]
 
 
 def stub_driver() -> Any:
@@ -175,7 +120,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    fake_cuda()
+    _fake_cuda.install()
     rows = []
     for engine, scattered in (("cuda", False), ("kernel", True)):
         row = asyncio.run(_case(engine, scattered, args.swaps, args.repeats))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ctypes
 import statistics
 import sys
@@ -25,64 +24,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _fake_cuda  # scripts/: this script's folder
 import numpy as np
 import torch
 
 from kvmgr import ManagerConfig, OffloadManager
-from kvmgr.kernels.copy import staging
-from kvmgr.transfer import pinned
 from kvmgr.transfer.driver import CopyDriver
-
-
-class _Stream:
-    cuda_stream = 0x1234
-    device = torch.device("cpu")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: Any) -> float:
-        return 0.0
-
-
-def _fake_cuda() -> None:
-    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
-    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
-    torch.cuda.Event = _Event  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
-    torch.cuda.device = lambda device: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
-
-    def slot(capacity: int, device: Any) -> staging.TableSlot:
-        host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
-        return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(),
-                                 table.data_ptr())  # fmt: skip
-
-    staging.new_table_slot = slot  # type: ignore[assignment]
-    pinned.torch_registrar = lambda: pinned.HostRegistrar(lambda a, n: None, lambda a: None)
-    staging.launch_copy_table = lambda table, n, programs, **kw: min(n, programs)  # type: ignore[assignment]
-    staging.launch_block_table = lambda layout, runs, t, n, programs, **kw: min(t * n, programs)  # type: ignore[assignment]
 
 
 def _stub_driver() -> CopyDriver:
@@ -123,7 +70,7 @@ def main() -> None:
     parser.add_argument("--swaps", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    _fake_cuda()
+    _fake_cuda.install()
     for engine, scattered in (("cuda", False), ("kernel", True), ("auto", False), ("auto", True)):
         t0 = time.perf_counter()
         row = asyncio.run(_case(engine, scattered, args.swaps, args.repeats))

@@ -93,10 +93,23 @@ def _interpreter_fp8_via_torch() -> Iterator[None]:
         yield
 
 
+_PTX_SUMMARY = """
+import json as _json, re as _re
+_ops = sorted(set(_re.findall(r"(?:ld|st)[.]global[.a-z0-9]*", kernel.asm["ptx"])))
+_widths = [f"{op}.global.{w}" for op in ("ld", "st") for w in ("v4.b32", "b64", "b32", "b16", "b8")]
+print(_json.dumps({"ops": _ops, "missing_widths": [w for w in _widths if w not in _ops],
+                   "shared": kernel.metadata.shared,
+                   "converts": kernel.asm["ttgir"].count("convert_layout")}))
+"""
+
+
 @pytest.fixture
 def compile_for_sm90() -> Callable[[str], dict[str, Any]]:
-    """Run a script that compiles a Triton kernel for sm_90 (no GPU needed: Triton ships ptxas)
-    in a process without ``TRITON_INTERPRET``; return the JSON object its last line prints."""
+    """Run a script that compiles a Triton kernel for sm_90 into ``kernel`` (no GPU needed:
+    Triton ships ptxas) in a process without ``TRITON_INTERPRET``; return what its PTX holds:
+    ``ops`` (the global load/store instructions), ``missing_widths`` (which of the 16-, 8-, 4-,
+    2- and 1-byte loads and stores it lacks), ``shared`` (shared memory bytes) and ``converts``
+    (layout conversions in its TTGIR)."""
     import json
     import subprocess
     import sys
@@ -104,7 +117,11 @@ def compile_for_sm90() -> Callable[[str], dict[str, Any]]:
     def run(script: str) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         out = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", script + _PTX_SUMMARY],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.splitlines()[-1])

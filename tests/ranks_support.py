@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from kvmgr.errors import TransferError
+from kvmgr.testing import ScriptedEngine
+from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.host import HostEngine
 from kvmgr.worker import TransferWorker, shared_host_pool
 
@@ -36,19 +38,18 @@ def rank_kv(spec: dict[str, Any], rank: int) -> list[torch.Tensor]:
     return [torch.randint(1, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(2)]
 
 
-class _FaultyHost(HostEngine):
-    def __init__(self, kind: str, delay_s: float) -> None:
-        super().__init__()
-        self.kind, self.delay_s = kind, delay_s
+def _faulty_host(kind: str, delay_s: float) -> ScriptedEngine:
+    """The host engine under the testing kit's scripted engine, doing ``kind`` at each submit:
+    ``"fail"`` raise ``TransferError``, ``"die"`` end the process, ``"slow"`` sleep first."""
 
-    def submit(self, plan: Any, *, wait_for: Any = ()) -> Any:
-        if self.kind == "fail":
+    def on_submit(batch_id: int, plan: Any) -> None:
+        if kind == "fail":
             raise TransferError("injected: this rank's engine refuses the batch")
-        if self.kind == "die":
+        if kind == "die":
             os._exit(3)  # the process dies in the middle of a job
-        if self.kind == "slow":
-            time.sleep(self.delay_s)
-        return super().submit(plan, wait_for=wait_for)
+        time.sleep(delay_s)
+
+    return ScriptedEngine(HostEngine(), on_submit=on_submit)
 
 
 def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker:
@@ -56,7 +57,7 @@ def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker
     kv = rank_kv(spec, rank)
     fault = spec.get("fault") or {}
     if fault.get("rank") == rank:
-        engine: HostEngine = _FaultyHost(fault["kind"], fault.get("delay_s", 0.0))
+        engine: TransferEngine = _faulty_host(fault["kind"], fault.get("delay_s", 0.0))
     else:
         engine = HostEngine()
     layout = spec.get("layout", "heads")

@@ -241,6 +241,19 @@ CASES: list[
 ]
 
 
+async def _raises_and_changes_nothing(
+    mgr: OffloadManager, kv: Any, call: Call, error: type[BaseException]
+) -> None:
+    """``call(mgr)`` (awaited when it is a coroutine) raises ``error``; the manager's snapshot
+    and the KV bytes are as before."""
+    before = _snapshot(mgr, kv)
+    with pytest.raises(error):
+        result = call(mgr)
+        if inspect.iscoroutine(result):  # step(); a swap future is never awaited here
+            await result
+    assert _same(_snapshot(mgr, kv), before)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("owned", "call", "error"),
@@ -260,12 +273,7 @@ async def test_bad_call_raises_typed_error_and_changes_nothing(
 ) -> None:
     mgr, kv, pending = await _populated(owned)
     try:
-        before = _snapshot(mgr, kv)
-        with pytest.raises(error):
-            result = call(mgr)
-            if inspect.iscoroutine(result):  # step(); a swap future is never awaited here
-                await result
-        assert _same(_snapshot(mgr, kv), before)
+        await _raises_and_changes_nothing(mgr, kv, call, error)
     finally:
         await mgr.step()
         await pending
@@ -297,12 +305,7 @@ async def test_use_after_close_raises_closed_error(call: Call) -> None:
     await mgr.step()
     await pending
     await mgr.aclose()
-    before = _snapshot(mgr, kv)
-    with pytest.raises(ClosedError):
-        result = call(mgr)
-        if inspect.iscoroutine(result):  # step(); a swap future is never awaited here
-            await result
-    assert _same(_snapshot(mgr, kv), before)
+    await _raises_and_changes_nothing(mgr, kv, call, ClosedError)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import subprocess
 import sys
@@ -91,25 +92,30 @@ def test_help_has_no_rst_markup(argv: tuple[str, ...]) -> None:
 # ---------------------------------------------------------------- startup
 
 
-@pytest.mark.parametrize("flag", ["--version", "--help"])
-def test_version_and_help_do_not_import_torch(flag: str) -> None:
-    code = (
-        "import sys\n"
-        "from kvmgr.cli import main\n"
-        "try:\n"
-        f"    main([{flag!r}])\n"
-        "except SystemExit as exc:\n"
-        "    assert exc.code == 0, exc.code\n"
-        "heavy = sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules)\n"
-        "print('HEAVY', heavy)\n"
-    )
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter from the repo root; assert it exits 0; its stdout."""
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert "HEAVY []" in out.stdout, out.stdout
+    return out.stdout
+
+
+@pytest.mark.parametrize("flag", ["--version", "--help"])
+def test_version_and_help_do_not_import_torch(flag: str) -> None:
+    out = _python(f"""
+import sys
+from kvmgr.cli import main
+try:
+    main([{flag!r}])
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+heavy = sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules)
+print('HEAVY', heavy)
+""")
+    assert "HEAVY []" in out, out
     if flag == "--version":
-        assert out.stdout.startswith("kvmgr "), out.stdout
+        assert out.startswith("kvmgr "), out
 
 
 def test_console_entry_reports_the_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,23 +131,19 @@ def test_console_entry_reports_the_version(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_kernel_import_without_triton_names_the_extra() -> None:
-    code = (
-        "import sys\n"
-        "sys.modules['triton'] = None  # as if Triton were not installed\n"
-        "import kvmgr\n"
-        "try:\n"
-        "    from kvmgr import grouped_mla_insert\n"
-        "except ImportError as exc:\n"
-        "    print('MSG', exc)\n"
-        "else:\n"
-        "    print('IMPORTED')\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert "MSG" in out.stdout and "pip install 'kvmgr[kernels]'" in out.stdout, out.stdout
-    assert "grouped_mla_insert" in out.stdout
+    out = _python("""
+import sys
+sys.modules['triton'] = None  # as if Triton were not installed
+import kvmgr
+try:
+    from kvmgr import grouped_mla_insert
+except ImportError as exc:
+    print('MSG', exc)
+else:
+    print('IMPORTED')
+""")
+    assert "MSG" in out and "pip install 'kvmgr[kernels]'" in out, out
+    assert "grouped_mla_insert" in out
 
 
 def test_unknown_attribute_is_still_an_attribute_error() -> None:
@@ -197,58 +199,50 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sim_cli, "run_sweep", refuse)
 
 
+_NEEDS_MATPLOTLIB = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (--plot)"
+)
+_BAD_OUTPUT_PATHS = [
+    (["--json", "{tmp}/missing/out.json"], "does not exist"),
+    (["--json", "{tmp}"], "is a folder"),
+    (["--plot", "{tmp}/p.png"], "--plot needs --sweep"),
+    (["--sweep", "1M", "--plot", "{tmp}/missing/p.png"], "does not exist"),
+    (["--sweep", "1M", "--plot", "{tmp}/p.nosuchformat"], "suffix"),
+    (["--sweep", "1M", "--json", "{tmp}/no/s.json"], "--json"),
+]
+# Issue 20: these ran (a plain sweep, one instance, a whole replay against a dead server) or
+# failed only after the first run, or with a confusing message.
+_BAD_MULTI_INSTANCE_FLAGS = [
+    (["--instances", "0"], "--instances: expected >= 1, got 0"),
+    (["--instances", "-2"], "--instances: expected >= 1"),
+    (["--instances", "2", "--sweep", "1M"], "--sweep runs one instance"),
+    (["--disk", "{tmp}", "--sweep", "1M"], "drop --disk"),
+    (["--instances", "2", "--policy", "opt"], "--policy opt (the offline optimum)"),
+    (["--instances", "2", "--disk", "{tmp}/missing"], "no such folder"),
+    (["--shared", "redis://127.0.0.1:1"], "--shared: the server cannot be used"),
+]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--json", "{tmp}/missing/out.json"], "does not exist"),
-        (["--json", "{tmp}"], "is a folder"),
-        (["--plot", "{tmp}/p.png"], "--plot needs --sweep"),
-        (["--sweep", "1M", "--plot", "{tmp}/missing/p.png"], "does not exist"),
-        (["--sweep", "1M", "--plot", "{tmp}/p.nosuchformat"], "suffix"),
-        (["--sweep", "1M", "--json", "{tmp}/no/s.json"], "--json"),
+        *(pytest.param(*case, marks=_NEEDS_MATPLOTLIB) for case in _BAD_OUTPUT_PATHS),
+        *_BAD_MULTI_INSTANCE_FLAGS,
     ],
 )
-def test_bad_output_paths_fail_before_the_run(
+def test_bad_simulate_flags_fail_before_the_run(
     extra: list[str],
     message: str,
     tmp_path: Path,
     no_run: None,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    pytest.importorskip("matplotlib")
+    """Bad output paths and multi-instance flags: one line on stderr, exit 2, nothing run."""
     argv = ["simulate", "--quiet", *(a.format(tmp=tmp_path) for a in extra)]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvmgr simulate: error:") and message in err, err
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--instances", "0"], "--instances: expected >= 1, got 0"),
-        (["--instances", "-2"], "--instances: expected >= 1"),
-        (["--instances", "2", "--sweep", "1M"], "--sweep runs one instance"),
-        (["--disk", "{tmp}", "--sweep", "1M"], "drop --disk"),
-        (["--instances", "2", "--policy", "opt"], "--policy opt (the offline optimum)"),
-        (["--instances", "2", "--disk", "{tmp}/missing"], "no such folder"),
-        (["--shared", "redis://127.0.0.1:1"], "--shared: the server cannot be used"),
-    ],
-)
-def test_bad_multi_instance_flags_fail_before_the_run(
-    extra: list[str],
-    message: str,
-    tmp_path: Path,
-    no_run: None,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Issue 20: these ran (a plain sweep, one instance, a whole replay against a dead server)
-    or failed only after the first run, or with a confusing message."""
-    argv = ["simulate", "--quiet", *(a.format(tmp=tmp_path) for a in extra)]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("kvmgr simulate: error:") and message in err, err
-    assert len(err.strip().splitlines()) == 1
 
 
 def test_disk_tokens_take_suffixes_like_cpu_tokens(

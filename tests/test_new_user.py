@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import warnings
 from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -163,14 +164,21 @@ async def test_check_invariants_names_a_key_cycle(monkeypatch: pytest.MonkeyPatc
 # ====================================================================== 2. fences
 
 
+async def _ready_then_held(mgr: OffloadManager, engine: Any) -> list[int]:
+    """Request "r" on 2 GPU blocks, K[0] stored from the first one and READY; then the engine
+    holds every batch. Returns the request's GPU block ids."""
+    gpu = mgr.allocate("r", 2)
+    ready = mgr.swap_out([gpu[0]], [K[0]])
+    await mgr.step()
+    await ready
+    engine.hold()
+    return gpu
+
+
 @pytest.mark.asyncio
 async def test_a_load_fenced_on_the_newer_of_two_stores_is_no_false_alarm() -> None:
     async with _manager() as (mgr, engine):
-        gpu = mgr.allocate("r", 2)
-        ready = mgr.swap_out([gpu[0]], [K[0]])
-        await mgr.step()
-        await ready
-        engine.hold()
+        gpu = await _ready_then_held(mgr, engine)
         g = gpu[1]
         first = mgr.swap_out([g], [K[1]])
         await mgr.step()  # D2H batch 1
@@ -191,11 +199,7 @@ async def test_check_invariants_still_flags_an_unfenced_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with _manager() as (mgr, engine):
-        gpu = mgr.allocate("r", 2)
-        ready = mgr.swap_out([gpu[0]], [K[0]])
-        await mgr.step()
-        await ready
-        engine.hold()
+        gpu = await _ready_then_held(mgr, engine)
         store = mgr.swap_out([gpu[1]], [K[1]])
         await mgr.step()
         load = mgr.swap_in([K[0]], [gpu[1]])
@@ -217,24 +221,9 @@ async def test_check_invariants_still_flags_an_unfenced_load(
 
 @pytest.mark.asyncio
 async def test_the_step_that_sees_the_next_pinned_piece_submits_the_waiting_store() -> None:
-    import threading
+    from test_pinning import waiting_for_the_next_piece
 
-    from test_pinning import FakeRegistrar, PiecewiseHostEngine, _keys, _options
-    from test_pinning import _kv as pinning_kv
-
-    fake = FakeRegistrar()
-    fake.gates = {2: threading.Event()}
-    engine = PiecewiseHostEngine(fake, _options())
-    cfg = ManagerConfig(num_cpu_blocks=64, engine="host", manage_gpu_blocks=False,
-                        backpressure="wait", store_wait_s=30.0)  # fmt: skip
-    async with OffloadManager(pinning_kv(), cfg, engine=engine) as mgr:
-        assert engine.region is not None
-        ready = engine.region.num_blocks_ready
-        waiting = mgr.store_many(np.arange(ready + 5), _keys(ready + 5, "w"))
-        await mgr.step()
-        assert not waiting.done() and mgr.statistics().stores_waiting == 1
-        fake.gates[2].set()
-        assert await asyncio.to_thread(engine.region.wait, 30)
+    async with waiting_for_the_next_piece() as (mgr, waiting, ready):
         report = await mgr.step()  # sees the pieces, wakes the store AND submits it
         assert report.d2h.blocks == ready + 5  # it used to be queued after this step
         result = await asyncio.wait_for(waiting, 30)

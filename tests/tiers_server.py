@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from kvmgr.testing.servers import LocalServer
 
 __all__ = [
     "TierServer",
     "make_certs",
+    "random_bridge",
     "server_binary",
     "tier_server",
     "tier_server_factory",
+    "tls_server",
 ]
 
 _INSTALL_HINT = (
@@ -52,64 +55,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class TierServer:
-    """One server process on 127.0.0.1:``port``; ``stop()``/``start()`` keep the port."""
+class TierServer(LocalServer):
+    """The testing kit's ``LocalServer`` (started on construction; ``kill``/``start``/
+    ``freeze``/``thaw``, the port kept) with the credentials a test's setup uses."""
 
-    def __init__(self, binary: str, workdir: Path, args: list[str], tls: bool = False) -> None:
-        self.binary = binary
-        self.port = _free_port()
-        self.tls = tls
-        self.workdir = workdir
-        self.args = args
-        self.process: subprocess.Popen[bytes] | None = None
-        self.admin_auth: dict[str, str] = {}
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        cmd = [
-            self.binary,
-            "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
-            "--protected-mode", "no", "--loglevel", "warning", *self.args,
-        ]  # fmt: skip
-        if self.tls:  # TLS on our port (the args turn the plain port off)
-            cmd += ["--tls-port", str(self.port)]
-        self.process = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.workdir
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise RuntimeError(f"tier server exited: {err[-500:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"tier server did not listen on port {self.port}")
-
-    def kill(self) -> None:
-        """SIGKILL (a crash, also of a frozen server): the data is gone, the port is free."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(5)
-        if self.process is not None and self.process.stderr:
-            self.process.stderr.close()
-        self.process = None
-
-    def freeze(self) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing (a frozen host)."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        """SIGCONT after ``freeze``."""
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
+    admin_auth: dict[str, str]
 
     def command(self, *args: str | bytes) -> object:
         """Run one command on a fresh synchronous connection (for test setup and tampering)."""
@@ -130,10 +80,10 @@ def tier_server_factory(tmp_path: Path) -> Iterator[Callable[..., TierServer]]:
     def start(*args: str, admin: dict[str, str] | None = None, tls: bool = False) -> TierServer:
         workdir = tmp_path / f"server{len(started)}"
         workdir.mkdir()
-        server = TierServer(binary, workdir, list(args), tls=tls)
-        if admin:
-            server.admin_auth = admin
-        server.start()
+        port = _free_port()
+        tls_port = ("--tls-port", str(port)) if tls else ()  # the args turn the plain port off
+        server = TierServer(*args, *tls_port, workdir=workdir, binary=binary, port=port)
+        server.admin_auth = admin or {}
         started.append(server)
         return server
 
@@ -155,6 +105,26 @@ def random_cpu_tensors(page_bytes: tuple[int, ...], num_blocks: int, seed: int) 
     return [
         torch.randint(0, 256, (num_blocks, p), dtype=torch.uint8, generator=gen) for p in page_bytes
     ]
+
+
+def random_bridge(tier: Any, namespace: Any, num_blocks: int, seed: int) -> tuple[list, Any]:
+    """``num_blocks`` random CPU blocks of ``namespace``'s pages (``random_cpu_tensors``) and a
+    ``TierBridge`` between them and ``tier``: ``(cpu tensors, bridge)``."""
+    from kvmgr.tiers import TierBridge
+
+    cpu = random_cpu_tensors(namespace.page_bytes, num_blocks, seed)
+    return cpu, TierBridge(cpu, tier, namespace)
+
+
+def tls_server(
+    factory: Callable[..., TierServer], certs: dict[str, str], auth_clients: str
+) -> TierServer:
+    """A TLS-only server (plain port off) with ``make_certs``' server certificate and CA;
+    ``auth_clients``: ``--tls-auth-clients`` (``no``, ``optional``, ``yes``)."""
+    return factory(
+        "--port", "0", "--tls-auth-clients", auth_clients, "--tls-cert-file", certs["crt"],
+        "--tls-key-file", certs["key"], "--tls-ca-cert-file", certs["ca"], tls=True,
+    )  # fmt: skip
 
 
 def make_certs(tmp_path: Path) -> dict[str, str]:

@@ -123,13 +123,8 @@ class HostOffloadingWorker(OffloadingWorker):
         self.num_stores += 1
         return self._run(job_id, self._pairs(src_spec, dst_spec), to_cpu=True)
 
-    def submit_load(
-        self,
-        job_id: int,
-        src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
-        expedited: bool = False,
-    ) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:  # fmt: skip
         self.num_loads += 1
         return self._run(job_id, self._pairs(dst_spec, src_spec), to_cpu=False)
 

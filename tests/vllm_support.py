@@ -103,6 +103,34 @@ HEAD_DIM = 16
 EOS_TOKEN_ID = 2
 VOCAB_SIZE = 1024
 
+PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks of 16
+POLICIES = "kvmgr.integrations.vllm.policies"
+
+
+def offload_config(spec_name: str, spec_module_path: str, **settings: Any) -> dict[str, Any]:
+    """The connector's extra config for the out-of-tree offloading spec ``spec_name`` of module
+    ``spec_module_path``, with a 1 MiB CPU tier unless ``settings`` say ``cpu_bytes_to_use``."""
+    return {
+        "spec_name": spec_name,
+        "spec_module_path": spec_module_path,
+        "cpu_bytes_to_use": 1 << 20,
+        **settings,
+    }
+
+
+def host_config(
+    policy: str = "KvmgrLRUPolicy", spec_name: str = "HostCPUOffloadingSpec", **settings: Any
+) -> dict[str, Any]:
+    """``offload_config`` for one of this module's specs of vLLM's own managers, with the kvmgr
+    policy ``policy`` (a class name in kvmgr.integrations.vllm.policies)."""
+    return offload_config(
+        spec_name,
+        "vllm_support",
+        eviction_policy=policy,
+        cache_policy_module_path=POLICIES,
+        **settings,
+    )
+
 
 def write_tiny_llama(directory: Path) -> Path:
     """Write a tiny Llama ``config.json`` (2 layers, 2 KV heads of 16, fp32) into ``directory``."""

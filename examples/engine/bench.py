@@ -43,15 +43,8 @@ from examples.engine.probe import hit_probe
 from kvmgr import ManagerConfig, OffloadManager, __version__
 from kvmgr.sim import default_trace_path, load_trace
 
-TINY = ModelConfig(
-    vocab_size=512,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-)
+TINY = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=128)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

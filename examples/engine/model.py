@@ -78,17 +78,9 @@ class ModelConfig:
 
 
 #: Llama-3-8B's published shapes (meta-llama/Meta-Llama-3-8B config.json), RoPE scaling left out.
-LLAMA3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=14336,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-)
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                        num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                        rope_theta=500000.0, rms_norm_eps=1e-5)  # fmt: skip
 
 
 def new_kv_caches(

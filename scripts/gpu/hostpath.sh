@@ -7,15 +7,7 @@
 #    plus the copy columns of the qwen geometry at 512 blocks.
 # 2. `kvmgr bench host`: 512 one-block stores batched / per call and the steady state (full GCs)
 #    on the H200 host's CPU (targets: batched round 150 us, per call 1 ms, no full GC).
-set -u
-OUT=${OUT:-out}
-case "$OUT" in */hostpath) D=$OUT ;; *) D=$OUT/hostpath ;; esac
-mkdir -p "$D"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-LOG="$D/log.txt"
-step() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
-  timeout "$secs" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$?" | tee -a "$LOG"; }
+source "${BASH_SOURCE%/*}/_common.sh" hostpath
 step env 20 python3 -c "import sys, torch, numpy; print(sys.version.split()[0], torch.__version__, torch.version.cuda, numpy.__version__, torch.cuda.get_device_name())"
 step bench_swap 100 python3 -m kvmgr.cli bench swap --geometries qwen --blocks 512 --repeats 10 \
   --warmup 3 --step-swaps 512 --step-engines cuda kernel --json "$D/bench_swap.json"

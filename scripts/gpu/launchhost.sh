@@ -16,15 +16,7 @@
 #    c128 gated 8.5 us, MLA hook 5.7, grouped 16 sets 11.8 at T = 64).
 # 5. `kvmgr bench mla-insert --modes eager`: the host columns (grouped, hook: target <= 10 us;
 #    round 4: grouped 20.0-22.5, hook 11.7-13.6).
-set -u
-OUT=${OUT:-out}
-case "$OUT" in */launchhost) D=$OUT ;; *) D=$OUT/launchhost ;; esac
-mkdir -p "$D"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-LOG="$D/log.txt"
-step() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
-  timeout "$secs" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$?" | tee -a "$LOG"; }
+source "${BASH_SOURCE%/*}/_common.sh" launchhost
 step env 15 python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name()); from kvmgr.kernels.launch.native import native_fire; print('native fire:', native_fire())"
 step tests 35 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels/test_launch.py \
   tests/kernels/test_c128.py tests/kernels/test_mla_insert.py tests/models/test_dsv4_state.py

@@ -3,12 +3,7 @@
 # end-to-end engine run. Run from the repository root; writes JSON and logs under
 # $OUT/layerwise/. Each section has its own timeout and a failing section does not stop the
 # others (budget: <= ~5 minutes of device time in all).
-set -u
-OUT=${OUT:-/tmp/out}
-DIR="$OUT/layerwise"
-mkdir -p "$DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$DIR/sections.jsonl"; }
+source "${BASH_SOURCE%/*}/_common.sh" layerwise
 
 # 1. GPU tests of the new code (layerwise on the CUDA engines, the example engine with layerwise)
 timeout 60 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_layerwise_gpu.py \
@@ -16,22 +11,22 @@ timeout 60 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_layerwis
   "tests/examples/test_example_engine.py::test_engine_on_cuda_equals_its_run_without_offload" \
   "tests/examples/test_example_engine.py::test_decode_graphs_match_the_eager_decode" \
   "tests/examples/test_example_engine.py::test_engine_decodes_in_cuda_graphs_on_the_gpu" \
-  >"$DIR/pytest.log" 2>&1
+  >"$D/pytest.log" 2>&1
 section pytest $?
-tail -5 "$DIR/pytest.log"
+tail -5 "$D/pytest.log"
 
 # 2. both directions at once: every path pair and auto against two contiguous copies
-timeout 70 python3 -m kvmgr.cli bench duplex --repeats 5 --json "$DIR/duplex.json" \
-  >"$DIR/duplex.log" 2>&1
+timeout 70 python3 -m kvmgr.cli bench duplex --repeats 5 --json "$D/duplex.json" \
+  >"$D/duplex.log" 2>&1
 section duplex $?
-cat "$DIR/duplex.log"
+cat "$D/duplex.log"
 
 # 3. the paged kernel's constants, refitted (prints the fitted Calibration as JSON)
 timeout 25 python3 -m kvmgr.cli bench swap-kernel --geometries qwen llama --blocks 64 512 \
-  --programs --repeats 5 --matmuls 10 --interference-repeats 3 --json "$DIR/swap_kernel.json" \
-  >"$DIR/swap_kernel.log" 2>&1
+  --programs --repeats 5 --matmuls 10 --interference-repeats 3 --json "$D/swap_kernel.json" \
+  >"$D/swap_kernel.log" 2>&1
 section swap_kernel $?
-timeout 20 python3 - "$DIR" <<'PY' 2>&1 | tee "$DIR/calibration.json"
+timeout 20 python3 - "$D" <<'PY' 2>&1 | tee "$D/calibration.json"
 import attrs, json, sys
 from kvmgr.transfer.cost_model import Calibration
 d = sys.argv[1]
@@ -47,15 +42,15 @@ PY
 # 4. end to end: recompute vs whole-prefix load vs layerwise load, decode steps in CUDA graphs;
 #    the Mooncake slice, then a high-reuse multi-turn slice
 timeout 90 python3 -m examples.engine.bench --rounds 1 --requests 120 \
-  --variants recompute,auto,auto-layerwise --json "$DIR/engine.json" >"$DIR/engine.log" 2>&1
+  --variants recompute,auto,auto-layerwise --json "$D/engine.json" >"$D/engine.log" 2>&1
 section engine_mooncake $?
-tail -22 "$DIR/engine.log"
+tail -22 "$D/engine.log"
 timeout 55 python3 -m examples.engine.bench --rounds 1 --slice multiturn --requests 64 \
   --turns 4 --turn-gap 0.5 --variants recompute,auto,auto-layerwise \
-  --json "$DIR/engine_multiturn.json" >"$DIR/engine_multiturn.log" 2>&1
+  --json "$D/engine_multiturn.json" >"$D/engine_multiturn.log" 2>&1
 section engine_multiturn $?
-tail -22 "$DIR/engine_multiturn.log"
-python3 - "$DIR" <<'PY' 2>&1 | tee "$DIR/engine_summary.json"
+tail -22 "$D/engine_multiturn.log"
+python3 - "$D" <<'PY' 2>&1 | tee "$D/engine_summary.json"
 import json, sys
 summary = {}
 for name in ("engine", "engine_multiturn"):

@@ -4,29 +4,24 @@
 # (recorded on which stream, recycled or not, elapsed time) and of the host cost per group, and
 # the short end-to-end bench. Run from the repository root; writes under $OUT/layerwise2/.
 # Each section has its own timeout; a failing section does not stop the others (<= ~200 s).
-set -u
-OUT=${OUT:-/tmp/out}
-DIR="$OUT/layerwise2"
-mkdir -p "$DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$DIR/sections.jsonl"; }
+source "${BASH_SOURCE%/*}/_common.sh" layerwise2
 
 # 1. the layerwise tests, serial, then the GPU file under 4 workers (pytest-benchmark refuses
 #    xdist: -p no:benchmark)
 timeout 40 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_layerwise_gpu.py \
-  tests/transfer/test_layerwise.py tests/transfer/test_layerwise_fake_cuda.py >"$DIR/pytest_serial.log" 2>&1
+  tests/transfer/test_layerwise.py tests/transfer/test_layerwise_fake_cuda.py >"$D/pytest_serial.log" 2>&1
 section pytest_serial $?
-tail -4 "$DIR/pytest_serial.log"
+tail -4 "$D/pytest_serial.log"
 timeout 30 python3 -m pytest -q -rfE -p no:randomly -p no:benchmark -n 4 \
-  tests/transfer/test_layerwise_gpu.py >"$DIR/pytest_n4.log" 2>&1
+  tests/transfer/test_layerwise_gpu.py >"$D/pytest_n4.log" 2>&1
 section pytest_n4 $?
-tail -4 "$DIR/pytest_n4.log"
+tail -4 "$D/pytest_n4.log"
 
 # 2. diagnostic: per group, its end event (id), the streams it was recorded on during the load
 #    (the load stream only, expected), how often (2+: recycled from an earlier group that had
 #    ended: pooled events), elapsed ms from group 0's end event; pooled and fresh events; then
 #    host us of load_layerwise (8 groups) + 32 wait_layer against load_many + step
-timeout 35 python3 - <<'PY' 2>&1 | tee "$DIR/diag.log"
+timeout 35 python3 - <<'PY' 2>&1 | tee "$D/diag.log"
 import asyncio, hashlib, json, statistics, time
 import torch
 from kvmgr import ManagerConfig, OffloadManager
@@ -101,11 +96,11 @@ section diag ${PIPESTATUS[0]}
 # 3. end to end: recompute vs whole-prefix load vs layerwise load+store (Mooncake slice); the
 #    hit probe also with the DMA engine (does the copy kernel slow the forward it runs under?)
 timeout 95 python3 -m examples.engine.bench --rounds 1 --requests 120 \
-  --variants recompute,auto,auto-layerwise --probe-engines cuda --json "$DIR/engine.json" \
-  >"$DIR/engine.log" 2>&1
+  --variants recompute,auto,auto-layerwise --probe-engines cuda --json "$D/engine.json" \
+  >"$D/engine.log" 2>&1
 section engine $?
-tail -24 "$DIR/engine.log"
-python3 - "$DIR" <<'PY' 2>&1 | tee "$DIR/engine_summary.json"
+tail -24 "$D/engine.log"
+python3 - "$D" <<'PY' 2>&1 | tee "$D/engine_summary.json"
 import json, sys
 try:
     data = json.load(open(f"{sys.argv[1]}/engine.json"))

@@ -8,15 +8,7 @@
 #    per-call p50 5,197 us, batched 1,178 us; steady per-call 9,914 us with 29 full GCs).
 # 2. When the repo has its git history: scripts/host_ab.py between the commit before this work
 #    (f5ab5bc, the per-call path as it was) and this tree, alternating runs (old / new ratios).
-set -u
-OUT=${OUT:-out}
-D=$OUT/percall
-mkdir -p "$D"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-LOG="$D/log.txt"
-step() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
-  timeout "$secs" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$?" | tee -a "$LOG"; }
+source "${BASH_SOURCE%/*}/_common.sh" percall
 step uptime 5 uptime
 step bench_host 90 python3 -m kvmgr.cli bench host --rounds 200 --steps 1000 --json "$D/bench_host.json"
 OLD=$(mktemp -d)

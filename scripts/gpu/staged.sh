@@ -4,29 +4,24 @@
 # a store of fresh or evicted-together blocks), then the calibration fitted from the rows.
 # Run from the repository root; writes under $OUT/staged/. Each section has its own timeout
 # and a failing one does not stop the others (<= ~230 s in all).
-set -u
-OUT=${OUT:-/tmp/out}
-DIR="$OUT/staged"
-mkdir -p "$DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$DIR/sections.jsonl"; }
+source "${BASH_SOURCE%/*}/_common.sh" staged
 
 # 1. GPU tests: staged bytes (both directions, chunked), auto staging a step; CPU tests too
 timeout 45 python3 -m pytest -q -rfE -p no:randomly tests/transfer/test_staged_gpu.py tests/transfer/test_staged.py \
-  tests/transfer/test_duplex.py >"$DIR/pytest.log" 2>&1
+  tests/transfer/test_duplex.py >"$D/pytest.log" 2>&1
 section pytest $?
-tail -5 "$DIR/pytest.log"
+tail -5 "$D/pytest.log"
 
 # 2. both directions at once, 512 blocks each way; CPU ids scattered, in runs of 32, all in runs
 #    of 512 (one run per direction)
 for runs in 1 32 512; do
   timeout 60 python3 -m kvmgr.cli bench duplex --repeats 5 --host-runs "$runs" \
-    --json "$DIR/duplex_runs$runs.json" >"$DIR/duplex_runs$runs.log" 2>&1
+    --json "$D/duplex_runs$runs.json" >"$D/duplex_runs$runs.log" 2>&1
   section "duplex_runs$runs" $?
 done
 
 # 3. the table: ratio (limit time / variant time; goal >= 0.8) per variant and CPU-run length
-python3 - "$DIR" <<'PY' 2>&1 | tee "$DIR/summary.txt"
+python3 - "$D" <<'PY' 2>&1 | tee "$D/summary.txt"
 import json, sys
 d = sys.argv[1]
 show = ["dma+dma", "kernel+kernel", "dma+kernel", "kernel+contiguous", "contiguous+kernel",
@@ -66,7 +61,7 @@ PY
 # 4. the constants refitted: the duplex ones from the runs-of-32 rows (limit, kernel+kernel,
 #    mixed, gather), the paged kernel's from layerwise.sh's swap-kernel run if it is there
 SK="$OUT/layerwise/swap_kernel.json"
-timeout 20 python3 scripts/fit_calibration.py --duplex "$DIR/duplex_runs32.json" \
-  $( [ -f "$SK" ] && echo --swap-kernel "$SK" ) --out "$DIR/calibration.json" \
-  2>&1 | tee "$DIR/calibration.txt"
+timeout 20 python3 scripts/fit_calibration.py --duplex "$D/duplex_runs32.json" \
+  $( [ -f "$SK" ] && echo --swap-kernel "$SK" ) --out "$D/calibration.json" \
+  2>&1 | tee "$D/calibration.txt"
 exit 0

@@ -32,18 +32,10 @@ def _hf_model(kind: str) -> torch.nn.Module:
     transformers = pytest.importorskip(
         "transformers", reason="transformers is not installed: pip install -e '.[engine]'"
     )
-    common = dict(
-        vocab_size=211,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        initializer_range=0.2,  # well-separated logits: argmax is not decided by rounding
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    common = dict(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96,
+                  initializer_range=0.2,  # well-separated logits: argmax is not decided by rounding
+                  bos_token_id=None, eos_token_id=None, pad_token_id=0)  # fmt: skip
     torch.manual_seed(1234)
     if kind == "llama":
         config = transformers.LlamaConfig(**common)

@@ -3,10 +3,11 @@ loads, orphan eviction, typed errors, vLLM events."""
 
 from __future__ import annotations
 
-import hashlib
+from typing import Any
 
 import pytest
 import torch
+from test_groups_spec import hashes
 
 from kvmgr import ManagerConfig
 from kvmgr.errors import PoolExhaustedError, UnknownKeyError
@@ -28,12 +29,11 @@ LAYOUT = GroupedLayout([FULL, SWA, MAMBA], hash_block_size=BS)
 NUM_GPU = 32
 
 
-def chain(n: int, salt: bytes = b"") -> list[bytes]:
-    out, parent = [], b"root" + salt
-    for i in range(n):
-        parent = hashlib.blake2b(parent + b"%d" % i, digest_size=16).digest()
-        out.append(parent)
-    return out
+async def store_now(mgr: Any, hashes: list[bytes], block_ids: dict[str, list[Any]]) -> Any:
+    """``mgr.store(hashes, block_ids)``, stepped and awaited; its result."""
+    store = mgr.store(hashes, block_ids)
+    await mgr.step()
+    return await store
 
 
 def caches(gen: torch.Generator) -> dict[str, list[torch.Tensor]]:
@@ -62,12 +62,10 @@ def tables(n_hash: int, base: int = 0) -> dict[str, list[int | None]]:
 async def test_round_trip_loads_each_groups_live_blocks_bit_for_bit() -> None:
     gen = torch.Generator().manual_seed(1)
     kv = caches(gen)
-    hs = chain(8)
+    hs = hashes(8)
     async with make(kv) as mgr:
         src = tables(8)  # blocks 0..7 (mamba 0..3)
-        stored = mgr.store(hs, src)
-        await mgr.step()
-        result = await stored
+        result = await store_now(mgr, hs, src)
         assert (
             result.num_bytes == 8 * FULL.block_bytes + 8 * SWA.block_bytes + 4 * MAMBA.block_bytes
         )
@@ -91,13 +89,11 @@ async def test_round_trip_loads_each_groups_live_blocks_bit_for_bit() -> None:
 @pytest.mark.asyncio
 async def test_window_blocks_freed_on_the_gpu_are_not_stored_and_still_restore() -> None:
     kv = caches(torch.Generator().manual_seed(2))
-    hs = chain(8)
+    hs = hashes(8)
     async with make(kv) as mgr:
         src = tables(8)
         src["swa"] = [None] * 6 + [6, 7]  # the GPU dropped the blocks left of the window
-        await_store = mgr.store(hs, src)
-        await mgr.step()
-        await await_store
+        await store_now(mgr, hs, src)
         assert mgr.lookup(hs).num_tokens == 128
         assert mgr.lookup(hs[:6]).num_tokens == 0  # boundary 96 needs window blocks 4, 5
 
@@ -105,15 +101,11 @@ async def test_window_blocks_freed_on_the_gpu_are_not_stored_and_still_restore()
 @pytest.mark.asyncio
 async def test_full_eviction_drops_the_other_groups_orphans() -> None:
     kv = caches(torch.Generator().manual_seed(3))
-    a, b = chain(8, b"a"), chain(8, b"b")
+    a, b = hashes(8, b"a"), hashes(8, b"b")
     # the full group holds 8 blocks: storing B evicts A's full blocks (LRU, leaves first)
     async with make(kv, {"full": 8, "swa": 64, "mamba": 32}) as mgr:
-        fa = mgr.store(a, tables(8))
-        await mgr.step()
-        await fa
-        fb = mgr.store(b, tables(8, base=8))
-        await mgr.step()
-        await fb
+        await store_now(mgr, a, tables(8))
+        await store_now(mgr, b, tables(8, base=8))
         assert mgr.lookup(b).num_tokens == 128
         assert mgr.lookup(a).num_tokens == 0
         swa_mgr, mamba_mgr = mgr.managers[1], mgr.managers[2]
@@ -130,9 +122,8 @@ async def test_full_eviction_drops_the_other_groups_orphans() -> None:
 
 @pytest.mark.asyncio
 async def test_bad_input_raises_before_anything_changes() -> None:
-    kv = caches(torch.Generator().manual_seed(4))
-    hs = chain(4)
-    async with make(kv) as mgr:
+    hs = hashes(4)
+    async with make(caches(torch.Generator().manual_seed(4))) as mgr:
         bad = tables(4)
         bad["mamba"] = ["x", 1]  # type: ignore[list-item]
         with pytest.raises(GroupKeyError):
@@ -144,9 +135,7 @@ async def test_bad_input_raises_before_anything_changes() -> None:
         assert mgr.index.num_held() == 0
         assert all(m.statistics().cpu_blocks_used == 0 for m in mgr.managers)
         # a hash list that contradicts a stored chain
-        ok = mgr.store(hs, tables(4))
-        await mgr.step()
-        await ok
+        await store_now(mgr, hs, tables(4))
         with pytest.raises(GroupKeyError, match="chain"):
             mgr.store([hs[1], hs[0]], tables(2))
         plan = mgr.lookup(hs)
@@ -157,11 +146,9 @@ async def test_bad_input_raises_before_anything_changes() -> None:
 @pytest.mark.asyncio
 async def test_load_of_a_plan_whose_block_left_raises_unknown_key() -> None:
     kv = caches(torch.Generator().manual_seed(5))
-    hs = chain(4)
+    hs = hashes(4)
     async with make(kv) as mgr:
-        f = mgr.store(hs, tables(4))
-        await mgr.step()
-        await f
+        await store_now(mgr, hs, tables(4))
         plan = mgr.lookup(hs)
         mgr.managers[1].invalidate([offload_key(hs[3], 1)])  # behind the grouped manager's back
         with pytest.raises(UnknownKeyError):
@@ -172,7 +159,7 @@ async def test_load_of_a_plan_whose_block_left_raises_unknown_key() -> None:
 @pytest.mark.asyncio
 async def test_pool_exhausted_in_one_group_leaves_no_orphans() -> None:
     kv = caches(torch.Generator().manual_seed(6))
-    hs = chain(8)
+    hs = hashes(8)
     async with make(kv, {"full": 64, "swa": 64, "mamba": 2}) as mgr:
         with pytest.raises(PoolExhaustedError, match="mamba"):
             mgr.store(hs, tables(8))  # mamba needs 4 blocks, has 2
@@ -181,9 +168,7 @@ async def test_pool_exhausted_in_one_group_leaves_no_orphans() -> None:
         assert mgr.index.num_held() == 0
         await mgr.step()
         assert all(m.statistics().cpu_blocks_used == 0 for m in mgr.managers)
-        ok = mgr.store(hs[:4], tables(4))  # 2 states fit
-        await mgr.step()
-        await ok
+        await store_now(mgr, hs[:4], tables(4))  # 2 states fit
         assert mgr.lookup(hs).num_tokens == 64
 
 
@@ -212,11 +197,9 @@ async def test_events_decode_as_vllms_with_hash_and_group_apart() -> None:
 
     ve = vllm_kv_events()
     kv = caches(torch.Generator().manual_seed(8))
-    hs = chain(4)
+    hs = hashes(4)
     async with make(kv) as mgr:
-        f = mgr.store(hs, tables(4))
-        await mgr.step()
-        await f
+        await store_now(mgr, hs, tables(4))
         events = mgr.take_events()
     structs = to_vllm_events(LAYOUT, events, hash_format="bytes")
     by_group = {s.group_idx: s for s in structs if type(s).__name__ == "BlockStored"}
@@ -236,11 +219,9 @@ async def test_events_decode_as_vllms_with_hash_and_group_apart() -> None:
 async def test_index_resyncs_when_a_groups_event_stream_dropped_events() -> None:
     kv = caches(torch.Generator().manual_seed(9))
     cfg = ManagerConfig(num_cpu_blocks=1, engine="host", manage_gpu_blocks=False, max_events=1)
-    hs = chain(8)
+    hs = hashes(8)
     async with GroupedManager.create(LAYOUT, kv, {"full": 64, "swa": 64, "mamba": 32}, cfg) as mgr:
-        f = mgr.store(hs, tables(8))
-        await mgr.step()
-        await f
+        await store_now(mgr, hs, tables(8))
         mgr.sync()  # the stored events (they may land after the step)
         # two removals behind the grouped manager's back: the one-event stream keeps one
         swa = mgr.managers[1]
@@ -267,7 +248,7 @@ async def test_a_failed_store_in_one_group_drops_the_others_orphans() -> None:
         OffloadManager(kv["swa"], cfg, engine=FaultyEngine(HostEngine(), fail_batches={0})),
         OffloadManager(kv["mamba"], cfg),
     ]
-    hs = chain(4)
+    hs = hashes(4)
     async with GroupedManager(LAYOUT, managers) as mgr:
         stored = mgr.store(hs, tables(4))
         await mgr.step()

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import itertools
 import json
 import os
-import threading
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
 import torch
+from cuda_fakes import FakeCuda, hold_two_tables
 
 from kvmgr.errors import ConfigError, GeometryError, TransferError
 from kvmgr.kernels.copy import staging
@@ -180,7 +178,7 @@ def test_empty_plan_launches_nothing() -> None:
 
 
 _COMPILE_FOR_SM90 = """
-import json, re, triton
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvmgr.kernels.copy.pages import _copy_pages_kernel
@@ -191,9 +189,6 @@ one = ASTSource(_copy_pages_kernel, {"table_ptr": "*i64", "num_items": "constexp
 triton.compile(one, target=target, options=options)
 source = ASTSource(_copy_pages_kernel, {"table_ptr": "*i64", "num_items": "i32"}, {})
 kernel = triton.compile(source, target=target, options=options)
-ops = sorted(set(re.findall(r"(?:ld|st)[.]global[.a-z0-9]*", kernel.asm["ptx"])))
-converts = kernel.asm["ttgir"].count("convert_layout")
-print(json.dumps({"ops": ops, "shared": kernel.metadata.shared, "converts": converts}))
 """
 
 
@@ -201,10 +196,7 @@ def test_kernel_compiles_to_vector_loads_for_the_h200(compile_for_sm90) -> None:
     # The interpreter cannot see vector widths: compile for sm_90 (no GPU needed; Triton ships
     # ptxas) in a process without TRITON_INTERPRET and read the PTX.
     info = compile_for_sm90(_COMPILE_FOR_SM90)
-    widths = {
-        f"{op}.global.{w}" for op in ("ld", "st") for w in ("v4.b32", "b64", "b32", "b16", "b8")
-    }
-    assert widths <= set(info["ops"])  # 16-, 8-, 4-, 2- and 1-byte branches
+    assert info["missing_widths"] == [], info["ops"]  # 16-, 8-, 4-, 2- and 1-byte branches
     assert (info["shared"], info["converts"]) == (0, 0)  # no shuffles through shared memory
 
 
@@ -352,16 +344,11 @@ def test_calibration_from_json_shapes(tmp_path) -> None:
 def test_calibration_fit_recovers_a_known_model() -> None:
     # Rows generated from a known model with 1% multiplicative noise: the fit finds it again.
     truth = Calibration(
-        batch_launch_us=12.0,
-        batch_h2d_us_per_descriptor=1.7,
-        batch_d2h_us_per_descriptor=0.7,
-        batch_h2d_gbps=50.0,
-        batch_d2h_gbps=53.0,
-        kernel_launch_us=90.0,
-        kernel_us_per_descriptor=0.004,
-        kernel_h2d_gbps=44.0,
-        kernel_d2h_gbps=49.0,
-    )
+        batch_launch_us=12.0, batch_h2d_us_per_descriptor=1.7, batch_d2h_us_per_descriptor=0.7,
+        batch_h2d_gbps=50.0, batch_d2h_gbps=53.0,
+        kernel_launch_us=90.0, kernel_us_per_descriptor=0.004,
+        kernel_h2d_gbps=44.0, kernel_d2h_gbps=49.0,
+    )  # fmt: skip
     rng = np.random.default_rng(2)
     rows = []  # in the "copies" format of `kvmgr bench swap --json`
     for (tensors, page), blocks, direction in zip(
@@ -439,40 +426,13 @@ def test_library_never_imports_the_benchmarks() -> None:
 # ------------------------------------------------------------------ engines on fake CUDA
 
 
-class FakeCuda:
-    """``torch.cuda`` streams and events that log ``(op, object, argument)`` in call order; the
-    copy kernel runs for real (interpreter, CPU addresses) and logs ``("kernel", rows, cap)``.
-    A blocking (end) event created while ``gates`` is non-empty waits for the first gate."""
+class KernelFakeCuda(FakeCuda):
+    """``FakeCuda`` where the copy kernel runs for real (interpreter, CPU addresses) and logs
+    ``("kernel", rows, cap)`` / ``("paged", rows, cap)``; ``fail_launches`` refuses that many."""
 
     def __init__(self) -> None:
-        self.log: list[Any] = []
-        self.gates: list[threading.Event] = []
+        super().__init__(elapsed_ms=0.25)
         self.fail_launches = 0
-        handles = itertools.count(0x100)
-        fake = self
-
-        class Stream:
-            def __init__(self, device: Any = None, priority: int = 0) -> None:
-                self.cuda_stream, self.priority = next(handles), priority
-
-            def wait_event(self, event: Any) -> None:
-                fake.log.append(("wait", self, event))
-
-        class Event:
-            def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
-                self.gate = fake.gates.pop(0) if blocking and fake.gates else None
-
-            def record(self, stream: Any = None) -> None:
-                fake.log.append(("record", self, stream))
-
-            def synchronize(self) -> None:
-                assert self.gate is None or self.gate.wait(10)
-
-            def elapsed_time(self, end: Any) -> float:
-                return 0.25  # ms
-
-        self.Stream, self.Event = Stream, Event
-        self.compute = Stream()
 
     def launch(self, table: torch.Tensor, num_items: int, max_programs: int, **_: Any) -> int:
         if self.fail_launches:
@@ -516,17 +476,10 @@ class FakeDriver:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> KernelFakeCuda:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("fake CUDA runs the copy kernel under the Triton interpreter (CPU only)")
-    fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
-    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
+    fake = KernelFakeCuda().install(monkeypatch)
     monkeypatch.setattr(staging, "launch_copy_table", fake.launch)
     monkeypatch.setattr(staging, "launch_block_table", fake.launch_paged)
     monkeypatch.setattr(staging, "new_table_slot", _cpu_slot)
@@ -554,7 +507,7 @@ def _cpu_pages(tensors: list[torch.Tensor], ids) -> list[torch.Tensor]:
     return [t[torch.as_tensor(np.array(ids, dtype=np.int64))] for t in tensors]
 
 
-def test_kernel_engine_keeps_the_dma_engines_ordering(fake_cuda: FakeCuda) -> None:
+def test_kernel_engine_keeps_the_dma_engines_ordering(fake_cuda: KernelFakeCuda) -> None:
     rng = np.random.default_rng(21)
     engine = CopyKernelEngine(driver=FakeDriver(fake_cuda.log), warmup=False, max_programs=3)
     with engine:
@@ -595,21 +548,12 @@ def test_kernel_engine_keeps_the_dma_engines_ordering(fake_cuda: FakeCuda) -> No
     )
 
 
-def test_kernel_table_lives_until_the_end_event_then_is_reused(fake_cuda: FakeCuda) -> None:
+def test_kernel_table_lives_until_the_end_event_then_is_reused(fake_cuda: KernelFakeCuda) -> None:
     rng = np.random.default_rng(22)
     with CopyKernelEngine(driver=FakeDriver(fake_cuda.log), warmup=False) as engine:
         slots = engine.issuer.kernel.slots
-        gate = threading.Event()
-        fake_cuda.gates.append(gate)
         plan, *_ = _scattered(rng, Direction.D2H, [656], 5)
-        handle = engine.submit(plan)
-        # the batch has not ended: its table is neither free nor collected (rule 7)
-        assert slots.num_allocated == 1 and not any(slots._free.values())
-        second = engine.submit(plan)  # a second batch in flight takes a second table
-        assert slots.num_allocated == 2
-        gate.set()
-        handle.future.result(timeout=5)
-        second.future.result(timeout=5)
+        hold_two_tables(fake_cuda, engine, slots, plan)
         # both ended: their tables are back in the pool, and the next batch allocates nothing
         plan, src, dst, src_ids, dst_ids = _scattered(rng, Direction.D2H, [656], 7)
         engine.submit(plan).future.result(timeout=5)
@@ -618,7 +562,7 @@ def test_kernel_table_lives_until_the_end_event_then_is_reused(fake_cuda: FakeCu
 
 
 def test_auto_engine_chooses_per_batch(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+    fake_cuda: KernelFakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = np.random.default_rng(23)
     asked: list[tuple[int, int]] = []
@@ -647,7 +591,7 @@ def test_auto_engine_chooses_per_batch(
 
 
 def test_plans_from_build_plan_take_the_paged_path_and_others_the_descriptors(
-    fake_cuda: FakeCuda,
+    fake_cuda: KernelFakeCuda,
 ) -> None:
     rng = np.random.default_rng(28)
     pages = [576, 584, 4096]
@@ -719,7 +663,7 @@ def test_paged_path_only_for_layouts_the_kernel_can_address() -> None:
         assert not copy._addressable(cpu, other) and not copy._addressable(meta, gpu)
 
 
-def test_a_refused_layout_upload_fails_its_batch_only(fake_cuda: FakeCuda) -> None:
+def test_a_refused_layout_upload_fails_its_batch_only(fake_cuda: KernelFakeCuda) -> None:
     class RefusingDriver(FakeDriver):
         refuse = 1
 
@@ -739,7 +683,7 @@ def test_a_refused_layout_upload_fails_its_batch_only(fake_cuda: FakeCuda) -> No
         assert _same(_cpu_pages(dst, dst_ids), _cpu_pages(src, src_ids))
 
 
-def test_a_failed_launch_fails_its_batch_only(fake_cuda: FakeCuda) -> None:
+def test_a_failed_launch_fails_its_batch_only(fake_cuda: KernelFakeCuda) -> None:
     rng = np.random.default_rng(24)
     with CopyKernelEngine(driver=FakeDriver(fake_cuda.log), warmup=False) as engine:
         fake_cuda.fail_launches = 1
@@ -760,7 +704,7 @@ def test_a_failed_launch_fails_its_batch_only(fake_cuda: FakeCuda) -> None:
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="registration really works where CUDA is present"
 )
-def test_pageable_host_memory_sends_every_batch_to_dma(fake_cuda: FakeCuda) -> None:
+def test_pageable_host_memory_sends_every_batch_to_dma(fake_cuda: KernelFakeCuda) -> None:
     rng = np.random.default_rng(25)
     with CopyKernelEngine(
         driver=FakeDriver(fake_cuda.log), warmup=False, allow_pageable=True
@@ -774,7 +718,7 @@ def test_pageable_host_memory_sends_every_batch_to_dma(fake_cuda: FakeCuda) -> N
 
 
 def test_without_triton_kernel_fails_clearly_and_auto_uses_dma(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+    fake_cuda: KernelFakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cuda_engine, "KERNEL_AVAILABLE", False)
     with pytest.raises(TransferError, match="needs Triton"):
@@ -788,7 +732,7 @@ def test_without_triton_kernel_fails_clearly_and_auto_uses_dma(
 
 
 def test_auto_engine_falls_back_to_dma_when_the_warmup_copy_fails(
-    fake_cuda: FakeCuda, caplog: pytest.LogCaptureFixture
+    fake_cuda: KernelFakeCuda, caplog: pytest.LogCaptureFixture
 ) -> None:
     # On fake CUDA the warm-up's device tensors cannot be created: "kernel" raises, "auto" logs.
     with pytest.raises(TransferError, match="warm-up copy"):

@@ -119,19 +119,29 @@ def test_state_write_matches_vllm_bit_for_bit(seed, tmp_path_factory):
     assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
 
 
+def _compressed_rows(
+    attn: str, reference: Any, head: int, width: int, seed: int, tmp_path_factory: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ours (``reference``) and vLLM's fused compressor kernel for ``attn`` on one scenario:
+    the cache rows they wrote, ``[rows, width]`` bytes each (ours first)."""
+    kernel = _vllm_kernel(
+        "fused_compress_quant_cache",
+        f"_fused_kv_compress_norm_rope_insert_{attn}",
+        tmp_path_factory,
+    )
+    s = _scenario(head, seed)
+    theirs = _vllm_compress(kernel, s, head, width)
+    ours = torch.zeros_like(theirs)
+    reference(s["state"], s["table"], torch.zeros(T, dtype=torch.int32), s["pos"],
+              s["out_slots"], s["norm"], s["cos_sin"], ours)  # fmt: skip
+    rows = _written(s)
+    return ours.view(-1, width)[rows], theirs.view(-1, width)[rows]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_c4_compressor_matches_vllm(seed, tmp_path_factory):
-    kernel = _vllm_kernel("fused_compress_quant_cache",
-                          "_fused_kv_compress_norm_rope_insert_sparse_attn", tmp_path_factory)  # fmt: skip
-    s = _scenario(512, seed)
-    theirs = _vllm_compress(kernel, s, 512, 584)
-    ours = torch.zeros_like(theirs)
-    c4_compress_ref(s["state"], s["table"], torch.zeros(T, dtype=torch.int32), s["pos"],
-                    s["out_slots"], s["norm"], s["cos_sin"], ours)  # fmt: skip
-    rows = _written(s)
-    (n_ours, r_ours, e_ours), (n_theirs, r_theirs, e_theirs) = (
-        c128_unpack(x.view(-1, 584)[rows]) for x in (ours, theirs)
-    )
+    both = _compressed_rows("sparse_attn", c4_compress_ref, 512, 584, seed, tmp_path_factory)
+    (n_ours, r_ours, e_ours), (n_theirs, r_theirs, e_theirs) = map(c128_unpack, both)
     assert (e_ours == e_theirs).float().mean() >= 0.95  # a bf16 rounding may cross a power of 2
     scale = torch.exp2(torch.maximum(e_ours, e_theirs).float()).repeat_interleave(64, dim=-1)
     assert _within_one_fp8_step(n_ours, n_theirs, scale)
@@ -140,17 +150,11 @@ def test_c4_compressor_matches_vllm(seed, tmp_path_factory):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_indexer_compressor_matches_vllm(seed, tmp_path_factory):
-    kernel = _vllm_kernel("fused_compress_quant_cache",
-                          "_fused_kv_compress_norm_rope_insert_indexer_attn", tmp_path_factory)  # fmt: skip
-    s = _scenario(128, seed)
-    theirs = _vllm_compress(kernel, s, 128, 132)
-    ours = torch.zeros_like(theirs)
-    indexer_compress_ref(s["state"], s["table"], torch.zeros(T, dtype=torch.int32), s["pos"],
-                         s["out_slots"], s["norm"], s["cos_sin"], ours)  # fmt: skip
-    rows = _written(s)
+    ours, theirs = _compressed_rows(
+        "indexer_attn", indexer_compress_ref, 128, 132, seed, tmp_path_factory
+    )
 
-    def decode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        e = x.view(-1, 132)[rows]
+    def decode(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = e[:, 128:].contiguous().view(torch.float32)
         return e[:, :128].contiguous().view(torch.float8_e4m3fn).float() * scale, scale
 

@@ -76,6 +76,19 @@ def _same_bytes(left: Sequence[torch.Tensor], right: Sequence[torch.Tensor]) -> 
     return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(left, right, strict=True))  # fmt: skip
 
 
+def _reference(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    caches: list[torch.Tensor],
+    slots: torch.Tensor,
+    **kwargs: object,
+) -> list[torch.Tensor]:
+    """Clones of ``caches`` after the torch reference's insert (``caches`` untouched)."""
+    expected = [cache.clone() for cache in caches]
+    mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+    return expected
+
+
 def _run_both(
     kernel: Callable[..., None],
     kv_c: torch.Tensor,
@@ -85,8 +98,7 @@ def _run_both(
     **kwargs: object,
 ) -> list[torch.Tensor]:
     """Run ``kernel`` on ``caches`` and the reference on clones; return the reference's caches."""
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+    expected = _reference(kv_c, k_pe, caches, slots, **kwargs)
     kernel(kv_c, k_pe, caches, slots, **kwargs)
     return expected
 
@@ -259,8 +271,7 @@ def test_out_of_range_slots_touch_nothing_around_any_tensor(
     slots[1] = slots[1].roll(3)
     scales = None if kv_cache_dtype == "auto" else _scales(43, num_layers)
     kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots.to(DEVICE), **kwargs)  # type: ignore[arg-type]
+    expected = _reference(kv_c, k_pe, caches, slots.to(DEVICE), **kwargs)
     fenced = [_Fenced(t, 50 + i) for i, t in enumerate([kv_c, k_pe, slots.to(DEVICE), *caches])]
     kv_f, pe_f, slots_f, *caches_f = (f.t for f in fenced)
     if kernel == "hook":
@@ -346,8 +357,7 @@ def test_hook_inserts_from_step_context() -> None:
     kv_c, k_pe = _inputs(33, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots, scales = _slots(34, num_tokens, 12, 2), _scales(35, num_layers)
     caches = _caches(36, num_layers, 3, 4, rank + rope_dim, torch.float8_e4m3fn)
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
     hook = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
     assert isinstance(hook, StepHook) and hook.is_grouped
     ctx = StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots})
@@ -363,8 +373,7 @@ def test_hook_falls_back_to_per_layer_and_validates_at_construction() -> None:
     kv_c, k_pe = _inputs(37, num_layers, num_tokens, rank, rope_dim, torch.float16)
     slots = _slots(38, num_tokens, 8, 1)
     caches = [_caches(39 + i, 1, 2 + i, 4, rank + rope_dim, torch.float16)[0] for i in range(num_layers)]  # fmt: skip
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots)
+    expected = _reference(kv_c, k_pe, caches, slots)
     hook = GroupedMLAInsertHook(caches, name="insert")
     assert not hook.is_grouped
     report = hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
@@ -385,8 +394,7 @@ def test_tile_overrides_cover_tails(block_tokens: int, num_warps: int | None) ->
     for kernel in KERNELS.values():
         caches = _caches(47, num_layers, 6, 4, rank + rope_dim, torch.float8_e4m3fn)
         kwargs = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": _scales(48, num_layers)}
-        expected = [cache.clone() for cache in caches]
-        mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+        expected = _reference(kv_c, k_pe, caches, slots, **kwargs)
         kernel(kv_c, k_pe, caches, slots, block_tokens=block_tokens, num_warps=num_warps, **kwargs)
         assert _same_bytes(caches, expected)
     with pytest.raises(ConfigError, match="expected a power of two"):
@@ -433,8 +441,9 @@ def test_packed_path_checks_and_binds_once_per_step_signature_for_one_compiled_k
         slots = _slots(160 + step, num_tokens, num_blocks * block_size, num_tokens // 4)
         if step % 2:
             slots = torch.stack([slots.roll(i) for i in range(num_layers)])
-        expected = [cache.clone() for cache in caches]
-        mla_insert_reference(kv_c, k_pe, expected, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
+        expected = _reference(
+            kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales
+        )
         assert insert(kv_c, k_pe, slots, scales) == num_tokens
         assert _same_bytes(caches, expected)
         specializations |= {rule.reader(kinds)(*b.args)[0] for b in insert.bound()}
@@ -457,8 +466,7 @@ def test_the_same_step_tensors_again_only_relaunch() -> None:
     slots = _slots(158, 9, num_blocks * block_size, 2)
     for seed in (159, 160):
         kv_c.copy_(_inputs(seed, num_layers, 9, rank, rope_dim, torch.bfloat16)[0])
-        expected = [cache.clone() for cache in caches]
-        mla_insert_reference(kv_c, k_pe, expected, slots)
+        expected = _reference(kv_c, k_pe, caches, slots)
         assert insert(kv_c, k_pe, slots, None) == 9
         assert _same_bytes(caches, expected) and insert.num_bound == 1
 
@@ -619,8 +627,7 @@ def test_hook_without_per_step_checks_inserts_the_same() -> None:
     slots, scales = _slots(151, num_tokens, 12, 2), _scales(152, num_layers)
     caches = _caches(153, num_layers, 3, 4, rank + rope_dim, torch.uint8)
     kwargs = {"kv_cache_dtype": "fp8_e5m2", "kv_scales": scales}
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+    expected = _reference(kv_c, k_pe, caches, slots, **kwargs)
     checked = GroupedMLAInsertHook(caches, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(GeometryError, match="expected"):  # a step of the wrong width
         checked(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe[..., :4], "slot_mapping": slots}))  # fmt: skip
@@ -639,6 +646,29 @@ def test_hook_without_per_step_checks_inserts_the_same() -> None:
 # ---------------------------------------------------------------- GPU (skipped without CUDA)
 
 
+def _kernels_match_reference(
+    seed: int,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slots: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    kv_cache_dtype: str,
+) -> None:
+    """Each of ``KERNELS`` on the GPU, into caches of random bytes (``[num_blocks, block_size,
+    R + P]`` per layer; scales from ``seed``, poison from ``seed + 1``), writes the reference's
+    bytes."""
+    num_layers, width = kv_c.shape[0], kv_c.shape[-1] + k_pe.shape[-1]
+    scales = None if kv_cache_dtype == "auto" else _scales(seed, num_layers)
+    kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
+    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
+    for kernel in KERNELS.values():
+        caches = _caches(seed + 1, num_layers, num_blocks, block_size, width, cache_dtype)
+        expected = _run_both(kernel, kv_c, k_pe, caches, slots, **kwargs)
+        torch.cuda.synchronize()
+        assert _same_bytes(caches, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_layers", [5, 61])
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -652,32 +682,18 @@ def test_gpu_deepseek_geometry(num_layers: int, block_size: int, kv_cache_dtype:
         slots = torch.stack([_slots(51 + i, num_tokens, num_blocks * block_size, 100) for i in range(num_layers)])  # fmt: skip
     else:
         slots = _slots(51, num_tokens, num_blocks * block_size, 100)
-    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
-    scales = None if kv_cache_dtype == "auto" else _scales(60, num_layers)
-    for kernel in KERNELS.values():
-        caches = _caches(61, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
-        kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
-        expected = _run_both(kernel, kv_c, k_pe, caches, slots, **kwargs)
-        torch.cuda.synchronize()
-        assert _same_bytes(caches, expected)
+    _kernels_match_reference(60, kv_c, k_pe, slots, num_blocks, block_size, kv_cache_dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_gpu_large_step_uses_big_tiles(kv_cache_dtype: str) -> None:
     # 16391 tokens x 5 layers picks 4-token tiles, with a partial last tile.
-    num_layers, num_tokens, rank, rope_dim, block_size = 5, 16391, 512, 64, 64
+    num_tokens, block_size = 16391, 64
     num_blocks = num_tokens // block_size + 9
-    kv_c, k_pe = _inputs(62, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+    kv_c, k_pe = _inputs(62, 5, num_tokens, 512, 64, torch.bfloat16)  # L = 5, R = 512, P = 64
     slots = _slots(63, num_tokens, num_blocks * block_size, 37)
-    scales = None if kv_cache_dtype == "auto" else _scales(64, num_layers)
-    cache_dtype = FP8_DTYPES.get(kv_cache_dtype, torch.bfloat16)
-    for kernel in KERNELS.values():
-        caches = _caches(65, num_layers, num_blocks, block_size, rank + rope_dim, cache_dtype)
-        kwargs = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": scales}
-        expected = _run_both(kernel, kv_c, k_pe, caches, slots, **kwargs)
-        torch.cuda.synchronize()
-        assert _same_bytes(caches, expected)
+    _kernels_match_reference(64, kv_c, k_pe, slots, num_blocks, block_size, kv_cache_dtype)
 
 
 @pytest.mark.gpu
@@ -782,8 +798,7 @@ def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
         )
         for cache, fill in zip(caches, poison, strict=True):
             cache.view(torch.uint8).copy_(fill.view(torch.uint8))
-        expected = [cache.clone() for cache in caches]
-        mla_insert_reference(kv_c, k_pe, expected, slots, **kwargs)  # type: ignore[arg-type]
+        expected = _reference(kv_c, k_pe, caches, slots, **kwargs)
         graph.replay()
         torch.cuda.synchronize()
         assert _same_bytes(caches, expected)
@@ -826,8 +841,7 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     new_kv_c, new_k_pe = _inputs(214, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     kv_c.copy_(new_kv_c)
     k_pe.copy_(new_k_pe)
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots)
+    expected = _reference(kv_c, k_pe, caches, slots)
     graph.replay()
     torch.cuda.synchronize()
     assert _same_bytes(caches, expected)
@@ -842,8 +856,7 @@ def test_gpu_hook_runs_on_the_given_stream() -> None:
     kv_c, k_pe = _inputs(110, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
     slots = _slots(111, num_tokens, 128, 4)
     caches = _caches(112, num_layers, 8, 16, rank + rope_dim, torch.bfloat16)
-    expected = [cache.clone() for cache in caches]
-    mla_insert_reference(kv_c, k_pe, expected, slots)
+    expected = _reference(kv_c, k_pe, caches, slots)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     hook = GroupedMLAInsertHook(caches)

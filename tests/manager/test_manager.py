@@ -148,6 +148,36 @@ async def _open(
     assert leaked == []
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    kv: list[torch.Tensor], cfg: ManagerConfig, **kw: Any
+) -> AsyncIterator[OffloadManager]:
+    """``_open``'s manager with every GPU block held by a "serving" request (``_hold``)."""
+    async with _open(kv, cfg, **kw) as mgr:
+        _hold(mgr)
+        yield mgr
+
+
+async def _swapped_out(mgr: OffloadManager, *args: Any) -> Any:
+    """``mgr.swap_out(*args)``, stepped and awaited: its ``SwapResult``."""
+    store = mgr.swap_out(*args)
+    await mgr.step()
+    return await store
+
+
+async def _roots(
+    mgr: OffloadManager, keys: Sequence[bytes], engine: ScriptedEngine | None = None
+) -> None:
+    """``keys[i]`` READY in CPU block ``i`` from GPU block ``i``; LRU order as ``keys`` (one
+    call each: roots). With a holding ``engine``, its one batch is completed by
+    ``complete_next`` (``release`` would stop holding)."""
+    stores = [mgr.swap_out([b], [key]) for b, key in enumerate(keys)]
+    await mgr.step()
+    if engine is not None:
+        assert len(engine.complete_next()) == 1
+    await asyncio.gather(*stores)
+
+
 def _snapshot(mgr: OffloadManager, req_ids: Sequence[Any] = ()) -> dict[str, Any]:
     """Everything a rejected call must leave unchanged (statistics less ``rejected``)."""
     stats = attrs.asdict(mgr.statistics())
@@ -174,8 +204,7 @@ def _snapshot(mgr: OffloadManager, req_ids: Sequence[Any] = ()) -> dict[str, Any
 async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, merge: bool) -> None:
     kv = _kv(seed=1)
     originals = {b: _gpu(kv, b) for b in range(NUM_GPU)}
-    async with _open(kv, _cfg(policy=policy, merge=merge)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(policy=policy, merge=merge)) as mgr:
         # 1. store GPU blocks 2, 5, 6 under K0..K2: fresh CPU blocks 0, 1, 2 in order
         store = mgr.swap_out([2, 5, 6], keys=K[:3])
         assert mgr.lookup(K[:3]) == 0  # PENDING until the copy completes
@@ -224,12 +253,9 @@ async def test_store_lookup_load_round_trip_with_verified_bytes(policy: str, mer
 async def test_store_skips_keys_already_present_in_any_state() -> None:
     kv = _kv(seed=2)
     engine = _scripted()
-    async with _open(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         # 1. K0 stored from block 0 and READY
-        first = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await first
+        await _swapped_out(mgr, [0], [K[0]])
         # 2. hold the engine: K1 stored from block 1 stays PENDING in flight
         engine.hold()
         second = mgr.swap_out([1], [K[1]])
@@ -256,11 +282,8 @@ async def test_store_skips_keys_already_present_in_any_state() -> None:
 @pytest.mark.asyncio
 async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> None:
     kv = _kv(seed=3)
-    async with _open(kv, _cfg()) as mgr:
-        _hold(mgr)
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+    async with _serving(kv, _cfg()) as mgr:
+        await _swapped_out(mgr, [0, 1], K[:2])
         again = mgr.swap_out([2, 3], K[:2])
         assert again.done()  # nothing to copy: no queue entry, no step needed
         assert again.result() == SwapResult(num_blocks=0, num_bytes=0, num_skipped=2)
@@ -270,13 +293,10 @@ async def test_store_of_only_present_keys_resolves_at_once_without_a_batch() -> 
 @pytest.mark.asyncio
 async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -> None:
     kv = _kv(seed=4)
-    async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
         # 1. fill the tier: K0..K3 in CPU blocks 0..3, LRU order K0 K1 K2 K3 (one call each:
         #    four roots; one call would chain them and insert K0 as the most recent)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
-        await mgr.step()
-        await asyncio.gather(*stores)
+        await _roots(mgr, K[:4])
         # 2. lookup(K1) makes K1 most recent: K0 K2 K3 K1
         assert mgr.lookup([K[1]]) == 1
         # 3. a queued load of K0 pins it (reader) and touches it: K2 K3 K1 K0
@@ -305,12 +325,9 @@ async def test_eviction_takes_ready_unread_lru_blocks_never_keys_of_the_call() -
 async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_nothing() -> None:
     kv = _kv(seed=5)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
         # 1. K0 READY in CPU block 0
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0], [K[0]])
         # 2. hold the engine: K1 PENDING in block 1; a load of K0 in flight (one reader)
         engine.hold()
         pending = mgr.swap_out([1], [K[1]])
@@ -338,12 +355,9 @@ async def test_pending_and_read_blocks_are_not_evicted_and_exhaustion_changes_no
 @pytest.mark.asyncio
 async def test_touch_order_via_lookup_decides_eviction() -> None:
     kv = _kv(seed=6)
-    async with _open(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
         # 1. K0, K1, K2 in blocks 0, 1, 2 (LRU order K0 K1 K2: one call each, three roots)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
-        await mgr.step()
-        await asyncio.gather(*stores)
+        await _roots(mgr, K[:3])
         # 2. lookup(K0): K1 K2 K0; lookup([K2, K1]) walks in reverse, K2 ends most recent: K0 K1 K2
         assert mgr.lookup([K[0]]) == 1
         assert mgr.lookup([K[2], K[1]]) == 2
@@ -368,12 +382,9 @@ async def test_touch_order_via_lookup_decides_eviction() -> None:
 async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
     kv = _kv(seed=7)
     engine = _scripted(fail=lambda batch_id, plan: batch_id == 1)
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. batch 0: K0, K1 stored in CPU blocks 0, 1 (READY)
-        ok = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await ok
+        await _swapped_out(mgr, [0, 1], K[:2])
         # 2. batch 1 fails: store of K0 (present, skipped), K2, K3 into blocks 2, 3
         bad = mgr.swap_out([4, 2, 3], [K[0], K[2], K[3]])
         await mgr.step()
@@ -397,12 +408,9 @@ async def test_failed_store_removes_only_blocks_not_yet_ready() -> None:
 async def test_a_failed_batch_fails_every_swap_in_it() -> None:
     kv = _kv(seed=28)
     engine = _scripted(fail=lambda batch_id, plan: batch_id >= 1)
-    async with _open(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
         # 1. batch 0: K0, K1 READY in CPU blocks 0, 1
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         # 2. one step, two stores (one batch) and two loads (one batch); both batches fail
         stores = [mgr.swap_out([2], [K[2]]), mgr.swap_out([3, 4], K[3:5])]
         loads = [mgr.swap_in([K[0]], [6]), mgr.swap_in([K[1], K[0]], [7, 5])]
@@ -422,11 +430,8 @@ async def test_a_failed_batch_fails_every_swap_in_it() -> None:
 async def test_failed_load_releases_the_reader() -> None:
     kv = _kv(seed=8)
     engine = _scripted(fail=lambda batch_id, plan: plan.direction is Direction.H2D)
-    async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
-        _hold(mgr)
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+    async with _serving(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
+        await _swapped_out(mgr, [0], [K[0]])
         load = mgr.swap_in([K[0]], [5])
         await mgr.step()
         with pytest.raises(TransferError):
@@ -434,9 +439,7 @@ async def test_failed_load_releases_the_reader() -> None:
         assert _entry(mgr, K[0]).readers == 0
         assert mgr.statistics().loads_failed == 1
         # K0 is evictable again: a store of K1 evicts it
-        store = mgr.swap_out([1], [K[1]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [1], [K[1]])
         assert _keys(mgr) == [K[1]]
 
 
@@ -444,8 +447,7 @@ async def test_failed_load_releases_the_reader() -> None:
 async def test_swap_in_of_pending_or_unknown_key_raises_and_changes_nothing() -> None:
     kv = _kv(seed=9)
     engine = _scripted()
-    async with _open(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         engine.hold()
         store = mgr.swap_out([0], [K[0]])
         before = _snapshot(mgr)
@@ -605,8 +607,7 @@ async def test_failed_preempt_and_failed_resume_roll_back() -> None:
 @pytest.mark.asyncio
 async def test_tick_flush_mode_needs_no_step() -> None:
     kv = _kv(seed=13)
-    async with _open(kv, _cfg(num_cpu_blocks=4, flush="tick")) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4, flush="tick")) as mgr:
         # 1. three stores queued in one tick become one batch, without step()
         futures = [mgr.swap_out([b], [K[b]]) for b in (0, 1, 2)]
         results = await asyncio.gather(*futures)
@@ -622,12 +623,9 @@ async def test_tick_flush_mode_needs_no_step() -> None:
 @pytest.mark.asyncio
 async def test_one_plan_per_direction_per_step() -> None:
     kv = _kv(seed=14)
-    async with _open(kv, _cfg(num_cpu_blocks=8)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=8)) as mgr:
         # 1. K0, K1 stored in CPU blocks 0, 1
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         # 2. three stores and two loads, no shared GPU block, in one step
         stores = [
             mgr.swap_out([2, 3], K[2:4]),
@@ -661,8 +659,7 @@ async def test_one_plan_per_direction_per_step() -> None:
 async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None:
     kv = _kv(seed=15)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. J stored from block 5
         store = mgr.swap_out([5], [K[7]])
         await mgr.step()
@@ -685,8 +682,7 @@ async def test_store_then_load_of_one_gpu_block_in_one_step_is_ordered() -> None
 async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None:
     kv = _kv(seed=16)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         store = mgr.swap_out([5], [K[7]])
         await mgr.step()
         await store
@@ -702,11 +698,8 @@ async def test_load_then_store_of_one_gpu_block_in_one_step_is_ordered() -> None
 @pytest.mark.asyncio
 async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches() -> None:
     kv = _kv(seed=17)
-    async with _open(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
-        store = mgr.swap_out([1, 2], K[:2])
-        await mgr.step()
-        await store
+    async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
+        await _swapped_out(mgr, [1, 2], K[:2])
         first, second = mgr.swap_in([K[0]], [6]), mgr.swap_in([K[1]], [6])
         report = await mgr.step()
         await asyncio.gather(first, second)
@@ -721,8 +714,7 @@ async def test_two_loads_into_one_block_in_one_step_become_two_ordered_batches()
 async def test_cancelled_awaiter_leaves_the_copy_and_bookkeeping_intact() -> None:
     kv = _kv(seed=18)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4), engine=engine) as mgr:
         # 1. a task awaits a store; cancel it before the step
         store = mgr.swap_out([2], [K[0]])
         task = asyncio.ensure_future(_await(store))
@@ -758,8 +750,7 @@ async def _await(future: asyncio.Future[Any]) -> Any:
 async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
     kv = _kv(seed=19)
     engine = _scripted()
-    async with _open(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=1), engine=engine) as mgr:
         # 1. the engine holds the store of K0
         engine.hold()
         store = mgr.swap_out([0], [K[0]])
@@ -780,20 +771,26 @@ async def test_wait_times_out_while_the_blocks_stay_fenced() -> None:
         assert mgr.lookup([K[0]]) == 1
 
 
-@pytest.mark.asyncio
-async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
-    kv = _kv(seed=20)
+@contextlib.asynccontextmanager
+async def _full_of_pinned_keys(
+    kv: list[torch.Tensor],
+) -> AsyncIterator[tuple[OffloadManager, ScriptedEngine, asyncio.Future[Any]]]:
+    """A ``backpressure="wait"`` manager (60 s) whose 2-block tier K0, K1 fill, both pinned by
+    loads held in flight: yields it, its held engine and the loads' future."""
     engine = _scripted()
     cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
-    async with _open(kv, cfg, engine=engine) as mgr:
-        _hold(mgr)
-        # 1. K0, K1 fill the tier; loads of both are held in flight (both pinned)
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+    async with _serving(kv, cfg, engine=engine) as mgr:
+        await _swapped_out(mgr, [0, 1], K[:2])
         engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
+        yield mgr, engine, load
+
+
+@pytest.mark.asyncio
+async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
+    kv = _kv(seed=20)
+    async with _full_of_pinned_keys(kv) as (mgr, engine, load):
         # 2. a store of K2 finds no room and waits instead of raising
         waiting = mgr.swap_out([2], [K[2]])
         for _ in range(5):
@@ -817,11 +814,8 @@ async def test_backpressure_wait_store_proceeds_when_a_load_finishes() -> None:
 async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
     kv = _kv(seed=21)
     cfg = _cfg(num_cpu_blocks=1, backpressure="wait", store_wait_s=0.0)
-    async with _open(kv, cfg) as mgr:
-        _hold(mgr)
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+    async with _serving(kv, cfg) as mgr:
+        await _swapped_out(mgr, [0], [K[0]])
         load = mgr.swap_in([K[0]], [3])  # queued, never stepped before the timeout
         before = _snapshot(mgr)
         with pytest.raises(PoolExhaustedError) as info:
@@ -836,16 +830,7 @@ async def test_backpressure_wait_times_out_with_reason_timeout() -> None:
 @pytest.mark.asyncio
 async def test_backpressure_wait_cancelled_store_and_bad_input() -> None:
     kv = _kv(seed=26)
-    engine = _scripted()
-    cfg = _cfg(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
-    async with _open(kv, cfg, engine=engine) as mgr:
-        _hold(mgr)
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
-        engine.hold()
-        load = mgr.swap_in(K[:2], [4, 5])
-        await mgr.step()
+    async with _full_of_pinned_keys(kv) as (mgr, engine, load):
         # 1. bad input still raises at once in wait mode
         with pytest.raises(InvalidKeyError):
             mgr.swap_out([6], K[5])
@@ -874,9 +859,7 @@ async def test_aclose_fails_a_waiting_store_without_evicting_for_it() -> None:
     async with mgr:
         _hold(mgr)
         # 1. K0, K1 fill the tier; loads of both held in flight; a store of K2 waits for room
-        store = mgr.swap_out([0, 1], K[:2])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0, 1], K[:2])
         engine.hold()
         load = mgr.swap_in(K[:2], [4, 5])
         await mgr.step()
@@ -901,9 +884,7 @@ async def test_aclose_fails_queued_swaps_and_finishes_those_in_flight() -> None:
     mgr = OffloadManager(kv, _cfg(num_cpu_blocks=4), engine=engine)
     async with mgr:
         _hold(mgr)
-        store = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await store
+        await _swapped_out(mgr, [0], [K[0]])
         # 1. in flight: a store of K1 held by the engine; queued: a store of K2 and a load of K0
         engine.hold()
         in_flight = mgr.swap_out([1], [K[1]])
@@ -969,8 +950,7 @@ async def test_hooks_run_in_order_before_the_flush() -> None:
     kv = _kv(seed=24)
     calls: list[tuple[str, int | None]] = []
     hooks = [_WriteHook("a", kv, 3, 0x11, calls), _WriteHook("b", kv, 3, 0x22, calls)]
-    async with _open(kv, _cfg(), hooks=hooks) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), hooks=hooks) as mgr:
         # 1. a store of block 3 is queued before the step in which the hooks write block 3
         store = mgr.swap_out([3], [K[0]])
         report = await mgr.step(StepContext(step=7))
@@ -996,8 +976,7 @@ async def test_a_failing_hook_leaves_the_queue_untouched() -> None:
                 raise RuntimeError("hook failed")
             return HookReport(name=self.name)
 
-    async with _open(kv, _cfg(), hooks=[_FailsOnce()]) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), hooks=[_FailsOnce()]) as mgr:
         # 1. the hook raises: step() raises it, nothing was submitted
         store = mgr.swap_out([0], [K[0]])
         with pytest.raises(RuntimeError, match="hook failed"):
@@ -1019,15 +998,14 @@ async def test_root_invalidated_and_stored_again_keeps_index_and_policy_in_step(
     policy: str,
 ) -> None:
     kv = _kv(seed=40)
-    async with _open(kv, _cfg(num_cpu_blocks=4, policy=policy)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4, policy=policy)) as mgr:
         # 1. a chain K0 <- K1 is stored; its root K0 is invalidated (K1 stays), then stored again
-        await _stored_now(mgr, [0, 1], K[:2])
+        await _swapped_out(mgr, [0, 1], K[:2])
         assert mgr.invalidate([K[0]]) == 1
-        await _stored_now(mgr, [2], [K[0]])
+        await _swapped_out(mgr, [2], [K[0]])
         # 2. stores that need every block evict each key once (reuse used to raise KeyError)
-        await _stored_now(mgr, [3, 4], K[2:4])
-        await _stored_now(mgr, [5, 6, 7], K[4:7])
+        await _swapped_out(mgr, [3, 4], K[2:4])
+        await _swapped_out(mgr, [5, 6, 7], K[4:7])
         check_invariants(mgr)
         # 3. the manager stays usable: clear drops what is left, index and policy agree
         resident = len(mgr.snapshot().keys)
@@ -1035,12 +1013,6 @@ async def test_root_invalidated_and_stored_again_keeps_index_and_policy_in_step(
         snap = mgr.snapshot()
         assert len(snap.keys) == snap.num_policy_keys == 0
         check_invariants(mgr)
-
-
-async def _stored_now(mgr: OffloadManager, blocks: list[int], keys: list[bytes]) -> None:
-    store = mgr.swap_out(blocks, keys)
-    await mgr.step()
-    await store
 
 
 @pytest.mark.parametrize("owned", [True, False])

@@ -535,29 +535,27 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in idle:
             del self.key_data[key]
 
-    @precondition(lambda self: self._requests(Tier.GPU))
-    @rule(data=st.data())
-    def preempt(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(self._requests(Tier.GPU)))
+    def _move(self, data: st.DataObject, tier: Tier, move: Callable[[str], Any]) -> None:
+        """``move`` (preempt or resume) a request drawn from ``tier``: it is moving, or the
+        call was refused for room and nothing changed."""
+        req = data.draw(st.sampled_from(self._requests(tier)))
         before = self._snap()
         try:
-            self._track(self._call(self.m.preempt, req))
+            self._track(self._call(move, req))
         except PoolExhaustedError:
             assert self._snap() == before
             return
         assert self.m.is_moving(req)
 
+    @precondition(lambda self: self._requests(Tier.GPU))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        self._move(data, Tier.GPU, self.m.preempt)
+
     @precondition(lambda self: self._requests(Tier.CPU))
     @rule(data=st.data())
     def resume(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(self._requests(Tier.CPU)))
-        before = self._snap()
-        try:
-            self._track(self._call(self.m.resume, req))
-        except PoolExhaustedError:
-            assert self._snap() == before
-            return
-        assert self.m.is_moving(req)
+        self._move(data, Tier.CPU, self.m.resume)
 
     def _freeable(self) -> list[str]:
         # any request without a preempt/resume in flight, even while stores read its blocks

@@ -8,7 +8,9 @@ Every round trip compares bytes against the blocks that were stored, on random d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -113,57 +115,50 @@ async def test_fetch_without_the_blocks_is_a_miss(tmp_path) -> None:
         await disk.aclose()
 
 
+@contextlib.asynccontextmanager
+async def _two_instances(
+    url: str, *instances: tuple[list[torch.Tensor], TierNamespace]
+) -> AsyncIterator[tuple[OffloadManager, ...]]:
+    """One manager per ``(caches, namespace)``, each with 8 CPU blocks writing through to its
+    own ``SharedTier`` client of the server at ``url``; the clients are closed after."""
+    config = ManagerConfig(num_cpu_blocks=8, tier_write_through=True)
+    async with contextlib.AsyncExitStack() as stack:
+        managers = []
+        for kv, namespace in instances:
+            shared = SharedTier(url, single_tenant=True)
+            stack.push_async_callback(shared.aclose)
+            mgr = OffloadManager(kv, config, tiers=[shared], tier_namespace=namespace)
+            managers.append(await stack.enter_async_context(mgr))
+        yield tuple(managers)
+
+
 @pytest.mark.asyncio
 async def test_two_instances_share_blocks_through_the_server(tier_server) -> None:
     """Instance A stores (write-through); instance B, with its own GPU and CPU tiers, fetches
     the same prefix from the server and gets A's bytes."""
     kv_a, kv_b = _kv(2), _kv(3)
-    shared_a, shared_b = (
-        SharedTier(tier_server.url, single_tenant=True),
-        SharedTier(tier_server.url, single_tenant=True),
-    )
-    config = ManagerConfig(num_cpu_blocks=8, tier_write_through=True)
-    try:
-        async with (
-            OffloadManager(kv_a, config, tiers=[shared_a], tier_namespace=_ns()) as a,
-            OffloadManager(kv_b, config, tiers=[shared_b], tier_namespace=_ns()) as b,
-        ):
-            src = a.allocate("a", 6)
-            keys = _keys(6, b"shared")
-            await _store(a, src, keys)
-            await _settle(a)
-            assert await b.lookup_tiers(keys) == (0, (6,))
-            assert await b.fetch(keys) == 6
-            check_invariants(b)
-            dst = await _load(b, keys, "b")
-            assert all(torch.equal(ta[src], tb[dst]) for ta, tb in zip(kv_a, kv_b))
-    finally:
-        await shared_a.aclose()
-        await shared_b.aclose()
+    async with _two_instances(tier_server.url, (kv_a, _ns()), (kv_b, _ns())) as (a, b):
+        src = a.allocate("a", 6)
+        keys = _keys(6, b"shared")
+        await _store(a, src, keys)
+        await _settle(a)
+        assert await b.lookup_tiers(keys) == (0, (6,))
+        assert await b.fetch(keys) == 6
+        check_invariants(b)
+        dst = await _load(b, keys, "b")
+        assert all(torch.equal(ta[src], tb[dst]) for ta, tb in zip(kv_a, kv_b))
 
 
 @pytest.mark.asyncio
 async def test_tenants_with_equal_prompts_share_nothing(tier_server) -> None:
-    kv_a, kv_b = _kv(4), _kv(5)
-    shared_a, shared_b = (
-        SharedTier(tier_server.url, single_tenant=True),
-        SharedTier(tier_server.url, single_tenant=True),
-    )
-    config = ManagerConfig(num_cpu_blocks=8, tier_write_through=True)
-    try:
-        async with (
-            OffloadManager(kv_a, config, tiers=[shared_a], tier_namespace=_ns(b"t1")) as a,
-            OffloadManager(kv_b, config, tiers=[shared_b], tier_namespace=_ns(b"t2")) as b,
-        ):
-            keys = _keys(4, b"same prompt")
-            await _store(a, a.allocate("a", 4), keys)
-            await _settle(a)
-            assert await b.lookup_tiers(keys) == (0, (0,))
-            assert await b.fetch(keys) == 0
-            check_invariants(b)
-    finally:
-        await shared_a.aclose()
-        await shared_b.aclose()
+    tenants = (_kv(4), _ns(b"t1")), (_kv(5), _ns(b"t2"))
+    async with _two_instances(tier_server.url, *tenants) as (a, b):
+        keys = _keys(4, b"same prompt")
+        await _store(a, a.allocate("a", 4), keys)
+        await _settle(a)
+        assert await b.lookup_tiers(keys) == (0, (0,))
+        assert await b.fetch(keys) == 0
+        check_invariants(b)
 
 
 @pytest.mark.asyncio

@@ -21,13 +21,15 @@ owned pool lets a swap name only held blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from test_manager import _roots, _swapped_out
 
 import kvmgr.errors
 from kvmgr import (
@@ -98,6 +100,15 @@ def _hold(mgr: OffloadManager, n: int = NUM_GPU) -> list[int]:
     return held
 
 
+@contextlib.asynccontextmanager
+async def _serving(*args: Any, **kw: Any) -> AsyncIterator[OffloadManager]:
+    """``OffloadManager(*args, **kw)``, open, with every GPU block held by a "serving"
+    request (``_hold``)."""
+    async with OffloadManager(*args, **kw) as mgr:
+        _hold(mgr)
+        yield mgr
+
+
 async def _settle() -> None:
     """Let completion callbacks scheduled from the engine run on the loop."""
     for _ in range(3):
@@ -160,9 +171,7 @@ async def test_load_side_hole_a_load_into_a_block_nobody_holds_is_refused() -> N
     kv = _kv(seed=1)
     async with OffloadManager(kv, _cfg()) as mgr:
         src = mgr.allocate("r", 1)
-        st = mgr.swap_out(src, [K[0]])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, src, [K[0]])
         before = mgr.snapshot()
         with pytest.raises(InvalidBlockError, match="not held"):
             mgr.swap_in([K[0]], [5])  # block 5 is free: allocate() could hand it out mid-load
@@ -191,9 +200,7 @@ async def test_caller_owned_blocks_may_be_named_freely() -> None:
     # manage_gpu_blocks=False: the caller owns every block, any id in range may be swapped
     kv = _kv(seed=2)
     async with OffloadManager(kv, _cfg(manage_gpu_blocks=False)) as mgr:
-        st = mgr.swap_out([3], [K[0]])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, [3], [K[0]])
         _poison(kv, 9)
         ld = mgr.swap_in([K[0]], [9])
         await mgr.step()
@@ -297,8 +304,7 @@ async def test_a_moved_kv_tensor_fails_the_batch_and_nothing_is_served(
     move: Callable[[list[torch.Tensor]], None],
 ) -> None:
     kv = _kv(seed=5)
-    async with OffloadManager(kv, _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg()) as mgr:
         st = mgr.swap_out([0], [K[0]])  # before the move: a READY key to load later
         await mgr.step()
         await st
@@ -340,8 +346,7 @@ def test_stale_kv_tensor_error_is_a_transfer_error() -> None:
 @pytest.mark.asyncio
 async def test_store_many_and_load_many_results_are_arrays_with_one_future_each() -> None:
     kv = _kv(seed=6)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=12)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=12)) as mgr:
         first = mgr.swap_out([0], [K[0]])  # K0 READY in CPU block 0
         await mgr.step()
         await first
@@ -394,8 +399,7 @@ async def test_store_many_and_load_many_results_are_arrays_with_one_future_each(
 @pytest.mark.asyncio
 async def test_store_many_of_many_blocks_as_a_list_and_of_nothing() -> None:
     kv = _kv(seed=7)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=12)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=12)) as mgr:
         # more than a handful of ids as a plain list (the array path)
         ids = [15, 3, 8, 0, 1, 2, 11, 12, 5, 7]
         many = mgr.store_many(ids, K[:10])
@@ -418,15 +422,12 @@ async def _evicted_after_touching_the_last(parents: list[bytes | None] | None) -
     """Store A, B, C, D in one store_many (with ``parents``), touch D, then make one room:
     which key was evicted?"""
     kv = _kv(seed=8)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=4)) as mgr:
         many = mgr.store_many(np.arange(4), K[:4], parents=parents)
         await mgr.step()
         await many
         mgr.touch([K[3]])  # D becomes the most recently used
-        extra = mgr.swap_out([5], [K[9]])
-        await mgr.step()
-        await extra
+        await _swapped_out(mgr, [5], [K[9]])
         check_invariants(mgr)
         return sorted(set(K[:4]) - set(mgr.snapshot().keys))
 
@@ -444,16 +445,11 @@ async def test_store_many_passes_parents_to_the_policy() -> None:
 async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
     # policy protocol v2: a store of [A, B, C, D] (one chain by default) must not leave A,
     # the prefix every lookup needs, as the first victim
-    async with OffloadManager(_kv(seed=30), _cfg(num_cpu_blocks=4)) as mgr:
-        _hold(mgr)
-        st = mgr.swap_out([0, 1, 2, 3], K[:4])
-        await mgr.step()
-        await st
+    async with _serving(_kv(seed=30), _cfg(num_cpu_blocks=4)) as mgr:
+        await _swapped_out(mgr, [0, 1, 2, 3], K[:4])
         mgr.take_events()
         for n, key in enumerate((K[10], K[11]), start=1):
-            extra = mgr.swap_out([4 + n], [key])
-            await mgr.step()
-            await extra
+            await _swapped_out(mgr, [4 + n], [key])
             assert (
                 mgr.peek(K[:4]) == 4 - n
             )  # the ready prefix shrinks from its end (peek: no touch)
@@ -464,19 +460,11 @@ async def test_a_chain_stored_by_swap_out_loses_its_leaf_first() -> None:
 # ====================================================================== 4. peek, touch, invalidate, clear
 
 
-async def _three_roots(mgr: OffloadManager) -> None:
-    """K0, K1, K2 READY in CPU blocks 0, 1, 2; LRU order K0 K1 K2 (one call each: roots)."""
-    stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
-    await mgr.step()
-    await asyncio.gather(*stores)
-
-
 @pytest.mark.asyncio
 async def test_peek_touches_nothing_lookup_and_touch_do() -> None:
     kv = _kv(seed=9)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        _hold(mgr)
-        await _three_roots(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
+        await _roots(mgr, K[:3])
         order = mgr.policy.ordered_keys()
         assert order == K[:3]
         # 1. peek: the ready-prefix length, no policy change, counted apart from lookups
@@ -500,9 +488,8 @@ async def test_peek_touches_nothing_lookup_and_touch_do() -> None:
 @pytest.mark.asyncio
 async def test_touch_ignores_pending_keys() -> None:
     kv = _kv(seed=10)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=3)) as mgr:
-        _hold(mgr)
-        await _three_roots(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=3)) as mgr:
+        await _roots(mgr, K[:3])
         mgr.invalidate([K[2]])
         st = mgr.swap_out([3], [K[3]])  # PENDING, the newest
         mgr.touch([K[0]])
@@ -516,14 +503,9 @@ async def test_touch_ignores_pending_keys() -> None:
 
 @pytest.mark.asyncio
 async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_flight() -> None:
-    kv = _kv(seed=11)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        _hold(mgr)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(3)]
-        await mgr.step()
-        assert len(engine.complete_next()) == 1  # (release() would stop holding)
-        await asyncio.gather(*stores)
+    async with _serving(_kv(seed=11), _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+        await _roots(mgr, K[:3], engine)
         mgr.take_events()
         # 1. READY keys are dropped (unknown ones ignored, not counted), their blocks freed
         assert mgr.invalidate([K[1], K[9], K[1]]) == 1
@@ -555,14 +537,9 @@ async def test_invalidate_drops_ready_keys_and_refuses_keys_with_copies_in_fligh
 
 @pytest.mark.asyncio
 async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> None:
-    kv = _kv(seed=12)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=6), engine=engine) as mgr:
-        _hold(mgr)
-        stores = [mgr.swap_out([b], [K[b]]) for b in range(4)]
-        await mgr.step()
-        assert len(engine.complete_next()) == 1  # (release() would stop holding)
-        await asyncio.gather(*stores)
+    async with _serving(_kv(seed=12), _cfg(num_cpu_blocks=6), engine=engine) as mgr:
+        await _roots(mgr, K[:4], engine)
         pending = mgr.swap_out([5], [K[5]])
         loading = mgr.swap_in([K[1]], [7])
         await mgr.step()
@@ -589,21 +566,16 @@ async def test_clear_drops_every_idle_ready_key_and_keeps_those_in_flight() -> N
 @pytest.mark.asyncio
 async def test_events_are_in_order_a_removal_before_the_store_that_evicted() -> None:
     kv = _kv(seed=13)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=2)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2)) as mgr:
         for b in (0, 1):  # K0 then K1, one step each
-            st = mgr.swap_out([b], [K[b]])
-            await mgr.step()
-            await st
+            await _swapped_out(mgr, [b], [K[b]])
         assert mgr.take_events() == [
             KVEvent("stored", (K[0],), "cpu"),
             KVEvent("stored", (K[1],), "cpu"),
         ]
         assert mgr.take_events() == []  # drained
         # a store of K2, K3 evicts both K0 and K1: the removal comes first
-        st = mgr.swap_out([2, 3], K[2:4])
-        await mgr.step()
-        await st
+        await _swapped_out(mgr, [2, 3], K[2:4])
         events = mgr.take_events()
         assert [e.kind for e in events] == ["removed", "stored"]
         assert sorted(events[0].keys) == sorted(K[:2])
@@ -614,8 +586,7 @@ async def test_events_are_in_order_a_removal_before_the_store_that_evicted() -> 
 async def test_a_failed_store_emits_no_event() -> None:
     kv = _kv(seed=15)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2), engine=engine) as mgr:
         st = mgr.swap_out([0], [K[0]])
         await mgr.step()
         engine.complete_next(fail=True)
@@ -629,8 +600,7 @@ async def test_a_failed_store_emits_no_event() -> None:
 @pytest.mark.asyncio
 async def test_the_async_iterator_yields_events_as_they_happen() -> None:
     kv = _kv(seed=16)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=2)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=2)) as mgr:
         seen: list[KVEvent] = []
 
         async def consume(n: int) -> None:
@@ -642,9 +612,7 @@ async def test_the_async_iterator_yields_events_as_they_happen() -> None:
         consumer = asyncio.ensure_future(consume(4))
         await asyncio.sleep(0)  # the consumer waits for the first event
         for b in range(3):  # the third store evicts K0
-            st = mgr.swap_out([b], [K[b]])
-            await mgr.step()
-            await st
+            await _swapped_out(mgr, [b], [K[b]])
         await asyncio.wait_for(consumer, timeout=10)
         assert seen == [
             KVEvent("stored", (K[0],)),
@@ -666,19 +634,13 @@ async def test_the_async_iterator_yields_events_as_they_happen() -> None:
 @pytest.mark.asyncio
 async def test_a_bounded_stream_drops_the_oldest_and_counts_them() -> None:
     kv = _kv(seed=17)
-    async with OffloadManager(kv, _cfg(num_cpu_blocks=8, max_events=2)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(num_cpu_blocks=8, max_events=2)) as mgr:
         for b in range(5):
-            st = mgr.swap_out([b], [K[b]])
-            await mgr.step()
-            await st
+            await _swapped_out(mgr, [b], [K[b]])
         assert mgr.take_events() == [KVEvent("stored", (K[3],)), KVEvent("stored", (K[4],))]
         assert mgr.statistics().events_dropped == 3
-    async with OffloadManager(_kv(seed=18), _cfg(num_cpu_blocks=8, max_events=0)) as mgr:
-        _hold(mgr)
-        st = mgr.swap_out([0], [K[0]])
-        await mgr.step()
-        await st
+    async with _serving(_kv(seed=18), _cfg(num_cpu_blocks=8, max_events=0)) as mgr:
+        await _swapped_out(mgr, [0], [K[0]])
         assert mgr.invalidate([K[0]]) == 1
         assert mgr.take_events() == []  # recording disabled: nothing kept, nothing dropped
         assert mgr.statistics().events_dropped == 0
@@ -690,8 +652,7 @@ async def test_a_bounded_stream_drops_the_oldest_and_counts_them() -> None:
 @pytest.mark.asyncio
 async def test_store_threshold_stores_a_key_only_once_seen_n_times() -> None:
     kv = _kv(seed=19)
-    async with OffloadManager(kv, _cfg(store_threshold=3)) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(store_threshold=3)) as mgr:
         # sightings 1 and 2: not admitted, nothing copied, resolved at once
         for n in (1, 2):
             st = mgr.swap_out([0, 1], K[:2])
@@ -723,8 +684,7 @@ async def test_store_threshold_stores_a_key_only_once_seen_n_times() -> None:
 @pytest.mark.asyncio
 async def test_store_threshold_one_stores_on_first_sight() -> None:
     kv = _kv(seed=20)
-    async with OffloadManager(kv, _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg()) as mgr:
         st = mgr.swap_out([0], [K[0]])
         await mgr.step()
         assert (await st).num_blocks == 1
@@ -812,8 +772,7 @@ async def test_transfer_timeout_error_is_not_the_builtin_timeout_error() -> None
     assert issubclass(ClosedBeforeCopyError, ClosedError)
     assert issubclass(ClosedBeforeCopyError, TransferError)
     engine = NullEngine(hold=True)
-    async with OffloadManager(_kv(seed=23), _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(_kv(seed=23), _cfg(), engine=engine) as mgr:
         st = mgr.swap_out([0], [K[0]])
         await mgr.step()
         # kvmgr's deadline: TransferTimeoutError, which `except TimeoutError` does not catch
@@ -844,8 +803,7 @@ def _buggy_engine() -> ScriptedEngine:
 @pytest.mark.asyncio
 async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
     kv = _kv(seed=24)
-    async with OffloadManager(kv, _cfg(), engine=_buggy_engine()) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=_buggy_engine()) as mgr:
         st = mgr.swap_out([0], [K[0]])
         with pytest.raises(ZeroDivisionError):
             await mgr.step()  # re-raised after every lane was handled
@@ -857,8 +815,7 @@ async def test_an_engine_bug_is_not_relabelled_transfer_error() -> None:
 
 @pytest.mark.asyncio
 async def test_statistics_histograms_count_every_batch() -> None:
-    async with OffloadManager(_kv(seed=29), _cfg()) as mgr:
-        _hold(mgr)
+    async with _serving(_kv(seed=29), _cfg()) as mgr:
         stats = mgr.statistics()
         assert stats.batch_blocks is not None and stats.batch_blocks.num == 0
         st = mgr.store_many(np.arange(5), K[:5])  # one batch of 5 blocks
@@ -883,8 +840,7 @@ async def test_statistics_histograms_count_every_batch() -> None:
 async def test_null_engine_completes_at_once_and_copies_nothing() -> None:
     kv = _kv(seed=25)
     engine = NullEngine()
-    async with OffloadManager(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         st = mgr.swap_out([0, 1], K[:2])
         await mgr.step()
         await _settle()
@@ -905,8 +861,7 @@ async def test_null_engine_completes_at_once_and_copies_nothing() -> None:
 async def test_null_engine_holds_batches_until_told() -> None:
     kv = _kv(seed=26)
     engine = NullEngine(hold=True)
-    async with OffloadManager(kv, _cfg(), engine=engine) as mgr:
-        _hold(mgr)
+    async with _serving(kv, _cfg(), engine=engine) as mgr:
         first = mgr.swap_out([0], [K[0]])
         await mgr.step()
         await _settle()
@@ -994,9 +949,7 @@ async def test_the_event_iterator_ends_when_the_manager_closes() -> None:
 
     async with mgr:
         task = asyncio.create_task(consume())
-        stored = mgr.swap_out(mgr.allocate("a", 2), [b"a", b"b"])
-        await mgr.step()
-        await stored
+        await _swapped_out(mgr, mgr.allocate("a", 2), [b"a", b"b"])
     await asyncio.wait_for(task, 5)
     assert [(e.kind, e.keys) for e in got] == [("stored", (b"a", b"b")), ("cleared", ())]
 

@@ -48,10 +48,16 @@ def test_zero_allocation_is_empty_and_changes_nothing() -> None:
     assert _state(alloc) == before
 
 
-def test_try_allocate_returns_none_and_changes_nothing() -> None:
-    alloc = BlockAllocator(5)
+def _three_taken_one_given_back(num_blocks: int) -> BlockAllocator:
+    """An allocator of ``num_blocks`` that handed out 0, 1, 2 and got 1 back."""
+    alloc = BlockAllocator(num_blocks)
     alloc.allocate(3)
     alloc.free([1])
+    return alloc
+
+
+def test_try_allocate_returns_none_and_changes_nothing() -> None:
+    alloc = _three_taken_one_given_back(5)
     before = _state(alloc)
     assert alloc.try_allocate(4) is None  # 3 free
     assert _state(alloc) == before
@@ -70,9 +76,7 @@ def test_allocate_raises_pool_exhausted_with_counts_and_changes_nothing() -> Non
 
 
 def test_double_free_raises_and_frees_nothing() -> None:
-    alloc = BlockAllocator(4)
-    alloc.allocate(3)
-    alloc.free([1])
+    alloc = _three_taken_one_given_back(4)
     before = _state(alloc)
     with pytest.raises(DoubleFreeError, match="1"):
         alloc.free([1])

@@ -6,6 +6,7 @@ mid-batch costs misses for a bounded time, never wrong KV or a hang."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -13,10 +14,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from redis.crc import key_slot
-from tiers_server import random_cpu_tensors, server_binary
+from tiers_server import random_bridge, server_binary
 
 from kvmgr.testing.servers import LocalCluster
-from kvmgr.tiers import SharedTier, TierBridge, TierNamespace
+from kvmgr.tiers import SharedTier, TierNamespace
 
 PAGES = (4096, 4096)
 NS = TierNamespace("cluster/model", PAGES, ("bfloat16", "bfloat16"), 16, tenant_salt=b"c")
@@ -38,26 +39,19 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def _node_id(node) -> str:  # type: ignore[no-untyped-def]
-    client = node.client()
-    try:
+    with contextlib.closing(node.client()) as client:
         return client.execute_command("CLUSTER", "MYID").decode()
-    finally:
-        client.close()
 
 
 def _stat(node, name: str) -> int:  # type: ignore[no-untyped-def]
-    client = node.client()
-    try:
+    with contextlib.closing(node.client()) as client:
         return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
-    finally:
-        client.close()
 
 
 @pytest.mark.asyncio
 async def test_a_batch_is_split_by_slot_and_pipelined_per_node(cluster) -> None:
     tier = SharedTier(cluster.url, single_tenant=True)
-    cpu = random_cpu_tensors(PAGES, 128, seed=1)
-    bridge = TierBridge(cpu, tier, NS)
+    cpu, bridge = random_bridge(tier, NS, 128, seed=1)
     keys = _keys(64)
     primaries = {cluster.primary_of(k).port for k in NS.stored_keys(keys)}
     assert len(primaries) == 3  # the keys spread over every primary
@@ -74,18 +68,14 @@ async def test_a_batch_is_split_by_slot_and_pipelined_per_node(cluster) -> None:
 
 def _set_slot(nodes, slot: int, *args: str) -> None:  # type: ignore[no-untyped-def]
     for node in nodes:
-        client = node.client()
-        try:
+        with contextlib.closing(node.client()) as client:
             client.execute_command("CLUSTER", "SETSLOT", slot, *args)
-        finally:
-            client.close()
 
 
 @pytest.mark.asyncio
 async def test_moved_and_ask_are_followed(cluster) -> None:
     tier = SharedTier(cluster.url, single_tenant=True)
-    cpu = random_cpu_tensors(PAGES, 8, seed=2)
-    bridge = TierBridge(cpu, tier, NS)
+    cpu, bridge = random_bridge(tier, NS, 8, seed=2)
     assert (await bridge.demote(_keys(1, b"warm"), [0])).all()  # the map is read
     # a fresh key's (empty) slot, moved to another primary behind the tier's back
     key = _keys(1, b"moved")[0]
@@ -115,8 +105,7 @@ async def test_a_primary_killed_mid_batch_costs_bounded_misses_never_wrong_kv() 
     server_binary()
     with LocalCluster(num_primaries=3, replicas=1, node_timeout_ms=1000) as cluster:
         tier = SharedTier(cluster.url, deadline_s=1.0, reconnect_backoff_s=0.1, single_tenant=True)
-        cpu = random_cpu_tensors(PAGES, 256, seed=3)
-        bridge = TierBridge(cpu, tier, NS)
+        cpu, bridge = random_bridge(tier, NS, 256, seed=3)
         keys = _keys(96)
         assert (await bridge.demote(keys, range(96))).all()
         victim = cluster.primary_of(NS.stored_keys(keys)[0])

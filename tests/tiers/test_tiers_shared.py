@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("redis")
 
-from tiers_server import make_certs, random_cpu_tensors
+from tiers_server import make_certs, random_bridge, random_cpu_tensors, tls_server
 
 from kvmgr.errors import (
     ConfigError,
@@ -93,9 +93,8 @@ async def test_one_round_trip_per_batch(tier_server) -> None:
     # a batch of 40 blocks is one pipeline on one connection each way (the store's EXISTS adds
     # one round trip): the server counts the commands and the connections
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, 48, seed=3)
     tier = SharedTier(tier_server.url, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    _, bridge = random_bridge(tier, ns, 48, seed=3)
     tier_server.command("CONFIG", "RESETSTAT")
     await bridge.demote(_keys(40), list(range(40)))
     await bridge.promote(_keys(40), list(range(40)))
@@ -110,10 +109,9 @@ async def test_one_round_trip_per_batch(tier_server) -> None:
 
 @pytest.mark.asyncio
 async def test_other_layout_or_model_never_reads(tier_server) -> None:
-    ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=4)
     tier = SharedTier(tier_server.url, single_tenant=True)
-    await TierBridge(cpu, tier, ns).demote(_keys(4), [0, 1, 2, 3])
+    _, bridge = random_bridge(tier, _namespace(), NUM_BLOCKS, seed=4)
+    await bridge.demote(_keys(4), [0, 1, 2, 3])
     for other in (_namespace(block_size=32), _namespace(model="other/model"),
                   _namespace(dtype_names=("float16", "uint8", "uint8"))):  # fmt: skip
         dst = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=5)
@@ -150,10 +148,10 @@ async def test_tenants_with_equal_prompts_share_nothing(tier_server) -> None:
 @pytest.mark.asyncio
 async def test_corrupt_truncated_or_moved_values_are_misses(tier_server) -> None:
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=9)
     tier = SharedTier(tier_server.url, single_tenant=True)
+    cpu, bridge = random_bridge(tier, ns, NUM_BLOCKS, seed=9)
     keys = _keys(5)
-    await TierBridge(cpu, tier, ns).demote(keys, [0, 1, 2, 3, 4])
+    await bridge.demote(keys, [0, 1, 2, 3, 4])
     sk = ns.stored_keys(keys)
     # tamper in the server: flip a payload byte, truncate, move a value under another key,
     # replace one with garbage
@@ -182,9 +180,8 @@ async def test_corrupt_truncated_or_moved_values_are_misses(tier_server) -> None
 @pytest.mark.asyncio
 async def test_server_killed_then_restarted(tier_server) -> None:
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=11)
     tier = SharedTier(tier_server.url, deadline_s=1.0, reconnect_backoff_s=0.0, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    cpu, bridge = random_bridge(tier, ns, NUM_BLOCKS, seed=11)
     keys = _keys(4)
     assert (await bridge.demote(keys, [0, 1, 2, 3])).all()
     # crash: calls fail fast with a typed error; the bridge turns them into misses
@@ -222,9 +219,8 @@ async def test_down_server_backs_off_without_network(tier_server) -> None:
 @pytest.mark.asyncio
 async def test_slow_server_deadline_expires_no_hang(tier_server) -> None:
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=12)
     tier = SharedTier(tier_server.url, deadline_s=0.25, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    cpu, bridge = random_bridge(tier, ns, NUM_BLOCKS, seed=12)
     keys = _keys(3)
     await bridge.demote(keys, [0, 1, 2])
     # the server stops answering for 1.5 s; our calls give up at their deadline
@@ -252,9 +248,8 @@ async def test_server_memory_full(tier_server_factory) -> None:
     # maxmemory with noeviction: writes past the limit fail typed, stored blocks stay readable
     server = tier_server_factory("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, 64, seed=13)
     tier = SharedTier(server.url, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    _, bridge = random_bridge(tier, ns, 64, seed=13)
     first = _keys(4, b"a")
     assert (await bridge.demote(first, [0, 1, 2, 3])).all()
     with pytest.raises(TierFullError):
@@ -275,9 +270,8 @@ async def test_server_eviction_is_a_miss(tier_server_factory) -> None:
     # allkeys-lru: the server drops old blocks to make room; those are plain misses
     server = tier_server_factory("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, 64, seed=14)
     tier = SharedTier(server.url, ttl_s=600, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    _, bridge = random_bridge(tier, ns, 64, seed=14)
     for batch in range(40):  # 40 x 64 x ~2 KiB = 5.3 MB into 2 MB
         assert (await bridge.demote(_keys(64, bytes([batch])), list(range(64)))).all()
     assert int(server.command("DBSIZE")) < 40 * 64
@@ -361,14 +355,11 @@ def test_url_schemes_and_bad_urls() -> None:
 async def test_tls_round_trip(tier_server_factory, tmp_path) -> None:
     # rediss:// to a TLS-only server (plain port off), server certificate checked against our CA
     certs = make_certs(tmp_path)
-    ca, crt, key = certs["ca"], certs["crt"], certs["key"]
-    server = tier_server_factory("--port", "0", "--tls-auth-clients", "no",
-                                 "--tls-cert-file", crt, "--tls-key-file", key,
-                                 "--tls-ca-cert-file", ca, tls=True)  # fmt: skip
+    ca = certs["ca"]
+    server = tls_server(tier_server_factory, certs, "no")
     ns = _namespace()
-    cpu = random_cpu_tensors(PAGES, NUM_BLOCKS, seed=16)
     tier = SharedTier(f"rediss://127.0.0.1:{server.port}/0", ssl_ca_certs=ca, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    cpu, bridge = random_bridge(tier, ns, NUM_BLOCKS, seed=16)
     assert (await bridge.demote(_keys(3), [0, 1, 2])).all()
     assert (await bridge.promote(_keys(3), [3, 4, 5])).all()
     assert _equal(_blocks(cpu, [3, 4, 5]), _blocks(cpu, [0, 1, 2]))

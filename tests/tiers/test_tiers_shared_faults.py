@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import redis
-from tiers_server import make_certs, random_cpu_tensors
+from tiers_server import make_certs, random_bridge, random_cpu_tensors, tls_server
 
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.errors import (
@@ -47,9 +47,8 @@ async def test_more_calls_than_connections_wait_instead_of_failing(tier_server) 
     (within its deadline). Before: redis-py's MaxConnectionsError, mapped to "server down" with
     the backoff, and 0 of 128 blocks loaded."""
     ns = _ns()
-    cpu = random_cpu_tensors(PAGES, 256, seed=1)
     tier = SharedTier(tier_server.url, max_connections=16, single_tenant=True)
-    bridge = TierBridge(cpu, tier, ns)
+    cpu, bridge = random_bridge(tier, ns, 256, seed=1)
     keys = _keys(128)
     assert (await bridge.demote(keys, range(128))).all()
     groups = [range(i, i + 4) for i in range(0, 128, 4)]
@@ -149,9 +148,7 @@ async def test_passwords_with_url_characters_work_and_never_show(tier_server_fac
 @pytest.mark.asyncio
 async def test_tls_mistakes_are_refused_or_named(tier_server_factory, tmp_path) -> None:
     certs = make_certs(tmp_path)
-    server = tier_server_factory("--port", "0", "--tls-auth-clients", "optional",
-                                 "--tls-cert-file", certs["crt"], "--tls-key-file", certs["key"],
-                                 "--tls-ca-cert-file", certs["ca"], tls=True)  # fmt: skip
+    server = tls_server(tier_server_factory, certs, "optional")
     plain = tier_server_factory()
     tls_url = f"rediss://127.0.0.1:{server.port}/0"
     # a CA bundle with a plain URL used to connect in plaintext, silently
@@ -175,9 +172,7 @@ async def test_tls_mistakes_are_refused_or_named(tier_server_factory, tmp_path) 
 @pytest.mark.asyncio
 async def test_mutual_tls_with_a_client_certificate(tier_server_factory, tmp_path) -> None:
     certs = make_certs(tmp_path)
-    server = tier_server_factory("--port", "0", "--tls-auth-clients", "yes",
-                                 "--tls-cert-file", certs["crt"], "--tls-key-file", certs["key"],
-                                 "--tls-ca-cert-file", certs["ca"], tls=True)  # fmt: skip
+    server = tls_server(tier_server_factory, certs, "yes")
     url = f"rediss://127.0.0.1:{server.port}/0"
     without = SharedTier(url, ssl_ca_certs=certs["ca"], deadline_s=1.0, single_tenant=True)
     with pytest.raises(TierUnavailableError, match=r"TLS|closed"):
@@ -185,8 +180,7 @@ async def test_mutual_tls_with_a_client_certificate(tier_server_factory, tmp_pat
     await without.aclose()
     tier = SharedTier(url, ssl_ca_certs=certs["ca"], ssl_certfile=certs["client_crt"],
                       ssl_keyfile=certs["client_key"], single_tenant=True)  # fmt: skip
-    cpu = random_cpu_tensors(PAGES, 8, seed=4)
-    bridge = TierBridge(cpu, tier, _ns())
+    cpu, bridge = random_bridge(tier, _ns(), 8, seed=4)
     assert (await bridge.demote(_keys(3), [0, 1, 2])).all()
     assert (await bridge.promote(_keys(3), [3, 4, 5])).all()
     assert _equal(cpu, [3, 4, 5], [0, 1, 2])

@@ -7,16 +7,14 @@ their arguments, and ``torch.cuda`` streams/events are fakes that log the order 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
-import itertools
-import threading
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from cuda_fakes import FakeCuda, FakeDriverLib, hold_two_tables
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
 from kvmgr.pool.layout import KVLayout
@@ -28,68 +26,6 @@ from kvmgr.transfer.pinned import HostRegistrar, PinnedHostBuffer, mapped_device
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 HAS_CUDA = torch.cuda.is_available()
-_P, _N = ctypes.c_void_p, ctypes.c_size_t
-_LOOP = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _N, _P)
-_BATCH = {
-    12080: ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _N, _P, _P, _N, _P, _P),
-    13000: ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _N, _P, _P, _N, _P),
-}
-
-
-def _u64(address: int, count: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address)).copy()
-
-
-class FakeDriverLib:
-    """ctypes callbacks standing in for the driver: they memmove host memory and log calls.
-
-    ``fail_at``: descriptor index whose copy is refused with ``code`` (batch: the whole call).
-    """
-
-    def __init__(self, fail_at: int | None = None, code: int = 1, fail_call: int = 0) -> None:
-        self.fail_at, self.code, self.fail_call = fail_at, code, fail_call
-        self.calls: list[Any] = []
-        self.num_batch_calls = 0
-        self._callbacks = {abi: proto(self._batch_for(abi)) for abi, proto in _BATCH.items()}
-        self._callbacks[0] = _LOOP(self._loop)
-
-    def resolver(self, versions: tuple[int, ...] = (12080, 13000)) -> Any:
-        def resolve(symbol: str, version: int) -> int | None:
-            self.calls.append({"resolve": (symbol, version)})
-            key = 0 if symbol == "cuMemcpyAsync" else version
-            if symbol == "cuMemcpyBatchAsync" and version not in versions:
-                return None
-            return ctypes.cast(self._callbacks[key], ctypes.c_void_p).value
-
-        return resolve
-
-    def _batch_for(self, abi: int) -> Any:
-        def batch(dsts: int, srcs: int, sizes: int, count: int, attrs: int, idxs: int,
-                  num_attrs: int, *rest: Any) -> int:  # fmt: skip
-            fail_idx, stream = (rest[0], rest[1]) if abi == 12080 else (None, rest[0])
-            d, s, n = (_u64(p, count) for p in (dsts, srcs, sizes))
-            order = MemcpyAttributes.from_address(attrs).srcAccessOrder
-            self.calls.append({"batch": abi, "count": count, "order": order, "stream": stream or 0,
-                               "idxs": _u64(idxs, num_attrs).tolist(), "num_attrs": num_attrs})  # fmt: skip
-            self.num_batch_calls += 1
-            failing = self.num_batch_calls - 1 == self.fail_call
-            if failing and self.fail_at is not None and self.fail_at < count:
-                if fail_idx is not None:
-                    ctypes.c_size_t.from_address(fail_idx).value = self.fail_at
-                return self.code
-            for i in range(count):
-                ctypes.memmove(int(d[i]), int(s[i]), int(n[i]))
-            return 0
-
-        return batch
-
-    def _loop(self, dst: int, src: int, size: int, stream: int | None) -> int:
-        index = sum(isinstance(c, dict) and "loop" in c for c in self.calls)
-        self.calls.append({"loop": index, "stream": stream or 0})
-        if index == self.fail_at:
-            return self.code
-        ctypes.memmove(dst, src, size)
-        return 0
 
 
 def _host_kv(
@@ -341,54 +277,9 @@ def test_collect_info_never_raises() -> None:
 # ------------------------------------------------------------------ the engine, on fake CUDA
 
 
-class FakeCuda:
-    """``torch.cuda`` streams and events that log ``(op, object, argument)`` in call order.
-
-    A blocking (end) event created while ``gates`` is non-empty takes the first gate and its
-    ``synchronize`` waits for it: the batch "runs" until the test sets the gate.
-    """
-
-    def __init__(self) -> None:
-        self.log: list[Any] = []
-        self.gates: list[threading.Event] = []
-        handles = itertools.count(0x100)
-        fake = self
-
-        class Stream:
-            def __init__(self, device: Any = None, priority: int = 0) -> None:
-                self.cuda_stream, self.priority = next(handles), priority
-
-            def wait_event(self, event: Any) -> None:
-                fake.log.append(("wait", self, event))
-
-        class Event:
-            def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
-                self.gate = fake.gates.pop(0) if blocking and fake.gates else None
-
-            def record(self, stream: Any = None) -> None:
-                fake.log.append(("record", self, stream))
-
-            def synchronize(self) -> None:
-                if self.gate is not None:
-                    assert self.gate.wait(10)
-
-            def elapsed_time(self, end: Any) -> float:
-                return 0.5  # ms
-
-        self.Stream, self.Event = Stream, Event
-        self.compute = Stream()
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
-    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
-    return fake
+    return FakeCuda().install(monkeypatch)
 
 
 def _fake_engine(
@@ -506,8 +397,7 @@ def test_completion_is_fifo_per_direction_and_independent_across(fake_cuda: Fake
     rng = np.random.default_rng(13)
     engine, _ = _fake_engine(fake_cuda)
     with engine:
-        gate = threading.Event()
-        fake_cuda.gates.append(gate)
+        gate = fake_cuda.gate()
         done: list[int] = []
         plan, *_ = _store_plan(rng, 584, 2)
         stores = [engine.submit(plan), engine.submit(plan)]  # the first one is held by the gate
@@ -530,9 +420,8 @@ def test_plan_arrays_stay_alive_until_the_end_event(fake_cuda: FakeCuda) -> None
 
     rng = np.random.default_rng(17)
     with _fake_engine(fake_cuda)[0] as engine:
-        gate = threading.Event()
-        fake_cuda.gates.append(gate)
         plan, *_ = _store_plan(rng, 584, 3)
+        gate = fake_cuda.gate()
         handle = engine.submit(plan)
         alive = weakref.ref(plan)
         del plan
@@ -548,17 +437,8 @@ def test_descriptor_buffer_lives_until_the_end_event_then_is_reused(fake_cuda: F
     rng = np.random.default_rng(23)
     with _fake_engine(fake_cuda)[0] as engine:
         buffers = engine.issuer.buffers
-        gate = threading.Event()
-        fake_cuda.gates.append(gate)
         plan, *_ = _store_plan(rng, 584, 3)
-        first = engine.submit(plan)
-        # the batch has not ended: its descriptor table is not free (rule 7)
-        assert buffers.num_allocated == 1 and not any(buffers._free.values())
-        second = engine.submit(plan)  # a second batch in flight takes a second table
-        assert buffers.num_allocated == 2
-        gate.set()
-        first.future.result(timeout=5)
-        second.future.result(timeout=5)
+        hold_two_tables(fake_cuda, engine, buffers, plan)
         assert plan._built is None  # the plan's own descriptor arrays were never built
         # both ended: their tables are back, and the next batch allocates none
         plan, src, dst, src_ids, dst_ids = _store_plan(rng, 584, 4)
@@ -576,8 +456,7 @@ def test_descriptor_buffer_lives_until_the_end_event_then_is_reused(fake_cuda: F
 def test_close_waits_times_out_and_is_idempotent(fake_cuda: FakeCuda) -> None:
     rng = np.random.default_rng(14)
     engine, _ = _fake_engine(fake_cuda)
-    gate = threading.Event()
-    fake_cuda.gates.append(gate)
+    gate = fake_cuda.gate()
     plan, *_ = _store_plan(rng, 584, 1)
     handle = engine.submit(plan)
     with pytest.raises(TransferTimeoutError, match="in flight"):
@@ -593,8 +472,7 @@ def test_close_waits_times_out_and_is_idempotent(fake_cuda: FakeCuda) -> None:
 def test_a_cancelled_future_does_not_stop_completion(fake_cuda: FakeCuda) -> None:
     rng = np.random.default_rng(15)
     with _fake_engine(fake_cuda)[0] as engine:
-        gate = threading.Event()
-        fake_cuda.gates.append(gate)
+        gate = fake_cuda.gate()
         plan, *_ = _store_plan(rng, 584, 1)
         first = engine.submit(plan)
         assert first.future.cancel()

@@ -55,13 +55,15 @@ def test_one_direction_alone_is_the_per_plan_choice() -> None:
         duplex_choice((-1, 0), QWEN)
 
 
+def bench_rows(*rows: tuple[str, float]) -> list[dict[str, object]]:
+    """``bench duplex --json`` rows: ``(variant, gbps)`` each."""
+    return [{"variant": variant, "gbps": gbps} for variant, gbps in rows]
+
+
 def test_fit_duplex_reads_bench_rows() -> None:
-    rows = [
-        {"variant": "limit", "gbps": 98.0},
-        {"variant": "kernel+kernel", "gbps": 40.0},
-        {"variant": "kernel+kernel", "gbps": 60.0},
-        {"variant": "dma+dma", "gbps": 20.0},
-    ]
+    rows = bench_rows(
+        ("limit", 98.0), ("kernel+kernel", 40.0), ("kernel+kernel", 60.0), ("dma+dma", 20.0)
+    )
     calib = Calibration.from_json({"duplex": rows})
     assert calib.duplex_kernel_gbps == 50.0 and calib.duplex_limit_gbps == 98.0
     with pytest.raises(ConfigError):
@@ -109,12 +111,17 @@ class _DuplexHost(HostEngine):
         return super().submit(plan, wait_for=wait_for)
 
 
+def _manager(engine: object) -> OffloadManager:
+    """A manager of three small random caches (16 blocks) and 32 CPU blocks on ``engine``."""
+    caches = [torch.randn(16, 4, 8) for _ in range(3)]
+    return OffloadManager(caches, ManagerConfig(num_cpu_blocks=32), engine=engine)  # type: ignore[arg-type]
+
+
 @pytest.mark.asyncio
 async def test_flusher_submits_in_the_engines_order() -> None:
-    caches = [torch.randn(16, 4, 8) for _ in range(3)]
     engine = _DuplexHost()
     keys = [hashlib.blake2b(bytes([i])).digest() for i in range(4)]
-    async with OffloadManager(caches, ManagerConfig(num_cpu_blocks=32), engine=engine) as mgr:
+    async with _manager(engine) as mgr:
         a = mgr.allocate("a", 2)
         first = mgr.store_many(a, keys[:2])
         await mgr.step()
@@ -170,12 +177,12 @@ def test_choose_path_keeps_the_old_choice_without_staging() -> None:
 
 
 def test_fit_duplex_reads_the_mixed_rows_and_leaves_the_gather() -> None:
-    rows = [
-        {"variant": "kernel+contiguous", "gbps": 80.0},
-        {"variant": "contiguous+kernel", "gbps": 60.0},
-        {"variant": "gather d2h", "gbps": 900.0},
-        {"variant": "scatter h2d", "gbps": 700.0},
-    ]
+    rows = bench_rows(
+        ("kernel+contiguous", 80.0),
+        ("contiguous+kernel", 60.0),
+        ("gather d2h", 900.0),
+        ("scatter h2d", 700.0),
+    )
     calib = Calibration.fit_duplex(rows)
     assert calib.duplex_mixed_gbps == 70.0
     assert calib.staged_gather_gbps == Calibration().staged_gather_gbps  # two constants, not one
@@ -225,10 +232,9 @@ class _PlansHost(_DuplexHost):
 
 @pytest.mark.asyncio
 async def test_worker_hands_the_plans_to_an_engine_that_takes_them() -> None:
-    caches = [torch.randn(16, 4, 8) for _ in range(3)]
     engine = _PlansHost()
     keys = [hashlib.blake2b(bytes([i])).digest() for i in range(6)]
-    async with OffloadManager(caches, ManagerConfig(num_cpu_blocks=32), engine=engine) as mgr:
+    async with _manager(engine) as mgr:
         first = mgr.store_many(mgr.allocate("a", 3), keys[:3])
         await mgr.step()
         await first

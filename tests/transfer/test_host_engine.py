@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import attrs
 import numpy as np
@@ -12,7 +13,19 @@ import torch
 from kvmgr.errors import ClosedError, ConfigError, GeometryError
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import HostEngine, make_engine
-from kvmgr.transfer.plan import Direction, build_plan
+from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
+
+
+def _plan(
+    direction: Direction,
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    src_ids: Any,
+    dst_ids: Any,
+) -> TransferPlan:
+    """``build_plan`` between the layouts of ``src`` and ``dst`` (ids: sequences or arrays)."""
+    layouts = KVLayout.from_tensors(src), KVLayout.from_tensors(dst)
+    return build_plan(direction, *layouts, np.asarray(src_ids), np.asarray(dst_ids))
 
 
 @pytest.fixture
@@ -46,13 +59,7 @@ def test_allocate_host_gives_a_cpu_byte_tensor(engine: HostEngine) -> None:
 
 def test_submit_copies_the_pages_and_reports_the_batch(engine: HostEngine) -> None:
     gpu, cpu = _pair(seed=1)
-    plan = build_plan(
-        Direction.D2H,
-        KVLayout.from_tensors(gpu),
-        KVLayout.from_tensors(cpu),
-        np.array([4, 0, 1]),
-        np.array([2, 3, 4]),
-    )
+    plan = _plan(Direction.D2H, gpu, cpu, [4, 0, 1], [2, 3, 4])
     handle = engine.submit(plan)
     result = handle.future.result(timeout=10)
     assert handle.done() and handle.direction is Direction.D2H
@@ -108,13 +115,7 @@ def test_h2d_then_d2h_of_the_same_block_reads_the_new_bytes(engine: HostEngine) 
 def test_close_is_idempotent_and_submit_after_close_raises() -> None:
     eng = HostEngine()
     gpu, cpu = _pair(seed=4)
-    plan = build_plan(
-        Direction.D2H,
-        KVLayout.from_tensors(gpu),
-        KVLayout.from_tensors(cpu),
-        np.array([0]),
-        np.array([0]),
-    )
+    plan = _plan(Direction.D2H, gpu, cpu, [0], [0])
     handle = eng.submit(plan)
     eng.close()
     assert handle.done()  # close waited for the batch in flight
@@ -126,13 +127,7 @@ def test_close_is_idempotent_and_submit_after_close_raises() -> None:
 
 def test_stream_wait_is_a_no_op(engine: HostEngine) -> None:
     gpu, cpu = _pair(seed=5)
-    plan = build_plan(
-        Direction.H2D,
-        KVLayout.from_tensors(cpu),
-        KVLayout.from_tensors(gpu),
-        np.array([0]),
-        np.array([0]),
-    )
+    plan = _plan(Direction.H2D, cpu, gpu, [0], [0])
     handle = engine.submit(plan)
     handle.future.result(timeout=10)
     engine.stream_wait(handle)
@@ -185,9 +180,7 @@ def test_scattered_plans_copy_exactly_their_pages(engine: HostEngine, num_blocks
     src, dst = _strided_pair(num_blocks, 256)
     src_ids = rng.choice(256, num_blocks, replace=False)
     dst_ids = rng.choice(512, num_blocks, replace=False)
-    plan = build_plan(
-        Direction.H2D, KVLayout.from_tensors(src), KVLayout.from_tensors(dst), src_ids, dst_ids
-    )
+    plan = _plan(Direction.H2D, src, dst, src_ids, dst_ids)
     before = [t.clone() for t in dst]
     engine.submit(plan).future.result(timeout=10)
     for s, d, old in zip(src, dst, before):

@@ -17,7 +17,7 @@ from kvmgr import (
     ManagerConfig,
     OffloadManager,
 )
-from kvmgr.testing import FaultyEngine, check_invariants
+from kvmgr.testing import FaultyEngine, ScriptedEngine, check_invariants
 from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.host import HostEngine
 from kvmgr.transfer.layer_groups import LayerGroups
@@ -46,19 +46,20 @@ def _manager(caches: list[torch.Tensor], engine: object = None) -> OffloadManage
     return OffloadManager(caches, config, engine=engine)  # type: ignore[arg-type]
 
 
-class _RecordingEngine(HostEngine):
-    """The host engine, recording each submitted plan's first GPU tensor address, in order."""
+def _recording_engine() -> ScriptedEngine:
+    """The host engine under the testing kit's scripted engine, recording every batch."""
+    return ScriptedEngine(HostEngine(), record=True)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.submitted: list[tuple[Direction, int]] = []
 
-    def submit(self, plan, *, wait_for=()):  # type: ignore[no-untyped-def]
-        pairs = plan.blocks
-        if pairs is not None:  # (an empty plan has no blocks)
-            gpu = pairs.dst if plan.direction is Direction.H2D else pairs.src
-            self.submitted.append((plan.direction, int(gpu.base_addrs[0])))
-        return super().submit(plan, wait_for=wait_for)
+def _gpu_starts(engine: ScriptedEngine) -> list[tuple[Direction, int]]:
+    """Each submitted plan's direction and first GPU tensor address, in order (an empty plan,
+    which has no blocks, is left out)."""
+    starts = []
+    for plan, _, _ in engine.submitted:
+        if plan.blocks is not None:
+            gpu = plan.blocks.dst if plan.direction is Direction.H2D else plan.blocks.src
+            starts.append((plan.direction, int(gpu.base_addrs[0])))
+    return starts
 
 
 class _EventEngine(HostEngine):
@@ -108,7 +109,7 @@ def test_groups_by_layer_and_size() -> None:
 @pytest.mark.asyncio
 async def test_round_trip_and_layer_order() -> None:
     caches = _caches()
-    engine = _RecordingEngine()
+    engine = _recording_engine()
     keys = _keys(6)
     async with _manager(caches, engine) as mgr:
         src = mgr.allocate("a", 6)
@@ -129,7 +130,7 @@ async def test_round_trip_and_layer_order() -> None:
         check_invariants(mgr)
     # one batch per layer, in layer order, each starting at the layer's K tensor
     k_addrs = [caches[2 * i].data_ptr() for i in range(NUM_LAYERS)]
-    assert engine.submitted == [(Direction.D2H, a) for a in k_addrs] + [
+    assert _gpu_starts(engine) == [(Direction.D2H, a) for a in k_addrs] + [
         (Direction.H2D, a) for a in k_addrs
     ]
 
@@ -186,8 +187,7 @@ async def test_misuse_raises_typed_errors() -> None:
     caches = _caches()
     keys = _keys(2, salt=3)
     async with _manager(caches) as mgr:
-        a = mgr.allocate("a", 2)
-        await _store(mgr, a, keys)
+        await _store(mgr, mgr.allocate("a", 2), keys)
         load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
         with pytest.raises(LayerOrderError, match="not scheduled"):
             load.wait_layer(NUM_LAYERS)
@@ -330,14 +330,14 @@ async def test_abort_and_close_fail_unsaved_stores() -> None:
 async def test_load_flushes_what_was_queued_first() -> None:
     caches = _caches()
     keys, queued = _keys(2, salt=11), _keys(2, salt=12)
-    engine = _RecordingEngine()
+    engine = _recording_engine()
     async with _manager(caches, engine) as mgr:
         a = mgr.allocate("a", 2)
         await _store(mgr, a, keys)
         stored = mgr.store_many(mgr.allocate("q", 2), queued)  # queued, not flushed
         del engine.submitted[:]
         load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
-        assert [d for d, _ in engine.submitted] == [Direction.D2H] + [Direction.H2D] * 4
+        assert [d for d, _ in _gpu_starts(engine)] == [Direction.D2H] + [Direction.H2D] * 4
         await asyncio.wait_for(stored, 5)  # submitted by the load's flush, without a step()
         await load
         empty = mgr.load_layerwise([], np.zeros(0, dtype=np.int64), layers=2)
@@ -368,7 +368,7 @@ async def test_group_layouts_are_made_once() -> None:
     """The copy kernel keeps one device table per layout pair, keyed by the layout objects: every
     load of the same groups must reuse the same sub-layouts."""
     caches = _caches()
-    engine = _RecordingEngine()
+    engine = _recording_engine()
     seen: list[tuple[object, object]] = []
     submit = engine.submit
 

@@ -1,4 +1,4 @@
-"""Layerwise loads through the real ``CopyStreams`` on fake CUDA (``test_cuda_engine``'s stand-ins:
+"""Layerwise loads through the real ``CopyStreams`` on fake CUDA (``cuda_fakes``' stand-ins:
 streams and events that log, a driver that memmoves host memory): one batch per layer group on
 the load stream, ``wait_layer`` a stream wait on that group's end event, a refused launch known
 before the first wait."""
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from test_cuda_engine import FakeCuda, FakeDriverLib
+from cuda_fakes import FakeCuda, FakeDriverLib
 
 from kvmgr import LayerLoadError, LayerOrderError, ManagerConfig, OffloadManager
 from kvmgr.errors import TransferError
@@ -29,17 +29,7 @@ LAYERS = 3
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    import contextlib
-
-    fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
-    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.compute)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    return fake
+    return FakeCuda().install(monkeypatch)
 
 
 def _manager(fake: FakeCuda, lib: FakeDriverLib) -> tuple[OffloadManager, list[torch.Tensor]]:

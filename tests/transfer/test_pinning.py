@@ -20,9 +20,11 @@ gate (to see the tier grow) or fail the n-th registration. What is checked:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -343,8 +345,12 @@ async def test_stores_get_only_pinned_blocks_while_the_tier_is_being_pinned() ->
     assert engine.num_checked > 0
 
 
-@pytest.mark.asyncio
-async def test_a_waiting_store_is_woken_by_the_step_that_sees_the_next_piece() -> None:
+@contextlib.asynccontextmanager
+async def waiting_for_the_next_piece() -> AsyncIterator[tuple[OffloadManager, Any, int]]:
+    """A manager (``backpressure="wait"``) whose CPU tier is pinned piece by piece, the third
+    piece held back, and a store of 5 blocks more than are pinned, stepped once: it waits, it
+    did not fail. Yields the manager, the store's future and how many blocks were pinned; the
+    piece is let go (and pinned) before the store is woken."""
     fake = FakeRegistrar()
     fake.gates = {2: threading.Event()}
     engine = PiecewiseHostEngine(fake, _options())
@@ -356,9 +362,15 @@ async def test_a_waiting_store_is_woken_by_the_step_that_sees_the_next_piece() -
         waiting = asyncio.ensure_future(mgr.store_many(np.arange(ready + 5), _keys(ready + 5, "w")))
         await asyncio.sleep(0)
         await mgr.step()
-        assert not waiting.done()  # more blocks than are pinned: it waits, not fails
+        assert not waiting.done() and mgr.statistics().stores_waiting == 1
         fake.gates[2].set()
         assert await asyncio.to_thread(engine.region.wait, 30)
+        yield mgr, waiting, ready
+
+
+@pytest.mark.asyncio
+async def test_a_waiting_store_is_woken_by_the_step_that_sees_the_next_piece() -> None:
+    async with waiting_for_the_next_piece() as (mgr, waiting, _):
         await mgr.step()  # sees the pieces, wakes the store, which queues
         await asyncio.sleep(0)
         await mgr.step()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_cuda_engine import FakeCuda, FakeDriverLib
+from cuda_fakes import FakeCuda, FakeDriverLib
 
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer.dma import DmaCopy

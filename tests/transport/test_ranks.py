@@ -160,20 +160,31 @@ def test_mismatched_layouts_are_refused_at_start() -> None:
     assert info.value.rank == 1
 
 
-def test_a_rank_that_reports_failure_fails_the_job_on_every_rank() -> None:
-    group = RankGroup(2, make_rank, (_spec(fault={"rank": 1, "kind": "fail"}),))
+@pytest.mark.parametrize(
+    ("fault", "deadline_s", "error"),
+    [
+        ({"rank": 1, "kind": "fail"}, None, RankError),  # the rank reports a failure
+        ({"rank": 0, "kind": "slow", "delay_s": 3.0}, 0.5, RankTimeoutError),  # past the deadline
+    ],
+    ids=["fails", "slower_than_the_deadline"],
+)
+def test_a_rank_that_fails_or_is_late_fails_the_job_on_every_rank(
+    fault: dict[str, Any], deadline_s: float | None, error: type[RankError]
+) -> None:
+    options = {} if deadline_s is None else {"deadline_s": deadline_s}
+    group = RankGroup(2, make_rank, (_spec(fault=fault),), **options)
     try:
 
         async def body(mgr: OffloadManager) -> None:
-            a = mgr.allocate("a", 3)
-            store = mgr.swap_out(a, KEYS[:3])
+            store = mgr.swap_out(mgr.allocate("a", 3), KEYS[:3])
             await mgr.step()
-            with pytest.raises(RankError) as info:
-                await mgr.wait(store, timeout_s=20)
-            assert info.value.rank == 1
+            with pytest.raises(error) as info:
+                await mgr.wait(store, timeout_s=20)  # a late rank: at the deadline, before 3 s
+            assert info.value.rank == fault["rank"]
             assert mgr.lookup(KEYS[:3]) == 0  # never READY: no wrong KV served
             check_invariants(mgr)
-            assert mgr.statistics().cpu_blocks_used == 0
+            if fault["kind"] == "fail":
+                assert mgr.statistics().cpu_blocks_used == 0
 
         asyncio.run(_over_ranks(group, body))
     finally:
@@ -205,26 +216,6 @@ def test_a_rank_that_dies_mid_job_turns_the_offload_off(kind: str) -> None:
             await mgr.step()
             with pytest.raises(RankError):
                 await mgr.wait(later, timeout_s=5)
-            check_invariants(mgr)
-
-        asyncio.run(_over_ranks(group, body))
-    finally:
-        group.close()
-
-
-def test_a_rank_slower_than_the_deadline_fails_the_job_with_a_timeout() -> None:
-    fault = {"rank": 0, "kind": "slow", "delay_s": 3.0}
-    group = RankGroup(2, make_rank, (_spec(fault=fault),), deadline_s=0.5)
-    try:
-
-        async def body(mgr: OffloadManager) -> None:
-            a = mgr.allocate("a", 2)
-            store = mgr.swap_out(a, KEYS[:2])
-            await mgr.step()
-            with pytest.raises(RankTimeoutError) as info:
-                await mgr.wait(store, timeout_s=10)  # fails at the deadline, long before 3 s
-            assert info.value.rank == 0
-            assert mgr.lookup(KEYS[:2]) == 0
             check_invariants(mgr)
 
         asyncio.run(_over_ranks(group, body))

@@ -12,23 +12,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_support import VllmRig
+from vllm_support import PROMPT, VllmRig, offload_config
 
 from kvmgr.errors import TransferError
 from kvmgr.testing import FaultyEngine
 
-PROMPT = list(range(10, 74))  # 4 full blocks of 16 tokens
-
 
 def backend_config(policy: str = "lru", **extra: object) -> dict[str, object]:
-    return {
-        "spec_name": "KvmgrOffloadingSpec",
-        "spec_module_path": "kvmgr.integrations.vllm.backend",
-        "cpu_bytes_to_use": 1 << 20,
-        "kvmgr_policy": policy,
-        "kvmgr_engine": "host",
+    return offload_config(
+        "KvmgrOffloadingSpec",
+        "kvmgr.integrations.vllm.backend",
+        kvmgr_policy=policy,
+        kvmgr_engine="host",
         **extra,
-    }
+    )
 
 
 @pytest.fixture

@@ -16,10 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_vllm_policies import (
+    answers,
     context,
     key,
     kvmgr_manager,
+    random_calls,
     run_request,
+    same_answers,
     shared_prefix_workload,
     workload_without_ghost_hits,
 )
@@ -40,22 +43,17 @@ def ours(policy: str, num_chunks: int, **kw: object) -> KvmgrOffloadingManager:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lru_gives_vllms_answers(seed: int) -> None:
-    requests = shared_prefix_workload(seed, 400)
-    a, b = ours("lru", 48), CPUOffloadingManager(48, "lru")
-    got = [run_request(a, str(i), keys) for i, keys in enumerate(requests)]
-    want = [run_request(b, str(i), keys) for i, keys in enumerate(requests)]
+    want = same_answers(
+        ours("lru", 48), CPUOffloadingManager(48, "lru"), shared_prefix_workload(seed, 400)
+    )
     assert sum(len(w[2] or ()) for w in want) > 500  # the tier was full most of the time
-    assert got == want
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_arc_gives_vllms_answers_without_ghost_hits(seed: int) -> None:
     requests = workload_without_ghost_hits(seed, 400, 48)
-    a, b = ours("arc", 48), CPUOffloadingManager(48, "arc")
-    got = [run_request(a, str(i), keys) for i, keys in enumerate(requests)]
-    want = [run_request(b, str(i), keys) for i, keys in enumerate(requests)]
+    want = same_answers(ours("arc", 48), CPUOffloadingManager(48, "arc"), requests)
     assert sum(w[0] for w in want) > 200
-    assert got == want
 
 
 @pytest.mark.parametrize(
@@ -63,11 +61,7 @@ def test_arc_gives_vllms_answers_without_ghost_hits(seed: int) -> None:
 )
 def test_same_answers_as_kvmgrs_policy_inside_vllms_manager(policy: str, adapter: str) -> None:
     """With ghost hits too: the bookkeeping differs, the decisions do not."""
-    requests = shared_prefix_workload(5, 400)
-    a, b = ours(policy, 48), kvmgr_manager(adapter, 48)
-    got = [run_request(a, str(i), keys) for i, keys in enumerate(requests)]
-    want = [run_request(b, str(i), keys) for i, keys in enumerate(requests)]
-    assert got == want
+    same_answers(ours(policy, 48), kvmgr_manager(adapter, 48), shared_prefix_workload(5, 400))
 
 
 def test_arc_departs_only_in_the_order_of_one_stores_keys() -> None:
@@ -75,14 +69,10 @@ def test_arc_departs_only_in_the_order_of_one_stores_keys() -> None:
     one by one (its last key most recent). Without ghost hits ARC's answers are the same as
     kvmgr's ARC inside vLLM's manager; after ghost hits they differ a little (docs/guides)."""
     same = workload_without_ghost_hits(2, 400, 48)
-    a, b = ours("arc", 48), kvmgr_manager("KvmgrARCPolicy", 48)
-    assert [run_request(a, str(i), k) for i, k in enumerate(same)] == [
-        run_request(b, str(i), k) for i, k in enumerate(same)
-    ]
+    same_answers(ours("arc", 48), kvmgr_manager("KvmgrARCPolicy", 48), same)
     ghosts = shared_prefix_workload(5, 400)
-    a, b = ours("arc", 48), kvmgr_manager("KvmgrARCPolicy", 48)
-    got = [run_request(a, str(i), k) for i, k in enumerate(ghosts)]
-    want = [run_request(b, str(i), k) for i, k in enumerate(ghosts)]
+    got = answers(ours("arc", 48), ghosts)
+    want = answers(kvmgr_manager("KvmgrARCPolicy", 48), ghosts)
     assert got != want
     hits, their_hits = sum(g[0] for g in got), sum(w[0] for w in want)
     assert abs(hits - their_hits) <= 0.02 * their_hits
@@ -222,40 +212,12 @@ def test_random_calls_keep_the_invariants() -> None:
     """Random requests with loads left in flight and failed stores (the policy tests' check):
     a victim is never pinned, PENDING or offered; ``None`` changes nothing; every resident key
     is HIT and every victim MISS."""
-    rng = random.Random(11)
     mgr = ours("arc", 24)
-    resident: set[bytes] = set()
-    pinned: list[tuple[list[bytes], ReqContext]] = []
-    for r, keys in enumerate(shared_prefix_workload(4, 300)):
-        ctx = context(str(r), keys)
-        mgr.on_new_request(ctx)
-        hits = 0
-        for k in keys:
-            if mgr.lookup(k, ctx) is not HIT:
-                break
-            hits += 1
-        if hits:
-            mgr.prepare_load(keys[:hits], ctx)
-            pinned.append((keys[:hits], ctx))
-        reading = {k for ks, _ in pinned for k in ks}
-        before = {k: mgr.lookup(k, ctx) for k in resident}
-        out = mgr.prepare_store(keys[hits:], ctx)
-        if out is None:
-            assert {k: mgr.lookup(k, ctx) for k in resident} == before
-        else:
-            victims = set(out.evicted_keys)
-            assert not victims & reading and not victims & set(keys)
-            resident -= victims
-            ok = rng.random() > 0.1
-            mgr.complete_store(out.keys_to_store, ctx, success=ok)
-            if ok:
-                resident |= set(out.keys_to_store)
-        while pinned and (len(pinned) > 3 or rng.random() < 0.5):
-            ks, pctx = pinned.pop(0)
-            mgr.complete_load(ks, pctx)
-        mgr.on_request_finished(ctx)
-        assert all(mgr.lookup(k, ctx) is HIT for k in resident)
-        assert len(mgr.tier.index) == len(resident) <= 24
+
+    def same_count(resident: set[bytes]) -> None:
+        assert len(mgr.tier.index) == len(resident)
+
+    random_calls(mgr, random.Random(11), shared_prefix_workload(4, 300), 24, same_count)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

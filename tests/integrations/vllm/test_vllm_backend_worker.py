@@ -27,23 +27,21 @@ from vllm.v1.kv_offload.base import (
 from kvmgr.errors import TransferError
 from kvmgr.integrations.vllm._fault_table import FaultTable
 from kvmgr.integrations.vllm.backend import KvmgrChunkSpec, KvmgrOffloadingWorker
-from kvmgr.testing import FaultyEngine
+from kvmgr.testing import FaultyEngine, ScriptedEngine
 from kvmgr.transfer import HostEngine
 
 PAGES = (96, 160)  # two canonical tensors with different page sizes
 NUM_BLOCKS = 16
 
 
-class RecordingEngine(HostEngine):
-    """The host engine, remembering every plan it was given (direction, blocks)."""
+def recording_engine() -> ScriptedEngine:
+    """The host engine under the testing kit's scripted engine, recording every batch."""
+    return ScriptedEngine(HostEngine(), record=True)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.plans: list[tuple[str, int]] = []
 
-    def submit(self, plan, *, wait_for=()):
-        self.plans.append((plan.direction.value, plan.num_blocks))
-        return super().submit(plan, wait_for=wait_for)
+def plans(engine: ScriptedEngine) -> list[tuple[str, int]]:
+    """``(direction, number of blocks)`` of every plan ``engine`` was given, in order."""
+    return [(plan.direction.value, plan.num_blocks) for plan, _, _ in engine.submitted]
 
 
 def make_worker(engine=None, *, bpc: int = 1, faults=None, num_chunks: int = 8):
@@ -60,7 +58,7 @@ def make_worker(engine=None, *, bpc: int = 1, faults=None, num_chunks: int = 8):
         num_chunks=num_chunks,
         blocks_per_chunk=bpc,
         faults=faults,
-        engine=engine or RecordingEngine(),
+        engine=engine or recording_engine(),
     )
     return worker, tensors
 
@@ -75,14 +73,14 @@ def test_stores_wait_for_the_first_load_loads_for_get_finished() -> None:
     # three store jobs (as handle_preemptions submits them): nothing submitted yet
     for job, (blocks, chunks) in enumerate([([0, 1], [0, 1]), ([2], [2]), ([3, 4], [3, 4])]):
         assert worker.submit_store(job, gpu(blocks), KvmgrChunkSpec(chunks, 1 + job))
-    assert engine.plans == []
+    assert plans(engine) == []
     # the first load flushes the stores as ONE D2H batch; the loads stay buffered
     assert worker.submit_load(10, KvmgrChunkSpec([0, 1]), gpu([8, 9]))
     assert worker.submit_load(11, KvmgrChunkSpec([2]), gpu([10]))
-    assert engine.plans == [("d2h", 5)]
+    assert plans(engine) == [("d2h", 5)]
     # get_finished submits the loads as ONE H2D batch
     results = worker.get_finished()
-    assert engine.plans == [("d2h", 5), ("h2d", 3)]
+    assert plans(engine) == [("d2h", 5), ("h2d", 3)]
     worker.wait({10, 11})
     results += worker.get_finished()
     assert sorted(r.job_id for r in results) == [0, 1, 2, 10, 11]
@@ -101,7 +99,7 @@ def test_expedited_loads_are_their_own_batch_first() -> None:
     worker.submit_load(1, KvmgrChunkSpec([0]), gpu([8]))
     worker.submit_load(2, KvmgrChunkSpec([1, 2]), gpu([9, 10]), expedited=True)
     worker.wait({2})  # vLLM waits on the expedited load within the step
-    assert worker.engine.plans == [("d2h", 3), ("h2d", 2), ("h2d", 1)]
+    assert plans(worker.engine) == [("d2h", 3), ("h2d", 2), ("h2d", 1)]
     # job 0 too: the loads start after the store on the device, but the store's future is
     # resolved by the other direction's completion thread, possibly after the loads' futures
     worker.wait({0, 1})
@@ -115,7 +113,7 @@ def test_a_repeated_destination_becomes_ordered_batches() -> None:
     worker.submit_store(0, gpu([0]), KvmgrChunkSpec([0], 1))
     worker.submit_store(1, gpu([1]), KvmgrChunkSpec([0], 2))  # the same chunk again (rule 5)
     worker.wait({0, 1})
-    assert worker.engine.plans == [("d2h", 1), ("d2h", 1)]
+    assert plans(worker.engine) == [("d2h", 1), ("d2h", 1)]
     worker.submit_load(2, KvmgrChunkSpec([0]), gpu([5]))
     worker.wait({2})
     for t in tensors:  # the later store won

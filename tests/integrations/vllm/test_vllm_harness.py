@@ -11,25 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_support import VllmRig
-
-PROMPT = list(range(10, 74))  # 4 full blocks of 16 tokens
-
-
-def cpu_config(policy: str = "KvmgrLRUPolicy", **extra: object) -> dict[str, object]:
-    return {
-        "spec_name": "HostCPUOffloadingSpec",
-        "spec_module_path": "vllm_support",
-        "cpu_bytes_to_use": 1 << 20,
-        "eviction_policy": policy,
-        "cache_policy_module_path": "kvmgr.integrations.vllm.policies",
-        **extra,
-    }
+from vllm_support import PROMPT, VllmRig, host_config
 
 
 @pytest.fixture
 def rig(tmp_path: Path):
-    rig = VllmRig(tmp_path, cpu_config(), enable_kv_events=True)
+    rig = VllmRig(tmp_path, host_config(), enable_kv_events=True)
     yield rig
     rig.close()
 
@@ -61,7 +48,7 @@ def test_the_byte_check_catches_a_corrupted_tier(rig: VllmRig) -> None:
 def test_preemption_and_reset(tmp_path: Path) -> None:
     """Eight distinct 48-token prompts growing by 40 tokens on a 24-block GPU cache: vLLM
     preempts (and recomputes or reloads); nothing wrong is loaded."""
-    rig = VllmRig(tmp_path, cpu_config("KvmgrARCPolicy"), num_gpu_blocks=24)
+    rig = VllmRig(tmp_path, host_config("KvmgrARCPolicy"), num_gpu_blocks=24)
     try:
         prompts = [[100 + 50 * i + t for t in range(48)] for i in range(8)]
         ids = [rig.add_request(p, max_tokens=40) for p in prompts]

@@ -9,10 +9,11 @@ hits, prefix consistency under a pinned child) the test shows the documented dif
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import vllm_support  # noqa: F401  (skips this module without vLLM, fails in CI)
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
@@ -37,15 +38,21 @@ def context(req_id: str, keys: list[bytes]) -> ReqContext:
     return ctx
 
 
-def run_request(mgr: CPUOffloadingManager, req_id: str, keys: list[bytes]) -> tuple:
-    """One request as the scheduler drives it; returns (hits, stored keys, victims) or None."""
-    ctx = context(req_id, keys)
-    mgr.on_new_request(ctx)
+def hit_prefix(mgr: OffloadingManager, keys: list[bytes], ctx: ReqContext) -> int:
+    """How many of ``keys``, from the first, look up as HIT (the scheduler's prefix lookup)."""
     hits = 0
     for k in keys:
         if mgr.lookup(k, ctx) is not LookupResult.HIT:
             break
         hits += 1
+    return hits
+
+
+def run_request(mgr: CPUOffloadingManager, req_id: str, keys: list[bytes]) -> tuple:
+    """One request as the scheduler drives it; returns (hits, stored keys, victims) or None."""
+    ctx = context(req_id, keys)
+    mgr.on_new_request(ctx)
+    hits = hit_prefix(mgr, keys, ctx)
     if hits:
         mgr.prepare_load(keys[:hits], ctx)
         mgr.complete_load(keys[:hits], ctx)
@@ -56,6 +63,66 @@ def run_request(mgr: CPUOffloadingManager, req_id: str, keys: list[bytes]) -> tu
     if out is None:
         return (hits, None, None)
     return (hits, tuple(out.keys_to_store), frozenset(out.evicted_keys))
+
+
+def answers(mgr: OffloadingManager, requests: list[list[bytes]]) -> list[tuple]:
+    """``run_request``'s answer to each of ``requests``, in order (request ids 0, 1, ...)."""
+    return [run_request(mgr, str(i), keys) for i, keys in enumerate(requests)]
+
+
+def same_answers(
+    ours: OffloadingManager, theirs: OffloadingManager, requests: list[list[bytes]]
+) -> list[tuple]:
+    """Assert both managers answer ``requests`` alike; return the answers."""
+    want = answers(theirs, requests)
+    assert answers(ours, requests) == want
+    return want
+
+
+def random_calls(
+    mgr: OffloadingManager,
+    rng: random.Random,
+    workload: list[list[bytes]],
+    capacity: int,
+    check: Callable[[set[bytes]], None] = lambda resident: None,
+) -> set[bytes]:
+    """Drive ``mgr`` through ``workload``'s requests with loads left in flight (up to 3, ended
+    at random) and 10% of the stores failed, asserting vLLM's manager invariants: a victim is
+    never pinned, PENDING or part of the store's offer, and looks up as MISS; ``None`` from
+    prepare_store changes nothing; after each request every resident key is HIT, at most
+    ``capacity`` of them, and ``check(resident)`` holds. Returns the resident keys."""
+    resident: set[bytes] = set()
+    pinned: list[tuple[list[bytes], ReqContext]] = []
+    for r, keys in enumerate(workload):
+        ctx = context(str(r), keys)
+        mgr.on_new_request(ctx)
+        hits = hit_prefix(mgr, keys, ctx)
+        if hits:
+            mgr.prepare_load(keys[:hits], ctx)
+            pinned.append((keys[:hits], ctx))
+        reading = {k for ks, _ in pinned for k in ks}
+        before = {k: mgr.lookup(k, ctx) for k in resident}
+        out = mgr.prepare_store(keys[hits:], ctx)
+        if out is None:
+            assert {k: mgr.lookup(k, ctx) for k in resident} == before
+        else:
+            victims = set(out.evicted_keys)
+            assert not victims & reading and not victims & set(keys)
+            resident -= victims
+            ok = rng.random() > 0.1
+            mgr.complete_store(out.keys_to_store, ctx, success=ok)
+            if ok:
+                resident |= set(out.keys_to_store)
+            for k in victims:
+                assert mgr.lookup(k, ctx) is LookupResult.MISS
+        while pinned and (len(pinned) > 3 or rng.random() < 0.5):
+            ks, pctx = pinned.pop(0)
+            mgr.complete_load(ks, pctx)
+        mgr.on_request_finished(ctx)
+        assert all(mgr.lookup(k, ctx) is LookupResult.HIT for k in resident)
+        assert len(resident) <= capacity
+        check(resident)
+    return resident
 
 
 def shared_prefix_workload(seed: int, num_requests: int) -> list[list[bytes]]:
@@ -113,23 +180,17 @@ def workload_without_ghost_hits(seed: int, num_requests: int, num_chunks: int) -
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lru_agrees_with_vllm_lru(seed: int) -> None:
-    requests = shared_prefix_workload(seed, 400)
     ours, theirs = kvmgr_manager("KvmgrLRUPolicy", 48), CPUOffloadingManager(48, "lru")
-    got = [run_request(ours, str(i), keys) for i, keys in enumerate(requests)]
-    want = [run_request(theirs, str(i), keys) for i, keys in enumerate(requests)]
+    want = same_answers(ours, theirs, shared_prefix_workload(seed, 400))
     assert sum(len(w[2] or ()) for w in want) > 500  # the tier was full most of the time
-    assert got == want
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_arc_agrees_with_vllm_arc_without_ghost_hits(seed: int) -> None:
-    requests = workload_without_ghost_hits(seed, 400, 48)
     ours, theirs = kvmgr_manager("KvmgrARCPolicy", 48), CPUOffloadingManager(48, "arc")
-    got = [run_request(ours, str(i), keys) for i, keys in enumerate(requests)]
-    want = [run_request(theirs, str(i), keys) for i, keys in enumerate(requests)]
+    want = same_answers(ours, theirs, workload_without_ghost_hits(seed, 400, 48))
     assert sum(len(w[2] or ()) for w in want) > 500
     assert sum(w[0] for w in want) > 200  # loads promoted chunks to T2 on both sides
-    assert got == want
 
 
 def test_arc_departs_on_ghost_hit() -> None:
@@ -175,42 +236,8 @@ def test_policy_keeps_vllm_manager_invariants(name: str) -> None:
     """Random calls with loads left in flight and failed stores: a victim is never pinned,
     PENDING or part of the store's offer; ``None`` from prepare_store changes nothing; every
     resident key looks up as HIT (or HIT_PENDING) and every victim as MISS."""
-    rng = random.Random(7)
     mgr = kvmgr_manager(name, 24)
-    resident: set[bytes] = set()
-    pinned: list[tuple[list[bytes], ReqContext]] = []
-    for r, keys in enumerate(shared_prefix_workload(3, 300)):
-        ctx = context(str(r), keys)
-        mgr.on_new_request(ctx)
-        hits = 0
-        for k in keys:
-            if mgr.lookup(k, ctx) is not LookupResult.HIT:
-                break
-            hits += 1
-        if hits:
-            mgr.prepare_load(keys[:hits], ctx)
-            pinned.append((keys[:hits], ctx))
-        reading = {k for ks, _ in pinned for k in ks}
-        before = {k: mgr.lookup(k, ctx) for k in resident}
-        out = mgr.prepare_store(keys[hits:], ctx)
-        if out is None:
-            assert {k: mgr.lookup(k, ctx) for k in resident} == before
-        else:
-            victims = set(out.evicted_keys)
-            assert not victims & reading and not victims & set(keys)
-            resident -= victims
-            ok = rng.random() > 0.1
-            mgr.complete_store(out.keys_to_store, ctx, success=ok)
-            if ok:
-                resident |= set(out.keys_to_store)
-            for k in victims:
-                assert mgr.lookup(k, ctx) is LookupResult.MISS
-        while pinned and (len(pinned) > 3 or rng.random() < 0.5):
-            ks, pctx = pinned.pop(0)
-            mgr.complete_load(ks, pctx)
-        mgr.on_request_finished(ctx)
-        assert all(mgr.lookup(k, ctx) is LookupResult.HIT for k in resident)
-        assert len(resident) <= 24
+    resident = random_calls(mgr, random.Random(7), shared_prefix_workload(3, 300), 24)
     assert len(mgr._policy.policy) == len(resident)  # type: ignore[attr-defined]
 
 

@@ -20,23 +20,16 @@ import numpy as np
 import pytest
 import vllm_support  # noqa: F401  (skips this module without vLLM, fails in CI)
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
-from vllm_support import VllmRig
+from vllm_support import PROMPT, VllmRig, host_config
 
 from kvmgr.integrations.vllm.tiers import KvmgrDiskTier, KvmgrSharedTier
 
 MODULE = "kvmgr.integrations.vllm.tiers"
-PROMPT = list(range(10, 74))  # 64 tokens: 4 full blocks of 16
 
 
 def tiering_config(tier: dict[str, Any], policy: str = "KvmgrLRUPolicy") -> dict[str, Any]:
-    return {
-        "spec_name": "HostTieringOffloadingSpec",
-        "spec_module_path": "vllm_support",
-        "cpu_bytes_to_use": 1 << 20,
-        "eviction_policy": policy,
-        "cache_policy_module_path": "kvmgr.integrations.vllm.policies",
-        "secondary_tiers": [{"module_path": MODULE, **tier}],
-    }
+    tiers = [{"module_path": MODULE, **tier}]
+    return host_config(policy, "HostTieringOffloadingSpec", secondary_tiers=tiers)
 
 
 def disk_tier(tmp_path: Path, **options: Any) -> dict[str, Any]:

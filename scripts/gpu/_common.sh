@@ -1,0 +1,18 @@
+# The shared start of the scripts/gpu/<name>.sh sections, sourced from the repo root:
+#   source "${BASH_SOURCE%/*}/_common.sh" NAME
+# Sets D (the section's folder: $OUT/NAME, or $OUT itself when it already ends in /NAME, as
+# scripts/gpu_round4.sh passes it) and LOG ($D/log.txt); puts the repo first on PYTHONPATH; and
+# defines
+#   step NAME SECONDS CMD...  run CMD under a time limit, its output appended to $LOG between
+#                             "=== NAME" lines that end with its exit status;
+#   section NAME RC           append {"section": NAME, "rc": RC} to $D/sections.jsonl.
+set -u
+OUT=${OUT:-out}
+case "$OUT" in */"$1") D=$OUT ;; *) D=$OUT/$1 ;; esac
+mkdir -p "$D"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$D/log.txt"
+step() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
+  timeout "$secs" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$?" | tee -a "$LOG"; }
+section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$D/sections.jsonl"; }
