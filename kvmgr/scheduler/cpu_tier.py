@@ -26,7 +26,7 @@ import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
 from kvmgr.policy import make_policy
-from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.allocator import BlockAllocator, sorted_distinct
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
 
@@ -258,8 +258,12 @@ class CpuTier:
                     self.num_loading += 1
                 readers[b] += 1
         else:
-            self.num_loading += int(np.count_nonzero(self.readers_np[np.unique(ids)] == 0))
-            np.add.at(self.readers_np, ids, 1)
+            distinct = sorted_distinct(ids)
+            self.num_loading += int(np.count_nonzero(self.readers_np[distinct] == 0))
+            if len(distinct) == len(ids):
+                self.readers_np[ids] += 1
+            else:
+                np.add.at(self.readers_np, ids, 1)
 
     def remove_readers(self, ids: np.ndarray) -> None:
         """Loads of these blocks ended (successfully or not)."""
@@ -268,8 +272,12 @@ class CpuTier:
             self.readers[b] -= 1
             self.num_loading -= self.readers[b] == 0
             return
-        np.subtract.at(self.readers_np, ids, 1)
-        self.num_loading -= int(np.count_nonzero(self.readers_np[np.unique(ids)] == 0))
+        distinct = sorted_distinct(ids)
+        if len(distinct) == len(ids):
+            self.readers_np[ids] -= 1
+        else:
+            np.subtract.at(self.readers_np, ids, 1)
+        self.num_loading -= int(np.count_nonzero(self.readers_np[distinct] == 0))
 
     def set_state(self, ids: np.ndarray, state: CpuState) -> None:
         self.state_np[ids] = state
@@ -290,11 +298,22 @@ def _evictable(
 ) -> Callable[[bytes], bool]:
     """Whether a key is READY without readers, as a closure over the tier's (never rebound)
     index and arrays: the policy asks it once per candidate victim, so it skips a method's
-    attribute lookups."""
+    attribute lookups. Its ``every(keys)`` asks it of many keys at once, with one numpy pass
+    over the states and reader counts (a policy's array path, ``kvmgr.policy.runs``)."""
     get = index.get
+    state_np = np.frombuffer(state, dtype=np.uint8)
+    readers_np = np.frombuffer(readers, dtype=np.int64)
 
     def can_evict(key: bytes, ready: int = _READY) -> bool:
         block = get(key)
         return block is not None and state[block] == ready and readers[block] == 0
 
+    def every(keys: Sequence[bytes]) -> bool:
+        try:
+            ids = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
+        except KeyError:
+            return False
+        return bool((state_np[ids] == _READY).all()) and not readers_np[ids].any()
+
+    can_evict.every = every  # type: ignore[attr-defined]
     return can_evict
