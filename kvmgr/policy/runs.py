@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from itertools import compress, islice, repeat
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 
@@ -45,33 +46,35 @@ def leading_run(
         n: victims wanted (``>= 2``; smaller counts return ``None``).
         tree: the policy's child counts (released for the victims on success).
         can_evict, protected: as `EvictionPolicy.evict`.
-
-    Returns:
-        The victims in eviction order (the caller untracks them), or ``None``.
     """
     every = getattr(can_evict, "every", None)
     if every is None or n < 2 or len(order) < n:
         return None
-    num_children = tree.num_children
     items = list(islice(order.items(), n))
     run = list(map(_key, items))
-    if run[0] in num_children:  # the first key waits for a child: not a run (cheap exit)
+    if run[0] in tree.num_children:  # the first key waits for a child: not a run (cheap exit)
         return None
     if protected and not _as_lookup(protected).isdisjoint(run):
         return None
     ups = list(map(_parent, items))
-    # where each key's parent sits in the run (n: outside it, or a root); a parent must come
-    # after its children, else it would wait
-    position = dict(zip(run, range(n)))
-    at = np.fromiter(map(position.get, ups, repeat(n)), dtype=np.int64, count=n)
-    if not (at > np.arange(n)).all():
+    kids = list(map(tree.num_children.get, run, repeat(0)))
+    outside = _parents_outside(run, ups, kids)
+    if outside is None or not every(run):
         return None
-    outside = np.flatnonzero(at == n)
-    # every tracked child of a run key is in the run: the children counted by the tree equal
-    # the run keys whose parent is in the run
-    kids = list(map(num_children.get, run, repeat(0)))
-    if sum(kids) != n - len(outside) or not every(run):
-        return None
-    deque(map(num_children.__delitem__, compress(run, kids)), 0)  # they lose every child
+    deque(map(tree.num_children.__delitem__, compress(run, kids)), 0)  # they lose every child
     tree.release([ups[i] for i in outside.tolist()])  # parents outside: one child each
     return run
+
+
+def _parents_outside(run: list[bytes], ups: list[bytes | None], kids: list[int]) -> Any:
+    """int64 positions of the run keys whose parent is outside the run (or a root), when
+    every parent in the run comes after its children and every tracked child of a run key
+    (``kids``: their counts) is in the run; else ``None``."""
+    n = len(run)
+    position = dict(zip(run, range(n)))
+    at = np.fromiter(map(position.get, ups, repeat(n)), dtype=np.int64, count=n)
+    if not (at > np.arange(n)).all():  # a parent before its child would wait
+        return None
+    outside = np.flatnonzero(at == n)
+    # the children the tree counts equal the run keys whose parent is in the run
+    return outside if sum(kids) == n - len(outside) else None

@@ -29,6 +29,7 @@ from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator, sorted_distinct
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.evictable import evictable
 
 __all__ = ["CpuState", "CpuTier"]
 
@@ -96,7 +97,7 @@ class CpuTier:
         self.evicted: list[tuple[list[bytes], np.ndarray]] = []
         self.counters = counters if counters is not None else Counters()
         #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
-        self.can_evict = _evictable(self.index, self.state, self.readers)
+        self.can_evict = evictable(self.index, self.state, self.readers, _READY)
 
     # ------------------------------------------------------------------ queries
 
@@ -291,29 +292,3 @@ class CpuTier:
         """Untrack and forget READY keys without readers (``invalidate``)."""
         self.policy.remove(keys)
         self._forget(keys)
-
-
-def _evictable(
-    index: dict[bytes, int], state: bytearray, readers: array.array[int]
-) -> Callable[[bytes], bool]:
-    """Whether a key is READY without readers, as a closure over the tier's (never rebound)
-    index and arrays: the policy asks it once per candidate victim, so it skips a method's
-    attribute lookups. Its ``every(keys)`` asks it of many keys at once, with one numpy pass
-    over the states and reader counts (a policy's array path, ``kvmgr.policy.runs``)."""
-    get = index.get
-    state_np = np.frombuffer(state, dtype=np.uint8)
-    readers_np = np.frombuffer(readers, dtype=np.int64)
-
-    def can_evict(key: bytes, ready: int = _READY) -> bool:
-        block = get(key)
-        return block is not None and state[block] == ready and readers[block] == 0
-
-    def every(keys: Sequence[bytes]) -> bool:
-        try:
-            ids = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
-        except KeyError:
-            return False
-        return bool((state_np[ids] == _READY).all()) and not readers_np[ids].any()
-
-    can_evict.every = every  # type: ignore[attr-defined]
-    return can_evict
