@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Mapping
 from itertools import compress, islice, repeat
-from operator import itemgetter
-from typing import Any
+from operator import is_
 
 import numpy as np
 
@@ -22,8 +21,6 @@ from kvmgr.policy.base import KeyPredicate, _as_lookup
 from kvmgr.policy.tree import PrefixTree
 
 __all__ = ["leading_run"]
-
-_key, _parent = itemgetter(0), itemgetter(1)
 
 
 def leading_run(
@@ -50,31 +47,37 @@ def leading_run(
     every = getattr(can_evict, "every", None)
     if every is None or n < 2 or len(order) < n:
         return None
-    items = list(islice(order.items(), n))
-    run = list(map(_key, items))
-    if run[0] in tree.num_children:  # the first key waits for a child: not a run (cheap exit)
+    num_children = tree.num_children
+    run = list(islice(order, n))
+    if run[0] in num_children:  # the first key waits for a child: not a run (cheap exit)
         return None
     if protected and not _as_lookup(protected).isdisjoint(run):
         return None
-    ups = list(map(_parent, items))
-    kids = list(map(tree.num_children.get, run, repeat(0)))
-    outside = _parents_outside(run, ups, kids)
+    kids = list(map(num_children.get, run, repeat(0)))
+    outside = _parents_outside(run, list(islice(order.values(), n)), kids)
     if outside is None or not every(run):
         return None
-    deque(map(tree.num_children.__delitem__, compress(run, kids)), 0)  # they lose every child
-    tree.release([ups[i] for i in outside.tolist()])  # parents outside: one child each
+    deque(map(num_children.__delitem__, compress(run, kids)), 0)  # they lose every child
+    tree.release(outside)  # parents outside the run: one child each
     return run
 
 
-def _parents_outside(run: list[bytes], ups: list[bytes | None], kids: list[int]) -> Any:
-    """int64 positions of the run keys whose parent is outside the run (or a root), when
-    every parent in the run comes after its children and every tracked child of a run key
-    (``kids``: their counts) is in the run; else ``None``."""
+def _parents_outside(
+    run: list[bytes], ups: list[bytes | None], kids: list[int]
+) -> list[bytes | None] | None:
+    """The parents (``ups``, one per run key) outside the run, one per child, when every
+    parent in the run comes after its children and every tracked child of a run key (``kids``:
+    their counts) is in the run; else ``None``. One chain (each key's parent the next key)
+    and roots only are told without a position per key."""
     n = len(run)
+    if False not in map(is_, ups, islice(run, 1, None)):  # one chain, its leaf first
+        return [ups[-1]] if sum(kids) == n - 1 else None
+    if ups.count(None) == n:  # roots (one-block stores)
+        return [] if not any(kids) else None
     position = dict(zip(run, range(n)))
     at = np.fromiter(map(position.get, ups, repeat(n)), dtype=np.int64, count=n)
     if not (at > np.arange(n)).all():  # a parent before its child would wait
         return None
-    outside = np.flatnonzero(at == n)
+    outside = np.flatnonzero(at == n).tolist()
     # the children the tree counts equal the run keys whose parent is in the run
-    return outside if sum(kids) == n - len(outside) else None
+    return [ups[i] for i in outside] if sum(kids) == n - len(outside) else None

@@ -60,6 +60,17 @@ def test_no_run_changes_nothing(n, blocked, protect):
     assert policy._tree.num_children == before
 
 
+def test_roots_with_a_child_outside_are_no_run():
+    policy = LRUPolicy(64)
+    r1, r2, c = _chain(0, 3)
+    policy.insert([r2], [None])
+    policy.insert([r1], [None])
+    policy.insert([c], [r1])  # order r2 r1 c: r1 waits for c
+    _, batched = _predicates(set())
+    assert leading_run(policy._order, 2, policy._tree, batched, ()) is None
+    assert policy._tree.num_children == {r1: 1}
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.randoms(use_true_random=False))
 def test_leading_run_matches_one_offer_at_a_time(rng):
