@@ -228,7 +228,7 @@ def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
     cpu, gpu = stores.cpu, stores.gpu
     n = len(keys)
     try:
-        cpu_ids = cpu.make_room(n, keys)
+        cpu_ids = cpu.make_room(n, ())  # recorded keys are not in the tier: none to protect
     except PoolExhaustedError:
         return _one_by_one(stores, futures, ends, gpu_ids, keys)
     # the policy learns the calls as if inserted one by one: a later call more recent, and
