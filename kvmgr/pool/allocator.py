@@ -123,12 +123,12 @@ class BlockAllocator:
         if rest == 0:
             ids = np.arange(start, start + num_fresh, dtype=np.int64)
         else:
-            reused = self._freed[-rest:]
+            reused = np.array(self._freed[-rest:], dtype=np.int64)[::-1]
             del self._freed[-rest:]
-            reused.reverse()
-            ids = np.concatenate(
-                [np.arange(start, start + num_fresh, dtype=np.int64), np.array(reused, np.int64)]
-            )
+            if num_fresh:
+                ids = np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
+            else:
+                ids = np.ascontiguousarray(reused)
         self._state[ids] = ALLOCATED
         return ids
 
