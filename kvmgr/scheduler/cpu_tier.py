@@ -82,7 +82,7 @@ class CpuTier:
         self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
         #: the parent of every indexed key (refuses key cycles)
-        self.chains = KeyChains()
+        self.chains = KeyChains(num_blocks, self.index)
         self.state = bytearray(num_blocks)
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
         self.readers = array.array("q", [0]) * num_blocks
@@ -190,15 +190,16 @@ class CpuTier:
     def _forget(self, keys: list[bytes]) -> None:
         """Drop READY keys without readers (already untracked by the policy); free blocks."""
         pop = self.index.pop
-        self.chains.remove(keys)
         if len(keys) <= 8:
             state, give_one = self.state, self.pool.give_one
-            for key in keys:
-                block = pop(key)
+            blocks = list(map(pop, keys))
+            self.chains.remove(keys, blocks)
+            for block in blocks:
                 state[block] = CpuState.FREE
                 give_one(block)
         else:
             ids = np.fromiter(map(pop, keys), dtype=np.int64, count=len(keys))
+            self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids)
         self._on_removed(keys)
@@ -210,16 +211,18 @@ class CpuTier:
     ) -> None:
         """Index new keys on their (just allocated) blocks, PENDING, and track them."""
         if isinstance(ids, list):
+            blocks = ids
             index, state = self.index, self.state
             for key, block in zip(keys, ids):
                 index[key] = block
                 state[block] = _PENDING
         else:
-            self.index.update(zip(keys, ids.tolist()))
+            blocks = ids.tolist()
+            self.index.update(zip(keys, blocks))
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
         self.policy.insert(keys, parents)
-        self.chains.add(keys, parents)
+        self.chains.add(keys, blocks, parents)
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
@@ -241,11 +244,9 @@ class CpuTier:
     def stores_failed(self, keys: list[bytes], ids: np.ndarray) -> None:
         """Store and preempt copies into ``ids`` failed: drop their keys and free the blocks."""
         if keys:
-            pop = self.index.pop
-            for key in keys:
-                pop(key)
+            blocks = list(map(self.index.pop, keys))
             self.policy.remove(keys)
-            self.chains.remove(keys)
+            self.chains.remove(keys, blocks)
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE
         self.pool.give(ids)
