@@ -9,6 +9,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
+from kvmgr.policy.runs import leading_run
 from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
 
 __all__ = ["LRUPolicy"]
@@ -97,6 +98,10 @@ class LRUPolicy:
                 return None
             self._tree.release((self._order.pop(key),))
             return [key]
+        run = leading_run(self._order, n, self._tree, can_evict, protected)  # array passes
+        if run is not None:
+            deque(map(self._order.__delitem__, run), 0)
+            return run
         victims = VictimSet(self._tree, self._order, n, can_evict, protected)
         if not victims.offer_all(self._order):  # phase 1: collect; the order is not mutated
             victims.rollback()

@@ -6,6 +6,12 @@ keys of the CPU tier must form a forest: a cycle (``a`` extends ``b`` and ``b`` 
 would fill up for good (issue 20). ``KeyChains.check`` finds such a cycle before the store
 changes anything.
 
+Kept per CPU block, not per key (issue 27): the parent key of the key on each block, the block
+of that parent when it is in the tier, and the number of indexed children of each block's key,
+so a store of one chain (or of roots) and an eviction are array operations over block ids, no
+dict operation per key. Indexed children of keys not in the tier (stored before their parent,
+or left by an invalidated or failed parent) are listed apart, by parent key (``orphans``).
+
 Cost: a store whose new keys have no indexed children (every store that writes a prefix
 parent-first) walks only its own keys, O(len(keys)); only a new key that already has indexed
 children (its parent was invalidated or failed, or children were stored before it) walks up
@@ -14,27 +20,50 @@ the indexed ancestors too.
 
 from __future__ import annotations
 
+import array
+from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
+from typing import Any
+
+import numpy as np
 
 from kvmgr.errors import InvalidKeyError
+from kvmgr.pool.allocator import sorted_distinct
 
 __all__ = ["KeyChains"]
 
 
 class KeyChains:
-    """Parent and indexed-children count of every key in the CPU tier's index.
+    """Parent and indexed-children count of every key in the CPU tier's index, by block.
+
+    Args:
+        num_blocks: CPU blocks.
+        index: the tier's key -> block dict (never rebound; read, not changed here).
 
     Attributes:
-        parent: ``key -> parent`` (``None``: a root) of every indexed key.
-        children: ``key -> number of indexed keys naming it as parent`` (counts > 0 only; the
-            key itself may be absent from the index).
+        orphans: ``key -> blocks of its indexed children`` for keys not in the index.
+        num_parents: keys (indexed or not) with at least one indexed child.
     """
 
-    __slots__ = ("children", "parent")
+    __slots__ = ("_index", "_kids", "_kids_np", "_up", "_up_block", "_up_np", "num_parents",
+                 "orphans")  # fmt: skip
 
-    def __init__(self) -> None:
-        self.parent: dict[bytes, bytes | None] = {}
-        self.children: dict[bytes, int] = {}
+    def __init__(self, num_blocks: int, index: dict[bytes, int]) -> None:
+        self._index = index
+        self._up: list[bytes | None] = [None] * num_blocks  # parent key of each block's key
+        self._up_block = array.array("q", [-1]) * num_blocks  # its block when indexed, else -1
+        self._up_np = np.frombuffer(self._up_block, dtype=np.int64)
+        self._kids = array.array("q", [0]) * num_blocks  # indexed children of each block's key
+        self._kids_np = np.frombuffer(self._kids, dtype=np.int64)
+        self.orphans: dict[bytes, list[int]] = {}
+        self.num_parents = 0
+
+    @property
+    def parent(self) -> dict[bytes, bytes | None]:
+        """``key -> parent`` of every indexed key (a new dict; for snapshots)."""
+        up = self._up
+        return {key: up[block] for key, block in self._index.items()}
 
     def check(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Refuse new keys (none indexed yet) whose parent chain would reach the key itself.
@@ -42,14 +71,14 @@ class KeyChains:
         Raises:
             InvalidKeyError: a cycle; nothing changed.
         """
-        children = self.children
         # the old graph is a forest: a new cycle passes through a new key with an indexed
-        # child; without one, walks stay inside this call's keys
-        deep = not children.keys().isdisjoint(keys)
+        # child (an orphan parent: new keys are not indexed); else walks stay in the call
+        orphans = self.orphans
+        deep = bool(orphans) and not orphans.keys().isdisjoint(keys)
         if not deep and (len(keys) == 1 or (parents[1:] == keys[:-1] and parents[0] not in keys)):
             return  # one key, or one chain hanging below a key outside the call
         batch = dict(zip(keys, parents))
-        tracked = self.parent
+        index, up = self._index, self._up
         done: set[bytes] = set()
         for start in batch:
             if start in done:
@@ -66,28 +95,81 @@ class KeyChains:
                 path[key] = None
                 if key in batch:
                     key = batch[key]
-                elif deep and key in tracked:
-                    key = tracked[key]
+                elif deep and key in index:
+                    key = up[index[key]]
                 else:
                     break
             done.update(path)
 
-    def add(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
-        """Record newly indexed keys (checked by ``check``)."""
-        self.parent.update(zip(keys, parents))
-        children = self.children
-        for up in parents:
-            if up is not None:
-                children[up] = children.get(up, 0) + 1
+    def add(self, keys: Sequence[bytes], ids: list[int], parents: Sequence[bytes | None]) -> None:
+        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``)."""
+        deque(map(self._up.__setitem__, ids, parents), 0)
+        orphans = self.orphans
+        if orphans and not orphans.keys().isdisjoint(keys):  # children stored before them
+            for key, block in zip(keys, ids):
+                children = orphans.pop(key, None)
+                if children is not None:  # still a parent: num_parents unchanged
+                    self._up_np[children] = block
+                    self._kids[block] = len(children)
+        n = len(keys)
+        if n > 1 and parents[1:] == keys[:-1]:  # one chain: keys[i] extends keys[i - 1]
+            at = np.array(ids, dtype=np.int64)
+            self._up_np[at[1:]] = at[:-1]
+            self.num_parents += int(np.count_nonzero(self._kids_np[at[:-1]] == 0))
+            self._kids_np[at[:-1]] += 1
+            self._link(ids[0], parents[0])
+        elif parents.count(None) < n:
+            for block, up in zip(ids, parents):
+                self._link(block, up)
 
-    def remove(self, keys: Sequence[bytes]) -> None:
-        """Forget keys that left the index (evicted, invalidated, failed)."""
-        pop, children = self.parent.pop, self.children
-        for key in keys:
-            up = pop(key, None)
-            if up is not None:
-                count = children[up]
-                if count == 1:
-                    del children[up]
-                else:
-                    children[up] = count - 1
+    def _link(self, block: int, up: bytes | None) -> None:
+        """The key on ``block`` extends ``up`` (``None``: a root)."""
+        if up is None:
+            return
+        parent = self._index.get(up)
+        if parent is None:
+            children = self.orphans.get(up)
+            if children is None:
+                self.orphans[up] = [block]
+                self.num_parents += 1
+            else:
+                children.append(block)
+            return
+        self._up_block[block] = parent
+        if self._kids[parent] == 0:
+            self.num_parents += 1
+        self._kids[parent] += 1
+
+    def remove(self, keys: Sequence[bytes], ids: list[int] | np.ndarray) -> None:
+        """Forget keys that left the index (evicted, invalidated, failed), on blocks ``ids``."""
+        at = np.asarray(ids, dtype=np.int64)
+        up_np, kids_np = self._up_np, self._kids_np
+        parents = up_np[at]
+        linked = parents >= 0
+        if linked.any():  # parents in the tier lose a child each
+            parents = parents[linked]
+            np.subtract.at(kids_np, parents, 1)
+            self.num_parents -= int(np.count_nonzero(kids_np[sorted_distinct(parents)] == 0))
+        if not linked.all():  # parents not in the tier (or roots)
+            self._orphan_links(at[~linked].tolist())
+        up_np[at] = -1
+        staying = np.flatnonzero(kids_np[at])
+        for i in staying.tolist():  # children stay: they become orphans of the key
+            block = int(at[i])
+            children = np.flatnonzero(up_np == block)
+            up_np[children] = -1
+            self.orphans[keys[i]] = children.tolist()
+            kids_np[block] = 0
+        deque(map(self._up.__setitem__, at.tolist(), repeat(None)), 0)
+
+    def _orphan_links(self, blocks: Any) -> None:
+        """Keys on ``blocks`` whose parent is not indexed leave: unlist them."""
+        up, orphans = self._up, self.orphans
+        for block in blocks:
+            parent = up[block]
+            if parent is not None:
+                children = orphans[parent]
+                children.remove(block)
+                if not children:
+                    del orphans[parent]
+                    self.num_parents -= 1

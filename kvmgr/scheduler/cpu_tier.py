@@ -26,9 +26,10 @@ import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
 from kvmgr.policy import make_policy
-from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.allocator import BlockAllocator, sorted_distinct
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.evictable import evictable
 
 __all__ = ["CpuState", "CpuTier"]
 
@@ -81,7 +82,7 @@ class CpuTier:
         self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
         #: the parent of every indexed key (refuses key cycles)
-        self.chains = KeyChains()
+        self.chains = KeyChains(num_blocks, self.index)
         self.state = bytearray(num_blocks)
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
         self.readers = array.array("q", [0]) * num_blocks
@@ -96,7 +97,7 @@ class CpuTier:
         self.evicted: list[tuple[list[bytes], np.ndarray]] = []
         self.counters = counters if counters is not None else Counters()
         #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
-        self.can_evict = _evictable(self.index, self.state, self.readers)
+        self.can_evict = evictable(self.index, self.state, self.readers, _READY)
 
     # ------------------------------------------------------------------ queries
 
@@ -189,15 +190,16 @@ class CpuTier:
     def _forget(self, keys: list[bytes]) -> None:
         """Drop READY keys without readers (already untracked by the policy); free blocks."""
         pop = self.index.pop
-        self.chains.remove(keys)
         if len(keys) <= 8:
             state, give_one = self.state, self.pool.give_one
-            for key in keys:
-                block = pop(key)
+            blocks = list(map(pop, keys))
+            self.chains.remove(keys, blocks)
+            for block in blocks:
                 state[block] = CpuState.FREE
                 give_one(block)
         else:
             ids = np.fromiter(map(pop, keys), dtype=np.int64, count=len(keys))
+            self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids)
         self._on_removed(keys)
@@ -209,16 +211,18 @@ class CpuTier:
     ) -> None:
         """Index new keys on their (just allocated) blocks, PENDING, and track them."""
         if isinstance(ids, list):
+            blocks = ids
             index, state = self.index, self.state
             for key, block in zip(keys, ids):
                 index[key] = block
                 state[block] = _PENDING
         else:
-            self.index.update(zip(keys, ids.tolist()))
+            blocks = ids.tolist()
+            self.index.update(zip(keys, blocks))
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
         self.policy.insert(keys, parents)
-        self.chains.add(keys, parents)
+        self.chains.add(keys, blocks, parents)
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
@@ -240,11 +244,9 @@ class CpuTier:
     def stores_failed(self, keys: list[bytes], ids: np.ndarray) -> None:
         """Store and preempt copies into ``ids`` failed: drop their keys and free the blocks."""
         if keys:
-            pop = self.index.pop
-            for key in keys:
-                pop(key)
+            blocks = list(map(self.index.pop, keys))
             self.policy.remove(keys)
-            self.chains.remove(keys)
+            self.chains.remove(keys, blocks)
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE
         self.pool.give(ids)
@@ -258,8 +260,12 @@ class CpuTier:
                     self.num_loading += 1
                 readers[b] += 1
         else:
-            self.num_loading += int(np.count_nonzero(self.readers_np[np.unique(ids)] == 0))
-            np.add.at(self.readers_np, ids, 1)
+            distinct = sorted_distinct(ids)
+            self.num_loading += int(np.count_nonzero(self.readers_np[distinct] == 0))
+            if len(distinct) == len(ids):
+                self.readers_np[ids] += 1
+            else:
+                np.add.at(self.readers_np, ids, 1)
 
     def remove_readers(self, ids: np.ndarray) -> None:
         """Loads of these blocks ended (successfully or not)."""
@@ -268,8 +274,12 @@ class CpuTier:
             self.readers[b] -= 1
             self.num_loading -= self.readers[b] == 0
             return
-        np.subtract.at(self.readers_np, ids, 1)
-        self.num_loading -= int(np.count_nonzero(self.readers_np[np.unique(ids)] == 0))
+        distinct = sorted_distinct(ids)
+        if len(distinct) == len(ids):
+            self.readers_np[ids] -= 1
+        else:
+            np.subtract.at(self.readers_np, ids, 1)
+        self.num_loading -= int(np.count_nonzero(self.readers_np[distinct] == 0))
 
     def set_state(self, ids: np.ndarray, state: CpuState) -> None:
         self.state_np[ids] = state
@@ -283,18 +293,3 @@ class CpuTier:
         """Untrack and forget READY keys without readers (``invalidate``)."""
         self.policy.remove(keys)
         self._forget(keys)
-
-
-def _evictable(
-    index: dict[bytes, int], state: bytearray, readers: array.array[int]
-) -> Callable[[bytes], bool]:
-    """Whether a key is READY without readers, as a closure over the tier's (never rebound)
-    index and arrays: the policy asks it once per candidate victim, so it skips a method's
-    attribute lookups."""
-    get = index.get
-
-    def can_evict(key: bytes, ready: int = _READY) -> bool:
-        block = get(key)
-        return block is not None and state[block] == ready and readers[block] == 0
-
-    return can_evict

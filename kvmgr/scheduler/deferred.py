@@ -118,7 +118,7 @@ class DeferredStores:
         self._seen: set[bytes] = set()
         # never rebound by their owners: read on every call without the attribute chains
         self._index = cpu.index
-        self._children = cpu.chains.children
+        self._children = cpu.chains.orphans  # new keys' indexed children (not indexed)
         self._num_gpu, self._gpu_state, self._owned = (
             gpu.num_blocks,
             gpu.state,
@@ -209,8 +209,8 @@ class DeferredStores:
 def _sure_victims(cpu: CpuTier) -> int:
     """A lower bound of the keys the policy can evict now: READY keys without readers that
     are leaves of their chains (every key with an indexed child left out, and then some: a
-    parent counted in ``chains.children`` may not be indexed). A policy evicts any such key."""
-    return len(cpu.index) - cpu.num_pending - cpu.num_loading - len(cpu.chains.children)
+    parent counted in ``chains.num_parents`` may not be indexed). A policy evicts any such key."""
+    return len(cpu.index) - cpu.num_pending - cpu.num_loading - cpu.chains.num_parents
 
 
 def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
@@ -228,7 +228,7 @@ def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
     cpu, gpu = stores.cpu, stores.gpu
     n = len(keys)
     try:
-        cpu_ids = cpu.make_room(n, keys)
+        cpu_ids = cpu.make_room(n, ())  # recorded keys are not in the tier: none to protect
     except PoolExhaustedError:
         return _one_by_one(stores, futures, ends, gpu_ids, keys)
     # the policy learns the calls as if inserted one by one: a later call more recent, and

@@ -22,7 +22,7 @@ import enum
 import numpy as np
 
 from kvmgr.errors import InvalidBlockError
-from kvmgr.pool.allocator import BlockAllocator, as_id_array
+from kvmgr.pool.allocator import BlockAllocator, as_id_array, sorted_distinct
 from kvmgr.scheduler.keys import SMALL
 
 __all__ = ["GpuBlocks", "GpuState"]
@@ -167,6 +167,6 @@ class GpuBlocks:
             return
         draining = ids[self.state_np[ids] == GpuState.DRAINING]
         if len(draining):
-            done = np.unique(draining[self.busy_np[draining] == 0])
+            done = sorted_distinct(draining[self.busy_np[draining] == 0])
             self.state_np[done] = GpuState.FREE
             self.pool.give(done)

@@ -17,6 +17,7 @@ import array
 
 import numpy as np
 
+from kvmgr.pool.allocator import sorted_distinct
 from kvmgr.scheduler.jobs import Direction, TransferJob
 from kvmgr.scheduler.lanes import Kind, Lane, Part
 
@@ -164,7 +165,7 @@ class SwapQueue:
         other = Direction.H2D if direction is Direction.D2H else Direction.D2H
         if not self.in_flight or len(gpu_ids) == 0:
             return []
-        seqs = np.unique(self._batch_marks[other][1][gpu_ids])
+        seqs = sorted_distinct(self._batch_marks[other][1][gpu_ids])
         in_flight = self.in_flight
         return [in_flight[s] for s in seqs.tolist() if s in in_flight]
 

@@ -94,21 +94,25 @@ class Stores:
         tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         per_key = hints_per_key(hints, n)
         fresh = self._fresh(keys, batched)
-        if fresh:  # a parent chain reaching the key itself: InvalidKeyError, nothing changed
-            chains = self.cpu.chains
-            if len(fresh) == n:
-                chains.check(keys, all_parents)
-            else:
-                chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
         num_present = n - len(fresh)
+        # a parent chain reaching the key itself: InvalidKeyError, nothing changed. The default
+        # chain of keys all new cannot close one: every walk goes to earlier keys of the call
+        # and ends at keys[0], a root
+        if num_present == 0:
+            if parents is not None and n:
+                self.cpu.chains.check(keys, all_parents)
+        elif fresh:
+            self.cpu.chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
         fresh, waiting = self._admit(keys, fresh, all_parents, per_key)
         everything = len(fresh) == n
         new_keys = keys if everything else [keys[i] for i in fresh]
         m = len(new_keys)
         small = isinstance(gpu, list)
         cpu = self.cpu
-        # the last check: raises PoolExhaustedError with nothing changed
-        cpu_ids: Any = cpu.make_room_small(m, keys) if small else cpu.make_room(m, keys)
+        # the last check: raises PoolExhaustedError with nothing changed. Only keys of the
+        # call already in the tier need protecting from eviction (the others are not tracked)
+        protected = keys if num_present else ()
+        cpu_ids: Any = cpu.make_room_small(m, protected) if small else cpu.make_room(m, protected)
         new_parents = all_parents if everything else [all_parents[i] for i in fresh]
         if m:
             cpu.add_pending(new_keys, cpu_ids, new_parents)

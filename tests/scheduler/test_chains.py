@@ -1,0 +1,120 @@
+"""KeyChains keeps, per CPU block, exactly what the tier's keys and parents say (issue 27).
+
+A CPU tier is driven through random stores (chains, roots, children stored before their
+parent, chains hanging below old keys), failed stores, invalidations and evictions; after every
+operation the per-block records (parent block, child counts), the orphans (indexed children of
+keys not in the tier) and ``num_parents`` must equal what the index and the recorded parents
+give when recomputed from scratch, and key cycles must still be refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmgr.errors import InvalidKeyError, PoolExhaustedError
+from kvmgr.scheduler.cpu_tier import CpuTier
+
+
+def _tier(num_blocks: int = 64) -> CpuTier:
+    return CpuTier(num_blocks, "lru", lambda keys: None)
+
+
+def _store(tier: CpuTier, keys: list[bytes], parents: list[bytes | None], *, as_list: bool):
+    tier.chains.check(keys, parents)
+    ids = tier.make_room(len(keys), keys)
+    tier.add_pending(keys, ids.tolist() if as_list else ids, parents)
+    tier.stores_landed(ids)
+    return ids
+
+
+def _expected(tier: CpuTier):
+    parent = tier.chains.parent
+    assert parent.keys() == tier.index.keys()
+    counts = Counter(p for p in parent.values() if p is not None)
+    kids = {tier.index[p]: c for p, c in counts.items() if p in tier.index}
+    orphans = {
+        p: sorted(tier.index[k] for k, q in parent.items() if q == p)
+        for p in counts
+        if p not in tier.index
+    }
+    up_block = {tier.index[k]: tier.index.get(p, -1) for k, p in parent.items() if p is not None}
+    return kids, orphans, up_block, len(counts)
+
+
+def _check(tier: CpuTier) -> None:
+    chains = tier.chains
+    kids, orphans, up_block, num_parents = _expected(tier)
+    got_kids = {b: int(c) for b, c in enumerate(chains._kids_np) if c}
+    assert got_kids == kids
+    assert {p: sorted(c) for p, c in chains.orphans.items()} == orphans
+    for block in tier.index.values():
+        assert chains._up_block[block] == up_block.get(block, -1)
+    assert chains.num_parents == num_parents
+
+
+def _keys(start: int, n: int) -> list[bytes]:
+    return [i.to_bytes(4, "little") for i in range(start, start + n)]
+
+
+def test_a_child_stored_before_its_parent_is_adopted_and_orphaned_again():
+    tier = _tier()
+    p, c = _keys(0, 2)
+    _store(tier, [c], [p], as_list=True)
+    assert tier.chains.orphans == {p: [tier.index[c]]}
+    _store(tier, [p], [None], as_list=True)
+    assert tier.chains.orphans == {}
+    assert tier.chains._kids[tier.index[p]] == 1
+    _check(tier)
+    tier.drop([p])  # invalidated: its child stays, an orphan again
+    assert tier.chains.orphans == {p: [tier.index[c]]}
+    _check(tier)
+    with pytest.raises(InvalidKeyError):
+        tier.chains.check([p], [c])  # p extends c, which extends p
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_per_block_chains_match_the_recorded_parents(rng):
+    tier = _tier(48)
+    next_key = 0
+    absent: list[bytes] = []  # parents named by stored children, not stored themselves
+    for _ in range(40):
+        keys = list(tier.index)
+        op = rng.choice(("chain", "chain", "roots", "late", "parent", "fail", "drop", "evict"))
+        if op in ("chain", "roots", "late", "parent"):
+            n = rng.randint(1, 12)
+            new = _keys(next_key, n)
+            next_key += n
+            if op == "roots":
+                parents: list[bytes | None] = [None] * n
+            elif op == "late":  # children stored before their parents
+                parents = [k + b"p" for k in new]
+                absent += parents
+            elif op == "parent":  # some of those parents arrive
+                new = [k for k in dict.fromkeys(rng.sample(absent, min(n, len(absent))))
+                       if k not in tier.index]  # fmt: skip
+                parents = [None] * len(new)
+            else:
+                base = rng.choice(keys) if keys and rng.random() < 0.5 else None
+                parents = [base, *new[:-1]]
+            if new:
+                with contextlib.suppress(PoolExhaustedError):  # no room: nothing changed
+                    _store(tier, new, parents, as_list=rng.random() < 0.5)
+        elif op == "fail" and keys:
+            picked = list(dict.fromkeys(rng.choice(keys) for _ in range(rng.randint(1, 4))))
+            ids = np.array([tier.index[k] for k in picked], dtype=np.int64)
+            tier.num_pending += len(picked)  # as if they were still PENDING
+            tier.state_np[ids] = 1
+            tier.stores_failed(picked, ids)
+        elif op == "drop" and keys:
+            tier.drop(list(dict.fromkeys(rng.choice(keys) for _ in range(rng.randint(1, 10)))))
+        elif op == "evict" and keys:
+            with contextlib.suppress(PoolExhaustedError):
+                tier.evict_for(tier.pool.num_free + rng.randint(1, len(keys)), ())
+        _check(tier)
