@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import InvalidKeyError
-from kvmgr.pool.allocator import sorted_distinct
+from kvmgr.pool.block_ids import sorted_distinct
 
 __all__ = ["KeyChains"]
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
 from kvmgr.policy import make_policy
-from kvmgr.pool.allocator import BlockAllocator, sorted_distinct
+from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.evictable import evictable
