@@ -177,6 +177,15 @@ CASES: list[
         None,
     ),
     ("out-parents-str", True, lambda m: m.swap_out([4], [K[5]], ["k"]), InvalidKeyError, None),
+    # an empty parent is not a key either (the one key rule, kvmgr._keys); it was accepted
+    ("out-parents-empty", True, lambda m: m.swap_out([4], [K[5]], [b""]), InvalidKeyError, None),
+    (
+        "many-out-parents-empty",
+        True,
+        lambda m: m.store_many(np.array([4, 5]), K[5:7], parents=[None, b""]),
+        InvalidKeyError,
+        None,
+    ),
     # store_many: the same checks on the batched path
     (
         "many-out-not-held",

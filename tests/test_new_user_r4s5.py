@@ -4,6 +4,7 @@
    ``InvalidBlockError`` on every call that takes ids (more cases in tests/test_bad_input.py).
 2. A block id beyond the int64 range (a uint64 id >= 2**63, a Python int) is named in the
    message with the pool's valid range, instead of the negative id it wrapped to.
+3. An empty parent key ``b""`` is refused like an empty key (one key rule, ``kvmgr._keys``).
 """
 
 from __future__ import annotations
@@ -82,3 +83,27 @@ async def test_a_huge_uint64_id_through_the_manager_names_the_id() -> None:
             with pytest.raises(InvalidBlockError, match=rf"id {2**63 + 5} out of range \[0, 8\)"):
                 call()
         assert mgr.statistics().queued_swaps == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("batched", [False, True], ids=["swap_out", "store_many"])
+async def test_an_empty_parent_key_is_refused_like_an_empty_key(batched: bool) -> None:
+    import torch
+
+    from kvmgr import InvalidKeyError, ManagerConfig, OffloadManager
+
+    kv = [torch.randn(8, 16) for _ in range(2)]
+    async with OffloadManager(kv, ManagerConfig(num_cpu_blocks=8, engine="host")) as mgr:
+        ids = mgr.allocate("r", 2)
+        keys = [b"a" * 8, b"b" * 8]
+        store = mgr.store_many if batched else mgr.swap_out
+        for parents in ([b"", keys[0]], [None, b""]):
+            with pytest.raises(InvalidKeyError, match="non-empty bytes or None"):
+                store(ids, keys, parents=parents)  # type: ignore[operator]
+        with pytest.raises(InvalidKeyError, match="non-empty bytes"):
+            store(ids, [b"", keys[1]])  # type: ignore[operator]
+        assert mgr.statistics().queued_swaps == 0 and mgr.peek(keys) == 0
+        future = store(ids, keys, parents=[None, keys[0]])  # type: ignore[operator]
+        await mgr.step()
+        await future
+        assert mgr.peek(keys) == 2
