@@ -5,9 +5,17 @@
 2. A block id beyond the int64 range (a uint64 id >= 2**63, a Python int) is named in the
    message with the pool's valid range, instead of the negative id it wrapped to.
 3. An empty parent key ``b""`` is refused like an empty key (one key rule, ``kvmgr._keys``).
+4. ``close`` / ``aclose`` / ``drain_tiers`` / ``wait`` refuse a negative, NaN, infinite or
+   non-number ``timeout_s`` with ``InvalidArgumentError`` before anything closes (one rule,
+   ``kvmgr.manager.core.check_timeout``).
+5. ``gpu_kv_caches`` that is not a sequence of tensors (one tensor, a dict, a generator) raises
+   ``GeometryError`` before anything is built (one tensor used to be split into one "layer"
+   per block); ``GroupedManager.create`` too.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,3 +115,83 @@ async def test_an_empty_parent_key_is_refused_like_an_empty_key(batched: bool) -
         await mgr.step()
         await future
         assert mgr.peek(keys) == 2
+
+
+BAD_TIMEOUTS = [-1, -0.5, float("nan"), float("inf"), "1", True, [1]]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+async def test_a_bad_close_timeout_raises_before_anything_closes(timeout: object) -> None:
+    import torch
+
+    from kvmgr import InvalidArgumentError, ManagerConfig, OffloadManager
+
+    kv = [torch.randn(8, 16) for _ in range(2)]
+    mgr = OffloadManager(kv, ManagerConfig(num_cpu_blocks=8, engine="host"))
+    async with mgr:
+        ids = mgr.allocate("r", 1)
+        queued = mgr.swap_out(ids, [b"a" * 8])
+        for call in (mgr.close, mgr.aclose, mgr.drain_tiers):
+            with pytest.raises(InvalidArgumentError, match="timeout_s"):
+                result = call(timeout)  # type: ignore[arg-type]
+                if result is not None:
+                    await result
+            assert not mgr.closed and not queued.done()  # the queued store was not failed
+        with pytest.raises(InvalidArgumentError, match="timeout_s"):
+            await mgr.wait(queued, timeout)  # type: ignore[arg-type]
+        await mgr.step()
+        await queued
+        assert mgr.peek([b"a" * 8]) == 1  # the manager still works
+    assert mgr.closed
+
+
+@pytest.mark.asyncio
+async def test_good_close_timeouts_still_close() -> None:
+    import torch
+
+    from kvmgr import ManagerConfig, OffloadManager
+
+    kv = [torch.randn(8, 16) for _ in range(2)]
+    for timeout in (None, 0, 0.5, np.float64(1.0), np.int64(2)):
+        mgr = OffloadManager(kv, ManagerConfig(num_cpu_blocks=8, engine="host"))
+        async with mgr:
+            await mgr.drain_tiers(timeout)  # type: ignore[arg-type]
+            await mgr.aclose(timeout)  # type: ignore[arg-type]
+        assert mgr.closed
+        mgr.close(timeout)  # type: ignore[arg-type]  # idempotent
+
+
+@pytest.mark.parametrize(
+    "caches",
+    [
+        pytest.param(lambda t: t[0], id="one-tensor"),
+        pytest.param(lambda t: {"k": t[0], "v": t[1]}, id="dict"),
+        pytest.param(lambda t: (x for x in t), id="generator"),
+        pytest.param(lambda t: None, id="none"),
+        pytest.param(lambda t: "kv", id="str"),
+    ],
+)
+def test_kv_caches_that_are_not_a_sequence_of_tensors_are_refused(caches: Any) -> None:
+    import torch
+
+    from kvmgr import GeometryError, ManagerConfig, OffloadManager
+
+    kv = [torch.randn(8, 16) for _ in range(2)]
+    with pytest.raises(GeometryError, match="gpu_kv_caches: expected a sequence of KV tensors"):
+        OffloadManager(caches(kv), ManagerConfig(num_cpu_blocks=4, engine="host"))
+    OffloadManager(tuple(kv), ManagerConfig(num_cpu_blocks=4, engine="host")).close()
+
+
+def test_grouped_create_refuses_one_tensor_for_a_group() -> None:
+    import torch
+
+    from kvmgr import GeometryError
+    from kvmgr.groups import GroupedLayout, GroupedManager, GroupSpec
+
+    full = GroupSpec(name="full", kind="full", block_size=16, page_bytes=(64, 64))
+    layout = GroupedLayout([full], hash_block_size=16)
+    kv = torch.randint(0, 256, (2, 8, 64), dtype=torch.uint8)  # [K/V, blocks, page]: not a list
+    with pytest.raises(GeometryError, match=r"one tensor: pass \[tensor\]"):
+        GroupedManager.create(layout, {"full": kv}, {"full": 4})
+    GroupedManager.create(layout, {"full": list(kv)}, {"full": 4})  # the same tensors as a list

@@ -111,7 +111,7 @@ class GroupedManager:
         try:
             for name in names:
                 cfg = attrs.evolve(config, num_cpu_blocks=num_cpu_blocks[name])
-                managers.append(OffloadManager(list(gpu_caches[name]), cfg))
+                managers.append(OffloadManager(gpu_caches[name], cfg))  # checks the sequence
             return cls(layout, managers)
         except BaseException:
             for mgr in managers:
