@@ -11,6 +11,10 @@
 5. ``gpu_kv_caches`` that is not a sequence of tensors (one tensor, a dict, a generator) raises
    ``GeometryError`` before anything is built (one tensor used to be split into one "layer"
    per block); ``GroupedManager.create`` too.
+6. Layerwise calls with a bad layer argument (``layers`` of floats, strings, a generator, a
+   dict, nested lists; a float or NaN ``min_group_bytes``; a float ``max_groups``, also when an
+   equal int was cached; ``save_layer`` of a layer outside the store) raise ``LayerOrderError``
+   with a message naming the bad value, before anything is queued.
 """
 
 from __future__ import annotations
@@ -195,3 +199,73 @@ def test_grouped_create_refuses_one_tensor_for_a_group() -> None:
     with pytest.raises(GeometryError, match=r"one tensor: pass \[tensor\]"):
         GroupedManager.create(layout, {"full": kv}, {"full": 4})
     GroupedManager.create(layout, {"full": list(kv)}, {"full": 4})  # the same tensors as a list
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"layers": [0, 0.5, 1, 1]}, "expected int layers, got float", id="floats"),
+        pytest.param({"layers": ["0", "0", "1", "1"]}, "got str", id="strings"),
+        pytest.param({"layers": [0, None, 1, 1]}, "got NoneType", id="none-layer"),
+        pytest.param({"layers": [[0, 0], [1, 1]]}, "got list", id="nested"),
+        pytest.param({"layers": np.zeros((2, 2), dtype=np.int64)}, "got ndarray", id="2-D"),
+        pytest.param({"layers": np.array([0.0, 0, 1, 1])}, "got float", id="float-array"),
+        pytest.param({"layers": (i for i in [0, 0, 1, 1])}, "got generator", id="generator"),
+        pytest.param({"layers": {0: 0, 1: 0, 2: 1, 3: 1}}, "got dict", id="dict"),
+        pytest.param({"layers": True}, "got bool", id="bool"),
+        pytest.param({"layers": 2.0}, "got float", id="float-k"),
+        pytest.param({"layers": [0, 2**70, 1, 1]}, "without gaps", id="huge"),
+        pytest.param({"layers": [-1, 0, 1, 2]}, "non-decreasing from 0", id="negative"),
+        pytest.param({"layers": [0, 1, 0, 1]}, "non-decreasing from 0", id="out-of-order"),
+        pytest.param({"min_group_bytes": float("nan")}, "min_group_bytes", id="nan-bytes"),
+        pytest.param({"min_group_bytes": "64"}, "min_group_bytes", id="str-bytes"),
+        pytest.param({"min_group_bytes": True}, "min_group_bytes", id="bool-bytes"),
+        pytest.param({"max_groups": 2.0}, "max_groups", id="float-groups"),
+    ],
+)
+def test_bad_layer_groupings_raise_layer_order_error(kwargs: dict[str, Any], match: str) -> None:
+    from kvmgr import LayerOrderError
+    from kvmgr.transfer.layer_groups import LayerGroups
+
+    args = {"layers": None, "min_group_bytes": 0, "max_groups": None, **kwargs}
+    with pytest.raises(LayerOrderError, match=match):
+        LayerGroups.build([64, 64, 32, 32], **args)
+
+
+@pytest.mark.asyncio
+async def test_bad_layerwise_arguments_raise_before_anything_is_queued() -> None:
+    import torch
+
+    from kvmgr import LayerOrderError, ManagerConfig, OffloadManager
+
+    kv = [torch.randn(8, 2, 16) for _ in range(4)]  # K and V of 2 layers
+    keys = [b"a" * 8, b"b" * 8]
+    async with OffloadManager(kv, ManagerConfig(num_cpu_blocks=8, engine="host")) as mgr:
+        src, dst = mgr.allocate("a", 2), mgr.allocate("b", 2)
+        stored = mgr.store_many(src, keys)
+        await mgr.step()
+        await stored
+        load = mgr.load_layerwise(keys, dst, layers=2, max_groups=2)  # cached by its arguments
+        await mgr.step()
+        await load
+        # equal to the cached (2, 2) but not ints: refused all the same
+        for kwargs in (
+            {"layers": 2, "max_groups": 2.0},
+            {"layers": 2.0},
+            {"layers": [0.0, 0, 1, 1]},
+        ):
+            with pytest.raises(LayerOrderError):
+                mgr.load_layerwise(keys, dst, **kwargs)  # type: ignore[arg-type]
+            with pytest.raises(LayerOrderError):
+                mgr.store_layerwise(dst, [b"c" * 8, b"d" * 8], **kwargs)  # type: ignore[arg-type]
+        stats = mgr.statistics()
+        assert stats.queued_swaps == 0 and stats.cpu_keys_loading == 0
+        assert mgr.peek([b"c" * 8]) == 0
+        store = mgr.store_layerwise(dst, [b"c" * 8, b"d" * 8], layers=2)
+        for layer, match in ((-1, "not a layer of the store"), (2, "covers layers 0..1")):
+            with pytest.raises(LayerOrderError, match=match):
+                store.save_layer(layer)
+        store.save_layer(0)
+        store.save_layer(np.int64(1))  # type: ignore[arg-type]
+        await mgr.step()
+        await store

@@ -162,6 +162,16 @@ def _check_not_capturing(what: str) -> None:
         )
 
 
+def _layer_index(layer: object, num_layers: int, outside: str) -> int:
+    """``layer`` as an int in ``[0, num_layers)``, else ``LayerOrderError`` (``outside`` words
+    the message for an int out of range)."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}: {layer!r:.40}")
+    if not 0 <= layer < num_layers:
+        raise LayerOrderError(f"layer {layer} {outside} layers 0..{num_layers - 1}")
+    return int(layer)
+
+
 class LayerwiseLoad:
     """A load split by layer (module docstring). Built by ``OffloadManager.load_layerwise``.
 
@@ -222,13 +232,8 @@ class LayerwiseLoad:
         """
         if self._closed or not self._is_open():
             raise ClosedError("the layerwise load (or its manager) is closed")
-        if type(layer) is not int:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
-            layer = int(layer)
-        if not 0 <= layer < self._num_layers:
-            raise LayerOrderError(f"layer {layer} is not scheduled: the load covers layers "
-                                  f"0..{self._num_layers - 1}")  # fmt: skip
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            layer = _layer_index(layer, self._num_layers, "is not scheduled: the load covers")
         if layer < self._waited:
             raise LayerOrderError(
                 f"layer {layer} waited for after layer {self._waited}: wait in layer order"
@@ -314,16 +319,17 @@ class LayerwiseStore:
         fails.
 
         Raises:
-            LayerOrderError: ``layer`` is not the next layer to save (or every layer was saved),
-                or the current stream is capturing a CUDA graph.
+            LayerOrderError: ``layer`` is not an int layer of the store, is not the next layer
+                to save (or every layer was saved), or the current stream is capturing a CUDA
+                graph.
             ClosedError: the manager is closed.
         """
         if not self._is_open():
             raise ClosedError("the layerwise store's manager is closed")
-        if type(layer) is not int:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
-            layer = int(layer)
+        if type(layer) is not int or not 0 <= layer < self.groups.num_layers:
+            layer = _layer_index(
+                layer, self.groups.num_layers, "is not a layer of the store, which covers"
+            )
         if self._aborted or self.batches.error is not None:
             return
         if layer != self._next:
