@@ -15,6 +15,9 @@
    dict, nested lists; a float or NaN ``min_group_bytes``; a float ``max_groups``, also when an
    equal int was cached; ``save_layer`` of a layer outside the store) raise ``LayerOrderError``
    with a message naming the bad value, before anything is queued.
+7. ``GroupedManager.store`` / ``load`` with bad GPU ids in one group (out of range, repeated,
+   not held in an owned pool) raise ``InvalidBlockError`` naming the group before ANY group's
+   swap is queued (the groups before it used to be queued and stored).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.allocator import BlockAllocator
@@ -80,8 +84,6 @@ def test_an_id_beyond_int64_is_named_with_the_valid_range(ids: object, bad: int)
 
 @pytest.mark.asyncio
 async def test_a_huge_uint64_id_through_the_manager_names_the_id() -> None:
-    import torch
-
     from kvmgr import ManagerConfig, OffloadManager
 
     kv = [torch.randn(8, 16) for _ in range(2)]
@@ -100,8 +102,6 @@ async def test_a_huge_uint64_id_through_the_manager_names_the_id() -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("batched", [False, True], ids=["swap_out", "store_many"])
 async def test_an_empty_parent_key_is_refused_like_an_empty_key(batched: bool) -> None:
-    import torch
-
     from kvmgr import InvalidKeyError, ManagerConfig, OffloadManager
 
     kv = [torch.randn(8, 16) for _ in range(2)]
@@ -127,8 +127,6 @@ BAD_TIMEOUTS = [-1, -0.5, float("nan"), float("inf"), "1", True, [1]]
 @pytest.mark.asyncio
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
 async def test_a_bad_close_timeout_raises_before_anything_closes(timeout: object) -> None:
-    import torch
-
     from kvmgr import InvalidArgumentError, ManagerConfig, OffloadManager
 
     kv = [torch.randn(8, 16) for _ in range(2)]
@@ -152,8 +150,6 @@ async def test_a_bad_close_timeout_raises_before_anything_closes(timeout: object
 
 @pytest.mark.asyncio
 async def test_good_close_timeouts_still_close() -> None:
-    import torch
-
     from kvmgr import ManagerConfig, OffloadManager
 
     kv = [torch.randn(8, 16) for _ in range(2)]
@@ -177,8 +173,6 @@ async def test_good_close_timeouts_still_close() -> None:
     ],
 )
 def test_kv_caches_that_are_not_a_sequence_of_tensors_are_refused(caches: Any) -> None:
-    import torch
-
     from kvmgr import GeometryError, ManagerConfig, OffloadManager
 
     kv = [torch.randn(8, 16) for _ in range(2)]
@@ -188,8 +182,6 @@ def test_kv_caches_that_are_not_a_sequence_of_tensors_are_refused(caches: Any) -
 
 
 def test_grouped_create_refuses_one_tensor_for_a_group() -> None:
-    import torch
-
     from kvmgr import GeometryError
     from kvmgr.groups import GroupedLayout, GroupedManager, GroupSpec
 
@@ -234,8 +226,6 @@ def test_bad_layer_groupings_raise_layer_order_error(kwargs: dict[str, Any], mat
 
 @pytest.mark.asyncio
 async def test_bad_layerwise_arguments_raise_before_anything_is_queued() -> None:
-    import torch
-
     from kvmgr import LayerOrderError, ManagerConfig, OffloadManager
 
     kv = [torch.randn(8, 2, 16) for _ in range(4)]  # K and V of 2 layers
@@ -269,3 +259,90 @@ async def test_bad_layerwise_arguments_raise_before_anything_is_queued() -> None
         store.save_layer(np.int64(1))  # type: ignore[arg-type]
         await mgr.step()
         await store
+
+
+def _grouped(owned: bool) -> Any:
+    """A grouped manager of a full group and a sliding-window group, 16 GPU blocks each."""
+    from kvmgr import ManagerConfig
+    from kvmgr.groups import GroupedLayout, GroupedManager, GroupSpec
+
+    full = GroupSpec(name="full", kind="full", block_size=16, page_bytes=(64, 64))
+    swa = GroupSpec(name="swa", kind="sliding_window", block_size=16, page_bytes=(32,), window=33)
+    layout = GroupedLayout([full, swa], hash_block_size=16)
+    gen = torch.Generator().manual_seed(11)
+    kv = {
+        g.name: [
+            torch.randint(1, 256, (16, p), dtype=torch.uint8, generator=gen) for p in g.page_bytes
+        ]
+        for g in layout.groups
+    }
+    cfg = ManagerConfig(num_cpu_blocks=1, engine="host", manage_gpu_blocks=owned)
+    mgr = GroupedManager.create(layout, kv, {"full": 16, "swa": 16}, cfg)
+    return mgr, kv
+
+
+def _hashes(n: int, salt: bytes) -> list[bytes]:
+    import hashlib
+
+    return [hashlib.blake2b(salt + bytes([i]), digest_size=16).digest() for i in range(n)]
+
+
+def _nothing_queued(mgr: Any) -> bool:
+    return all(m.statistics().queued_swaps == 0 for m in mgr.managers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("owned", "swa_ids", "match"),
+    [
+        pytest.param(
+            False, [4, 16], r"group 'swa': gpu block id 16 out of range \[0, 16\)", id="range"
+        ),
+        pytest.param(False, [4, -1], "group 'swa': gpu block id -1", id="negative"),
+        pytest.param(False, [5, 5], "group 'swa': duplicate gpu block ids", id="repeated"),
+        pytest.param(True, [0, 9], "group 'swa': gpu block 9 is FREE, not held", id="not-held"),
+    ],
+)
+async def test_grouped_calls_check_every_groups_ids_before_queueing_any(
+    owned: bool, swa_ids: list[int], match: str
+) -> None:
+    from kvmgr import InvalidBlockError
+
+    mgr, kv = _grouped(owned)
+    async with mgr:
+        if owned:  # request "r" holds blocks 0..3 of each group
+            for m in mgr.managers:
+                m.allocate("r", 4)
+        good = {"full": [0, 1], "swa": [2, 3]}
+        hs = _hashes(2, b"a")
+        # the full group comes first and its ids are good: it was queued and stored
+        with pytest.raises(InvalidBlockError, match=match):
+            mgr.store(hs, {"full": [0, 1], "swa": swa_ids})
+        assert _nothing_queued(mgr) and mgr.index.num_held() == 0
+        await mgr.step()
+        assert all(m.statistics().cpu_blocks_used == 0 for m in mgr.managers)
+        stored = mgr.store(hs, good)
+        await mgr.step()
+        await stored
+        plan = mgr.lookup(hs)
+        assert plan.num_tokens == 32
+        before = {n: [t.clone() for t in ts] for n, ts in kv.items()}
+        with pytest.raises(InvalidBlockError, match=match):
+            mgr.load(plan, {"full": [2, 3], "swa": swa_ids})
+        assert _nothing_queued(mgr)
+        await mgr.step()
+        for name, ts in kv.items():  # no group's load ran
+            assert all(torch.equal(a, b) for a, b in zip(ts, before[name], strict=True))
+        assert all(m.statistics().cpu_keys_loading == 0 for m in mgr.managers)
+
+
+@pytest.mark.asyncio
+async def test_grouped_store_with_one_groups_manager_closed_queues_nothing() -> None:
+    from kvmgr import ClosedError
+
+    mgr, _ = _grouped(False)
+    async with mgr:
+        mgr.managers[1].close()
+        with pytest.raises(ClosedError):
+            mgr.store(_hashes(2, b"c"), {"full": [0, 1], "swa": [2, 3]})
+        assert _nothing_queued(mgr) and mgr.index.num_held() == 0

@@ -1,7 +1,8 @@
 """Checks of a grouped store's and load's block tables, turned into per-group work (no torch).
 
 Package-private: ``GroupedManager`` validates every group's table with these before it queues
-anything, so a bad entry in the last group leaves nothing queued in the first; ``check_room``
+anything, so a bad entry in the last group leaves nothing queued in the first: ``check_blocks``
+asks every group's manager about its GPU ids (range, repeats, held blocks), ``check_room``
 refuses a store that some group has no room for, before any group's store is queued.
 """
 
@@ -91,6 +92,25 @@ def load_work(
             raise InvalidBlockError(f"block_tables[{spec.name!r}]: expected int block ids")
         work.append((g, list(keys), ids))  # type: ignore[arg-type]
     return work
+
+
+def check_blocks(
+    ids: Sequence[tuple[int, list[int]]], layout: GroupedLayout, managers: Sequence[Any], what: str
+) -> None:
+    """All or nothing: raise before any group's ``what`` (``"store"``, ``"load"``) is queued
+    if a group's GPU ids (``ids``: ``(group index, ids)`` pairs) are bad; the error names the
+    group (``OffloadManager.check_gpu_blocks``).
+
+    Raises:
+        InvalidBlockError: a group's ids are out of range, repeated, or not held.
+        ClosedError: a group's manager is closed.
+    """
+    for g, group_ids in ids:
+        try:
+            managers[g].check_gpu_blocks(group_ids, what)
+        except InvalidBlockError as exc:
+            name = layout.groups[g].name
+            raise type(exc)(f"group {name!r}: {exc}; no group's {what} was queued") from exc
 
 
 def check_room(
