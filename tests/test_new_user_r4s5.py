@@ -17,7 +17,9 @@
    with a message naming the bad value, before anything is queued.
 7. ``GroupedManager.store`` / ``load`` with bad GPU ids in one group (out of range, repeated,
    not held in an owned pool) raise ``InvalidBlockError`` naming the group before ANY group's
-   swap is queued (the groups before it used to be queued and stored).
+   swap is queued (the groups before it used to be queued and stored). Nearby: a group's
+   table may be a 1-D numpy or torch array, or hold numpy ints, as ``OffloadManager`` takes
+   them (they were refused with ``GroupKeyError``).
 """
 
 from __future__ import annotations
@@ -346,3 +348,30 @@ async def test_grouped_store_with_one_groups_manager_closed_queues_nothing() -> 
         with pytest.raises(ClosedError):
             mgr.store(_hashes(2, b"c"), {"full": [0, 1], "swa": [2, 3]})
         assert _nothing_queued(mgr) and mgr.index.num_held() == 0
+
+
+@pytest.mark.asyncio
+async def test_grouped_tables_take_arrays_and_numpy_ints_like_the_manager() -> None:
+    from kvmgr.groups import GroupKeyError
+
+    mgr, kv = _grouped(False)
+    async with mgr:
+        hs = _hashes(2, b"n")
+        with pytest.raises(
+            GroupKeyError, match=r"block_tables\['swa'\]\[1\]: expected int or None"
+        ):
+            mgr.store(hs, {"full": [0, 1], "swa": [2, 3.0]})
+        with pytest.raises(GroupKeyError, match="got set"):
+            mgr.store(hs, {"full": {0, 1}})
+        assert _nothing_queued(mgr)
+        tables = {"full": np.array([0, 1]), "swa": [np.int64(2), np.int32(3)]}
+        stored = mgr.store(hs, tables)
+        await mgr.step()
+        await stored
+        plan = mgr.lookup(hs)
+        assert plan.num_tokens == 32
+        loaded = mgr.load(plan, {"full": torch.tensor([4, 5]), "swa": np.array([6, 7])})
+        await mgr.step()
+        await loaded
+        assert all(torch.equal(t[[0, 1]], t[[4, 5]]) for t in kv["full"])
+        assert all(torch.equal(t[3], t[7]) for t in kv["swa"])  # the window's last block

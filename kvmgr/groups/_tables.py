@@ -8,6 +8,7 @@ refuses a store that some group has no room for, before any group's store is que
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,9 +25,25 @@ LoadWork = list[tuple[int, list[bytes], list[int]]]
 
 
 def _table(name: str, table: object) -> Sequence[object]:
+    """A group's table as a sequence: a list or tuple, or a 1-D array (numpy, torch) as a list
+    of its ints, as ``OffloadManager`` takes them."""
+    if getattr(table, "ndim", None) == 1 and hasattr(table, "tolist"):
+        return table.tolist()  # type: ignore[attr-defined,no-any-return]
     if isinstance(table, (bytes, str)) or not isinstance(table, Sequence):
-        raise GroupKeyError(f"block_tables[{name!r}]: expected a sequence of block ids")
+        raise GroupKeyError(
+            f"block_tables[{name!r}]: expected a sequence of block ids, got {type(table).__name__}"
+        )
     return table
+
+
+def _block_id(value: object) -> int | None:
+    """``value`` as an int block id (a Python or numpy int), or ``None`` if it is not one."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def store_work(
@@ -46,11 +63,13 @@ def store_work(
         table = _table(name, raw)
         blocks: list[tuple[int, int]] = []
         for j in range(min(len(table), layout.num_blocks(g, len(hashes)))):
-            gpu = table[j]
-            if gpu is None:
+            if table[j] is None:
                 continue
-            if isinstance(gpu, bool) or not isinstance(gpu, int):
-                raise GroupKeyError(f"block_tables[{name!r}][{j}]: expected int or None")
+            gpu = _block_id(table[j])
+            if gpu is None:
+                raise GroupKeyError(
+                    f"block_tables[{name!r}][{j}]: expected int or None, got {table[j]!r:.40}"
+                )
             blocks.append((j, gpu))
         if not blocks:
             continue
@@ -87,8 +106,8 @@ def load_work(
         table = _table(spec.name, raw)
         if len(table) < blocks.stop:
             raise GroupKeyError(f"block_tables[{spec.name!r}] must name blocks {blocks}")
-        ids = [table[j] for j in blocks]
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        ids = [_block_id(table[j]) for j in blocks]
+        if None in ids:
             raise InvalidBlockError(f"block_tables[{spec.name!r}]: expected int block ids")
         work.append((g, list(keys), ids))  # type: ignore[arg-type]
     return work

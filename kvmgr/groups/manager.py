@@ -168,8 +168,8 @@ class GroupedManager:
 
         Args:
             block_hashes: the request's chained block hashes (hash blocks).
-            block_tables: group name -> GPU block id of each logical block of that group
-                (``None`` where the GPU no longer holds it, such as a sliding-window block
+            block_tables: group name -> GPU block id of each logical block of that group (a
+                list of ints, numpy ints or ``None``, or a 1-D integer array) (``None`` where the GPU no longer holds it, such as a sliding-window block
                 that left the window); entries past the hashed prefix are ignored, groups
                 missing from the mapping store nothing.
 
