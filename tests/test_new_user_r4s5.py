@@ -20,10 +20,14 @@
    swap is queued (the groups before it used to be queued and stored). Nearby: a group's
    table may be a 1-D numpy or torch array, or hold numpy ints, as ``OffloadManager`` takes
    them (they were refused with ``GroupKeyError``).
+
+Docs: README.md's module table names every package under ``kvmgr/`` and its bench row every
+``kvmgr bench`` command (it listed 8 of 15 and missed five packages).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -375,3 +379,22 @@ async def test_grouped_tables_take_arrays_and_numpy_ints_like_the_manager() -> N
         await loaded
         assert all(torch.equal(t[[0, 1]], t[[4, 5]]) for t in kv["full"])
         assert all(torch.equal(t[3], t[7]) for t in kv["swa"])  # the window's last block
+
+
+def test_readme_module_table_and_bench_list_match_the_tree_and_the_cli() -> None:
+    from pathlib import Path
+
+    from kvmgr import cli
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("| module | what |") :].split("\n\n")[0]
+    packages = sorted(p.name for p in (root / "kvmgr").iterdir() if (p / "__init__.py").exists())
+    missing = [p for p in packages if f"`kvmgr/{p}/`" not in table]
+    assert not missing, f"README's module table lacks {missing}"
+    bench_row = next(line for line in table.splitlines() if line.startswith("| `kvmgr/bench/`"))
+    listed = re.findall(r"`([a-z0-9-]+)`", bench_row.split("NAME one of", 1)[1])
+    assert listed == list(cli.BENCHES)
+    assert set(cli.BENCH_HELP) == set(cli.BENCHES)
+    for name in cli.COMMANDS:
+        assert f"kvmgr {name}" in readme, name
