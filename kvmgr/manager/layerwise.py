@@ -68,9 +68,10 @@ class LayerLayouts:
             LayerOrderError: as ``LayerGroups.build``.
         """
         try:
-            # typed: 2.0 == 2 and True == 1, but only ints pass LayerGroups.build's checks
             layer_key = layers if layers is None or isinstance(layers, int) else tuple(layers)
-            key: Hashable = tuple(_typed(x) for x in (layer_key, min_group_bytes, max_groups))
+            # with the types: 2.0 == 2 and True == 1, but only ints pass LayerGroups.build
+            types = tuple(map(type, layer_key)) if type(layer_key) is tuple else type(layer_key)
+            key: Hashable = (layer_key, types, min_group_bytes, type(min_group_bytes), max_groups, type(max_groups))  # fmt: skip
             hash(key)
         except TypeError:  # odd input: build (and let it raise) without caching
             key = None
@@ -95,13 +96,6 @@ class LayerLayouts:
             )
             self._pairs[key] = pair
         return pair
-
-
-def _typed(value: object) -> Hashable:
-    """A cache key part that tells values apart by type too (a tuple: element by element)."""
-    if isinstance(value, tuple):
-        return tuple(map(_typed, value))
-    return (type(value), value)
 
 
 def _launch(

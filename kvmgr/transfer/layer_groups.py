@@ -123,8 +123,10 @@ def _is_int(value: object) -> bool:
 
 
 def _check_int(name: str, value: object, low: int, *, allow_none: bool = False) -> None:
-    if not (value is None and allow_none) and not (_is_int(value) and value >= low):  # type: ignore[operator]
-        raise LayerOrderError(f"expected {name} an int >= {low}, got {value!r:.40}")
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value < low:  # type: ignore[operator]
+        raise LayerOrderError(f"expected an int {name} >= {low}, got {value!r:.40}")
 
 
 def _layer_of(layers: object, num_tensors: int) -> np.ndarray:
