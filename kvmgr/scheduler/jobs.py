@@ -71,9 +71,13 @@ class KVGeometry:
         return np.asarray(cpu_block_ids, dtype=np.int64) % self.num_ranks
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class TransferJob:
     """One batch of copies of one direction, named in block ids (rank-agnostic).
+
+    Read-only by convention, not frozen: made once per batch on the step's path, where a
+    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
+    three times as much.
 
     Attributes:
         job_id: the scheduler's sequence number (submission order, unique per scheduler).
@@ -97,9 +101,13 @@ class TransferJob:
         return len(self.gpu_ids)
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class JobOutcome:
     """How a job ended, folded over every rank.
+
+    Read-only by convention, not frozen: made once per batch on the step's path, where a
+    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
+    three times as much.
 
     Attributes:
         job_id: the job.

@@ -148,9 +148,13 @@ def layout_pair(src: KVLayout, dst: KVLayout) -> LayoutPair:
     return pair
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class Runs:
     """Block pairs in copy order and their runs.
+
+    Read-only by convention, not frozen: made once per batch on the step's path, where a
+    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
+    three times as much.
 
     Attributes:
         src_ids, dst_ids: int64 ``[num_pairs]``: source and destination block of each pair

@@ -43,9 +43,13 @@ __all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazar
 _NO_DESCRIPTORS = np.zeros((3, 0), dtype=np.int64)
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class BlockPairs:
     """The block pairs and layouts a plan was built from (``build_plan`` fills it in).
+
+    Read-only by convention, not frozen: made once per batch on the step's path, where a
+    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
+    three times as much.
 
     Attributes:
         src, dst: layouts of the source and destination tier.

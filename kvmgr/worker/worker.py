@@ -27,9 +27,13 @@ from kvmgr.worker.tensors import TensorGuard
 __all__ = ["Submitted", "TransferWorker"]
 
 
-@attrs.frozen
+@attrs.define
 class Submitted:
     """What one rank submitted for a job (for the step report).
+
+    Read-only by convention, not frozen: made once per batch on the step's path, where a
+    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
+    three times as much.
 
     Attributes:
         handle: the engine's handle (resolves when the copy ended).

@@ -103,9 +103,13 @@ class TableSlots:
             self._free.setdefault(slot.capacity, []).append(slot)
 
 
-@attrs.frozen
+@attrs.define
 class Staged:
     """What one staged copy left in flight.
+
+    Read-only by convention, not frozen: made once per batch on the step's path, where a
+    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
+    three times as much.
 
     Attributes:
         num_launches: kernel launches enqueued (0 or 1).
