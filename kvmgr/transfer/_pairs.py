@@ -226,9 +226,10 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
     if not merge or n == 1:
         return Runs(s, d, s, d, None, 1)
     breaks = s[1:] - s[:-1] != 1
+    if breaks.all():  # scattered sources (the common case): no run, whatever the destinations
+        return Runs(s, d, s, d, None, 1)
     breaks |= d[1:] - d[:-1] != 1
-    num_breaks = int(np.count_nonzero(breaks))
-    if num_breaks == n - 1:  # the common case of scattered ids: no run
+    if np.count_nonzero(breaks) == n - 1:  # consecutive sources, scattered destinations
         return Runs(s, d, s, d, None, 1)
     starts = np.flatnonzero(breaks)
     starts += 1
