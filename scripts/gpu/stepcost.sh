@@ -46,28 +46,6 @@ done
   --json '$D/cpu_ab.json' | tee '$D/cpu_ab.txt'"
 
 echo "=== stepcost summary (base $BASE)"
-python3 - "$D" <<'EOF'
-import glob, json, os, statistics, sys
-d = sys.argv[1]
-rows = {}
-for path in sorted(glob.glob(os.path.join(d, "step_*_*.json"))):
-    tree = os.path.basename(path).split("_")[1]
-    for r in json.load(open(path)).get("step", []):
-        if "host_us" in r:
-            rows.setdefault((r["engine"], r["ids"], tree), []).append(r)
-keys = ("host_us", "manager_us", "plan_us", "engine_us", "issue_us")
-print("step() host us, median of runs: engine ids tree | " + " ".join(k[:-3] for k in keys))
-for key in sorted(rows):
-    print(" ".join(key), "|", " ".join(f"{statistics.median(r[k] for r in rows[key]):7.0f}" for k in keys))
-for engine, ids in sorted({k[:2] for k in rows}):
-    old, new = rows.get((engine, ids, "old")), rows.get((engine, ids, "new"))
-    if old and new:
-        parts = []
-        for k in ("host_us", "manager_us", "engine_us"):
-            o, n = (statistics.median(r[k] for r in rs) for rs in (old, new))
-            parts.append(f"{k[:-3]} {n:.0f} / {o:.0f} us ({n / o:.2f}x)")
-        target = new[0].get("target_us")
-        print(f"{engine} {ids}: new / old " + ", ".join(parts) + f"; target {target} us")
-EOF
+python3 scripts/gpu/step_summary.py "$D"
 [ -f "$D/cpu_ab.txt" ] && { echo "cpu a/b (one process):"; cat "$D/cpu_ab.txt"; }
 grep -E "passed|failed|error" "$LOG" | tail -n 3
