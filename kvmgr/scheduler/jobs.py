@@ -75,9 +75,7 @@ class KVGeometry:
 class TransferJob:
     """One batch of copies of one direction, named in block ids (rank-agnostic).
 
-    Read-only by convention, not frozen: made once per batch on the step's path, where a
-    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
-    three times as much.
+    Not frozen (a frozen attrs ``__init__`` costs ~3x on the step's path): read-only by use.
 
     Attributes:
         job_id: the scheduler's sequence number (submission order, unique per scheduler).
@@ -105,9 +103,7 @@ class TransferJob:
 class JobOutcome:
     """How a job ended, folded over every rank.
 
-    Read-only by convention, not frozen: made once per batch on the step's path, where a
-    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
-    three times as much.
+    Not frozen (a frozen attrs ``__init__`` costs ~3x on the step's path): read-only by use.
 
     Attributes:
         job_id: the job.

@@ -31,9 +31,7 @@ __all__ = ["Submitted", "TransferWorker"]
 class Submitted:
     """What one rank submitted for a job (for the step report).
 
-    Read-only by convention, not frozen: made once per batch on the step's path, where a
-    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
-    three times as much.
+    Not frozen (a frozen attrs ``__init__`` costs ~3x on the step's path): read-only by use.
 
     Attributes:
         handle: the engine's handle (resolves when the copy ended).

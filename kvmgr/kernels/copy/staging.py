@@ -91,9 +91,7 @@ class TableSlots(SizePool[TableSlot]):
 class Staged:
     """What one staged copy left in flight.
 
-    Read-only by convention, not frozen: made once per batch on the step's path, where a
-    frozen attrs ``__init__`` (each field set through ``object.__setattr__``) costs about
-    three times as much.
+    Not frozen (a frozen attrs ``__init__`` costs ~3x on the step's path): read-only by use.
 
     Attributes:
         num_launches: kernel launches enqueued (0 or 1).
