@@ -87,7 +87,7 @@ class ManagerCore:
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         loop = self._open_loop()
-        if self._deferred.num_calls:
+        if self._deferred.fan is not None:
             self._settle_deferred()
         return loop
 
@@ -110,7 +110,7 @@ class ManagerCore:
             ) from None
         if loop is not self._loop:
             if self._loop is not None and (
-                self._queue.in_flight or len(self._queue) or self._deferred.num_calls
+                self._queue.in_flight or len(self._queue) or self._deferred.fan is not None
             ):
                 raise EventLoopError(
                     "the manager has swaps queued or in flight on another event loop; "
@@ -123,7 +123,7 @@ class ManagerCore:
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError("the manager is closed")
-        if self._deferred.num_calls:
+        if self._deferred.fan is not None:
             self._settle_deferred()
 
     def _enqueue(self, part: Part) -> None:

@@ -48,12 +48,11 @@ class DeferredStores:
 
     Attributes:
         fan: the ``StoreFanOut`` of the calls recorded so far (``None``: none).
-        num_calls: calls recorded since the last ``take``.
     """
 
     __slots__ = (
-        "_children", "_gpu_state", "_index", "_num_gpu", "_owned", "_seen",
-        "cpu", "enabled", "ends", "fan", "gpu", "gpu_ids", "num_calls",
+        "_chains", "_children", "_gpu_state", "_index", "_num_gpu", "_owned", "_seen",
+        "cpu", "enabled", "ends", "fan", "gpu", "gpu_ids",
     )  # fmt: skip
 
     def __init__(self, cpu: CpuTier, gpu: GpuBlocks, *, enabled: bool) -> None:
@@ -61,13 +60,13 @@ class DeferredStores:
         self.gpu = gpu
         self.enabled = enabled
         self.fan: StoreFanOut | None = None
-        self.num_calls = 0
         self.ends: array.array[int] | None = None  # None: every call so far stored one block
         self.gpu_ids = array.array("q")
         #: the recorded keys, in call order (a dict: the order, and the test for repeats)
         self._seen: dict[bytes, None] = {}
         # never rebound by their owners: read on every call without the attribute chains
         self._index = cpu.index
+        self._chains = cpu.chains
         self._children = cpu.chains.orphans  # new keys' indexed children (not indexed)
         self._num_gpu, self._gpu_state, self._owned = (
             gpu.num_blocks,
@@ -76,7 +75,8 @@ class DeferredStores:
         )
 
     def __len__(self) -> int:
-        return self.num_calls
+        """Calls recorded since the last ``take``."""
+        return 0 if self.fan is None else self.fan.num_calls
 
     def record_one(self, gpu_id: object, key: object, loop: Any) -> CallFuture | None:
         """``record`` for one block (``[gpu_id]``, ``[key]``): the common per-call store,
@@ -94,12 +94,15 @@ class DeferredStores:
         ):
             return None
         cpu = self.cpu
-        if cpu.reserved >= cpu.pool.num_free:  # a block the settle must evict
-            self._room_short(1, (key,))
+        short = cpu.reserved + 1 - cpu.pool.num_free  # blocks the settle must evict
+        # (inlined _sure_victims: on every call once the tier is full)
+        if short > 0 and short > (
+            len(self._index) - cpu.num_pending - cpu.num_loading - self._chains.num_parents
+        ):
+            cpu.evict_for(1, (key,))  # not sure: evict now; PoolExhaustedError: no change
         cpu.reserved += 1
         self._seen[key] = None
         self.gpu_ids.append(gpu_id)
-        self.num_calls += 1
         if self.ends is not None:
             self.ends.append(len(self._seen))
         fan = self.fan
@@ -152,7 +155,6 @@ class DeferredStores:
         seen.update(dict.fromkeys(keys))
         self.gpu_ids.fromlist(gpu_ids)
         self.ends.append(len(seen))
-        self.num_calls += 1
         fan = self.fan
         if fan is None:
             self.fan = fan = StoreFanOut(loop)
@@ -180,7 +182,7 @@ class DeferredStores:
         keys = list(self._seen)
         taken = (fan, self.ends, np.frombuffer(self.gpu_ids, dtype=np.int64), keys)
         self.cpu.reserved -= len(keys)
-        self.fan, self.ends, self.num_calls = None, None, 0
+        self.fan, self.ends = None, None
         self.gpu_ids = array.array("q")
         self._seen = {}
         return taken

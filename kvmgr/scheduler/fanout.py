@@ -69,14 +69,16 @@ class StoreFanOut:
     def add_call(self) -> CallFuture:
         """A new call's future (numbered in call order)."""
         call = _bare(CallFuture)
-        call._fan, call._i, call._asyncio_future_blocking = self, self.num_calls, False
+        call._fan = self
+        call._i = self.num_calls
+        call._asyncio_future_blocking = False
         self.num_calls += 1
         return call
 
     def calls(self) -> list[CallFuture]:
         """A future for each call, in call order: each reads and resolves the state of that
         call as the caller's own future does (another object over the same call)."""
-        calls = [_bare(CallFuture) for _ in range(self.num_calls)]
+        calls: list[CallFuture] = [_bare(CallFuture) for _ in range(self.num_calls)]
         for i, call in enumerate(calls):
             call._fan, call._i, call._asyncio_future_blocking = self, i, False
         return calls
@@ -269,5 +271,4 @@ class CallFuture:
         return f"<CallFuture {name} call={self._i}>"
 
 
-def _bare(cls: type) -> Any:
-    return object.__new__(cls)
+_bare = object.__new__  # an instance without a Python __init__ frame
