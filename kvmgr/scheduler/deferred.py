@@ -28,7 +28,7 @@ import numpy as np
 
 from kvmgr.errors import KVMgrError, PoolExhaustedError
 from kvmgr.scheduler.cpu_tier import CpuTier
-from kvmgr.scheduler.fanout import CallFuture, StoreFanOut
+from kvmgr.scheduler.fanout import CallFuture, StoreFanOut, _bare
 from kvmgr.scheduler.gpu_blocks import GpuBlocks, GpuState
 from kvmgr.scheduler.keys import SMALL
 from kvmgr.scheduler.queue import Kind, Part
@@ -108,7 +108,12 @@ class DeferredStores:
         fan = self.fan
         if fan is None:
             self.fan = fan = StoreFanOut(loop)
-        return fan.add_call()
+        call = _bare(CallFuture)  # fan.add_call(), inlined: the per-call path
+        call._fan = fan
+        call._i = fan.num_calls
+        call._asyncio_future_blocking = False
+        fan.num_calls += 1
+        return call
 
     def record(self, gpu_ids: list[int], keys: list[bytes], loop: Any) -> CallFuture | None:
         """Record a store of ``keys[i]`` from ``gpu_ids[i]`` (default chain) if it passes every
