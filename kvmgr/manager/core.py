@@ -79,6 +79,8 @@ class ManagerCore:
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
+        #: a loop is bound and the manager is open: the fast path of ``swap_out`` may record
+        self._accepting = False
         self._step = 0
 
     @property
@@ -110,7 +112,7 @@ class ManagerCore:
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         loop = self._open_loop()
-        if self._deferred.futures:
+        if self._deferred.fan is not None:
             self._settle_deferred()
         return loop
 
@@ -133,29 +135,35 @@ class ManagerCore:
             ) from None
         if loop is not self._loop:
             if self._loop is not None and (
-                self._queue.in_flight or len(self._queue) or self._deferred.futures
+                self._queue.in_flight or len(self._queue) or self._deferred.fan is not None
             ):
                 raise EventLoopError(
                     "the manager has swaps queued or in flight on another event loop; "
                     "use one manager per loop"
                 )
             self._loop = loop  # rebind: nothing pending on the old loop
+        self._accepting = True
         return loop
 
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError("the manager is closed")
-        if self._deferred.futures:
+        if self._deferred.fan is not None:
             self._settle_deferred()
 
     def _enqueue(self, part: Part) -> None:
         if not self._scheduler.enqueue(part):  # nothing to copy: resolve now, no batch
             part.future.set_result(part.result)
             return
-        if self._flush_on_tick and not self._tick_scheduled:
-            self._tick_scheduled = True
+        if self._flush_on_tick:
             assert self._loop is not None
-            self._loop.call_soon(self._flush_tick)
+            self._tick_soon(self._loop)
+
+    def _tick_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """``flush="tick"``: flush at the end of this tick (once per tick)."""
+        if not self._tick_scheduled:
+            self._tick_scheduled = True
+            loop.call_soon(self._flush_tick)
 
     def _flush_tick(self) -> None:
         self._tick_scheduled = False

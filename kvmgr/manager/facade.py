@@ -146,6 +146,7 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
             return
         self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closing = True  # from here on, new swaps raise ClosedError
+        self._accepting = False
         self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
         if self._queue.in_flight:
@@ -168,6 +169,7 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
             return
         self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closed = True
+        self._accepting = False
         self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:
