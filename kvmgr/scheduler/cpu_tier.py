@@ -209,7 +209,13 @@ class CpuTier:
     def add_pending(
         self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
-        """Index new keys on their (just allocated) blocks, PENDING, and track them."""
+        """Index new keys on their (just allocated) blocks, PENDING, and track them.
+
+        The caller vouches for the keys: distinct and not indexed (every caller found them
+        absent from ``index``), one parent each. The policy's tracked keys are exactly the
+        indexed ones, so its ``insert_new`` (no checks) is used when it has one; an indexed
+        child of a new key (``chains.orphans``) is a tracked child for the policy too.
+        """
         if isinstance(ids, list):
             blocks = ids
             index, state = self.index, self.state
@@ -221,7 +227,11 @@ class CpuTier:
             self.index.update(zip(keys, blocks))
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
-        self.policy.insert(keys, parents)
+        insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
+        if insert_new is None:
+            self.policy.insert(keys, parents)
+        else:
+            insert_new(keys, parents, childless=not orphans or orphans.keys().isdisjoint(keys))
         self.chains.add(keys, blocks, parents)
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
