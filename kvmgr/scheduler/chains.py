@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import InvalidKeyError
-from kvmgr.pool.allocator import sorted_distinct
 
 __all__ = ["KeyChains"]
 
@@ -50,8 +49,8 @@ class KeyChains:
         num_parents: keys (indexed or not) with at least one indexed child.
     """
 
-    __slots__ = ("_index", "_kids", "_kids_np", "_up_block", "_up_np", "loose", "num_parents",
-                 "orphans")  # fmt: skip
+    __slots__ = ("_index", "_kids", "_kids_np", "_scratch", "_up_block", "_up_np", "loose",
+                 "num_parents", "orphans")  # fmt: skip
 
     def __init__(self, num_blocks: int, index: dict[bytes, int]) -> None:
         self._index = index
@@ -59,6 +58,7 @@ class KeyChains:
         self._up_np = np.frombuffer(self._up_block, dtype=np.int64)
         self._kids = array.array("q", [0]) * num_blocks  # indexed children of each block's key
         self._kids_np = np.frombuffer(self._kids, dtype=np.int64)
+        self._scratch = np.zeros(num_blocks, dtype=np.int64)  # for _num_distinct
         self.orphans: dict[bytes, list[int]] = {}
         self.loose: dict[int, bytes] = {}
         self.num_parents = 0
@@ -115,8 +115,15 @@ class KeyChains:
                     break
             done.update(path)
 
-    def add(self, keys: Sequence[bytes], ids: list[int], parents: Sequence[bytes | None]) -> None:
-        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``)."""
+    def add(
+        self,
+        keys: Sequence[bytes],
+        ids: list[int],
+        parents: Sequence[bytes | None],
+        at: np.ndarray | None = None,
+    ) -> None:
+        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``); ``at``:
+        the same ids as an int64 array, when the caller has one."""
         orphans = self.orphans
         if orphans and not orphans.keys().isdisjoint(keys):  # children stored before them
             loose = self.loose
@@ -128,7 +135,8 @@ class KeyChains:
                     deque(map(loose.__delitem__, children), 0)
         n = len(keys)
         if n > 1 and parents[1:] == keys[:-1]:  # one chain: keys[i] extends keys[i - 1]
-            at = np.array(ids, dtype=np.int64)
+            if at is None:
+                at = np.array(ids, dtype=np.int64)
             self._up_np[at[1:]] = at[:-1]
             self.num_parents += int(np.count_nonzero(self._kids_np[at[:-1]] == 0))
             self._kids_np[at[:-1]] += 1
@@ -164,12 +172,8 @@ class KeyChains:
         linked = parents >= 0
         if linked.any():  # parents in the tier lose a child each
             parents = parents[linked]
-            distinct = sorted_distinct(parents)
-            if len(distinct) == len(parents):
-                kids_np[parents] -= 1
-            else:
-                np.subtract.at(kids_np, parents, 1)
-            self.num_parents -= int(np.count_nonzero(kids_np[distinct] == 0))
+            np.subtract.at(kids_np, parents, 1)
+            self.num_parents -= self._num_distinct(parents[kids_np[parents] == 0])
         if self.loose and not linked.all():  # parents not in the tier (roots have none)
             self._orphan_links(at[~linked].tolist())
         up_np[at] = -1
@@ -181,6 +185,16 @@ class KeyChains:
             self.orphans[key] = children
             self.loose.update(zip(children, repeat(key)))
             kids_np[block] = 0
+
+    def _num_distinct(self, blocks: np.ndarray) -> int:
+        """How many distinct ids ``blocks`` holds, without a sort: each id's position is
+        written into a scratch array, and one position per distinct id survives."""
+        if len(blocks) < 2:
+            return len(blocks)
+        positions = np.arange(len(blocks), dtype=np.int64)
+        scratch = self._scratch
+        scratch[blocks] = positions
+        return int(np.count_nonzero(scratch[blocks] == positions))
 
     def _orphan_links(self, blocks: Any) -> None:
         """Keys on ``blocks`` whose parent is not indexed leave: unlist them."""

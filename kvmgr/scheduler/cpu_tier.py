@@ -209,13 +209,10 @@ class CpuTier:
     def add_pending(
         self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
-        """Index new keys on their (just allocated) blocks, PENDING, and track them.
-
-        The caller vouches for the keys: distinct and not indexed (every caller found them
-        absent from ``index``), one parent each. The policy's tracked keys are exactly the
-        indexed ones, so its ``insert_new`` (no checks) is used when it has one; an indexed
-        child of a new key (``chains.orphans``) is a tracked child for the policy too.
-        """
+        """Index new keys (distinct, not indexed: the caller checked) on their just allocated
+        blocks, PENDING, and track them: through the policy's unchecked ``insert_new`` when it
+        has one (its tracked keys are the indexed ones; ``chains.orphans`` tells whether a new
+        key has a tracked child)."""
         if isinstance(ids, list):
             blocks = ids
             index, state = self.index, self.state
@@ -232,7 +229,7 @@ class CpuTier:
             self.policy.insert(keys, parents)
         else:
             insert_new(keys, parents, childless=not orphans or orphans.keys().isdisjoint(keys))
-        self.chains.add(keys, blocks, parents)
+        self.chains.add(keys, blocks, parents, None if blocks is ids else ids)  # type: ignore[arg-type]
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
