@@ -9,6 +9,7 @@ Block ids enter through ``kvmgr.pool.block_ids.as_id_array``.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable
 
 import numpy as np
@@ -32,7 +33,9 @@ class BlockAllocator:
     reused as runs of consecutive ids, which ``build_plan`` merges into one descriptor per tensor
     (a store of consecutive GPU blocks into LIFO-reversed ids would need one per page).
 
-    Data: a cursor over fresh ids, a stack of freed ids (a list), and a state byte per id
+    Data: a cursor over fresh ids, a stack of freed ids (an ``array`` of ``num_blocks`` slots
+    with a numpy view and a top index: a batch is pushed and popped as one slice, no list
+    conversion), and a state byte per id
     (fresh, allocated, freed) that catches double frees and ids this pool never handed out.
     The state bytes live in a ``bytearray`` (fast single-id access) viewed as a numpy array
     (one operation per batch): ``take``/``give`` take and return int64 arrays without a Python
@@ -63,14 +66,17 @@ class BlockAllocator:
             self._num_ready = 0
             self.make_ready(num_ready)
         self._next_fresh = 0
-        self._freed: list[int] = []
+        #: freed ids, ``[0, _top)`` (top = next reused); never more than ``num_blocks``
+        self._stack = array.array("q", [0]) * self.num_blocks
+        self._stack_np = np.frombuffer(self._stack, dtype=np.int64)
+        self._top = 0
         self._bytes = bytearray(self.num_blocks)
         self._state = np.frombuffer(self._bytes, dtype=np.uint8)
 
     @property
     def num_free(self) -> int:
         """Ids available to ``allocate`` now (only ready ids count)."""
-        return self._num_ready - self._next_fresh + len(self._freed)
+        return self._num_ready - self._next_fresh + self._top
 
     @property
     def num_ready(self) -> int:
@@ -97,7 +103,7 @@ class BlockAllocator:
     @property
     def num_allocated(self) -> int:
         """Ids currently handed out."""
-        return self._next_fresh - len(self._freed)
+        return self._next_fresh - self._top
 
     def is_allocated(self, block_id: int) -> bool:
         """Whether ``block_id`` is currently handed out (False for out-of-range ids)."""
@@ -124,12 +130,13 @@ class BlockAllocator:
         if rest == 0:
             ids = np.arange(start, start + num_fresh, dtype=np.int64)
         else:
-            reused = np.array(self._freed[-rest:], dtype=np.int64)[::-1]
-            del self._freed[-rest:]
+            top = self._top
+            self._top = top - rest
+            reused = self._stack_np[top - rest : top][::-1]  # a view: copied below
             if num_fresh:
                 ids = np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
             else:
-                ids = np.ascontiguousarray(reused)
+                ids = reused.copy()
         self._state[ids] = ALLOCATED
         return ids
 
@@ -138,8 +145,9 @@ class BlockAllocator:
         if self._next_fresh < self._num_ready:
             block_id = self._next_fresh
             self._next_fresh += 1
-        elif self._freed:
-            block_id = self._freed.pop()
+        elif self._top:
+            self._top -= 1
+            block_id = self._stack[self._top]
         else:
             return None
         self._bytes[block_id] = ALLOCATED
@@ -156,12 +164,15 @@ class BlockAllocator:
         if len(ids) == 0:
             return
         self._state[ids] = FREED
-        self._freed.extend(ordered[::-1].tolist())  # the smallest on top of the stack
+        top = self._top
+        self._stack_np[top : top + len(ids)] = ordered[::-1]  # the smallest on top of the stack
+        self._top = top + len(ids)
 
     def give_one(self, block_id: int) -> None:
         """Return one allocated id (the caller checked it is allocated)."""
         self._bytes[block_id] = FREED
-        self._freed.append(block_id)
+        self._stack[self._top] = block_id
+        self._top += 1
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` ids, or return ``None`` (and change nothing) if fewer are free.

@@ -37,6 +37,11 @@ class GpuState(enum.IntEnum):
     DRAINING = 2
 
 
+#: plain ints for array compares: numpy compares an array with an ``IntEnum`` member ~15x
+#: slower than with an ``int`` (30 against 2 us for 512 ids here)
+_HELD, _DRAINING = int(GpuState.HELD), int(GpuState.DRAINING)
+
+
 class GpuBlocks:
     """Busy counts of every GPU block and, when owned, the pool and block states."""
 
@@ -100,7 +105,7 @@ class GpuBlocks:
                 f"gpu block id {lo if lo < 0 else hi} out of range [0, {self.num_blocks})"
             )
         if self.pool is not None:
-            held = self.state_np[ids] == GpuState.HELD
+            held = self.state_np[ids] == _HELD
             if not held.all():
                 raise self._not_held(int(ids[np.flatnonzero(~held)[0]]), what)
         if len(ids) > 1 and not self.distinct(ids):
@@ -166,7 +171,7 @@ class GpuBlocks:
             np.subtract.at(self.busy_np, ids, 1)
         if self.pool is None:
             return
-        draining = ids[self.state_np[ids] == GpuState.DRAINING]
+        draining = ids[self.state_np[ids] == _DRAINING]
         if len(draining):
             done = sorted_distinct(draining[self.busy_np[draining] == 0])
             self.state_np[done] = GpuState.FREE
