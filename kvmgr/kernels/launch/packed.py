@@ -181,12 +181,15 @@ class PackedLaunch(TritonLaunch):
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
-        try:
-            self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)
+        try:  # a loop relaunches with the same grid (often the very tuple) and stream
+            if handle == self._handle and (grid is self._grid or grid == self._grid):
+                self._pack_values(self._buffer, _HEADER_BYTES, *values)
+            else:
+                self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)  # fmt: skip
+                self._grid, self._handle = grid, handle
         except struct.error as exc:
             self._grid = self._handle = None
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
-        self._grid, self._handle = grid, handle
         self._fire()
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
