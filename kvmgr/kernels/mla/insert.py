@@ -99,7 +99,6 @@ class GroupedInsert:
         kv_scales: torch.Tensor | None,
         validate: bool = True,
         stream: Any = None,
-        *,
         block_tokens: int | None = None,
         num_warps: int | None = None,
     ) -> int:
