@@ -235,8 +235,8 @@ class ReusePolicy:
         """Count a reuse of every segment holding a touched key; untracked keys ignored."""
         order = self._parent_of
         deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), 0)
-        segs = set(map(self._seg_of.get, keys))
-        segs.discard(None)
+        segs = dict.fromkeys(map(self._seg_of.get, keys))  # in key order: reproducible
+        segs.pop(None, None)
         if segs:
             now = self._clock()
             for seg in segs:
@@ -427,7 +427,7 @@ class ReusePolicy:
         ghost = self._ghost
         if not ghost or ghost.keys().isdisjoint(chain):
             return None
-        segs = {ghost.pop(key) for key in chain if key in ghost}
+        segs = dict.fromkeys(ghost.pop(key) for key in chain if key in ghost)  # in key order
         for seg in segs:
             if not seg.resolved:
                 self._count(seg, reused=True, gap_s=now - seg.start)
