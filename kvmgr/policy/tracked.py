@@ -3,18 +3,20 @@
 Offers `TrackedPolicy`, a base class holding what `EvictionPolicy` asks of every policy and
 is not the policy's own rule: ``len``/``in`` over the tracked keys, ``remove``'s checks and
 its release of the `PrefixTree`'s child counts, ``insert``'s checks, and ``evict``'s frame
-(count check, the empty request) around the policy's choice of victims, ``_evict``.
+(count check, the empty request) around the policy's choice of victims, ``_evict``; and
+`chain_spans`, a batch split into chains (the unit the learned policies admit and learn on).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from typing import cast
 
 from kvmgr.policy.base import KeyPredicate, _check_evict_count
 from kvmgr.policy.tree import PrefixTree, check_new, check_tracked
 
-__all__ = ["TrackedPolicy"]
+__all__ = ["TrackedPolicy", "chain_spans"]
 
 
 class TrackedPolicy:
@@ -84,3 +86,15 @@ class TrackedPolicy:
     ) -> list[bytes] | None:
         """Choose, untrack and return ``n >= 1`` victims, or ``None`` with nothing changed."""
         raise NotImplementedError
+
+
+def chain_spans(keys: Sequence[bytes], parents: Sequence[bytes | None]) -> list[tuple[int, int]]:
+    """``[start, end)`` of the maximal runs of a batch where each key extends the previous
+    one (``parents[i] == keys[i - 1]``), in batch order; ``[]`` for an empty batch."""
+    n = len(keys)
+    if n == 0:
+        return []
+    if list(parents[1:]) == list(keys[:-1]):
+        return [(0, n)]
+    cuts = [i for i in range(1, n) if parents[i] != keys[i - 1]]
+    return list(itertools.pairwise([0, *cuts, n]))
