@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -75,6 +76,7 @@ from kvmgr import (
     PoolExhaustedError,
     Tier,
     TransferError,
+    TransferTimeoutError,
 )
 from kvmgr.manager import CpuState, GpuState, ManagerSnapshot
 from kvmgr.reports import KVEvent, LoadResult, StoreResult, SwapResult
@@ -141,6 +143,10 @@ class _Swap:
     present: list[bool] = attrs.field(factory=list)  # stores: the key was in the tier already
 
 
+def _kvmgr_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvmgr")]
+
+
 def _ready_prefix(snap: ManagerSnapshot, keys: Sequence[bytes]) -> int:
     hits = 0
     for key in keys:
@@ -171,6 +177,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.req_data: dict[str, list[Value]] = {}
         self.key_data: dict[bytes, Value] = {}
         self.tasks: list[asyncio.Task[Any]] = []
+        self.futures: list[asyncio.Future[Any]] = []  # the manager's, since the last drain
         self.loads: list[asyncio.Task[Any]] = []  # load id = position, since the last drain
         #: per load id: (request, logical block, GPU block, the value it must deliver)
         self.load_targets: list[list[tuple[str, int, int, Value]]] = []
@@ -216,6 +223,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
         task = self.loop.create_task(awaiter())
         self.tasks.append(task)
+        self.futures.append(future)
         return task
 
     def _ids(self, req: str) -> list[int]:
@@ -356,6 +364,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.load_targets[load_id].append((req, i, b, self.key_data[key]))
             self.last_writer[b] = load_id
 
+    def _in_step(self) -> bool:
+        """Whether every completion happens inside a rule: the engine holds its batches and
+        delays none (else a copy may complete, on an engine thread, at any time)."""
+        return self.engine.holding and not self.delay_s
+
     def _injected(self, *fates: str) -> int:
         """Batches the engine's script gave one of ``fates`` so far (default: failed or
         refused: its drawn fault modes and ``fail_a_held_batch``)."""
@@ -439,6 +452,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 "delay_s": data.draw(st.sampled_from([0.0, 0.0, 0.0005]), label="delay_s"),
                 "seed": seed,
             }
+        self.delay_s = script.get("delay_s", 0.0)
         self.engine = self.SPEC.build(self.FAKE, cfg, script)
         self.mgr = OffloadManager(self.kv, cfg, engine=self.engine)
         self._run(self.mgr.__aenter__())
@@ -542,7 +556,8 @@ class ManagerMachine(RuleBasedStateMachine):
         events = self._run(consume())
         TOTALS["events_by_iterator"] += len(events)
         self._take_events(events)
-        assert self.m.take_events() == []  # nothing left behind
+        if self._in_step():
+            assert self.m.take_events() == []  # nothing left behind
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=5))
     def touch(self, keys: list[bytes]) -> None:
@@ -656,6 +671,33 @@ class ManagerMachine(RuleBasedStateMachine):
         data.draw(st.sampled_from([t for t in self.tasks if not t.done()])).cancel()
         self._run(asyncio.sleep(0))
 
+    @precondition(lambda self: any(not f.done() for f in self.futures))
+    @rule(data=st.data(), timeout_s=st.sampled_from([None, 0.0, 0.0005]))
+    def wait_and_give_up(self, data: st.DataObject, timeout_s: float | None) -> None:
+        """``mgr.wait`` on a swap: with a deadline it raises ``TransferTimeoutError`` (or the
+        swap's outcome); without one, cancelled, it must not cancel the swap. Either way the
+        copy goes on: its blocks stay fenced (the invariants check it)."""
+        future = data.draw(st.sampled_from([f for f in self.futures if not f.done()]))
+
+        async def body() -> None:
+            if timeout_s is None:
+                task = asyncio.ensure_future(self.m.wait(future))
+                await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                assert not future.cancelled(), "cancelling mgr.wait cancelled the swap"
+                TOTALS["wait_cancelled"] += 1
+                return
+            try:
+                await self.m.wait(future, timeout_s)
+                TOTALS["wait_ok"] += 1
+            except TransferTimeoutError:
+                TOTALS["wait_timed_out"] += 1
+            except (TransferError, asyncio.CancelledError):
+                TOTALS["wait_failed"] += 1
+
+        self._run(body())
+
     @rule()
     def drain(self) -> None:
         self._run(self._drain())
@@ -671,6 +713,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 if not task.cancelled():
                     task.exception()
         assert self._idle()
+        stats = self.m.statistics()
+        assert stats.stores_queued == stats.stores_completed + stats.stores_failed
+        assert stats.loads_queued == stats.loads_completed + stats.loads_failed
         for key, entry in self._snap().keys.items():  # nothing in flight: no reader, no PENDING
             assert (entry.state, entry.readers) == (CpuState.READY, 0), key.hex()
         self._take_events()
@@ -691,6 +736,7 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = self._snap().keys
         self.key_data = {k: settle(v) for k, v in self.key_data.items() if k in keys}
         self.tasks, self.loads, self.swaps, self.num_failed = [], [], [], 0
+        self.futures = []
         self.injected_before = self._injected()
         self.load_targets, self.loads_checked, self.last_writer = [], set(), {}
         self.event_stored = set()
@@ -818,6 +864,7 @@ class ManagerMachine(RuleBasedStateMachine):
             elif self.engine is not None:
                 self.engine.close()
             assert self.leaked == []
+            assert _kvmgr_threads() == [], "threads outlived the manager's close"
         finally:
             self.loop.close()
             TOTALS["examples"] += 1
