@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 27, step() host time (helper stepcost), on the H200, from the repo root; results under
 # $OUT/stepcost/ (log.txt, step_{old,new}_{1,2}.json, cpu_ab.txt). About 1.5-2 minutes: limits
-# 10 + 2 x 30 + 2 x 20 + 25 s (the first runs may compile Triton) (the second round of section 2 runs only if under 60 s have passed). The GPU
+# 10 + 2 x 30 + 2 x 20 + 25 s (the first runs may compile Triton; the second round of section 2
+# runs only if under 60 s have passed). The GPU
 # tests of the code this helper touched (test_plan, test_cuda_engine, test_copy_kernel,
 # test_copy_blocks, test_manager_engines) run in the suite (`gpu_round4.sh suite stepcost`).
 # Old tree = this helper's branch point off main (a0c022e; else `git merge-base HEAD main`),
