@@ -127,26 +127,20 @@ class ScriptedEngine(ScriptControls, TransferEngine):
             raise ConfigError(f"expected a TransferEngine, got {type(inner).__name__}")
         self.inner = inner
         self.name = name or ("null" if inner is None else f"faulty({inner.name})")
-        if inner is not None:
-            self.max_descriptors = inner.max_descriptors
-        self._script = FaultScript(fail_batches, hang_batches, refuse_batches, fail_when,
-                                   fail_rate, fail_directions, seed, poison,
-                                   refuse_issue_batches)  # fmt: skip
+        self.max_descriptors = self.max_descriptors if inner is None else inner.max_descriptors
+        self._script = FaultScript(fail_batches, hang_batches, refuse_batches, fail_when, fail_rate,
+                                   fail_directions, seed, poison, refuse_issue_batches)  # fmt: skip
         self.injected = self._script.injected  #: batch id -> the fault (``FaultScript``)
-        self._on_submit = on_submit
-        self._end_events = end_events
+        self._on_submit, self._record, self._end_events = on_submit, record, end_events
         self.stream_waits: list[int] = []  #: batch ids ``stream_wait`` was called with
         self._hooks = EngineHooks(hooks or {}, self)
-        self._close_hangs = close_hangs
-        self._order = BatchOrder(self._start, delay_s)
+        self._close_hangs, self._order = close_hangs, BatchOrder(self._start, delay_s)
         self._holding, self._closed, self._next_batch_id = hold, False, 0
         self._totals = BatchTotals()  # without an inner engine: this engine's own
         #: with ``record``: ``(plan, wait_for, handle)`` per submitted batch, in order
         self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
-        self._record = record
-        # nothing scripted, no copy: resolved in submit, no ordering (host-path benchmarks)
-        self._plain = inner is None and self._script.is_empty and not delay_s
-        self._plain &= on_submit is None and not record and not end_events
+        plain = not (delay_s or on_submit or record or end_events) and self._script.is_empty
+        self._plain = plain and inner is None  # resolved in submit, unordered (host benchmarks)
 
     # ------------------------------------------------------------------ engine protocol
 
