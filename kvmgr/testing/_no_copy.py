@@ -6,10 +6,12 @@ Private to ``kvmgr.testing``.
 
 from __future__ import annotations
 
-from kvmgr.transfer.engine import BatchResult, BatchTotals
+import concurrent.futures
+
+from kvmgr.transfer.engine import BatchHandle, BatchResult, BatchTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
 
-__all__ = ["count_batch", "no_copy_result"]
+__all__ = ["completed_handle", "count_batch", "no_copy_result"]
 
 
 def count_batch(totals: BatchTotals, plan: TransferPlan, *, ok: bool) -> None:
@@ -34,3 +36,13 @@ def no_copy_result(batch_id: int, plan: TransferPlan, path: str) -> BatchResult:
         device_s=None,
         path=path,
     )
+
+
+def completed_handle(
+    totals: BatchTotals, batch_id: int, plan: TransferPlan, path: str
+) -> BatchHandle:
+    """The handle of a batch that copied nothing and is done already (counted in ``totals``)."""
+    future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+    count_batch(totals, plan, ok=True)
+    future.set_result(no_copy_result(batch_id, plan, path))
+    return BatchHandle(batch_id, plan.direction, future)

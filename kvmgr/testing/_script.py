@@ -1,9 +1,10 @@
 """What a ``ScriptedEngine`` does to each batch: its fate, and what a failed store leaves.
 
 Private to ``kvmgr.testing``. Offers:
-    FaultScript    the batch numbers to fail, hang or refuse, a predicate and a seeded rate of
-                   failures; decides each batch's fate (``"ok"``, ``"fail"``, ``"hang"``) at
-                   submit and records what it injected; poisons a failed store's destination
+    FaultScript    the batch numbers to fail, hang or refuse (at submit or at issue), a predicate
+                   and a seeded rate of failures; decides each batch's fate (``"ok"``,
+                   ``"fail"``, ``"hang"``, ``"refused"``) at submit and records what it
+                   injected; poisons a failed store's destination
     POISON_BYTE    the byte a failed store's CPU pages are overwritten with
 """
 
@@ -40,18 +41,21 @@ class FaultScript:
         fail_directions: Collection[Direction],
         seed: int,
         poison: bool,
+        refuse_issue_batches: Collection[int] = (),
     ) -> None:
         if not 0.0 <= fail_rate <= 1.0:
             raise ConfigError(f"fail_rate: expected a probability in [0, 1], got {fail_rate!r}")
         self._fail_batches = frozenset(fail_batches)
         self._hang_batches = frozenset(hang_batches)
         self._refuse_batches = frozenset(refuse_batches)
+        self._refuse_issue_batches = frozenset(refuse_issue_batches)
         self._fail_when = fail_when
         self._fail_rate = fail_rate
         self._fail_directions = frozenset(fail_directions)
         self._rng = random.Random(seed)
         self.poison = poison
-        self.injected: dict[int, str] = {}  #: batch id -> "fail", "hang" or "refuse"
+        #: batch id -> "fail", "hang", "refuse" (at submit) or "refuse_issue"
+        self.injected: dict[int, str] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -60,12 +64,14 @@ class FaultScript:
             self._fail_batches
             or self._hang_batches
             or self._refuse_batches
+            or self._refuse_issue_batches
             or self._fail_when
             or self._fail_rate
         )
 
     def fate(self, batch_id: int, plan: TransferPlan) -> str:
-        """``"ok"``, ``"fail"`` or ``"hang"`` for a new batch (recorded in ``injected``).
+        """``"ok"``, ``"fail"``, ``"hang"`` or ``"refused"`` (its issue refused: nothing is
+        copied, the batch fails) for a new batch (recorded in ``injected``).
 
         Raises:
             TransferError: the batch is in ``refuse_batches``.
@@ -75,6 +81,9 @@ class FaultScript:
         if batch_id in self._refuse_batches:
             self.injected[batch_id] = "refuse"
             raise TransferError(f"injected fault: batch {batch_id} refused at submit")
+        if batch_id in self._refuse_issue_batches:
+            self.injected[batch_id] = "refuse_issue"
+            return "refused"
         fate = "hang" if batch_id in self._hang_batches else "ok"
         if fate == "ok" and (batch_id in self._fail_batches or failed_draw):
             fate = "fail"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -22,7 +22,8 @@ import torch
 
 from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
 from kvmgr.testing._controls import ScriptControls
-from kvmgr.testing._no_copy import count_batch, no_copy_result
+from kvmgr.testing._hooks import EngineHooks
+from kvmgr.testing._no_copy import completed_handle, count_batch, no_copy_result
 from kvmgr.testing._order import Batch, BatchOrder, closed_before_copy
 from kvmgr.testing._script import POISON_BYTE, FaultScript
 from kvmgr.transfer.engine import (
@@ -48,6 +49,9 @@ class ScriptedEngine(ScriptControls, TransferEngine):
     Batches are numbered ``0, 1, 2, ...`` in the order ``submit`` is called. Batch ``k``:
 
     - in ``refuse_batches``: ``submit`` raises ``TransferError`` (nothing is copied);
+    - in ``refuse_issue_batches``: ``submit`` returns a handle whose ``refused`` holds a
+      ``TransferError`` (a CUDA engine's refused launch); nothing is copied and the batch
+      fails, in order;
     - in ``hang_batches``: its copy does not start until ``complete_next``, ``release`` or
       ``close`` (the outer future stays pending: a completion that never arrives);
     - in ``fail_batches``, true for ``fail_when(k, plan)``, or drawn with probability
@@ -84,11 +88,17 @@ class ScriptedEngine(ScriptControls, TransferEngine):
         record: keep ``(plan, wait_for, handle)`` of every batch in ``submitted``.
         close_hangs: ``close`` leaves gated batches pending and raises ``TransferTimeoutError``
             when there are any (a CUDA engine whose stream hung).
+        end_events: give every handle an ``end_event`` (a stand-in object, as a CUDA engine's
+            handles carry), so layerwise loads wait with ``stream_wait``; every ``stream_wait``
+            call's batch id is kept in ``stream_waits``.
+        hooks: the optional engine methods the manager looks up (``plan_duplex``,
+            ``plan_duplex_plans``, ``allocate_host_region``: ``kvmgr.testing._hooks``), set on
+            this engine; host regions they return are closed by ``close``.
         name: the engine's ``name`` and its results' ``path``.
 
     Raises:
-        ConfigError: ``fail_rate`` outside ``[0, 1]``, negative ``delay_s``, or ``inner`` not a
-            ``TransferEngine``.
+        ConfigError: ``fail_rate`` outside ``[0, 1]``, negative ``delay_s``, ``inner`` not a
+            ``TransferEngine``, or an unknown hook.
     """
 
     def __init__(
@@ -102,35 +112,35 @@ class ScriptedEngine(ScriptControls, TransferEngine):
         delay_s: float = 0.0,
         hang_batches: Collection[int] = (),
         refuse_batches: Collection[int] = (),
+        refuse_issue_batches: Collection[int] = (),
         seed: int = 0,
         poison: bool = True,
         hold: bool = False,
         on_submit: SubmitHook | None = None,
         record: bool = False,
         close_hangs: bool = False,
+        end_events: bool = False,
+        hooks: Mapping[str, Callable[..., Any]] | None = None,
         name: str | None = None,
     ) -> None:
         if inner is not None and not isinstance(inner, TransferEngine):
             raise ConfigError(f"expected a TransferEngine, got {type(inner).__name__}")
         self.inner = inner
         self.name = name or ("null" if inner is None else f"faulty({inner.name})")
-        if inner is not None:
-            self.max_descriptors = inner.max_descriptors
-        self._script = FaultScript(fail_batches, hang_batches, refuse_batches, fail_when,
-                                   fail_rate, fail_directions, seed, poison)  # fmt: skip
-        self.injected = self._script.injected  #: batch id -> "fail", "hang" or "refuse"
-        self._on_submit = on_submit
-        self._close_hangs = close_hangs
-        self._order = BatchOrder(self._start, delay_s)
+        self.max_descriptors = self.max_descriptors if inner is None else inner.max_descriptors
+        self._script = FaultScript(fail_batches, hang_batches, refuse_batches, fail_when, fail_rate,
+                                   fail_directions, seed, poison, refuse_issue_batches)  # fmt: skip
+        self.injected = self._script.injected  #: batch id -> the fault (``FaultScript``)
+        self._on_submit, self._record, self._end_events = on_submit, record, end_events
+        self.stream_waits: list[int] = []  #: batch ids ``stream_wait`` was called with
+        self._hooks = EngineHooks(hooks or {}, self)
+        self._close_hangs, self._order = close_hangs, BatchOrder(self._start, delay_s)
         self._holding, self._closed, self._next_batch_id = hold, False, 0
         self._totals = BatchTotals()  # without an inner engine: this engine's own
         #: with ``record``: ``(plan, wait_for, handle)`` per submitted batch, in order
         self.submitted: list[tuple[TransferPlan, tuple[BatchHandle, ...], BatchHandle]] = []
-        self._record = record
-        # nothing scripted and no copy: a batch resolves inside submit, without the ordering
-        # machinery (the host-path benchmarks time the manager, not this engine)
-        self._plain = inner is None and self._script.is_empty and not delay_s
-        self._plain &= on_submit is None and not record
+        plain = not (delay_s or on_submit or record or end_events) and self._script.is_empty
+        self._plain = plain and inner is None  # resolved in submit, unordered (host benchmarks)
 
     # ------------------------------------------------------------------ engine protocol
 
@@ -165,19 +175,15 @@ class ScriptedEngine(ScriptControls, TransferEngine):
             fate = self._script.fate(batch_id, plan)
             future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
             future.set_running_or_notify_cancel()  # like an executor's: cannot be cancelled
-            handle = BatchHandle(batch_id, plan.direction, future)
+            end_event = object() if self._end_events else None  # a CUDA engine's has one
+            handle = BatchHandle(batch_id, plan.direction, future, end_event)
+            if fate == "refused":
+                handle.refused = TransferError(f"injected fault: batch {batch_id} refused at issue")
             if self._record:
                 self.submitted.append((plan, tuple(wait_for), handle))
-            gated = fate == "hang" or self._holding
-            batch = Batch(
-                handle,
-                copy_plan,
-                order.follows(plan.direction, preds),
-                fate,
-                gated=gated,
-                wait_for_ids=tuple(h.batch_id for h in wait_for),
-            )
-            order.add(batch)
+            order.add(Batch(handle, copy_plan, order.follows(plan.direction, preds), fate,
+                            gated=fate == "hang" or self._holding,
+                            wait_for_ids=tuple(h.batch_id for h in wait_for)))  # fmt: skip
         return handle
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -199,6 +205,7 @@ class ScriptedEngine(ScriptControls, TransferEngine):
             if self.inner is not None:
                 self.inner.close(timeout_s)  # a CUDA engine raises if copies outlive timeout_s
         finally:
+            self._hooks.close()
             if self._close_hangs:
                 self._order.close(None)
             elif self.inner is None:
@@ -229,6 +236,7 @@ class ScriptedEngine(ScriptControls, TransferEngine):
         Raises:
             TransferError: the batch is gated and the inner engine fences on a device stream.
         """
+        self.stream_waits.append(handle.batch_id)
         if self.inner is None:
             return
         with self._order.lock:
@@ -244,16 +252,15 @@ class ScriptedEngine(ScriptControls, TransferEngine):
 
     def _complete_now(self, plan: TransferPlan) -> BatchHandle:
         """An unscripted batch of the no-copy engine with nothing before it: done at once."""
-        batch_id = self._next_batch_id
         self._next_batch_id += 1
-        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
-        handle = BatchHandle(batch_id, plan.direction, future)
-        count_batch(self._totals, plan, ok=True)
-        future.set_result(no_copy_result(batch_id, plan, self.name))
-        return handle
+        return completed_handle(self._totals, self._next_batch_id - 1, plan, self.name)
 
     def _start(self, batch: Batch, waits: Sequence[BatchHandle]) -> None:
         """Hand one batch's copy to the inner engine (``BatchOrder``'s ``start``)."""
+        if batch.fate == "refused":  # its issue was refused: nothing runs, the batch fails
+            batch.outcome = batch.handle.refused
+            self._order.resolve_ready()
+            return
         if self.inner is None:  # nothing to copy: the copy ends now
             self._finish(batch, None)
             return

@@ -23,6 +23,7 @@ from kvmgr.testing import (
     FaultyEngine,
     InvariantError,
     NullEngine,
+    ScriptedEngine,
     VirtualClock,
     check_invariants,
 )
@@ -207,6 +208,48 @@ def test_refused_batch_and_submit_after_close() -> None:
     engine.close()  # idempotent
     with pytest.raises(ClosedError):
         engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+
+
+def test_refused_issue_end_events_and_stream_waits() -> None:
+    """A batch whose issue is refused: its handle says so at submit, nothing is copied, it
+    fails in order; end events stand in for a CUDA engine's; stream waits are recorded."""
+    tiers = _Tiers()
+    engine = ScriptedEngine(HostEngine(), refuse_issue_batches={1}, end_events=True)
+    try:
+        ok = engine.submit(tiers.plan(Direction.D2H, [1], [1]))
+        refused = engine.submit(tiers.plan(Direction.D2H, [2], [2]))
+        assert ok.refused is None and isinstance(refused.refused, TransferError)
+        assert ok.end_event is not None and refused.end_event is not None
+        with pytest.raises(TransferError, match="refused at issue"):
+            _wait(refused.future)
+        _wait(ok.future)
+        assert torch.equal(tiers.cpu[1], tiers.gpu[1]) and (tiers.cpu[2] == 7).all()
+        assert engine.injected == {1: "refuse_issue"}
+        engine.stream_wait(ok)
+        engine.stream_wait(refused, stream="other")
+        assert engine.stream_waits == [0, 1]
+    finally:
+        engine.close()
+
+
+def test_hooks_are_set_and_their_regions_closed_with_the_engine() -> None:
+    closed: list[str] = []
+
+    class Region:
+        def close(self) -> None:
+            closed.append("region")
+
+    hooks = {"allocate_host_region": lambda layout: Region(), "plan_duplex": lambda d, h: (h, d)}
+    engine = ScriptedEngine(HostEngine(), hooks=hooks)
+    assert engine.plan_duplex(1, 2) == (2, 1)  # type: ignore[attr-defined]
+    assert isinstance(engine.allocate_host_region(None), Region)  # type: ignore[attr-defined]
+    assert not hasattr(ScriptedEngine(None), "plan_duplex")  # none given: the manager sees none
+    engine.close()
+    assert closed == ["region"]
+    with pytest.raises(ConfigError, match="unknown engine hooks"):
+        ScriptedEngine(None, hooks={"plan_duplx": lambda d2h, h2d: (d2h, h2d)})
+    with pytest.raises(ConfigError, match="callable"):
+        ScriptedEngine(None, hooks={"plan_duplex": 3})  # type: ignore[dict-item]
 
 
 def test_delay_then_close_joins_its_thread_and_fails_unstarted_batches() -> None:

@@ -10,6 +10,7 @@ import torch
 
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.errors import ConfigError
+from kvmgr.testing import ScriptedEngine
 from kvmgr.transfer.auto import ChoiceCopy
 from kvmgr.transfer.cost_model import Calibration
 from kvmgr.transfer.duplex import duplex_choice
@@ -94,21 +95,29 @@ def test_choice_copy_takes_the_duplex_path_once() -> None:
     assert log[-1] == "dma:d2h" and not choice.duplex
 
 
-class _DuplexHost(HostEngine):
-    """The host engine with a ``plan_duplex`` that asks for H2D first; records submissions."""
+def _duplex_host(asked: list[object], *, plans: bool = False) -> ScriptedEngine:
+    """The host engine under the scripted one, with a ``plan_duplex`` that asks for H2D first
+    and records what it was asked (``plans``: ``plan_duplex_plans`` too, as engine ``"auto"``
+    has, recording the host runs of the two plans); submissions are recorded."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.asked: list[tuple[tuple[int, int], tuple[int, int]]] = []
-        self.order: list[Direction] = []
-
-    def plan_duplex(self, d2h, h2d):  # type: ignore[no-untyped-def]
-        self.asked.append((d2h, h2d))
+    def plan_duplex(d2h, h2d):  # type: ignore[no-untyped-def]
+        asked.append((d2h, h2d))
         return H2D, D2H
 
-    def submit(self, plan, *, wait_for=()):  # type: ignore[no-untyped-def]
-        self.order.append(plan.direction)
-        return super().submit(plan, wait_for=wait_for)
+    def plan_duplex_plans(d2h, h2d):  # type: ignore[no-untyped-def]
+        from kvmgr.transfer.staged import host_runs
+
+        asked.append(("runs", host_runs(d2h), host_runs(h2d)))
+        return H2D, D2H
+
+    hooks = {"plan_duplex": plan_duplex} | (
+        {"plan_duplex_plans": plan_duplex_plans} if plans else {}
+    )
+    return ScriptedEngine(HostEngine(), record=True, hooks=hooks)
+
+
+def _order(engine: ScriptedEngine) -> list[Direction]:
+    return [plan.direction for plan, _, _ in engine.submitted]
 
 
 def _manager(engine: object) -> OffloadManager:
@@ -119,14 +128,15 @@ def _manager(engine: object) -> OffloadManager:
 
 @pytest.mark.asyncio
 async def test_flusher_submits_in_the_engines_order() -> None:
-    engine = _DuplexHost()
+    asked: list[object] = []
+    engine = _duplex_host(asked)
     keys = [hashlib.blake2b(bytes([i])).digest() for i in range(4)]
     async with _manager(engine) as mgr:
         a = mgr.allocate("a", 2)
         first = mgr.store_many(a, keys[:2])
         await mgr.step()
         await first
-        assert engine.asked == []  # one direction: not a duplex step
+        assert asked == []  # one direction: not a duplex step
         store = mgr.store_many(mgr.allocate("b", 2), keys[2:])
         load = mgr.load_many(keys[:2], mgr.allocate("c", 2))
         await mgr.step()
@@ -134,8 +144,8 @@ async def test_flusher_submits_in_the_engines_order() -> None:
         await load
     block_bytes = 3 * 4 * 8 * 4
     # exact counts from the plans: two consecutive blocks each way merge into one run per tensor
-    assert engine.asked == [((3, 2 * block_bytes), (3, 2 * block_bytes))]
-    assert engine.order == [D2H, H2D, D2H]
+    assert asked == [((3, 2 * block_bytes), (3, 2 * block_bytes))]
+    assert _order(engine) == [D2H, H2D, D2H]
 
 
 # ------------------------------------------------------------------ the staged path (issue 24)
@@ -216,23 +226,10 @@ def test_choice_copy_stages_where_told_and_where_it_can() -> None:
     assert log == ["staged:h2d", "kernel:h2d", "staged:h2d", "dma:h2d"]
 
 
-class _PlansHost(_DuplexHost):
-    """``_DuplexHost`` that also takes the plans themselves (as engine ``"auto"`` does)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.runs: list[tuple[int | None, int | None]] = []
-
-    def plan_duplex_plans(self, d2h, h2d):  # type: ignore[no-untyped-def]
-        from kvmgr.transfer.staged import host_runs
-
-        self.runs.append((host_runs(d2h), host_runs(h2d)))
-        return H2D, D2H
-
-
 @pytest.mark.asyncio
 async def test_worker_hands_the_plans_to_an_engine_that_takes_them() -> None:
-    engine = _PlansHost()
+    asked: list[object] = []
+    engine = _duplex_host(asked, plans=True)
     keys = [hashlib.blake2b(bytes([i])).digest() for i in range(6)]
     async with _manager(engine) as mgr:
         first = mgr.store_many(mgr.allocate("a", 3), keys[:3])
@@ -244,8 +241,8 @@ async def test_worker_hands_the_plans_to_an_engine_that_takes_them() -> None:
         await store
         await load
     # fresh CPU ids: one run each way; the counts-only hook is not asked
-    assert engine.runs == [(1, 1)] and engine.asked == []
-    assert engine.order == [D2H, H2D, D2H]
+    assert asked == [("runs", 1, 1)]
+    assert _order(engine) == [D2H, H2D, D2H]
 
 
 def test_the_staged_gather_costs_per_row_so_small_pages_take_the_kernel() -> None:

@@ -18,7 +18,6 @@ from kvmgr import (
     OffloadManager,
 )
 from kvmgr.testing import FaultyEngine, ScriptedEngine, check_invariants
-from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.host import HostEngine
 from kvmgr.transfer.layer_groups import LayerGroups
 from kvmgr.transfer.plan import Direction
@@ -62,26 +61,10 @@ def _gpu_starts(engine: ScriptedEngine) -> list[tuple[Direction, int]]:
     return starts
 
 
-class _EventEngine(HostEngine):
-    """The host engine with stand-in end events; records ``stream_wait`` calls (the CUDA path
-    of ``wait_layer``: a stream wait, no host wait)."""
-
-    def __init__(self, refuse: int | None = None) -> None:
-        super().__init__()
-        self.waits: list[int] = []
-        self.refuse = refuse
-        self.count = 0
-
-    def submit(self, plan, *, wait_for=()):  # type: ignore[no-untyped-def]
-        handle = super().submit(plan, wait_for=wait_for)
-        handle.end_event = object()
-        if self.count == self.refuse:
-            handle.refused = RuntimeError("refused launch")
-        self.count += 1
-        return handle
-
-    def stream_wait(self, handle: BatchHandle, stream: object = None) -> None:
-        self.waits.append(handle.batch_id)
+def _event_engine(**script: object) -> ScriptedEngine:
+    """The host engine under the scripted one, its handles carrying stand-in end events (the
+    CUDA path of ``wait_layer``: a stream wait, no host wait; ``stream_waits`` records them)."""
+    return ScriptedEngine(HostEngine(), end_events=True, **script)  # type: ignore[arg-type]
 
 
 def test_groups_by_layer_and_size() -> None:
@@ -160,12 +143,11 @@ async def test_store_fences_each_layer_at_its_save() -> None:
 @pytest.mark.asyncio
 async def test_min_group_bytes_merges_layers() -> None:
     caches = _caches()
-    engine = _EventEngine()
+    engine = _event_engine()
     keys = _keys(3, salt=2)
     async with _manager(caches, engine) as mgr:
         a = mgr.allocate("a", 3)
         await _store(mgr, a, keys)
-        engine.count = 0
         page = caches[0][0].numel() * 4
         load = mgr.load_layerwise(keys, mgr.allocate("b", 3), layers=2, min_group_bytes=4 * page)
         assert load.groups.num_groups == 2 and len(load.batches.handles) == 2
@@ -174,11 +156,11 @@ async def test_min_group_bytes_merges_layers() -> None:
         first, second = (h.batch_id for h in load.batches.handles)
         # stream waits (not host waits) on the group's event; layers 0-1 share group 0, whose
         # wait is issued once on the stream; another stream needs its own wait
-        assert engine.waits == [first, second]
+        assert engine.stream_waits == [first, second]
         load.wait_layer(NUM_LAYERS - 1)  # again: a no-op
-        assert engine.waits == [first, second]
+        assert engine.stream_waits == [first, second]
         load.wait_layer(NUM_LAYERS - 1, stream="other")
-        assert engine.waits == [first, second, second]
+        assert engine.stream_waits == [first, second, second]
         await load
 
 
@@ -250,14 +232,13 @@ async def test_failed_layer_fails_the_whole_load() -> None:
 async def test_refused_group_is_known_before_the_first_wait() -> None:
     caches = _caches()
     keys = _keys(2, salt=6)
-    engine = _EventEngine()
+    engine = _event_engine(refuse_issue_batches={4})  # batch 0: the store; 1-4: the layers
     async with _manager(caches, engine) as mgr:
         await _store(mgr, mgr.allocate("a", 2), keys)
-        engine.count, engine.refuse = 0, 3  # the last layer's launch is refused at submit
-        load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)
+        load = mgr.load_layerwise(keys, mgr.allocate("b", 2), layers=2)  # the last is refused
         with pytest.raises(LayerLoadError, match="refused"):
             load.wait_layer(0)
-        assert engine.waits == []  # no stream waited on a layer of the failed load
+        assert engine.stream_waits == []  # no stream waited on a layer of the failed load
         with pytest.raises(LayerLoadError):
             await load
         check_invariants(mgr)

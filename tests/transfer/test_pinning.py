@@ -33,9 +33,8 @@ import torch
 from kvmgr import ManagerConfig, OffloadManager, PoolExhaustedError, TransferError
 from kvmgr.errors import ConfigError, HostMemoryError
 from kvmgr.pool.host_pool import HostRegionLayout
-from kvmgr.testing import check_invariants
+from kvmgr.testing import ScriptedEngine, check_invariants
 from kvmgr.transfer import HostEngine, host_pages
-from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.pin_plan import PAGE_BYTES, plan_pieces
 from kvmgr.transfer.pinned import HostRegistrar
 from kvmgr.transfer.pinning import PinnedRegion, PinOptions
@@ -268,22 +267,23 @@ def test_bad_options_raise(kw: dict[str, object]) -> None:
 # ====================================================================== 4. the manager
 
 
-class PiecewiseHostEngine(HostEngine):
-    """The host engine on a region pinned in pieces by a fake registrar; every submitted copy
-    must touch only registered host bytes (what a DMA engine needs)."""
+class PiecewiseTier:
+    """The CPU tier pinned in pieces by a fake registrar, under a scripted host engine: its
+    ``allocate_host_region`` hook makes the region (closed with the engine), its ``on_submit``
+    checks that every copy touches only registered host bytes (what a DMA engine needs)."""
 
     def __init__(self, fake: FakeRegistrar, options: PinOptions) -> None:
-        super().__init__()
-        self.fake = fake
-        self.options = options
+        self.fake, self.options = fake, options
         self.region: PinnedRegion | None = None
         self.num_checked = 0
+        hooks = {"allocate_host_region": self._allocate}
+        self.engine = ScriptedEngine(HostEngine(), on_submit=self._check, hooks=hooks)
 
-    def allocate_host_region(self, layout: HostRegionLayout) -> PinnedRegion:
+    def _allocate(self, layout: HostRegionLayout) -> PinnedRegion:
         self.region = PinnedRegion(layout, self.fake.registrar, self.options)
         return self.region
 
-    def submit(self, plan: TransferPlan, *, wait_for: Sequence[BatchHandle] = ()) -> BatchHandle:
+    def _check(self, batch_id: int, plan: TransferPlan) -> None:
         assert self.region is not None
         host = plan.dst_addrs if plan.direction.name == "D2H" else plan.src_addrs
         lo, hi = self.region.tensor.data_ptr(), self.region.tensor.data_ptr() + 2**40
@@ -291,12 +291,6 @@ class PiecewiseHostEngine(HostEngine):
             if lo <= address < hi:
                 assert self.fake.is_registered(address, size), "a copy into unpinned memory"
                 self.num_checked += 1
-        return super().submit(plan, wait_for=wait_for)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        super().close(timeout_s)
-        if self.region is not None:
-            self.region.close()
 
 
 def _kv() -> list[torch.Tensor]:
@@ -313,11 +307,11 @@ def _keys(n: int, salt: str) -> list[bytes]:
 async def test_stores_get_only_pinned_blocks_while_the_tier_is_being_pinned() -> None:
     fake = FakeRegistrar()
     fake.gates = {2: threading.Event()}  # piece 1 waits until told
-    engine = PiecewiseHostEngine(fake, _options())
+    tier = PiecewiseTier(fake, _options())
     cfg = ManagerConfig(num_cpu_blocks=128, engine="host", manage_gpu_blocks=False)
-    async with OffloadManager(_kv(), cfg, engine=engine) as mgr:
-        assert engine.region is not None
-        ready = engine.region.num_blocks_ready  # piece 0: 1 MiB / 96 KiB = 10 blocks
+    async with OffloadManager(_kv(), cfg, engine=tier.engine) as mgr:
+        assert tier.region is not None
+        ready = tier.region.num_blocks_ready  # piece 0: 1 MiB / 96 KiB = 10 blocks
         stats = mgr.statistics()
         assert (stats.cpu_blocks_ready, stats.cpu_blocks_total) == (ready, 128)
         assert stats.cpu_pinning is not None and not stats.cpu_pinning.done
@@ -334,7 +328,7 @@ async def test_stores_get_only_pinned_blocks_while_the_tier_is_being_pinned() ->
         assert mgr.statistics().rejected == {"cpu_pinning": 1}
         # 2. piece 1 lands; the next step lets the allocator hand out its blocks
         fake.gates[2].set()
-        assert await asyncio.to_thread(engine.region.wait, 30)
+        assert await asyncio.to_thread(tier.region.wait, 30)
         await mgr.step()
         st = mgr.store_many(np.arange(ready, 64), _keys(64 - ready, "b"))
         await mgr.step()
@@ -342,7 +336,7 @@ async def test_stores_get_only_pinned_blocks_while_the_tier_is_being_pinned() ->
         assert result.stored.all() and (result.cpu_block_ids < 128).all()
         assert mgr.statistics().cpu_blocks_ready == 128 and mgr.statistics().cpu_pinning.done
         check_invariants(mgr)
-    assert engine.num_checked > 0
+    assert tier.num_checked > 0
 
 
 @contextlib.asynccontextmanager
@@ -353,18 +347,18 @@ async def waiting_for_the_next_piece() -> AsyncIterator[tuple[OffloadManager, An
     piece is let go (and pinned) before the store is woken."""
     fake = FakeRegistrar()
     fake.gates = {2: threading.Event()}
-    engine = PiecewiseHostEngine(fake, _options())
+    tier = PiecewiseTier(fake, _options())
     cfg = ManagerConfig(num_cpu_blocks=64, engine="host", manage_gpu_blocks=False,
                         backpressure="wait", store_wait_s=30.0)  # fmt: skip
-    async with OffloadManager(_kv(), cfg, engine=engine) as mgr:
-        assert engine.region is not None
-        ready = engine.region.num_blocks_ready
+    async with OffloadManager(_kv(), cfg, engine=tier.engine) as mgr:
+        assert tier.region is not None
+        ready = tier.region.num_blocks_ready
         waiting = asyncio.ensure_future(mgr.store_many(np.arange(ready + 5), _keys(ready + 5, "w")))
         await asyncio.sleep(0)
         await mgr.step()
         assert not waiting.done() and mgr.statistics().stores_waiting == 1
         fake.gates[2].set()
-        assert await asyncio.to_thread(engine.region.wait, 30)
+        assert await asyncio.to_thread(tier.region.wait, 30)
         yield mgr, waiting, ready
 
 
@@ -381,10 +375,10 @@ async def test_a_waiting_store_is_woken_by_the_step_that_sees_the_next_piece() -
 
 def test_a_region_that_cannot_be_pinned_is_a_host_memory_error() -> None:
     fake = FakeRegistrar(fail_at=0)
-    engine = PiecewiseHostEngine(fake, _options())
+    tier = PiecewiseTier(fake, _options())
     cfg = ManagerConfig(num_cpu_blocks=16, engine="host", manage_gpu_blocks=False)
     with pytest.raises(HostMemoryError, match="page-lock"):
-        OffloadManager(_kv(), cfg, engine=engine)
+        OffloadManager(_kv(), cfg, engine=tier.engine)
 
 
 # ====================================================================== 5. on the GPU
