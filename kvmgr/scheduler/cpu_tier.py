@@ -229,7 +229,8 @@ class CpuTier:
         if insert_new is None:
             self.policy.insert(keys, parents)
         else:
-            insert_new(keys, parents, childless=not orphans or orphans.keys().isdisjoint(keys))
+            childless = orphans is not None and (not orphans or orphans.keys().isdisjoint(keys))
+            insert_new(keys, parents, childless=childless)
         self.chains.add(keys, blocks, parents, None if blocks is ids else ids)  # type: ignore[arg-type]
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:

@@ -68,8 +68,12 @@ class _NoChains:
     check one, and its policy's prefix tree already counts every key's children."""
 
     __slots__ = ()
+    #: unknown: no orphans are recorded, so no new key is vouched childless (the policy's
+    #: general insert runs)
+    orphans = None
+    num_parents = 0
 
-    def add(self, keys: object, ids: object, parents: object) -> None:
+    def add(self, keys: object, ids: object, parents: object, at: object = None) -> None:
         """Nothing to record."""
 
     def remove(self, keys: object, ids: object) -> None:
