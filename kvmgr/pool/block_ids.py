@@ -34,12 +34,18 @@ def as_id_array(block_ids: object, name: str, num_blocks: int | None = None) -> 
             or an id beyond the int64 range (a uint64 id >= 2**63), named with the valid range.
     """
     if isinstance(block_ids, np.ndarray):
-        if block_ids.ndim != 1 or (block_ids.size and block_ids.dtype.kind not in "iu"):
+        kind = block_ids.dtype.kind
+        if block_ids.ndim != 1 or (block_ids.size and kind not in "iu"):
             raise InvalidBlockError(
                 f"{name}: expected a 1-D integer array of block ids, got dtype "
                 f"{block_ids.dtype} and shape {block_ids.shape}"
             )
-        if block_ids.dtype.kind == "u" and block_ids.size and block_ids.max() > _INT64_MAX:
+        if (
+            kind == "u"
+            and block_ids.itemsize == 8
+            and block_ids.size
+            and block_ids.max() > _INT64_MAX
+        ):
             raise _out_of_range(name, int(block_ids.max()), num_blocks)
         return block_ids.astype(np.int64, copy=False)
     if type(block_ids) is not list and (

@@ -33,13 +33,14 @@ def check_parents(keys: list[bytes], parents: object) -> list[bytes | None]:
     out = list(parents)
     if len(out) != len(keys):
         raise InvalidKeyError(f"expected one parent per key, got {len(out)} for {len(keys)} keys")
-    for i, (key, parent) in enumerate(zip(keys, out)):
-        if parent is not None and (type(parent) is not bytes or not parent):
-            # the key rule (``kvmgr._keys``): a parent is a key, so never b""
+    for key, parent in zip(keys, out):
+        if parent is not None and type(parent) is not bytes:
             raise InvalidKeyError(
-                f"parent {i}: expected non-empty bytes or None, got "
-                f"{type(parent).__name__}: {parent!r:.40}"
+                f"expected non-empty bytes or None parents, got {type(parent).__name__}: "
+                f"{parent!r:.40}"
             )
         if parent == key:
             raise InvalidKeyError(f"key {key.hex()[:16]}... is given as its own parent")
+    if b"" in out:  # the key rule (``kvmgr._keys``): a parent is a key, so never b""
+        raise InvalidKeyError(f"parent {out.index(b'')}: expected non-empty bytes or None, got b''")
     return out
