@@ -92,24 +92,13 @@ class GroupedInsert:
         return self._launches.bound()
 
     def __call__(
-        self,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_scales: torch.Tensor | None,
-        validate: bool = True,
-        stream: Any = None,
-        block_tokens: int | None = None,
-        num_warps: int | None = None,
-    ) -> int:
-        """Enqueue one insert on ``stream`` (None: the current one); returns ``T``. Inputs as
-        :func:`~kvmgr.kernels.mla.api.grouped_mla_insert`.
-
-        ``validate=False`` checks nothing, even for a new signature (the hook's opt-out).
-
-        Raises:
-            GeometryError, ConfigError: as :func:`~kvmgr.kernels.mla.api.grouped_mla_insert`.
-        """
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None, validate: bool = True, stream: Any = None,
+        block_tokens: int | None = None, num_warps: int | None = None,
+    ) -> int:  # fmt: skip
+        """Enqueue one insert on ``stream`` (None: the current one); return ``T``. Inputs and
+        errors (``GeometryError``, ``ConfigError``) as :func:`~kvmgr.kernels.mla.api.grouped_mla_insert`;
+        ``validate=False`` checks nothing, even for a new signature (the hook's opt-out)."""
         last = self._last  # the same tensor objects as the last call: only launch
         if (
             last is not None and kv_c is last[0] and k_pe is last[1] and slot_mapping is last[2]
@@ -125,70 +114,75 @@ class GroupedInsert:
                 k_pe.is_contiguous() or k_pe.stride(), slot_mapping.is_contiguous() or slot_mapping.stride(),
                 kv_c.dtype, k_pe.dtype, slot_mapping.dtype, kv_c.get_device(), k_pe.get_device(),
                 slot_mapping.get_device(), (kv_ptr | pe_ptr) & 15 == 0,
-                None if kv_scales is None else (kv_scales.dtype, self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales)),
-                block_tokens, num_warps,
+                None if kv_scales is None else (kv_scales.dtype, self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales)), block_tokens, num_warps,
             )  # fmt: skip
             known = self._steps.get(signature) if self._plain else None
         except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
             signature, known = None, None
         if known is None:
-            return self._new_step(signature, kv_c, k_pe, slot_mapping, kv_scales, validate,
-                                  stream, block_tokens, num_warps)  # fmt: skip
-        bound, grid, ints = known
+            bound, grid, ints, values = self._new_step(signature, kv_c, k_pe, slot_mapping,
+                                                       kv_scales, validate, block_tokens, num_warps)  # fmt: skip
+        else:
+            bound, grid, ints = known
+            values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
         if grid is None:  # T == 0
             return 0
-        scale_ptr = 0 if kv_scales is None else kv_scales.data_ptr()
-        bound.run(grid, stream, (kv_ptr, pe_ptr, slot_ptr, scale_ptr, *ints),
-                  (kv_c, k_pe, slot_mapping, kv_scales, *ints))  # fmt: skip
+        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
         if block_tokens is None and num_warps is None:
-            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (kv_ptr, pe_ptr, slot_ptr, ints[0]), grid, bound)  # fmt: skip
+            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound)
         return ints[0]
 
     def _new_step(
         self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,
-        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, validate: bool, stream: Any,
+        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, validate: bool,
         block_tokens: int | None, num_warps: int | None,
-    ) -> int:  # fmt: skip
+    ) -> tuple[Any, tuple[int, int, int] | None, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         """A step signature not seen before: its launch by the ``T``-free key (bound before, or
-        checked in full and bound now), launched, and remembered under ``signature``."""
+        checked in full and bound now), remembered under ``signature``; ``(bound launch, grid or
+        None for T = 0, (T, layer strides), the runtime arguments' values)``."""
         try:
-            ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
-            kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
-            num_layers, num_tokens, slot_rank = ks[0], ks[1], len(ss)
-            args = (kv_c, k_pe, slot_mapping, kv_scales, num_tokens, kt[0], pt[0],
-                    st[0] if slot_rank == 2 else 0)  # fmt: skip
-            classes, values = self._read(*args)
-            # IO_ALIGNED: both bases and both layer strides (in bytes) are multiples of 16
-            aligned = (values[0] | values[1]) & 15 == 0 and ((kt[0] | pt[0]) * kv_c.itemsize) & 15 == 0  # fmt: skip
-            rows = num_tokens * num_layers  # the tile rule of plan.launch_config, inlined
-            tile = block_tokens or (1 if rows < 16384 else 2 if rows < 32768 else 4)
-            key: tuple[Any, ...] | None = (
-                classes, len(ks), num_layers, ks[2], kt[1], kt[2], kv_c.get_device(), len(ps),
-                ps[0], ps[2], pt[1], pt[2], k_pe.get_device(), slot_rank,
-                ss[0] if slot_rank == 2 else -1, st[-1], slot_mapping.get_device(), aligned,
-                tile, num_warps,
-                None if kv_scales is None else self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales),
-            )  # fmt: skip
-            bound = self._launches.get(key) if ps[1] == num_tokens == ss[-1] else None
+            key, bound, args, values, tile = self._keyed(kv_c, k_pe, slot_mapping, kv_scales,
+                                                         block_tokens, num_warps)  # fmt: skip
         except (AttributeError, IndexError, TypeError, Unsupported):  # not tensors of rank 3
             key, bound = None, None
-        if bound is None:  # a new signature, or T disagrees: the full checks (they raise)
+        if bound is None:  # a new key, or T disagrees: the full checks (they raise)
             bound, args, values, tile = self._bind(key, kv_c, k_pe, slot_mapping, kv_scales,
                                                    validate, block_tokens, num_warps)  # fmt: skip
-            num_layers, num_tokens = args[0].shape[0], args[4]
-        grid = None if num_tokens == 0 else (-(-num_tokens // tile), num_layers, 1)
+        num_tokens = args[4]
+        grid = None if num_tokens == 0 else (-(-num_tokens // tile), args[0].shape[0], 1)
         if signature is not None and self._plain:  # checked (or vouched for): remember it
             steps = self._steps
             if len(steps) >= _MAX_STEPS:
                 del steps[next(iter(steps))]
             steps[signature] = (bound, grid, args[4:])
-        if grid is None:
-            return 0
-        bound.run(grid, stream, values, args)
-        if block_tokens is None and num_warps is None:
-            self._last = (kv_c, k_pe, slot_mapping, kv_scales,
-                          (values[0], values[1], values[2], num_tokens), grid, bound)  # fmt: skip
-        return num_tokens
+        return bound, grid, args[4:], values
+
+    def _keyed(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None, block_tokens: int | None, num_warps: int | None,
+    ) -> tuple[Any, ...]:  # fmt: skip
+        """``(key, its bound launch or None, varying arguments, their values, tile)``; the bound
+        launch only where the three tensors agree on ``T``. Raises what attribute reads of
+        non-tensors raise."""
+        ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
+        kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
+        num_layers, num_tokens, slot_rank = ks[0], ks[1], len(ss)
+        args = (kv_c, k_pe, slot_mapping, kv_scales, num_tokens, kt[0], pt[0],
+                st[0] if slot_rank == 2 else 0)  # fmt: skip
+        classes, values = self._read(*args)
+        # IO_ALIGNED: both bases and both layer strides (in bytes) are multiples of 16
+        aligned = (values[0] | values[1]) & 15 == 0 and ((kt[0] | pt[0]) * kv_c.itemsize) & 15 == 0  # fmt: skip
+        rows = num_tokens * num_layers  # the tile rule of plan.launch_config, inlined
+        tile = block_tokens or (1 if rows < 16384 else 2 if rows < 32768 else 4)
+        key = (
+            classes, len(ks), num_layers, ks[2], kt[1], kt[2], kv_c.get_device(), len(ps),
+            ps[0], ps[2], pt[1], pt[2], k_pe.get_device(), slot_rank,
+            ss[0] if slot_rank == 2 else -1, st[-1], slot_mapping.get_device(), aligned,
+            tile, num_warps,
+            None if kv_scales is None else self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales),
+        )  # fmt: skip
+        bound = self._launches.get(key) if ps[1] == num_tokens == ss[-1] else None
+        return key, bound, args, values, tile
 
     def _scales_part(self, kv_scales: torch.Tensor) -> Any:
         """The scales' part of the signature, read once per scales tensor object."""
