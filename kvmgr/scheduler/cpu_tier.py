@@ -115,8 +115,6 @@ class CpuTier:
         """bool ``[len(keys)]``: which keys are indexed (PENDING or READY)."""
         return np.fromiter(map(self.index.__contains__, keys), dtype=bool, count=len(keys))
 
-    # ------------------------------------------------------------------ room
-
     def make_room(self, n: int, protected: Collection[bytes]) -> np.ndarray:
         """Allocate ``n`` CPU blocks (state unchanged: the caller sets it), evicting READY
         blocks without readers if needed; all or nothing.
