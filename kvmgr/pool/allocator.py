@@ -3,8 +3,8 @@
 Offers:
     BlockAllocator  fresh ids first, in order; then freed ids, last freed batch first, each
                     batch smallest id first
-    as_id_array     block ids (a sequence or an integer array) as a 1-D int64 array
-    sorted_distinct the distinct values of an id array, sorted (``np.unique`` by a sort)
+
+Block ids enter through ``kvmgr.pool.block_ids.as_id_array``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
+from kvmgr.pool.block_ids import as_id_array
 
-__all__ = ["BlockAllocator", "as_id_array", "sorted_distinct"]
+__all__ = ["BlockAllocator"]
 
 #: State byte of each id.
 FRESH, ALLOCATED, FREED = 0, 1, 2
@@ -211,7 +212,7 @@ class BlockAllocator:
             InvalidBlockError: an id is not an int, out of range, duplicated, or never allocated.
             DoubleFreeError: an id was allocated before and is free now.
         """
-        ids = as_id_array(block_ids, self.name)
+        ids = as_id_array(block_ids, self.name, self.num_blocks)
         self._check_array(ids)
         return ids.tolist()
 
@@ -221,7 +222,7 @@ class BlockAllocator:
         Raises:
             InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
         """
-        self.give(as_id_array(block_ids, self.name))
+        self.give(as_id_array(block_ids, self.name, self.num_blocks))
 
     def _check_array(self, ids: np.ndarray) -> np.ndarray:
         """Validate distinct allocated ids; returns them sorted (a copy)."""
@@ -248,44 +249,3 @@ class BlockAllocator:
         if len(ids) > 1 and not (ordered[1:] != ordered[:-1]).all():
             raise InvalidBlockError(f"{self.name}: duplicate block ids in {ids.tolist()[:16]}")
         return ordered
-
-
-def as_id_array(block_ids: object, name: str) -> np.ndarray:
-    """``block_ids`` (a sequence of ints or an integer numpy array) as a 1-D int64 array.
-
-    Raises:
-        InvalidBlockError: not a sequence of ints (bools, floats, strings and bytes refused).
-    """
-    if isinstance(block_ids, np.ndarray):
-        if block_ids.ndim != 1 or (block_ids.size and block_ids.dtype.kind not in "iu"):
-            raise InvalidBlockError(
-                f"{name}: expected a 1-D integer array of block ids, got dtype "
-                f"{block_ids.dtype} and shape {block_ids.shape}"
-            )
-        return block_ids.astype(np.int64, copy=False)
-    if isinstance(block_ids, (str, bytes, bytearray)) or not hasattr(block_ids, "__iter__"):
-        raise InvalidBlockError(
-            f"{name}: expected a sequence of int block ids, got {type(block_ids).__name__}"
-        )
-    ids = list(block_ids)  # type: ignore[call-overload]
-    for block_id in ids:
-        if type(block_id) is not int and (
-            isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer))
-        ):
-            raise InvalidBlockError(f"{name}: expected int block id, got {block_id!r}")
-    try:
-        return np.array(ids, dtype=np.int64)
-    except OverflowError:
-        raise InvalidBlockError(f"{name}: block id out of the int64 range in {ids[:8]}") from None
-
-
-def sorted_distinct(ids: np.ndarray) -> np.ndarray:
-    """The distinct values of a 1-D integer array, sorted: ``np.unique(ids)`` by one sort and
-    one compare (numpy 2's ``unique`` hashes, several times slower on a few hundred ids). May be ``ids`` itself (fewer than 2)."""
-    if len(ids) < 2:
-        return ids
-    ordered = np.sort(ids)
-    keep = np.empty(len(ordered), dtype=bool)
-    keep[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-    return ordered[keep]

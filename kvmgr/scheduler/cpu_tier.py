@@ -26,7 +26,8 @@ import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
 from kvmgr.policy import make_policy
-from kvmgr.pool.allocator import BlockAllocator, sorted_distinct
+from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.evictable import evictable
@@ -98,8 +99,6 @@ class CpuTier:
         self.counters = counters if counters is not None else Counters()
         #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
         self.can_evict = evictable(self.index, self.state, self.readers, _READY)
-
-    # ------------------------------------------------------------------ queries
 
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of READY keys."""

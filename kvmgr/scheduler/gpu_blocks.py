@@ -22,7 +22,8 @@ import enum
 import numpy as np
 
 from kvmgr.errors import InvalidBlockError
-from kvmgr.pool.allocator import BlockAllocator, as_id_array, sorted_distinct
+from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.block_ids import as_id_array, sorted_distinct
 from kvmgr.scheduler.keys import SMALL
 
 __all__ = ["GpuBlocks", "GpuState"]
@@ -66,7 +67,7 @@ class GpuBlocks:
         if type(block_ids) is list and len(block_ids) <= SMALL:
             self.check_small(block_ids, what)
             return [int(b) for b in block_ids]
-        ids = as_id_array(block_ids, "gpu")
+        ids = as_id_array(block_ids, "gpu", self.num_blocks)
         if ids is block_ids:
             ids = ids.copy()
         self.check_array(ids, what)
@@ -81,7 +82,7 @@ class GpuBlocks:
         n, state, owned = self.num_blocks, self.state, self.pool is not None
         for b in ids:
             if type(b) is not int:
-                as_id_array(ids, "gpu")  # raises the typed error for non-ints
+                as_id_array(ids, "gpu", n)  # raises the typed error for non-ints
                 b = int(b)
             if not 0 <= b < n:
                 raise InvalidBlockError(f"gpu block id {b} out of range [0, {n})")
