@@ -97,9 +97,8 @@ class KeyChains:
             while key is not None and key not in done:
                 if key in path:
                     raise InvalidKeyError(
-                        f"key {key.hex()[:16]}... would extend itself through its parents "
-                        f"(a key cycle of {walked - path[key]} keys); a key's "
-                        "parent chain must end at a root"
+                        f"key {key.hex()[:16]}... would extend itself through its parents (a key"
+                        f" cycle of {walked - path[key]} keys); a key's parent chain must end at a root"
                     )
                 path[key] = walked
                 walked += 1

@@ -100,8 +100,6 @@ class CpuTier:
         #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
         self.can_evict = evictable(self.index, self.state, self.readers, _READY)
 
-    # ------------------------------------------------------------------ queries
-
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of READY keys."""
         get, state, hits = self.index.get, self.state, 0
@@ -115,8 +113,6 @@ class CpuTier:
     def present(self, keys: Sequence[bytes]) -> np.ndarray:
         """bool ``[len(keys)]``: which keys are indexed (PENDING or READY)."""
         return np.fromiter(map(self.index.__contains__, keys), dtype=bool, count=len(keys))
-
-    # ------------------------------------------------------------------ room
 
     def make_room(self, n: int, protected: Collection[bytes]) -> np.ndarray:
         """Allocate ``n`` CPU blocks (state unchanged: the caller sets it), evicting READY

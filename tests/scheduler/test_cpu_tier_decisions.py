@@ -4,17 +4,16 @@ A ``CpuTier`` runs its LRU policy through the fast paths: ``insert_new`` (no re-
 the tier vouches for, ``childless`` from the chains' orphans), the leading-run array eviction
 (``can_evict.every``) and ``first_leaf``. A twin ``LRUPolicy`` beside it gets the same calls
 through the checked ``insert`` (which raises if the tier vouched for a wrong batch) and evicts
-by the rule written out plainly: candidates offered one at a time through ``VictimSet.offer``
-with a per-key test (no batch form). Random stores (chains, chains below old keys, roots,
-children before their parents), landings, failed stores, loads in flight, touches,
-invalidations and evictions drive both; the victims, the recency order and the child counts
-must agree after every operation.
+with a per-key test only (no batch form: ``VictimSet`` offers, which
+``tests/policy/test_policy_fast_evict.py`` holds to the one-offer-at-a-time rule). Random
+stores (chains, chains below old keys, roots, children before their parents), landings, failed
+stores, loads in flight, touches, invalidations and evictions drive both; the victims, the
+recency order and the child counts must agree after every operation.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 
 import numpy as np
 from hypothesis import given, settings
@@ -22,23 +21,7 @@ from hypothesis import strategies as st
 
 from kvmgr.errors import InvalidKeyError, PoolExhaustedError
 from kvmgr.policy import LRUPolicy
-from kvmgr.policy.tree import VictimSet
 from kvmgr.scheduler.cpu_tier import CpuTier
-
-
-def _one_at_a_time(policy: LRUPolicy, n, can_evict, protected):
-    if n == 0:
-        return []
-    victims = VictimSet(policy._tree, policy._order, n, can_evict, protected)
-    for key in list(policy._order):
-        victims.offer(key)
-        if victims.is_full:
-            break
-    if not victims.is_full:
-        victims.rollback()
-        return None
-    deque(map(policy._order.__delitem__, victims.keys), 0)
-    return victims.keys
 
 
 class _Twin:
@@ -72,7 +55,7 @@ class _Twin:
         def one_key(key):  # the per-key test only: the reference never takes a batch path
             return can_evict(key)
 
-        want = _one_at_a_time(self.ref, n, one_key, protected)
+        want = self.ref.evict(n, one_key, protected)
         got = self.fast.evict(n, can_evict, protected)
         assert got == want
         return got
