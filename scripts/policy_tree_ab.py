@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--tree", default=".", help="the tree measured (default: here)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--child", nargs=2, metavar=("ROOT", "POLICY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -103,7 +104,7 @@ def main() -> None:
         return
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in range(args.rounds):
-        for name in POLICIES:
+        for name in args.policies:
             order = ("base", "tree") if r % 2 == 0 else ("tree", "base")
             for which in order:
                 root = args.base if which == "base" else args.tree
@@ -114,7 +115,7 @@ def main() -> None:
                 ).stdout  # fmt: skip
                 runs.setdefault((name, which), []).append(json.loads(out))
     print(f"{'policy':8s} {'base min/med ms':>18s} {'tree min/med ms':>18s}  tree/base  answers")
-    for name in POLICIES:
+    for name in args.policies:
         base, tree = runs[(name, "base")], runs[(name, "tree")]
         b, t = ([1e3 * x["s"] for x in rows] for rows in (base, tree))
         same = {x["digest"] for x in base} == {x["digest"] for x in tree}
