@@ -34,14 +34,9 @@ class SegmentQueues:
     """
 
     def __init__(
-        self,
-        capacity: int,
-        bounds: tuple[float, float],
-        filter_ratio: float,
-        adapt: float,
-        stats: ReuseStats,
-        clock: Callable[[], float],
-    ) -> None:
+        self, capacity: int, bounds: tuple[float, float], filter_ratio: float, adapt: float,
+        stats: ReuseStats, clock: Callable[[], float],
+    ) -> None:  # fmt: skip
         self._capacity = capacity
         self._min_probation = bounds[0] * capacity
         self._max_probation = bounds[1] * capacity

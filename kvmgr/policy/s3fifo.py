@@ -135,6 +135,7 @@ class S3FIFOPolicy(TrackedPolicy):
         moves = _Moves(small, main, freq)
         victims = VictimSet(self._tree, moves, n, can_evict, protected)
         journal, popped = moves.journal, moves.popped
+        held, from_small = moves.held, moves.from_small
         while not victims.is_full and (small or main):
             use_main = len(main) > self._main_target or not small
             queue = main if use_main else small
@@ -150,9 +151,9 @@ class S3FIFOPolicy(TrackedPolicy):
                 else:
                     popped[key] = up
                     if not use_main:
-                        moves.from_small.add(key)
+                        from_small.add(key)
                     if not victims.offer(key):
-                        moves.held.append((queue, key, up))
+                        held.append((queue, key, up))
         if not victims.is_full:
             victims.rollback()
             moves.undo()

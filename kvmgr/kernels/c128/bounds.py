@@ -80,6 +80,14 @@ def check_compress_bounds(layer: Layer, state_block_table: torch.Tensor, req_ind
     for (name, want, _), value, is_bad in zip(facts, got, bad, strict=True):
         if is_bad:
             raise InvalidBlockError(f"{name}: expected {want}, got {value}")
+    _check_window_blocks(layer, state_block_table, reqs, pos)
+
+
+def _check_window_blocks(
+    layer: Layer, state_block_table: torch.Tensor, reqs: torch.Tensor, pos: torch.Tensor
+) -> None:
+    """Raise unless every table entry of the boundary tokens' windows is a state block (the
+    rows and widths were checked)."""
     window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
     blocks = state_block_table.long()[reqs[:, None], window // layer.block_size]
     low, high = torch.stack([blocks.min(), blocks.max()]).tolist()

@@ -7,7 +7,9 @@ Offers:
     rope_cos_sin_cache     a plain ``[max_positions, 64]`` cos/sin table for the RoPE step
 
 The references take the kernels' arguments, mutate the same tensors in the same places, and
-run on any device. They are the specification the kernels are tested against.
+run on any device. They are the specification the kernels are tested against. Their private
+steps (state write, boundary selection, norm and RoPE, the power-of-two FP8 scaling, packing)
+also serve the DeepSeek-V4 references in :mod:`kvmgr.kernels.c128.v4_reference`.
 """
 
 from __future__ import annotations
@@ -83,12 +85,7 @@ def c128_state_write_ref(
 
     Slots outside ``[0, num_state_blocks * S)`` and negative positions write nothing.
     """
-    block_size = state_cache.shape[1]
-    slots = state_slot_mapping.long()
-    keep = (slots >= 0) & (slots < state_cache.shape[0] * block_size) & (positions >= 0)
-    bias = ape.float()[positions.long() % C128_RATIO]
-    rows = torch.cat([kv.float(), score.float() + bias], dim=1)[keep]
-    state_cache[slots[keep] // block_size, slots[keep] % block_size] = rows
+    _write_state(kv, score, ape, positions, state_slot_mapping, state_cache, C128_RATIO)
 
 
 def c128_compress_ref(
@@ -109,16 +106,13 @@ def c128_compress_ref(
     indices, table entries or RoPE row fall outside the tensors given.
     """
     num_state_blocks, block_size, head_dim = state_cache.shape[0], state_cache.shape[1], state_cache.shape[2] // 2  # fmt: skip
-    num_reqs, width = state_block_table.shape
-    pos = positions.long()
-    slots, reqs = compressed_slot_mapping.long(), req_indices.long()
-    capacity = compressed_cache.shape[0] * compressed_cache.shape[1]
-    todo = ((pos + 1) % C128_RATIO == 0) & (pos >= C128_RATIO - 1) & (slots >= 0)
-    todo &= (slots < capacity) & (reqs >= 0) & (reqs < num_reqs) & (pos // block_size < width)
-    todo &= (pos // C128_RATIO) * C128_RATIO < cos_sin_cache.shape[0]
-    if not bool(todo.any()):
+    pos, slots, reqs = _boundaries(state_block_table, req_indices, positions,
+                                   compressed_slot_mapping, compressed_cache, cos_sin_cache,
+                                   C128_RATIO, block_size)  # fmt: skip
+    first = pos >= C128_RATIO - 1  # the whole window at positions >= 0
+    pos, slots, reqs = pos[first], slots[first], reqs[first]
+    if pos.numel() == 0:
         return
-    pos, slots, reqs = pos[todo], slots[todo], reqs[todo]
     # 1. gather each window [n, 128, 2D] through the block table; a window with an entry that
     #    is not a state block is dropped
     window = pos[:, None] - (C128_RATIO - 1) + torch.arange(C128_RATIO, device=pos.device)
@@ -129,29 +123,76 @@ def c128_compress_ref(
     pos, slots, window, blocks = pos[whole], slots[whole], window[whole], blocks[whole]
     rows = state_cache[blocks, window % block_size].double()
     kv, score = rows[..., :head_dim], rows[..., head_dim:]
-    # 2. per-channel softmax pooling, 3. RMSNorm
+    # 2. per-channel softmax pooling, 3. RMSNorm, 4. interleaved-pair RoPE at (pos // 128) * 128
     pooled = (torch.softmax(score, dim=1) * kv).sum(dim=1)
-    y = pooled * torch.rsqrt(pooled.square().mean(dim=-1, keepdim=True) + eps)
-    y = y * norm_weight.double()
-    # 4. interleaved-pair RoPE at (pos // 128) * 128
-    cs = cos_sin_cache.double()[(pos // C128_RATIO) * C128_RATIO]
-    cos, sin = cs[:, : C128_ROPE_DIM // 2], cs[:, C128_ROPE_DIM // 2 :]
-    even, odd = y[:, -C128_ROPE_DIM::2], y[:, -C128_ROPE_DIM + 1 :: 2]
-    rope = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    y = torch.cat([y[:, :-C128_ROPE_DIM], rope.flatten(1)], dim=1).float()
-    # 5. pack and store
-    flat = compressed_cache.view(-1, compressed_cache.shape[-1])
-    flat[slots] = _pack_ref(y)
+    y = _normed_roped(pooled, pos, C128_RATIO, norm_weight, cos_sin_cache, eps)
+    compressed_cache.view(-1, compressed_cache.shape[-1])[slots] = _pack_ref(y)  # 5. pack, store
+
+
+def _boundaries(
+    table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
+    slot_mapping: torch.Tensor, out: torch.Tensor, cos_sin_cache: torch.Tensor, ratio: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Boundary tokens (``(pos + 1) % ratio == 0``) whose slot in ``out``, table row, block
+    index of ``pos`` and RoPE row are in range: their positions, slots and requests (int64)."""
+    pos, slots, reqs = positions.long(), slot_mapping.long(), req_indices.long()
+    todo = ((pos + 1) % ratio == 0) & (slots >= 0) & (slots < out.shape[0] * out.shape[1])
+    todo &= (reqs >= 0) & (reqs < table.shape[0]) & (pos // block_size < table.shape[1])
+    todo &= pos // ratio * ratio < cos_sin_cache.shape[0]
+    return pos[todo], slots[todo], reqs[todo]
 
 
 def _pack_ref(y: torch.Tensor) -> torch.Tensor:
     """Pack fp32 rows ``[n, D]`` into entries ``[n, D + 64 + D // 64]`` uint8."""
     n = y.shape[0]
-    nope = y[:, :-C128_ROPE_DIM].reshape(n, -1, GROUP)
-    amax = nope.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
-    exponents = torch.ceil(torch.log2(amax.double() / _FP8_MAX)).to(torch.int32)
-    scaled = nope * torch.exp2(-exponents.double()).float()[..., None]
-    q = scaled.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    q, exponents = _fp8_pow2(y[:, :-C128_ROPE_DIM].reshape(n, -1, GROUP))
     rope = y[:, -C128_ROPE_DIM:].to(torch.bfloat16).view(torch.uint8)
     pad = torch.zeros(n, 1, dtype=torch.uint8, device=y.device)
-    return torch.cat([q.reshape(n, -1), rope, (exponents + 127).to(torch.uint8), pad], dim=1)
+    exponent_bytes = (exponents.to(torch.int32) + 127).to(torch.uint8)
+    return torch.cat([q.reshape(n, -1), rope, exponent_bytes, pad], dim=1)
+
+
+def _fp8_pow2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 (e4m3) bytes of fp32 ``x [..., G]`` with one power-of-two scale per row of ``G``:
+    ``fp8(clamp(x * 2**-e, -448, 448))``, ``e = ceil(log2(max(amax, 1e-4) / 448))``.
+
+    Returns:
+        ``(q, e)``: ``q`` uint8 like ``x``, ``e`` fp64 ``x.shape[:-1]`` (integral values).
+    """
+    amax = x.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
+    exponents = torch.ceil(torch.log2(amax.double() / _FP8_MAX))
+    scaled = x * torch.exp2(-exponents).float()[..., None]
+    return scaled.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), exponents
+
+
+def _write_state(
+    kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
+    state_slot_mapping: torch.Tensor, state_cache: torch.Tensor, ratio: int,
+) -> None:  # fmt: skip
+    """The state write of a compressor of ``ratio``: rows ``[kv | score + ape[pos % ratio]]``."""
+    block_size = state_cache.shape[1]
+    slots = state_slot_mapping.long()
+    keep = (slots >= 0) & (slots < state_cache.shape[0] * block_size) & (positions >= 0)
+    bias = ape.float()[positions.long() % ratio]
+    rows = torch.cat([kv.float(), score.float() + bias], dim=1)[keep]
+    state_cache[slots[keep] // block_size, slots[keep] % block_size] = rows
+
+
+def _normed_roped(
+    pooled: torch.Tensor, pos: torch.Tensor, ratio: int, norm_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor, eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """RMSNorm of fp64 ``pooled [n, D]``, then interleaved-pair RoPE of the last 64 dims at
+    ``(pos // ratio) * ratio``; fp32."""
+    y = pooled * torch.rsqrt(pooled.square().mean(dim=-1, keepdim=True) + eps)
+    return _rope(y * norm_weight.double(), cos_sin_cache, (pos // ratio) * ratio).float()
+
+
+def _rope(y: torch.Tensor, cos_sin_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rotation of the last 64 dims of fp64 ``y [n, D]`` by table ``rows``."""
+    cs = cos_sin_cache.double()[rows]
+    cos, sin = cs[:, : C128_ROPE_DIM // 2], cs[:, C128_ROPE_DIM // 2 :]
+    even, odd = y[:, -C128_ROPE_DIM::2], y[:, -C128_ROPE_DIM + 1 :: 2]
+    rope = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return torch.cat([y[:, :-C128_ROPE_DIM], rope.flatten(1)], dim=1)

@@ -36,8 +36,14 @@ from __future__ import annotations
 
 import torch
 
-from kvmgr.kernels.c128.layout import C128_ROPE_DIM
-from kvmgr.kernels.c128.reference import _pack_ref
+from kvmgr.kernels.c128.reference import (
+    _boundaries,
+    _fp8_pow2,
+    _normed_roped,
+    _pack_ref,
+    _rope,
+    _write_state,
+)
 
 __all__ = [
     "c4_compress_ref",
@@ -47,8 +53,6 @@ __all__ = [
     "swa_insert_ref",
 ]
 
-_FP8_MAX = 448.0
-_AMAX_FLOOR = 1e-4
 C4_RATIO = 4
 
 
@@ -78,12 +82,7 @@ def compressor_state_write_ref(
             slots, slots past the cache and negative positions write nothing.
         state_cache: ``[num_blocks, S, 2W]`` fp32, mutated in place.
     """
-    block_size = state_cache.shape[1]
-    slots = state_slot_mapping.long()
-    keep = (slots >= 0) & (slots < state_cache.shape[0] * block_size) & (positions >= 0)
-    bias = ape.float()[positions.long() % ratio]
-    rows = torch.cat([kv.float(), score.float() + bias], dim=1)[keep]
-    state_cache[slots[keep] // block_size, slots[keep] % block_size] = rows
+    _write_state(kv, score, ape, positions, state_slot_mapping, state_cache, ratio)
 
 
 def _pool(
@@ -109,49 +108,16 @@ def _pool(
     return whole, (torch.softmax(score, dim=1) * kv).sum(dim=1)
 
 
-def _normed_roped(
-    pooled: torch.Tensor, pos: torch.Tensor, ratio: int, norm_weight: torch.Tensor,
-    cos_sin_cache: torch.Tensor, eps: float,
-) -> torch.Tensor:  # fmt: skip
-    """RMSNorm, then interleaved-pair RoPE of the last 64 dims at ``(pos // ratio) * ratio``."""
-    y = pooled * torch.rsqrt(pooled.square().mean(dim=-1, keepdim=True) + eps)
-    return _rope(y * norm_weight.double(), cos_sin_cache, (pos // ratio) * ratio).float()
-
-
-def _rope(y: torch.Tensor, cos_sin_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair rotation of the last 64 dims of fp64 ``y [n, D]`` by table ``rows``."""
-    cs = cos_sin_cache.double()[rows]
-    cos, sin = cs[:, : C128_ROPE_DIM // 2], cs[:, C128_ROPE_DIM // 2 :]
-    even, odd = y[:, -C128_ROPE_DIM::2], y[:, -C128_ROPE_DIM + 1 :: 2]
-    rope = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return torch.cat([y[:, :-C128_ROPE_DIM], rope.flatten(1)], dim=1)
-
-
-def _boundaries(
-    table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
-    slot_mapping: torch.Tensor, capacity: int, num_rope_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Boundary tokens (ratio 4) whose slot, table row and RoPE row are in range."""
-    pos, slots, reqs = positions.long(), slot_mapping.long(), req_indices.long()
-    todo = ((pos + 1) % C4_RATIO == 0) & (slots >= 0) & (slots < capacity)
-    todo &= (reqs >= 0) & (reqs < table.shape[0]) & (pos // C4_RATIO * C4_RATIO < num_rope_rows)
-    return pos[todo], slots[todo], reqs[todo]
-
-
 def _compress4(
     state_cache: torch.Tensor, table: torch.Tensor, req_indices: torch.Tensor,
     positions: torch.Tensor, slot_mapping: torch.Tensor, norm_weight: torch.Tensor,
     cos_sin_cache: torch.Tensor, out: torch.Tensor, eps: float, head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """Shared body of the two ratio-4 compressors: (slots, fp32 rows) to store, or None."""
-    capacity = out.shape[0] * out.shape[1]
-    pos, slots, reqs = _boundaries(table, req_indices, positions, slot_mapping, capacity,
-                                   cos_sin_cache.shape[0])  # fmt: skip
+    pos, slots, reqs = _boundaries(table, req_indices, positions, slot_mapping, out,
+                                   cos_sin_cache, C4_RATIO, state_cache.shape[1])  # fmt: skip
     if pos.numel() == 0:
         return None
-    block_size = state_cache.shape[1]
-    pos_ok = pos // block_size < table.shape[1]  # the window's last (largest) block index
-    pos, slots, reqs = pos[pos_ok], slots[pos_ok], reqs[pos_ok]
     whole, pooled = _pool(state_cache, table, reqs, pos, C4_RATIO, head_dim)
     if not bool(whole.any()):
         return None
@@ -223,10 +189,7 @@ def indexer_compress_ref(
     if out is None:
         return
     slots, y = out
-    amax = y.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
-    exponents = torch.ceil(torch.log2(amax.double() / _FP8_MAX))
-    scaled = y * torch.exp2(-exponents).float()[:, None]
-    q = scaled.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    q, exponents = _fp8_pow2(y)
     scale = torch.exp2(exponents).float()[:, None].contiguous().view(torch.uint8)
     index_cache.view(-1, index_cache.shape[-1])[slots] = torch.cat([q, scale], dim=1)
 
