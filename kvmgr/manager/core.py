@@ -3,7 +3,8 @@
 Private to ``kvmgr.manager``. ``ManagerCore`` holds what ``build`` made (worker, scheduler,
 flusher, transport, waiting stores, lower tiers) and the few helpers every group of calls uses:
 ``_check_open`` / ``_check_not_closed`` (which settle the recorded per-call stores first,
-``kvmgr.scheduler.deferred``), ``_enqueue`` and the end-of-tick flush. The public calls are
+``kvmgr.scheduler.deferred``), ``_enqueue`` and the end-of-tick flush; ``check_timeout`` is
+the one rule for the ``timeout_s`` of ``wait``, ``close``, ``aclose`` and ``drain_tiers``. The public calls are
 grouped in ``keyed``, ``request_calls``, ``staged_calls`` and ``observe``, each a class over this
 one; ``facade.OffloadManager`` joins them.
 """
@@ -11,6 +12,8 @@ one; ``facade.OffloadManager`` joins them.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ from kvmgr.errors import (
     ClosedError,
     ConfigError,
     EventLoopError,
+    InvalidArgumentError,
 )
 from kvmgr.hooks import StepHook
 from kvmgr.manager.build import Parts
@@ -29,7 +33,28 @@ from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.layerwise import LayerwiseStore
 from kvmgr.worker import TransferWorker
 
-__all__ = ["ManagerCore"]
+__all__ = ["ManagerCore", "check_timeout"]
+
+
+def check_timeout(timeout_s: object) -> float | None:
+    """``timeout_s`` (seconds) as a float, or ``None`` (no bound).
+
+    Raises:
+        InvalidArgumentError: not ``None`` or a real number (bools refused), negative, NaN or
+            infinite (pass ``None`` for no bound).
+    """
+    if timeout_s is None:
+        return None
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, numbers.Real)
+        or not (math.isfinite(timeout_s) and timeout_s >= 0)
+    ):
+        raise InvalidArgumentError(
+            f"expected timeout_s >= 0 seconds (finite) or None, got "
+            f"{type(timeout_s).__name__}: {timeout_s!r:.40}"
+        )
+    return float(timeout_s)
 
 
 class ManagerCore:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
-from itertools import islice, repeat
+from itertools import repeat
 
+from kvmgr.policy._arc_lists import insert_ghost_hits, leaf_run, trim_ghosts
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
 from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
 
@@ -70,7 +71,9 @@ class ARCPolicy:
         ``insert``, ``touch``, ``remove``: O(len(keys)) (C-level loops for ``touch`` and for
         batches without ghost keys); ghost trimming removes at most what was added.
         ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected`` is not
-        already a set. ``__contains__``, ``__len__``: O(1).
+        already a set; when the first ``n`` keys of the list it starts from are one chain
+        (leaf first) or roots, all evictable (the usual full tier), C-level passes over them
+        take them without a per-key Python step (``_arc_lists.leaf_run``). ``__contains__``, ``__len__``: O(1).
 
     Args:
         capacity: Number of CPU blocks: the cap on ``target`` and the ghost bound.
@@ -124,19 +127,8 @@ class ARCPolicy:
         if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
             self._t1.update(zip(reversed(keys), repeat(None)))
         else:
-            for key in reversed(keys):
-                if key in b1:
-                    delta = max(1.0, len(b2) / len(b1))
-                    self._target = min(self._target + delta, float(self.capacity))
-                    del b1[key]
-                    self._t2[key] = None
-                elif key in b2:
-                    delta = max(1.0, len(b1) / len(b2))
-                    self._target = max(self._target - delta, 0.0)
-                    del b2[key]
-                    self._t2[key] = None
-                else:
-                    self._t1[key] = None
+            lists = (self._t1, self._t2, b1, b2)
+            self._target = insert_ghost_hits(keys, lists, self._target, self.capacity)
         self._trim_ghosts()
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -183,14 +175,51 @@ class ARCPolicy:
             return []
         if n == 1:
             return self._evict_one(can_evict, protected)
-        # Phase 1: collect without mutating. Each list is scanned once from its LRU end, so
-        # skipped keys are visited at most once per call. T1 is preferred while its size less
-        # the T1 keys taken exceeds ``target``: a T1 run may take ``quota`` keys before the
-        # preference can flip (a victim of the run may be a released T2 ancestor, so the size
-        # is recounted after it). The size only shrinks, so once T2 is preferred it stays so.
+        t1, target = self._t1, self._target
+        taken = None
+        if len(t1) - math.floor(target) >= n:  # every victim from T1: maybe its first n keys
+            taken = leaf_run(t1, n, self._tree, self._parent_of, can_evict, protected)
+        elif len(t1) <= target:  # T2 first: maybe its first n keys
+            taken = leaf_run(self._t2, n, self._tree, self._parent_of, can_evict, protected)
+        if taken is None:
+            taken = self._collect(n, can_evict, protected)
+            if taken is None:
+                return None
+        # commit all of them (the tree's counts already are)
+        parent_of, t2, b1, cap = self._parent_of, self._t2, self._b1, self.capacity
+        deque(map(parent_of.__delitem__, taken), 0)
+        if t2.keys().isdisjoint(taken):  # the common case: every victim from T1
+            deque(map(t1.__delitem__, taken), 0)
+            b1.update(zip(taken, repeat(None)))
+            if len(t1) + len(b1) <= cap and len(t1) + len(t2) + len(b1) + len(self._b2) <= 2 * cap:
+                return taken  # T1 + B1 and the total did not grow, B2 did not: bounds hold
+        else:
+            b2 = self._b2
+            for key in taken:
+                if key in t1:
+                    del t1[key]
+                    b1[key] = None
+                else:
+                    del t2[key]
+                    b2[key] = None
+        self._trim_ghosts()
+        return taken
+
+    def _collect(
+        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes]
+    ) -> list[bytes] | None:
+        """The ``n`` victims of `evict` offered one at a time in ARC order, the tree's counts
+        released for them; ``None`` (counts restored) when there are fewer.
+
+        Each list is scanned once from its LRU end, so skipped keys are visited at most once.
+        T1 is preferred while its size less the T1 keys taken exceeds ``target``: a T1 run may
+        take ``quota`` keys before the preference can flip (a victim of the run may be a
+        released T2 ancestor, so the size is recounted after it). The size only shrinks, so
+        once T2 is preferred it stays so.
+        """
         victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
-        t1, t2, target = self._t1, self._t2, self._target
-        scan_t1, scan_t2 = iter(t1), iter(t2)
+        t1, target = self._t1, self._target
+        scan_t1, scan_t2 = iter(t1), iter(self._t2)
         taken = victims.keys
         virtual_t1_size = len(t1)
         t1_left = True
@@ -200,26 +229,10 @@ class ARCPolicy:
             t1_left = victims.offer_all(scan_t1, stop=min(n, before + quota))
             virtual_t1_size -= sum(map(t1.__contains__, taken[before:]))
             if len(taken) >= n:
-                break
-        else:
-            if not victims.offer_all(scan_t2) and not (t1_left and victims.offer_all(scan_t1)):
-                victims.rollback()
-                return None  # fewer than n evictable keys in T1 and T2 together
-        # Phase 2: commit all of them (the tree's counts already are).
-        parent_of, b1, b2 = self._parent_of, self._b1, self._b2
-        deque(map(parent_of.__delitem__, taken), 0)
-        if t2.keys().isdisjoint(taken):  # the common case: every victim from T1
-            deque(map(t1.__delitem__, taken), 0)
-            b1.update(zip(taken, repeat(None)))
-        else:
-            for key in taken:
-                if key in t1:
-                    del t1[key]
-                    b1[key] = None
-                else:
-                    del t2[key]
-                    b2[key] = None
-        self._trim_ghosts()
+                return taken
+        if not victims.offer_all(scan_t2) and not (t1_left and victims.offer_all(scan_t1)):
+            victims.rollback()
+            return None  # fewer than n evictable keys in T1 and T2 together
         return taken
 
     def _evict_one(
@@ -284,28 +297,4 @@ class ARCPolicy:
 
     def _trim_ghosts(self) -> None:
         """Enforce the ghost bounds of the class docstring by dropping LRU ghosts."""
-        cap = self.capacity
-        b1, b2 = self._b1, self._b2
-        size_t1, size_b1, size_b2 = len(self._t1), len(b1), len(b2)
-        over = size_t1 + size_b1 - cap
-        if over > 0 and size_b1:
-            if over == 1:
-                b1.popitem(last=False)
-            else:
-                _drop_oldest(b1, over)
-            size_b1 = len(b1)
-        if size_b2 > cap:
-            _drop_oldest(b2, size_b2 - cap)
-            size_b2 = cap
-        excess = size_t1 + len(self._t2) + size_b1 + size_b2 - 2 * cap
-        if excess > 0 and size_b2:
-            excess -= _drop_oldest(b2, excess)
-        if excess > 0 and b1:
-            _drop_oldest(b1, excess)
-
-
-def _drop_oldest(ghosts: OrderedDict[bytes, None], count: int) -> int:
-    """Drop up to ``count`` keys from the LRU end of ``ghosts``; return how many were dropped."""
-    oldest = list(islice(ghosts, count))
-    deque(map(ghosts.__delitem__, oldest), 0)
-    return len(oldest)
+        trim_ghosts(len(self._t1), len(self._t2), self._b1, self._b2, self.capacity)

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import array
 import secrets
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
+from itertools import repeat
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -44,13 +46,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
-from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmgr.errors import BlockStateError, PoolExhaustedError, UnknownKeyError
 from kvmgr.integrations.vllm import _seam
+from kvmgr.integrations.vllm._backend_access import Access, request_order, saw_loaded, split_offer
 from kvmgr.integrations.vllm._fault_table import FaultTable
-from kvmgr.integrations.vllm.policies import _RequestKeys
+from kvmgr.integrations.vllm._request_keys import positions_of
 
 __all__ = ["KvmgrChunkSpec", "KvmgrOffloadingManager"]
 
@@ -66,20 +68,6 @@ class KvmgrChunkSpec(CPULoadStoreSpec):
     def __init__(self, block_ids: list[int], store_seq: int = 0) -> None:
         super().__init__(block_ids)
         self.store_seq = store_seq
-
-
-class _Access:
-    """What one request showed the manager (kept in its ``ReqContext``): key positions for
-    prefix parents, keys in the order seen, and the keys it read from the tier."""
-
-    __slots__ = ("generation", "keys", "owner", "positions", "reused", "seen")
-
-    def __init__(self, owner: object, generation: int) -> None:
-        self.owner, self.generation = owner, generation
-        self.positions = _RequestKeys(owner, generation)
-        self.keys: list[OffloadKey] = []
-        self.seen: set[OffloadKey] = set()
-        self.reused: set[OffloadKey] = set()
 
 
 class KvmgrOffloadingManager(OffloadingManager):
@@ -146,19 +134,20 @@ class KvmgrOffloadingManager(OffloadingManager):
             UnknownKeyError: a key is not in the tier (nothing changed).
             BlockStateError: a key is not READY yet (nothing changed).
         """
-        get, state = self._index_get, self._state
-        ids = []
-        for key in keys:
-            block = get(key)
-            if block is None:
-                raise UnknownKeyError(f"prepare_load: key {bytes(key).hex()[:16]}... not offloaded")
-            if state[block] != _READY:
-                raise BlockStateError(f"prepare_load: key {bytes(key).hex()[:16]}... not READY")
-            ids.append(block)
-        self.tier.add_readers(ids)
-        access = self._access(req_context)
-        self._saw_loaded(access, keys, req_context)
-        return KvmgrChunkSpec(ids)
+        keys = keys if type(keys) is list else list(keys)
+        ids = list(map(self._index_get, keys))
+        state = self._state
+        if None in ids or bytes(map(state.__getitem__, ids)).count(_READY) != len(ids):  # type: ignore[arg-type]
+            for key, block in zip(keys, ids):
+                if block is None:
+                    raise UnknownKeyError(f"prepare_load: key {key.hex()[:16]}... not offloaded")
+                if state[block] != _READY:
+                    raise BlockStateError(f"prepare_load: key {key.hex()[:16]}... not READY")
+        self.tier.add_readers(ids)  # type: ignore[arg-type]
+        fresh = saw_loaded(self._access(req_context), keys, positions_of(req_context))
+        if fresh and self._touch_is_recency:  # with LRU a key shown first is a use: refresh
+            self.tier.policy.touch(fresh)
+        return KvmgrChunkSpec(ids)  # type: ignore[arg-type]
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
@@ -174,12 +163,11 @@ class KvmgrOffloadingManager(OffloadingManager):
         Raises:
             UnknownKeyError: a key is not in the tier (nothing changed).
         """
-        get = self._index_get
-        ids = [get(key) for key in keys]
+        ids = list(map(self._index_get, keys))
         if None in ids:
             raise UnknownKeyError("complete_load: a key is not offloaded")
         if ids:
-            self.tier.remove_readers(np.array(ids, dtype=np.int64))
+            _seam.loads_ended(self.tier, ids)  # type: ignore[arg-type]
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -189,46 +177,17 @@ class KvmgrOffloadingManager(OffloadingManager):
         """Allocate chunks for the keys not in the tier (PENDING until ``complete_store``),
         evicting READY chunks without readers if needed; ``None`` (nothing changed) when too few
         are free or evictable. Keys of the offer are never evicted by it."""
-        get, state = self._index_get, self._state
-        access = self._access(req_context)
-        seen, reused, positions = access.seen, access.reused, access.positions
-        get_position = req_context.get_offload_key_position
-        new: list[OffloadKey] = []
-        new_positions: list[int | None] = []
-        resident: list[OffloadKey] = []  # keys of the offer in the tier: never its victims
-        fresh: list[OffloadKey] = []  # resident keys the request shows for the first time
-        placed: list[OffloadKey] = []  # keys shown for the first time, with a position
-        placed_at: list[int] = []
-        for key in keys:  # one pass: keys seen, positions, new, reused, resident
-            block = get(key)
-            if key in seen:
-                if block is None:
-                    new.append(key)
-                    new_positions.append(get_position(key))
-                elif state[block] == _READY:  # READY keys offered again: reused (vLLM's rule)
-                    reused.add(key)
-                    resident.append(key)
-                else:
-                    resident.append(key)
-                continue
-            seen.add(key)
-            access.keys.append(key)
-            position = get_position(key)
-            if position is not None:
-                placed.append(key)
-                placed_at.append(position)
-            if block is None:
-                new.append(key)
-                new_positions.append(position)
-            else:
-                fresh.append(key)
-                resident.append(key)
-                if state[block] == _READY:
-                    reused.add(key)
-        if placed:
-            positions.add_many(placed, placed_at)
-        if self._touch_is_recency and fresh:
-            self.tier.policy.touch(fresh)
+        keys = keys if type(keys) is list else list(keys)
+        offer = split_offer(
+            self._access(req_context),
+            keys,
+            list(map(self._index_get, keys)),
+            self._state,
+            positions_of(req_context),
+        )
+        if self._touch_is_recency and offer.fresh:
+            self.tier.policy.touch(offer.fresh)
+        new, resident = offer.new, offer.resident
         if not new:
             return PrepareStoreOutput([], KvmgrChunkSpec([]), [])
         try:
@@ -237,18 +196,19 @@ class KvmgrOffloadingManager(OffloadingManager):
             )
         except PoolExhaustedError:
             return None
-        evicted: list[OffloadKey] = []
-        for batch in self._evicted:
-            evicted.extend(batch)  # type: ignore[arg-type]
-        self._evicted.clear()
-        parents = positions.parents(new, new_positions)
+        batches = self._evicted
+        if not batches:
+            evicted: list[OffloadKey] = []
+        elif len(batches) == 1:
+            evicted = batches[0]  # type: ignore[assignment]  # the policy's list, ours now
+        else:
+            evicted = [k for batch in batches for k in batch]  # type: ignore[misc]
+        batches.clear()
         # one batch, its first key most recent (OffloadKey is bytes)
-        self.tier.add_pending(new, ids, parents)  # type: ignore[arg-type]
+        self.tier.add_pending(new, ids, offer.parents)  # type: ignore[arg-type]
         seq = self._next_seq
         self._next_seq += 1
-        seqs = self._seq
-        for block in ids:
-            seqs[block] = seq
+        deque(map(self._seq.__setitem__, ids, repeat(seq)), 0)
         self._allocation_sizes.append(len(new))
         if evicted and self.events is not None:
             self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
@@ -299,25 +259,23 @@ class KvmgrOffloadingManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Refresh the request's keys in the policy: with LRU every resident key of the request
         (its head most recent), with the others the keys it read from the tier."""
-        access = req_context.get_state(_Access)
+        access = req_context.get_state(Access)
         if access is None or access.owner is not self or access.generation != self._generation:
             return
+        seen, access.seen = access.seen, {}
         if not self._touch_is_recency and not access.reused:  # nothing read: nothing to touch
-            access.keys, access.seen = [], set()
             return
-        keys = order_request_keys([access.keys], req_context)
+        keys = request_order(list(seen), positions_of(req_context))
         get, state = self._index_get, self._state
         if self._touch_is_recency:
             keys = [k for k in keys if get(k) is not None]
         else:
+            reused = access.reused
             keys = [
-                k
-                for k in keys
-                if k in access.reused and (b := get(k)) is not None and state[b] == _READY
+                k for k in keys if k in reused and (b := get(k)) is not None and state[b] == _READY
             ]
         if keys:
             self.tier.policy.touch(keys)
-        access.keys, access.seen = [], set()
 
     # -- events, stats, reset -----------------------------------------------------------------
 
@@ -369,32 +327,12 @@ class KvmgrOffloadingManager(OffloadingManager):
 
     # -- private ------------------------------------------------------------------------------
 
-    def _access(self, req_context: ReqContext) -> _Access:
-        access = req_context.get_state(_Access)
+    def _access(self, req_context: ReqContext) -> Access:
+        access = req_context.get_state(Access)
         if access is None or access.owner is not self or access.generation != self._generation:
-            access = _Access(self, self._generation)
+            access = Access(self, self._generation)
             req_context.set_state(access)
         return access
-
-    def _saw_loaded(
-        self, access: _Access, keys: Iterable[OffloadKey], req_context: ReqContext
-    ) -> None:
-        """Record keys a request loads (all in the tier): positions for parents, each key as
-        reused; with LRU the ones shown for the first time are a use and refresh."""
-        seen, reused, fresh = access.seen, access.reused, []
-        get_position, positions = req_context.get_offload_key_position, access.positions
-        for key in keys:
-            reused.add(key)
-            if key not in seen:
-                seen.add(key)
-                fresh.append(key)
-                position = get_position(key)
-                if position is not None:
-                    positions.add(key, position)
-        if fresh:
-            access.keys.extend(fresh)
-            if self._touch_is_recency:
-                self.tier.policy.touch(fresh)
 
     def _scan_faults(self) -> None:
         """A rank recorded faults since the last scan: find the PENDING chunks they hit."""

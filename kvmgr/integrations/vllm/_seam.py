@@ -9,6 +9,7 @@ Offers:
     scheduler_tier      the CPU tier's torch-free bookkeeping (block states PENDING / READY,
                         the key index, readers, eviction through a kvmgr policy)
     stores_landed       PENDING -> READY for a few blocks without numpy
+    loads_ended         one reader less for a few blocks without numpy
     forget_all          drop every key at once (a cache reset); returns the blocks still busy
     release_forgotten   free those blocks once no copy touches them any more
     transfer_engine     a kvmgr ``TransferEngine`` for KV tensors on a device
@@ -36,6 +37,7 @@ __all__ = [
     "CpuTier",
     "RankCopies",
     "forget_all",
+    "loads_ended",
     "rank_copies",
     "release_forgotten",
     "scheduler_tier",
@@ -54,7 +56,24 @@ def scheduler_tier(
         ConfigError: ``policy`` is not registered in ``kvmgr.policy``.
         InvalidBlockError: ``num_chunks < 1``.
     """
-    return CpuTier(num_chunks, policy, on_removed)
+    tier = CpuTier(num_chunks, policy, on_removed)
+    tier.chains = _NoChains()  # type: ignore[assignment]
+    return tier
+
+
+class _NoChains:
+    """``CpuTier.chains`` of the backend's tier: nothing recorded. ``KeyChains`` exists to
+    refuse key cycles in stores that name their parents; the backend's parents are keys at
+    strictly lower token positions of one request (never a cycle), its tier is never asked to
+    check one, and its policy's prefix tree already counts every key's children."""
+
+    __slots__ = ()
+
+    def add(self, keys: object, ids: object, parents: object) -> None:
+        """Nothing to record."""
+
+    def remove(self, keys: object, ids: object) -> None:
+        """Nothing to forget."""
 
 
 def stores_landed(tier: CpuTier, ids: list[int]) -> None:
@@ -66,6 +85,19 @@ def stores_landed(tier: CpuTier, ids: list[int]) -> None:
     for block in ids:
         state[block] = ready
     tier.num_pending -= len(ids)
+
+
+def loads_ended(tier: CpuTier, ids: list[int]) -> None:
+    """Loads of blocks ``ids`` ended (one reader each, repeats allowed); a few without numpy."""
+    if len(ids) > 32:
+        tier.remove_readers(np.array(ids, dtype=np.int64))
+        return
+    readers, idle = tier.readers, 0
+    for block in ids:
+        left = readers[block] - 1
+        readers[block] = left
+        idle += left == 0
+    tier.num_loading -= idle
 
 
 def forget_all(tier: CpuTier, policy: str) -> np.ndarray:

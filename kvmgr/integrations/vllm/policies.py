@@ -49,13 +49,13 @@ ghost adaptation), see docs/guides/vllm.md; tests/integrations/vllm/test_vllm_po
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, get_offload_group_idx
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from kvmgr.integrations.vllm._request_keys import RequestKeys
 from kvmgr.policy import POLICIES, EvictionPolicy, make_policy
 
 __all__ = [
@@ -68,72 +68,6 @@ __all__ = [
 
 _DYNAMIC_PREFIX = "kvmgr_"
 _OFFLINE_ONLY = frozenset({"opt"})  # needs the future of the trace (simulator only)
-
-
-class _RequestKeys:
-    """Positions of the keys one request showed this policy, per KV cache group.
-
-    Kept in the request's ``ReqContext`` (``set_state``), so it lives and dies with the request.
-    """
-
-    __slots__ = ("generation", "owner", "position_keys", "positions")
-
-    def __init__(self, owner: object, generation: int) -> None:
-        self.owner = owner
-        self.generation = generation
-        self.positions: dict[int, list[int]] = {}  # group -> sorted token positions
-        self.position_keys: dict[tuple[int, int], OffloadKey] = {}  # (group, position) -> key
-
-    def add(self, key: OffloadKey, position: int) -> None:
-        group = get_offload_group_idx(key)
-        if (group, position) in self.position_keys:
-            return
-        self.position_keys[group, position] = key
-        positions = self.positions.setdefault(group, [])
-        if not positions or positions[-1] < position:
-            positions.append(position)  # the common case: keys arrive in prefix order
-        else:
-            bisect.insort(positions, position)
-
-    def add_many(self, keys: Sequence[OffloadKey], positions: Sequence[int]) -> None:
-        """``add`` of each ``(keys[i], positions[i])``, in one call."""
-        position_keys, by_group = self.position_keys, self.positions
-        for key, position in zip(keys, positions):
-            group = get_offload_group_idx(key)
-            if (group, position) in position_keys:
-                continue
-            position_keys[group, position] = key
-            sorted_positions = by_group.get(group)
-            if sorted_positions is None:
-                by_group[group] = [position]
-            elif sorted_positions[-1] < position:
-                sorted_positions.append(position)
-            else:
-                bisect.insort(sorted_positions, position)
-
-    def parents(
-        self, keys: Sequence[OffloadKey], positions: Sequence[int | None]
-    ) -> list[OffloadKey | None]:
-        """``parent`` of each ``(keys[i], positions[i])`` (``None`` where the position is)."""
-        position_keys, by_group, out = self.position_keys, self.positions, []
-        bisect_left = bisect.bisect_left
-        for key, position in zip(keys, positions):
-            if position is None:
-                out.append(None)
-                continue
-            group = get_offload_group_idx(key)
-            sorted_positions = by_group.get(group)
-            i = bisect_left(sorted_positions, position) if sorted_positions else 0
-            out.append(position_keys[group, sorted_positions[i - 1]] if i > 0 else None)
-        return out
-
-    def parent(self, key: OffloadKey, position: int) -> OffloadKey | None:
-        group = get_offload_group_idx(key)
-        positions = self.positions.get(group)
-        if not positions:
-            return None
-        i = bisect.bisect_left(positions, position)
-        return self.position_keys[group, positions[i - 1]] if i > 0 else None
 
 
 class KvmgrCachePolicy(CachePolicy):
@@ -238,10 +172,10 @@ class KvmgrCachePolicy(CachePolicy):
 
     # -- private ------------------------------------------------------------------------------
 
-    def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
-        state = req_context.get_state(_RequestKeys)
+    def _request_keys(self, req_context: ReqContext) -> RequestKeys:
+        state = req_context.get_state(RequestKeys)
         if state is None or state.owner is not self or state.generation != self._generation:
-            state = _RequestKeys(self, self._generation)
+            state = RequestKeys(self, self._generation)
             req_context.set_state(state)
         return state
 

@@ -1,0 +1,112 @@
+"""ARC's list work outside its choice of list: a ghost hit, the ghost bounds, a leaf run.
+
+Private to ``kvmgr.policy`` (`kvmgr.policy.arc.ARCPolicy`; its docstring states the rules).
+
+Offers:
+    insert_ghost_hits   a stored batch that holds ghost keys: adapt the target, key by key
+    trim_ghosts         enforce the directory bounds by dropping LRU ghosts
+    leaf_run            the first ``n`` keys of a list, when they are one chain or roots and
+                        one-offer-at-a-time collection would take exactly those (the common
+                        eviction), with C-level passes
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence
+from itertools import islice
+
+from kvmgr.policy.base import KeyPredicate, _as_lookup
+from kvmgr.policy.tree import PrefixTree
+
+__all__ = ["insert_ghost_hits", "leaf_run", "trim_ghosts"]
+
+Keys = OrderedDict[bytes, None]
+
+
+def insert_ghost_hits(
+    keys: Sequence[bytes], lists: tuple[Keys, Keys, Keys, Keys], target: float, capacity: int
+) -> float:
+    """Insert new ``keys`` (some in a ghost list), last key first; return the new target.
+
+    ``lists`` is ``(T1, T2, B1, B2)``. A key in ``B1`` grows the target by
+    ``max(1, |B2| / |B1|)`` (capped at ``capacity``), one in ``B2`` shrinks it by
+    ``max(1, |B1| / |B2|)`` (floored at 0), each with the sizes before the key leaves its
+    ghost list, and goes to ``T2``'s MRU end; any other key to ``T1``'s.
+    """
+    t1, t2, b1, b2 = lists
+    for key in reversed(keys):
+        if key in b1:
+            target = min(target + max(1.0, len(b2) / len(b1)), float(capacity))
+            del b1[key]
+            t2[key] = None
+        elif key in b2:
+            target = max(target - max(1.0, len(b1) / len(b2)), 0.0)
+            del b2[key]
+            t2[key] = None
+        else:
+            t1[key] = None
+    return target
+
+
+def trim_ghosts(size_t1: int, size_t2: int, b1: Keys, b2: Keys, capacity: int) -> None:
+    """Drop LRU ghosts until ``|T1| + |B1| <= capacity``, ``|B2| <= capacity`` and
+    ``|T1| + |T2| + |B1| + |B2| <= 2 * capacity`` (as far as ghosts can be dropped)."""
+    size_b1, size_b2 = len(b1), len(b2)
+    over = size_t1 + size_b1 - capacity
+    if over > 0 and size_b1:
+        if over == 1:
+            b1.popitem(last=False)
+        else:
+            _drop_oldest(b1, over)
+        size_b1 = len(b1)
+    if size_b2 > capacity:
+        _drop_oldest(b2, size_b2 - capacity)
+        size_b2 = capacity
+    excess = size_t1 + size_t2 + size_b1 + size_b2 - 2 * capacity
+    if excess > 0 and size_b2:
+        excess -= _drop_oldest(b2, excess)
+    if excess > 0 and b1:
+        _drop_oldest(b1, excess)
+
+
+def _drop_oldest(ghosts: Keys, count: int) -> int:
+    """Drop up to ``count`` keys from the LRU end of ``ghosts``; return how many were dropped."""
+    oldest = list(islice(ghosts, count))
+    deque(map(ghosts.__delitem__, oldest), 0)
+    return len(oldest)
+
+
+def leaf_run(
+    order: Keys,
+    n: int,
+    tree: PrefixTree,
+    parent_of: dict[bytes, bytes | None],
+    can_evict: KeyPredicate,
+    protected: Collection[bytes],
+) -> list[bytes] | None:
+    """The first ``n`` keys of ``order`` with the tree's child counts released for them, when
+    they are one chain (each key's parent the next key, its leaf first) or roots, and
+    `VictimSet.offer_all` over ``order`` would take exactly those; else ``None``, nothing
+    changed (the caller collects one offer at a time).
+
+    It would when each is unprotected and evictable and has no tracked child but the key
+    before it in a chain: then none waits. ``can_evict`` is asked once per key, in order,
+    through a C-level ``map`` (for a few keys cheaper than a numpy pass)."""
+    run = list(islice(order, n))
+    num_children = tree.num_children
+    if len(run) < n or run[0] in num_children:  # the first key waits for a child: no run
+        return None
+    if protected and not _as_lookup(protected).isdisjoint(run):
+        return None
+    ups = list(map(parent_of.__getitem__, run))
+    if ups[:-1] == run[1:]:  # one chain
+        kids = list(map(num_children.get, islice(run, 1, None)))
+        if kids.count(1) != n - 1 or not all(map(can_evict, run)):
+            return None
+        deque(map(num_children.__delitem__, islice(run, 1, None)), 0)
+        tree.release((ups[-1],))  # the parent outside the run loses one child
+        return run
+    if ups.count(None) == n and num_children.keys().isdisjoint(run) and all(map(can_evict, run)):
+        return run  # roots without children
+    return None
