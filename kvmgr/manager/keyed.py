@@ -134,7 +134,7 @@ class KeyedCalls(ManagerCore):
         used by policies that take hints (``"online"``); bad hints raise
         ``InvalidArgumentError`` before any change.
         """
-        loop = _running_loop()
+        loop: Any = _running_loop()
         if loop is not self._loop or not self._accepting:
             loop = self._open_loop()  # raises ClosedError / EventLoopError, or binds the loop
         plain = parents is None and token_ids is None and hint is None

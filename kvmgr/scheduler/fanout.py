@@ -119,11 +119,11 @@ class StoreFanOut:
         ends, cpu, gpu = self.ends, self.cpu_ids, self.gpu_ids
         if ends is None:
             c, g = cpu[i], gpu[i]
-            return _new(SwapResult, (1, self.block_bytes, 0, (c,), (g,)))  # type: ignore[no-any-return]
+            return _new(SwapResult, (1, self.block_bytes, 0, (c,), (g,)))
         start, end = (ends[i - 1] if i else 0), ends[i]
         n = end - start
         ids = tuple(cpu[start:end]), tuple(gpu[start:end])
-        return _new(SwapResult, (n, n * self.block_bytes, 0, *ids))  # type: ignore[no-any-return]
+        return _new(SwapResult, (n, n * self.block_bytes, 0, *ids))
 
     def state_of(self, i: int) -> tuple[int, Any]:
         own = self.own.get(i) if self.own else None
