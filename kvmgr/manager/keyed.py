@@ -117,9 +117,8 @@ class KeyedCalls(ManagerCore):
 
         Returns:
             A future resolving to ``SwapResult`` (``cpu_block_ids``: the blocks written), or
-            failing with ``TransferError`` (the PENDING keys are then dropped, blocks freed).
-            A plain call (list ids, no parents, tokens or hints) gets a ``CallFuture``, an
-            ``asyncio.Future`` in all but its class (``kvmgr.scheduler.fanout``).
+            failing with ``TransferError`` (the PENDING keys are then dropped, blocks freed);
+            a plain call's is a ``CallFuture`` (``asyncio.Future`` but for its class).
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
@@ -135,13 +134,13 @@ class KeyedCalls(ManagerCore):
         used by policies that take hints (``"online"``); bad hints raise
         ``InvalidArgumentError`` before any change.
         """
-        loop = _running_loop()
+        loop: Any = _running_loop()
         if loop is not self._loop or not self._accepting:
             loop = self._open_loop()  # raises ClosedError / EventLoopError, or binds the loop
         plain = parents is None and token_ids is None and hint is None
         if plain and type(keys) is list and type(gpu_block_ids) is list:
-            deferred = self._deferred  # a plain store: recorded now, prepared with the
-            try:  # others at the settle
+            deferred = self._deferred  # recorded now, prepared with the others at the settle
+            try:
                 if len(keys) == 1 == len(gpu_block_ids):
                     future = deferred.record_one(gpu_block_ids[0], keys[0], loop)
                 else:

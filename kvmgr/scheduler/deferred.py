@@ -112,6 +112,7 @@ class DeferredStores:
         call._fan = fan
         call._i = fan.num_calls
         call._asyncio_future_blocking = False
+        call._result = None
         fan.num_calls += 1
         return call
 

@@ -72,6 +72,7 @@ class StoreFanOut:
         call._fan = self
         call._i = self.num_calls
         call._asyncio_future_blocking = False
+        call._result = None
         self.num_calls += 1
         return call
 
@@ -80,7 +81,7 @@ class StoreFanOut:
         call as the caller's own future does (another object over the same call)."""
         calls: list[CallFuture] = [_bare(CallFuture) for _ in range(self.num_calls)]
         for i, call in enumerate(calls):
-            call._fan, call._i, call._asyncio_future_blocking = self, i, False
+            call._fan, call._i, call._asyncio_future_blocking, call._result = self, i, False, None
         return calls
 
     def prepared(
@@ -118,11 +119,11 @@ class StoreFanOut:
         ends, cpu, gpu = self.ends, self.cpu_ids, self.gpu_ids
         if ends is None:
             c, g = cpu[i], gpu[i]
-            return _new(SwapResult, (1, self.block_bytes, 0, (c,), (g,)))  # type: ignore[no-any-return]
+            return _new(SwapResult, (1, self.block_bytes, 0, (c,), (g,)))
         start, end = (ends[i - 1] if i else 0), ends[i]
         n = end - start
         ids = tuple(cpu[start:end]), tuple(gpu[start:end])
-        return _new(SwapResult, (n, n * self.block_bytes, 0, *ids))  # type: ignore[no-any-return]
+        return _new(SwapResult, (n, n * self.block_bytes, 0, *ids))
 
     def state_of(self, i: int) -> tuple[int, Any]:
         own = self.own.get(i) if self.own else None
@@ -160,6 +161,7 @@ class CallFuture:
 
     _fan: StoreFanOut
     _i: int
+    _result: SwapResult | None  #: built on the first ``result()``
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._fan.loop
@@ -189,15 +191,18 @@ class CallFuture:
             asyncio.CancelledError, asyncio.InvalidStateError (not done), or the swap's error.
         """
         fan = self._fan
+        if fan.state == _OK and not fan.own:  # the common case: every call succeeded
+            result = self._result
+            if result is None:
+                self._result = result = fan.result_of(self._i)
+            return result
         state, value = fan.state_of(self._i)
         if state == _OK:
-            if fan.own and self._i in fan.own:
+            if self._i in fan.own:
                 return value
-            try:
-                return self._result
-            except AttributeError:
-                self._result = result = fan.result_of(self._i)
-                return result
+            if self._result is None:
+                self._result = fan.result_of(self._i)
+            return self._result
         if state == _FAILED:
             raise value
         if state == _CANCELLED:
@@ -256,11 +261,12 @@ class CallFuture:
         return removed
 
     def __await__(self) -> Generator[Any, None, Any]:
-        if not self.done():
+        fan = self._fan
+        if fan.state == _PENDING and not (fan.own and self._i in fan.own):
             self._asyncio_future_blocking = True
             yield self
-        if not self.done():
-            raise RuntimeError("await wasn't used with future")
+            if not self.done():
+                raise RuntimeError("await wasn't used with future")
         return self.result()
 
     __iter__ = __await__
