@@ -33,7 +33,7 @@ class Access(RequestKeys):
     __slots__ = ("reused", "seen")
 
     def __init__(self, owner: object, generation: int) -> None:
-        super().__init__(owner, generation)
+        self.owner, self.generation, self.groups = owner, generation, {}
         self.seen: dict[OffloadKey, None] = {}
         self.reused: set[OffloadKey] = set()
 
