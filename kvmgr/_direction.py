@@ -12,7 +12,15 @@ __all__ = ["Direction"]
 
 
 class Direction(enum.Enum):
-    """Copy direction."""
+    """Copy direction.
+
+    Hashed by identity (``object.__hash__``, a C slot) rather than by ``Enum.__hash__``
+    (``hash(self._name_)``, a Python call per dict lookup): a step looks directions up in about
+    ten dicts (layouts, streams, events, queues). Members are singletons compared by identity,
+    so equal members still hash equal; pickling goes by name and is unaffected.
+    """
 
     D2H = "d2h"  #: GPU -> CPU: a store (swap-out)
     H2D = "h2d"  #: CPU -> GPU: a load (swap-in)
+
+    __hash__ = object.__hash__

@@ -41,6 +41,24 @@ BENCHES = {
     "ranks": "kvmgr.bench.ranks",
     "policy": "kvmgr.bench.policy",
 }
+#: ``kvmgr bench NAME`` -> its one line in ``kvmgr bench --help`` (README.md lists the same).
+BENCH_HELP = {
+    "swap": "batched driver copy vs a per-page loop vs the pinned peak",
+    "swap-kernel": "the copy kernel and auto against the batched DMA",
+    "duplex": "D2H and H2D at once, per path pair, against two contiguous copies",
+    "mla-insert": "per-layer vs grouped MLA cache insert",
+    "c128": "the c128 compressor step, gated vs ungated, eager and CUDA graph",
+    "dsv4": "a DeepSeek-V4 restore point's sidecar, copied vs recomputed",
+    "host": "the manager's own host path (no GPU, no copy)",
+    "tiers": "the disk and shared tiers against their ceilings",
+    "peer": "kvmgr side by side with C++ baselines after the seed PRs' designs",
+    "peer-mla": "the grouped MLA insert against a C++/CUDA baseline",
+    "vllm": "scheduler-side host cost against vLLM 0.33's manager, same calls",
+    "pin": "where the start-up time of a pinned CPU tier goes",
+    "launch-host": "host cost of the kernel hooks' launch paths",
+    "ranks": "what tensor-parallel ranks in their own processes cost the scheduler",
+    "policy": "host cost of each eviction/admission policy per 512-block step",
+}
 #: benchmarks that run without a GPU (every other one needs a CUDA GPU; ``pin`` measures only
 #: allocation and first touch without one).
 CPU_BENCHES = frozenset({"host", "tiers", "vllm", "pin", "dsv4", "launch-host", "ranks", "policy"})
@@ -108,7 +126,10 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     chosen_bench = argv[1] if chosen == "bench" and len(argv) > 1 else None
     for name, module in BENCHES.items():
-        p = bench_sub.add_parser(name, help=f"benchmark: {name}", formatter_class=HelpFormatter)
+        help_text = BENCH_HELP[name]
+        p = bench_sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if name == chosen_bench:
             mod = importlib.import_module(module)
             mod.add_arguments(p)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import cuda_engine, streams
+from kvmgr.transfer import cuda_base, streams
 from kvmgr.transfer.cuda_engine import CopyKernelEngine, CudaBatchEngine
 from kvmgr.transfer.plan import Direction, build_plan
 
@@ -38,7 +38,7 @@ def main() -> None:
         torch.randint(0, 256, (2 * blocks + 1, page), dtype=torch.uint8, device="cuda")
         for _ in range(tensors)
     ]
-    cuda_engine.check_plan = timed("check_plan", cuda_engine.check_plan)
+    cuda_base.check_plan = timed("check_plan", cuda_base.check_plan)
     streams.CopyStreams._queue = timed("_queue", streams.CopyStreams._queue)
     rng = np.random.default_rng(0)
     for cls in (CudaBatchEngine, CopyKernelEngine):

@@ -86,7 +86,7 @@ MAPPING: dict[str, str] = {
     "test_backpressure.py": "manager",
     "test_manager.py": "manager",
     "test_manager_engines.py": "manager",
-    "test_manager_stateful.py": "manager",
+    "test_state_machine.py": "manager",
     "test_manager_tiers.py": "manager",
     "test_manager_v2.py": "manager",
     "test_reliability.py": "manager",

@@ -5,6 +5,9 @@
   order; ``install(monkeypatch)`` puts them (and a CPU "device") in place for one test.
 - ``FakeDriverLib``: ctypes callbacks standing in for the driver's ``cuMemcpyBatchAsync`` (both
   ABIs) and ``cuMemcpyAsync``: they memmove host memory and log each call.
+- ``KernelFakeCuda``: ``FakeCuda`` where the copy kernel runs for real under the Triton
+  interpreter on CPU addresses (``test_copy_kernel``, the manager state machine).
+- ``FakeDriver``: a duck-typed ``CopyDriver`` whose batches are logged ``memmove`` loops.
 """
 
 from __future__ import annotations
@@ -153,3 +156,73 @@ def hold_two_tables(fake: FakeCuda, engine: Any, pool: Any, plan: Any) -> None:
     gate.set()
     first.future.result(timeout=5)
     second.future.result(timeout=5)
+
+
+class KernelFakeCuda(FakeCuda):
+    """``FakeCuda`` where the copy kernel runs for real (interpreter, CPU addresses) and logs
+    ``("kernel", rows, cap)`` / ``("paged", rows, cap)``; ``fail_launches`` refuses that many.
+    Needs ``TRITON_INTERPRET=1`` (set by the conftest without a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__(elapsed_ms=0.25)
+        self.fail_launches = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> KernelFakeCuda:
+        """``FakeCuda.install``, and the copy kernel's launches and table slots on the CPU."""
+        from kvmgr.kernels.copy import staging
+
+        super().install(monkeypatch)
+        monkeypatch.setattr(staging, "launch_copy_table", self.launch)
+        monkeypatch.setattr(staging, "launch_block_table", self.launch_paged)
+        monkeypatch.setattr(staging, "new_table_slot", cpu_table_slot)
+        return self
+
+    def launch(self, table: torch.Tensor, num_items: int, max_programs: int, **_: Any) -> int:
+        from kvmgr.kernels.copy.pages import launch_copy_table
+
+        self._refuse()
+        self.log.append(("kernel", num_items, max_programs))
+        return launch_copy_table(table, num_items, max_programs)  # interpreter, CPU addresses
+
+    def launch_paged(
+        self, layout: torch.Tensor, runs: torch.Tensor, num_tensors: int, num_runs: int,
+        max_programs: int, **_: Any,
+    ) -> int:  # fmt: skip
+        from kvmgr.kernels.copy.blocks import launch_block_table
+
+        self._refuse()
+        self.log.append(("paged", num_tensors * num_runs, max_programs))
+        return launch_block_table(layout, runs, num_tensors, num_runs, max_programs)
+
+    def _refuse(self) -> None:
+        if self.fail_launches:
+            self.fail_launches -= 1
+            raise RuntimeError("launch refused")
+
+
+def cpu_table_slot(capacity: int, device: Any) -> Any:
+    """A copy-kernel table slot of ``capacity`` rows in CPU memory (for ``staging.new_table_slot``)."""
+    from kvmgr.kernels.copy import staging
+
+    host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
+    return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
+
+
+class FakeDriver:
+    """Duck-typed ``CopyDriver``: every batch is a logged ``memmove`` loop."""
+
+    batch_abi = driver_version = 13000
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int, order: int):  # type: ignore[no-untyped-def]
+        from kvmgr.kernels.copy.pages import copy_pages_reference
+
+        self.log.append(("dma", count, order))
+        d, s, n = (np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(a)).copy()
+                   for a in (dsts, srcs, sizes))  # fmt: skip
+        copy_pages_reference(s, d, n)
+
+    def memcpy(self, dst: int, src: int, num_bytes: int, stream: int) -> None:
+        ctypes.memmove(dst, src, num_bytes)

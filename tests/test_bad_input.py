@@ -122,6 +122,35 @@ CASES: list[
     ("out-ids-range", True, lambda m: m.swap_out([NUM_GPU], [K[5]]), InvalidBlockError, None),
     ("out-ids-negative", True, lambda m: m.swap_out([-1], [K[5]]), InvalidBlockError, None),
     ("out-ids-dup", True, lambda m: m.swap_out([4, 4], K[5:7]), InvalidBlockError, None),
+    # not a sequence (round 4, session 5): a generator would be used up by the check, a set or
+    # a dict has no order to pair ids with keys; these were accepted
+    ("out-ids-generator", True, lambda m: m.swap_out(iter([4]), [K[5]]), InvalidBlockError, None),
+    ("out-ids-dict", True, lambda m: m.swap_out({4: 0}, [K[5]]), InvalidBlockError, None),
+    ("out-ids-set", True, lambda m: m.swap_out({4}, [K[5]]), InvalidBlockError, None),
+    (
+        "out-ids-memoryview",
+        True,
+        lambda m: m.swap_out(memoryview(b"\x04"), [K[5]]),
+        InvalidBlockError,
+        None,
+    ),
+    (
+        "many-out-generator",
+        True,
+        lambda m: m.store_many((b for b in [4]), [K[5]]),
+        InvalidBlockError,
+        None,
+    ),
+    ("many-in-set", True, lambda m: m.load_many([K[0]], {4}), InvalidBlockError, None),
+    ("in-ids-dict", True, lambda m: m.swap_in([K[0]], {4: 0}), InvalidBlockError, None),
+    # a uint64 id >= 2**63 (it wrapped to a negative id)
+    (
+        "many-out-uint64-huge",
+        True,
+        lambda m: m.store_many(np.array([2**63], dtype=np.uint64), [K[5]]),
+        InvalidBlockError,
+        None,
+    ),
     ("out-len", True, lambda m: m.swap_out([4, 5], [K[5]]), InvalidKeyError, None),
     ("out-keys-bytes", True, lambda m: m.swap_out([4], K[5]), InvalidKeyError, None),
     ("out-keys-str", True, lambda m: m.swap_out([4], ["k5"]), InvalidKeyError, None),
@@ -148,6 +177,15 @@ CASES: list[
         None,
     ),
     ("out-parents-str", True, lambda m: m.swap_out([4], [K[5]], ["k"]), InvalidKeyError, None),
+    # an empty parent is not a key either (the one key rule, kvmgr._keys); it was accepted
+    ("out-parents-empty", True, lambda m: m.swap_out([4], [K[5]], [b""]), InvalidKeyError, None),
+    (
+        "many-out-parents-empty",
+        True,
+        lambda m: m.store_many(np.array([4, 5]), K[5:7], parents=[None, b""]),
+        InvalidKeyError,
+        None,
+    ),
     # store_many: the same checks on the batched path
     (
         "many-out-not-held",
@@ -233,6 +271,15 @@ CASES: list[
     ("append-swapped-out", False, lambda m: m.append_blocks("s", [4]), BlockStateError, None),
     ("append-int", False, lambda m: m.append_blocks("new", 4), InvalidBlockError, None),
     ("append-bytes", False, lambda m: m.append_blocks("new", b"\x04\x05"), InvalidBlockError, None),
+    (
+        "append-generator",
+        False,
+        lambda m: m.append_blocks("new", iter([4])),
+        InvalidBlockError,
+        None,
+    ),
+    ("append-dict", False, lambda m: m.append_blocks("new", {4: 0}), InvalidBlockError, None),
+    ("resume-set", False, lambda m: m.resume("s", {4, 5}), InvalidBlockError, None),
     ("resume-no-ids", False, lambda m: m.resume("s"), InvalidBlockError, None),
     ("resume-count", False, lambda m: m.resume("s", [4]), InvalidBlockError, None),
     ("resume-dup", False, lambda m: m.resume("s", [4, 4]), InvalidBlockError, None),

@@ -25,7 +25,8 @@ samples of ``--calls`` calls, the minimum being the figure on a busy machine):
   (the state write alone; the target row), ungated, and gated over fresh step tensors; the gate
   and the cached checks alone.
 - the stub driver call alone, through kvmgr's C call (the floor every launch row includes) and
-  through ctypes (the call where the C module cannot be built), and one ``HookReport``.
+  through ctypes (the call where the C module cannot be built), and one ``HookReport.of`` (how
+  the hooks build their reports).
 
 Targets (issue 27): the public grouped function, the MLA hook and the gated c128 step at most
 10 us per call on the H200 host. Here the rows say what the Python costs; add the driver's share
@@ -203,7 +204,7 @@ def _floor_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     cases = {
         "stub cuLaunchKernelEx alone, through ctypes (without the C module)": [lambda: libcuda.launch(*call)],
         "stub cuLaunchKernelEx through the C call (in every launch row)": [lambda: fire(record.address)] if fire else [],
-        "HookReport(...) (in every hook row)": [lambda: HookReport(name="x", launches=1, host_s=0.0, extra={"num_tokens": 1})],
+        "HookReport.of(...) (in every hook row)": [lambda: HookReport.of("x", 1, 0, 0.0, {"num_tokens": 1, "grouped": True})],
     }  # fmt: skip
     return [_timed(name, calls, args, lambda: []) for name, calls in cases.items() if calls]
 

@@ -1,12 +1,14 @@
 """Checks of a grouped store's and load's block tables, turned into per-group work (no torch).
 
 Package-private: ``GroupedManager`` validates every group's table with these before it queues
-anything, so a bad entry in the last group leaves nothing queued in the first; ``check_room``
+anything, so a bad entry in the last group leaves nothing queued in the first: ``check_blocks``
+asks every group's manager about its GPU ids (range, repeats, held blocks), ``check_room``
 refuses a store that some group has no room for, before any group's store is queued.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,9 +25,25 @@ LoadWork = list[tuple[int, list[bytes], list[int]]]
 
 
 def _table(name: str, table: object) -> Sequence[object]:
+    """A group's table as a sequence: a list or tuple, or a 1-D array (numpy, torch) as a list
+    of its ints, as ``OffloadManager`` takes them."""
+    if getattr(table, "ndim", None) == 1 and hasattr(table, "tolist"):
+        return table.tolist()  # type: ignore[attr-defined,no-any-return]
     if isinstance(table, (bytes, str)) or not isinstance(table, Sequence):
-        raise GroupKeyError(f"block_tables[{name!r}]: expected a sequence of block ids")
+        raise GroupKeyError(
+            f"block_tables[{name!r}]: expected a sequence of block ids, got {type(table).__name__}"
+        )
     return table
+
+
+def _block_id(value: object) -> int | None:
+    """``value`` as an int block id (a Python or numpy int), or ``None`` if it is not one."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def store_work(
@@ -45,11 +63,13 @@ def store_work(
         table = _table(name, raw)
         blocks: list[tuple[int, int]] = []
         for j in range(min(len(table), layout.num_blocks(g, len(hashes)))):
-            gpu = table[j]
-            if gpu is None:
+            if table[j] is None:
                 continue
-            if isinstance(gpu, bool) or not isinstance(gpu, int):
-                raise GroupKeyError(f"block_tables[{name!r}][{j}]: expected int or None")
+            gpu = _block_id(table[j])
+            if gpu is None:
+                raise GroupKeyError(
+                    f"block_tables[{name!r}][{j}]: expected int or None, got {table[j]!r:.40}"
+                )
             blocks.append((j, gpu))
         if not blocks:
             continue
@@ -86,11 +106,30 @@ def load_work(
         table = _table(spec.name, raw)
         if len(table) < blocks.stop:
             raise GroupKeyError(f"block_tables[{spec.name!r}] must name blocks {blocks}")
-        ids = [table[j] for j in blocks]
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        ids = [_block_id(table[j]) for j in blocks]
+        if None in ids:
             raise InvalidBlockError(f"block_tables[{spec.name!r}]: expected int block ids")
         work.append((g, list(keys), ids))  # type: ignore[arg-type]
     return work
+
+
+def check_blocks(
+    ids: Sequence[tuple[int, list[int]]], layout: GroupedLayout, managers: Sequence[Any], what: str
+) -> None:
+    """All or nothing: raise before any group's ``what`` (``"store"``, ``"load"``) is queued
+    if a group's GPU ids (``ids``: ``(group index, ids)`` pairs) are bad; the error names the
+    group (``OffloadManager.check_gpu_blocks``).
+
+    Raises:
+        InvalidBlockError: a group's ids are out of range, repeated, or not held.
+        ClosedError: a group's manager is closed.
+    """
+    for g, group_ids in ids:
+        try:
+            managers[g].check_gpu_blocks(group_ids, what)
+        except InvalidBlockError as exc:
+            name = layout.groups[g].name
+            raise type(exc)(f"group {name!r}: {exc}; no group's {what} was queued") from exc
 
 
 def check_room(

@@ -29,7 +29,7 @@ import attrs
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import PoolExhaustedError, UnknownKeyError
 from kvmgr.groups._results import GroupedStore, gather_store, group_results
-from kvmgr.groups._tables import check_room, load_work, store_work
+from kvmgr.groups._tables import check_blocks, check_room, load_work, store_work
 from kvmgr.groups._tracker import IndexTracker
 from kvmgr.groups.errors import GroupSpecError
 from kvmgr.groups.index import GroupIndex
@@ -111,7 +111,7 @@ class GroupedManager:
         try:
             for name in names:
                 cfg = attrs.evolve(config, num_cpu_blocks=num_cpu_blocks[name])
-                managers.append(OffloadManager(list(gpu_caches[name]), cfg))
+                managers.append(OffloadManager(gpu_caches[name], cfg))  # checks the sequence
             return cls(layout, managers)
         except BaseException:
             for mgr in managers:
@@ -168,8 +168,8 @@ class GroupedManager:
 
         Args:
             block_hashes: the request's chained block hashes (hash blocks).
-            block_tables: group name -> GPU block id of each logical block of that group
-                (``None`` where the GPU no longer holds it, such as a sliding-window block
+            block_tables: group name -> GPU block id of each logical block of that group (a
+                list of ints, numpy ints or ``None``, or a 1-D integer array) (``None`` where the GPU no longer holds it, such as a sliding-window block
                 that left the window); entries past the hashed prefix are ignored, groups
                 missing from the mapping store nothing.
 
@@ -184,12 +184,16 @@ class GroupedManager:
                 every group before any store is queued: nothing changed). Should a group's
                 manager still refuse, the earlier groups' stores stay queued and their blocks
                 are dropped when they land, unless a restorable boundary needs them.
-            InvalidBlockError, ClosedError, EventLoopError: as ``OffloadManager.swap_out``.
+            InvalidBlockError, ClosedError: a group's GPU ids are bad (as
+                ``OffloadManager.swap_out``), or its manager is closed; checked for every group
+                before any store is queued.
+            EventLoopError: as ``OffloadManager.swap_out``.
         """
         self.sync()
         hashes = self.layout.check_hashes(block_hashes)
         self.index.check_chain(hashes)
         work = store_work(self.layout, hashes, block_tables)
+        check_blocks([(g, ids) for g, ids, _, _ in work], self.layout, self.managers, "store")
         check_room(work, self.layout, self.index, self.managers)
         futures = self._queue_stores(hashes, work)
         self.sync()  # the stores' evictions
@@ -237,10 +241,12 @@ class GroupedManager:
             GroupKeyError: a group of the plan has no table, or a table lacks a block.
             UnknownKeyError: a planned block left the tier since the lookup (look up again);
                 nothing was queued.
-            InvalidBlockError, ClosedError, EventLoopError: as ``OffloadManager.swap_in``.
+            InvalidBlockError, ClosedError: as ``store``, checked before any load is queued.
+            EventLoopError: as ``OffloadManager.swap_in``.
         """
         self.sync()
         work = load_work(self.layout, plan, block_tables)
+        check_blocks([(g, ids) for g, _, ids in work], self.layout, self.managers, "load")
         for g, keys, _ in work:
             if self.managers[g].peek(keys) != len(keys):
                 name = self.layout.groups[g].name

@@ -5,11 +5,11 @@ Offers:
     ManagerSnapshot   what ``OffloadManager.snapshot()`` returns (snapshot.py)
     CpuState, GpuState   the named states of CPU and GPU blocks
 
-Modules: ``bookkeeping`` (the Bookkeeper: prepare_* -> Part, complete; no asyncio, no engine),
-``cpu_tier`` (CPU blocks, keys, eviction), ``gpu_pool`` (GPU blocks, the owned pool),
-``requests`` (block tables, preempt/resume), ``queue`` (generations, lanes, batches),
-``flush`` (plans, submission, completion), ``backpressure``, ``events`` (the KV event stream),
-``counters``, ``snapshot``.
+Modules: ``facade`` (``OffloadManager``, joining the call groups ``keyed``, ``request_calls``,
+``staged_calls`` and ``observe`` over ``core``), ``build`` (makes and connects the parts),
+``flush`` (plans, submission, completion), ``backpressure`` (stores waiting for room),
+``layerwise``, ``lower_tiers``, ``snapshot``. The bookkeeping itself (CPU tier, GPU blocks,
+block tables, queue, KV events, counters) is ``kvmgr.scheduler``.
 """
 
 from __future__ import annotations

@@ -62,11 +62,12 @@ def build_local(
     """One process, one rank: worker, scheduler, waiting stores, lower tiers, flusher.
 
     Raises:
-        GeometryError: the tensors cannot be managed, or do not suit the engine's device.
+        GeometryError: ``gpu_kv_caches`` is not a sequence of tensors (checked before anything
+            is built), or the tensors cannot be managed, or do not suit the engine's device.
         ConfigError: a lower tier is not a ``TierBackend``.
         HostMemoryError: the CPU tier's memory could not be allocated.
     """
-    tensors = list(gpu_kv_caches)
+    tensors = _kv_tensors(gpu_kv_caches)
     device = KVLayout.from_tensors(tensors).device
     _check_parts(engine, tiers, tier_namespace)
     if engine is None:
@@ -84,6 +85,21 @@ def build_local(
     lower = _lower_tiers(scheduler, worker, tensors, tiers, tier_namespace, config)
     flusher = Flusher(scheduler, room, lower, lambda deliver: LocalTransport(worker, deliver))
     return Parts(scheduler, flusher, room, lower, worker)
+
+
+def _kv_tensors(gpu_kv_caches: object) -> list[torch.Tensor]:
+    """``gpu_kv_caches`` as a new list; ``GeometryError`` unless it is a sequence (a list or a
+    tuple) of tensors: a single tensor would be split along dim 0 into one "layer" per block,
+    a dict would give its keys, a generator could not be read twice."""
+    if isinstance(gpu_kv_caches, (torch.Tensor, str, bytes)) or not isinstance(
+        gpu_kv_caches, Sequence
+    ):
+        hint = " (one tensor: pass [tensor])" if isinstance(gpu_kv_caches, torch.Tensor) else ""
+        raise GeometryError(
+            "gpu_kv_caches: expected a sequence of KV tensors (a list with one tensor per "
+            f"layer, or per layer and K/V), got {type(gpu_kv_caches).__name__}{hint}"
+        )
+    return list(gpu_kv_caches)  # KVLayout.from_tensors checks each is a tensor
 
 
 def _check_parts(engine: Any, tiers: Sequence[Any], tier_namespace: Any) -> None:

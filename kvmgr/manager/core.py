@@ -3,7 +3,8 @@
 Private to ``kvmgr.manager``. ``ManagerCore`` holds what ``build`` made (worker, scheduler,
 flusher, transport, waiting stores, lower tiers) and the few helpers every group of calls uses:
 ``_check_open`` / ``_check_not_closed`` (which settle the recorded per-call stores first,
-``kvmgr.scheduler.deferred``), ``_enqueue`` and the end-of-tick flush. The public calls are
+``kvmgr.scheduler.deferred``), ``_enqueue`` and the end-of-tick flush; ``check_timeout`` is
+the one rule for the ``timeout_s`` of ``wait``, ``close``, ``aclose`` and ``drain_tiers``. The public calls are
 grouped in ``keyed``, ``request_calls``, ``staged_calls`` and ``observe``, each a class over this
 one; ``facade.OffloadManager`` joins them.
 """
@@ -11,6 +12,8 @@ one; ``facade.OffloadManager`` joins them.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ from kvmgr.errors import (
     ClosedError,
     ConfigError,
     EventLoopError,
+    InvalidArgumentError,
 )
 from kvmgr.hooks import StepHook
 from kvmgr.manager.build import Parts
@@ -29,7 +33,28 @@ from kvmgr.transfer.engine import TransferEngine
 from kvmgr.transfer.layerwise import LayerwiseStore
 from kvmgr.worker import TransferWorker
 
-__all__ = ["ManagerCore"]
+__all__ = ["ManagerCore", "check_timeout"]
+
+
+def check_timeout(timeout_s: object) -> float | None:
+    """``timeout_s`` (seconds) as a float, or ``None`` (no bound).
+
+    Raises:
+        InvalidArgumentError: not ``None`` or a real number (bools refused), negative, NaN or
+            infinite (pass ``None`` for no bound).
+    """
+    if timeout_s is None:
+        return None
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, numbers.Real)
+        or not (math.isfinite(timeout_s) and timeout_s >= 0)
+    ):
+        raise InvalidArgumentError(
+            f"expected timeout_s >= 0 seconds (finite) or None, got "
+            f"{type(timeout_s).__name__}: {timeout_s!r:.40}"
+        )
+    return float(timeout_s)
 
 
 class ManagerCore:
@@ -54,6 +79,8 @@ class ManagerCore:
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
+        #: a loop is bound and the manager is open: the fast path of ``swap_out`` may record
+        self._accepting = False
         self._step = 0
 
     @property
@@ -85,7 +112,7 @@ class ManagerCore:
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         loop = self._open_loop()
-        if self._deferred.futures:
+        if self._deferred.fan is not None:
             self._settle_deferred()
         return loop
 
@@ -108,29 +135,35 @@ class ManagerCore:
             ) from None
         if loop is not self._loop:
             if self._loop is not None and (
-                self._queue.in_flight or len(self._queue) or self._deferred.futures
+                self._queue.in_flight or len(self._queue) or self._deferred.fan is not None
             ):
                 raise EventLoopError(
                     "the manager has swaps queued or in flight on another event loop; "
                     "use one manager per loop"
                 )
             self._loop = loop  # rebind: nothing pending on the old loop
+        self._accepting = True
         return loop
 
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError("the manager is closed")
-        if self._deferred.futures:
+        if self._deferred.fan is not None:
             self._settle_deferred()
 
     def _enqueue(self, part: Part) -> None:
         if not self._scheduler.enqueue(part):  # nothing to copy: resolve now, no batch
             part.future.set_result(part.result)
             return
-        if self._flush_on_tick and not self._tick_scheduled:
-            self._tick_scheduled = True
+        if self._flush_on_tick:
             assert self._loop is not None
-            self._loop.call_soon(self._flush_tick)
+            self._tick_soon(self._loop)
+
+    def _tick_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """``flush="tick"``: flush at the end of this tick (once per tick)."""
+        if not self._tick_scheduled:
+            self._tick_scheduled = True
+            loop.call_soon(self._flush_tick)
 
     def _flush_tick(self) -> None:
         self._tick_scheduled = False

@@ -29,6 +29,7 @@ from kvmgr.errors import (
 )
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.build import build_local, build_ranked
+from kvmgr.manager.core import check_timeout
 from kvmgr.manager.keyed import KeyedCalls
 from kvmgr.manager.observe import Observing
 from kvmgr.manager.request_calls import RequestCalls
@@ -132,11 +133,20 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
 
     async def aclose(self, timeout_s: float | None = 30.0) -> None:
         """Close: fail queued swaps with ``ClosedError``, wait (up to ``timeout_s`` seconds) for
-        the copies in flight and apply their bookkeeping, then close the engine. Idempotent."""
+        the copies in flight and apply their bookkeeping, then close the engine. Idempotent.
+
+        Raises:
+            InvalidArgumentError: ``timeout_s`` is not ``None`` or a finite number >= 0 (raised
+                before anything closes).
+            TransferTimeoutError: the engine's copies outlived ``timeout_s`` (the manager is
+                closed all the same).
+        """
+        timeout_s = check_timeout(timeout_s)
         if self._closed:
             return
         self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closing = True  # from here on, new swaps raise ClosedError
+        self._accepting = False
         self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
         if self._queue.in_flight:
@@ -149,11 +159,17 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
 
     def close(self, timeout_s: float | None = 30.0) -> None:
         """Synchronous close: fail queued swaps, wait for the engine (bounded), then settle
-        every in-flight batch here. Idempotent."""
+        every in-flight batch here. Idempotent.
+
+        Raises:
+            InvalidArgumentError, TransferTimeoutError: as ``aclose``.
+        """
+        timeout_s = check_timeout(timeout_s)
         if self._closed:
             return
         self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closed = True
+        self._accepting = False
         self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:

@@ -8,6 +8,7 @@ and prepared with the others at the next settle; every other store goes through
 from __future__ import annotations
 
 import asyncio
+from asyncio.events import _get_running_loop as _running_loop  # None outside a loop
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,6 +118,8 @@ class KeyedCalls(ManagerCore):
         Returns:
             A future resolving to ``SwapResult`` (``cpu_block_ids``: the blocks written), or
             failing with ``TransferError`` (the PENDING keys are then dropped, blocks freed).
+            A plain call (list ids, no parents, tokens or hints) gets a ``CallFuture``, an
+            ``asyncio.Future`` in all but its class (``kvmgr.scheduler.fanout``).
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
@@ -132,25 +135,24 @@ class KeyedCalls(ManagerCore):
         used by policies that take hints (``"online"``); bad hints raise
         ``InvalidArgumentError`` before any change.
         """
-        loop = self._open_loop()
-        if (
-            parents is None
-            and token_ids is None
-            and hint is None
-            and type(keys) is list
-            and type(gpu_block_ids) is list
-        ):  # the plain per-call store: recorded now, prepared with the others at the step
-            future: asyncio.Future[SwapResult] = loop.create_future()
-            try:
-                recorded = self._deferred.record(gpu_block_ids, keys, future)
+        loop = _running_loop()
+        if loop is not self._loop or not self._accepting:
+            loop = self._open_loop()  # raises ClosedError / EventLoopError, or binds the loop
+        plain = parents is None and token_ids is None and hint is None
+        if plain and type(keys) is list and type(gpu_block_ids) is list:
+            deferred = self._deferred  # a plain store: recorded now, prepared with the
+            try:  # others at the settle
+                if len(keys) == 1 == len(gpu_block_ids):
+                    future = deferred.record_one(gpu_block_ids[0], keys[0], loop)
+                else:
+                    future = deferred.record(gpu_block_ids, keys, loop)
             except PoolExhaustedError as exc:  # the policy was asked once: not again
                 self._settle_deferred()
                 return self._when_room(exc, gpu_block_ids, keys, None, None, batched=False)
-            if recorded:
-                if self._flush_on_tick and not self._tick_scheduled:
-                    self._tick_scheduled = True
-                    loop.call_soon(self._flush_tick)
-                return future
+            if future is not None:
+                if self._flush_on_tick:
+                    self._tick_soon(loop)
+                return future  # type: ignore[return-value]  # asyncio.Future's protocol
         return self._store(gpu_block_ids, keys, parents, token_ids, batched=False, hints=hint)
 
     def store_many(

@@ -69,7 +69,9 @@ class LayerLayouts:
         """
         try:
             layer_key = layers if layers is None or isinstance(layers, int) else tuple(layers)
-            key: Hashable = (layer_key, min_group_bytes, max_groups)
+            # with the types: 2.0 == 2 and True == 1, but only ints pass LayerGroups.build
+            types = tuple(map(type, layer_key)) if type(layer_key) is tuple else type(layer_key)
+            key: Hashable = (layer_key, types, min_group_bytes, type(min_group_bytes), max_groups, type(max_groups))  # fmt: skip
             hash(key)
         except TypeError:  # odd input: build (and let it raise) without caching
             key = None

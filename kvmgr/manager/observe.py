@@ -14,7 +14,7 @@ from kvmgr.errors import (
     InvalidArgumentError,
     TransferTimeoutError,
 )
-from kvmgr.manager.core import ManagerCore
+from kvmgr.manager.core import ManagerCore, check_timeout
 from kvmgr.manager.snapshot import ManagerSnapshot, take_snapshot
 from kvmgr.reports import (
     KVEvent,
@@ -48,14 +48,7 @@ class Observing(ManagerCore):
             raise InvalidArgumentError(
                 f"expected the future of a swap, got {type(future).__name__}: {future!r}"
             )
-        if timeout_s is not None and not (
-            isinstance(timeout_s, (int, float))
-            and not isinstance(timeout_s, bool)
-            and 0 <= timeout_s < float("inf")
-        ):
-            raise InvalidArgumentError(
-                f"expected timeout_s >= 0 seconds or None, got {timeout_s!r}"
-            )
+        timeout_s = check_timeout(timeout_s)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:

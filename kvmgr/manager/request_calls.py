@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from kvmgr.errors import (
     PoolExhaustedError,
@@ -52,6 +53,23 @@ class RequestCalls(ManagerCore):
         """
         self._check_not_closed()
         self._books.requests.append(req_id, gpu_block_ids)
+
+    def check_gpu_blocks(self, gpu_block_ids: Any, what: str = "swap") -> None:
+        """Check GPU block ids as ``swap_out`` / ``swap_in`` would, queueing nothing: for a
+        caller whose one call spans several managers and must know every part is valid before
+        it queues any (``kvmgr.groups.GroupedManager``).
+
+        Args:
+            gpu_block_ids: a sequence of ints or a 1-D integer array.
+            what: the call named in the message for a block no request holds.
+
+        Raises:
+            InvalidBlockError: not a sequence of ints, out of range, repeated, or (owned pool)
+                not held by a request.
+            ClosedError: the manager is closed.
+        """
+        self._check_not_closed()
+        self._books.gpu_ids(gpu_block_ids, what)
 
     def block_table(self, req_id: Hashable) -> list[tuple[Tier, int]]:
         """The request's blocks as ``[(tier, block_id), ...]`` in logical order.

@@ -19,7 +19,7 @@ from kvmgr.manager.backpressure import WaitingStore
 from kvmgr.pool.block_table import Tier
 from kvmgr.scheduler.bookkeeping import Bookkeeper
 from kvmgr.scheduler.cpu_tier import CpuState
-from kvmgr.scheduler.deferred import StoreFanOut
+from kvmgr.scheduler.fanout import StoreFanOut
 from kvmgr.scheduler.gpu_blocks import GpuState
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.queue import Batch, Kind, Part, SwapQueue
@@ -164,7 +164,8 @@ def _swaps(part: Part, batch_seq: int | None) -> list[SwapSnapshot]:
         ]
     gpu, cpu, keys = _ints(part.gpu_ids), _ints(part.cpu_ids), part.keys or []
     swaps, start = [], 0
-    for call, end in zip(future.futures, future.ends):
+    ends = future.ends if future.ends is not None else range(1, len(keys) + 1)
+    for call, end in zip(future.calls(), ends):
         swaps.append(
             SwapSnapshot(
                 "store",

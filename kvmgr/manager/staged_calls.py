@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from kvmgr.manager.core import ManagerCore
+from kvmgr.manager.core import ManagerCore, check_timeout
 from kvmgr.manager.layerwise import start_load, start_store
 from kvmgr.reports import (
     LoadResult,
@@ -138,7 +138,9 @@ class StagedCalls(ManagerCore):
 
         Raises:
             ClosedError, EventLoopError: closed, or no running loop.
+            InvalidArgumentError: ``timeout_s`` is not ``None`` or a finite number >= 0.
         """
+        timeout_s = check_timeout(timeout_s)
         self._check_open()
         if self._tiers is not None:
             self._tiers.write_evicted(self._books.take_evicted(), asyncio.get_running_loop())

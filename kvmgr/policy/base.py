@@ -18,6 +18,12 @@ keys, so a key whose child (a key that extends it) stays resident is worth more 
 after the eviction: every victim set is closed under "tracked children". A key whose child is
 not evictable (``can_evict`` false, or protected) is not evictable either. The shared helper
 `kvmgr.policy.tree.PrefixTree` gives every policy this rule.
+
+A policy may also offer ``insert_new(keys, parents)``: `EvictionPolicy.insert` without its
+checks, for a caller that vouches for the batch (one parent per key; the keys distinct, not
+tracked, and none of them the parent of a tracked key). The CPU tier knows all of this from its
+index and chains and calls it when present (``LRUPolicy`` has it); a wrong batch there corrupts
+the policy silently, so nothing else should call it.
 """
 
 from __future__ import annotations

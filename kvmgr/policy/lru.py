@@ -57,7 +57,16 @@ class LRUPolicy:
             ValueError: If ``len(parents) != len(keys)``.
         """
         check_new(self._order, keys, parents, self.name)
-        self._tree.add(keys, parents)
+        self.insert_new(keys, parents, childless=False)
+
+    def insert_new(
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None], *, childless: bool = True
+    ) -> None:
+        """`insert` without its checks, for a caller that vouches for the batch: one parent
+        per key, the keys distinct and untracked, and (``childless``) none of them the parent
+        of a tracked key. The CPU tier knows this from its index and chains (see
+        ``EvictionPolicy``); anything else calls `insert`."""
+        self._tree.add(keys, parents, childless=childless)
         if len(keys) == 1:
             self._order[keys[0]] = parents[0]
         else:

@@ -17,8 +17,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import numpy as np
 
 from kvmgr.errors import ConfigError
-from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+from kvmgr.policy.base import KeyPredicate, _check_capacity
+from kvmgr.policy.tracked import TrackedPolicy
+from kvmgr.policy.tree import PrefixTree, VictimSet
 
 __all__ = ["FutureUses", "OptimalPolicy"]
 
@@ -102,7 +103,7 @@ class FutureUses:
         return 0 if kid is None else int(self._depth[kid])
 
 
-class OptimalPolicy:
+class OptimalPolicy(TrackedPolicy):
     """Belady's MIN on the cached prefix tree: offline, exact for a prefix cache.
 
     Data structures
@@ -147,44 +148,26 @@ class OptimalPolicy:
                 "passes it; `kvmgr simulate --policy opt`)"
             )
         self._future = future
-        self._parent_of: dict[bytes, bytes | None] = {}
+        self._tracked: dict[bytes, bytes | None] = {}  # key -> parent
         self._tree = PrefixTree()
         self._heap: list[tuple[int, int, bytes]] = []
         future.subscribe(self._moved)
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track new keys. See `EvictionPolicy.insert` (same errors)."""
-        check_new(self._parent_of, keys, parents, self.name)
-        self._tree.add(keys, parents)
-        self._parent_of.update(zip(keys, parents))
+        self._check_new(keys, parents)
+        self._tracked.update(zip(keys, parents))
         self._push(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Ignored: the next use, not the last, decides."""
 
-    def remove(self, keys: Sequence[bytes]) -> None:
-        """Stop tracking ``keys``; their heap entries go stale.
-
-        Raises:
-            UnknownKeyError: If a key is not tracked; nothing changed then.
-        """
-        unique = list(dict.fromkeys(keys))
-        check_tracked(self._parent_of, unique, self.name)
-        self._tree.release(map(self._parent_of.pop, unique))
-
-    def evict(
-        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
+    def _evict(
+        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes]
     ) -> list[bytes] | None:
-        """Untrack and return ``n`` leaves used furthest in the future, or ``None``.
-
-        Raises:
-            ValueError: If ``n`` is negative or not an ``int``.
-        """
-        _check_evict_count(n)
-        if n == 0:
-            return []
-        victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
-        heap, future, tracked = self._heap, self._future, self._parent_of
+        """The ``n`` leaves used furthest in the future (removed heap entries go stale)."""
+        victims = VictimSet(self._tree, self._tracked, n, can_evict, protected)
+        heap, future, tracked = self._heap, self._future, self._tracked
         popped: list[tuple[int, int, bytes]] = []
         while heap and not victims.is_full:
             entry = heapq.heappop(heap)
@@ -206,16 +189,10 @@ class OptimalPolicy:
             del tracked[key]
         return victims.keys
 
-    def __len__(self) -> int:
-        return len(self._parent_of)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._parent_of
-
     def _push(self, keys: Iterable[bytes]) -> None:
         future, heap = self._future, self._heap
         for key in keys:
             heapq.heappush(heap, (-future.next_use(key), -future.depth(key), key))
 
     def _moved(self, keys: Iterable[bytes]) -> None:
-        self._push([key for key in keys if key in self._parent_of])
+        self._push([key for key in keys if key in self._tracked])

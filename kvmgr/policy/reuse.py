@@ -5,8 +5,6 @@ Offers `ReusePolicy`, registered as ``"reuse"``.
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
@@ -14,46 +12,16 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 
 from kvmgr.errors import ConfigError
-from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+from kvmgr.policy._reuse_queues import SegmentQueues
+from kvmgr.policy._reuse_stats import ReuseStats, Segment, class_of
+from kvmgr.policy.base import KeyPredicate, _check_capacity
+from kvmgr.policy.tracked import TrackedPolicy, chain_spans
+from kvmgr.policy.tree import PrefixTree, VictimSet
 
 __all__ = ["ReusePolicy"]
 
-_NUM_TURNS = 3  # turn buckets: 1, 2, >= 3
-_NUM_SIZES = 12  # size buckets: floor(log2(blocks)), capped
-_GAP_EDGES = np.geomspace(1.0, 1e5, 61)  # s; log-spaced bins of the reuse-gap histogram
 
-
-class _Segment:
-    """The blocks one request stored in one go (a chain): the unit the policy learns on."""
-
-    __slots__ = (
-        "cls",
-        "forks",
-        "grown",
-        "keys",
-        "last",
-        "proven",
-        "resolved",
-        "start",
-        "tracked",
-        "turn",
-    )
-
-    def __init__(self, keys: list[bytes], turn: int, now: float) -> None:
-        self.keys = keys  # chain order; the tip (last) is evicted first
-        self.turn = turn  # turns of its conversation that used it (1 = just stored)
-        self.forks = 0  # later requests' chains attached under it
-        self.cls = _class_of(turn, len(keys))
-        self.start = now  # start of the current trial: stored, or last reused
-        self.last = now  # last event (store, extension, reuse)
-        self.grown = now  # last time a chunk of its prefill was stored
-        self.resolved = False  # the current trial ended (reused, or judged dead)
-        self.proven = False  # reused at least once: lives in the main queue
-        self.tracked = 0  # keys of it still resident
-
-
-class ReusePolicy:
+class ReusePolicy(TrackedPolicy):
     """Keeps blocks of conversations that came back; gives new ones a measured probation.
 
     A *segment* is a chain of blocks one request stored (the chunks of one prefill within
@@ -98,6 +66,11 @@ class ReusePolicy:
         dead_quantile: Quantile of the measured reuse gap after which an unused segment counts as dead.
         prior: Pseudo-counts shrinking each class rate towards the overall rate.
         continue_s: A chain extending the tip of a segment stored less than this ago joins it.
+        adapt: Blocks probation's target grows (shrinks) per block of a ghost hit on an
+            unproven (proven) segment, ARC-style; 0 keeps it sized by the gap alone.
+        filter_quantile, filter_ratio: Evict by queue (probation first) only while the blocks
+            stored during the ``filter_quantile`` gap exceed ``filter_ratio`` of the capacity;
+            else plain LRU by key.
 
     Raises:
         ConfigError: Bad capacity or an option out of range.
@@ -133,41 +106,16 @@ class ReusePolicy:
         ):
             raise ConfigError(f"reuse policy: an option is out of range ({locals()!r})")
         self._clock = clock if clock is not None else time.monotonic
-        self._probation_quantile = probation_quantile
-        self._min_probation = min_probation * capacity
-        self._max_probation = max_probation * capacity
-        self._min_reuse = min_reuse
-        self._min_trials = min_trials
-        self._dead_quantile = dead_quantile
-        self._prior = prior
+        self._min_reuse, self._min_trials = min_reuse, min_trials
         self._continue_s = continue_s
-        self._adapt = adapt
-        self._filter_quantile = filter_quantile
-        self._filter_ratio = filter_ratio
-        self._filter_gap_s = 0.0
-        self._shift = 0.0  # blocks added to the gap-sized probation target by ghost hits
-        self._probation: OrderedDict[_Segment, None] = OrderedDict()  # by store time
-        self._main: OrderedDict[_Segment, None] = OrderedDict()  # by last reuse
-        self._num_probation = 0  # resident blocks of probation segments
-        self._stored = 0.0  # blocks stored, and since when, for the store rate
-        self._first_store_s: float | None = None
-        num_classes = _NUM_TURNS * _NUM_SIZES
-        self._reused = np.zeros(num_classes)
-        self._trials = np.zeros(num_classes)
-        # reuse-gap histogram, seeded with a weak log-uniform prior over 10 s .. 1000 s
-        centers = np.sqrt(_GAP_EDGES[:-1] * _GAP_EDGES[1:])
-        self._gaps = np.where((centers > 10) & (centers < 1000), 0.5, 0.0)
-        self._num_new_gaps = 0
-        self._gap_cdf = np.empty(0)
-        self._probation_gap_s = self._horizon_s = 0.0
-        self._filter_quantile, self._filter_gap_s = filter_quantile, 0.0
-        self._refresh_gaps()
-        self._seg_of: dict[bytes, _Segment] = {}
+        self._stats = ReuseStats(probation_quantile, filter_quantile, dead_quantile, prior)
+        self._queues = SegmentQueues(
+            capacity, (min_probation, max_probation), filter_ratio, adapt, self._stats, self._clock
+        )
+        self._seg_of: dict[bytes, Segment] = {}
         # key -> parent, least recently stored or touched first (the order of the LRU regime)
-        self._parent_of: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._tracked: OrderedDict[bytes, bytes | None] = OrderedDict()
         self._tree = PrefixTree()
-        self._open: deque[tuple[float, _Segment]] = deque()
-        self._ghost: OrderedDict[bytes, _Segment] = OrderedDict()
         self.num_declined: int = 0
         """Blocks ``admit`` declined so far (each one a copy not made)."""
 
@@ -175,21 +123,16 @@ class ReusePolicy:
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track new keys; see `EvictionPolicy.insert` (same errors)."""
-        check_new(self._parent_of, keys, parents, self.name)
-        self._tree.add(keys, parents)
-        self._parent_of.update(zip(reversed(keys), reversed(parents)))
+        self._check_new(keys, parents)
+        self._tracked.update(zip(reversed(keys), reversed(parents)))
         now = self._clock()
-        self._expire(now)
-        if self._first_store_s is None:
-            self._first_store_s = now
-        self._stored += len(keys)
-        for start, end in _chains(keys, parents):
+        self._stats.expire(now)
+        self._queues.stored(len(keys), now)
+        for start, end in chain_spans(keys, parents):
             chain = list(keys[start:end])
-            back = self._ghost_evidence(chain, now)
+            back = self._queues.ghost_hit(chain, now)
             seg = self._attach(chain, parents[start], now, back)
-            seg.tracked += len(chain)
-            if not seg.proven:
-                self._num_probation += len(chain)
+            self._queues.track(seg, len(chain))
             self._seg_of.update(dict.fromkeys(chain, seg))
 
     def admit(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> np.ndarray:
@@ -200,178 +143,118 @@ class ReusePolicy:
             numpy.ndarray: ``bool`` ``[len(keys)]``, True = store.
         """
         accept = np.ones(len(keys), dtype=bool)
-        if self._min_reuse <= 0 or len(self._parent_of) < self.capacity:
+        if self._min_reuse <= 0 or len(self._tracked) < self.capacity:
             return accept
         now = self._clock()
         declined: set[bytes | None] = set()
-        for start, end in _chains(keys, parents):
+        ghost = self._queues.ghost
+        for start, end in chain_spans(keys, parents):
             up = parents[start]
             seg_up = self._seg_of.get(up) if up is not None else None
-            ghost_up = self._ghost.get(up) if up is not None else None
-            if up in declined or (ghost_up is not None and self._is_tip(ghost_up, up, now)):
+            ghost_up = ghost.get(up) if up is not None else None
+            if up in declined or (
+                ghost_up is not None and ghost_up.at_tip(up, now, self._continue_s)
+            ):
                 accept[start:end] = False
                 declined.update(keys[start:end])
                 continue
-            if self._ghost and not self._ghost.keys().isdisjoint(keys[start:end]):
+            if ghost and not ghost.keys().isdisjoint(keys[start:end]):
                 continue  # stored again: it was needed
-            if seg_up is not None and self._is_tip(seg_up, up, now):
-                turn, size = seg_up.turn, len(seg_up.keys) + end - start
-            else:
-                turn = seg_up.turn + (now - seg_up.start > self._continue_s) if seg_up else 1
-                if seg_up is not None and not _continues(seg_up, up):
-                    turn = 1  # a branch off a shared prefix: a new conversation
-                size = end - start
-            cls = _class_of(turn, size)
-            if self._trials[cls] >= self._min_trials and self._rate(cls) < self._min_reuse:
+            cls, turn = self._class_under(seg_up, up, end - start, now)
+            if (
+                self._stats.trials[cls] >= self._min_trials
+                and self._stats.rate(cls) < self._min_reuse
+            ):
                 accept[start:end] = False
                 declined.update(keys[start:end])
-                seg = _Segment(list(keys[start:end]), turn, now)
-                self._open.append((now, seg))
-                self._remember(seg.keys, seg)
+                seg = Segment(list(keys[start:end]), turn, now)
+                self._stats.open_trial(seg, now)
+                self._queues.remember(dict.fromkeys(seg.keys, seg))
         self.num_declined += int((~accept).sum())
         return accept
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Count a reuse of every segment holding a touched key; untracked keys ignored."""
-        order = self._parent_of
+        order = self._tracked
         deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), 0)
-        segs = set(map(self._seg_of.get, keys))
-        segs.discard(None)
+        segs = dict.fromkeys(map(self._seg_of.get, keys))  # in key order: reproducible
+        segs.pop(None, None)
         if segs:
             now = self._clock()
             for seg in segs:
                 self._reuse(seg, now)  # type: ignore[arg-type]
 
-    def remove(self, keys: Sequence[bytes]) -> None:
-        """Stop tracking ``keys``.
-
-        Raises:
-            UnknownKeyError: If a key is not tracked; nothing changed then.
-        """
-        unique = list(dict.fromkeys(keys))
-        check_tracked(self._parent_of, unique, self.name)
-        self._tree.release(map(self._parent_of.pop, unique))
+    def _forget(self, keys: list[bytes]) -> None:
+        super()._forget(keys)
         tracked = self._seg_of
-        for seg, count in Counter(map(tracked.pop, unique)).items():
-            self._drop(seg, count)
+        for seg, count in Counter(map(tracked.pop, keys)).items():
+            self._queues.drop(seg, count, self._seg_of)
             if seg.tracked:  # a key left from inside the chain: drop it from the key list, so
                 # that a key stored again (into another segment) is never listed twice
                 seg.keys = [k for k in seg.keys if tracked.get(k) is seg]
 
-    def evict(
-        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
+    def _evict(
+        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes]
     ) -> list[bytes] | None:
-        """Untrack and return ``n`` victims (probation over target first), or ``None``.
-
-        Raises:
-            ValueError: If ``n`` is negative or not an ``int``.
-        """
-        _check_evict_count(n)
-        if n == 0:
-            return []
-        victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
-        tracked, target = self._seg_of, self._probation_target()
-        scans = {True: iter(self._probation), False: iter(self._main)}
-        virtual_probation = self._num_probation
-        offered: set[bytes] = set()
-        fronts = {True: next(scans[True], None), False: next(scans[False], None)}
-        if not self._is_filtering():  # the cache outlasts the gap: plain LRU by key
-            victims.offer_all(self._parent_of)
-            fronts = {True: None, False: None}  # every key was offered
-        while not victims.is_full and (fronts[True] is not None or fronts[False] is not None):
-            if fronts[True] is None or fronts[False] is None:
-                from_probation = fronts[True] is not None
-            else:  # it cannot: keep unproven segments short, proven ones long
-                from_probation = virtual_probation > target
-            seg = fronts[from_probation]
-            assert seg is not None
-            fronts[from_probation] = next(scans[from_probation], None)
-            before = len(victims.keys)
-            # tip first; ancestors of a blocked key wait in the set
-            # each key once (VictimSet's contract), from the segment that owns it now: a key
-            # evicted or removed and stored again may still be listed by its old segment, or
-            # twice by one segment it rejoined
-            victims.offer_all(
-                k
-                for k in reversed(seg.keys)
-                if tracked.get(k) is seg and k not in offered and not offered.add(k)  # type: ignore[func-returns-value]
-            )
-            if from_probation:
-                virtual_probation -= len(victims.keys) - before
+        """Probation's segments while it is over its target (or main is empty), else main's;
+        plain LRU by key while the cache outlasts the measured gap."""
+        victims = VictimSet(self._tree, self._tracked, n, can_evict, protected)
+        if not self._queues.is_filtering():  # the cache outlasts the gap: plain LRU by key
+            victims.offer_all(self._tracked)
+        else:
+            self._queues.offer(victims, self._seg_of)
         if not victims.is_full:
             victims.rollback()
             return None
         chosen = victims.keys
-        segs = list(map(tracked.pop, chosen))
-        deque(map(self._parent_of.__delitem__, chosen), 0)
-        self._ghost.update(zip(chosen, segs))
-        self._trim_ghost()
+        segs = list(map(self._seg_of.pop, chosen))
+        deque(map(self._tracked.__delitem__, chosen), 0)
+        self._queues.remember(zip(chosen, segs))
         for seg, count in Counter(segs).items():
-            self._drop(seg, count)
+            self._queues.drop(seg, count, self._seg_of)
         return chosen
-
-    def __len__(self) -> int:
-        return len(self._parent_of)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._parent_of
 
     # -- introspection ----------------------------------------------------------------------
 
     @property
     def probation_gap_s(self) -> float:
         """The measured gap probation is sized for (``probation_quantile`` quantile)."""
-        return self._probation_gap_s
+        return self._stats.probation_gap_s
 
     @property
     def horizon_s(self) -> float:
         """The dead horizon (``dead_quantile`` quantile of the measured reuse gap)."""
-        return self._horizon_s
+        return self._stats.horizon_s
 
     def reuse_rates(self) -> np.ndarray:
         """Estimated reuse rate per class, shape ``[3, 12]`` (turn bucket, log2 size)."""
-        rates = [self._rate(c) for c in range(_NUM_TURNS * _NUM_SIZES)]
-        return np.array(rates).reshape(_NUM_TURNS, _NUM_SIZES)
+        return self._stats.rates()
 
     # -- private ----------------------------------------------------------------------------
 
-    def _is_filtering(self) -> bool:
-        """Whether the blocks stored during the measured gap exceed ``filter_ratio`` of the
-        capacity: new segments would be evicted before their typical reuse anyway."""
-        if self._first_store_s is None:
-            return False
-        elapsed = max(self._clock() - self._first_store_s, 1.0)
-        return self._stored / elapsed * self._filter_gap_s > self._filter_ratio * self.capacity
-
-    def _probation_target(self) -> float:
-        if self._first_store_s is None:
-            return self._max_probation
-        elapsed = max(self._clock() - self._first_store_s, 1.0)
-        wanted = self._stored / elapsed * self._probation_gap_s + self._shift
-        return min(max(wanted, self._min_probation), self._max_probation)
-
-    def _rate(self, cls: int) -> float:
-        overall = (self._reused.sum() + 1.0) / (self._trials.sum() + 3.0)
-        return float(
-            (self._reused[cls] + self._prior * overall) / (self._trials[cls] + self._prior)
-        )
-
-    def _is_tip(self, seg: _Segment, key: bytes | None, now: float) -> bool:
-        """Whether a chain under ``key`` continues ``seg`` (same prefill, at its tip)."""
-        return bool(seg.keys) and seg.keys[-1] == key and now - seg.grown <= self._continue_s
+    def _class_under(
+        self, seg_up: Segment | None, up: bytes | None, num_keys: int, now: float
+    ) -> tuple[int, int]:
+        """Class and turn of a chain of ``num_keys`` stored under ``up`` (in ``seg_up``)."""
+        if seg_up is not None and seg_up.at_tip(up, now, self._continue_s):
+            return class_of(seg_up.turn, len(seg_up.keys) + num_keys), seg_up.turn
+        turn = seg_up.turn + (now - seg_up.start > self._continue_s) if seg_up else 1
+        if seg_up is not None and not seg_up.continues(up):
+            turn = 1  # a branch off a shared prefix: a new conversation
+        return class_of(turn, num_keys), turn
 
     def _attach(
-        self, chain: list[bytes], up: bytes | None, now: float, back: _Segment | None
-    ) -> _Segment:
+        self, chain: list[bytes], up: bytes | None, now: float, back: Segment | None
+    ) -> Segment:
         """The segment ``chain`` joins: its parent's (same prefill) or a new one."""
         seg_up = self._seg_of.get(up) if up is not None else None
         back_turn = back.turn + 1 if back is not None else 1  # before _reuse may count it
-        if seg_up is not None and self._is_tip(seg_up, up, now):
+        if seg_up is not None and seg_up.at_tip(up, now, self._continue_s):
             seg_up.keys.extend(chain)  # the next chunk of the same prefill
-            seg_up.cls, seg_up.last = _class_of(seg_up.turn, len(seg_up.keys)), now
+            seg_up.cls, seg_up.last = class_of(seg_up.turn, len(seg_up.keys)), now
             seg_up.grown = now
             return seg_up
-        inherit = seg_up is not None and _continues(seg_up, up)
+        inherit = seg_up is not None and seg_up.continues(up)
         if seg_up is not None:
             self._reuse(seg_up, now)  # a later request extended it: its prefix was reused
             seg_up.forks += 1
@@ -380,119 +263,19 @@ class ReusePolicy:
         # prompt every conversation extends) starts at 1 (the v1 turn inherited the shared
         # segment's count, so 99% of outcomes fell into the turn >= 3 classes)
         turn = max(seg_up.turn if inherit and seg_up is not None else 1, back_turn)
-        seg = _Segment(chain, turn, now)
-        self._open.append((now, seg))
-        if back is not None:  # stored again after eviction: a proven conversation
-            seg.proven = True
-            self._main[seg] = None
-        else:
-            self._probation[seg] = None
+        seg = Segment(chain, turn, now)
+        self._stats.open_trial(seg, now)
+        self._queues.add(seg, proven=back is not None)  # stored again after eviction: proven
         return seg
 
-    def _reuse(self, seg: _Segment, now: float) -> None:
+    def _reuse(self, seg: Segment, now: float) -> None:
         """Close the segment's trial as reused, promote it and open the next trial."""
         if now - seg.start <= self._continue_s:
             return  # the same request again (loads over several steps), not a new turn
         if not seg.resolved:
-            self._count(seg, reused=True, gap_s=now - seg.start)
+            self._stats.count(seg, reused=True, gap_s=now - seg.start)
         seg.turn += 1
-        seg.cls = _class_of(seg.turn, len(seg.keys))
+        seg.cls = class_of(seg.turn, len(seg.keys))
         seg.start, seg.last, seg.resolved = now, now, False
-        self._open.append((now, seg))
-        if not seg.tracked:
-            return
-        if seg.proven:
-            self._main.move_to_end(seg)
-        else:
-            seg.proven = True
-            del self._probation[seg]
-            self._num_probation -= seg.tracked
-            self._main[seg] = None
-
-    def _drop(self, seg: _Segment, count: int) -> None:
-        """``count`` keys of ``seg`` stopped being tracked."""
-        seg.tracked -= count
-        if not seg.proven:
-            self._num_probation -= count
-        if seg.tracked == 0:
-            (self._main if seg.proven else self._probation).pop(seg, None)
-        else:
-            tracked = self._seg_of
-            while seg.keys and seg.keys[-1] not in tracked:
-                seg.keys.pop()
-
-    def _ghost_evidence(self, chain: list[bytes], now: float) -> _Segment | None:
-        """Keys evicted or declined while unproven, stored again: their segment was reused.
-        Returns that segment (the new one inherits its turn and goes to main)."""
-        ghost = self._ghost
-        if not ghost or ghost.keys().isdisjoint(chain):
-            return None
-        segs = {ghost.pop(key) for key in chain if key in ghost}
-        for seg in segs:
-            if not seg.resolved:
-                self._count(seg, reused=True, gap_s=now - seg.start)
-            # ARC-style adaptation: evicted too early from probation -> grow it; from main
-            # -> shrink it (steps in blocks, bounded)
-            step = self._adapt * len(chain) * (-1.0 if seg.proven else 1.0)
-            self._shift = min(max(self._shift + step, -self.capacity), self.capacity)
-        return max(segs, key=lambda s: s.turn)
-
-    def _count(self, seg: _Segment, *, reused: bool, gap_s: float = 0.0) -> None:
-        seg.resolved = True
-        self._trials[seg.cls] += 1
-        if reused:
-            self._reused[seg.cls] += 1
-            i = int(np.searchsorted(_GAP_EDGES, max(gap_s, 1.0))) - 1
-            self._gaps[min(max(i, 0), len(self._gaps) - 1)] += 1.0
-            self._num_new_gaps += 1
-            if self._num_new_gaps % 32 == 0:
-                self._refresh_gaps()
-
-    def _refresh_gaps(self) -> None:
-        self._gap_cdf = np.cumsum(self._gaps) / self._gaps.sum()
-        self._probation_gap_s = self._quantile(self._probation_quantile)
-        self._filter_gap_s = self._quantile(self._filter_quantile)
-        self._horizon_s = self._quantile(self._dead_quantile)
-
-    def _quantile(self, q: float) -> float:
-        i = int(np.searchsorted(self._gap_cdf, q))
-        return float(_GAP_EDGES[min(i + 1, len(_GAP_EDGES) - 1)])
-
-    def _expire(self, now: float) -> None:
-        """Open trials older than the dead horizon end as dead."""
-        horizon, opened = self._horizon_s, self._open
-        while opened and now - opened[0][0] > horizon:
-            started, seg = opened.popleft()
-            if not seg.resolved and seg.start == started:
-                self._count(seg, reused=False)
-
-    def _remember(self, keys: list[bytes], seg: _Segment) -> None:
-        self._ghost.update(dict.fromkeys(keys, seg))
-        self._trim_ghost()
-
-    def _trim_ghost(self) -> None:
-        ghost, bound = self._ghost, 4 * self.capacity
-        while len(ghost) > bound:
-            ghost.popitem(last=False)
-
-
-def _continues(seg: _Segment, key: bytes | None) -> bool:
-    """Whether a chain under ``key`` is the next request of ``seg``'s conversation: it extends
-    the segment's tip and nothing was attached under the segment before."""
-    return seg.forks == 0 and bool(seg.keys) and seg.keys[-1] == key
-
-
-def _class_of(turn: int, size: int) -> int:
-    size_bucket = min(int(math.log2(max(size, 1))), _NUM_SIZES - 1)
-    return (min(turn, _NUM_TURNS) - 1) * _NUM_SIZES + size_bucket
-
-
-def _chains(keys: Sequence[bytes], parents: Sequence[bytes | None]) -> list[tuple[int, int]]:
-    """``[start, end)`` of the maximal runs where each key extends the previous one."""
-    n = len(keys)
-    if n == 0:
-        return []
-    if list(parents[1:]) == list(keys[:-1]):
-        return [(0, n)]
-    cuts = [i for i in range(1, n) if parents[i] != keys[i - 1]]
-    return list(itertools.pairwise([0, *cuts, n]))
+        self._stats.open_trial(seg, now)
+        self._queues.promote(seg)

@@ -11,9 +11,8 @@ policy collects the victims one offer at a time as before.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from itertools import compress, islice, repeat
-from operator import is_
 
 import numpy as np
 
@@ -53,12 +52,33 @@ def leading_run(
         return None
     if protected and not _as_lookup(protected).isdisjoint(run):
         return None
+    ups = list(islice(order.values(), n))
+    if ups[:-1] == run[1:]:  # one chain, its leaf first (the common full tier)
+        return _chain(run, ups[-1], tree, every)
     kids = list(map(num_children.get, run, repeat(0)))
-    outside = _parents_outside(run, list(islice(order.values(), n)), kids)
+    outside = _parents_outside(run, ups, kids)
     if outside is None or not every(run):
         return None
     deque(map(num_children.__delitem__, compress(run, kids)), 0)  # they lose every child
     tree.release(outside)  # parents outside the run: one child each
+    return run
+
+
+def _chain(
+    run: list[bytes], up: bytes | None, tree: PrefixTree, every: Callable[[list[bytes]], bool]
+) -> list[bytes] | None:
+    """`leading_run` for one chain ``run`` (each key's parent the next key; the last key's
+    parent ``up``; the first key childless): a run when every key is evictable and each key
+    after the first has one tracked child (the key before it). Its counts are popped in one
+    pass and put back when some key has another child."""
+    if not every(run):
+        return None
+    num_children = tree.num_children
+    counts = list(map(num_children.pop, islice(run, 1, None)))  # each has its chain child
+    if sum(counts) != len(run) - 1:  # a child outside the run: that key would wait
+        num_children.update(zip(islice(run, 1, None), counts))
+        return None
+    tree.release((up,))  # the parent outside the run loses one child
     return run
 
 
@@ -67,11 +87,9 @@ def _parents_outside(
 ) -> list[bytes | None] | None:
     """The parents (``ups``, one per run key) outside the run, one per child, when every
     parent in the run comes after its children and every tracked child of a run key (``kids``:
-    their counts) is in the run; else ``None``. One chain (each key's parent the next key)
-    and roots only are told without a position per key."""
+    their counts) is in the run; else ``None``. Roots only are told without a position per
+    key (one chain is `_chain`'s)."""
     n = len(run)
-    if False not in map(is_, ups, islice(run, 1, None)):  # one chain, its leaf first
-        return [ups[-1]] if sum(kids) == n - 1 else None
     if ups.count(None) == n:  # roots (one-block stores)
         return [] if not any(kids) else None
     position = dict(zip(run, range(n)))

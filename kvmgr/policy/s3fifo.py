@@ -9,15 +9,17 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from kvmgr.errors import ConfigError
-from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked
+from kvmgr.policy.base import KeyPredicate, _check_capacity
+from kvmgr.policy.tracked import TrackedPolicy
+from kvmgr.policy.tree import PrefixTree, VictimSet
 
 __all__ = ["S3FIFOPolicy"]
 
 _MAX_FREQ = 3
+_Queue = OrderedDict[bytes, bytes | None]  # key -> parent, oldest first
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(TrackedPolicy):
     """S3-FIFO: a small FIFO filters one-hit wonders, a main FIFO with CLOCK-style reinsertion
     keeps the rest, and a ghost FIFO lets quickly re-stored keys skip the small queue.
 
@@ -88,14 +90,14 @@ class S3FIFOPolicy:
         self._main: OrderedDict[bytes, bytes | None] = OrderedDict()
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._freq: dict[bytes, int] = {}
+        self._tracked = self._freq  # a key is tracked while it has a count
         self._tree = PrefixTree()
         self._has_evicted = False
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track new keys (ghosts into ``main``, others into ``small``). See
         `EvictionPolicy.insert` (same errors)."""
-        check_new(self._freq, keys, parents, self.name)
-        self._tree.add(keys, parents)
+        self._check_new(keys, parents)
         ghost, small, main = self._ghost, self._small, self._main
         for key, up in zip(reversed(keys), reversed(parents)):
             if key in ghost:
@@ -117,39 +119,22 @@ class S3FIFOPolicy:
             if count is not None:
                 freq[key] = count + 1
 
-    def remove(self, keys: Sequence[bytes]) -> None:
-        """Stop tracking ``keys`` (no ghost entries).
-
-        Raises:
-            UnknownKeyError: If a key is not tracked; nothing changed then.
-        """
-        unique = list(dict.fromkeys(keys))
-        check_tracked(self._freq, unique, self.name)
-        for key in unique:
+    def _forget(self, keys: list[bytes]) -> None:
+        """Untrack ``keys`` (no ghost entries)."""
+        for key in keys:
             del self._freq[key]
             queue = self._small if key in self._small else self._main
             self._tree.release([queue.pop(key)])
 
-    def evict(
-        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes] = ()
+    def _evict(
+        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes]
     ) -> list[bytes] | None:
-        """Untrack and return ``n`` victims in S3-FIFO order, or ``None`` (nothing changed).
-
-        Raises:
-            ValueError: If ``n`` is negative or not an ``int``.
-        """
-        _check_evict_count(n)
-        if n == 0:
-            return []
+        """``n`` victims in S3-FIFO order (class docstring), or ``None``: every move undone."""
         small, main, freq = self._small, self._main, self._freq
-        had_evicted = self._has_evicted
-        parent_of = _Parents(small, main)
-        victims = VictimSet(self._tree, parent_of, n, can_evict, protected)
-        journal: list[tuple[bool, OrderedDict[bytes, bytes | None], bytes, bytes | None]] = []
-        old_freq: dict[bytes, int] = {}
-        held: list[tuple[OrderedDict[bytes, bytes | None], bytes, bytes | None]] = []
-        from_small: set[bytes] = set()
-        self._has_evicted = True
+        had_evicted, self._has_evicted = self._has_evicted, True
+        moves = _Moves(small, main, freq)
+        victims = VictimSet(self._tree, moves, n, can_evict, protected)
+        journal, popped = moves.journal, moves.popped
         while not victims.is_full and (small or main):
             use_main = len(main) > self._main_target or not small
             queue = main if use_main else small
@@ -159,49 +144,22 @@ class S3FIFOPolicy:
                 journal.append((False, queue, key, up))
                 count = freq[key]
                 if use_main and count >= 1:  # CLOCK: reinsert with one hit less
-                    old_freq.setdefault(key, count)
-                    freq[key] = min(count, _MAX_FREQ) - 1
-                    main[key] = up
-                    journal.append((True, main, key, up))
-                    continue
-                if not use_main and count >= self._threshold:  # promoted, counting anew
-                    old_freq.setdefault(key, count)
-                    freq[key] = 0
-                    main[key] = up
-                    journal.append((True, main, key, up))
-                    continue
-                parent_of.popped[key] = up
-                if not use_main:
-                    from_small.add(key)
-                if not victims.offer(key):
-                    held.append((queue, key, up))
+                    moves.to_main(key, up, min(count, _MAX_FREQ) - 1)
+                elif not use_main and count >= self._threshold:  # promoted, counting anew
+                    moves.to_main(key, up, 0)
+                else:
+                    popped[key] = up
+                    if not use_main:
+                        moves.from_small.add(key)
+                    if not victims.offer(key):
+                        moves.held.append((queue, key, up))
         if not victims.is_full:
             victims.rollback()
-            for pushed, queue, key, up in reversed(journal):  # key-based, exact in reverse
-                if pushed:
-                    del queue[key]
-                else:
-                    queue[key] = up
-                    queue.move_to_end(key, last=False)
-            freq.update(old_freq)
+            moves.undo()
             self._has_evicted = had_evicted
             return None
-        taken = set(victims.keys)
-        for queue, key, up in reversed(held):  # skipped keys keep their place at the front
-            if key not in taken:
-                queue[key] = up
-                queue.move_to_end(key, last=False)
-        for key in victims.keys:
-            del freq[key]
-            if key in from_small:
-                self._ghost[key] = None
+        moves.commit(victims.keys, self._ghost)
         return victims.keys  # the ghost is trimmed by the next insert, after its ghost test
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
 
     @property
     def small(self) -> list[bytes]:
@@ -219,14 +177,18 @@ class S3FIFOPolicy:
         return list(self._ghost)
 
 
-class _Parents:
-    """Parent lookup across the two queues and the keys popped during one ``evict``."""
+class _Moves:
+    """The queue moves of one ``evict`` call, kept to undo them if it fails; also its
+    `VictimSet`'s parent lookup, across the two queues and the keys the call popped."""
 
-    def __init__(
-        self, small: OrderedDict[bytes, bytes | None], main: OrderedDict[bytes, bytes | None]
-    ) -> None:
-        self.small, self.main = small, main
-        self.popped: dict[bytes, bytes | None] = {}
+    def __init__(self, small: _Queue, main: _Queue, freq: dict[bytes, int]) -> None:
+        self.small, self.main, self.freq = small, main, freq
+        self.popped: dict[bytes, bytes | None] = {}  # victims offered: key -> parent
+        # (pushed, queue, key, parent): pushed to the queue's end, or popped from its front
+        self.journal: list[tuple[bool, _Queue, bytes, bytes | None]] = []
+        self.old_freq: dict[bytes, int] = {}  # before the call, of keys it moved to main
+        self.held: list[tuple[_Queue, bytes, bytes | None]] = []  # offered, not taken (yet)
+        self.from_small: set[bytes] = set()  # offered from the small queue: ghosts if taken
 
     def __getitem__(self, key: bytes) -> bytes | None:
         if key in self.popped:
@@ -234,3 +196,33 @@ class _Parents:
         if key in self.small:
             return self.small[key]
         return self.main[key]
+
+    def to_main(self, key: bytes, up: bytes | None, count: int) -> None:
+        """Push a popped key to the end of ``main`` with hit count ``count``."""
+        self.old_freq.setdefault(key, self.freq[key])
+        self.freq[key] = count
+        self.main[key] = up
+        self.journal.append((True, self.main, key, up))
+
+    def undo(self) -> None:
+        """Undo every move, newest first (key-based, exact in reverse), and the counts."""
+        for pushed, queue, key, up in reversed(self.journal):
+            if pushed:
+                del queue[key]
+            else:
+                queue[key] = up
+                queue.move_to_end(key, last=False)
+        self.freq.update(self.old_freq)
+
+    def commit(self, victims: list[bytes], ghost: OrderedDict[bytes, None]) -> None:
+        """Untrack the victims (those from the small queue join ``ghost``); keys offered but
+        not taken go back to the front of their queues, in place."""
+        taken = set(victims)
+        for queue, key, up in reversed(self.held):
+            if key not in taken:
+                queue[key] = up
+                queue.move_to_end(key, last=False)
+        for key in victims:
+            del self.freq[key]
+            if key in self.from_small:
+                ghost[key] = None

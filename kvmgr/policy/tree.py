@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import Protocol
 
 from kvmgr.errors import BlockStateError, UnknownKeyError
@@ -104,8 +105,14 @@ class PrefixTree:
     def __init__(self) -> None:
         self.num_children: dict[bytes, int] = {}
 
-    def add(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
-        """Count the new keys ``keys`` (validated by `check_new`) as children of ``parents``."""
+    def add(
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None], *, childless: bool = False
+    ) -> None:
+        """Count the new keys ``keys`` (validated by `check_new`) as children of ``parents``.
+
+        ``childless``: the caller knows that no key of ``keys`` has a count yet (no tracked
+        child), so a chain is counted without looking its keys up first.
+        """
         if not keys:
             return
         num_children = self.num_children
@@ -114,8 +121,8 @@ class PrefixTree:
             if first is not None:
                 num_children[first] = num_children.get(first, 0) + 1
             return
-        if parents[1:] == keys[:-1] and num_children.keys().isdisjoint(keys):
-            num_children.update(dict.fromkeys(keys[:-1], 1))  # one chain: C-level
+        if parents[1:] == keys[:-1] and (childless or num_children.keys().isdisjoint(keys)):
+            num_children.update(zip(keys[:-1], repeat(1)))  # one chain: C-level
             first = parents[0]
             if first is not None:
                 num_children[first] = num_children.get(first, 0) + 1

@@ -3,19 +3,21 @@
 Offers:
     BlockAllocator  fresh ids first, in order; then freed ids, last freed batch first, each
                     batch smallest id first
-    as_id_array     block ids (a sequence or an integer array) as a 1-D int64 array
-    sorted_distinct the distinct values of an id array, sorted (``np.unique`` by a sort)
+
+Block ids enter through ``kvmgr.pool.block_ids.as_id_array``.
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable
 
 import numpy as np
 
 from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
+from kvmgr.pool.block_ids import as_id_array
 
-__all__ = ["BlockAllocator", "as_id_array", "sorted_distinct"]
+__all__ = ["BlockAllocator"]
 
 #: State byte of each id.
 FRESH, ALLOCATED, FREED = 0, 1, 2
@@ -31,7 +33,9 @@ class BlockAllocator:
     reused as runs of consecutive ids, which ``build_plan`` merges into one descriptor per tensor
     (a store of consecutive GPU blocks into LIFO-reversed ids would need one per page).
 
-    Data: a cursor over fresh ids, a stack of freed ids (a list), and a state byte per id
+    Data: a cursor over fresh ids, a stack of freed ids (an ``array`` of ``num_blocks`` slots
+    with a numpy view and a top index: a batch is pushed and popped as one slice, no list
+    conversion), and a state byte per id
     (fresh, allocated, freed) that catches double frees and ids this pool never handed out.
     The state bytes live in a ``bytearray`` (fast single-id access) viewed as a numpy array
     (one operation per batch): ``take``/``give`` take and return int64 arrays without a Python
@@ -62,14 +66,17 @@ class BlockAllocator:
             self._num_ready = 0
             self.make_ready(num_ready)
         self._next_fresh = 0
-        self._freed: list[int] = []
+        #: freed ids, ``[0, _top)`` (top = next reused); never more than ``num_blocks``
+        self._stack = array.array("q", [0]) * self.num_blocks
+        self._stack_np = np.frombuffer(self._stack, dtype=np.int64)
+        self._top = 0
         self._bytes = bytearray(self.num_blocks)
         self._state = np.frombuffer(self._bytes, dtype=np.uint8)
 
     @property
     def num_free(self) -> int:
         """Ids available to ``allocate`` now (only ready ids count)."""
-        return self._num_ready - self._next_fresh + len(self._freed)
+        return self._num_ready - self._next_fresh + self._top
 
     @property
     def num_ready(self) -> int:
@@ -96,7 +103,7 @@ class BlockAllocator:
     @property
     def num_allocated(self) -> int:
         """Ids currently handed out."""
-        return self._next_fresh - len(self._freed)
+        return self._next_fresh - self._top
 
     def is_allocated(self, block_id: int) -> bool:
         """Whether ``block_id`` is currently handed out (False for out-of-range ids)."""
@@ -123,12 +130,13 @@ class BlockAllocator:
         if rest == 0:
             ids = np.arange(start, start + num_fresh, dtype=np.int64)
         else:
-            reused = np.array(self._freed[-rest:], dtype=np.int64)[::-1]
-            del self._freed[-rest:]
+            top = self._top
+            self._top = top - rest
+            reused = self._stack_np[top - rest : top][::-1]  # a view: copied below
             if num_fresh:
                 ids = np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
             else:
-                ids = np.ascontiguousarray(reused)
+                ids = reused.copy()
         self._state[ids] = ALLOCATED
         return ids
 
@@ -137,8 +145,9 @@ class BlockAllocator:
         if self._next_fresh < self._num_ready:
             block_id = self._next_fresh
             self._next_fresh += 1
-        elif self._freed:
-            block_id = self._freed.pop()
+        elif self._top:
+            self._top -= 1
+            block_id = self._stack[self._top]
         else:
             return None
         self._bytes[block_id] = ALLOCATED
@@ -155,12 +164,15 @@ class BlockAllocator:
         if len(ids) == 0:
             return
         self._state[ids] = FREED
-        self._freed.extend(ordered[::-1].tolist())  # the smallest on top of the stack
+        top = self._top
+        self._stack_np[top : top + len(ids)] = ordered[::-1]  # the smallest on top of the stack
+        self._top = top + len(ids)
 
     def give_one(self, block_id: int) -> None:
         """Return one allocated id (the caller checked it is allocated)."""
         self._bytes[block_id] = FREED
-        self._freed.append(block_id)
+        self._stack[self._top] = block_id
+        self._top += 1
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` ids, or return ``None`` (and change nothing) if fewer are free.
@@ -200,7 +212,7 @@ class BlockAllocator:
             InvalidBlockError: an id is not an int, out of range, duplicated, or never allocated.
             DoubleFreeError: an id was allocated before and is free now.
         """
-        ids = as_id_array(block_ids, self.name)
+        ids = as_id_array(block_ids, self.name, self.num_blocks)
         self._check_array(ids)
         return ids.tolist()
 
@@ -210,7 +222,7 @@ class BlockAllocator:
         Raises:
             InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
         """
-        self.give(as_id_array(block_ids, self.name))
+        self.give(as_id_array(block_ids, self.name, self.num_blocks))
 
     def _check_array(self, ids: np.ndarray) -> np.ndarray:
         """Validate distinct allocated ids; returns them sorted (a copy)."""
@@ -237,44 +249,3 @@ class BlockAllocator:
         if len(ids) > 1 and not (ordered[1:] != ordered[:-1]).all():
             raise InvalidBlockError(f"{self.name}: duplicate block ids in {ids.tolist()[:16]}")
         return ordered
-
-
-def as_id_array(block_ids: object, name: str) -> np.ndarray:
-    """``block_ids`` (a sequence of ints or an integer numpy array) as a 1-D int64 array.
-
-    Raises:
-        InvalidBlockError: not a sequence of ints (bools, floats, strings and bytes refused).
-    """
-    if isinstance(block_ids, np.ndarray):
-        if block_ids.ndim != 1 or (block_ids.size and block_ids.dtype.kind not in "iu"):
-            raise InvalidBlockError(
-                f"{name}: expected a 1-D integer array of block ids, got dtype "
-                f"{block_ids.dtype} and shape {block_ids.shape}"
-            )
-        return block_ids.astype(np.int64, copy=False)
-    if isinstance(block_ids, (str, bytes, bytearray)) or not hasattr(block_ids, "__iter__"):
-        raise InvalidBlockError(
-            f"{name}: expected a sequence of int block ids, got {type(block_ids).__name__}"
-        )
-    ids = list(block_ids)  # type: ignore[call-overload]
-    for block_id in ids:
-        if type(block_id) is not int and (
-            isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer))
-        ):
-            raise InvalidBlockError(f"{name}: expected int block id, got {block_id!r}")
-    try:
-        return np.array(ids, dtype=np.int64)
-    except OverflowError:
-        raise InvalidBlockError(f"{name}: block id out of the int64 range in {ids[:8]}") from None
-
-
-def sorted_distinct(ids: np.ndarray) -> np.ndarray:
-    """The distinct values of a 1-D integer array, sorted: ``np.unique(ids)`` by one sort and
-    one compare (numpy 2's ``unique`` hashes, several times slower on a few hundred ids). May be ``ids`` itself (fewer than 2)."""
-    if len(ids) < 2:
-        return ids
-    ordered = np.sort(ids)
-    keep = np.empty(len(ordered), dtype=bool)
-    keep[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-    return ordered[keep]

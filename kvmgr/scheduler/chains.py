@@ -6,11 +6,13 @@ keys of the CPU tier must form a forest: a cycle (``a`` extends ``b`` and ``b`` 
 would fill up for good (issue 20). ``KeyChains.check`` finds such a cycle before the store
 changes anything.
 
-Kept per CPU block, not per key (issue 27): the parent key of the key on each block, the block
-of that parent when it is in the tier, and the number of indexed children of each block's key,
-so a store of one chain (or of roots) and an eviction are array operations over block ids, no
-dict operation per key. Indexed children of keys not in the tier (stored before their parent,
-or left by an invalidated or failed parent) are listed apart, by parent key (``orphans``).
+Kept per CPU block, not per key (issue 27): the block of each key's parent when that parent is
+in the tier, and the number of indexed children of each block's key, so a store of one chain
+(or of roots) and an eviction are array operations over block ids, no dict operation per key.
+A parent key is held only where no block names it: for a key whose parent is not in the tier
+(``loose``: stored before its parent, or left by an invalidated, failed or evicted parent); the
+policy holds every key's parent anyway. Those indexed children of keys not in the tier are also
+listed by parent key (``orphans``).
 
 Cost: a store whose new keys have no indexed children (every store that writes a prefix
 parent-first) walks only its own keys, O(len(keys)); only a new key that already has indexed
@@ -29,13 +31,12 @@ from typing import Any
 import numpy as np
 
 from kvmgr.errors import InvalidKeyError
-from kvmgr.pool.allocator import sorted_distinct
 
 __all__ = ["KeyChains"]
 
 
 class KeyChains:
-    """Parent and indexed-children count of every key in the CPU tier's index, by block.
+    """Parent block and indexed-children count of every key in the CPU tier's index, by block.
 
     Args:
         num_blocks: CPU blocks.
@@ -43,27 +44,34 @@ class KeyChains:
 
     Attributes:
         orphans: ``key -> blocks of its indexed children`` for keys not in the index.
+        loose: ``block -> parent key`` of the indexed keys whose parent is not in the index
+            (the same links as ``orphans``, by child).
         num_parents: keys (indexed or not) with at least one indexed child.
     """
 
-    __slots__ = ("_index", "_kids", "_kids_np", "_up", "_up_block", "_up_np", "num_parents",
-                 "orphans")  # fmt: skip
+    __slots__ = ("_index", "_kids", "_kids_np", "_scratch", "_up_block", "_up_np", "loose",
+                 "num_parents", "orphans")  # fmt: skip
 
     def __init__(self, num_blocks: int, index: dict[bytes, int]) -> None:
         self._index = index
-        self._up: list[bytes | None] = [None] * num_blocks  # parent key of each block's key
-        self._up_block = array.array("q", [-1]) * num_blocks  # its block when indexed, else -1
+        self._up_block = array.array("q", [-1]) * num_blocks  # parent's block when indexed, else -1
         self._up_np = np.frombuffer(self._up_block, dtype=np.int64)
         self._kids = array.array("q", [0]) * num_blocks  # indexed children of each block's key
         self._kids_np = np.frombuffer(self._kids, dtype=np.int64)
+        self._scratch = np.zeros(num_blocks, dtype=np.int64)  # for _num_distinct
         self.orphans: dict[bytes, list[int]] = {}
+        self.loose: dict[int, bytes] = {}
         self.num_parents = 0
 
     @property
     def parent(self) -> dict[bytes, bytes | None]:
         """``key -> parent`` of every indexed key (a new dict; for snapshots)."""
-        up = self._up
-        return {key: up[block] for key, block in self._index.items()}
+        key_of = {block: key for key, block in self._index.items()}
+        up, loose = self._up_block, self.loose
+        return {
+            key: key_of[up[block]] if up[block] >= 0 else loose.get(block)
+            for key, block in self._index.items()
+        }
 
     def check(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Refuse new keys (none indexed yet) whose parent chain would reach the key itself.
@@ -78,42 +86,57 @@ class KeyChains:
         if not deep and (len(keys) == 1 or (parents[1:] == keys[:-1] and parents[0] not in keys)):
             return  # one key, or one chain hanging below a key outside the call
         batch = dict(zip(keys, parents))
-        index, up = self._index, self._up
+        index, up, loose = self._index, self._up_block, self.loose
         done: set[bytes] = set()
         for start in batch:
             if start in done:
                 continue
-            path: dict[bytes, None] = {}
+            path: dict[bytes, int] = {}  # key -> keys walked before it
             key: bytes | None = start
+            walked = 0
             while key is not None and key not in done:
                 if key in path:
                     raise InvalidKeyError(
                         f"key {key.hex()[:16]}... would extend itself through its parents "
-                        f"(a key cycle of {len(path) - list(path).index(key)} keys); a key's "
+                        f"(a key cycle of {walked - path[key]} keys); a key's "
                         "parent chain must end at a root"
                     )
-                path[key] = None
+                path[key] = walked
+                walked += 1
                 if key in batch:
                     key = batch[key]
-                elif deep and key in index:
-                    key = up[index[key]]
+                elif deep and key in index:  # up its indexed ancestors (a forest) by block
+                    block = index[key]
+                    while up[block] >= 0:
+                        block = up[block]
+                        walked += 1
+                    key = loose.get(block)
                 else:
                     break
             done.update(path)
 
-    def add(self, keys: Sequence[bytes], ids: list[int], parents: Sequence[bytes | None]) -> None:
-        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``)."""
-        deque(map(self._up.__setitem__, ids, parents), 0)
+    def add(
+        self,
+        keys: Sequence[bytes],
+        ids: list[int],
+        parents: Sequence[bytes | None],
+        at: np.ndarray | None = None,
+    ) -> None:
+        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``); ``at``:
+        the same ids as an int64 array, when the caller has one."""
         orphans = self.orphans
         if orphans and not orphans.keys().isdisjoint(keys):  # children stored before them
+            loose = self.loose
             for key, block in zip(keys, ids):
                 children = orphans.pop(key, None)
                 if children is not None:  # still a parent: num_parents unchanged
                     self._up_np[children] = block
                     self._kids[block] = len(children)
+                    deque(map(loose.__delitem__, children), 0)
         n = len(keys)
         if n > 1 and parents[1:] == keys[:-1]:  # one chain: keys[i] extends keys[i - 1]
-            at = np.array(ids, dtype=np.int64)
+            if at is None:
+                at = np.array(ids, dtype=np.int64)
             self._up_np[at[1:]] = at[:-1]
             self.num_parents += int(np.count_nonzero(self._kids_np[at[:-1]] == 0))
             self._kids_np[at[:-1]] += 1
@@ -128,6 +151,7 @@ class KeyChains:
             return
         parent = self._index.get(up)
         if parent is None:
+            self.loose[block] = up
             children = self.orphans.get(up)
             if children is None:
                 self.orphans[up] = [block]
@@ -149,24 +173,34 @@ class KeyChains:
         if linked.any():  # parents in the tier lose a child each
             parents = parents[linked]
             np.subtract.at(kids_np, parents, 1)
-            self.num_parents -= int(np.count_nonzero(kids_np[sorted_distinct(parents)] == 0))
-        if not linked.all():  # parents not in the tier (or roots)
+            self.num_parents -= self._num_distinct(parents[kids_np[parents] == 0])
+        if self.loose and not linked.all():  # parents not in the tier (roots have none)
             self._orphan_links(at[~linked].tolist())
         up_np[at] = -1
         staying = np.flatnonzero(kids_np[at])
         for i in staying.tolist():  # children stay: they become orphans of the key
-            block = int(at[i])
-            children = np.flatnonzero(up_np == block)
+            block, key = int(at[i]), keys[i]
+            children = np.flatnonzero(up_np == block).tolist()
             up_np[children] = -1
-            self.orphans[keys[i]] = children.tolist()
+            self.orphans[key] = children
+            self.loose.update(zip(children, repeat(key)))
             kids_np[block] = 0
-        deque(map(self._up.__setitem__, at.tolist(), repeat(None)), 0)
+
+    def _num_distinct(self, blocks: np.ndarray) -> int:
+        """How many distinct ids ``blocks`` holds, without a sort: each id's position is
+        written into a scratch array, and one position per distinct id survives."""
+        if len(blocks) < 2:
+            return len(blocks)
+        positions = np.arange(len(blocks), dtype=np.int64)
+        scratch = self._scratch
+        scratch[blocks] = positions
+        return int(np.count_nonzero(scratch[blocks] == positions))
 
     def _orphan_links(self, blocks: Any) -> None:
         """Keys on ``blocks`` whose parent is not indexed leave: unlist them."""
-        up, orphans = self._up, self.orphans
+        loose, orphans = self.loose, self.orphans
         for block in blocks:
-            parent = up[block]
+            parent = loose.pop(block, None)
             if parent is not None:
                 children = orphans[parent]
                 children.remove(block)

@@ -26,7 +26,8 @@ import numpy as np
 
 from kvmgr.errors import PoolExhaustedError
 from kvmgr.policy import make_policy
-from kvmgr.pool.allocator import BlockAllocator, sorted_distinct
+from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.evictable import evictable
@@ -209,7 +210,10 @@ class CpuTier:
     def add_pending(
         self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
-        """Index new keys on their (just allocated) blocks, PENDING, and track them."""
+        """Index new keys (distinct, not indexed: the caller checked) on their just allocated
+        blocks, PENDING, and track them: through the policy's unchecked ``insert_new`` when it
+        has one (its tracked keys are the indexed ones; ``chains.orphans`` tells whether a new
+        key has a tracked child)."""
         if isinstance(ids, list):
             blocks = ids
             index, state = self.index, self.state
@@ -221,8 +225,12 @@ class CpuTier:
             self.index.update(zip(keys, blocks))
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
-        self.policy.insert(keys, parents)
-        self.chains.add(keys, blocks, parents)
+        insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
+        if insert_new is None:
+            self.policy.insert(keys, parents)
+        else:
+            insert_new(keys, parents, childless=not orphans or orphans.keys().isdisjoint(keys))
+        self.chains.add(keys, blocks, parents, None if blocks is ids else ids)  # type: ignore[arg-type]
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,

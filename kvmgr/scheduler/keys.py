@@ -23,7 +23,8 @@ def check_parents(keys: list[bytes], parents: object) -> list[bytes | None]:
     ``keys[i-1]``, ``keys[0]`` is a root).
 
     Raises:
-        InvalidKeyError: not a sequence of bytes/None of ``len(keys)``, or a key its own parent.
+        InvalidKeyError: not a sequence of ``len(keys)`` non-empty bytes or ``None``, or a key
+            its own parent.
     """
     if parents is None:
         return [None, *keys[:-1]]
@@ -32,9 +33,13 @@ def check_parents(keys: list[bytes], parents: object) -> list[bytes | None]:
     out = list(parents)
     if len(out) != len(keys):
         raise InvalidKeyError(f"expected one parent per key, got {len(out)} for {len(keys)} keys")
-    for key, parent in zip(keys, out):
-        if parent is not None and type(parent) is not bytes:
-            raise InvalidKeyError(f"expected bytes or None parents, got {parent!r}")
+    for i, (key, parent) in enumerate(zip(keys, out)):
+        if parent is not None and (type(parent) is not bytes or not parent):
+            # the key rule (``kvmgr._keys``): a parent is a key, so never b""
+            raise InvalidKeyError(
+                f"parent {i}: expected non-empty bytes or None, got "
+                f"{type(parent).__name__}: {parent!r:.40}"
+            )
         if parent == key:
             raise InvalidKeyError(f"key {key.hex()[:16]}... is given as its own parent")
     return out

@@ -17,7 +17,7 @@ import array
 
 import numpy as np
 
-from kvmgr.pool.allocator import sorted_distinct
+from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.jobs import Direction, TransferJob
 from kvmgr.scheduler.lanes import Kind, Lane, Part
 

@@ -24,7 +24,7 @@ from kvmgr.errors import (
     PoolExhaustedError,
     UnknownRequestError,
 )
-from kvmgr.pool.allocator import as_id_array
+from kvmgr.pool.block_ids import as_id_array
 from kvmgr.pool.block_table import BlockTable, Tier
 from kvmgr.reports import SwapResult
 from kvmgr.scheduler.counters import Counters
@@ -124,7 +124,7 @@ class RequestTables:
         """See ``OffloadManager.append_blocks``."""
         if self.gpu.pool is not None:
             raise ConfigError("append_blocks() needs manage_gpu_blocks=False; use allocate()")
-        new = as_id_array(gpu_block_ids, "gpu")
+        new = as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks)
         table = self._resident(req_id)
         every = np.concatenate([np.array(table.block_ids, dtype=np.int64), new])
         self.gpu.check_array(every, "block table")
@@ -192,7 +192,9 @@ class RequestTables:
             raise BlockStateError(f"request {req_id!r} is not swapped out")
         cpu = np.array(table.block_ids, dtype=np.int64)
         if not len(cpu):  # nothing to copy: resident at once (never left moving)
-            if gpu_block_ids is not None and len(as_id_array(gpu_block_ids, "gpu")):
+            if gpu_block_ids is not None and len(
+                as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks)
+            ):
                 raise InvalidBlockError("expected 0 gpu block ids: the request has no blocks")
             table.tier = Tier.GPU
             return Part(Kind.RESUME, future, SwapResult(0, 0, 0, (), ()), cpu, cpu, None, req_id)
@@ -213,7 +215,7 @@ class RequestTables:
         else:
             if gpu_block_ids is None:
                 raise InvalidBlockError(f"expected {len(cpu)} caller-owned gpu block ids")
-            gpu = as_id_array(gpu_block_ids, "gpu").copy()
+            gpu = as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks).copy()
             if len(gpu) != len(cpu):
                 raise InvalidBlockError(
                     f"expected {len(cpu)} caller-owned gpu block ids, got {len(gpu)}"

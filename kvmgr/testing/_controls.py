@@ -67,6 +67,11 @@ class ScriptControls:
         return self.complete_next(len(self._order.batches))
 
     @property
+    def holding(self) -> bool:
+        """Whether batches submitted now are gated (``hold``, until ``release``)."""
+        return self._holding
+
+    @property
     def waiting_batch_ids(self) -> list[int]:
         """Batches whose copy has not started (gated, or behind a gated batch), oldest first."""
         with self._order.lock:

@@ -16,11 +16,11 @@ until that event.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
+from kvmgr._size_pool import SizePool
 from kvmgr.errors import TransferError
 from kvmgr.transfer.driver import CopyDriver, access_order, batch_or_loop
 from kvmgr.transfer.issued import Issued
@@ -41,29 +41,12 @@ class _Buffer:
         self.address = int(self.rows.ctypes.data)
 
 
-class DescriptorBuffers:
+class DescriptorBuffers(SizePool[_Buffer]):
     """Free ``3 * capacity`` int64 host buffers by size class (powers of two from 256
     descriptors); ``take`` on the submitting thread, ``give`` from the completion thread."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[_Buffer]] = {}
-        self._lock = threading.Lock()
-        self.num_allocated = 0
-
-    def take(self, num_descriptors: int) -> _Buffer:
-        """A free buffer of at least ``num_descriptors`` descriptors (allocated if none is)."""
-        capacity = max(_MIN_DESCRIPTORS, 1 << (num_descriptors - 1).bit_length())
-        with self._lock:
-            free = self._free.get(capacity)
-            if free:
-                return free.pop()
-        self.num_allocated += 1
-        return _Buffer(capacity)
-
-    def give(self, buffer: _Buffer) -> None:
-        """Return a buffer whose batch has ended."""
-        with self._lock:
-            self._free.setdefault(buffer.capacity, []).append(buffer)
+        super().__init__(_Buffer, _MIN_DESCRIPTORS)
 
 
 class DmaCopy:

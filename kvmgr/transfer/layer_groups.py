@@ -10,6 +10,7 @@ Pure numpy; used by ``kvmgr.transfer.layerwise`` and the manager's layerwise ope
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -92,34 +93,14 @@ class LayerGroups:
                 host time on the H200 host: 32 layers in 8 groups save ~3-5 ms per load).
 
         Raises:
-            LayerOrderError: ``layers`` has the wrong length, is not non-decreasing from 0 with
-                no gaps, ``min_group_bytes < 0`` or ``max_groups < 1``.
+            LayerOrderError: ``layers`` is not ``None``, an int ``k >= 1`` dividing the tensors
+                or a sequence of ints (one per tensor, non-decreasing from 0 with no gaps);
+                ``min_group_bytes`` is not an int ``>= 0`` or ``max_groups`` an int ``>= 1``.
         """
-        num_tensors = len(page_bytes)
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            if layers < 1 or num_tensors % layers:
-                raise LayerOrderError(
-                    f"expected {num_tensors} tensors to split into layers of {layers}, they do not"
-                )
-            layer_of = np.arange(num_tensors, dtype=np.int64) // layers
-        elif layers is None:
-            layer_of = np.arange(num_tensors, dtype=np.int64)
-        else:
-            layer_of = np.asarray(list(layers), dtype=np.int64).reshape(-1)
-            if len(layer_of) != num_tensors:
-                raise LayerOrderError(
-                    f"expected one layer per KV tensor ({num_tensors}), got {len(layer_of)}"
-                )
-            steps = np.diff(layer_of)
-            if layer_of[0] != 0 or (steps < 0).any() or (steps > 1).any():
-                raise LayerOrderError(
-                    f"expected layers non-decreasing from 0 without gaps, got {layer_of.tolist()}"
-                )
-        if min_group_bytes < 0:
-            raise LayerOrderError(f"expected min_group_bytes >= 0, got {min_group_bytes}")
+        layer_of = _layer_of(layers, len(page_bytes))
+        _check_int("max_groups", max_groups, 1, allow_none=True)
+        _check_int("min_group_bytes", min_group_bytes, 0)
         if max_groups is not None:
-            if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
-                raise LayerOrderError(f"expected max_groups >= 1, got {max_groups!r}")
             total = int(sum(page_bytes))
             min_group_bytes = max(min_group_bytes, -(-total // max_groups))
         num_layers = int(layer_of[-1]) + 1
@@ -135,6 +116,51 @@ class LayerGroups:
         tensors = tuple(np.flatnonzero(tensor_group == g) for g in range(group + 1))
         sizes = np.asarray(page_bytes, dtype=np.int64)
         return cls(layer_of, group_of, tensors, tuple(int(sizes[t].sum()) for t in tensors))
+
+
+def _is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _check_int(name: str, value: object, low: int, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value < low:  # type: ignore[operator]
+        raise LayerOrderError(f"expected an int {name} >= {low}, got {value!r:.40}")
+
+
+def _layer_of(layers: object, num_tensors: int) -> np.ndarray:
+    """The layer of each of ``num_tensors`` tensors, from ``LayerGroups.build``'s ``layers``.
+
+    Raises:
+        LayerOrderError: as ``LayerGroups.build``.
+    """
+    if layers is None:
+        return np.arange(num_tensors, dtype=np.int64)
+    if _is_int(layers):
+        if layers < 1 or num_tensors % layers:  # type: ignore[operator]
+            raise LayerOrderError(
+                f"expected {num_tensors} tensors to split into layers of {layers}, they do not"
+            )
+        return np.arange(num_tensors, dtype=np.int64) // int(layers)  # type: ignore[call-overload]
+    if isinstance(layers, np.ndarray) and layers.ndim == 1:
+        layers = layers.tolist()  # float layers stay floats and are refused below
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise LayerOrderError(
+            "expected layers None, an int or a sequence of int layers (one per KV tensor), "
+            f"got {type(layers).__name__}"
+        )
+    for layer in layers:
+        if not _is_int(layer):
+            raise LayerOrderError(f"expected int layers, got {type(layer).__name__}: {layer!r:.40}")
+    if len(layers) != num_tensors:
+        raise LayerOrderError(
+            f"expected one layer per KV tensor ({num_tensors}), got {len(layers)}"
+        )
+    values = [int(x) for x in layers]
+    if values[0] != 0 or any(b - a not in (0, 1) for a, b in itertools.pairwise(values)):
+        raise LayerOrderError(f"expected layers non-decreasing from 0 without gaps, got {values}")
+    return np.array(values, dtype=np.int64)
 
 
 def sub_layout(layout: KVLayout, tensors: np.ndarray) -> KVLayout:

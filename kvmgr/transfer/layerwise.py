@@ -2,6 +2,7 @@
 
 Offers:
     LayerBatches    the per-group batches of one load or store, joined into one ``BatchHandle``
+                    (re-exported from ``kvmgr.transfer.layer_batches``)
     LayerwiseLoad   a load split by layer: ``wait_layer(i)`` before layer ``i`` reads its KV
     LayerwiseStore  a store split by layer: ``save_layer(i)`` once layer ``i`` wrote its KV
 
@@ -30,9 +31,6 @@ between them (projections, MLP, norms) may be captured. With the host engine (no
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,118 +38,11 @@ import numpy as np
 import torch
 
 from kvmgr.errors import ClosedError, LayerLoadError, LayerOrderError
-from kvmgr.transfer.engine import BatchHandle, BatchResult, TransferEngine
+from kvmgr.transfer.engine import BatchHandle, TransferEngine
+from kvmgr.transfer.layer_batches import LayerBatches
 from kvmgr.transfer.layer_groups import LayerGroups
-from kvmgr.transfer.plan import Direction
 
 __all__ = ["LayerBatches", "LayerwiseLoad", "LayerwiseStore"]
-
-
-class LayerBatches:
-    """The per-group batches of one layerwise load or store, and one handle over all of them.
-
-    ``handle`` resolves once every group that was submitted has ended (never earlier, so no
-    block is released while a group may still copy it): with the summed ``BatchResult`` if all
-    ``num_groups`` groups were submitted and succeeded, else with the first failure
-    (``LayerLoadError``). Its ``end_event`` is the last group's, set when that group is
-    submitted (one FIFO stream: the last group's end means every group ended). A group's
-    ``end_event`` marks that group only until its future resolved: the CUDA engines pool their
-    events, and a later batch (a later group of the same load, too) may re-record it
-    (``kvmgr.transfer.streams``); ``wait_layer`` waits only on groups still in flight.
-
-    Args:
-        direction: of every group.
-        num_groups: groups the operation will submit.
-    """
-
-    def __init__(self, direction: Direction, num_groups: int) -> None:
-        self.direction = direction
-        self.num_groups = num_groups
-        self.handles: list[BatchHandle] = []
-        self.error: BaseException | None = None
-        self.handle = BatchHandle(-1, direction, concurrent.futures.Future(), member_ids=[])
-        self._lock = threading.Lock()
-        self._ended = 0
-        self._closed = False  # no more groups will be submitted
-
-    @property
-    def failed(self) -> bool:
-        """Whether a group failed, or was refused, so far."""
-        return self.error is not None
-
-    def submit(self, group: int, submit: Callable[[], BatchHandle]) -> BatchHandle | None:
-        """Submit group ``group`` (the next one) through ``submit()``; a refusal (an exception,
-        or a handle whose issue was refused) fails the operation and closes it. Returns the
-        handle, or ``None`` if it was refused (then no later group may be submitted)."""
-        assert group == len(self.handles) and not self._closed
-        try:
-            handle = submit()
-        except Exception as exc:
-            self._fail(LayerLoadError(f"layer group {group}: could not submit: {exc}"))
-            self.close()
-            return None
-        if self.handle.batch_id < 0:
-            self.handle.batch_id = handle.batch_id
-        self.handles.append(handle)
-        self.handle.member_ids.append(handle.batch_id)  # type: ignore[union-attr]
-        if len(self.handles) == self.num_groups:
-            # only now: an earlier group's event would let a later batch that is fenced on the
-            # whole operation (a load into a block a store has yet to read) start too early
-            self.handle.end_event = handle.end_event
-        refused = getattr(handle, "refused", None)
-        if refused is not None:
-            self._fail(LayerLoadError(f"layer group {group}: {refused}"))
-        handle.future.add_done_callback(lambda f, g=group: self._ended_one(g, f))
-        if len(self.handles) == self.num_groups or refused is not None:
-            self.close()
-        return None if refused is not None else handle
-
-    def close(self) -> None:
-        """No more groups will be submitted; fewer than ``num_groups`` fails the operation."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if len(self.handles) < self.num_groups and self.error is None:
-                self.error = LayerLoadError(
-                    f"only {len(self.handles)} of {self.num_groups} layer groups were submitted"
-                )
-            finish = self._ended == len(self.handles)
-        if finish:
-            self._finish()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = error
-
-    def _ended_one(self, group: int, future: concurrent.futures.Future[BatchResult]) -> None:
-        error = future.exception()
-        with self._lock:
-            if error is not None and self.error is None:
-                self.error = LayerLoadError(f"layer group {group} failed: {error}")
-            self._ended += 1
-            finish = self._closed and self._ended == len(self.handles)
-        if finish:
-            self._finish()
-
-    def _finish(self) -> None:
-        future = self.handle.future
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            if self.error is not None:
-                future.set_exception(self.error)
-                return
-            results = [h.future.result() for h in self.handles]
-            future.set_result(
-                BatchResult(
-                    batch_id=self.handle.batch_id,
-                    direction=self.direction,
-                    num_bytes=sum(r.num_bytes for r in results),
-                    num_descriptors=sum(r.num_descriptors for r in results),
-                    device_s=sum(r.device_s or 0.0 for r in results),
-                    path=results[0].path if results else "host",
-                )
-            )
 
 
 def _check_not_capturing(what: str) -> None:
@@ -160,6 +51,16 @@ def _check_not_capturing(what: str) -> None:
             f"{what} is not capturable in a CUDA graph: call it in an eager piece of a piecewise "
             "graph (between captured regions)"
         )
+
+
+def _layer_index(layer: object, num_layers: int, outside: str) -> int:
+    """``layer`` as an int in ``[0, num_layers)``, else ``LayerOrderError`` (``outside`` words
+    the message for an int out of range)."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}: {layer!r:.40}")
+    if not 0 <= layer < num_layers:
+        raise LayerOrderError(f"layer {layer} {outside} layers 0..{num_layers - 1}")
+    return int(layer)
 
 
 class LayerwiseLoad:
@@ -222,13 +123,8 @@ class LayerwiseLoad:
         """
         if self._closed or not self._is_open():
             raise ClosedError("the layerwise load (or its manager) is closed")
-        if type(layer) is not int:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
-            layer = int(layer)
-        if not 0 <= layer < self._num_layers:
-            raise LayerOrderError(f"layer {layer} is not scheduled: the load covers layers "
-                                  f"0..{self._num_layers - 1}")  # fmt: skip
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            layer = _layer_index(layer, self._num_layers, "is not scheduled: the load covers")
         if layer < self._waited:
             raise LayerOrderError(
                 f"layer {layer} waited for after layer {self._waited}: wait in layer order"
@@ -314,16 +210,17 @@ class LayerwiseStore:
         fails.
 
         Raises:
-            LayerOrderError: ``layer`` is not the next layer to save (or every layer was saved),
-                or the current stream is capturing a CUDA graph.
+            LayerOrderError: ``layer`` is not an int layer of the store, is not the next layer
+                to save (or every layer was saved), or the current stream is capturing a CUDA
+                graph.
             ClosedError: the manager is closed.
         """
         if not self._is_open():
             raise ClosedError("the layerwise store's manager is closed")
-        if type(layer) is not int:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise LayerOrderError(f"expected an int layer, got {type(layer).__name__}")
-            layer = int(layer)
+        if type(layer) is not int or not 0 <= layer < self.groups.num_layers:
+            layer = _layer_index(
+                layer, self.groups.num_layers, "is not a layer of the store, which covers"
+            )
         if self._aborted or self.batches.error is not None:
             return
         if layer != self._next:

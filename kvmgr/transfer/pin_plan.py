@@ -4,6 +4,8 @@ Offers:
     PinPiece            one step of the pinning: the page-aligned byte ranges to register, and
                         the blocks that are wholly pinned once it (and every earlier piece) is
     plan_pieces         the pieces of a ``HostRegionLayout``
+    PinOptions          how to pin: in the background or not, piece sizes, first-touch threads,
+                        transparent huge pages (re-exported by ``kvmgr.transfer.pinning``)
     PAGE_BYTES, MAX_REGISTER_BYTES
 
 Why pieces. A single ``cudaHostRegister`` of 512 GiB or more fails whatever the free memory
@@ -29,12 +31,46 @@ import attrs
 from kvmgr.errors import ConfigError
 from kvmgr.pool.host_pool import HostRegionLayout
 
-__all__ = ["MAX_REGISTER_BYTES", "PAGE_BYTES", "PinPiece", "plan_pieces"]
+__all__ = ["MAX_REGISTER_BYTES", "PAGE_BYTES", "PinOptions", "PinPiece", "plan_pieces"]
 
 #: The OS page: the unit of registration.
 PAGE_BYTES = 4096
 #: The most one registration covers (a single cudaHostRegister of >= 512 GiB fails; vllm #51080).
 MAX_REGISTER_BYTES = 64 << 30
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value < 0:
+        raise ConfigError(f"{attribute.name}: expected an int >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class PinOptions:
+    """How the CPU tier is page-locked.
+
+    Attributes:
+        background: pin the first piece before returning and the rest on a background thread
+            (blocks become usable piece by piece); ``False`` pins everything before returning.
+        first_piece_bytes: size of the first piece (the blocks usable at once), bytes.
+        max_piece_bytes: largest piece (at most 64 GiB: one registration never exceeds it).
+        populate_threads: threads that first-touch the pages before registration; 0 lets the
+            registration fault them in (one thread, in the driver).
+        hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) on the region (see the
+            ``kvmgr.transfer.pinning`` docstring for why it is off by default).
+    """
+
+    background: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    first_piece_bytes: int = attrs.field(default=1 << 30, validator=_non_negative_int)
+    max_piece_bytes: int = attrs.field(default=MAX_REGISTER_BYTES, validator=_non_negative_int)
+    populate_threads: int = attrs.field(default=8, validator=_non_negative_int)
+    hugepages: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if not PAGE_BYTES <= self.first_piece_bytes <= self.max_piece_bytes <= MAX_REGISTER_BYTES:
+            raise ConfigError(
+                f"expected {PAGE_BYTES} <= first_piece_bytes <= max_piece_bytes <= "
+                f"{MAX_REGISTER_BYTES}, got {self.first_piece_bytes} and {self.max_piece_bytes}"
+            )
 
 
 @attrs.frozen

@@ -6,7 +6,8 @@ Offers:
     PinStatistics   what pinning did so far: bytes, pieces, seconds per phase, errors
     PinnedRegion    one region: allocated with ``mmap`` (huge-page advised), first touched by
                     a thread pool, registered piece by piece (``pin_plan.plan_pieces``)
-    allocate_pages, first_touch   those two steps alone (``kvmgr bench pin`` times each phase)
+    allocate_pages, first_touch   those two steps alone (``kvmgr bench pin`` times each phase;
+                    re-exported from ``kvmgr.transfer.host_pages``)
 
 Where the start-up time went (docs/guides/pinned-tier.md has the measurements): the region was
 ``torch.empty`` (no page touched: allocation is free) and one ``cudaHostRegister`` over all of
@@ -33,65 +34,22 @@ pageable memory after ``on_pageable()`` has told the engine (which then copies b
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
 import logging
-import mmap
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import attrs
-import numpy as np
-import torch
 
-from kvmgr.errors import ConfigError, TransferError
+from kvmgr.errors import TransferError
 from kvmgr.pool.host_pool import HostRegionLayout
-from kvmgr.transfer.pin_plan import MAX_REGISTER_BYTES, PAGE_BYTES, PinPiece, plan_pieces
+from kvmgr.transfer.host_pages import Toucher, allocate_pages, first_touch
+from kvmgr.transfer.pin_plan import PinOptions, PinPiece, plan_pieces
 from kvmgr.transfer.pinned import HostRegistrar
 
 __all__ = ["PinOptions", "PinStatistics", "PinnedRegion", "allocate_pages", "first_touch"]
 
 _LOG = logging.getLogger(__name__)
-_HUGE_BYTES = 2 << 20
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
-_TOUCH_CHUNK_BYTES = 256 << 20
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or value < 0:
-        raise ConfigError(f"{attribute.name}: expected an int >= 0, got {value!r}")
-
-
-@attrs.frozen(kw_only=True)
-class PinOptions:
-    """How the CPU tier is page-locked.
-
-    Attributes:
-        background: pin the first piece before returning and the rest on a background thread
-            (blocks become usable piece by piece); ``False`` pins everything before returning.
-        first_piece_bytes: size of the first piece (the blocks usable at once), bytes.
-        max_piece_bytes: largest piece (at most 64 GiB: one registration never exceeds it).
-        populate_threads: threads that first-touch the pages before registration; 0 lets the
-            registration fault them in (one thread, in the driver).
-        hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) on the region (see the
-            module docstring for why it is off by default).
-    """
-
-    background: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    first_piece_bytes: int = attrs.field(default=1 << 30, validator=_non_negative_int)
-    max_piece_bytes: int = attrs.field(default=MAX_REGISTER_BYTES, validator=_non_negative_int)
-    populate_threads: int = attrs.field(default=8, validator=_non_negative_int)
-    hugepages: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-
-    def __attrs_post_init__(self) -> None:
-        if not PAGE_BYTES <= self.first_piece_bytes <= self.max_piece_bytes <= MAX_REGISTER_BYTES:
-            raise ConfigError(
-                f"expected {PAGE_BYTES} <= first_piece_bytes <= max_piece_bytes <= "
-                f"{MAX_REGISTER_BYTES}, got {self.first_piece_bytes} and {self.max_piece_bytes}"
-            )
 
 
 @attrs.frozen(kw_only=True)
@@ -188,7 +146,7 @@ class PinnedRegion:
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._touch = _Toucher(options.populate_threads)
+        self._touch = Toucher(options.populate_threads)
         self._registrar: HostRegistrar | None = None
         num_now = 1 if options.background else len(self._pieces)
         try:
@@ -319,98 +277,3 @@ class PinnedRegion:
                 errors.append(str(exc))
         if errors:
             raise TransferError(f"could not unregister the CPU tier: {'; '.join(errors)}")
-
-
-class _Toucher:
-    """First touch of a piece's pages on a thread pool (``None`` futures when disabled)."""
-
-    def __init__(self, num_threads: int) -> None:
-        num_threads = min(num_threads, os.cpu_count() or 1)
-        self._pool = (
-            concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvmgr-touch")
-            if num_threads and sys.platform == "linux"
-            else None
-        )
-        self._num_threads = num_threads
-        self._libc = ctypes.CDLL(None, use_errno=True) if self._pool is not None else None
-
-    def start(self, base: int, piece: PinPiece) -> list[concurrent.futures.Future[None]] | None:
-        if self._pool is None:
-            return None
-        return self.start_ranges([(base + offset, size) for offset, size in piece.ranges])
-
-    def start_ranges(
-        self, ranges: list[tuple[int, int]]
-    ) -> list[concurrent.futures.Future[None]] | None:
-        """Populate ``(address, num_bytes)`` ranges, split over the threads."""
-        if self._pool is None or self._libc is None:
-            return None
-        libc = self._libc
-        total = sum(size for _, size in ranges)
-        chunk = max(_HUGE_BYTES, min(_TOUCH_CHUNK_BYTES, total // self._num_threads))
-        chunk = -(-chunk // PAGE_BYTES) * PAGE_BYTES
-        return [
-            self._pool.submit(_populate, libc, address + at, min(chunk, size - at))
-            for address, size in ranges
-            for at in range(0, size, chunk)
-        ]
-
-    @staticmethod
-    def wait(futures: list[concurrent.futures.Future[None]] | None) -> None:
-        for future in futures or ():
-            future.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
-def _populate(libc: ctypes.CDLL, address: int, num_bytes: int) -> None:
-    """Fault in (write) the pages of a range: ``MADV_POPULATE_WRITE``, else a write per page
-    (Linux < 5.14 answers ``EINVAL``; the pages belong to no usable block yet)."""
-    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(num_bytes),
-                    _MADV_POPULATE_WRITE) == 0:  # fmt: skip
-        return
-    pages = np.ctypeslib.as_array((ctypes.c_uint8 * num_bytes).from_address(address))
-    pages[::PAGE_BYTES] = 0
-
-
-def first_touch(tensor: torch.Tensor, num_threads: int) -> None:
-    """Fault in every page of a contiguous CPU tensor on ``num_threads`` threads (>= 1), as the
-    pinning does before registering (for benchmarks and tools). Writes no byte where
-    ``MADV_POPULATE_WRITE`` works; otherwise writes 0 to the first byte of each page."""
-    toucher = _Toucher(max(1, num_threads))
-    try:
-        toucher.wait(toucher.start_ranges([(tensor.data_ptr(), tensor.numel())]))
-    finally:
-        toucher.close()
-
-
-def allocate_pages(num_bytes: int, hugepages: bool) -> tuple[mmap.mmap | None, torch.Tensor, bool]:
-    """A fresh, untouched, 2 MiB-aligned ``uint8 [num_bytes]`` CPU tensor over an anonymous
-    mapping (unmapped when the last view is gone), with ``MADV_HUGEPAGE`` if asked. Returns
-    ``(mapping, tensor, whether the advice was accepted)``.
-
-    Raises:
-        TransferError: the mapping could not be made.
-    """
-    if sys.platform != "linux":
-        return None, torch.empty(num_bytes, dtype=torch.uint8), False
-    try:
-        mapping = mmap.mmap(
-            -1, num_bytes + _HUGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
-    except (OSError, OverflowError, ValueError) as exc:
-        raise TransferError(f"cannot map {num_bytes} B for the CPU tier: {exc}") from None
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    offset = -whole.data_ptr() % _HUGE_BYTES
-    tensor = whole[offset : offset + num_bytes]
-    advised = False
-    if hugepages:
-        libc = ctypes.CDLL(None, use_errno=True)
-        length = -(-num_bytes // _HUGE_BYTES) * _HUGE_BYTES
-        advised = libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(length),
-                               _MADV_HUGEPAGE) == 0  # fmt: skip
-        if not advised:
-            _LOG.info("MADV_HUGEPAGE refused (%s): 4 KiB pages", os.strerror(ctypes.get_errno()))
-    return mapping, tensor, advised

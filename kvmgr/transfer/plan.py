@@ -23,7 +23,7 @@ by hand, edited with ``attrs.evolve``, a ``split`` chunk) is copied from its des
 engine (``matching_blocks()`` is then ``None``).
 
 Host cost: a serving loop builds a plan per step with cold caches, where each numpy call costs
-microseconds; the arithmetic (``kvmgr.transfer._pairs``) uses as few as it can: the layout pair's
+microseconds; the arithmetic (``kvmgr.transfer._runs``, ``_pairs``) uses as few as it can: the layout pair's
 checks and stacked arrays are cached per pair of layouts, consecutive ids are one byte comparison.
 """
 
@@ -35,7 +35,8 @@ import numpy as np
 from kvmgr._direction import Direction  # the scheduler's (torch-free) name for it too
 from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer._pairs import LayoutPair, Runs, check_hazards, find_runs, int_ids, layout_pair
+from kvmgr.transfer._pairs import LayoutPair, layout_pair
+from kvmgr.transfer._runs import Runs, check_hazards, find_runs, int_ids
 
 __all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards"]
 
@@ -43,9 +44,11 @@ __all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazar
 _NO_DESCRIPTORS = np.zeros((3, 0), dtype=np.int64)
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class BlockPairs:
     """The block pairs and layouts a plan was built from (``build_plan`` fills it in).
+
+    Not frozen (a frozen attrs ``__init__`` costs ~3x on the step's path): read-only by use.
 
     Attributes:
         src, dst: layouts of the source and destination tier.
@@ -68,7 +71,7 @@ class BlockPairs:
 
     @property
     def runs(self) -> Runs:
-        """The pairs as runs (``kvmgr.transfer._pairs.Runs``), to slice a plan by tensors."""
+        """The pairs as runs (``kvmgr.transfer._runs.Runs``), to slice a plan by tensors."""
         return self._runs
 
     @property

@@ -290,8 +290,11 @@ class CopyStreams:
                 counters.device_s_h2d += device_s
 
 
+_CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
+
+
 def _on_device(device: torch.device) -> Any:
     """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
     if device.index is not None and torch.cuda.current_device() == device.index:
-        return contextlib.nullcontext()
+        return _CURRENT
     return torch.cuda.device(device)

@@ -27,9 +27,11 @@ from kvmgr.worker.tensors import TensorGuard
 __all__ = ["Submitted", "TransferWorker"]
 
 
-@attrs.frozen
+@attrs.define
 class Submitted:
     """What one rank submitted for a job (for the step report).
+
+    Not frozen (a frozen attrs ``__init__`` costs ~3x on the step's path): read-only by use.
 
     Attributes:
         handle: the engine's handle (resolves when the copy ended).

@@ -54,29 +54,10 @@ done
 
 echo "=== stepplan summary"
 tail -n 3 "$D/pytest.txt"
+python3 scripts/gpu/step_summary.py "$D"
 python3 - "$D" <<'EOF'
-import glob, json, os, statistics, sys
+import json, os, sys
 d = sys.argv[1]
-rows = {}
-for path in sorted(glob.glob(os.path.join(d, "step_*_*.json"))):
-    tree = os.path.basename(path).split("_")[1]
-    for r in json.load(open(path)).get("step", []):
-        if "host_us" in r:
-            rows.setdefault((r["engine"], r["ids"], tree), []).append(r)
-print("step() host us (median of runs): engine ids | tree host manager engine issue plan")
-for key in sorted(rows):
-    vals = {k: statistics.median(r[k] for r in rows[key])
-            for k in ("host_us", "manager_us", "engine_us", "issue_us", "plan_us")}
-    print(" ".join(key), " ".join(f"{v:7.0f}" for v in vals.values()))
-for engine, ids in sorted({k[:2] for k in rows}):
-    old, new = rows.get((engine, ids, "old")), rows.get((engine, ids, "new"))
-    if old and new:
-        o = statistics.median(r["host_us"] for r in old)
-        n = statistics.median(r["host_us"] for r in new)
-        oe = statistics.median(r["engine_us"] for r in old)
-        ne = statistics.median(r["engine_us"] for r in new)
-        print(f"{engine} {ids}: host new/old {n / o:.2f} ({n:.0f} / {o:.0f} us), "
-              f"engine new/old {ne / oe:.2f} ({ne:.0f} / {oe:.0f} us)")
 try:
     copies = json.load(open(os.path.join(d, "copies.json")))["copies"]
     print("copy columns ok:", all(r["ok"] for r in copies),

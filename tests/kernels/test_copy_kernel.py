@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 from typing import Any
@@ -11,11 +10,10 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from cuda_fakes import FakeCuda, hold_two_tables
+from cuda_fakes import FakeDriver, KernelFakeCuda, cpu_table_slot, hold_two_tables
 
 from kvmgr.errors import ConfigError, GeometryError, TransferError
 from kvmgr.kernels.copy import staging
-from kvmgr.kernels.copy.blocks import launch_block_table
 from kvmgr.kernels.copy.pages import (
     copy_pages,
     copy_pages_reference,
@@ -426,64 +424,11 @@ def test_library_never_imports_the_benchmarks() -> None:
 # ------------------------------------------------------------------ engines on fake CUDA
 
 
-class KernelFakeCuda(FakeCuda):
-    """``FakeCuda`` where the copy kernel runs for real (interpreter, CPU addresses) and logs
-    ``("kernel", rows, cap)`` / ``("paged", rows, cap)``; ``fail_launches`` refuses that many."""
-
-    def __init__(self) -> None:
-        super().__init__(elapsed_ms=0.25)
-        self.fail_launches = 0
-
-    def launch(self, table: torch.Tensor, num_items: int, max_programs: int, **_: Any) -> int:
-        if self.fail_launches:
-            self.fail_launches -= 1
-            raise RuntimeError("launch refused")
-        self.log.append(("kernel", num_items, max_programs))
-        return launch_copy_table(table, num_items, max_programs)  # interpreter, CPU addresses
-
-    def launch_paged(
-        self, layout: torch.Tensor, runs: torch.Tensor, num_tensors: int, num_runs: int,
-        max_programs: int, **_: Any,
-    ) -> int:  # fmt: skip
-        if self.fail_launches:
-            self.fail_launches -= 1
-            raise RuntimeError("launch refused")
-        self.log.append(("paged", num_tensors * num_runs, max_programs))
-        return launch_block_table(layout, runs, num_tensors, num_runs, max_programs)
-
-
-def _cpu_slot(capacity: int, device: Any) -> staging.TableSlot:
-    host, table = (torch.zeros(3 * capacity, dtype=torch.int64) for _ in range(2))
-    return staging.TableSlot(capacity, host, host.numpy(), table, host.data_ptr(), table.data_ptr())
-
-
-class FakeDriver:
-    """Duck-typed ``CopyDriver``: every batch is a logged ``memmove`` loop."""
-
-    batch_abi = driver_version = 13000
-
-    def __init__(self, log: list[Any]) -> None:
-        self.log = log
-
-    def batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int, order: int):
-        self.log.append(("dma", count, order))
-        d, s, n = (np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(a)).copy()
-                   for a in (dsts, srcs, sizes))  # fmt: skip
-        copy_pages_reference(s, d, n)
-
-    def memcpy(self, dst: int, src: int, num_bytes: int, stream: int) -> None:
-        ctypes.memmove(dst, src, num_bytes)
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> KernelFakeCuda:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("fake CUDA runs the copy kernel under the Triton interpreter (CPU only)")
-    fake = KernelFakeCuda().install(monkeypatch)
-    monkeypatch.setattr(staging, "launch_copy_table", fake.launch)
-    monkeypatch.setattr(staging, "launch_block_table", fake.launch_paged)
-    monkeypatch.setattr(staging, "new_table_slot", _cpu_slot)
-    return fake
+    return KernelFakeCuda().install(monkeypatch)
 
 
 def _cpu_kv(rng: np.random.Generator, page_sizes: list[int], num_blocks: int) -> list[torch.Tensor]:
@@ -932,7 +877,7 @@ def test_the_cost_model_charges_the_compute_a_copy_slows() -> None:
 
 
 def test_table_slots_come_in_size_classes_and_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(staging, "new_table_slot", _cpu_slot)
+    monkeypatch.setattr(staging, "new_table_slot", cpu_table_slot)
     slots = staging.TableSlots(torch.device("cpu"))
     small, large = slots.take(10), slots.take(5000)
     assert (small.capacity, large.capacity, slots.num_allocated) == (4096, 8192, 2)

@@ -414,6 +414,11 @@ def test_packed_launch_writes_config_and_cells_and_calls_the_driver(runtime):
     bound.launch((5, 1, 1), SimpleNamespace(cuda_stream=77))
     assert runtime.libcuda.calls[1]["grid"] == (5, 1, 1) and runtime.libcuda.calls[1]["stream"] == 77  # fmt: skip
     assert _read(runtime.libcuda.calls[1]["cells"][1], "<i") == 2 and bound.args[0] is x
+    bound.run((3, 2, 1), None, (x.data_ptr(), 5), (x, 5))  # back to the first grid and stream
+    bound.run((3, 2, 1), None, (y.data_ptr(), 6), (y, 6))  # the same again: the values alone
+    for call, (ptr, value) in zip(runtime.libcuda.calls[2:], [(x.data_ptr(), 5), (y.data_ptr(), 6)], strict=True):  # fmt: skip
+        assert (call["grid"], call["block"], call["stream"]) == ((3, 2, 1), (128, 1, 1), 55)
+        assert (_read(call["cells"][0], "<Q"), _read(call["cells"][1], "<i")) == (ptr, value)
     with pytest.raises(OverflowError):
         bound.set((x.data_ptr(), 2**31), (x, 2**31))  # another specialization: a new bind
 

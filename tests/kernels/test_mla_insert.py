@@ -352,6 +352,72 @@ def test_validation_raises_typed_errors_before_writing(case: str) -> None:
             per_layer_mla_insert(**args)  # type: ignore[arg-type]
 
 
+STEP_CASES = [  # bad step tensors whose caches, dtype and scales are fine
+    "int32 slots", "slots of wrong length", "k_pe token count", "mixed input dtypes",
+    "scales shape", "non-contiguous rows", "slots of wrong layers", "float64 scales",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_a_bad_step_after_good_ones_raises_before_writing(case: str) -> None:
+    # good steps first (new step tensors each, then the same ones again), so that the step
+    # signature and the last call are remembered: a bad step of the same sizes must still
+    # raise its typed error and leave every cache as it was, through the public function and
+    # through a hook
+    error, bad = _bad_args(case)
+    if case == "slots of wrong layers":
+        bad["slot_mapping"] = torch.stack([_slots(31, 5, 8, 1)] * 3)
+    elif case == "float64 scales":
+        bad["kv_scales"] = _scales(32, 2).double()
+    good = _bad_args("good")[1]
+    caches = bad["caches"]
+    assert isinstance(caches, list)
+    names = ("kv_c", "k_pe", "slot_mapping", "kv_scales")
+    hook = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[arg-type]
+    for step in range(4):
+        fresh = {k: v.clone() if step < 3 else v for k, v in good.items() if k in names}
+        grouped_mla_insert(fresh.pop("kv_c"), fresh.pop("k_pe"), caches, fresh.pop("slot_mapping"), kv_cache_dtype="fp8_e4m3", **fresh)  # type: ignore[arg-type]  # fmt: skip
+        hook(StepContext(tensors={k: good[k].clone() if step < 3 else good[k] for k in names[:3]}))  # fmt: skip
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(error, match="expected"):
+        grouped_mla_insert(**bad)  # type: ignore[arg-type]
+    if case not in ("scales shape", "float64 scales"):  # the hook's scales are its own
+        with pytest.raises(error, match="expected"):
+            hook(StepContext(tensors={k: bad[k] for k in names[:3]}))
+    assert _same_bytes(caches, before)
+
+
+def test_remembered_step_signatures_write_exactly_what_each_step_holds() -> None:
+    # new step tensors of sizes seen before take the remembered signature (no checks, no key):
+    # every step must still be exact, also when a step of the same shape has other strides (a
+    # slice of wider rows), another base alignment or the other slot layout, and T = 1 steps
+    # whose size-1 dims carry odd strides
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(190, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    scales = _scales(191, num_layers)
+    insert = _insert(caches, "fp8_e4m3")
+    assert insert._plain  # the grouped kernel's runtime arguments are all do_not_specialize
+    for step in range(12):
+        num_tokens = (5, 1)[step % 2]
+        kv_c, k_pe = _inputs(192 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+        slots = _slots(210 + step, num_tokens, num_blocks * block_size, step % 3 == 0)
+        if step % 4 == 1:  # the same shape, token-strided rows of a wider tensor
+            wide = torch.cat([kv_c, kv_c], dim=-1)
+            kv_c = wide[..., :rank]
+        elif step % 4 == 2:  # a base 2 bytes past 16-byte alignment
+            storage = torch.empty(k_pe.numel() + 1, dtype=k_pe.dtype, device=DEVICE)
+            k_pe = storage[1:].view(k_pe.shape).copy_(k_pe)
+        elif step % 4 == 3:
+            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
+        if num_tokens == 1 and step % 3 == 1:  # contiguous, with an odd stride on the T dim
+            kv_c = kv_c.as_strided(kv_c.shape, (rank, 7, 1))
+        expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
+        assert insert(kv_c.clone() if step > 9 else kv_c, k_pe, slots, scales) == num_tokens
+        assert _same_bytes(caches, expected)
+        assert insert._last[-1].args[-1] is (step % 4 != 2)  # IO_ALIGNED: off for that base
+    assert 4 <= len(insert._steps) <= 12
+
+
 def test_hook_inserts_from_step_context() -> None:
     num_layers, num_tokens, rank, rope_dim = 2, 10, 16, 8
     kv_c, k_pe = _inputs(33, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)

@@ -92,7 +92,7 @@ def test_reuse_policy_promotes_reused_segments_and_filters_new_ones() -> None:
     policy.insert([k[5], k[6], k[7]], [None, k[5], k[6]])  # conversation B, turn 1
     assert policy.horizon_s > policy.probation_gap_s > 0
     # the store rate says the gap outlasts the cache: unproven segments go first, tips first
-    assert policy._is_filtering()
+    assert policy._queues.is_filtering()
     assert policy.evict(3, ANY) == [k[4], k[3], k[7]]
     assert all(key in policy for key in (k[0], k[1], k[2]))
     # B's keys evicted while unproven are ghosts: storing them again proves B

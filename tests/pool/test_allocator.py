@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
-from kvmgr.pool.allocator import BlockAllocator, as_id_array
+from kvmgr.pool.allocator import BlockAllocator
+from kvmgr.pool.block_ids import as_id_array
 
 
 def _state(alloc: BlockAllocator) -> tuple[int, tuple[bool, ...]]:

@@ -3,8 +3,9 @@
 A CPU tier is driven through random stores (chains, roots, children stored before their
 parent, chains hanging below old keys), failed stores, invalidations and evictions; after every
 operation the per-block records (parent block, child counts), the orphans (indexed children of
-keys not in the tier) and ``num_parents`` must equal what the index and the recorded parents
-give when recomputed from scratch, and key cycles must still be refused.
+keys not in the tier, also by child: ``loose``), ``num_parents`` and the ``parent`` snapshot
+must equal what the index and the parents recorded by the test give when recomputed from
+scratch, and key cycles must still be refused.
 """
 
 from __future__ import annotations
@@ -25,17 +26,30 @@ def _tier(num_blocks: int = 64) -> CpuTier:
     return CpuTier(num_blocks, "lru", lambda keys: None)
 
 
-def _store(tier: CpuTier, keys: list[bytes], parents: list[bytes | None], *, as_list: bool):
+#: the parent each key was stored with (the test's own record; stale for keys gone)
+_Recorded = dict[bytes, "bytes | None"]
+
+
+def _store(
+    tier: CpuTier,
+    keys: list[bytes],
+    parents: list[bytes | None],
+    *,
+    as_list: bool,
+    recorded: _Recorded | None = None,
+):
     tier.chains.check(keys, parents)
     ids = tier.make_room(len(keys), keys)
     tier.add_pending(keys, ids.tolist() if as_list else ids, parents)
     tier.stores_landed(ids)
+    if recorded is not None:
+        recorded.update(zip(keys, parents))
     return ids
 
 
-def _expected(tier: CpuTier):
-    parent = tier.chains.parent
-    assert parent.keys() == tier.index.keys()
+def _expected(tier: CpuTier, recorded: _Recorded):
+    parent = {key: recorded[key] for key in tier.index}
+    assert tier.chains.parent == parent
     counts = Counter(p for p in parent.values() if p is not None)
     kids = {tier.index[p]: c for p, c in counts.items() if p in tier.index}
     orphans = {
@@ -44,15 +58,17 @@ def _expected(tier: CpuTier):
         if p not in tier.index
     }
     up_block = {tier.index[k]: tier.index.get(p, -1) for k, p in parent.items() if p is not None}
-    return kids, orphans, up_block, len(counts)
+    loose = {tier.index[k]: p for k, p in parent.items() if p is not None and p not in tier.index}
+    return kids, orphans, up_block, loose, len(counts)
 
 
-def _check(tier: CpuTier) -> None:
+def _check(tier: CpuTier, recorded: _Recorded) -> None:
     chains = tier.chains
-    kids, orphans, up_block, num_parents = _expected(tier)
+    kids, orphans, up_block, loose, num_parents = _expected(tier, recorded)
     got_kids = {b: int(c) for b, c in enumerate(chains._kids_np) if c}
     assert got_kids == kids
     assert {p: sorted(c) for p, c in chains.orphans.items()} == orphans
+    assert chains.loose == loose
     for block in tier.index.values():
         assert chains._up_block[block] == up_block.get(block, -1)
     assert chains.num_parents == num_parents
@@ -63,17 +79,18 @@ def _keys(start: int, n: int) -> list[bytes]:
 
 
 def test_a_child_stored_before_its_parent_is_adopted_and_orphaned_again():
-    tier = _tier()
+    tier, recorded = _tier(), {}
     p, c = _keys(0, 2)
-    _store(tier, [c], [p], as_list=True)
+    _store(tier, [c], [p], as_list=True, recorded=recorded)
     assert tier.chains.orphans == {p: [tier.index[c]]}
-    _store(tier, [p], [None], as_list=True)
+    _store(tier, [p], [None], as_list=True, recorded=recorded)
     assert tier.chains.orphans == {}
     assert tier.chains._kids[tier.index[p]] == 1
-    _check(tier)
+    _check(tier, recorded)
     tier.drop([p])  # invalidated: its child stays, an orphan again
     assert tier.chains.orphans == {p: [tier.index[c]]}
-    _check(tier)
+    assert tier.chains.loose == {tier.index[c]: p}
+    _check(tier, recorded)
     with pytest.raises(InvalidKeyError):
         tier.chains.check([p], [c])  # p extends c, which extends p
 
@@ -81,7 +98,7 @@ def test_a_child_stored_before_its_parent_is_adopted_and_orphaned_again():
 @settings(max_examples=150, deadline=None)
 @given(st.randoms(use_true_random=False))
 def test_per_block_chains_match_the_recorded_parents(rng):
-    tier = _tier(48)
+    tier, recorded = _tier(48), {}
     next_key = 0
     absent: list[bytes] = []  # parents named by stored children, not stored themselves
     for _ in range(40):
@@ -105,7 +122,7 @@ def test_per_block_chains_match_the_recorded_parents(rng):
                 parents = [base, *new[:-1]]
             if new:
                 with contextlib.suppress(PoolExhaustedError):  # no room: nothing changed
-                    _store(tier, new, parents, as_list=rng.random() < 0.5)
+                    _store(tier, new, parents, as_list=rng.random() < 0.5, recorded=recorded)
         elif op == "fail" and keys:
             picked = list(dict.fromkeys(rng.choice(keys) for _ in range(rng.randint(1, 4))))
             ids = np.array([tier.index[k] for k in picked], dtype=np.int64)
@@ -117,4 +134,17 @@ def test_per_block_chains_match_the_recorded_parents(rng):
         elif op == "evict" and keys:
             with contextlib.suppress(PoolExhaustedError):
                 tier.evict_for(tier.pool.num_free + rng.randint(1, len(keys)), ())
-        _check(tier)
+        _check(tier, recorded)
+
+
+def test_a_cycle_through_indexed_ancestors_is_refused_with_its_length():
+    tier, recorded = _tier(), {}
+    p, c1, c2, c3 = _keys(0, 4)
+    _store(tier, [c1], [p], as_list=True, recorded=recorded)  # c1 stored before its parent p
+    _store(tier, [c2, c3], [c1, c2], as_list=False, recorded=recorded)
+    _check(tier, recorded)
+    with pytest.raises(InvalidKeyError, match="a key cycle of 4 keys"):
+        tier.chains.check([p], [c3])  # p -> c3 -> c2 -> c1 -> p
+    tier.chains.check([p], [None])  # a root is fine
+    _store(tier, [p], [None], as_list=True, recorded=recorded)
+    _check(tier, recorded)

@@ -34,7 +34,7 @@ from kvmgr import ManagerConfig, OffloadManager, PoolExhaustedError, TransferErr
 from kvmgr.errors import ConfigError, HostMemoryError
 from kvmgr.pool.host_pool import HostRegionLayout
 from kvmgr.testing import check_invariants
-from kvmgr.transfer import HostEngine, pinning
+from kvmgr.transfer import HostEngine, host_pages
 from kvmgr.transfer.engine import BatchHandle
 from kvmgr.transfer.pin_plan import PAGE_BYTES, plan_pieces
 from kvmgr.transfer.pinned import HostRegistrar
@@ -137,7 +137,7 @@ def test_first_touch_falls_back_to_writes_where_madvise_cannot_populate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Linux < 5.14 has no MADV_POPULATE_WRITE (EINVAL): an unknown advice gives the same answer
-    monkeypatch.setattr(pinning, "_MADV_POPULATE_WRITE", 12345)
+    monkeypatch.setattr(host_pages, "_MADV_POPULATE_WRITE", 12345)
     fake = FakeRegistrar(check_touched=True)
     region = PinnedRegion(_layout(40), fake.registrar, _options(background=False))
     assert region.num_blocks_ready == 40 and fake.untouched_pages == 0

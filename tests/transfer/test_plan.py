@@ -406,14 +406,14 @@ def test_random_ids_with_and_without_merge_match_the_reference(seed: int) -> Non
 def test_consecutive_ids_past_the_cached_range_are_found_all_the_same(
     monkeypatch: pytest.MonkeyPatch, first: int, n: int
 ) -> None:
-    from kvmgr.transfer import _pairs
+    from kvmgr.transfer import _runs
 
-    monkeypatch.setattr(_pairs, "_MAX_IOTA", 64)  # the ids above 64: subtraction or diffs
-    monkeypatch.setattr(_pairs, "_IOTA", np.arange(16, dtype=np.int64))
+    monkeypatch.setattr(_runs, "_MAX_IOTA", 64)  # the ids above 64: subtraction or diffs
+    monkeypatch.setattr(_runs, "_IOTA", np.arange(16, dtype=np.int64))
     src, dst = _layout([1000], [10], [10], 300), _layout([90_000], [10], [10], 300)
     ids = np.arange(first, first + n)
     plan = build_plan(Direction.D2H, src, dst, ids, ids[::-1].copy() - first)  # no run
     assert plan.num_descriptors == n
     plan = build_plan(Direction.D2H, src, dst, ids, ids + 7)
     assert _arrays(plan) == ([1000 + 10 * first], [90_000 + 10 * (first + 7)], [10 * n])
-    assert len(_pairs._IOTA) <= 64
+    assert len(_runs._IOTA) <= 64

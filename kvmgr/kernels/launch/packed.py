@@ -18,11 +18,11 @@ reads them; a step writes its few changing values and calls the driver once.
 kernels); one 8-byte cell per *varying* argument (the positions the owner changes per step; a
 scratch cell where the compiled signature has none, e.g. an int equal to 1, which Triton turns
 into a constant); the other arguments' cells; and the hidden scratch pointers Triton appends
-(one, or two from Triton 3.5), passed NULL. A step then costs one ``struct.pack_into`` (grid,
-stream and values) and one driver call: from C (:mod:`kvmgr.kernels.launch.native`, one
-``METH_O`` call of a record in C memory) where that module builds, else through ctypes. The
-driver copies the parameters at the call, so later writes never change an enqueued or captured
-launch.
+(one, or two from Triton 3.5), passed NULL. A step then costs a ``struct.pack_into`` of its
+values (and one of the grid and stream where they differ from the last launch's) and one driver
+call: from C (:mod:`kvmgr.kernels.launch.native`, one ``METH_O`` call of a record in C memory)
+where that module builds, else through ctypes. The driver copies the parameters at the call, so
+later writes never change an enqueued or captured launch.
 
 **Fallback per call** (Triton's own launch, with the same Python arguments): a Triton launch hook
 is set (profilers), the current device is not the bound one, or the calling thread's current CUDA
@@ -131,7 +131,6 @@ class PackedLaunch(TritonLaunch):
         fixed = [i for i in range(len(args)) if i not in self._varying and types[i] is not None]
         cells = [CELL[ty] if ty and ty[0] != "*" else "Q" if ty else "q" for ty in types]
         order = [*self._varying, *fixed]
-        self._pack = struct.Struct(_HEADER + "".join(cells[i] for i in self._varying)).pack_into
         self._pack_header = struct.Struct(_HEADER[:-3]).pack_into
         self._grid: Any = None  # the grid and stream handle in the buffer's header
         self._handle: Any = None
@@ -168,26 +167,17 @@ class PackedLaunch(TritonLaunch):
         self._chains = (enter, leave) if chains else (_NEVER, _NEVER)
 
     def run(self, grid: tuple[int, int, int], stream: Any, values: Sequence[Any], args: Sequence[Any]) -> None:  # fmt: skip
-        """:meth:`set` and :meth:`launch` in one write: ``values`` (the varying arguments' packed
-        values, from the rule's reader), then a launch over ``grid`` on ``stream`` (a torch
-        stream; None: the bound device's current one).
+        """:meth:`set`, then :meth:`launch`: ``values`` (the varying arguments' packed values,
+        from the rule's reader), then a launch over ``grid`` on ``stream`` (a torch stream; None:
+        the bound device's current one); the header is rewritten only when the grid or stream
+        differs from the last launch's.
 
         Raises:
             OverflowError: a value does not fit its cell (another specialization).
             RuntimeError: the driver refused the launch (its error name in the message).
         """
-        self._changed = args
-        if not self._usual() and self._blocked():
-            self._triton(grid, stream)
-            return
-        handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
-        try:
-            self._pack(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle, *values)
-        except struct.error as exc:
-            self._grid = self._handle = None
-            raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
-        self._grid, self._handle = grid, handle
-        self._fire()
+        self.set(values, args)
+        self.launch(grid, stream)
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
         """Write ``values`` (the varying arguments' packed values) for the next launches; ``args``
@@ -254,12 +244,6 @@ class PackedLaunch(TritonLaunch):
                 return True
             self._thread = threading.get_ident()
         return False
-
-    def _fire(self) -> None:
-        native = self._native
-        result = self._driver.launch(*self._call) if native is None else native(self._record_address)  # fmt: skip
-        if result:
-            raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
 
 
 def _value(arg: Any) -> Any:

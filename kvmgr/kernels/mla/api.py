@@ -101,7 +101,7 @@ def grouped_mla_insert(
         step = check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, insert.plan.meta,
                           allow_cpu=plan.IS_INTERPRETED)  # fmt: skip
         check_slot_range(step, caches)
-    insert(kv_c, k_pe, slot_mapping, kv_scales, block_tokens=block_tokens, num_warps=num_warps)
+    insert(kv_c, k_pe, slot_mapping, kv_scales, True, None, block_tokens, num_warps)
 
 
 def per_layer_mla_insert(

@@ -4,17 +4,28 @@ Offers (to :mod:`kvmgr.kernels.mla.memo`, ``api`` and ``hook``):
     GroupedInsert   one plan's grouped launches: checks once per step signature, then writes the
                     step's pointers, ``T`` and layer strides into a bound launch and launches it
 
-**Step signature.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
+**Launch key.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
 constexprs depend on, except the values that are runtime arguments of the kernel: ranks, ``L``,
 ``R``, ``P``, token and column strides, devices, ``slot_mapping``'s leading dims, the scales'
 shape, stride and device (read once per scales tensor object), whether ``IO_ALIGNED`` holds, the
 tile (a function of ``T * L``) and the classes the specialization rule gives the runtime
 arguments (:func:`kvmgr.kernels.launch.rule.reader`: their dtypes, the ints' widths). ``T``
 itself, the layer strides and the pointers are not part of it: the grouped kernel takes them as
-``do_not_specialize`` runtime arguments. A step whose signature was checked before skips the
-checks, save the one they do not cover: that ``kv_c``, ``k_pe`` and ``slot_mapping`` agree on
-``T``. A new signature is checked in full (raising as
+``do_not_specialize`` runtime arguments, so one bound launch serves every step size of a tile. A
+step whose key was checked before skips the checks, save the one they do not cover: that
+``kv_c``, ``k_pe`` and ``slot_mapping`` agree on ``T``. A new key is checked in full (raising as
 :func:`~kvmgr.kernels.mla.api.grouped_mla_insert` does) and bound (compiled if needed).
+
+**Step signature.** In front of the key, each call reads the step tensors once, 15 attribute
+reads and no indexing: per tensor ``shape``, ``is_contiguous() or stride()``, ``dtype``,
+``get_device()`` and ``data_ptr()`` (plus the scales' ``dtype`` and ``data_ptr()``), and looks the
+tuple of them up among the step signatures that passed before (the 256 most recent; ``T`` is in
+``shape``, so a loop keeps one per step size it runs). A known signature determines the launch
+key, the grid and every runtime argument but the pointers: the call writes the four pointers and
+launches, with no check, no rule and no key. ``True`` for a contiguous tensor stands for its
+strides: they are fixed by its shape except on dims of size 1, whose stride the kernel multiplies
+by index 0 only. The shortcut is taken only while the rule reads every varying argument by dtype
+and value alone (all ``do_not_specialize``); otherwise each call takes the key.
 
 A call with the very same tensor objects as the last one (same ``data_ptr()``s and ``T``) skips
 even the signature: persistent step buffers cost one launch (in-place metadata changes such as
@@ -29,7 +40,7 @@ from typing import Any
 import torch
 
 from kvmgr.kernels.launch import Launches
-from kvmgr.kernels.launch.rule import Unsupported
+from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
 from kvmgr.kernels.mla.checks import check_step, unchecked_step
 from kvmgr.kernels.mla.kernel import grouped_insert_kernel
@@ -38,6 +49,7 @@ from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
 __all__ = ["GroupedInsert"]
 
 _MAX_SIGNATURES = 64  # bound launches kept per plan (a loop sees a handful: tiles x layouts)
+_MAX_STEPS = 256  # step signatures (with T) remembered per plan: a loop's step sizes
 # the runtime arguments (kv_c, k_pe, slot_mapping, kv_scales, T and the three layer strides);
 # position 2, the pointer table, is the plan's
 _VARYING = (0, 1, 3, 4, 5, 6, 7, 8)
@@ -60,6 +72,11 @@ class GroupedInsert:
         self._launches = Launches(grouped_insert_kernel, _VARYING, "ttt?iiii", direct=direct,
                                   max_bound=_MAX_SIGNATURES)  # fmt: skip
         self._read = self._launches.read
+        # step signature -> (bound launch, grid or None for T = 0, (T, layer strides)); only
+        # where the rule reads the varying arguments by dtype and value alone (all PLAIN)
+        kinds = self._launches.launcher.declared
+        self._plain = kinds is not None and all(kinds[i] == PLAIN for i in _VARYING)
+        self._steps: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # the last call's tensors, (pointers, T), grid and launch: the same objects again skip
         # everything but the launch
         self._last: tuple[Any, ...] | None = None
@@ -82,7 +99,6 @@ class GroupedInsert:
         kv_scales: torch.Tensor | None,
         validate: bool = True,
         stream: Any = None,
-        *,
         block_tokens: int | None = None,
         num_warps: int | None = None,
     ) -> int:
@@ -102,6 +118,39 @@ class GroupedInsert:
         ):  # fmt: skip
             last[6].launch(last[5], stream)
             return last[4][3]
+        try:  # the step signature: 15 attribute reads (module docstring)
+            kv_ptr, pe_ptr, slot_ptr = kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr()
+            signature: tuple[Any, ...] | None = (
+                kv_c.shape, k_pe.shape, slot_mapping.shape, kv_c.is_contiguous() or kv_c.stride(),
+                k_pe.is_contiguous() or k_pe.stride(), slot_mapping.is_contiguous() or slot_mapping.stride(),
+                kv_c.dtype, k_pe.dtype, slot_mapping.dtype, kv_c.get_device(), k_pe.get_device(),
+                slot_mapping.get_device(), (kv_ptr | pe_ptr) & 15 == 0,
+                None if kv_scales is None else (kv_scales.dtype, self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales)),
+                block_tokens, num_warps,
+            )  # fmt: skip
+            known = self._steps.get(signature) if self._plain else None
+        except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
+            signature, known = None, None
+        if known is None:
+            return self._new_step(signature, kv_c, k_pe, slot_mapping, kv_scales, validate,
+                                  stream, block_tokens, num_warps)  # fmt: skip
+        bound, grid, ints = known
+        if grid is None:  # T == 0
+            return 0
+        scale_ptr = 0 if kv_scales is None else kv_scales.data_ptr()
+        bound.run(grid, stream, (kv_ptr, pe_ptr, slot_ptr, scale_ptr, *ints),
+                  (kv_c, k_pe, slot_mapping, kv_scales, *ints))  # fmt: skip
+        if block_tokens is None and num_warps is None:
+            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (kv_ptr, pe_ptr, slot_ptr, ints[0]), grid, bound)  # fmt: skip
+        return ints[0]
+
+    def _new_step(
+        self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, validate: bool, stream: Any,
+        block_tokens: int | None, num_warps: int | None,
+    ) -> int:  # fmt: skip
+        """A step signature not seen before: its launch by the ``T``-free key (bound before, or
+        checked in full and bound now), launched, and remembered under ``signature``."""
         try:
             ks, ps, ss = kv_c.shape, k_pe.shape, slot_mapping.shape
             kt, pt, st = kv_c.stride(), k_pe.stride(), slot_mapping.stride()
@@ -127,9 +176,14 @@ class GroupedInsert:
             bound, args, values, tile = self._bind(key, kv_c, k_pe, slot_mapping, kv_scales,
                                                    validate, block_tokens, num_warps)  # fmt: skip
             num_layers, num_tokens = args[0].shape[0], args[4]
-        if num_tokens == 0:
+        grid = None if num_tokens == 0 else (-(-num_tokens // tile), num_layers, 1)
+        if signature is not None and self._plain:  # checked (or vouched for): remember it
+            steps = self._steps
+            if len(steps) >= _MAX_STEPS:
+                del steps[next(iter(steps))]
+            steps[signature] = (bound, grid, args[4:])
+        if grid is None:
             return 0
-        grid = (-(-num_tokens // tile), num_layers, 1)
         bound.run(grid, stream, values, args)
         if block_tokens is None and num_warps is None:
             self._last = (kv_c, k_pe, slot_mapping, kv_scales,

@@ -1,4 +1,5 @@
-"""Hypothesis state machine driving OffloadManager on the host engine with real CPU tensors.
+"""The manager's state machine, run over every engine kvmgr ships (issue 27: "one state-machine
+test runs over every engine").
 
 Rules: requests (allocate, write, preempt, resume, free), keyed stores out of request blocks
 (``swap_out`` and ``store_many`` over several requests' blocks, with drawn parents), loads of
@@ -10,8 +11,14 @@ The machine uses only the public API: GPU blocks come from ``allocate`` (the own
 state is read only through ``snapshot()``, ``statistics()``, ``block_table()`` and
 ``is_moving()``. ``store_threshold`` is drawn (1 or 2) and modelled.
 
-The engine (the testing kit's ``ScriptedEngine(HostEngine(), hold=True)``) holds submitted
-batches until a ``progress`` rule runs them, in order, on a real ``HostEngine``: every state change happens inside a rule, so hypothesis can replay and shrink.
+The engine is the testing kit's ``ScriptedEngine(inner, hold=True)``: it holds submitted
+batches until a ``progress`` rule runs them, in order, on the inner engine, so every state change
+happens inside a rule and hypothesis can replay and shrink. ``test_manager_state_machine`` runs
+the machine once per engine of ``state_engines.SPECS``: the no-copy engine (bookkeeping only: no
+page is compared), the scripted engine's fault modes (seeded failed batches, refused submits,
+delayed completions, drawn per example), the host engine, the batched-DMA, copy-kernel and
+per-batch choice engines on ``cuda_fakes`` (CPU tensors), and the real ones on CUDA tensors
+(``gpu``-marked: skipped without a GPU).
 
 The model is logical: ``req_data[req][i]`` is what logical block ``i`` of request ``req`` must
 hold, ``key_data[key]`` what the CPU tier must hold under ``key``, each as ``(bytes, deps)``:
@@ -28,10 +35,11 @@ blocks the snapshot showed when it was queued, and every resident request's GPU 
 completed load), swapped-out request's CPU pages and key's CPU pages hold exactly the model's
 bytes.
 
-Default profile ``kvmgr-ci`` runs in ~10 s; more:
-``HYPOTHESIS_PROFILE=kvmgr-long python -m pytest -s --timeout 0 tests/manager/test_manager_stateful.py``
-(3000 examples of 80 steps, about 10 minutes; ``--timeout 0`` lifts pytest-timeout's 300 s,
-``-s`` prints the totals; an interrupt with Ctrl-C prints them too).
+Default profile ``kvmgr-ci``: derandomized (the same examples every run, no example database),
+``EXAMPLES`` examples of ``STEPS`` rules per engine, about 40 s for all CPU engines on a 2-core
+machine. More: ``HYPOTHESIS_PROFILE=kvmgr-long python -m pytest -s --timeout 0
+tests/manager/test_state_machine.py`` (3000 examples of 80 rules per engine; ``--timeout 0`` lifts
+pytest-timeout's 300 s, ``-s`` prints the totals; an interrupt with Ctrl-C prints them too).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -49,7 +58,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from state_engines import PARAMS, EngineSpec
 
 from kvmgr import (
     BlockStateError,
@@ -59,17 +76,27 @@ from kvmgr import (
     PoolExhaustedError,
     Tier,
     TransferError,
+    TransferTimeoutError,
 )
 from kvmgr.manager import CpuState, GpuState, ManagerSnapshot
 from kvmgr.reports import KVEvent, LoadResult, StoreResult, SwapResult
 from kvmgr.testing import ScriptedEngine, check_invariants
-from kvmgr.transfer import HostEngine
 
 _COMMON = {
     "deadline": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
 }
-settings.register_profile("kvmgr-ci", max_examples=100, stateful_step_count=40, **_COMMON)
+#: per engine, on the CI profile (the fake copy-kernel engines run the kernel under the Triton
+#: interpreter: fewer examples there)
+EXAMPLES, STEPS, INTERPRETED_EXAMPLES = 20, 30, 6
+settings.register_profile(
+    "kvmgr-ci",
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    derandomize=True,
+    database=None,
+    **_COMMON,
+)
 settings.register_profile("kvmgr-long", max_examples=3000, stateful_step_count=80, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "kvmgr-ci")
 if PROFILE not in ("kvmgr-ci", "kvmgr-long"):  # another project profile: keep ours
@@ -93,12 +120,12 @@ async def _progress(engine: ScriptedEngine, num_batches: int | None = None) -> N
         await asyncio.sleep(0)
 
 
-def _kv() -> list[torch.Tensor]:
+def _kv(device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(99)
-    kv_pair = torch.randn(NUM_GPU, 2, 3, 5, generator=gen)
+    kv_pair = torch.randn(NUM_GPU, 2, 3, 5, generator=gen).to(device)
     return [
-        torch.randint(1, 256, (NUM_GPU, 584), dtype=torch.uint8, generator=gen),
-        torch.randn(NUM_GPU, 2, 288, generator=gen).to(torch.bfloat16),
+        torch.randint(1, 256, (NUM_GPU, 584), dtype=torch.uint8, generator=gen).to(device),
+        torch.randn(NUM_GPU, 2, 288, generator=gen).to(torch.bfloat16).to(device),
         kv_pair[:, 0],  # non-dense K half: 60 B pages, 120 B apart
     ]
 
@@ -116,6 +143,10 @@ class _Swap:
     present: list[bool] = attrs.field(factory=list)  # stores: the key was in the tier already
 
 
+def _kvmgr_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvmgr")]
+
+
 def _ready_prefix(snap: ManagerSnapshot, keys: Sequence[bytes]) -> int:
     hits = 0
     for key in keys:
@@ -127,18 +158,26 @@ def _ready_prefix(snap: ManagerSnapshot, keys: Sequence[bytes]) -> int:
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    """The model over one engine: ``SPEC`` (which engine) and ``FAKE`` (its installed fake
+    CUDA, or ``None``) are set by ``test_manager_state_machine`` on a subclass."""
+
+    SPEC: EngineSpec = EngineSpec("host")
+    FAKE: Any = None
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.leaked: list[dict[str, Any]] = []
         self.loop.set_exception_handler(lambda _loop, context: self.leaked.append(context))
-        self.kv = _kv()
-        self.engine = ScriptedEngine(HostEngine(), hold=True)
-        self.num_failed = 0  # batches failed on purpose since the last drain
+        self.kv = _kv(self.SPEC.device)
+        self.engine: ScriptedEngine = None  # type: ignore[assignment]  # set by open_manager
+        self.num_failed = 0  # batches failed on purpose since the last drain (fail_a_held_batch)
+        self.injected_before = 0  # the engine's injected failures and refusals at the last drain
         self.mgr: OffloadManager | None = None
         self.req_data: dict[str, list[Value]] = {}
         self.key_data: dict[bytes, Value] = {}
         self.tasks: list[asyncio.Task[Any]] = []
+        self.futures: list[asyncio.Future[Any]] = []  # the manager's, since the last drain
         self.loads: list[asyncio.Task[Any]] = []  # load id = position, since the last drain
         #: per load id: (request, logical block, GPU block, the value it must deliver)
         self.load_targets: list[list[tuple[str, int, int, Value]]] = []
@@ -184,6 +223,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
         task = self.loop.create_task(awaiter())
         self.tasks.append(task)
+        self.futures.append(future)
         return task
 
     def _ids(self, req: str) -> list[int]:
@@ -210,7 +250,9 @@ class ManagerMachine(RuleBasedStateMachine):
         return stats is not None and stats.queued_swaps == 0 and stats.batches_in_flight == 0
 
     def _gpu_page(self, b: int) -> bytes:
-        return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv)
+        return b"".join(
+            t[b].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in self.kv
+        )
 
     def _cpu_page(self, c: int) -> bytes:
         return b"".join(t[c].numpy().tobytes() for t in self.m.cpu_pool.tensors)
@@ -221,6 +263,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for t in self.kv:
             page = t[b].view(torch.uint8)
             page.copy_(torch.randint(1, 256, page.shape, dtype=torch.uint8, generator=gen))
+        if self.SPEC.device == "cuda":
+            torch.cuda.synchronize()  # the copy engines' streams read after compute's write
         return self._gpu_page(b), NO_DEPS
 
     def _take_events(self, events: list[KVEvent] | None = None) -> list[KVEvent]:
@@ -320,6 +364,17 @@ class ManagerMachine(RuleBasedStateMachine):
             self.load_targets[load_id].append((req, i, b, self.key_data[key]))
             self.last_writer[b] = load_id
 
+    def _in_step(self) -> bool:
+        """Whether every completion happens inside a rule: the engine holds its batches and
+        delays none (else a copy may complete, on an engine thread, at any time)."""
+        return self.engine.holding and not self.delay_s
+
+    def _injected(self, *fates: str) -> int:
+        """Batches the engine's script gave one of ``fates`` so far (default: failed or
+        refused: its drawn fault modes and ``fail_a_held_batch``)."""
+        fates = fates or ("fail", "refuse")
+        return sum(fate in fates for fate in self.engine.injected.values())
+
     def _ok(self, load_id: int) -> bool:
         task = self.loads[load_id]
         return task.done() and not task.cancelled() and task.exception() is None
@@ -327,6 +382,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def _check_completed_loads(self) -> None:
         """Each load whose future resolved delivered the bytes stored under its key, into
         every block no later load or compute write has targeted since."""
+        if not self.SPEC.copies:
+            return  # the no-copy engine moves no byte
         tables = self._snap().tables
         for load_id, targets in enumerate(self.load_targets):
             if load_id in self.loads_checked or not self.loads[load_id].done():
@@ -374,16 +431,29 @@ class ManagerMachine(RuleBasedStateMachine):
         merge=st.booleans(),
         threshold=st.sampled_from([1, 1, 2]),
         seed=st.integers(0, 99),
+        data=st.data(),
     )
-    def open_manager(self, policy: str, merge: bool, threshold: int, seed: int) -> None:
+    def open_manager(
+        self, policy: str, merge: bool, threshold: int, seed: int, data: st.DataObject
+    ) -> None:
         cfg = ManagerConfig(
             num_cpu_blocks=NUM_CPU,
             policy=policy,
-            engine="host",
+            engine=self.SPEC.kind if self.SPEC.device == "cuda" else "host",
             merge=merge,
             store_threshold=threshold,
         )
         self.threshold = threshold
+        script: dict[str, Any] = {"poison": self.SPEC.copies}  # no copy: nothing to poison
+        if self.SPEC.faults:  # the scripted engine's fault modes, seeded
+            script |= {
+                "fail_rate": data.draw(st.sampled_from([0.1, 0.25]), label="fail_rate"),
+                "refuse_batches": data.draw(st.sets(st.integers(0, 8), max_size=2)),
+                "delay_s": data.draw(st.sampled_from([0.0, 0.0, 0.0005]), label="delay_s"),
+                "seed": seed,
+            }
+        self.delay_s = script.get("delay_s", 0.0)
+        self.engine = self.SPEC.build(self.FAKE, cfg, script)
         self.mgr = OffloadManager(self.kv, cfg, engine=self.engine)
         self._run(self.mgr.__aenter__())
         # start with two resident requests and three READY keys, so every rule has work
@@ -486,7 +556,8 @@ class ManagerMachine(RuleBasedStateMachine):
         events = self._run(consume())
         TOTALS["events_by_iterator"] += len(events)
         self._take_events(events)
-        assert self.m.take_events() == []  # nothing left behind
+        if self._in_step():
+            assert self.m.take_events() == []  # nothing left behind
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=5))
     def touch(self, keys: list[bytes]) -> None:
@@ -570,9 +641,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(then=st.sampled_from(["nothing", "one batch", "everything"]))
     def step(self, then: str) -> None:
-        queued = self.m.statistics().queued_swaps
+        queued, refused = self.m.statistics().queued_swaps, self._injected("refuse")
         report = self._run(self.m.step())
-        assert report.d2h.swaps + report.h2d.swaps == queued
+        if self._injected("refuse") == refused:
+            assert report.d2h.swaps + report.h2d.swaps == queued
+        else:  # a refused submit: its swaps failed, the report counts the submitted ones
+            assert report.d2h.swaps + report.h2d.swaps < queued
+            TOTALS["steps_with_a_refused_batch"] += 1
         assert (report.d2h.batches > 0) == (report.d2h.swaps > 0)
         assert (report.h2d.batches > 0) == (report.h2d.swaps > 0)
         if then != "nothing":
@@ -596,6 +671,33 @@ class ManagerMachine(RuleBasedStateMachine):
         data.draw(st.sampled_from([t for t in self.tasks if not t.done()])).cancel()
         self._run(asyncio.sleep(0))
 
+    @precondition(lambda self: any(not f.done() for f in self.futures))
+    @rule(data=st.data(), timeout_s=st.sampled_from([None, 0.0, 0.0005]))
+    def wait_and_give_up(self, data: st.DataObject, timeout_s: float | None) -> None:
+        """``mgr.wait`` on a swap: with a deadline it raises ``TransferTimeoutError`` (or the
+        swap's outcome); without one, cancelled, it must not cancel the swap. Either way the
+        copy goes on: its blocks stay fenced (the invariants check it)."""
+        future = data.draw(st.sampled_from([f for f in self.futures if not f.done()]))
+
+        async def body() -> None:
+            if timeout_s is None:
+                task = asyncio.ensure_future(self.m.wait(future))
+                await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                assert not future.cancelled(), "cancelling mgr.wait cancelled the swap"
+                TOTALS["wait_cancelled"] += 1
+                return
+            try:
+                await self.m.wait(future, timeout_s)
+                TOTALS["wait_ok"] += 1
+            except TransferTimeoutError:
+                TOTALS["wait_timed_out"] += 1
+            except (TransferError, asyncio.CancelledError):
+                TOTALS["wait_failed"] += 1
+
+        self._run(body())
+
     @rule()
     def drain(self) -> None:
         self._run(self._drain())
@@ -611,6 +713,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 if not task.cancelled():
                     task.exception()
         assert self._idle()
+        stats = self.m.statistics()
+        assert stats.stores_queued == stats.stores_completed + stats.stores_failed
+        assert stats.loads_queued == stats.loads_completed + stats.loads_failed
         for key, entry in self._snap().keys.items():  # nothing in flight: no reader, no PENDING
             assert (entry.state, entry.readers) == (CpuState.READY, 0), key.hex()
         self._take_events()
@@ -620,7 +725,7 @@ class ManagerMachine(RuleBasedStateMachine):
         failed = {
             load_id
             for load_id, task in enumerate(self.loads)
-            if (task.cancelled() and self.num_failed)
+            if (task.cancelled() and (self.num_failed or self._injected() > self.injected_before))
             or (not task.cancelled() and task.exception() is not None)
         }
 
@@ -631,6 +736,8 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = self._snap().keys
         self.key_data = {k: settle(v) for k, v in self.key_data.items() if k in keys}
         self.tasks, self.loads, self.swaps, self.num_failed = [], [], [], 0
+        self.futures = []
+        self.injected_before = self._injected()
         self.load_targets, self.loads_checked, self.last_writer = [], set(), {}
         self.event_stored = set()
 
@@ -671,6 +778,8 @@ class ManagerMachine(RuleBasedStateMachine):
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     def _check_data(self) -> None:
+        if not self.SPEC.copies:
+            return
         snap = self._snap()
         for req, expected in self.req_data.items():
             table = snap.tables[req]
@@ -752,16 +861,55 @@ class ManagerMachine(RuleBasedStateMachine):
                 finally:
                     self._run(self.mgr.aclose(timeout_s=5))
                     self._run(self._cancel_tasks())
-            else:
+            elif self.engine is not None:
                 self.engine.close()
             assert self.leaked == []
+            assert _kvmgr_threads() == [], "threads outlived the manager's close"
         finally:
             self.loop.close()
             TOTALS["examples"] += 1
+            self._count_engine()
+
+    def _count_engine(self) -> None:
+        """What this example's engine did, under its spec's name (the test checks each engine
+        was really exercised: batches copied, faults injected, fake launches made)."""
+        if self.engine is None:
+            return
+        name = self.SPEC.name
+        TOTALS[f"{name}.batches"] += self.engine.num_submitted
+        for fate in self.engine.injected.values():
+            TOTALS[f"{name}.{fate}"] += 1
+        stats = self.engine.statistics()
+        TOTALS[f"{name}.bytes"] += stats.bytes_d2h + stats.bytes_h2d
+        for entry in self.FAKE.log if self.FAKE is not None else ():
+            op = entry[0] if isinstance(entry, tuple) else next(iter(entry))
+            if op in ("kernel", "paged", "dma", "batch", "loop"):
+                TOTALS[f"{name}.fake_{op}"] += 1
+        if self.FAKE is not None:
+            self.FAKE.log.clear()
 
 
-TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings.get_profile(PROFILE)
+@pytest.mark.parametrize("spec", PARAMS)
+def test_manager_state_machine(spec: EngineSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine over one engine (``state_engines.SPECS``), its fake CUDA installed."""
+    machine = type(f"ManagerMachine_{spec.name}", (ManagerMachine,), {})
+    machine.SPEC, machine.FAKE = spec, spec.install(monkeypatch)
+    profile = settings.get_profile(PROFILE)
+    if spec.fake == "kernel" and PROFILE == "kvmgr-ci":
+        profile = settings(profile, max_examples=INTERPRETED_EXAMPLES)
+    before = TOTALS.copy()
+    run_state_machine_as_test(machine, settings=profile)
+    done = {
+        k.split(".", 1)[1]: v - before[k]
+        for k, v in TOTALS.items()
+        if k.startswith(spec.name + ".")
+    }
+    assert done.get("batches", 0) > 0 and done.get("bytes", 0) > 0, done
+    if spec.faults:  # the fault modes were exercised
+        assert done.get("fail", 0) > 0 and done.get("refuse", 0) > 0, done
+    if spec.fake is not None:  # the copies went through the fake driver or kernel
+        assert any(k.startswith("fake_") for k in done), done
+    print(f"\n{spec.name}: {dict(sorted(done.items()))}")
 
 
 @pytest.fixture(scope="module", autouse=True)
