@@ -56,24 +56,7 @@ def scheduler_tier(
         ConfigError: ``policy`` is not registered in ``kvmgr.policy``.
         InvalidBlockError: ``num_chunks < 1``.
     """
-    tier = CpuTier(num_chunks, policy, on_removed)
-    tier.chains = _NoChains()  # type: ignore[assignment]
-    return tier
-
-
-class _NoChains:
-    """``CpuTier.chains`` of the backend's tier: nothing recorded. ``KeyChains`` exists to
-    refuse key cycles in stores that name their parents; the backend's parents are keys at
-    strictly lower token positions of one request (never a cycle), its tier is never asked to
-    check one, and its policy's prefix tree already counts every key's children."""
-
-    __slots__ = ()
-
-    def add(self, keys: object, ids: object, parents: object) -> None:
-        """Nothing to record."""
-
-    def remove(self, keys: object, ids: object) -> None:
-        """Nothing to forget."""
+    return CpuTier(num_chunks, policy, on_removed)
 
 
 def stores_landed(tier: CpuTier, ids: list[int]) -> None:
