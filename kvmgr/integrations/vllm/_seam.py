@@ -56,7 +56,35 @@ def scheduler_tier(
         ConfigError: ``policy`` is not registered in ``kvmgr.policy``.
         InvalidBlockError: ``num_chunks < 1``.
     """
-    return CpuTier(num_chunks, policy, on_removed)
+    tier = CpuTier(num_chunks, policy, on_removed)
+    if hasattr(tier.policy, "_tree"):
+        tier.chains = _TreeChains(tier)  # type: ignore[assignment]
+    return tier
+
+
+class _TreeChains:
+    """``CpuTier.chains`` of the backend's tier: no second record of parents. ``KeyChains``
+    refuses key cycles in stores that name their parents; the backend's parents are keys at
+    strictly lower token positions of one request (never a cycle), its tier is never asked to
+    check one, and every indexed key is tracked by the policy, whose prefix tree already
+    counts each key's tracked children. ``orphans`` (read by ``CpuTier.add_pending``: does a
+    new key have tracked children?) is therefore that tree's count map."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: CpuTier) -> None:
+        self._tier = tier
+
+    @property
+    def orphans(self) -> dict[bytes, int]:
+        """Keys with tracked children (a new key among them has some)."""
+        return self._tier.policy._tree.num_children  # type: ignore[attr-defined, no-any-return]
+
+    def add(self, *args: object) -> None:
+        """Nothing to record (the policy's tree counts the children)."""
+
+    def remove(self, *args: object) -> None:
+        """Nothing to forget."""
 
 
 def stores_landed(tier: CpuTier, ids: list[int]) -> None:
