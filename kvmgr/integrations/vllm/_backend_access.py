@@ -174,7 +174,10 @@ def request_order(keys: list[OffloadKey], position_of: PositionOf) -> list[Offlo
     """vLLM's ``order_request_keys`` for one group list: ``keys`` by position when every
     position is known (stable), else as they are."""
     positions = list(map(position_of, keys))
-    if None in positions or all(map(operator.le, positions, islice(positions, 1, None))):
+    if None in positions:
         return keys
-    order = sorted(range(len(keys)), key=positions.__getitem__)
+    known: list[int] = positions  # type: ignore[assignment]  # no None left
+    if all(map(operator.le, known, islice(known, 1, None))):
+        return keys
+    order = sorted(range(len(keys)), key=known.__getitem__)
     return [keys[i] for i in order]
