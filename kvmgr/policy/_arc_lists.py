@@ -97,7 +97,7 @@ def leaf_run(
     num_children = tree.num_children
     if len(run) < n or run[0] in num_children:  # the first key waits for a child: no run
         return None
-    if protected and not _as_lookup(protected).isdisjoint(run):
+    if protected and not _as_lookup(protected).isdisjoint(run):  # type: ignore[attr-defined]
         return None
     ups = list(map(parent_of.__getitem__, run))
     if ups[:-1] == run[1:]:  # one chain

@@ -118,8 +118,9 @@ class ARCPolicy:
                 num_children = self._tree.num_children
                 num_children[parent] = num_children.get(parent, 0) + 1
             parent_of[key] = parent
-            self._t1[key] = None
-            self._trim_ghosts()
+            t1 = self._t1
+            t1[key] = None
+            trim_ghosts(len(t1), len(self._t2), b1, b2, self.capacity)
             return
         check_new(parent_of, keys, parents, self.name)
         self._tree.add(keys, parents)
@@ -185,16 +186,21 @@ class ARCPolicy:
             taken = self._collect(n, can_evict, protected)
             if taken is None:
                 return None
-        # commit all of them (the tree's counts already are)
-        parent_of, t2, b1, cap = self._parent_of, self._t2, self._b1, self.capacity
+        return self._commit(taken)
+
+    def _commit(self, taken: list[bytes]) -> list[bytes]:
+        """Untrack victims (their parents' child counts already released) into the ghost list
+        of their source (``T1`` -> ``B1``, ``T2`` -> ``B2``) and restore the ghost bounds."""
+        parent_of, t1, t2, b1, b2, cap = (
+            self._parent_of, self._t1, self._t2, self._b1, self._b2, self.capacity
+        )  # fmt: skip
         deque(map(parent_of.__delitem__, taken), 0)
         if t2.keys().isdisjoint(taken):  # the common case: every victim from T1
             deque(map(t1.__delitem__, taken), 0)
             b1.update(zip(taken, repeat(None)))
-            if len(t1) + len(b1) <= cap and len(t1) + len(t2) + len(b1) + len(self._b2) <= 2 * cap:
+            if len(t1) + len(b1) <= cap and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * cap:
                 return taken  # T1 + B1 and the total did not grow, B2 did not: bounds hold
         else:
-            b2 = self._b2
             for key in taken:
                 if key in t1:
                     del t1[key]
@@ -202,7 +208,7 @@ class ARCPolicy:
                 else:
                     del t2[key]
                     b2[key] = None
-        self._trim_ghosts()
+        trim_ghosts(len(t1), len(t2), b1, b2, cap)
         return taken
 
     def _collect(
@@ -242,17 +248,12 @@ class ARCPolicy:
         t1, t2, tree = self._t1, self._t2, self._tree
         first, second = (t1, t2) if len(t1) > self._target else (t2, t1)
         key = first_leaf(tree, first, can_evict, protected)
-        source = first
         if key is None:
             key = first_leaf(tree, second, can_evict, protected)
-            source = second
             if key is None:
                 return None
-        tree.release((self._parent_of.pop(key),))
-        del source[key]
-        (self._b1 if source is t1 else self._b2)[key] = None
-        self._trim_ghosts()
-        return [key]
+        tree.release((self._parent_of[key],))
+        return self._commit([key])
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -292,8 +293,6 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, target={self._target:g}, "
             f"t1={len(self._t1)}, t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
-
-    # -- private ----------------------------------------------------------------------------
 
     def _trim_ghosts(self) -> None:
         """Enforce the ghost bounds of the class docstring by dropping LRU ghosts."""

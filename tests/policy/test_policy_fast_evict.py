@@ -138,3 +138,34 @@ def test_fast_evict_matches_one_offer_at_a_time(name, capacity, rng, batch_test)
             want = reference(slow, n, can_evict, protected)
             assert got == want
         assert _state(fast) == _state(slow)
+
+
+def test_arc_leaf_runs_take_what_one_offer_at_a_time_takes(monkeypatch):
+    """A full tier of chains (leaf first in T1) and roots: ``leaf_run`` answers, and its
+    victims, lists, ghosts and child counts are the reference's; a blocked key or a protected
+    one sends ARC back to one offer at a time, with the same result."""
+    from kvmgr.policy import _arc_lists, arc
+
+    runs = []
+
+    def counted(*args):
+        runs.append(_arc_lists.leaf_run(*args))
+        return runs[-1]
+
+    monkeypatch.setattr(arc, "leaf_run", counted)
+    fast, slow = ARCPolicy(64), ARCPolicy(64)
+    keys = [i.to_bytes(4, "little") for i in range(64)]
+    for policy in (fast, slow):
+        for c in range(6):  # six chains of eight, then sixteen roots
+            chain = keys[c * 8 : c * 8 + 8]
+            policy.insert(chain, [None, *chain[:-1]])
+        policy.insert(keys[48:], [None] * 16)
+    blocked = {keys[21]}
+
+    def can_evict(key):
+        return key not in blocked
+
+    for n, protected in ((8, ()), (3, ()), (8, {keys[12]}), (5, ()), (8, ()), (16, ())):
+        assert fast.evict(n, can_evict, protected) == _arc_reference(slow, n, can_evict, protected)
+        assert _state(fast) == _state(slow)
+    assert any(r is not None for r in runs) and any(r is None for r in runs)

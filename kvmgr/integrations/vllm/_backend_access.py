@@ -4,7 +4,8 @@ Private to ``kvmgr.integrations.vllm``. `Access` lives in the request's ``ReqCon
 positions (prefix parents, `RequestKeys`), the keys in the order first seen, the keys the
 request read from the tier. `split_offer` sorts a ``prepare_store`` offer into the keys to
 store (with their parents) and the resident ones, recording what the request showed; `saw_loaded`
-records the keys of a ``prepare_load``; `request_order` is vLLM's head-to-tail order of a
+records the keys of a ``prepare_load``; `finished_keys` the keys a finished request
+touches; `request_order` is vLLM's head-to-tail order of a
 request's keys (``order_request_keys``) for keys whose positions are known.
 """
 
@@ -19,7 +20,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from kvmgr.integrations.vllm import _seam
 from kvmgr.integrations.vllm._request_keys import RequestKeys
 
-__all__ = ["Access", "Offer", "request_order", "saw_loaded", "split_offer"]
+__all__ = ["Access", "Offer", "finished_keys", "request_order", "saw_loaded", "split_offer"]
 
 PositionOf = Callable[[OffloadKey], "int | None"]
 _READY = int(_seam.CpuState.READY)
@@ -33,7 +34,7 @@ class Access(RequestKeys):
     __slots__ = ("reused", "seen")
 
     def __init__(self, owner: object, generation: int) -> None:
-        super().__init__(owner, generation)
+        self.owner, self.generation, self.groups = owner, generation, {}
         self.seen: dict[OffloadKey, None] = {}
         self.reused: set[OffloadKey] = set()
 
@@ -147,11 +148,36 @@ def saw_loaded(
     return fresh
 
 
+def finished_keys(
+    access: Access,
+    index_get: Callable[[OffloadKey], int | None],
+    state: bytearray,
+    touch_is_recency: bool,
+    position_of: PositionOf,
+) -> list[OffloadKey]:
+    """The request finished: the keys to touch, head first (vLLM's order), and its keys
+    forgotten. With LRU (``touch_is_recency``) every key in the tier, else the reused ones
+    still READY (none when it read nothing)."""
+    seen, access.seen = access.seen, {}
+    if not touch_is_recency and not access.reused:  # nothing read: nothing to touch
+        return []
+    keys = request_order(list(seen), position_of)
+    if touch_is_recency:
+        return [k for k in keys if index_get(k) is not None]
+    reused = access.reused
+    return [
+        k for k in keys if k in reused and (b := index_get(k)) is not None and state[b] == _READY
+    ]
+
+
 def request_order(keys: list[OffloadKey], position_of: PositionOf) -> list[OffloadKey]:
     """vLLM's ``order_request_keys`` for one group list: ``keys`` by position when every
     position is known (stable), else as they are."""
     positions = list(map(position_of, keys))
-    if None in positions or all(map(operator.le, positions, islice(positions, 1, None))):
+    if None in positions:
         return keys
-    order = sorted(range(len(keys)), key=positions.__getitem__)
+    known: list[int] = positions  # type: ignore[assignment]  # no None left
+    if all(map(operator.le, known, islice(known, 1, None))):
+        return keys
+    order = sorted(range(len(keys)), key=known.__getitem__)
     return [keys[i] for i in order]

@@ -24,11 +24,7 @@ answer of a CPU tier is known at once (RETRY is for tiers that look up asynchron
 
 from __future__ import annotations
 
-import array
-import secrets
-from collections import deque
 from collections.abc import Collection, Iterable, Sequence
-from itertools import repeat
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -45,29 +41,20 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmgr.errors import BlockStateError, PoolExhaustedError, UnknownKeyError
 from kvmgr.integrations.vllm import _seam
-from kvmgr.integrations.vllm._backend_access import Access, request_order, saw_loaded, split_offer
+from kvmgr.integrations.vllm._backend_access import Access, finished_keys, saw_loaded, split_offer
 from kvmgr.integrations.vllm._fault_table import FaultTable
 from kvmgr.integrations.vllm._request_keys import positions_of
+from kvmgr.integrations.vllm._store_seqs import KvmgrChunkSpec, StoreSeqs
 
-__all__ = ["KvmgrChunkSpec", "KvmgrOffloadingManager"]
+__all__ = ["KvmgrOffloadingManager"]
 
 _PENDING, _READY = int(_seam.CpuState.PENDING), int(_seam.CpuState.READY)
 _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
-
-
-class KvmgrChunkSpec(CPULoadStoreSpec):
-    """vLLM's ``CPULoadStoreSpec`` (``block_ids``: int32 CPU chunk ids, in the job's order)
-    plus ``store_seq``: the sequence number of the store writing them (0 for a load), which a
-    worker writes into the fault table when its copy fails."""
-
-    def __init__(self, block_ids: list[int], store_seq: int = 0) -> None:
-        super().__init__(block_ids)
-        self.store_seq = store_seq
 
 
 class KvmgrOffloadingManager(OffloadingManager):
@@ -104,12 +91,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._index_get = self.tier.index.get
         self._state = self.tier.state
         self._touch_is_recency = policy == "lru"
-        self._faults = faults
-        self._num_faults_seen = faults.num_faults() if faults is not None else 0
-        self._failed: set[int] = set()  # PENDING chunks whose store failed on some rank
-        self._seq = array.array("q", [0]) * max(1, num_chunks)  # store number of each chunk
-        self._seq_of_chunk = np.frombuffer(self._seq, dtype=np.int64)
-        self._next_seq = (secrets.randbits(40) << 20) + 1
+        self._seqs = StoreSeqs(num_chunks, faults)
         self._quarantine: list[np.ndarray] = []  # chunks freed by a reset, still in flight
         self._generation = 0
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -206,9 +188,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         batches.clear()
         # one batch, its first key most recent (OffloadKey is bytes)
         self.tier.add_pending(new, ids, offer.parents)  # type: ignore[arg-type]
-        seq = self._next_seq
-        self._next_seq += 1
-        deque(map(self._seq.__setitem__, ids, repeat(seq)), 0)
+        seq = self._seqs.number(ids)
         self._allocation_sizes.append(len(new))
         if evicted and self.events is not None:
             self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
@@ -224,15 +204,8 @@ class KvmgrOffloadingManager(OffloadingManager):
         pending = [(k, b) for k in keys if (b := get(k)) is not None and state[b] == _PENDING]
         if not pending:
             return
-        if self._faults is not None and self._faults.num_faults() != self._num_faults_seen:
-            self._scan_faults()
-        if success and not self._failed:
-            landed, failed = pending, []
-        else:
-            bad = self._failed
-            failed = [(k, b) for k, b in pending if not success or b in bad]
-            landed = [(k, b) for k, b in pending if success and b not in bad]
-            bad.difference_update(b for _, b in failed)
+        state = self._state
+        landed, failed = self._seqs.split(pending, success, lambda b: state[b] == _PENDING)
         if landed:
             _seam.stores_landed(self.tier, [b for _, b in landed])
             if self.events is not None:
@@ -241,7 +214,7 @@ class KvmgrOffloadingManager(OffloadingManager):
                 )
         if failed:
             ids = np.array([b for _, b in failed], dtype=np.int64)
-            self._seq_of_chunk[ids] = 0
+            self._seqs.forget(ids)
             self.tier.stores_failed([k for k, _ in failed], ids)
             if self.events is not None:
                 self.events.append(
@@ -262,18 +235,8 @@ class KvmgrOffloadingManager(OffloadingManager):
         access = req_context.get_state(Access)
         if access is None or access.owner is not self or access.generation != self._generation:
             return
-        seen, access.seen = access.seen, {}
-        if not self._touch_is_recency and not access.reused:  # nothing read: nothing to touch
-            return
-        keys = request_order(list(seen), positions_of(req_context))
-        get, state = self._index_get, self._state
-        if self._touch_is_recency:
-            keys = [k for k in keys if get(k) is not None]
-        else:
-            reused = access.reused
-            keys = [
-                k for k in keys if k in reused and (b := get(k)) is not None and state[b] == _READY
-            ]
+        keys = finished_keys(access, self._index_get, self._state, self._touch_is_recency,
+                             positions_of(req_context))  # fmt: skip
         if keys:
             self.tier.policy.touch(keys)
 
@@ -309,8 +272,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         busy = _seam.forget_all(self.tier, self.policy_name)
         if len(busy):
             self._quarantine.append(busy)
-        self._seq_of_chunk[:] = 0
-        self._failed.clear()
+        self._seqs.forget()
         self._evicted.clear()
         self._generation += 1
 
@@ -321,11 +283,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._quarantine.clear()
 
     def shutdown(self) -> None:
-        if self._faults is not None:
-            self._faults.close(unlink=True)
-            self._faults = None
-
-    # -- private ------------------------------------------------------------------------------
+        self._seqs.close()
 
     def _access(self, req_context: ReqContext) -> Access:
         access = req_context.get_state(Access)
@@ -333,13 +291,6 @@ class KvmgrOffloadingManager(OffloadingManager):
             access = Access(self, self._generation)
             req_context.set_state(access)
         return access
-
-    def _scan_faults(self) -> None:
-        """A rank recorded faults since the last scan: find the PENDING chunks they hit."""
-        assert self._faults is not None
-        self._num_faults_seen = self._faults.num_faults()
-        hit = self._faults.failed_chunks(self._seq_of_chunk)
-        self._failed.update(int(b) for b in hit if self._state[b] == _PENDING)
 
     def __repr__(self) -> str:
         return (

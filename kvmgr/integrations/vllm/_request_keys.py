@@ -123,10 +123,14 @@ class RequestKeys:
         position known, strictly increasing, above the group's last one. A run's parents are
         its previous keys, the first's the group's last key (the store of a prefix's next
         blocks, the common case)."""
-        if not keys:
+        n = len(keys)
+        if not n:
             return []
         name = keys[0][-_GROUP_BYTES:]
-        if (
+        if n == 1:  # one key (the per-call store): a run when its position is known
+            if positions[0] is None:
+                return None
+        elif (
             None in positions
             or not all(map(operator.lt, positions, islice(positions, 1, None)))
             or not all(map(bytes.endswith, keys, repeat(name)))
@@ -145,5 +149,6 @@ class RequestKeys:
         group.positions.extend(positions)
         group.keys.extend(keys)
         parents: list[OffloadKey | None] = [head]
-        parents.extend(islice(keys, len(keys) - 1))
+        if n > 1:
+            parents.extend(islice(keys, n - 1))
         return parents

@@ -57,26 +57,33 @@ def scheduler_tier(
         InvalidBlockError: ``num_chunks < 1``.
     """
     tier = CpuTier(num_chunks, policy, on_removed)
-    tier.chains = _NoChains()  # type: ignore[assignment]
+    if hasattr(tier.policy, "_tree"):
+        tier.chains = _TreeChains(tier)  # type: ignore[assignment]
     return tier
 
 
-class _NoChains:
-    """``CpuTier.chains`` of the backend's tier: nothing recorded. ``KeyChains`` exists to
-    refuse key cycles in stores that name their parents; the backend's parents are keys at
+class _TreeChains:
+    """``CpuTier.chains`` of the backend's tier: no second record of parents. ``KeyChains``
+    refuses key cycles in stores that name their parents; the backend's parents are keys at
     strictly lower token positions of one request (never a cycle), its tier is never asked to
-    check one, and its policy's prefix tree already counts every key's children."""
+    check one, and every indexed key is tracked by the policy, whose prefix tree already
+    counts each key's tracked children. ``orphans`` (read by ``CpuTier.add_pending``: does a
+    new key have tracked children?) is therefore that tree's count map."""
 
-    __slots__ = ()
-    #: unknown: no orphans are recorded, so no new key is vouched childless (the policy's
-    #: general insert runs)
-    orphans = None
-    num_parents = 0
+    __slots__ = ("_tier",)
 
-    def add(self, keys: object, ids: object, parents: object, at: object = None) -> None:
-        """Nothing to record."""
+    def __init__(self, tier: CpuTier) -> None:
+        self._tier = tier
 
-    def remove(self, keys: object, ids: object) -> None:
+    @property
+    def orphans(self) -> dict[bytes, int]:
+        """Keys with tracked children (a new key among them has some)."""
+        return self._tier.policy._tree.num_children  # type: ignore[attr-defined, no-any-return]
+
+    def add(self, *args: object) -> None:
+        """Nothing to record (the policy's tree counts the children)."""
+
+    def remove(self, *args: object) -> None:
         """Nothing to forget."""
 
 

@@ -34,7 +34,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import attrs
@@ -54,67 +54,18 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvmgr.integrations.vllm._loop import LoopThread
-from kvmgr.tiers import BridgeStatistics, TierBackend, TierBridge, TierNamespace, TierStatistics
+from kvmgr.integrations.vllm._tier_jobs import (
+    Counters,
+    Outcome,
+    TierJobStatistics,
+    namespace_of,
+    remember,
+)
+from kvmgr.tiers import BridgeStatistics, TierBackend, TierBridge
 
-__all__ = ["KvmgrTierManager", "TierJobStatistics"]
+__all__ = ["KvmgrTierManager"]
 
 _log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class TierJobStatistics:
-    """Totals of one tier manager since construction (jobs and blocks are counts).
-
-    Attributes:
-        num_store_jobs / num_load_jobs: jobs submitted by vLLM.
-        num_store_failed / num_load_failed: jobs reported ``success=False``.
-        num_blocks_stored: blocks written by store jobs (already present ones not counted).
-        num_blocks_skipped: blocks of store jobs already in the tier (not written again).
-        num_blocks_loaded / num_blocks_missed: blocks of load jobs verified / not delivered.
-        num_unexpected_errors: jobs that raised something other than a tier error (a bug).
-        backend: the backend's own counters (timeouts, errors, malformed values, last error).
-        bridge: the bridge's counters (layout mismatches, corrupt or unsealed blobs, tier errors
-            turned into misses).
-    """
-
-    num_store_jobs: int
-    num_load_jobs: int
-    num_store_failed: int
-    num_load_failed: int
-    num_blocks_stored: int
-    num_blocks_skipped: int
-    num_blocks_loaded: int
-    num_blocks_missed: int
-    num_unexpected_errors: int
-    backend: TierStatistics
-    bridge: BridgeStatistics
-
-
-@attrs.define
-class _Counters:
-    num_store_jobs: int = 0
-    num_load_jobs: int = 0
-    num_store_failed: int = 0
-    num_load_failed: int = 0
-    num_blocks_stored: int = 0
-    num_blocks_skipped: int = 0
-    num_blocks_loaded: int = 0
-    num_blocks_missed: int = 0
-    num_unexpected_errors: int = 0
-
-
-@attrs.frozen
-class _Outcome:
-    """What a job's coroutine hands back: per key, whether it landed (store) or arrived (load)."""
-
-    job_id: int
-    is_load: bool
-    keys: list[OffloadKey]
-    done: np.ndarray  # bool [len(keys)]
-    num_moved: int  # blocks written (store: those not already there) or read (load)
-    seconds: float
-    num_bytes: int
-    crashed: bool = False
 
 
 class _Lookups(AsyncLookupManager):
@@ -165,7 +116,7 @@ class KvmgrTierManager(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         rows = torch.from_numpy(np.asarray(primary_kv_view).view(np.uint8))  # no copy
-        self.namespace = _namespace(offloading_spec, int(rows.shape[1]), tenant_salt, key_prefix)
+        self.namespace = namespace_of(offloading_spec, int(rows.shape[1]), tenant_salt, key_prefix)
         self._payload_bytes = self.namespace.payload_bytes
         self.loop = LoopThread(f"kvmgr-tier-{tier_type}")
         try:
@@ -178,9 +129,9 @@ class KvmgrTierManager(SecondaryTierManager):
         self._known: OrderedDict[OffloadKey, None] = OrderedDict()
         self._absent: OrderedDict[OffloadKey, None] = OrderedDict()  # a load of it failed
         self._max_known = max_known_keys
-        self._futures: dict[int, concurrent.futures.Future[_Outcome]] = {}
-        self._results: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
-        self._counters = _Counters()
+        self._futures: dict[int, concurrent.futures.Future[Outcome]] = {}
+        self._results: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._counters = Counters()
         self._closed_bridge: BridgeStatistics | None = None
         self._events: list[OffloadingEvent] | None = (
             [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
@@ -274,7 +225,7 @@ class KvmgrTierManager(SecondaryTierManager):
 
     async def _store(
         self, job_id: int, keys: list[OffloadKey], ids: np.ndarray, fresh: np.ndarray
-    ) -> _Outcome:
+    ) -> Outcome:
         t0 = time.perf_counter()
         done = ~fresh
         try:
@@ -284,30 +235,30 @@ class KvmgrTierManager(SecondaryTierManager):
                 )
         except Exception:
             _log.exception("kvmgr tier %s: store job %d failed", self.tier_type, job_id)
-            return _Outcome(job_id, False, keys, np.zeros(len(keys), bool), 0, 0.0, 0, crashed=True)
+            return Outcome(job_id, False, keys, np.zeros(len(keys), bool), 0, 0.0, 0, crashed=True)
         moved = int((done & fresh).sum())
         seconds = time.perf_counter() - t0
-        return _Outcome(job_id, False, keys, done, moved, seconds, moved * self._payload_bytes)
+        return Outcome(job_id, False, keys, done, moved, seconds, moved * self._payload_bytes)
 
-    async def _load(self, job_id: int, keys: list[OffloadKey], ids: np.ndarray) -> _Outcome:
+    async def _load(self, job_id: int, keys: list[OffloadKey], ids: np.ndarray) -> Outcome:
         t0 = time.perf_counter()
         try:
             done = await self.bridge.promote(keys, ids)
         except Exception:
             _log.exception("kvmgr tier %s: load job %d failed", self.tier_type, job_id)
-            return _Outcome(job_id, True, keys, np.zeros(len(keys), bool), 0, 0.0, 0, crashed=True)
+            return Outcome(job_id, True, keys, np.zeros(len(keys), bool), 0, 0.0, 0, crashed=True)
         moved = int(done.sum())
         seconds = time.perf_counter() - t0
-        return _Outcome(job_id, True, keys, done, moved, seconds, moved * self._payload_bytes)
+        return Outcome(job_id, True, keys, done, moved, seconds, moved * self._payload_bytes)
 
     # -- results (scheduler thread) -----------------------------------------------------------
 
-    def _apply(self, outcome: _Outcome) -> JobResult:
+    def _apply(self, outcome: Outcome) -> JobResult:
         c, keys, done = self._counters, outcome.keys, outcome.done
         ok = bool(done.all()) and not outcome.crashed
         c.num_unexpected_errors += outcome.crashed
         good = [k for k, d in zip(keys, done) if d]
-        _remember(self._known, good, self._max_known)
+        remember(self._known, good, self._max_known)
         for key in good:
             self._absent.pop(key, None)
         if not outcome.is_load:
@@ -325,43 +276,8 @@ class KvmgrTierManager(SecondaryTierManager):
             missed = [k for k, d in zip(keys, done) if not d]
             for key in missed:
                 self._known.pop(key, None)
-            _remember(self._absent, missed, self._max_known)
+            remember(self._absent, missed, self._max_known)
             self._lookups.mark_miss(missed)
         return JobResult(
             outcome.job_id, ok, None if ok else good, outcome.seconds, outcome.num_bytes
         )
-
-
-def _remember(
-    keys_seen: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey], limit: int
-) -> None:
-    """Add ``keys`` at the recent end of a bounded LRU set."""
-    for key in keys:
-        keys_seen[key] = None
-        keys_seen.move_to_end(key)
-    while len(keys_seen) > limit:
-        keys_seen.popitem(last=False)
-
-
-def _namespace(spec: Any, row_bytes: int, tenant_salt: str, key_prefix: str) -> TierNamespace:
-    """Model, parallel layout and chunk geometry of this vLLM instance, as a kvmgr namespace.
-
-    A chunk row holds every worker's pages in rank order (vLLM's direct layout), so the
-    parallel configuration is part of the fingerprint: instances that lay rows out differently
-    never read each other's blobs.
-    """
-    cfg = spec.config
-    par = cfg.parallel
-    model = (
-        f"{cfg.model.name}|tp={par.tp_size}|pp={par.pp_size}|world={par.world_size}"
-        f"|canonical={cfg.canonical_layout}|layout={cfg.kv_cache_layout}"
-    )
-    tokens_per_chunk = spec.tokens_per_block[0] * spec.blocks_per_chunk
-    return TierNamespace(
-        model=model,
-        page_bytes=(row_bytes,),
-        dtype_names=(str(cfg.model.dtype),),
-        block_size=int(tokens_per_chunk),
-        tenant_salt=tenant_salt.encode(),
-        key_prefix=key_prefix.encode(),
-    )

@@ -40,9 +40,10 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvmgr.errors import ConfigError
-from kvmgr.integrations.vllm._backend_manager import KvmgrChunkSpec, KvmgrOffloadingManager
+from kvmgr.integrations.vllm._backend_manager import KvmgrOffloadingManager
 from kvmgr.integrations.vllm._backend_worker import KvmgrOffloadingWorker, WorkerStatistics
 from kvmgr.integrations.vllm._fault_table import FaultTable, fault_table_path
+from kvmgr.integrations.vllm._store_seqs import KvmgrChunkSpec
 from kvmgr.policy import POLICIES
 
 __all__ = [

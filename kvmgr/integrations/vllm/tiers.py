@@ -31,7 +31,8 @@ from vllm.v1.kv_offload.base import Locality, Medium
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmgr.errors import ConfigError
-from kvmgr.integrations.vllm._tier_manager import KvmgrTierManager, TierJobStatistics
+from kvmgr.integrations.vllm._tier_jobs import TierJobStatistics
+from kvmgr.integrations.vllm._tier_manager import KvmgrTierManager
 from kvmgr.tiers import DiskTier, TierBackend
 
 __all__ = ["KvmgrDiskTier", "KvmgrSharedTier", "KvmgrTierManager", "TierJobStatistics"]

@@ -1,0 +1,119 @@
+"""What `KvmgrTierManager`'s jobs hand back and count, and the namespace of its stored keys.
+
+Private to ``kvmgr.integrations.vllm``.
+
+Offers:
+    TierJobStatistics   totals of one tier manager (what ``statistics()`` returns)
+    Counters            the running totals behind it
+    Outcome             what a job's coroutine hands back to the scheduler thread
+    remember            add keys at the recent end of a bounded LRU set
+    namespace_of        a vLLM instance's model, parallel layout and chunk geometry as a
+                        kvmgr ``TierNamespace``
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+import numpy as np
+from vllm.v1.kv_offload.base import OffloadKey
+
+from kvmgr.tiers import BridgeStatistics, TierNamespace, TierStatistics
+
+__all__ = ["Counters", "Outcome", "TierJobStatistics", "namespace_of", "remember"]
+
+
+@attrs.frozen
+class TierJobStatistics:
+    """Totals of one tier manager since construction (jobs and blocks are counts).
+
+    Attributes:
+        num_store_jobs / num_load_jobs: jobs submitted by vLLM.
+        num_store_failed / num_load_failed: jobs reported ``success=False``.
+        num_blocks_stored: blocks written by store jobs (already present ones not counted).
+        num_blocks_skipped: blocks of store jobs already in the tier (not written again).
+        num_blocks_loaded / num_blocks_missed: blocks of load jobs verified / not delivered.
+        num_unexpected_errors: jobs that raised something other than a tier error (a bug).
+        backend: the backend's own counters (timeouts, errors, malformed values, last error).
+        bridge: the bridge's counters (layout mismatches, corrupt or unsealed blobs, tier errors
+            turned into misses).
+    """
+
+    num_store_jobs: int
+    num_load_jobs: int
+    num_store_failed: int
+    num_load_failed: int
+    num_blocks_stored: int
+    num_blocks_skipped: int
+    num_blocks_loaded: int
+    num_blocks_missed: int
+    num_unexpected_errors: int
+    backend: TierStatistics
+    bridge: BridgeStatistics
+
+
+@attrs.define
+class Counters:
+    """The running totals behind `TierJobStatistics` (changed on the scheduler thread)."""
+
+    num_store_jobs: int = 0
+    num_load_jobs: int = 0
+    num_store_failed: int = 0
+    num_load_failed: int = 0
+    num_blocks_stored: int = 0
+    num_blocks_skipped: int = 0
+    num_blocks_loaded: int = 0
+    num_blocks_missed: int = 0
+    num_unexpected_errors: int = 0
+
+
+@attrs.frozen
+class Outcome:
+    """What a job's coroutine hands back: per key, whether it landed (store) or arrived (load)."""
+
+    job_id: int
+    is_load: bool
+    keys: list[OffloadKey]
+    done: np.ndarray  # bool [len(keys)]
+    num_moved: int  # blocks written (store: those not already there) or read (load)
+    seconds: float
+    num_bytes: int
+    crashed: bool = False
+
+
+def remember(
+    keys_seen: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey], limit: int
+) -> None:
+    """Add ``keys`` at the recent end of a bounded LRU set."""
+    for key in keys:
+        keys_seen[key] = None
+        keys_seen.move_to_end(key)
+    while len(keys_seen) > limit:
+        keys_seen.popitem(last=False)
+
+
+def namespace_of(spec: Any, row_bytes: int, tenant_salt: str, key_prefix: str) -> TierNamespace:
+    """Model, parallel layout and chunk geometry of this vLLM instance, as a kvmgr namespace.
+
+    A chunk row holds every worker's pages in rank order (vLLM's direct layout), so the
+    parallel configuration is part of the fingerprint: instances that lay rows out differently
+    never read each other's blobs.
+    """
+    cfg = spec.config
+    par = cfg.parallel
+    model = (
+        f"{cfg.model.name}|tp={par.tp_size}|pp={par.pp_size}|world={par.world_size}"
+        f"|canonical={cfg.canonical_layout}|layout={cfg.kv_cache_layout}"
+    )
+    tokens_per_chunk = spec.tokens_per_block[0] * spec.blocks_per_chunk
+    return TierNamespace(
+        model=model,
+        page_bytes=(row_bytes,),
+        dtype_names=(str(cfg.model.dtype),),
+        block_size=int(tokens_per_chunk),
+        tenant_salt=tenant_salt.encode(),
+        key_prefix=key_prefix.encode(),
+    )
