@@ -74,3 +74,21 @@ async def test_a_key_indexed_between_record_and_settle_is_skipped(policy: str) -
         assert second.num_blocks == 1
         await asyncio.sleep(0)
         check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_one_block_calls_with_a_key_indexed_since_are_each_prepared_on_their_own() -> None:
+    kv = [torch.randint(1, 255, (8, 64), dtype=torch.uint8)]
+    config = ManagerConfig(num_cpu_blocks=8, engine="host", policy="arc")
+    async with OffloadManager(kv, config) as mgr:
+        gpu = mgr.allocate("r", 2)
+        calls = [mgr.swap_out(gpu[0:1], K[0:1]), mgr.swap_out(gpu[1:2], K[1:2])]
+        assert mgr._deferred.ends is None  # one block per call
+        ids = mgr._books.prepare_promote([K[0]], ())
+        mgr._books.complete_promote([K[0]], ids, np.ones(1, dtype=bool))
+        mgr.snapshot()
+        check_invariants(mgr)
+        await mgr.step()
+        first, second = [await c for c in calls]
+        assert (first.num_blocks, first.num_skipped, second.num_blocks) == (0, 1, 1)
+        check_invariants(mgr)
