@@ -184,8 +184,6 @@ class LowerTiers:
             except TierError:  # a failing tier is a miss (the backend counted it)
                 present = np.zeros(len(rest), dtype=bool)
             run = len(rest) if present.all() else int(np.argmin(present))
-            # a store during the await may have indexed a key of the run: the run ends there
-            run = next((i for i, k in enumerate(rest[:run]) if k in cpu.index), run)
             runs.append(run)
             rest = rest[run:]
         return cpu, tuple(runs)
