@@ -79,12 +79,21 @@ class RoomWaiters:
         gpu: the manager's GPU blocks (busy counts).
         counters: where timeouts are counted (``rejected["timeout"]``).
         enqueue: queues a prepared part (the facade's ``_enqueue``).
+        settle: prepares the recorded per-call stores (``Bookkeeper.settle_deferred``): their
+            parts, queued before any retry.
     """
 
-    def __init__(self, gpu: GpuBlocks, counters: Counters, enqueue: Callable[[Part], None]) -> None:
+    def __init__(
+        self,
+        gpu: GpuBlocks,
+        counters: Counters,
+        enqueue: Callable[[Part], None],
+        settle: Callable[[], list[Part]] = list,
+    ) -> None:
         self._gpu = gpu
         self._counters = counters
         self._enqueue = enqueue
+        self._settle = settle
         self._waiting: list[WaitingStore] = []
         #: stores queued by ``wake`` since the flag was last cleared (``step`` reads it)
         self.num_requeued = 0
@@ -116,6 +125,8 @@ class RoomWaiters:
         one that finds room (its GPU blocks then pass from this hold to the queued copy)."""
         if not self._waiting:
             return
+        for part in self._settle():  # the recorded stores first: their keys are indexed
+            self._enqueue(part)
         for store in list(self._waiting):
             if store.future.done():  # cancelled
                 self._forget(store)

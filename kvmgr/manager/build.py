@@ -81,7 +81,8 @@ def build_local(
         worker.blocks_ready if worker.is_pinning else None,
         keep_evicted=bool(tiers) and config.tier_write_back,
     )
-    room = RoomWaiters(scheduler.books.gpu, scheduler.books.counters, enqueue)
+    books = scheduler.books
+    room = RoomWaiters(books.gpu, books.counters, enqueue, books.settle_deferred)
     lower = _lower_tiers(scheduler, worker, tensors, tiers, tier_namespace, config)
     flusher = Flusher(scheduler, room, lower, lambda deliver: LocalTransport(worker, deliver))
     return Parts(scheduler, flusher, room, lower, worker)
@@ -172,6 +173,7 @@ def build_ranked(group: Any, config: ManagerConfig, enqueue: Callable[[Part], No
     """The scheduler side over a ``kvmgr.transport.RankGroup``: no local worker, no tensors
     (each rank allocates its own CPU-tier memory; lower tiers are not supported over ranks)."""
     scheduler = Scheduler(config, group.geometry)
-    room = RoomWaiters(scheduler.books.gpu, scheduler.books.counters, enqueue)
+    books = scheduler.books
+    room = RoomWaiters(books.gpu, books.counters, enqueue, books.settle_deferred)
     flusher = Flusher(scheduler, room, None, group.connect)
     return Parts(scheduler, flusher, room, None, None)

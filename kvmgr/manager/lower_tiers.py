@@ -203,6 +203,8 @@ class LowerTiers:
             except TierError:
                 continue
             run = len(rest) if present.all() else int(np.argmin(present))
+            # a store during the await may have indexed a key of the run: the run ends there
+            run = next((i for i, k in enumerate(rest[:run]) if k in cpu.index), run)
             if run == 0:
                 continue
             rest, later = rest[:run], rest[run:]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import PoolExhaustedError
+from kvmgr.errors import BlockStateError, PoolExhaustedError
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
 from kvmgr.pool.block_ids import sorted_distinct
@@ -201,32 +201,32 @@ class CpuTier:
             self.pool.give(ids)
         self._on_removed(keys)
 
-    # ------------------------------------------------------------------ transitions
-
     def add_pending(
         self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
-        """Index new keys (distinct, not indexed: the caller checked) on their just allocated
-        blocks, PENDING, and track them: through the policy's unchecked ``insert_new`` when it
-        has one (its tracked keys are the indexed ones; ``chains.orphans`` tells whether a new
-        key has a tracked child)."""
-        if isinstance(ids, list):
-            blocks = ids
-            index, state = self.index, self.state
-            for key, block in zip(keys, ids):
-                index[key] = block
-                state[block] = _PENDING
-        else:
-            blocks = ids.tolist()
-            self.index.update(zip(keys, blocks))
-            self.state_np[ids] = CpuState.PENDING
-        self.num_pending += len(keys)
+        """Index new distinct keys on their just allocated blocks, PENDING, and track them
+        (the policy's unchecked ``insert_new`` when it has one; ``chains.orphans``: whether a
+        new key has a tracked child). Nothing changed when the policy or the index refuses."""
+        index = self.index
+        if not index.keys().isdisjoint(keys):  # two stores of one key: a caller's bug
+            raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
+                                  "is indexed already")  # fmt: skip
         insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
         if insert_new is None:
             self.policy.insert(keys, parents)
         else:
             childless = orphans is not None and (not orphans or orphans.keys().isdisjoint(keys))
             insert_new(keys, parents, childless=childless)
+        if isinstance(ids, list):
+            blocks, state = ids, self.state
+            for key, block in zip(keys, ids):
+                index[key] = block
+                state[block] = _PENDING
+        else:
+            blocks = ids.tolist()
+            index.update(zip(keys, blocks))
+            self.state_np[ids] = CpuState.PENDING
+        self.num_pending += len(keys)
         self.chains.add(keys, blocks, parents, None if blocks is ids else ids)  # type: ignore[arg-type]
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:

@@ -215,6 +215,10 @@ def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
     fan, ends, gpu_ids, keys = deferred.take()
     cpu, gpu = stores.cpu, stores.gpu
     n = len(keys)
+    if not cpu.index.keys().isdisjoint(keys):  # indexed since the call, by a path that did
+        # not settle first (a promote from a lower tier): each call on its own, its present
+        # keys skipped as a store prepared now skips them
+        return _one_by_one(stores, fan, ends, gpu_ids, keys)
     try:
         cpu_ids = cpu.make_room(n, ())  # recorded keys are not in the tier: none to protect
     except PoolExhaustedError:

@@ -205,3 +205,34 @@ async def test_a_fetch_reads_before_its_own_write_back_can_push_out_a_small_tier
             assert all(torch.equal(t[src[:4]], t[dst]) for t in kv)
     finally:
         await disk.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_store_during_the_fetch_ends_its_run_there(tmp_path) -> None:
+    kv = _kv(5)
+    disk = _disk(tmp_path)
+    try:
+        config = ManagerConfig(num_cpu_blocks=4)
+        async with OffloadManager(kv, config, tiers=[disk], tier_namespace=_ns()) as mgr:
+            src = mgr.allocate("a", 8)
+            keys = _keys(8, b"race")
+            await _store(mgr, src[:4], keys[:4])
+            await _store(mgr, src[4:], keys[4:])  # keys[:4] written back to disk
+            await _settle(mgr)
+            again = mgr.allocate("b", 1)
+            contains_many = disk.contains_many
+
+            async def racing(stored_keys):  # a store of keys[1] while the fetch awaits
+                present = await contains_many(stored_keys)
+                invalidated = mgr.invalidate(keys[4:])
+                assert invalidated == 4  # room for the store and the fetch
+                mgr.store_many(again, keys[1:2])
+                return present
+
+            disk.contains_many = racing  # type: ignore[method-assign]
+            assert await mgr.fetch(keys) == 1  # keys[0] promoted; keys[1] is the store's
+            check_invariants(mgr)
+            await mgr.step()
+            check_invariants(mgr)
+    finally:
+        await disk.aclose()
