@@ -112,6 +112,9 @@ Call = Callable[[OffloadManager], Any]
 CASES: list[
     tuple[str, bool, Call, type[BaseException] | tuple[type[BaseException], ...], str | None]
 ] = [
+    # stream_wait_loads: only None or a stream (was accepted on the host engine)
+    ("stream-str", True, lambda m: m.stream_wait_loads("x"), InvalidArgumentError, None),
+    ("stream-int", True, lambda m: m.stream_wait_loads(7), InvalidArgumentError, None),
     # swap_out
     ("out-ids-int", True, lambda m: m.swap_out(5, [K[5]]), InvalidBlockError, None),
     ("out-ids-str", True, lambda m: m.swap_out("4", [K[5]]), InvalidBlockError, None),

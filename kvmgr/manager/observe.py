@@ -117,7 +117,16 @@ class Observing(ManagerCore):
     def stream_wait_loads(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current CUDA stream) wait on the device for every load
         in flight, without blocking the host (docs/transfer.md, rule 4). No-op on the host
-        engine."""
+        engine.
+
+        Raises:
+            InvalidArgumentError: ``stream`` is neither None nor a stream (an object with
+                ``wait_event``, such as ``torch.cuda.Stream``); checked on every engine.
+        """
+        if stream is not None and not callable(getattr(stream, "wait_event", None)):
+            raise InvalidArgumentError(
+                f"stream must be None or a CUDA stream (torch.cuda.Stream), got {stream!r}"
+            )
         for batch in self._queue.in_flight.values():
             if batch.direction is Direction.H2D:
                 self._transport.stream_wait(batch.seq, stream)
