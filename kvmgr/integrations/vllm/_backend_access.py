@@ -67,32 +67,11 @@ def split_offer(
     position_of: PositionOf,
 ) -> Offer:
     """Split ``keys`` (``blocks[i]``: the tier's block of ``keys[i]``, ``None`` if not in it;
-    ``state``: the tier's block states) and record what the request showed: each key first seen (with its position), and READY
-    keys as reused."""
-    seen = access.seen
-    if blocks.count(None) == len(keys) and seen.keys().isdisjoint(keys):
-        # the common store: every key new to the tier and to the request
-        seen.update(zip(keys, repeat(None)))
-        new = list(keys)
-        positions = list(map(position_of, new))
-        parents = access.extend_run(new, positions)
-        if parents is None:
-            placed = [(k, p) for k, p in zip(new, positions) if p is not None]
-            access.add_many([k for k, _ in placed], [p for _, p in placed])
-            parents = access.parents(new, positions)
-        return Offer(new, parents, _NOTHING, _NOTHING)
-    return _split_slowly(access, keys, blocks, state, position_of)
-
-
-def _split_slowly(
-    access: Access,
-    keys: Sequence[OffloadKey],
-    blocks: list[int | None],
-    state: bytearray,
-    position_of: PositionOf,
-) -> Offer:
-    """`split_offer` key by key (keys seen before, or in the tier)."""
+    ``state``: the tier's block states) and record what the request showed: each key first seen
+    (with its position), and READY keys as reused."""
     seen, reused = access.seen, access.reused
+    if blocks.count(None) == len(keys) and seen.keys().isdisjoint(keys):
+        return _all_new(access, keys, position_of)  # the common store
     new: list[OffloadKey] = []
     new_positions: list[int | None] = []
     resident: list[OffloadKey] = []
@@ -100,31 +79,38 @@ def _split_slowly(
     placed: list[OffloadKey] = []  # keys shown for the first time, with a position
     placed_at: list[int] = []
     for key, block in zip(keys, blocks):
-        if key in seen:
-            if block is None:
-                new.append(key)
-                new_positions.append(position_of(key))
-            else:
-                resident.append(key)
-                if state[block] == _READY:  # READY keys offered again: reused (vLLM's rule)
-                    reused.add(key)
-            continue
-        seen[key] = None
-        position = position_of(key)
-        if position is not None:
-            placed.append(key)
-            placed_at.append(position)
+        first = key not in seen
+        position = position_of(key) if first or block is None else None
+        if first:
+            seen[key] = None
+            if position is not None:
+                placed.append(key)
+                placed_at.append(position)
         if block is None:
             new.append(key)
             new_positions.append(position)
-        else:
+            continue
+        resident.append(key)
+        if first:
             fresh.append(key)
-            resident.append(key)
-            if state[block] == _READY:
-                reused.add(key)
+        if state[block] == _READY:  # READY keys offered again: reused (vLLM's rule)
+            reused.add(key)
     if placed:
         access.add_many(placed, placed_at)
     return Offer(new, access.parents(new, new_positions), resident, fresh)
+
+
+def _all_new(access: Access, keys: Sequence[OffloadKey], position_of: PositionOf) -> Offer:
+    """`split_offer` of keys all new to the tier and to the request (one pass per step)."""
+    access.seen.update(zip(keys, repeat(None)))
+    new = list(keys)
+    positions = list(map(position_of, new))
+    parents = access.extend_run(new, positions)
+    if parents is None:
+        placed = [(k, p) for k, p in zip(new, positions) if p is not None]
+        access.add_many([k for k, _ in placed], [p for _, p in placed])
+        parents = access.parents(new, positions)
+    return Offer(new, parents, _NOTHING, _NOTHING)
 
 
 def saw_loaded(

@@ -286,11 +286,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         self._seqs.close()
 
     def _access(self, req_context: ReqContext) -> Access:
-        access = req_context.get_state(Access)
-        if access is None or access.owner is not self or access.generation != self._generation:
-            access = Access(self, self._generation)
-            req_context.set_state(access)
-        return access
+        return Access.of(req_context, self, self._generation)
 
     def __repr__(self) -> str:
         return (

@@ -17,7 +17,7 @@ import bisect
 import operator
 from collections.abc import Callable, Sequence
 from itertools import islice, repeat
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 
@@ -67,6 +67,9 @@ class _Group:
         return self.keys[i - 1] if i > 0 else None
 
 
+_State = TypeVar("_State", bound="RequestKeys")
+
+
 class RequestKeys:
     """Positions of the keys one request showed, per KV cache group.
 
@@ -84,6 +87,17 @@ class RequestKeys:
         self.owner = owner
         self.generation = generation
         self.groups: dict[bytes, _Group] = {}
+
+    @classmethod
+    def of(cls: type[_State], req_context: ReqContext, owner: object, generation: int) -> _State:
+        """The ``cls`` state that ``req_context`` keeps for ``owner`` at ``generation``: the
+        one kept, or a new one (set in ``req_context``) when none is, or it is another owner's
+        or from before a reset."""
+        state = req_context.get_state(cls)
+        if state is None or state.owner is not owner or state.generation != generation:
+            state = cls(owner, generation)
+            req_context.set_state(state)
+        return state
 
     def _group(self, key: OffloadKey) -> _Group:
         name = key[-_GROUP_BYTES:]

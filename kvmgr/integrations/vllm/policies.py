@@ -173,11 +173,7 @@ class KvmgrCachePolicy(CachePolicy):
     # -- private ------------------------------------------------------------------------------
 
     def _request_keys(self, req_context: ReqContext) -> RequestKeys:
-        state = req_context.get_state(RequestKeys)
-        if state is None or state.owner is not self or state.generation != self._generation:
-            state = RequestKeys(self, self._generation)
-            req_context.set_state(state)
-        return state
+        return RequestKeys.of(req_context, self, self._generation)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy!r}, num_chunks={len(self.chunks)})"
