@@ -94,6 +94,7 @@ class KvmgrTierManager(SecondaryTierManager):
             absent (a load of them failed: MISS until stored again), each an LRU of this size;
             lookups of other keys ask the backend asynchronously (RETRY, then HIT/MISS).
         locality: ``"LOCAL"`` or ``"REMOTE"`` (vLLM's ``Locality``; per-request tier filters).
+        **backend_options: the subclass's own (its ``_configure``).
 
     Raises:
         ConfigError, GeometryError: bad options or a view the bridge cannot use.
@@ -112,9 +113,11 @@ class KvmgrTierManager(SecondaryTierManager):
         key_prefix: str = "kvmgr:",
         max_known_keys: int = 1 << 20,
         locality: str | None = None,
+        **backend_options: Any,
     ) -> None:
+        self._configure(**backend_options)  # checked before anything starts
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.locality = Locality(locality) if locality is not None else None
+        self.locality = self._locality(locality)
         rows = torch.from_numpy(np.asarray(primary_kv_view).view(np.uint8))  # no copy
         self.namespace = namespace_of(offloading_spec, int(rows.shape[1]), tenant_salt, key_prefix)
         self._payload_bytes = self.namespace.payload_bytes
@@ -136,6 +139,20 @@ class KvmgrTierManager(SecondaryTierManager):
         self._events: list[OffloadingEvent] | None = (
             [] if offloading_spec.kv_events_config.enable_kv_cache_events else None
         )
+
+    def _configure(self, *args: Any, **backend_options: Any) -> None:
+        """Check and keep the backend's options (subclasses, keyword-only; ``__init__`` calls
+        it first).
+
+        Raises:
+            TypeError: options this tier does not take.
+        """
+        if args or backend_options:
+            raise TypeError(f"{type(self).__name__}: unexpected options {sorted(backend_options)}")
+
+    def _locality(self, locality: str | None) -> Locality | None:
+        """vLLM's ``Locality`` of this tier, given the ``locality`` option."""
+        return Locality(locality) if locality is not None else None
 
     async def _open_backend(self) -> TierBackend:
         """Build the backend on the tier's loop (subclasses)."""

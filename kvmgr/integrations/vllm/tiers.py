@@ -45,10 +45,10 @@ class KvmgrDiskTier(KvmgrTierManager):
         path: first slot file (created and preallocated; more files get ``.1``, ``.2``, ...).
         num_slots: chunks the tier holds; or give ``capacity_bytes`` instead.
         capacity_bytes: disk bytes to use (``num_slots = capacity_bytes // slot bytes``).
-        num_files, direct, io_threads, persist_index: as ``DiskTier``.
-        deadline_s: deadline of every disk call, seconds.
-        **options: ``tenant_salt``, ``key_prefix``, ``max_known_keys``, ``locality``
-            (`KvmgrTierManager`).
+        num_files, direct, io_threads, persist_index: as ``DiskTier`` (its defaults).
+        deadline_s: deadline of every disk call, seconds (``DiskTier``'s default: 5).
+        offloading_spec, primary_kv_view, tier_type, backpressure_detector, tenant_salt,
+            key_prefix, max_known_keys: as `KvmgrTierManager` (``locality`` is always LOCAL).
 
     Raises:
         ConfigError: neither or both of ``num_slots`` and ``capacity_bytes``, or bad sizes.
@@ -58,38 +58,21 @@ class KvmgrDiskTier(KvmgrTierManager):
     medium: ClassVar[Medium | None] = Medium.STORAGE
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.DISK
 
-    def __init__(
+    def _configure(
         self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: Any = None,
         *,
         path: str,
         num_slots: int | None = None,
         capacity_bytes: int | None = None,
-        num_files: int = 1,
-        direct: bool = True,
-        io_threads: int = 4,
-        deadline_s: float = 5.0,
-        persist_index: bool = True,
-        **options: Any,
+        **disk_options: Any,
     ) -> None:
         if (num_slots is None) == (capacity_bytes is None):
             raise ConfigError("KvmgrDiskTier: give exactly one of num_slots and capacity_bytes")
-        self._disk_options = dict(
-            path=os.fspath(path),
-            num_files=num_files,
-            direct=direct,
-            io_threads=io_threads,
-            deadline_s=deadline_s,
-            persist_index=persist_index,
-        )
+        self._disk_options = dict(disk_options, path=os.fspath(path))
         self._num_slots, self._capacity_bytes = num_slots, capacity_bytes
-        super().__init__(
-            offloading_spec, primary_kv_view, tier_type, backpressure_detector, **options
-        )
-        self.locality = Locality.LOCAL
+
+    def _locality(self, locality: str | None) -> Locality:
+        return Locality.LOCAL  # local storage, whatever the option says
 
     async def _open_backend(self) -> TierBackend:
         slot_bytes = self.namespace.blob_bytes
@@ -97,7 +80,7 @@ class KvmgrDiskTier(KvmgrTierManager):
         if num_slots is None:
             assert self._capacity_bytes is not None
             num_slots = int(self._capacity_bytes) // (-(-slot_bytes // 4096) * 4096)
-        return DiskTier(slot_bytes=slot_bytes, num_slots=num_slots, **self._disk_options)  # type: ignore[arg-type]
+        return DiskTier(slot_bytes=slot_bytes, num_slots=num_slots, **self._disk_options)
 
 
 class KvmgrSharedTier(KvmgrTierManager):
@@ -111,9 +94,10 @@ class KvmgrSharedTier(KvmgrTierManager):
         **options: the other ``SharedTier`` arguments (``username``, ``password_file``,
             ``password_env``, ``connect_timeout_s``, ``hint_deadline_s``, ``max_connections``,
             ``reconnect_backoff_s``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
-            ``single_tenant``...; see ``SharedTier``) and
-            ``tenant_salt``, ``key_prefix``, ``max_known_keys``, ``locality``
-            (`KvmgrTierManager`).
+            ``single_tenant``...; see ``SharedTier``, whose defaults apply) and
+            ``offloading_spec``, ``primary_kv_view``, ``tier_type``, ``backpressure_detector``,
+            ``tenant_salt``, ``key_prefix``, ``max_known_keys``, ``locality`` (default
+            REMOTE; `KvmgrTierManager`).
 
     Raises:
         ConfigError: a bad URL or limit.
@@ -121,29 +105,12 @@ class KvmgrSharedTier(KvmgrTierManager):
 
     medium: ClassVar[Medium | None] = Medium.STORAGE
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
-    _MANAGER_OPTIONS: ClassVar[frozenset[str]] = frozenset(
-        {"tenant_salt", "key_prefix", "max_known_keys", "locality"}
-    )
 
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: Any = None,
-        *,
-        url: str,
-        ttl_s: float | None = None,
-        deadline_s: float = 2.0,
-        **options: Any,
-    ) -> None:
-        options.setdefault("locality", Locality.REMOTE.value)
-        manager_options = {k: v for k, v in options.items() if k in self._MANAGER_OPTIONS}
-        self._shared_options = {k: v for k, v in options.items() if k not in self._MANAGER_OPTIONS}
-        self._shared_options.update(url=url, ttl_s=ttl_s, deadline_s=deadline_s)
-        super().__init__(
-            offloading_spec, primary_kv_view, tier_type, backpressure_detector, **manager_options
-        )
+    def _configure(self, *, url: str, **shared_options: Any) -> None:
+        self._shared_options = dict(shared_options, url=url)
+
+    def _locality(self, locality: str | None) -> Locality:
+        return Locality(locality if locality is not None else "REMOTE")
 
     async def _open_backend(self) -> TierBackend:
         from kvmgr.tiers.shared import SharedTier

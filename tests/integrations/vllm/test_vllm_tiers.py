@@ -103,7 +103,7 @@ def test_shared_tier_round_trip_through_the_scheduler(rig_factory, tier_server) 
         tiering_config({"type": "KvmgrSharedTier", "url": tier_server.url, "single_tenant": True})
     )
     tier = rig.manager.secondary_tiers[0]
-    assert isinstance(tier, KvmgrSharedTier)
+    assert isinstance(tier, KvmgrSharedTier) and tier.locality.value == "REMOTE"
     a, b = store_then_load(rig)
     assert tier.statistics().num_blocks_loaded == 4
     assert rig.loaded_tokens == {a: 0, b: 64} and rig.mismatched_blocks == []
@@ -232,3 +232,16 @@ def test_disk_tier_sizes_and_bad_options(rig_factory, tmp_path: Path) -> None:
     assert tier.medium.value == "STORAGE" and tier.locality.value == "LOCAL"
     with pytest.raises(ConfigError, match="exactly one of num_slots and capacity_bytes"):
         rig_factory(tiering_config({"type": "KvmgrDiskTier", "path": str(tmp_path / "b")}))
+
+
+def test_tier_options_are_checked_before_anything_starts() -> None:
+    """A tier's own options are checked first: no vLLM spec is read, no loop thread starts."""
+    from kvmgr.integrations.vllm.tiers import KvmgrTierManager
+
+    vllm_args = {"offloading_spec": None, "primary_kv_view": memoryview(b""), "tier_type": "t"}
+    with pytest.raises(TypeError, match="unexpected options \\['bogus'\\]"):
+        KvmgrTierManager(**vllm_args, bogus=1)
+    with pytest.raises(TypeError, match="url"):
+        KvmgrSharedTier(**vllm_args)
+    with pytest.raises(TypeError, match="path"):
+        KvmgrDiskTier(**vllm_args, num_slots=4)
