@@ -90,6 +90,24 @@ class RequestTables:
             raise BlockStateError(f"request {req_id!r} has a preempt or resume in flight")
         return table
 
+    def _owned_blocks(self, n: int, advice: str) -> np.ndarray:
+        """``n`` blocks from the owned GPU pool (int64 ``[n]``).
+
+        Raises:
+            PoolExhaustedError: fewer are free (nothing changed; ``advice`` says what to do).
+        """
+        ids = self.gpu.allocate(n)
+        if ids is None:
+            assert self.gpu.pool is not None
+            free = self.gpu.pool.num_free
+            raise PoolExhaustedError(
+                f"gpu: need {n} blocks, {free} free; nothing changed. {advice} ({DRAINING_HINT})",
+                needed=n,
+                available=free,
+                reason="gpu_full",
+            )
+        return ids
+
     def _resident(self, req_id: Hashable) -> BlockTable:
         check_req_id(req_id)
         table = self.tables.get(req_id) or BlockTable(req_id)
@@ -103,17 +121,11 @@ class RequestTables:
             raise ConfigError("allocate() needs manage_gpu_blocks=True; use append_blocks()")
         n = check_count(num_blocks)
         table = self._resident(req_id)
-        ids = self.gpu.allocate(n)
-        if ids is None:
-            assert self.gpu.pool is not None
-            raise PoolExhaustedError(
-                f"gpu: need {n} blocks, {self.gpu.pool.num_free} free; nothing changed. Free "
-                f"finished requests (free()), preempt() one into the CPU tier, or allocate "
-                f"fewer blocks ({DRAINING_HINT})",
-                needed=n,
-                available=self.gpu.pool.num_free,
-                reason="gpu_full",
-            )
+        ids = self._owned_blocks(
+            n,
+            "Free finished requests (free()), preempt() one into the CPU tier, or allocate "
+            "fewer blocks",
+        )
         new = ids.tolist()
         table.block_ids.extend(new)
         table.gpu_owned = True
@@ -198,29 +210,7 @@ class RequestTables:
                 raise InvalidBlockError("expected 0 gpu block ids: the request has no blocks")
             table.tier = Tier.GPU
             return Part(Kind.RESUME, future, SwapResult(0, 0, 0, (), ()), cpu, cpu, None, req_id)
-        if table.gpu_owned:
-            if gpu_block_ids is not None:
-                raise InvalidBlockError("this request's GPU blocks come from the owned pool")
-            gpu = self.gpu.allocate(len(cpu))
-            if gpu is None:
-                assert self.gpu.pool is not None
-                raise PoolExhaustedError(
-                    f"gpu: need {len(cpu)} blocks, {self.gpu.pool.num_free} free; nothing "
-                    f"changed. Free finished requests (free()) or preempt() another one, then "
-                    f"resume this one ({DRAINING_HINT})",
-                    needed=len(cpu),
-                    available=self.gpu.pool.num_free,
-                    reason="gpu_full",
-                )
-        else:
-            if gpu_block_ids is None:
-                raise InvalidBlockError(f"expected {len(cpu)} caller-owned gpu block ids")
-            gpu = as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks).copy()
-            if len(gpu) != len(cpu):
-                raise InvalidBlockError(
-                    f"expected {len(cpu)} caller-owned gpu block ids, got {len(gpu)}"
-                )
-            self.gpu.check_array(gpu, "resume")
+        gpu = self._resume_blocks(table.gpu_owned, gpu_block_ids, len(cpu))
         self.cpu.set_state(cpu, CpuState.RESUMING)
         table.moving = True
         self.counters.loads_queued += len(cpu)
@@ -229,6 +219,29 @@ class RequestTables:
             len(cpu), len(cpu) * self.block_bytes, 0, tuple(table.block_ids), tuple(gpu.tolist())
         )
         return Part(Kind.RESUME, future, result, gpu, cpu, None, req_id)
+
+    def _resume_blocks(
+        self, owned: bool, gpu_block_ids: Sequence[int] | None, n: int
+    ) -> np.ndarray:
+        """The ``n`` GPU blocks a resume copies into (int64): from the owned pool (``owned``),
+        else the caller's ``gpu_block_ids``, checked.
+
+        Raises:
+            InvalidBlockError, PoolExhaustedError: nothing changed.
+        """
+        if owned:
+            if gpu_block_ids is not None:
+                raise InvalidBlockError("this request's GPU blocks come from the owned pool")
+            return self._owned_blocks(
+                n, "Free finished requests (free()) or preempt() another one, then resume this one"
+            )
+        if gpu_block_ids is None:
+            raise InvalidBlockError(f"expected {n} caller-owned gpu block ids")
+        gpu = as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks).copy()
+        if len(gpu) != n:
+            raise InvalidBlockError(f"expected {n} caller-owned gpu block ids, got {len(gpu)}")
+        self.gpu.check_array(gpu, "resume")
+        return gpu
 
     def resume_done(self, part: Part, ok: bool) -> None:
         """Apply a resume's outcome: the table points at the GPU blocks and the CPU blocks are
