@@ -11,6 +11,7 @@ import enum
 from collections.abc import Hashable
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvmgr.scheduler.jobs import Direction
@@ -27,6 +28,7 @@ class Kind(enum.IntEnum):
     RESUME = 3  #: a request's blocks CPU -> GPU
 
 
+@attrs.define(eq=False)  # slots; compared by identity
 class Part:
     """One swap call's share of a lane.
 
@@ -45,32 +47,15 @@ class Part:
             caller's copy, rows of the keys stored); else ``None``.
     """
 
-    __slots__ = (
-        "cpu_ids", "future", "gpu_ids", "keys", "kind", "parents", "req_id", "result", "token_ids"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        kind: Kind,
-        future: asyncio.Future[Any],
-        result: object,
-        gpu_ids: Any,
-        cpu_ids: Any,
-        keys: list[bytes] | None = None,
-        req_id: Hashable | None = None,
-        *,
-        parents: list[bytes | None] | None = None,
-        token_ids: np.ndarray | None = None,
-    ) -> None:
-        self.kind = kind
-        self.future = future
-        self.result = result
-        self.gpu_ids = gpu_ids
-        self.cpu_ids = cpu_ids
-        self.keys = keys
-        self.req_id = req_id
-        self.parents = parents
-        self.token_ids = token_ids
+    kind: Kind
+    future: asyncio.Future[Any]
+    result: object
+    gpu_ids: Any
+    cpu_ids: Any
+    keys: list[bytes] | None = None
+    req_id: Hashable | None = None
+    parents: list[bytes | None] | None = attrs.field(default=None, kw_only=True)
+    token_ids: np.ndarray | None = attrs.field(default=None, kw_only=True)
 
     @property
     def direction(self) -> Direction:
