@@ -221,7 +221,7 @@ class RequestTables:
         return Part(Kind.RESUME, future, result, gpu, cpu, None, req_id)
 
     def _resume_blocks(
-        self, owned: bool, gpu_block_ids: Sequence[int] | None, n: int
+        self, owned: bool | None, gpu_block_ids: Sequence[int] | None, n: int
     ) -> np.ndarray:
         """The ``n`` GPU blocks a resume copies into (int64): from the owned pool (``owned``),
         else the caller's ``gpu_block_ids``, checked.
@@ -237,7 +237,7 @@ class RequestTables:
             )
         if gpu_block_ids is None:
             raise InvalidBlockError(f"expected {n} caller-owned gpu block ids")
-        gpu = as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks).copy()
+        gpu: np.ndarray = as_id_array(gpu_block_ids, "gpu", self.gpu.num_blocks).copy()
         if len(gpu) != n:
             raise InvalidBlockError(f"expected {n} caller-owned gpu block ids, got {len(gpu)}")
         self.gpu.check_array(gpu, "resume")
