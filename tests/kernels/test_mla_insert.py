@@ -418,6 +418,28 @@ def test_remembered_step_signatures_write_exactly_what_each_step_holds() -> None
     assert 4 <= len(insert._steps) <= 12
 
 
+def test_rotating_scales_tensors_each_write_with_their_own_scales_and_layout() -> None:
+    # the scales' key part (shape, stride, device) is remembered per scales object (16 kept):
+    # a loop alternating among more of them, some strided views (another STRIDE_SCALE), must
+    # write each step with that step's scales, never another object's layout
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(230, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    insert = _insert(caches, "fp8_e4m3")
+    objects = []
+    for i in range(18):
+        scales = _scales(231 + i, num_layers)
+        if i % 3 == 2:  # a strided view over every second float
+            scales = torch.stack([scales, _scales(260 + i, num_layers)], dim=1)[:, 0]
+        objects.append(scales)
+    kv_c, k_pe = _inputs(280, num_layers, 5, rank, rope_dim, torch.bfloat16)
+    for step, scales in enumerate([*objects, *objects[:4], objects[17], objects[2]]):
+        slots = _slots(300 + step, 5, num_blocks * block_size, 1)
+        expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
+        assert insert(kv_c, k_pe, slots, scales) == 5
+        assert _same_bytes(caches, expected), step
+    assert len(insert._scales_keys) == 16
+
+
 def test_hook_inserts_from_step_context() -> None:
     num_layers, num_tokens, rank, rope_dim = 2, 10, 16, 8
     kv_c, k_pe = _inputs(33, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)

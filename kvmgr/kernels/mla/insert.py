@@ -7,9 +7,10 @@ Offers (to :mod:`kvmgr.kernels.mla.memo`, ``api`` and ``hook``):
 **Launch key.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
 constexprs depend on, except the values that are runtime arguments of the kernel: ranks, ``L``,
 ``R``, ``P``, token and column strides, devices, ``slot_mapping``'s leading dims, the scales'
-shape, stride and device (read once per scales tensor object), whether ``IO_ALIGNED`` holds, the
-tile (a function of ``T * L``) and the classes the specialization rule gives the runtime
-arguments (:func:`kvmgr.kernels.launch.rule.reader`: their dtypes, the ints' widths). ``T``
+shape, stride and device (read once per scales tensor object, the last 16 objects held),
+whether ``IO_ALIGNED`` holds, the tile (a function of ``T * L``) and the classes the
+specialization rule gives the runtime arguments (:func:`kvmgr.kernels.launch.rule.reader`: their
+dtypes, the ints' widths). ``T``
 itself, the layer strides and the pointers are not part of it: the grouped kernel takes them as
 ``do_not_specialize`` runtime arguments, so one bound launch serves every step size of a tile. A
 step whose key was checked before skips the checks, save the one they do not cover: that
@@ -50,6 +51,7 @@ __all__ = ["GroupedInsert"]
 
 _MAX_SIGNATURES = 64  # bound launches kept per plan (a loop sees a handful: tiles x layouts)
 _MAX_STEPS = 256  # step signatures (with T) remembered per plan: a loop's step sizes
+_MAX_SCALES = 16  # scales tensors whose key part is remembered per plan
 # the runtime arguments (kv_c, k_pe, slot_mapping, kv_scales, T and the three layer strides);
 # position 2, the pointer table, is the plan's
 _VARYING = (0, 1, 3, 4, 5, 6, 7, 8)
@@ -82,6 +84,8 @@ class GroupedInsert:
         self._last: tuple[Any, ...] | None = None
         self._scales: torch.Tensor | None = None  # the last scales tensor and its key part
         self._scales_key: Any = None
+        # id -> (scales tensor, its key part): the last 16 scales objects, held (a few floats each)
+        self._scales_keys: dict[int, tuple[torch.Tensor, Any]] = {}
 
     @property
     def num_bound(self) -> int:
@@ -185,10 +189,18 @@ class GroupedInsert:
         return key, bound, args, values, tile
 
     def _scales_part(self, kv_scales: torch.Tensor) -> Any:
-        """The scales' part of the signature, read once per scales tensor object."""
-        self._scales = kv_scales
-        self._scales_key = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
-        return self._scales_key
+        """The scales' part of the signature, read once per scales tensor object (the last 16
+        objects are remembered: a loop that alternates among a few pays no reads)."""
+        known = self._scales_keys.get(id(kv_scales))
+        if known is not None and known[0] is kv_scales:
+            part = known[1]
+        else:
+            part = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
+            if len(self._scales_keys) >= _MAX_SCALES:
+                del self._scales_keys[next(iter(self._scales_keys))]
+            self._scales_keys[id(kv_scales)] = (kv_scales, part)
+        self._scales, self._scales_key = kv_scales, part
+        return part
 
     def _bind(
         self, key: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,
