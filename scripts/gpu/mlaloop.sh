@@ -30,6 +30,8 @@ print('missing tools:', missing_tools())
 start = time.perf_counter()
 build_op(verbose=True)
 print(f'peer op built in {time.perf_counter() - start:.1f} s')"
+# a build killed at its limit leaves torch's build lock behind: the next load would wait on it
+rm -f "$HOME"/.cache/kvmgr/peer_mla-sm*/lock
 step peer_mla 35 python3 -m kvmgr.cli bench peer --halves mla --mla-tokens 1,16,128 \
   --mla-kv-cache-dtypes fp8_e4m3 --mla-repeats 5 --mla-json "$D/peer_mla.json"
 MLA="--tokens 1,16,128 --reps 11 --modes eager --kv-cache-dtypes fp8_e4m3"
