@@ -559,15 +559,23 @@ def test_the_same_step_tensors_again_only_relaunch() -> None:
         assert _same_bytes(caches, expected) and insert.num_bound == 1
 
 
+@pytest.mark.parametrize("check", ["guard", "reads"])
 @pytest.mark.parametrize(
     "change",
     ["set_", "resize_", "as_strided_", "restrided, same shape", ".data = a view", "new list, same tensors"],
 )  # fmt: skip
-def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: str) -> None:
+def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(
+    change: str, check: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # grouped_mla_insert remembers its cache sets by what a plan is made of (shape, strides,
     # dtype, device, pointers); a cache swapped for new storage, resized or restrided in place
     # between two calls must be planned again, never written through the old plan's pointer
-    # table or geometry. A new list holding the same caches is the same set.
+    # table or geometry. A new list holding the same caches is the same set. Both checks of a
+    # known list: torch's C++ tensor guard plus the pointers, and the attribute reads (a torch
+    # without the guard).
+    api._MEMO.clear()
+    if check == "reads":
+        monkeypatch.setattr(memo, "_TensorGuards", None)
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     width = rank + rope_dim
     caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)
@@ -578,6 +586,7 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: st
         assert _same_bytes(caches, expected)
     remembered = api._MEMO.insert_for(caches, "auto", True)
     assert remembered.num_bound == 1  # the three calls went through one insert
+    assert (api._MEMO._lists[id(caches)][8] is None) is (check == "reads")
     fresh = _caches(175, 1, num_blocks, block_size, width, torch.bfloat16)[0]
     if change == "set_":
         caches[1].set_(fresh)  # same shape, new storage: a new pointer
@@ -627,6 +636,33 @@ def test_the_caches_memo_sees_a_dtype_change_and_keeps_no_cache_alive() -> None:
     del caches, cache
     gc.collect()
     assert probe() is None
+
+
+def test_a_known_cache_set_is_recognised_across_grad_modes() -> None:
+    # the C++ guard compares dispatch keys under the mode it was built in: a set remembered
+    # outside inference mode and used inside it (a serving loop's warm-up, then its steps) is the
+    # same set, found by the attribute reads once, then by a guard built for the new mode
+    num_layers, rank, rope_dim, num_blocks, block_size = 2, 24, 8, 6, 4
+    caches = _caches(320, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
+    kv_c, k_pe = _inputs(321, num_layers, 5, rank, rope_dim, torch.bfloat16)
+    api._MEMO.clear()
+    expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, _slots(322, 5, 24, 1))
+    remembered = api._MEMO.insert_for(caches, "auto", True)
+    first_guard = api._MEMO._lists[id(caches)][8]
+    assert first_guard is not None and _same_bytes(caches, expected)
+    for step in range(3):
+        with torch.inference_mode():
+            assert api._MEMO.insert_for(caches, "auto", True) is remembered
+            slots = _slots(323 + step, 5, 24, 1)
+            expected = _reference(kv_c, k_pe, caches, slots)
+            grouped_mla_insert(kv_c, k_pe, caches, slots)
+        assert _same_bytes(caches, expected)
+    guard = api._MEMO._lists[id(caches)][8]
+    assert guard is not first_guard and guard is not None  # rebuilt once, under inference mode
+    with torch.inference_mode():
+        for cache in caches:  # a change is still seen
+            cache.resize_(num_blocks - 1, block_size, rank + rope_dim)
+        assert api._MEMO.insert_for(caches, "auto", True) is not remembered
 
 
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:
