@@ -47,15 +47,12 @@ from typing import Any
 
 import torch
 
+from kvmgr.kernels.mla.checks import tensor_guard
 from kvmgr.kernels.mla.insert import GroupedInsert
 from kvmgr.kernels.mla.plan import CacheKey, cache_key, checked_key, make_plan
 
 __all__ = ["InsertMemo"]
 
-try:  # torch's C++ check of tensor metadata (dynamo's guards); the attribute reads without it
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - a torch without dynamo
-    _TensorGuards = None
 _data_ptr = torch.Tensor.data_ptr
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)  # fmt: skip
 
@@ -96,7 +93,7 @@ class InsertMemo:
         elif _unchanged(seen, caches):
             key, insert = seen[-2], seen[-1]
             if guard is not None:  # refused, the reads say the same: built under another mode
-                lists[id(caches)] = (*seen[:8], _guard(caches), key, insert)
+                lists[id(caches)] = (*seen[:8], tensor_guard(caches), key, insert)
         else:
             key, insert = self._lookup(caches, kv_cache_dtype, bool(direct))
         if key[0][1] >= 0 and _is_capturing():
@@ -119,7 +116,7 @@ class InsertMemo:
         _, _, shape, strides, dtype, ptrs = key[0]
         contiguous = strides == _contiguous_strides(shape)
         self._lists[id(caches)] = (kv_cache_dtype, direct, ptrs, shape, strides, dtype,
-                                   contiguous, key[0][1], _guard(caches), key, insert)  # fmt: skip
+                                   contiguous, key[0][1], tensor_guard(caches), key, insert)  # fmt: skip
         self._lists.move_to_end(id(caches))
         if len(self._lists) > self._max_sets:
             self._lists.popitem(last=False)
@@ -150,19 +147,6 @@ def _unchanged(seen: tuple[Any, ...], caches: Sequence[torch.Tensor]) -> bool:
         ):  # fmt: skip
             return False
     return True
-
-
-def _guard(caches: Sequence[torch.Tensor]) -> Any:
-    """torch's C++ tensor check of these caches' dtype, device, sizes and strides exactly as they
-    are now (and their dispatch keys and ``requires_grad`` under the current grad mode), or None
-    where this torch has none that accepts them (the attribute reads then do it all)."""
-    if _TensorGuards is None:
-        return None
-    try:
-        return _TensorGuards(*caches, dynamic_dims_sizes=[list(c.shape) for c in caches],
-                             dynamic_dims_strides=[list(c.stride()) for c in caches])  # fmt: skip
-    except Exception:  # another torch's signature: the reads
-        return None
 
 
 def _guard_passes(guard: Any, caches: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
