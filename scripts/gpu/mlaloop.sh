@@ -3,7 +3,7 @@
 # (limits 10 + 40 + 45 + 35 + 4 x 16; a build past 45 s goes on in the peer_mla step):
 #   bash scripts/gpu/mlaloop.sh          # results under $OUT/mlaloop/ (log.txt + JSON)
 # 0. env: versions, cores, nvcc, ninja.
-# 1. tests: the peer op's build tests and the MLA insert's scales, step-signature, cache-set
+# 1. tests: the peer op's build tests and the MLA insert's guard, scales and cache-set
 #    tests on CUDA (all must pass).
 # 2. peer_build: the C++ baseline of `bench peer --halves mla` built alone (ninja, MAX_JOBS = the
 #    cores, -O2, one -gencode for this GPU, into ~/.cache/kvmgr/peer_mla-sm90): the log's line
@@ -22,7 +22,7 @@ OLD=/tmp/mlaloop_old  # outside $OUT: nothing of it comes back
 mkdir -p "$OLD" && git archive "$BASE" kvmgr | tar -x -C "$OLD"
 step env 10 bash -c 'python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name())"; nproc; which nvcc ninja c++; nvcc --version | tail -n 2'
 step tests 40 python3 -m pytest -q -x -p no:cacheprovider tests/bench/test_peer_mla_op.py \
-  tests/kernels/test_mla_insert.py -k "peer or rotating_scales or remembered_step or repeated_caches or direct_launch_is_exact"
+  tests/kernels/test_mla_insert.py -k "peer or guarded or grad_modes or rotating_scales or repeated_caches or direct_launch_is_exact"
 step peer_build 45 python3 -c "
 import time
 from kvmgr.bench._peer_mla_op import build_op, missing_tools
