@@ -14,7 +14,9 @@ cache bases come from an ``int64 [L]`` device table, as in kvmgr. ``auto`` copie
 values; ``fp8_e4m3`` stores ``fp8(x / scale[l])`` with IEEE division and a saturating,
 round-to-nearest-even conversion (``__nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3)``),
 the same arithmetic as kvmgr's kernel, so the bytes must be equal. It is compiled at run time
-with ``torch.utils.cpp_extension.load_inline`` (needs nvcc and ninja; GPU machine only).
+(nvcc, ninja and a C++ compiler; GPU machine only) as a ``torch.ops`` op, called as vLLM calls
+its cache ops: :mod:`kvmgr.bench._peer_mla_op` (the sources, and a build of a few seconds into
+a persistent folder, ``$KVMGR_PEER_BUILD_DIR``).
 
 Per (kv dtype, T), L = 5, R = 512, P = 64, block size 64, bf16 inputs, random non-zero values and
 caches filled with the same random bytes for both: both inserts run once and their caches must
@@ -25,7 +27,9 @@ be byte-identical, then each is timed
 - graph: ``--calls`` calls captured in one CUDA graph, replay span per call.
 
 kvmgr runs as :class:`~kvmgr.kernels.mla.hook.GroupedMLAInsertHook` (packed launches), the
-baseline as the compiled op called from Python. Ratios are baseline / kvmgr (> 1: kvmgr faster).
+baseline as the compiled op called from Python through ``torch.ops`` (before 2026-12-03 it was
+a pybind11 function built with ``load_inline``: host figures of the two are not comparable).
+Ratios are baseline / kvmgr (> 1: kvmgr faster).
 """
 
 from __future__ import annotations
@@ -41,72 +45,6 @@ import torch
 
 __all__ = ["add_arguments", "run", "run_peer_mla"]
 
-_CPP = "void mla_grouped(torch::Tensor kv_c, torch::Tensor k_pe, torch::Tensor cache_ptrs, torch::Tensor slots, torch::Tensor scales, int64_t block_size, int64_t stride_block, int64_t stride_slot, int64_t capacity, bool fp8);"
-
-_CUDA = r"""
-#include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-
-// One CTA per (token, layer): blockIdx.x = token, blockIdx.y = layer.
-template <bool FP8>
-__global__ void mla_grouped_kernel(
-    const __nv_bfloat16* __restrict__ kv_c, const __nv_bfloat16* __restrict__ k_pe,
-    const int64_t* __restrict__ cache_ptrs, const int64_t* __restrict__ slots,
-    const float* __restrict__ scales, int64_t kv_stride_l, int64_t kv_stride_t,
-    int64_t pe_stride_l, int64_t pe_stride_t, int64_t slot_stride_l, int rank, int rope,
-    int64_t block_size, int64_t stride_block, int64_t stride_slot, int64_t capacity) {
-  const int64_t t = blockIdx.x, l = blockIdx.y;
-  const int64_t slot = slots[l * slot_stride_l + t];
-  if (slot < 0 || slot >= capacity) return;
-  const int64_t row = (slot / block_size) * stride_block + (slot % block_size) * stride_slot;
-  const __nv_bfloat16* src_c = kv_c + l * kv_stride_l + t * kv_stride_t;
-  const __nv_bfloat16* src_p = k_pe + l * pe_stride_l + t * pe_stride_t;
-  if constexpr (FP8) {
-    __nv_fp8_storage_t* dst = reinterpret_cast<__nv_fp8_storage_t*>(cache_ptrs[l]) + row;
-    const float scale = scales[l];
-    for (int i = threadIdx.x; i < rank; i += blockDim.x)
-      dst[i] = __nv_cvt_float_to_fp8(__fdiv_rn(__bfloat162float(src_c[i]), scale),
-                                     __NV_SATFINITE, __NV_E4M3);
-    for (int i = threadIdx.x; i < rope; i += blockDim.x)
-      dst[rank + i] = __nv_cvt_float_to_fp8(__fdiv_rn(__bfloat162float(src_p[i]), scale),
-                                            __NV_SATFINITE, __NV_E4M3);
-  } else {
-    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(cache_ptrs[l]) + row;
-    for (int i = threadIdx.x; i < rank; i += blockDim.x) dst[i] = src_c[i];
-    for (int i = threadIdx.x; i < rope; i += blockDim.x) dst[rank + i] = src_p[i];
-  }
-}
-
-void mla_grouped(torch::Tensor kv_c, torch::Tensor k_pe, torch::Tensor cache_ptrs,
-                 torch::Tensor slots, torch::Tensor scales, int64_t block_size,
-                 int64_t stride_block, int64_t stride_slot, int64_t capacity, bool fp8) {
-  const int64_t layers = kv_c.size(0), tokens = kv_c.size(1);
-  const int rank = kv_c.size(2), rope = k_pe.size(2);
-  if (tokens == 0) return;
-  const dim3 grid(tokens, layers), block(std::min(rank, 512));
-  const int64_t slot_stride_l = slots.dim() == 2 ? slots.stride(0) : 0;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  auto kv = reinterpret_cast<const __nv_bfloat16*>(kv_c.data_ptr());
-  auto pe = reinterpret_cast<const __nv_bfloat16*>(k_pe.data_ptr());
-  if (fp8) {
-    mla_grouped_kernel<true><<<grid, block, 0, stream>>>(
-        kv, pe, cache_ptrs.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-        scales.data_ptr<float>(), kv_c.stride(0), kv_c.stride(1), k_pe.stride(0),
-        k_pe.stride(1), slot_stride_l, rank, rope, block_size, stride_block, stride_slot,
-        capacity);
-  } else {
-    mla_grouped_kernel<false><<<grid, block, 0, stream>>>(
-        kv, pe, cache_ptrs.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), nullptr,
-        kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1), slot_stride_l, rank,
-        rope, block_size, stride_block, stride_slot, capacity);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-"""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the MLA half's options to ``parser`` (all prefixed ``--mla-``: the swap half shares it)."""
@@ -120,16 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_peer_mla(args: argparse.Namespace) -> int:
     """Build the baseline, compare bytes and print the table; 0 ok, 1 bytes differ, 2 no GPU."""
+    from kvmgr.bench._peer_mla_op import build_op, missing_tools
+
     if not torch.cuda.is_available():
         print("kvmgr bench peer: needs a CUDA GPU, and torch sees none.", file=sys.stderr)
         return 2
-    from torch.utils.cpp_extension import load_inline
-
+    missing = missing_tools()
+    if missing is not None:
+        print(f"kvmgr bench peer: cannot build the C++ baseline here: {missing}.", file=sys.stderr)
+        return 2
     start_s = time.perf_counter()
-    op = load_inline(  # type: ignore[no-untyped-call]
-        name="kvmgr_peer_mla", cpp_sources=_CPP, cuda_sources=_CUDA,
-                     functions=["mla_grouped"], extra_cuda_cflags=["-O3"])  # fmt: skip
-    print(f"baseline built in {time.perf_counter() - start_s:.0f} s")
+    op = build_op()
+    print(f"baseline built (or found built) in {time.perf_counter() - start_s:.1f} s")
     rows, all_equal = [], True
     for kv_cache_dtype in args.mla_kv_cache_dtypes.split(","):
         for num_tokens in (int(t) for t in args.mla_tokens.split(",")):
@@ -177,7 +117,7 @@ def _case(op: Any, args: argparse.Namespace, kv_cache_dtype: str, num_tokens: in
         hook(ctx)
 
     def baseline_call() -> None:
-        op.mla_grouped(kv_c, k_pe, ptrs, slots, scales if fp8 else empty, block, *strides, fp8)
+        op(kv_c, k_pe, ptrs, slots, scales if fp8 else empty, block, *strides, fp8)
 
     kvmgr_call()
     baseline_call()

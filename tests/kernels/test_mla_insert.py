@@ -23,7 +23,7 @@ from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.kernels.launch import rule, shared_launcher
-from kvmgr.kernels.mla import api, memo, plan
+from kvmgr.kernels.mla import api, checks, memo, plan
 from kvmgr.kernels.mla import kernel as mla_kernel
 from kvmgr.kernels.mla.api import grouped_mla_insert, per_layer_mla_insert
 from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
@@ -387,6 +387,62 @@ def test_a_bad_step_after_good_ones_raises_before_writing(case: str) -> None:
     assert _same_bytes(caches, before)
 
 
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_a_bad_step_after_a_guarded_signature_raises_before_writing(case: str) -> None:
+    # a signature found on consecutive calls gets torch's C++ guard: later steps that pass it
+    # skip the signature's reads. A bad step with the same scales object must fail the guard
+    # (or, for bad scales, the scales identity) and raise its typed error before writing.
+    error, bad = _bad_args(case)
+    if case == "slots of wrong layers":
+        bad["slot_mapping"] = torch.stack([_slots(31, 5, 8, 1)] * 3)
+    good = _bad_args("good")[1]
+    if case == "float64 scales":
+        bad["kv_scales"] = _scales(32, 2).double()
+    elif case != "scales shape":
+        bad["kv_scales"] = good["kv_scales"]
+    caches = bad["caches"]
+    assert isinstance(caches, list)
+    api._MEMO.clear()
+    for _ in range(4):  # new step tensors, one scales object
+        grouped_mla_insert(good["kv_c"].clone(), good["k_pe"].clone(), caches,  # type: ignore[union-attr]
+                           good["slot_mapping"].clone(), kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[union-attr, arg-type]  # fmt: skip
+    assert api._MEMO.insert_for(caches, "fp8_e4m3", True)._guarded is not None
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(error, match="expected"):
+        grouped_mla_insert(**bad)  # type: ignore[arg-type]
+    assert _same_bytes(caches, before)
+
+
+def test_a_guarded_signature_writes_exactly_what_each_step_holds() -> None:
+    # a steady loop (new step tensors of one signature) runs on the guard; steps of the same
+    # shape but other strides, another base alignment, the other slot layout, another T or other
+    # scales must leave it for their own signature, and every step must be exact
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(340, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    scales, others = _scales(341, num_layers), _scales(342, num_layers)
+    insert = _insert(caches, "fp8_e4m3")
+    guarded = 0
+    for step in range(16):
+        num_tokens = 3 if step == 11 else 5
+        kv_c, k_pe = _inputs(343 + step, num_layers, num_tokens, rank, rope_dim, torch.bfloat16)
+        slots, step_scales = _slots(370 + step, num_tokens, num_blocks * block_size, 1), scales
+        if step == 5:  # a base 2 bytes past 16-byte alignment
+            storage = torch.empty(k_pe.numel() + 1, dtype=k_pe.dtype, device=DEVICE)
+            k_pe = storage[1:].view(k_pe.shape).copy_(k_pe)
+        elif step == 7:  # the same shape, token-strided rows of a wider tensor
+            kv_c = torch.cat([kv_c, kv_c], dim=-1)[..., :rank]
+        elif step == 9:
+            slots = torch.stack([slots.roll(i) for i in range(num_layers)])
+        elif step == 13:
+            step_scales = others
+        guarded += insert._guarded is not None and insert._repeated(kv_c, k_pe, slots, step_scales) is not None  # fmt: skip
+        expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=step_scales)  # fmt: skip
+        assert insert(kv_c, k_pe, slots, step_scales) == num_tokens
+        assert _same_bytes(caches, expected), step
+        assert insert._last[-1].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
+    assert guarded >= 6
+
+
 def test_remembered_step_signatures_write_exactly_what_each_step_holds() -> None:
     # new step tensors of sizes seen before take the remembered signature (no checks, no key):
     # every step must still be exact, also when a step of the same shape has other strides (a
@@ -416,6 +472,28 @@ def test_remembered_step_signatures_write_exactly_what_each_step_holds() -> None
         assert _same_bytes(caches, expected)
         assert insert._last[-1].args[-1] is (step % 4 != 2)  # IO_ALIGNED: off for that base
     assert 4 <= len(insert._steps) <= 12
+
+
+def test_rotating_scales_tensors_each_write_with_their_own_scales_and_layout() -> None:
+    # the scales' key part (shape, stride, device) is remembered per scales object (16 kept):
+    # a loop alternating among more of them, some strided views (another STRIDE_SCALE), must
+    # write each step with that step's scales, never another object's layout
+    num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
+    caches = _caches(230, num_layers, num_blocks, block_size, rank + rope_dim, torch.float8_e4m3fn)
+    insert = _insert(caches, "fp8_e4m3")
+    objects = []
+    for i in range(18):
+        scales = _scales(231 + i, num_layers)
+        if i % 3 == 2:  # a strided view over every second float
+            scales = torch.stack([scales, _scales(260 + i, num_layers)], dim=1)[:, 0]
+        objects.append(scales)
+    kv_c, k_pe = _inputs(280, num_layers, 5, rank, rope_dim, torch.bfloat16)
+    for step, scales in enumerate([*objects, *objects[:4], objects[17], objects[2]]):
+        slots = _slots(300 + step, 5, num_blocks * block_size, 1)
+        expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
+        assert insert(kv_c, k_pe, slots, scales) == 5
+        assert _same_bytes(caches, expected), step
+    assert len(insert._scales_keys) <= 16  # some steps pass the guard: no key part read
 
 
 def test_hook_inserts_from_step_context() -> None:
@@ -537,15 +615,23 @@ def test_the_same_step_tensors_again_only_relaunch() -> None:
         assert _same_bytes(caches, expected) and insert.num_bound == 1
 
 
+@pytest.mark.parametrize("check", ["guard", "reads"])
 @pytest.mark.parametrize(
     "change",
     ["set_", "resize_", "as_strided_", "restrided, same shape", ".data = a view", "new list, same tensors"],
 )  # fmt: skip
-def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: str) -> None:
+def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(
+    change: str, check: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # grouped_mla_insert remembers its cache sets by what a plan is made of (shape, strides,
     # dtype, device, pointers); a cache swapped for new storage, resized or restrided in place
     # between two calls must be planned again, never written through the old plan's pointer
-    # table or geometry. A new list holding the same caches is the same set.
+    # table or geometry. A new list holding the same caches is the same set. Both checks of a
+    # known list: torch's C++ tensor guard plus the pointers, and the attribute reads (a torch
+    # without the guard).
+    api._MEMO.clear()
+    if check == "reads":
+        monkeypatch.setattr(checks, "_TensorGuards", None)
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     width = rank + rope_dim
     caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)
@@ -556,6 +642,7 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(change: st
         assert _same_bytes(caches, expected)
     remembered = api._MEMO.insert_for(caches, "auto", True)
     assert remembered.num_bound == 1  # the three calls went through one insert
+    assert (api._MEMO._lists[id(caches)][8] is None) is (check == "reads")
     fresh = _caches(175, 1, num_blocks, block_size, width, torch.bfloat16)[0]
     if change == "set_":
         caches[1].set_(fresh)  # same shape, new storage: a new pointer
@@ -605,6 +692,33 @@ def test_the_caches_memo_sees_a_dtype_change_and_keeps_no_cache_alive() -> None:
     del caches, cache
     gc.collect()
     assert probe() is None
+
+
+def test_a_known_cache_set_is_recognised_across_grad_modes() -> None:
+    # the C++ guard compares dispatch keys under the mode it was built in: a set remembered
+    # outside inference mode and used inside it (a serving loop's warm-up, then its steps) is the
+    # same set, found by the attribute reads once, then by a guard built for the new mode
+    num_layers, rank, rope_dim, num_blocks, block_size = 2, 24, 8, 6, 4
+    caches = _caches(320, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
+    kv_c, k_pe = _inputs(321, num_layers, 5, rank, rope_dim, torch.bfloat16)
+    api._MEMO.clear()
+    expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, _slots(322, 5, 24, 1))
+    remembered = api._MEMO.insert_for(caches, "auto", True)
+    first_guard = api._MEMO._lists[id(caches)][8]
+    assert first_guard is not None and _same_bytes(caches, expected)
+    for step in range(3):
+        with torch.inference_mode():
+            assert api._MEMO.insert_for(caches, "auto", True) is remembered
+            slots = _slots(323 + step, 5, 24, 1)
+            expected = _reference(kv_c, k_pe, caches, slots)
+            grouped_mla_insert(kv_c, k_pe, caches, slots)
+        assert _same_bytes(caches, expected)
+    guard = api._MEMO._lists[id(caches)][8]
+    assert guard is not first_guard and guard is not None  # rebuilt once, under inference mode
+    with torch.inference_mode():
+        for cache in caches:  # a change is still seen
+            cache.resize_(num_blocks - 1, block_size, rank + rope_dim)
+        assert api._MEMO.insert_for(caches, "auto", True) is not remembered
 
 
 def test_misaligned_inputs_are_copied_without_alignment_hints() -> None:

@@ -7,9 +7,10 @@ Offers (to :mod:`kvmgr.kernels.mla.memo`, ``api`` and ``hook``):
 **Launch key.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
 constexprs depend on, except the values that are runtime arguments of the kernel: ranks, ``L``,
 ``R``, ``P``, token and column strides, devices, ``slot_mapping``'s leading dims, the scales'
-shape, stride and device (read once per scales tensor object), whether ``IO_ALIGNED`` holds, the
-tile (a function of ``T * L``) and the classes the specialization rule gives the runtime
-arguments (:func:`kvmgr.kernels.launch.rule.reader`: their dtypes, the ints' widths). ``T``
+shape, stride and device (read once per scales tensor object, the last 16 objects held),
+whether ``IO_ALIGNED`` holds, the tile (a function of ``T * L``) and the classes the
+specialization rule gives the runtime arguments (:func:`kvmgr.kernels.launch.rule.reader`: their
+dtypes, the ints' widths). ``T``
 itself, the layer strides and the pointers are not part of it: the grouped kernel takes them as
 ``do_not_specialize`` runtime arguments, so one bound launch serves every step size of a tile. A
 step whose key was checked before skips the checks, save the one they do not cover: that
@@ -27,6 +28,13 @@ strides: they are fixed by its shape except on dims of size 1, whose stride the 
 by index 0 only. The shortcut is taken only while the rule reads every varying argument by dtype
 and value alone (all ``do_not_specialize``); otherwise each call takes the key.
 
+**Guard.** A signature found on two consecutive calls (a steady loop: one step size, new step
+tensors from the same buffers) gets torch's C++ tensor check of that step
+(:func:`~kvmgr.kernels.mla.checks.tensor_guard`: dtype, device, every size and stride of
+``kv_c``, ``k_pe``, ``slot_mapping`` and the scales): a later call that passes it, and whose
+bases have that step's 16-byte alignment, takes that signature's launch without the 15 reads
+and the hash (one C++ call and the four pointers). Anything else takes the signature path.
+
 A call with the very same tensor objects as the last one (same ``data_ptr()``s and ``T``) skips
 even the signature: persistent step buffers cost one launch (in-place metadata changes such as
 ``set_`` between such calls are not seen). Under ``TRITON_INTERPRET=1``, or where packing is
@@ -42,7 +50,7 @@ import torch
 from kvmgr.kernels.launch import Launches
 from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
-from kvmgr.kernels.mla.checks import check_step, unchecked_step
+from kvmgr.kernels.mla.checks import check_step, tensor_guard, unchecked_step
 from kvmgr.kernels.mla.kernel import grouped_insert_kernel
 from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
 
@@ -50,6 +58,7 @@ __all__ = ["GroupedInsert"]
 
 _MAX_SIGNATURES = 64  # bound launches kept per plan (a loop sees a handful: tiles x layouts)
 _MAX_STEPS = 256  # step signatures (with T) remembered per plan: a loop's step sizes
+_MAX_SCALES = 16  # scales tensors whose key part is remembered per plan
 # the runtime arguments (kv_c, k_pe, slot_mapping, kv_scales, T and the three layer strides);
 # position 2, the pointer table, is the plan's
 _VARYING = (0, 1, 3, 4, 5, 6, 7, 8)
@@ -82,6 +91,13 @@ class GroupedInsert:
         self._last: tuple[Any, ...] | None = None
         self._scales: torch.Tensor | None = None  # the last scales tensor and its key part
         self._scales_key: Any = None
+        # id -> (scales tensor, its key part): the last 16 scales objects, held (a few floats each)
+        self._scales_keys: dict[int, tuple[torch.Tensor, Any]] = {}
+        # the last signature found (remembered) and, once found twice in a row, its guard:
+        # (torch's C++ tensor check of that step, whether it has scales, its entry, alignment)
+        self._prev: tuple[Any, ...] | None = None
+        self._guarded: tuple[Any, ...] | None = None
+        self._refused = 0  # calls of the guarded signature its guard refused, in a row
 
     @property
     def num_bound(self) -> int:
@@ -107,6 +123,26 @@ class GroupedInsert:
         ):  # fmt: skip
             last[6].launch(last[5], stream)
             return last[4][3]
+        hit = self._repeated(kv_c, k_pe, slot_mapping, kv_scales) if self._guarded is not None and block_tokens is None and num_warps is None else None  # fmt: skip
+        if hit is not None:  # the last repeated signature, by its guard: no reads, no key
+            (bound, grid, ints), values = hit
+        else:
+            bound, grid, ints, values = self._by_signature(kv_c, k_pe, slot_mapping, kv_scales,
+                                                           validate, block_tokens, num_warps)  # fmt: skip
+        if grid is None:  # T == 0
+            return 0
+        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
+        if block_tokens is None and num_warps is None:
+            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound)
+        return ints[0]
+
+    def _by_signature(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None, validate: bool, block_tokens: int | None,
+        num_warps: int | None,
+    ) -> tuple[Any, tuple[int, int, int] | None, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+        """The step's launch by its signature (remembered, or new: :meth:`_new_step`); a signature
+        found twice in a row gets a guard (:meth:`_repeated`). ``(bound, grid, ints, values)``."""
         try:  # the step signature: 15 attribute reads (module docstring)
             kv_ptr, pe_ptr, slot_ptr = kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr()
             signature: tuple[Any, ...] | None = (
@@ -120,17 +156,54 @@ class GroupedInsert:
         except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
             signature, known = None, None
         if known is None:
-            bound, grid, ints, values = self._new_step(signature, kv_c, k_pe, slot_mapping,
-                                                       kv_scales, validate, block_tokens, num_warps)  # fmt: skip
-        else:
-            bound, grid, ints = known
-            values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
-        if grid is None:  # T == 0
-            return 0
-        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
-        if block_tokens is None and num_warps is None:
-            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound)
-        return ints[0]
+            self._prev = None
+            return self._new_step(signature, kv_c, k_pe, slot_mapping, kv_scales, validate,
+                                  block_tokens, num_warps)  # fmt: skip
+        if known is self._prev and signature is not None and block_tokens is None and num_warps is None:  # fmt: skip
+            self._guard_for(known, signature[12], kv_c, k_pe, slot_mapping, kv_scales)
+        self._prev = known
+        bound, grid, ints = known
+        values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
+        return bound, grid, ints, values
+
+    def _repeated(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None,
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:  # fmt: skip
+        """``((bound, grid, ints), values)`` of the guarded signature where this step passes its
+        guard: the dtypes, devices, sizes and strides of the step it was built from (so its
+        signature), the same scales object, the same base alignment; else None."""
+        guard, scaled, known, aligned = self._guarded  # type: ignore[misc]
+        try:
+            if kv_scales is None:
+                same = not scaled and guard.check(kv_c, k_pe, slot_mapping)
+            else:
+                same = scaled and guard.check(kv_c, k_pe, slot_mapping, kv_scales)
+        except TypeError:
+            return None
+        if not same:
+            return None
+        kv_ptr, pe_ptr = kv_c.data_ptr(), k_pe.data_ptr()
+        if ((kv_ptr | pe_ptr) & 15 == 0) is not aligned:
+            return None
+        ints = known[2]
+        return known, (kv_ptr, pe_ptr, slot_mapping.data_ptr(), 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
+
+    def _guard_for(
+        self, known: tuple[Any, ...], aligned: bool, kv_c: torch.Tensor, k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """Guard ``known`` (found on two calls in a row) by this step; a guard of ``known`` that
+        refused this step (its size-1 strides, another grad mode) is rebuilt only after 16
+        refusals in a row, so a loop that keeps refusing pays one build per 16 calls."""
+        if self._guarded is not None and self._guarded[2] is known:
+            self._refused += 1
+            if self._refused < 16:
+                return
+        self._refused = 0
+        tensors = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        guard = tensor_guard(tensors)
+        self._guarded = None if guard is None else (guard, kv_scales is not None, known, aligned)
 
     def _new_step(
         self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -185,10 +258,18 @@ class GroupedInsert:
         return key, bound, args, values, tile
 
     def _scales_part(self, kv_scales: torch.Tensor) -> Any:
-        """The scales' part of the signature, read once per scales tensor object."""
-        self._scales = kv_scales
-        self._scales_key = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
-        return self._scales_key
+        """The scales' part of the signature, read once per scales tensor object (the last 16
+        objects are remembered: a loop that alternates among a few pays no reads)."""
+        known = self._scales_keys.get(id(kv_scales))
+        if known is not None and known[0] is kv_scales:
+            part = known[1]
+        else:
+            part = (kv_scales.shape, kv_scales.stride(), kv_scales.get_device())
+            if len(self._scales_keys) >= _MAX_SCALES:
+                del self._scales_keys[next(iter(self._scales_keys))]
+            self._scales_keys[id(kv_scales)] = (kv_scales, part)
+        self._scales, self._scales_key = kv_scales, part
+        return part
 
     def _bind(
         self, key: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,
