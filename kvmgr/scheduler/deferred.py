@@ -86,7 +86,8 @@ class DeferredStores:
             or not key
             or key in self._index
             or key in self._seen
-            or key in self._children  # indexed children: the general path looks for cycles
+            or (self._children and key in self._children)  # indexed children: the general
+            # path looks for cycles
             or type(gpu_id) is not int
             or not 0 <= gpu_id < self._num_gpu
             or (self._owned and self._gpu_state[gpu_id] != _HELD)
