@@ -137,14 +137,9 @@ class KeyedCalls(ManagerCore):
         loop: Any = _running_loop()
         if loop is not self._loop or not self._accepting:
             loop = self._open_loop()  # raises ClosedError / EventLoopError, or binds the loop
-        if (
-            type(keys) is list
-            and type(gpu_block_ids) is list
-            and parents is None
-            and token_ids is None
-            and hint is None
-        ):  # a plain call: recorded now, prepared with the others at the settle
-            try:
+        plain = parents is None and token_ids is None and hint is None
+        if plain and type(keys) is list and type(gpu_block_ids) is list:  # recorded now,
+            try:  # prepared with the others at the settle
                 if len(keys) == 1 == len(gpu_block_ids):
                     future = self._deferred.record_one(gpu_block_ids[0], keys[0], loop)
                 else:
