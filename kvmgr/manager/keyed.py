@@ -138,13 +138,12 @@ class KeyedCalls(ManagerCore):
         if loop is not self._loop or not self._accepting:
             loop = self._open_loop()  # raises ClosedError / EventLoopError, or binds the loop
         plain = parents is None and token_ids is None and hint is None
-        if plain and type(keys) is list and type(gpu_block_ids) is list:
-            deferred = self._deferred  # recorded now, prepared with the others at the settle
-            try:
+        if plain and type(keys) is list and type(gpu_block_ids) is list:  # recorded now,
+            try:  # prepared with the others at the settle
                 if len(keys) == 1 == len(gpu_block_ids):
-                    future = deferred.record_one(gpu_block_ids[0], keys[0], loop)
+                    future = self._deferred.record_one(gpu_block_ids[0], keys[0], loop)
                 else:
-                    future = deferred.record(gpu_block_ids, keys, loop)
+                    future = self._deferred.record(gpu_block_ids, keys, loop)
             except PoolExhaustedError as exc:  # the policy was asked once: not again
                 self._settle_deferred()
                 return self._when_room(exc, gpu_block_ids, keys, None, None, batched=False)

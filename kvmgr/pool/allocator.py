@@ -62,21 +62,19 @@ class BlockAllocator:
         self.name = name
         self.num_blocks = int(num_blocks)
         self._num_ready = self.num_blocks
-        if num_ready is not None:
-            self._num_ready = 0
-            self.make_ready(num_ready)
         self._next_fresh = 0
+        #: ids available to ``allocate`` now (only ready ids count): ``_num_ready -
+        #: _next_fresh + _top``, kept as a plain attribute (read on every per-call store)
+        self.num_free = self.num_blocks
+        if num_ready is not None:
+            self._num_ready = self.num_free = 0
+            self.make_ready(num_ready)
         #: freed ids, ``[0, _top)`` (top = next reused); never more than ``num_blocks``
         self._stack = array.array("q", [0]) * self.num_blocks
         self._stack_np = np.frombuffer(self._stack, dtype=np.int64)
         self._top = 0
         self._bytes = bytearray(self.num_blocks)
         self._state = np.frombuffer(self._bytes, dtype=np.uint8)
-
-    @property
-    def num_free(self) -> int:
-        """Ids available to ``allocate`` now (only ready ids count)."""
-        return self._num_ready - self._next_fresh + self._top
 
     @property
     def num_ready(self) -> int:
@@ -98,7 +96,10 @@ class BlockAllocator:
             raise InvalidBlockError(
                 f"{self.name}: expected num_ready in [0, {self.num_blocks}], got {num_ready!r}"
             )
-        self._num_ready = max(self._num_ready, int(num_ready))
+        grown = int(num_ready) - self._num_ready
+        if grown > 0:
+            self._num_ready += grown
+            self.num_free += grown
 
     @property
     def num_allocated(self) -> int:
@@ -123,6 +124,7 @@ class BlockAllocator:
             raise InvalidBlockError(f"{self.name}: expected an int n >= 0, got {n!r}")
         if n > self.num_free:
             return None
+        self.num_free -= n
         num_fresh = min(n, self._num_ready - self._next_fresh)
         start = self._next_fresh
         self._next_fresh += num_fresh
@@ -150,6 +152,7 @@ class BlockAllocator:
             block_id = self._stack[self._top]
         else:
             return None
+        self.num_free -= 1
         self._bytes[block_id] = ALLOCATED
         return block_id
 
@@ -167,12 +170,14 @@ class BlockAllocator:
         top = self._top
         self._stack_np[top : top + len(ids)] = ordered[::-1]  # the smallest on top of the stack
         self._top = top + len(ids)
+        self.num_free += len(ids)
 
     def give_one(self, block_id: int) -> None:
         """Return one allocated id (the caller checked it is allocated)."""
         self._bytes[block_id] = FREED
         self._stack[self._top] = block_id
         self._top += 1
+        self.num_free += 1
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` ids, or return ``None`` (and change nothing) if fewer are free.

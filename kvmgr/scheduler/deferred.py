@@ -28,7 +28,7 @@ import numpy as np
 
 from kvmgr.errors import KVMgrError, PoolExhaustedError
 from kvmgr.scheduler.cpu_tier import CpuTier
-from kvmgr.scheduler.fanout import CallFuture, StoreFanOut, _bare
+from kvmgr.scheduler.fanout import CallFuture, StoreFanOut
 from kvmgr.scheduler.gpu_blocks import GpuBlocks, GpuState
 from kvmgr.scheduler.keys import SMALL
 from kvmgr.scheduler.queue import Kind, Part
@@ -86,7 +86,8 @@ class DeferredStores:
             or not key
             or key in self._index
             or key in self._seen
-            or key in self._children  # indexed children: the general path looks for cycles
+            or (self._children and key in self._children)  # indexed children: the general
+            # path looks for cycles
             or type(gpu_id) is not int
             or not 0 <= gpu_id < self._num_gpu
             or (self._owned and self._gpu_state[gpu_id] != _HELD)
@@ -94,13 +95,14 @@ class DeferredStores:
         ):
             return None
         cpu = self.cpu
-        short = cpu.reserved + 1 - cpu.pool.num_free  # blocks the settle must evict
+        reserved = cpu.reserved + 1
+        short = reserved - cpu.pool.num_free  # blocks the settle must evict
         # (inlined _sure_victims: on every call once the tier is full)
         if short > 0 and short > (
             len(self._index) - cpu.num_pending - cpu.num_loading - self._chains.num_parents
         ):
             cpu.evict_for(1, (key,))  # not sure: evict now; PoolExhaustedError: no change
-        cpu.reserved += 1
+        cpu.reserved = reserved
         self._seen[key] = None
         self.gpu_ids.append(gpu_id)
         if self.ends is not None:
@@ -108,11 +110,9 @@ class DeferredStores:
         fan = self.fan
         if fan is None:
             self.fan = fan = StoreFanOut(loop)
-        call = _bare(CallFuture)  # fan.add_call(), inlined: the per-call path
+        call = CallFuture()  # fan.add_call(), inlined: the per-call path
         call._fan = fan
         call._i = fan.num_calls
-        call._asyncio_future_blocking = False
-        call._result = None
         fan.num_calls += 1
         return call
 

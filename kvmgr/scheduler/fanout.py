@@ -68,20 +68,18 @@ class StoreFanOut:
 
     def add_call(self) -> CallFuture:
         """A new call's future (numbered in call order)."""
-        call = _bare(CallFuture)
+        call = CallFuture()
         call._fan = self
         call._i = self.num_calls
-        call._asyncio_future_blocking = False
-        call._result = None
         self.num_calls += 1
         return call
 
     def calls(self) -> list[CallFuture]:
         """A future for each call, in call order: each reads and resolves the state of that
         call as the caller's own future does (another object over the same call)."""
-        calls: list[CallFuture] = [_bare(CallFuture) for _ in range(self.num_calls)]
+        calls: list[CallFuture] = [CallFuture() for _ in range(self.num_calls)]
         for i, call in enumerate(calls):
-            call._fan, call._i, call._asyncio_future_blocking, call._result = self, i, False, None
+            call._fan, call._i = self, i
         return calls
 
     def prepared(
@@ -155,13 +153,26 @@ class StoreFanOut:
 
 class CallFuture:
     """The future of one recorded per-call store: ``asyncio.Future``'s protocol over a
-    ``StoreFanOut`` (see the module docstring). Resolves to the call's ``SwapResult``."""
+    ``StoreFanOut`` (see the module docstring). Resolves to the call's ``SwapResult``.
 
-    __slots__ = ("_asyncio_future_blocking", "_fan", "_i", "_result")
+    Made by ``StoreFanOut.add_call`` (or ``DeferredStores.record_one``): ``CallFuture()``
+    then ``_fan`` and ``_i``, nothing else per call; the other slots stay unset until used
+    (``_blocking`` by an awaiting task, ``_result`` by the first ``result()``)."""
+
+    __slots__ = ("_blocking", "_fan", "_i", "_result")
 
     _fan: StoreFanOut
     _i: int
-    _result: SwapResult | None  #: built on the first ``result()``
+    _result: SwapResult  #: built on the first ``result()`` (unset before)
+
+    @property
+    def _asyncio_future_blocking(self) -> bool:
+        """asyncio's flag (``asyncio.isfuture`` reads it, a task sets it after a yield)."""
+        return getattr(self, "_blocking", False)  # type: ignore[no-any-return]
+
+    @_asyncio_future_blocking.setter
+    def _asyncio_future_blocking(self, value: bool) -> None:
+        self._blocking = value
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._fan.loop
@@ -192,7 +203,7 @@ class CallFuture:
         """
         fan = self._fan
         if fan.state == _OK and not fan.own:  # the common case: every call succeeded
-            result = self._result
+            result = getattr(self, "_result", None)
             if result is None:
                 self._result = result = fan.result_of(self._i)
             return result
@@ -200,9 +211,10 @@ class CallFuture:
         if state == _OK:
             if self._i in fan.own:
                 return value
-            if self._result is None:
-                self._result = fan.result_of(self._i)
-            return self._result
+            result = getattr(self, "_result", None)
+            if result is None:
+                self._result = result = fan.result_of(self._i)
+            return result
         if state == _FAILED:
             raise value
         if state == _CANCELLED:
@@ -263,7 +275,7 @@ class CallFuture:
     def __await__(self) -> Generator[Any, None, Any]:
         fan = self._fan
         if fan.state == _PENDING and not (fan.own and self._i in fan.own):
-            self._asyncio_future_blocking = True
+            self._blocking = True
             yield self
             if not self.done():
                 raise RuntimeError("await wasn't used with future")
@@ -275,6 +287,3 @@ class CallFuture:
         state, _ = self._fan.state_of(self._i)
         name = ("pending", "finished", "failed", "cancelled")[state]
         return f"<CallFuture {name} call={self._i}>"
-
-
-_bare = object.__new__  # an instance without a Python __init__ frame

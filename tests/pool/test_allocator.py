@@ -287,3 +287,29 @@ def test_no_id_beyond_the_ready_bound_ever_leaves(
             alloc.give(np.array(held[: len(held) // 2 + 1], dtype=np.int64))
             del held[: len(held) // 2 + 1]
         assert alloc.num_free + alloc.num_allocated == alloc.num_ready
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), max_size=60))
+def test_num_free_counts_the_ready_ids_not_handed_out(ops: list[tuple[int, int]]) -> None:
+    """``num_free`` is kept as an attribute: it must follow every take, give and make_ready."""
+    pool = BlockAllocator(16, num_ready=4)
+    held: list[int] = []
+    for op, n in ops:
+        if op == 0:
+            ids = pool.take(n)
+            held += [] if ids is None else ids.tolist()
+        elif op == 1:
+            one = pool.take_one()
+            held += [] if one is None else [one]
+        elif op == 2 and held:
+            pool.give(np.array(held[:n], dtype=np.int64))
+            del held[:n]
+        elif op == 3 and held:
+            pool.give_one(held.pop())
+        elif op == 4:
+            pool.make_ready(min(16, pool.num_ready + n - 2))
+        allocated = int(pool.allocated_mask().sum())
+        assert allocated == len(held)
+        assert pool.num_free == pool.num_ready - allocated
+        assert (pool.take(pool.num_free + 1) is None) and pool.num_free >= 0
