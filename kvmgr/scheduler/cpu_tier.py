@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import BlockStateError, PoolExhaustedError
+from kvmgr.errors import BlockStateError
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
 from kvmgr.pool.block_ids import sorted_distinct
+from kvmgr.scheduler.block_lru import BlockLru
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
-from kvmgr.scheduler.evictable import evictable
+from kvmgr.scheduler.evictable import evictable, no_room
 
 __all__ = ["CpuState", "CpuTier"]
 
@@ -63,6 +64,8 @@ class CpuTier:
         keep_evicted: record the (keys, CPU ids) of the blocks the policy evicts in
             ``evicted`` (data the owner takes with ``take_evicted``: lower tiers write them
             back before anything overwrites the freed blocks).
+        by_block: ``policy="lru"`` without options is kept by CPU block (``BlockLru``: the same
+            decisions, array operations for a batch); ``False``: the key-based ``LRUPolicy``.
     """
 
     def __init__(
@@ -75,12 +78,12 @@ class CpuTier:
         blocks_ready: Callable[[], int] | None = None,
         *,
         keep_evicted: bool = False,
+        by_block: bool = True,
     ) -> None:
         self.num_blocks = num_blocks
         ready = num_blocks if blocks_ready is None else blocks_ready()
         self.pool = BlockAllocator(num_blocks, name="cpu", num_ready=ready)
         self._blocks_ready = blocks_ready if ready < num_blocks else None
-        self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
         #: the parent of every indexed key (refuses key cycles)
         self.chains = KeyChains(num_blocks, self.index)
@@ -88,6 +91,13 @@ class CpuTier:
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
         self.readers = array.array("q", [0]) * num_blocks
         self.readers_np = np.frombuffer(self.readers, dtype=np.int64)
+        #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
+        self.can_evict = evictable(self.index, self.state, self.readers, _READY)
+        by_block = by_block and policy == "lru" and not policy_options  # the policy by block
+        self._lru = BlockLru(num_blocks, self.index, self.chains, self.state, self.readers,
+                             _READY, self.can_evict) if by_block else None  # fmt: skip
+        self.policy: Any = (self._lru if self._lru is not None  # (an empty one is falsy)
+                            else make_policy(policy, num_blocks, **(policy_options or {})))  # fmt: skip
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
         self.reserved = 0  #: blocks promised to recorded per-call stores (``deferred``)
@@ -97,8 +107,6 @@ class CpuTier:
         #: overwritten yet; only with ``keep_evicted``)
         self.evicted: list[tuple[list[bytes], np.ndarray]] = []
         self.counters = counters if counters is not None else Counters()
-        #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
-        self.can_evict = evictable(self.index, self.state, self.readers, _READY)
 
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of READY keys."""
@@ -151,20 +159,7 @@ class CpuTier:
         if shortfall > 0:
             victims = self.policy.evict(shortfall, self.can_evict, protected)
             if victims is None:
-                pinning = self.pool.num_ready < self.num_blocks
-                raise PoolExhaustedError(
-                    f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
-                    "evictable (READY without loads in flight)"
-                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning)
-                    + "; nothing changed. Room appears when stores and loads in flight complete"
-                    " (step(), then await them), when requests are freed or resumed (free(),"
-                    " resume()) and keys invalidated (invalidate(), clear()); or store fewer"
-                    ' blocks per call, raise num_cpu_blocks, or set backpressure="wait" to let'
-                    " the store wait up to store_wait_s seconds for room",
-                    needed=n,
-                    available=self.pool.num_free,
-                    reason="cpu_pinning" if pinning else "cpu_full",
-                )
+                raise no_room(n, self.pool.num_free, self.pool.num_ready, self.num_blocks)
             if self._keep_evicted:
                 self.evicted.append((list(victims), self._ids_of(victims)))
             self._forget(victims)
@@ -204,19 +199,13 @@ class CpuTier:
     def add_pending(
         self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
-        """Index new distinct keys on their just allocated blocks, PENDING, and track them
-        (the policy's unchecked ``insert_new`` when it has one; ``chains.orphans``: whether a
-        new key has a tracked child). Nothing changed when the policy or the index refuses."""
+        """Index and track new distinct keys, PENDING on their new blocks (all or nothing)."""
         index = self.index
         if not index.keys().isdisjoint(keys):  # two stores of one key: a caller's bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
-        insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
-        if insert_new is None:
-            self.policy.insert(keys, parents)
-        else:
-            childless = orphans is not None and (not orphans or orphans.keys().isdisjoint(keys))
-            insert_new(keys, parents, childless=childless)
+        if self._lru is None:
+            self._track(keys, parents)
         if isinstance(ids, list):
             blocks, state = ids, self.state
             for key, block in zip(keys, ids):
@@ -227,7 +216,18 @@ class CpuTier:
             index.update(zip(keys, blocks))
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
-        self.chains.add(keys, blocks, parents, None if blocks is ids else ids)  # type: ignore[arg-type]
+        self.chains.add(keys, blocks, parents, at := None if blocks is ids else ids)  # type: ignore[arg-type]
+        if self._lru is not None:  # by block: tracked once indexed
+            self._lru.add(keys, blocks, at)  # type: ignore[arg-type]
+
+    def _track(self, keys: list[bytes], parents: Sequence[bytes | None]) -> None:
+        """Track new keys in a key-based policy (its unchecked ``insert_new`` when it has
+        one; ``chains.orphans``: whether a new key has a tracked child); it may refuse."""
+        insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
+        if insert_new is None:
+            return self.policy.insert(keys, parents)  # type: ignore[no-any-return]
+        childless = orphans is not None and (not orphans or orphans.keys().isdisjoint(keys))
+        insert_new(keys, parents, childless=childless)
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
@@ -249,8 +249,8 @@ class CpuTier:
     def stores_failed(self, keys: list[bytes], ids: np.ndarray) -> None:
         """Store and preempt copies into ``ids`` failed: drop their keys and free the blocks."""
         if keys:
+            self.policy.remove(keys)  # first: a policy by block finds the keys' blocks
             blocks = list(map(self.index.pop, keys))
-            self.policy.remove(keys)
             self.chains.remove(keys, blocks)
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE

@@ -80,7 +80,7 @@ def _keys(start: int, n: int) -> list[bytes]:
 @given(st.randoms(use_true_random=False), st.sampled_from([16, 48]))
 def test_fast_paths_decide_like_the_plain_rules(rng, num_blocks):
     removed: list[list[bytes]] = []
-    tier = CpuTier(num_blocks, "lru", removed.append)
+    tier = CpuTier(num_blocks, "lru", removed.append, by_block=False)  # the key-based LRU
     twin = tier.policy = _Twin(num_blocks)  # type: ignore[assignment]
     pending: list[tuple[list[bytes], np.ndarray]] = []
     loading: list[np.ndarray] = []
