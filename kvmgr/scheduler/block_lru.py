@@ -20,7 +20,6 @@ the last one is taken). Keys are only read back (``key_of``) for the victims and
 from __future__ import annotations
 
 import array
-from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
@@ -61,7 +60,9 @@ class BlockLru:
         self._state, self._readers, self._ready = state, readers, ready
         self._state_np = np.frombuffer(state, dtype=np.uint8)
         self._readers_np = np.frombuffer(readers, dtype=np.int64)
-        self.key_of: list[bytes | None] = [None] * num_blocks  #: the key on each block
+        self.key_of = np.empty(num_blocks, dtype=object)  #: the key on each block (or stale)
+        #: the blocks of the last ``evict``'s victims, in order (the tier frees them)
+        self.victim_blocks = np.empty(0, dtype=np.int64)
         self._stamp = array.array("q", [-1]) * num_blocks
         self._stamp_np = np.frombuffer(self._stamp, dtype=np.int64)
         self._log = array.array("q", [0]) * (2 * num_blocks + 64)
@@ -74,12 +75,16 @@ class BlockLru:
     def add(self, keys: Sequence[bytes], blocks: list[int], at: np.ndarray | None = None) -> None:
         """Track new keys just indexed on ``blocks`` (distinct, untracked; the tier vouches),
         the first most recent; ``at``: the same blocks as an int64 array, if the caller has one."""
-        deque(map(self.key_of.__setitem__, blocks, keys), 0)
         self._len += len(blocks)
         if len(blocks) <= 8:
+            key_of = self.key_of
+            for block, key in zip(blocks, keys):
+                key_of[block] = key
             self._append_few(blocks[::-1])
         else:
-            self._append((np.asarray(blocks, dtype=np.int64) if at is None else at)[::-1])
+            at = np.asarray(blocks, dtype=np.int64) if at is None else at
+            self.key_of[at] = np.fromiter(keys, dtype=object, count=len(keys))
+            self._append(at[::-1])
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track keys the tier has indexed already (``parents`` are the tier's chains').
@@ -179,12 +184,13 @@ class BlockLru:
             stamp = self._stamp
             for block in victims:
                 stamp[block] = -1
-            victims_list = victims
-        else:
-            self._stamp_np[victims] = -1
-            victims_list = victims.tolist()
+            self.victim_blocks = np.array(victims, dtype=np.int64)
+            self._len -= n
+            return list(map(self.key_of.__getitem__, victims))
+        self._stamp_np[victims] = -1
+        self.victim_blocks = victims
         self._len -= n
-        return list(map(self.key_of.__getitem__, victims_list))
+        return self.key_of[victims].tolist()  # type: ignore[no-any-return]
 
     def _first_live(self, n: int) -> np.ndarray:
         """Log positions of the first ``n`` live entries (fewer when the log holds fewer);
@@ -209,7 +215,9 @@ class BlockLru:
             return None
         if self._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):
             return None
-        up = self._chains._up_np[run]
+        up, kids = self._chains._up_np[run], self._chains._kids_np[run]
+        if (up[:-1] == run[1:]).all() and kids[0] == 0 and (kids[1:] == 1).all():
+            return run  # one chain, its leaf first, no child outside it (the common case)
         scratch, order = self._scratch, np.arange(n, dtype=np.int64)
         scratch[run] = order
         linked = up >= 0
@@ -218,7 +226,7 @@ class BlockLru:
         if not (at[inside] > order[inside]).all():  # a parent before its child would wait
             return None
         counts = np.bincount(at[inside], minlength=n)
-        if not (counts == self._chains._kids_np[run]).all():  # a child outside the run
+        if not (counts == kids).all():  # a child outside the run
             return None
         return run
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import enum
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -130,16 +131,12 @@ class CpuTier:
             PoolExhaustedError: (reason ``"cpu_full"``) too few free and evictable blocks.
         """
         self.evict_for(n, protected)
-        ids = self.pool.take(n)
-        assert ids is not None
-        return ids
+        return self.pool.take(n)  # type: ignore[return-value]  # room was made: never None
 
     def grow(self) -> bool:
         """Let the allocator hand out the blocks pinned since the last call; whether any."""
-        if self._blocks_ready is None:
-            return False
-        ready = self._blocks_ready()
-        if ready <= self.pool.num_ready:
+        ready = self.pool.num_ready if self._blocks_ready is None else self._blocks_ready()
+        if ready <= self.pool.num_ready:  # all pinned before, or nothing new
             return False
         self.pool.make_ready(ready)
         if ready >= self.num_blocks:
@@ -161,8 +158,9 @@ class CpuTier:
             if victims is None:
                 raise no_room(n, self.pool.num_free, self.pool.num_ready, self.num_blocks)
             if self._keep_evicted:
-                self.evicted.append((list(victims), self._ids_of(victims)))
-            self._forget(victims)
+                ids = np.fromiter(map(self.index.__getitem__, victims), np.int64, len(victims))
+                self.evicted.append((list(victims), ids))
+            self._forget(victims, None if self._lru is None else self._lru.victim_blocks)
             self.counters.evictions += len(victims)
 
     def take_evicted(self) -> list[tuple[list[bytes], np.ndarray]]:
@@ -170,27 +168,27 @@ class CpuTier:
         evicted, self.evicted = self.evicted, []
         return evicted
 
-    def _ids_of(self, keys: list[bytes]) -> np.ndarray:
-        return np.fromiter(map(self.index.__getitem__, keys), dtype=np.int64, count=len(keys))
-
     def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""
         if n + self.reserved > self.pool.num_free:
             self.evict_for(n, protected)
         return [self.pool.take_one() for _ in range(n)]  # type: ignore[misc]
 
-    def _forget(self, keys: list[bytes]) -> None:
-        """Drop READY keys without readers (already untracked by the policy); free blocks."""
-        pop = self.index.pop
+    def _forget(self, keys: list[bytes], ids: np.ndarray | None = None) -> None:
+        """Drop READY keys without readers (already untracked by the policy), on blocks
+        ``ids`` when the caller knows them (in key order); free the blocks."""
         if len(keys) <= 8:
             state, give_one = self.state, self.pool.give_one
-            blocks = list(map(pop, keys))
+            blocks = list(map(self.index.pop, keys))
             self.chains.remove(keys, blocks)
             for block in blocks:
                 state[block] = CpuState.FREE
                 give_one(block)
         else:
-            ids = np.fromiter(map(pop, keys), dtype=np.int64, count=len(keys))
+            if ids is None:
+                ids = np.fromiter(map(self.index.pop, keys), dtype=np.int64, count=len(keys))
+            else:
+                deque(map(self.index.__delitem__, keys), 0)
             self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids)
