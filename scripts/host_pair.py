@@ -9,7 +9,8 @@ on both alike; ``scripts/host_ab.py`` runs whole benchmarks in turn instead, whi
 machine. A round is ``kvmgr bench host``'s batched store: one ``store_many`` of 512 one-block
 keys, ``step()`` and its completion, over 48 tensors with ``kvmgr.testing.NullEngine`` (no copy),
 the garbage collector on. Two modes: ``grow`` (the CPU tier has room for every round: no
-eviction) and ``full`` (4 x 512 CPU blocks: every round evicts 512 keys through the LRU policy).
+eviction) and ``full`` (4 x 512 CPU blocks: every round evicts 512 keys through the LRU policy);
+``grow-call`` and ``full-call`` store the same keys through 512 ``swap_out`` calls of one block.
 
 Printed per mode: each tree's round p50 and min and its calls p50 (``store_many`` alone), in
 microseconds, and the median of the per-pair ratios new / old.
@@ -40,7 +41,11 @@ async def one(mode):
     mgr, _kv, ids, fresh = rigs[mode]
     keys = fresh.take(n)
     t0 = time.perf_counter()
-    last = mgr.store_many(ids, keys)
+    if mode.endswith("-call"):  # one swap_out per key
+        held = ids.tolist()
+        last = [mgr.swap_out(held[i : i + 1], keys[i : i + 1]) for i in range(n)][-1]
+    else:
+        last = mgr.store_many(ids, keys)
     t1 = time.perf_counter()
     await mgr.step()
     await last
@@ -48,7 +53,7 @@ async def one(mode):
 for line in sys.stdin:
     mode = line.strip()
     if mode not in rigs:
-        mgr, kv = host._manager(n, 4 * n if mode == "full" else (rounds + 40) * n)
+        mgr, kv = host._manager(n, 4 * n if mode.startswith("full") else (rounds + 40) * n)
         loop.run_until_complete(mgr.__aenter__())
         rigs[mode] = (mgr, kv, np.array(mgr.allocate("bench", n), dtype=np.int64), FreshKeys())
     print(json.dumps([s * 1e6 for s in loop.run_until_complete(one(mode))]), flush=True)
@@ -76,7 +81,8 @@ def main() -> None:
     parser.add_argument("old", type=Path, help="a tree holding the old kvmgr/ package")
     parser.add_argument("--new", type=Path, default=HERE, help="the new tree (default: this one)")
     parser.add_argument("--rounds", type=int, default=300, help="timed pairs per mode")
-    parser.add_argument("--modes", nargs="+", default=["grow", "full"], choices=["grow", "full"])
+    parser.add_argument("--modes", nargs="+", default=["grow", "full"],
+                        choices=["grow", "full", "grow-call", "full-call"])  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     procs = {

@@ -1,6 +1,7 @@
 """The CPU tier's fast batch paths decide exactly what the plain policy rules decide (issue 27).
 
-A ``CpuTier`` runs its LRU policy through the fast paths: ``insert_new`` (no re-check of keys
+A ``CpuTier`` with the key-based LRU (``by_block=False``; the default ``BlockLru`` is held to
+this one by ``test_block_lru.py``) runs its policy through the fast paths: ``insert_new`` (no re-check of keys
 the tier vouches for, ``childless`` from the chains' orphans), the leading-run array eviction
 (``can_evict.every``) and ``first_leaf``. A twin ``LRUPolicy`` beside it gets the same calls
 through the checked ``insert`` (which raises if the tier vouched for a wrong batch) and evicts
