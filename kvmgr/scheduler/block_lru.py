@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Callable, Collection, Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from kvmgr.policy.base import _check_evict_count
 from kvmgr.scheduler.chains import KeyChains
 
 __all__ = ["BlockLru"]
+
+_FEW = 128  #: touches of up to this many keys take one Python pass (no numpy calls)
 
 
 class BlockLru:
@@ -65,7 +68,7 @@ class BlockLru:
         self.victim_blocks = np.empty(0, dtype=np.int64)
         self._stamp = array.array("q", [-1]) * num_blocks
         self._stamp_np = np.frombuffer(self._stamp, dtype=np.int64)
-        self._log = array.array("q", [0]) * (2 * num_blocks + 64)
+        self._log = array.array("q", [0]) * (2 * num_blocks + 2 * _FEW)
         self._log_np = np.frombuffer(self._log, dtype=np.int64)
         self._scratch = np.zeros(num_blocks, dtype=np.int64)
         self._head = self._tail = self._len = 0
@@ -100,13 +103,29 @@ class BlockLru:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move the tracked ``keys`` to the MRU end, the first key last; others ignored."""
-        get, stamp = self._index.get, self._stamp
-        blocks = [b for b in map(get, dict.fromkeys(keys)) if b is not None and stamp[b] >= 0]
-        blocks.reverse()
-        if len(blocks) <= 8:
-            self._append_few(blocks)
-        else:
-            self._append(np.array(blocks, dtype=np.int64))
+        if len(keys) <= _FEW:  # one Python pass; a repeated key is appended again: its
+            # last append (its first place in ``keys``) is the live one, as ``move_to_end``
+            get, log, stamp = self._index.get, self._log, self._stamp
+            if self._tail + len(keys) > len(log):
+                self._compact()
+            tail = self._tail
+            for key in reversed(keys):
+                block = get(key)
+                if block is not None and stamp[block] >= 0:
+                    log[tail] = block
+                    stamp[block] = tail
+                    tail += 1
+            self._tail = tail
+            return
+        try:  # the keys of a hit: all indexed
+            blocks = np.fromiter(map(self._index.__getitem__, keys), np.int64, len(keys))
+        except KeyError:
+            blocks = np.fromiter(map(self._index.get, keys, repeat(-1)), np.int64, len(keys))
+            blocks = blocks[blocks >= 0]
+        blocks = blocks[self._stamp_np[blocks] >= 0]
+        if self._num_distinct(blocks) < len(blocks):  # a key twice: its first place counts
+            blocks = blocks[np.sort(np.unique(blocks, return_index=True)[1])]
+        self._append(blocks[::-1])
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys``.
@@ -122,6 +141,12 @@ class BlockLru:
         for key in unique:
             stamp[index[key]] = -1
         self._len -= len(unique)
+
+    def _num_distinct(self, blocks: np.ndarray) -> int:
+        """How many distinct ids ``blocks`` holds (one surviving position per id, no sort)."""
+        positions = np.arange(len(blocks), dtype=np.int64)
+        self._scratch[blocks] = positions
+        return int(np.count_nonzero(self._scratch[blocks] == positions))
 
     def _append_few(self, blocks: list[int]) -> None:
         """Append distinct tracked blocks, the last most recent (a few: no numpy)."""
@@ -145,7 +170,8 @@ class BlockLru:
         self._tail = t + m
 
     def _compact(self) -> None:
-        """Move the live entries to the front of the log (room for ``num_blocks`` more)."""
+        """Move the live entries to the front of the log (room for ``num_blocks + 2 * _FEW``
+        more: a touch of up to ``_FEW`` keys, repeats included, always fits)."""
         live = self._live_positions(self._head, self._tail)
         blocks = self._log_np[live]
         m = len(blocks)
