@@ -10,7 +10,9 @@ machine. A round is ``kvmgr bench host``'s batched store: one ``store_many`` of 
 keys, ``step()`` and its completion, over 48 tensors with ``kvmgr.testing.NullEngine`` (no copy),
 the garbage collector on. Two modes: ``grow`` (the CPU tier has room for every round: no
 eviction) and ``full`` (4 x 512 CPU blocks: every round evicts 512 keys through the LRU policy);
-``grow-call`` and ``full-call`` store the same keys through 512 ``swap_out`` calls of one block.
+``grow-call`` and ``full-call`` store the same keys through 512 ``swap_out`` calls of one block;
+``load`` and ``load-call`` store 512 keys into a full tier (untimed), then time one ``load_many``
+of them (or 512 ``swap_in`` calls of one block) + ``step()`` + completion.
 
 Printed per mode: each tree's round p50 and min and its calls p50 (``store_many`` alone), in
 microseconds, and the median of the per-pair ratios new / old.
@@ -40,12 +42,19 @@ n, loop, rigs = 512, asyncio.new_event_loop(), {}
 async def one(mode):
     mgr, _kv, ids, fresh = rigs[mode]
     keys = fresh.take(n)
+    if mode.startswith("load"):  # the keys stored first (untimed), then loaded
+        await (mgr.store_many(ids[:n], keys), await mgr.step())[0]
     t0 = time.perf_counter()
-    if mode.endswith("-call"):  # one swap_out per key
+    if mode == "load":
+        last = mgr.load_many(keys, ids[n:])
+    elif mode == "load-call":
+        held = ids[n:].tolist()
+        last = [mgr.swap_in(keys[i : i + 1], held[i : i + 1]) for i in range(n)][-1]
+    elif mode.endswith("-call"):  # one swap_out per key
         held = ids.tolist()
         last = [mgr.swap_out(held[i : i + 1], keys[i : i + 1]) for i in range(n)][-1]
     else:
-        last = mgr.store_many(ids, keys)
+        last = mgr.store_many(ids[:n], keys)
     t1 = time.perf_counter()
     await mgr.step()
     await last
@@ -53,9 +62,10 @@ async def one(mode):
 for line in sys.stdin:
     mode = line.strip()
     if mode not in rigs:
-        mgr, kv = host._manager(n, 4 * n if mode.startswith("full") else (rounds + 40) * n)
+        mgr, kv = host._manager(2 * n, (rounds + 40) * n if mode.startswith("grow") else 4 * n)
         loop.run_until_complete(mgr.__aenter__())
-        rigs[mode] = (mgr, kv, np.array(mgr.allocate("bench", n), dtype=np.int64), FreshKeys())
+        ids = np.array(mgr.allocate("bench", 2 * n), dtype=np.int64)
+        rigs[mode] = (mgr, kv, ids, FreshKeys())
     print(json.dumps([s * 1e6 for s in loop.run_until_complete(one(mode))]), flush=True)
 """
 
@@ -82,7 +92,7 @@ def main() -> None:
     parser.add_argument("--new", type=Path, default=HERE, help="the new tree (default: this one)")
     parser.add_argument("--rounds", type=int, default=300, help="timed pairs per mode")
     parser.add_argument("--modes", nargs="+", default=["grow", "full"],
-                        choices=["grow", "full", "grow-call", "full-call"])  # fmt: skip
+                        choices=["grow", "full", "grow-call", "full-call", "load", "load-call"])  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     procs = {
