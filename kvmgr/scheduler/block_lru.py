@@ -73,8 +73,6 @@ class BlockLru:
         self._scratch = np.zeros(num_blocks, dtype=np.int64)
         self._head = self._tail = self._len = 0
 
-    # ------------------------------------------------------------------ tracking
-
     def add(self, keys: Sequence[bytes], blocks: list[int], at: np.ndarray | None = None) -> None:
         """Track new keys just indexed on ``blocks`` (distinct, untracked; the tier vouches),
         the first most recent; ``at``: the same blocks as an int64 array, if the caller has one."""
@@ -95,28 +93,17 @@ class BlockLru:
         Raises:
             UnknownKeyError: a key is not indexed by the tier. Nothing changed then.
         """
-        missing = [k for k in keys if k not in self._index]
-        if missing:
-            raise UnknownKeyError(f"key {missing[0]!r} is not indexed by the cpu tier")
+        for key in filter(lambda k: k not in self._index, keys):
+            raise UnknownKeyError(f"key {key!r} is not indexed by the cpu tier")
         fresh = [k for k in dict.fromkeys(keys) if k not in self]
         self.add(fresh, [self._index[k] for k in fresh])
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move the tracked ``keys`` to the MRU end, the first key last; others ignored."""
-        if len(keys) <= _FEW:  # one Python pass; a repeated key is appended again: its
-            # last append (its first place in ``keys``) is the live one, as ``move_to_end``
-            get, log, stamp = self._index.get, self._log, self._stamp
-            if self._tail + len(keys) > len(log):
-                self._compact()
-            tail = self._tail
-            for key in reversed(keys):
-                block = get(key)
-                if block is not None and stamp[block] >= 0:
-                    log[tail] = block
-                    stamp[block] = tail
-                    tail += 1
-            self._tail = tail
-            return
+        if len(keys) <= _FEW:  # a repeat is appended again: its last append (its first
+            get, stamp = self._index.get, self._stamp  # place in keys) is live, as move_to_end
+            found = map(get, reversed(keys))
+            return self._append_few([b for b in found if b is not None and stamp[b] >= 0])
         try:  # the keys of a hit: all indexed
             blocks = np.fromiter(map(self._index.__getitem__, keys), np.int64, len(keys))
         except KeyError:
@@ -149,7 +136,8 @@ class BlockLru:
         return int(np.count_nonzero(self._scratch[blocks] == positions))
 
     def _append_few(self, blocks: list[int]) -> None:
-        """Append distinct tracked blocks, the last most recent (a few: no numpy)."""
+        """Append tracked blocks, the last most recent (a few: no numpy; of a block appended
+        twice the last entry is the live one)."""
         if self._tail + len(blocks) > len(self._log):
             self._compact()
         log, stamp, tail = self._log, self._stamp, self._tail
@@ -182,8 +170,6 @@ class BlockLru:
     def _live_positions(self, start: int, stop: int) -> np.ndarray:
         pos = np.arange(start, stop, dtype=np.int64)
         return pos[self._stamp_np[self._log_np[start:stop]] == pos]
-
-    # ------------------------------------------------------------------ eviction
 
     def evict(
         self, n: int, can_evict: Callable[[bytes], bool], protected: Collection[bytes] = ()
@@ -295,8 +281,6 @@ class BlockLru:
             if len(victims) >= n:
                 return victims
         return None
-
-    # ------------------------------------------------------------------ views
 
     def ordered_keys(self) -> list[bytes]:
         """Tracked keys from least to most recently used (for tests and reports); O(len)."""
