@@ -78,9 +78,8 @@ class BlockLru:
         the first most recent; ``at``: the same blocks as an int64 array, if the caller has one."""
         self._len += len(blocks)
         if len(blocks) <= 8:
-            key_of = self.key_of
             for block, key in zip(blocks, keys):
-                key_of[block] = key
+                self.key_of[block] = key
             self._append_few(blocks[::-1])
         else:
             at = np.asarray(blocks, dtype=np.int64) if at is None else at
@@ -100,6 +99,11 @@ class BlockLru:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Move the tracked ``keys`` to the MRU end, the first key last; others ignored."""
+        if len(keys) == 1 and self._tail < len(self._log):  # a per-call load: no list
+            block, tail = self._index.get(keys[0]), self._tail
+            if block is not None and self._stamp[block] >= 0:
+                self._log[tail], self._stamp[block], self._tail = block, tail, tail + 1
+            return None
         if len(keys) <= _FEW:  # a repeat is appended again: its last append (its first
             get, stamp = self._index.get, self._stamp  # place in keys) is live, as move_to_end
             found = map(get, reversed(keys))
@@ -121,12 +125,10 @@ class BlockLru:
             UnknownKeyError: If a key is not tracked; nothing changed then.
         """
         unique = list(dict.fromkeys(keys))
-        for key in unique:
-            if key not in self:
-                raise UnknownKeyError(f"key {key!r} is not tracked by the {self.name} policy")
-        stamp, index = self._stamp, self._index
-        for key in unique:
-            stamp[index[key]] = -1
+        for key in filter(lambda k: k not in self, unique):
+            raise UnknownKeyError(f"key {key!r} is not tracked by the {self.name} policy")
+        for block in map(self._index.__getitem__, unique):
+            self._stamp[block] = -1
         self._len -= len(unique)
 
     def _num_distinct(self, blocks: np.ndarray) -> int:

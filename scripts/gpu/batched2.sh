@@ -6,7 +6,7 @@
 #    round: one store_many of 512 one-block keys + step() + completion, with room (grow) and
 #    into a full LRU tier (full); then the same keys through 512 swap_out calls (grow-call,
 #    full-call: must not be slower), and loads (load, load-call). Look at "new / old" (2-core shared machine: grow ~0.70,
-#    full ~0.75, per-call ~0.9, loads ~1.0-1.03: the LRU touch of 512 hits costs ~20 us more)
+#    full ~0.75, per-call stores ~0.9, loads ~1.0-1.08: the LRU touch of 512 hits costs ~15 us more)
 #    and the new round p50 of "full" (target <= 150 us; the H200
 #    host had 517 us before this work).
 # 2. `kvmgr bench host --rounds 200 --steps 1000`: every row and the steady state, GC on.
