@@ -1,18 +1,20 @@
 """Batched host rounds of two trees, paired round by round, no GPU (issue 27).
 
     git archive main kvmgr | (mkdir -p /tmp/old && tar -x -C /tmp/old)
-    python3 scripts/host_pair.py /tmp/old [--new TREE] [--rounds 300] [--api per-call] [--json PATH]
+    python3 scripts/host_pair.py /tmp/old [--new TREE] [--rounds 300] [--json PATH]
 
 Two processes stay up (each puts its tree first on ``sys.path``) and take turns one round at a
 time, the first of each pair alternating, so load from other processes on a shared machine falls
 on both alike; ``scripts/host_ab.py`` runs whole benchmarks in turn instead, which needs a quiet
-machine. A round is ``kvmgr bench host``'s store of 512 one-block keys: one ``store_many``
-(``--api batched``, the default) or 512 ``swap_out([id], [key])`` calls (``--api per-call``),
-``step()`` and its completion, over 48 tensors with ``kvmgr.testing.NullEngine`` (no copy),
+machine. A round is ``kvmgr bench host``'s batched store: one ``store_many`` of 512 one-block
+keys, ``step()`` and its completion, over 48 tensors with ``kvmgr.testing.NullEngine`` (no copy),
 the garbage collector on. Two modes: ``grow`` (the CPU tier has room for every round: no
-eviction) and ``full`` (4 x 512 CPU blocks: every round evicts 512 keys through the LRU policy).
+eviction) and ``full`` (4 x 512 CPU blocks: every round evicts 512 keys through the LRU policy);
+``grow-call`` and ``full-call`` store the same keys through 512 ``swap_out`` calls of one block;
+``load`` and ``load-call`` store 512 keys into a full tier (untimed), then time one ``load_many``
+of them (or 512 ``swap_in`` calls of one block) + ``step()`` + completion.
 
-Printed per mode: each tree's round p50 and min and its calls p50 (the calls alone), in
+Printed per mode: each tree's round p50 and min and its calls p50 (``store_many`` alone), in
 microseconds, and the median of the per-pair ratios new / old.
 """
 
@@ -29,7 +31,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import asyncio, json, sys, time
-src, rounds, per_call = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "per-call"
+src, rounds = sys.argv[1], int(sys.argv[2])
 sys.path.insert(0, src)
 import kvmgr
 assert kvmgr.__file__.startswith(src), kvmgr.__file__
@@ -40,12 +42,19 @@ n, loop, rigs = 512, asyncio.new_event_loop(), {}
 async def one(mode):
     mgr, _kv, ids, fresh = rigs[mode]
     keys = fresh.take(n)
+    if mode.startswith("load"):  # the keys stored first (untimed), then loaded
+        await (mgr.store_many(ids[:n], keys), await mgr.step())[0]
     t0 = time.perf_counter()
-    if per_call:  # as kvmgr bench host's per-call round: one list slice per request
-        futures = [mgr.swap_out(ids[r : r + 1], keys[r : r + 1]) for r in range(n)]
-        last = futures[-1]
+    if mode == "load":
+        last = mgr.load_many(keys, ids[n:])
+    elif mode == "load-call":
+        held = ids[n:].tolist()
+        last = [mgr.swap_in(keys[i : i + 1], held[i : i + 1]) for i in range(n)][-1]
+    elif mode.endswith("-call"):  # one swap_out per key
+        held = ids.tolist()
+        last = [mgr.swap_out(held[i : i + 1], keys[i : i + 1]) for i in range(n)][-1]
     else:
-        last = mgr.store_many(ids, keys)
+        last = mgr.store_many(ids[:n], keys)
     t1 = time.perf_counter()
     await mgr.step()
     await last
@@ -53,10 +62,10 @@ async def one(mode):
 for line in sys.stdin:
     mode = line.strip()
     if mode not in rigs:
-        mgr, kv = host._manager(n, 4 * n if mode == "full" else (rounds + 40) * n)
+        mgr, kv = host._manager(2 * n, (rounds + 40) * n if mode.startswith("grow") else 4 * n)
         loop.run_until_complete(mgr.__aenter__())
-        held = mgr.allocate("bench", n)
-        rigs[mode] = (mgr, kv, held if per_call else np.array(held, dtype=np.int64), FreshKeys())
+        ids = np.array(mgr.allocate("bench", 2 * n), dtype=np.int64)
+        rigs[mode] = (mgr, kv, ids, FreshKeys())
     print(json.dumps([s * 1e6 for s in loop.run_until_complete(one(mode))]), flush=True)
 """
 
@@ -82,13 +91,13 @@ def main() -> None:
     parser.add_argument("old", type=Path, help="a tree holding the old kvmgr/ package")
     parser.add_argument("--new", type=Path, default=HERE, help="the new tree (default: this one)")
     parser.add_argument("--rounds", type=int, default=300, help="timed pairs per mode")
-    parser.add_argument("--modes", nargs="+", default=["grow", "full"], choices=["grow", "full"])
-    parser.add_argument("--api", default="batched", choices=["batched", "per-call"])
+    parser.add_argument("--modes", nargs="+", default=["grow", "full"],
+                        choices=["grow", "full", "grow-call", "full-call", "load", "load-call"])  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(tree.resolve()), str(args.rounds), args.api],
+            [sys.executable, "-c", _CHILD, str(tree.resolve()), str(args.rounds)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -121,7 +130,7 @@ def main() -> None:
         proc.wait()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "api": args.api, "modes": table}, f, indent=1)
+            json.dump({"rounds": args.rounds, "modes": table}, f, indent=1)
 
 
 if __name__ == "__main__":

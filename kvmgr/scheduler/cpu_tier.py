@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import array
 import enum
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import BlockStateError, PoolExhaustedError
+from kvmgr.errors import BlockStateError
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
 from kvmgr.pool.block_ids import sorted_distinct
+from kvmgr.scheduler.block_lru import BlockLru
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
-from kvmgr.scheduler.evictable import evictable
+from kvmgr.scheduler.evictable import evictable, no_room
 
 __all__ = ["CpuState", "CpuTier"]
 
@@ -63,6 +65,8 @@ class CpuTier:
         keep_evicted: record the (keys, CPU ids) of the blocks the policy evicts in
             ``evicted`` (data the owner takes with ``take_evicted``: lower tiers write them
             back before anything overwrites the freed blocks).
+        by_block: ``policy="lru"`` without options is kept by CPU block (``BlockLru``: the same
+            decisions, array operations for a batch); ``False``: the key-based ``LRUPolicy``.
     """
 
     def __init__(
@@ -75,12 +79,12 @@ class CpuTier:
         blocks_ready: Callable[[], int] | None = None,
         *,
         keep_evicted: bool = False,
+        by_block: bool = True,
     ) -> None:
         self.num_blocks = num_blocks
         ready = num_blocks if blocks_ready is None else blocks_ready()
         self.pool = BlockAllocator(num_blocks, name="cpu", num_ready=ready)
         self._blocks_ready = blocks_ready if ready < num_blocks else None
-        self.policy = make_policy(policy, num_blocks, **(policy_options or {}))
         self.index: dict[bytes, int] = {}
         #: the parent of every indexed key (refuses key cycles)
         self.chains = KeyChains(num_blocks, self.index)
@@ -88,6 +92,13 @@ class CpuTier:
         self.state_np = np.frombuffer(self.state, dtype=np.uint8)
         self.readers = array.array("q", [0]) * num_blocks
         self.readers_np = np.frombuffer(self.readers, dtype=np.int64)
+        #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
+        self.can_evict = evictable(self.index, self.state, self.readers, _READY)
+        by_block = by_block and policy == "lru" and not policy_options  # the policy by block
+        self._lru = BlockLru(num_blocks, self.index, self.chains, self.state, self.readers,
+                             _READY, self.can_evict) if by_block else None  # fmt: skip
+        self.policy: Any = (self._lru if self._lru is not None  # (an empty one is falsy)
+                            else make_policy(policy, num_blocks, **(policy_options or {})))  # fmt: skip
         self.num_pending = 0
         self.num_loading = 0  #: READY blocks with readers
         self.reserved = 0  #: blocks promised to recorded per-call stores (``deferred``)
@@ -97,8 +108,6 @@ class CpuTier:
         #: overwritten yet; only with ``keep_evicted``)
         self.evicted: list[tuple[list[bytes], np.ndarray]] = []
         self.counters = counters if counters is not None else Counters()
-        #: READY and no reader: the policy's ``can_evict`` (a closure, asked once per candidate)
-        self.can_evict = evictable(self.index, self.state, self.readers, _READY)
 
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of READY keys."""
@@ -122,16 +131,12 @@ class CpuTier:
             PoolExhaustedError: (reason ``"cpu_full"``) too few free and evictable blocks.
         """
         self.evict_for(n, protected)
-        ids = self.pool.take(n)
-        assert ids is not None
-        return ids
+        return self.pool.take(n)  # type: ignore[return-value]  # room was made: never None
 
     def grow(self) -> bool:
         """Let the allocator hand out the blocks pinned since the last call; whether any."""
-        if self._blocks_ready is None:
-            return False
-        ready = self._blocks_ready()
-        if ready <= self.pool.num_ready:
+        ready = self.pool.num_ready if self._blocks_ready is None else self._blocks_ready()
+        if ready <= self.pool.num_ready:  # all pinned before, or nothing new
             return False
         self.pool.make_ready(ready)
         if ready >= self.num_blocks:
@@ -151,23 +156,11 @@ class CpuTier:
         if shortfall > 0:
             victims = self.policy.evict(shortfall, self.can_evict, protected)
             if victims is None:
-                pinning = self.pool.num_ready < self.num_blocks
-                raise PoolExhaustedError(
-                    f"cpu tier: need {n} blocks, {self.pool.num_free} free and too few "
-                    "evictable (READY without loads in flight)"
-                    + (f"; {self.pool.num_ready} of {self.num_blocks} pinned so far" * pinning)
-                    + "; nothing changed. Room appears when stores and loads in flight complete"
-                    " (step(), then await them), when requests are freed or resumed (free(),"
-                    " resume()) and keys invalidated (invalidate(), clear()); or store fewer"
-                    ' blocks per call, raise num_cpu_blocks, or set backpressure="wait" to let'
-                    " the store wait up to store_wait_s seconds for room",
-                    needed=n,
-                    available=self.pool.num_free,
-                    reason="cpu_pinning" if pinning else "cpu_full",
-                )
+                raise no_room(n, self.pool.num_free, self.pool.num_ready, self.num_blocks)
             if self._keep_evicted:
-                self.evicted.append((list(victims), self._ids_of(victims)))
-            self._forget(victims)
+                ids = np.fromiter(map(self.index.__getitem__, victims), np.int64, len(victims))
+                self.evicted.append((list(victims), ids))
+            self._forget(victims, None if self._lru is None else self._lru.victim_blocks)
             self.counters.evictions += len(victims)
 
     def take_evicted(self) -> list[tuple[list[bytes], np.ndarray]]:
@@ -175,27 +168,27 @@ class CpuTier:
         evicted, self.evicted = self.evicted, []
         return evicted
 
-    def _ids_of(self, keys: list[bytes]) -> np.ndarray:
-        return np.fromiter(map(self.index.__getitem__, keys), dtype=np.int64, count=len(keys))
-
     def make_room_small(self, n: int, protected: Collection[bytes]) -> list[int]:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""
         if n + self.reserved > self.pool.num_free:
             self.evict_for(n, protected)
         return [self.pool.take_one() for _ in range(n)]  # type: ignore[misc]
 
-    def _forget(self, keys: list[bytes]) -> None:
-        """Drop READY keys without readers (already untracked by the policy); free blocks."""
-        pop = self.index.pop
+    def _forget(self, keys: list[bytes], ids: np.ndarray | None = None) -> None:
+        """Drop READY keys without readers (already untracked by the policy), on blocks
+        ``ids`` when the caller knows them (in key order); free the blocks."""
         if len(keys) <= 8:
             state, give_one = self.state, self.pool.give_one
-            blocks = list(map(pop, keys))
+            blocks = list(map(self.index.pop, keys))
             self.chains.remove(keys, blocks)
             for block in blocks:
                 state[block] = CpuState.FREE
                 give_one(block)
         else:
-            ids = np.fromiter(map(pop, keys), dtype=np.int64, count=len(keys))
+            if ids is None:
+                ids = np.fromiter(map(self.index.pop, keys), dtype=np.int64, count=len(keys))
+            else:
+                deque(map(self.index.__delitem__, keys), 0)
             self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids)
@@ -204,19 +197,13 @@ class CpuTier:
     def add_pending(
         self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
     ) -> None:
-        """Index new distinct keys on their just allocated blocks, PENDING, and track them
-        (the policy's unchecked ``insert_new`` when it has one; ``chains.orphans``: whether a
-        new key has a tracked child). Nothing changed when the policy or the index refuses."""
+        """Index and track new distinct keys, PENDING on their new blocks (all or nothing)."""
         index = self.index
         if not index.keys().isdisjoint(keys):  # two stores of one key: a caller's bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
-        insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
-        if insert_new is None:
-            self.policy.insert(keys, parents)
-        else:
-            childless = orphans is not None and (not orphans or orphans.keys().isdisjoint(keys))
-            insert_new(keys, parents, childless=childless)
+        if self._lru is None:
+            self._track(keys, parents)
         if isinstance(ids, list):
             blocks, state = ids, self.state
             for key, block in zip(keys, ids):
@@ -227,7 +214,18 @@ class CpuTier:
             index.update(zip(keys, blocks))
             self.state_np[ids] = CpuState.PENDING
         self.num_pending += len(keys)
-        self.chains.add(keys, blocks, parents, None if blocks is ids else ids)  # type: ignore[arg-type]
+        self.chains.add(keys, blocks, parents, at := None if blocks is ids else ids)  # type: ignore[arg-type]
+        if self._lru is not None:  # by block: tracked once indexed
+            self._lru.add(keys, blocks, at)  # type: ignore[arg-type]
+
+    def _track(self, keys: list[bytes], parents: Sequence[bytes | None]) -> None:
+        """Track new keys in a key-based policy (its unchecked ``insert_new`` when it has
+        one; ``chains.orphans``: whether a new key has a tracked child); it may refuse."""
+        insert_new, orphans = getattr(self.policy, "insert_new", None), self.chains.orphans
+        if insert_new is None:
+            return self.policy.insert(keys, parents)  # type: ignore[no-any-return]
+        childless = orphans is not None and (not orphans or orphans.keys().isdisjoint(keys))
+        insert_new(keys, parents, childless=childless)
 
     def stores_landed(self, ids: np.ndarray, *, all_pending: bool = False) -> None:
         """Store and preempt copies into ``ids`` completed: PENDING -> READY,
@@ -249,8 +247,8 @@ class CpuTier:
     def stores_failed(self, keys: list[bytes], ids: np.ndarray) -> None:
         """Store and preempt copies into ``ids`` failed: drop their keys and free the blocks."""
         if keys:
+            self.policy.remove(keys)  # first: a policy by block finds the keys' blocks
             blocks = list(map(self.index.pop, keys))
-            self.policy.remove(keys)
             self.chains.remove(keys, blocks)
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE

@@ -1,7 +1,8 @@
 """The CPU tier's eviction test: READY without readers, per key and for many keys at once.
 
 Private to ``kvmgr.scheduler``; ``CpuTier`` builds one ``evictable`` closure over its (never
-rebound) index, state bytes and reader counts, and hands it to the policy as ``can_evict``.
+rebound) index, state bytes and reader counts, and hands it to the policy as ``can_evict``;
+``no_room`` is the tier's error when too few blocks qualify.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["evictable"]
+from kvmgr.errors import PoolExhaustedError
+
+__all__ = ["evictable", "no_room"]
 
 
 def evictable(
@@ -38,3 +41,23 @@ def evictable(
 
     can_evict.every = every  # type: ignore[attr-defined]
     return can_evict
+
+
+def no_room(n: int, num_free: int, num_ready: int, num_blocks: int) -> PoolExhaustedError:
+    """The error of a CPU tier that cannot make ``n`` blocks free (``num_free`` free,
+    ``num_ready`` of ``num_blocks`` pinned so far): reason ``"cpu_pinning"`` while the region
+    is still being pinned, else ``"cpu_full"``."""
+    pinning = num_ready < num_blocks
+    return PoolExhaustedError(
+        f"cpu tier: need {n} blocks, {num_free} free and too few evictable (READY without"
+        " loads in flight)"
+        + (f"; {num_ready} of {num_blocks} pinned so far" * pinning)
+        + "; nothing changed. Room appears when stores and loads in flight complete"
+        " (step(), then await them), when requests are freed or resumed (free(),"
+        " resume()) and keys invalidated (invalidate(), clear()); or store fewer"
+        ' blocks per call, raise num_cpu_blocks, or set backpressure="wait" to let'
+        " the store wait up to store_wait_s seconds for room",
+        needed=n,
+        available=num_free,
+        reason="cpu_pinning" if pinning else "cpu_full",
+    )

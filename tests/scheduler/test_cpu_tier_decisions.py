@@ -1,6 +1,7 @@
 """The CPU tier's fast batch paths decide exactly what the plain policy rules decide (issue 27).
 
-A ``CpuTier`` runs its LRU policy through the fast paths: ``insert_new`` (no re-check of keys
+A ``CpuTier`` with the key-based LRU (``by_block=False``; the default ``BlockLru`` is held to
+this one by ``test_block_lru.py``) runs its policy through the fast paths: ``insert_new`` (no re-check of keys
 the tier vouches for, ``childless`` from the chains' orphans), the leading-run array eviction
 (``can_evict.every``) and ``first_leaf``. A twin ``LRUPolicy`` beside it gets the same calls
 through the checked ``insert`` (which raises if the tier vouched for a wrong batch) and evicts
@@ -80,7 +81,7 @@ def _keys(start: int, n: int) -> list[bytes]:
 @given(st.randoms(use_true_random=False), st.sampled_from([16, 48]))
 def test_fast_paths_decide_like_the_plain_rules(rng, num_blocks):
     removed: list[list[bytes]] = []
-    tier = CpuTier(num_blocks, "lru", removed.append)
+    tier = CpuTier(num_blocks, "lru", removed.append, by_block=False)  # the key-based LRU
     twin = tier.policy = _Twin(num_blocks)  # type: ignore[assignment]
     pending: list[tuple[list[bytes], np.ndarray]] = []
     loading: list[np.ndarray] = []

@@ -56,7 +56,7 @@ def scheduler_tier(
         ConfigError: ``policy`` is not registered in ``kvmgr.policy``.
         InvalidBlockError: ``num_chunks < 1``.
     """
-    tier = CpuTier(num_chunks, policy, on_removed)
+    tier = CpuTier(num_chunks, policy, on_removed, by_block=False)
     if hasattr(tier.policy, "_tree"):
         tier.chains = _TreeChains(tier)  # type: ignore[assignment]
     return tier

@@ -1,0 +1,300 @@
+"""The CPU tier's LRU policy kept by CPU block: a batch of stores is array operations (issue 27).
+
+Private to ``kvmgr.scheduler``. `BlockLru` decides exactly as ``kvmgr.policy.LRUPolicy`` (the
+same victims in the same order on the same calls: ``tests/scheduler/test_block_lru.py`` drives
+both side by side) but holds no key-indexed structure of its own:
+
+- the recency order is a log of CPU block ids, least recent first; ``stamp[block]`` is the log
+  position of the block's one live entry (``-1``: untracked). ``insert`` and ``touch`` append
+  (a touched block's older entry goes stale), ``remove`` clears stamps; the log is compacted
+  (live entries moved to its front, one numpy pass) when it runs out of room;
+- the tracked children of each key are the tier's ``KeyChains`` counts by block (the policy
+  tracks exactly the tier's indexed keys), and a key's parent is ``KeyChains``' parent block.
+
+``evict`` of ``n >= 2`` first tries the leading run (the first ``n`` live entries, checked with
+array passes over the tier's states, reader counts and chains); otherwise it offers the live
+entries one at a time in order, as ``VictimSet`` does (a key with tracked children waits until
+the last one is taken). Keys are only read back (``key_of``) for the victims and the reports.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Collection, Sequence
+from itertools import repeat
+
+import numpy as np
+
+from kvmgr.errors import UnknownKeyError
+from kvmgr.policy.base import _check_evict_count
+from kvmgr.scheduler.chains import KeyChains
+
+__all__ = ["BlockLru"]
+
+_FEW = 128  #: touches of up to this many keys take one Python pass (no numpy calls)
+
+
+class BlockLru:
+    """LRU eviction of the CPU tier's keys, by CPU block (see the module docstring).
+
+    Args:
+        num_blocks: CPU blocks of the tier.
+        index: the tier's key -> block dict (read, never changed here).
+        chains: the tier's ``KeyChains`` (parent block and indexed children per block).
+        state, readers: the tier's state bytes and reader counts (never rebound).
+        ready: the state byte of READY blocks.
+        can_evict: the tier's own predicate; ``evict`` given it reads the arrays instead.
+    """
+
+    name: str = "lru"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        index: dict[bytes, int],
+        chains: KeyChains,
+        state: bytearray,
+        readers: array.array[int],
+        ready: int,
+        can_evict: Callable[[bytes], bool],
+    ) -> None:
+        self.capacity = num_blocks
+        self._index, self._chains, self._can_evict = index, chains, can_evict
+        self._state, self._readers, self._ready = state, readers, ready
+        self._state_np = np.frombuffer(state, dtype=np.uint8)
+        self._readers_np = np.frombuffer(readers, dtype=np.int64)
+        self.key_of = np.empty(num_blocks, dtype=object)  #: the key on each block (or stale)
+        #: the blocks of the last ``evict``'s victims, in order (the tier frees them)
+        self.victim_blocks = np.empty(0, dtype=np.int64)
+        self._stamp = array.array("q", [-1]) * num_blocks
+        self._stamp_np = np.frombuffer(self._stamp, dtype=np.int64)
+        self._log = array.array("q", [0]) * (2 * num_blocks + 2 * _FEW)
+        self._log_np = np.frombuffer(self._log, dtype=np.int64)
+        self._scratch = np.zeros(num_blocks, dtype=np.int64)
+        self._head = self._tail = self._len = 0
+
+    def add(self, keys: Sequence[bytes], blocks: list[int], at: np.ndarray | None = None) -> None:
+        """Track new keys just indexed on ``blocks`` (distinct, untracked; the tier vouches),
+        the first most recent; ``at``: the same blocks as an int64 array, if the caller has one."""
+        self._len += len(blocks)
+        if len(blocks) <= 8:
+            for block, key in zip(blocks, keys):
+                self.key_of[block] = key
+            self._append_few(blocks[::-1])
+        else:
+            at = np.asarray(blocks, dtype=np.int64) if at is None else at
+            self.key_of[at] = np.fromiter(keys, dtype=object, count=len(keys))
+            self._append(at[::-1])
+
+    def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+        """Track keys the tier has indexed already (``parents`` are the tier's chains').
+
+        Raises:
+            UnknownKeyError: a key is not indexed by the tier. Nothing changed then.
+        """
+        for key in filter(lambda k: k not in self._index, keys):
+            raise UnknownKeyError(f"key {key!r} is not indexed by the cpu tier")
+        fresh = [k for k in dict.fromkeys(keys) if k not in self]
+        self.add(fresh, [self._index[k] for k in fresh])
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Move the tracked ``keys`` to the MRU end, the first key last; others ignored."""
+        if len(keys) == 1 and self._tail < len(self._log):  # a per-call load: no list
+            block, tail = self._index.get(keys[0]), self._tail
+            if block is not None and self._stamp[block] >= 0:
+                self._log[tail], self._stamp[block], self._tail = block, tail, tail + 1
+            return None
+        if len(keys) <= _FEW:  # a repeat is appended again: its last append (its first
+            get, stamp = self._index.get, self._stamp  # place in keys) is live, as move_to_end
+            found = map(get, reversed(keys))
+            return self._append_few([b for b in found if b is not None and stamp[b] >= 0])
+        try:  # the keys of a hit: all indexed
+            blocks = np.fromiter(map(self._index.__getitem__, keys), np.int64, len(keys))
+        except KeyError:
+            blocks = np.fromiter(map(self._index.get, keys, repeat(-1)), np.int64, len(keys))
+            blocks = blocks[blocks >= 0]
+        blocks = blocks[self._stamp_np[blocks] >= 0]
+        if self._num_distinct(blocks) < len(blocks):  # a key twice: its first place counts
+            blocks = blocks[np.sort(np.unique(blocks, return_index=True)[1])]
+        self._append(blocks[::-1])
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Stop tracking ``keys``.
+
+        Raises:
+            UnknownKeyError: If a key is not tracked; nothing changed then.
+        """
+        unique = list(dict.fromkeys(keys))
+        for key in filter(lambda k: k not in self, unique):
+            raise UnknownKeyError(f"key {key!r} is not tracked by the {self.name} policy")
+        for block in map(self._index.__getitem__, unique):
+            self._stamp[block] = -1
+        self._len -= len(unique)
+
+    def _num_distinct(self, blocks: np.ndarray) -> int:
+        """How many distinct ids ``blocks`` holds (one surviving position per id, no sort)."""
+        positions = np.arange(len(blocks), dtype=np.int64)
+        self._scratch[blocks] = positions
+        return int(np.count_nonzero(self._scratch[blocks] == positions))
+
+    def _append_few(self, blocks: list[int]) -> None:
+        """Append tracked blocks, the last most recent (a few: no numpy; of a block appended
+        twice the last entry is the live one)."""
+        if self._tail + len(blocks) > len(self._log):
+            self._compact()
+        log, stamp, tail = self._log, self._stamp, self._tail
+        for block in blocks:
+            log[tail] = block
+            stamp[block] = tail
+            tail += 1
+        self._tail = tail
+
+    def _append(self, blocks: np.ndarray) -> None:
+        """Append distinct tracked blocks (int64), the last most recent."""
+        m = len(blocks)
+        if self._tail + m > len(self._log):
+            self._compact()
+        t = self._tail
+        self._log_np[t : t + m] = blocks
+        self._stamp_np[blocks] = np.arange(t, t + m, dtype=np.int64)
+        self._tail = t + m
+
+    def _compact(self) -> None:
+        """Move the live entries to the front of the log (room for ``num_blocks + 2 * _FEW``
+        more: a touch of up to ``_FEW`` keys, repeats included, always fits)."""
+        live = self._live_positions(self._head, self._tail)
+        blocks = self._log_np[live]
+        m = len(blocks)
+        self._log_np[:m] = blocks
+        self._stamp_np[blocks] = np.arange(m, dtype=np.int64)
+        self._head, self._tail = 0, m
+
+    def _live_positions(self, start: int, stop: int) -> np.ndarray:
+        pos = np.arange(start, stop, dtype=np.int64)
+        return pos[self._stamp_np[self._log_np[start:stop]] == pos]
+
+    def evict(
+        self, n: int, can_evict: Callable[[bytes], bool], protected: Collection[bytes] = ()
+    ) -> list[bytes] | None:
+        """Untrack and return the ``n`` least recently used evictable leaves, or ``None``
+        (fewer qualify; nothing changed). See ``EvictionPolicy.evict``.
+
+        Raises:
+            ValueError: If ``n`` is negative or not an ``int``.
+        """
+        _check_evict_count(n)
+        if n == 0:
+            return []
+        if n > self._len:
+            return None
+        get = self._index.get
+        guarded = {b for b in map(get, protected) if b is not None} if protected else set()
+        own = can_evict is self._can_evict
+        victims = self._leading_run(n, guarded) if own and n >= 2 else None
+        if victims is None:
+            victims = self._collect(n, None if own else can_evict, guarded)
+            if victims is None:
+                return None
+            stamp = self._stamp
+            for block in victims:
+                stamp[block] = -1
+            self.victim_blocks = np.array(victims, dtype=np.int64)
+            self._len -= n
+            return list(map(self.key_of.__getitem__, victims))
+        self._stamp_np[victims] = -1
+        self.victim_blocks = victims
+        self._len -= n
+        return self.key_of[victims].tolist()  # type: ignore[no-any-return]
+
+    def _first_live(self, n: int) -> np.ndarray:
+        """Log positions of the first ``n`` live entries (fewer when the log holds fewer);
+        the head skips the stale entries before the first."""
+        head, tail = self._head, self._tail
+        width = min(tail - head, max(2 * n, 64))
+        while True:
+            live = self._live_positions(head, head + width)
+            if len(live) >= n or head + width >= tail:
+                break
+            width = min(tail - head, 2 * width)
+        if len(live):
+            self._head = int(live[0])
+        return live[:n]
+
+    def _leading_run(self, n: int, guarded: set[int]) -> np.ndarray | None:
+        """The first ``n`` live blocks when one offer at a time would take exactly them, in
+        order: each READY without readers and not protected, every indexed child of each in
+        the run and before it. ``None`` otherwise (nothing changed)."""
+        run = self._log_np[self._first_live(n)]
+        if len(run) < n or not (self._state_np[run] == self._ready).all():
+            return None
+        if self._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):
+            return None
+        up, kids = self._chains._up_np[run], self._chains._kids_np[run]
+        if (up[:-1] == run[1:]).all() and kids[0] == 0 and (kids[1:] == 1).all():
+            return run  # one chain, its leaf first, no child outside it (the common case)
+        scratch, order = self._scratch, np.arange(n, dtype=np.int64)
+        scratch[run] = order
+        linked = up >= 0
+        at = np.minimum(scratch[np.where(linked, up, 0)], n - 1)
+        inside = linked & (run[at] == up)  # the parent is a run block, at position ``at``
+        if not (at[inside] > order[inside]).all():  # a parent before its child would wait
+            return None
+        counts = np.bincount(at[inside], minlength=n)
+        if not (counts == kids).all():  # a child outside the run
+            return None
+        return run
+
+    def _collect(
+        self, n: int, can_evict: Callable[[bytes], bool] | None, guarded: set[int]
+    ) -> list[int] | None:
+        """``VictimSet.offer_all`` over the live entries in order, by block: the ``n``
+        victims, or ``None``. Child counts change only in a local overlay (``left``)."""
+        log, stamp, up_of, kids = self._log, self._stamp, self._chains._up_block, self._chains._kids
+        state, readers, ready, key_of = self._state, self._readers, self._ready, self.key_of
+        head = self._head
+        while head < self._tail and stamp[log[head]] != head:
+            head += 1
+        self._head = head
+        left: dict[int, int] = {}
+        waiting: set[int] = set()
+        victims: list[int] = []
+        for pos in range(head, self._tail):
+            block = log[pos]
+            if stamp[block] != pos or block in guarded:
+                continue
+            if can_evict is None:
+                if state[block] != ready or readers[block]:
+                    continue
+            elif not can_evict(key_of[block]):  # type: ignore[arg-type]
+                continue
+            if left.get(block, kids[block]) > 0:
+                waiting.add(block)
+                continue
+            while True:  # take the block and each waiting ancestor its removal frees
+                victims.append(block)
+                up = up_of[block]
+                if up < 0:
+                    break
+                count = left[up] = left.get(up, kids[up]) - 1
+                if count > 0 or up not in waiting or len(victims) >= n:
+                    break
+                waiting.discard(up)
+                block = up
+            if len(victims) >= n:
+                return victims
+        return None
+
+    def ordered_keys(self) -> list[bytes]:
+        """Tracked keys from least to most recently used (for tests and reports); O(len)."""
+        live = self._live_positions(self._head, self._tail)
+        return [self.key_of[b] for b in self._log_np[live].tolist()]  # type: ignore[misc]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, key: object) -> bool:
+        block = self._index.get(key)  # type: ignore[call-overload]
+        return block is not None and self._stamp[block] >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockLru(capacity={self.capacity}, num_keys={self._len})"
