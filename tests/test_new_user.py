@@ -33,6 +33,7 @@ from kvmgr import (
     ManagerConfig,
     OffloadManager,
     PoolExhaustedError,
+    TransferError,
 )
 from kvmgr.hooks import StepContext
 from kvmgr.testing import FaultyEngine, check_invariants
@@ -49,9 +50,9 @@ def _kv(num_blocks: int = 8, seed: int = 0) -> list[torch.Tensor]:
 
 @contextlib.asynccontextmanager
 async def _manager(
-    num_cpu_blocks: int = 6, **config: object
+    num_cpu_blocks: int = 6, *, refuse: tuple[int, ...] = (), **config: object
 ) -> AsyncIterator[tuple[OffloadManager, FaultyEngine]]:
-    engine = FaultyEngine(HostEngine())
+    engine = FaultyEngine(HostEngine(), refuse_batches=refuse)
     cfg = ManagerConfig(num_cpu_blocks=num_cpu_blocks, **config)  # type: ignore[arg-type]
     mgr = OffloadManager(_kv(), cfg, engine=engine)
     await mgr.__aenter__()
@@ -191,6 +192,29 @@ async def test_a_load_fenced_on_the_newer_of_two_stores_is_no_false_alarm() -> N
         check_invariants(mgr)  # used to report "share GPU blocks without a wait_for fence"
         engine.release()
         await asyncio.gather(first, second, load)
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_store_leaves_the_load_fenced_on_the_store_before_it() -> None:
+    # Found by the state machine: the refused batch was the block's last D2H batch, so it
+    # left no mark and the load was submitted without a fence while batch 1 still read the block
+    async with _manager(refuse=(2,)) as (mgr, engine):
+        gpu = await _ready_then_held(mgr, engine)
+        g = gpu[1]
+        first = mgr.swap_out([g], [K[1]])
+        await mgr.step()  # D2H batch 1, held
+        second = mgr.swap_out([g], [K[2]], [None])
+        await mgr.step()  # D2H batch 2: refused at submit
+        with pytest.raises(TransferError, match="refused"):
+            await second
+        load = mgr.swap_in([K[0]], [g])
+        await mgr.step()  # H2D batch 3 writes the block batch 1 still reads
+        (held, loading) = mgr.snapshot().batches
+        assert loading.engine_wait_for == (held.engine_batch_id,)
+        check_invariants(mgr)
+        engine.release()
+        await asyncio.gather(first, load)
         check_invariants(mgr)
 
 

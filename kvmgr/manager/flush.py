@@ -179,14 +179,13 @@ class Flusher:
     def settle_at_close(self) -> None:
         """Closing: settle every job in flight whose copy ended; fail the awaits of the others
         but keep their blocks fenced (no rollback: a DMA may still read or write them)."""
-        in_flight = self.scheduler.queue.in_flight
-        for seq in list(in_flight):
+        queue = self.scheduler.queue
+        for seq in list(queue.in_flight):
             outcome = self.transport.outcome_now(seq)
             if outcome is not None:
                 self.complete(outcome)
-                continue
-            batch = in_flight.pop(seq)
-            _resolve(batch.lane, ClosedError("manager closed while the copy was in flight"))
+            elif (batch := queue.pop(seq)) is not None:
+                _resolve(batch.lane, ClosedError("manager closed while the copy was in flight"))
 
 
 def _resolve(lane: Lane, error: BaseException | None) -> None:

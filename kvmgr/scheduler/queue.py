@@ -182,3 +182,28 @@ class SwapQueue:
         self.in_flight[batch.seq] = batch
         self._batch_marks[batch.direction][1][gpu_ids] = batch.seq
         return batch
+
+    def pop(self, seq: int) -> Batch | None:
+        """Take batch ``seq`` out of flight (settled, refused or closed); ``None`` if it is not
+        in flight. A batch leaving before an earlier one of its direction (its submission was
+        refused, it failed early on a rank) hands its GPU blocks' marks back to the latest
+        earlier batch still in flight that touches them, so later batches of the other
+        direction are still fenced on that one (the one in flight since: it still reads or
+        writes those blocks)."""
+        batch = self.in_flight.pop(seq, None)
+        if batch is None:
+            return None
+        direction = batch.direction
+        earlier = [
+            b for b in self.in_flight.values() if b.seq < seq and b.lane.direction is direction
+        ]
+        if earlier:
+            marks = self._batch_marks[direction][1]
+            ids = batch.gpu_ids
+            mine = ids[marks[ids] == seq]
+            if len(mine):
+                marks[mine] = -1
+                for b in earlier:  # in submission order: the latest toucher wins
+                    hit = mine[np.isin(mine, b.gpu_ids)]
+                    marks[hit] = b.seq
+        return batch

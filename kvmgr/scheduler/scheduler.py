@@ -105,7 +105,8 @@ class Scheduler:
 
     def abort(self, job: TransferJob, error: BaseException) -> Settled:
         """A launched job that no worker runs (submission refused): forget it, roll back."""
-        batch = self.queue.in_flight.pop(job.job_id)
+        batch = self.queue.pop(job.job_id)
+        assert batch is not None, f"job {job.job_id} was not in flight"
         self.books.complete(batch.lane, job.gpu_ids, job.cpu_ids, ok=False)
         return Settled(batch.lane, error, None, batch)
 
@@ -117,7 +118,7 @@ class Scheduler:
 
     def complete(self, outcome: JobOutcome) -> Settled | None:
         """Apply a job's outcome (every rank's, folded); ``None`` if already settled."""
-        batch = self.queue.in_flight.pop(outcome.job_id, None)
+        batch = self.queue.pop(outcome.job_id)
         if batch is None:
             return None
         counters = self.books.counters

@@ -103,6 +103,8 @@ class TransferWorker:
             Direction.H2D: (cpu_layout, self.gpu_layout),
         }
         self._handles: dict[int, BatchHandle] = {}
+        #: per direction, the handle of the last job this worker submitted
+        self._last: dict[Direction, BatchHandle] = {}
         self._prebuilt: dict[int, TransferPlan] = {}  # job id -> its plan (``order``)
         self._duplex = getattr(engine, "plan_duplex", None)  # engine "auto": paths per step
         self._duplex_plans = getattr(engine, "plan_duplex_plans", None)  # ... given the plans
@@ -178,20 +180,13 @@ class TransferWorker:
         moved = None if checked else self._guard.moved()
         if moved is not None:
             raise StaleKVTensorError(moved)
-        plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
-        handles = self._handles
-        wait_for = [handles[j] for j in job.wait_for if j in handles]
         try:
-            handle = self.engine.submit(plan, wait_for=wait_for)
-        except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
-            if any(h.end_event is None and not h.done() for h in wait_for):
-                raise TransferError(
-                    f"the {job.direction.value} job touches GPU blocks of a batch still being "
-                    "submitted (a layerwise store whose layers are not all saved): it cannot be "
-                    "ordered after it; save the store's layers (or abort it) first"
-                ) from exc
+            plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
+            handle = self._submit(job, plan)
+        except BaseException:
+            self._stand_in(job)
             raise
-        handles[job.job_id] = handle
+        self._handles[job.job_id] = self._last[job.direction] = handle
         pairs = plan.blocks  # build_plan's own record: its byte count, no second sum
         return Submitted(
             handle,
@@ -201,13 +196,38 @@ class TransferWorker:
             plan.num_bytes if pairs is None else pairs.num_bytes,
         )
 
+    def _submit(self, job: TransferJob, plan: TransferPlan) -> BatchHandle:
+        handles = self._handles
+        wait_for = [handles[j] for j in job.wait_for if j in handles]
+        try:
+            return self.engine.submit(plan, wait_for=wait_for)
+        except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
+            if any(h.end_event is None and not h.done() for h in wait_for):
+                raise TransferError(
+                    f"the {job.direction.value} job touches GPU blocks of a batch still being "
+                    "submitted (a layerwise store whose layers are not all saved): it cannot be "
+                    "ordered after it; save the store's layers (or abort it) first"
+                ) from exc
+            raise
+
+    def _stand_in(self, job: TransferJob) -> None:
+        """``job`` was refused here but may run on other ranks, so later jobs of the other
+        direction can be fenced on it: here the last job of its direction (still running)
+        stands in for it, as this job would have run after that one. Dropped when it ends."""
+        last = self._last.get(job.direction)
+        if last is None or last.done():
+            return
+        handles, job_id = self._handles, job.job_id
+        handles[job_id] = last
+        last.future.add_done_callback(lambda _: handles.pop(job_id, None))
+
     def handle(self, job_id: int) -> BatchHandle | None:
         """The engine handle of a job this worker still tracks."""
         return self._handles.get(job_id)
 
     def adopt(self, job_id: int, handle: BatchHandle) -> None:
         """Track a handle submitted for ``job_id`` outside ``submit`` (layerwise groups)."""
-        self._handles[job_id] = handle
+        self._handles[job_id] = self._last[handle.direction] = handle
 
     def forget(self, job_id: int) -> None:
         """The job's outcome was applied (or it was never submitted): stop tracking it."""

@@ -186,3 +186,30 @@ def test_simulate_tp_ranks_move_their_share_of_the_loaded_bytes_in_parallel() ->
     loaded = [r.counters["load_blocks"] + r.counters["resume_blocks"] for r in (one, four)]
     assert loaded[0] > 0 and loaded[0] == loaded[1]  # the same decisions, the same bytes
     assert four.counters["virtual_s"] < one.counters["virtual_s"]  # loads 4x faster
+
+
+def test_a_job_refused_on_this_rank_is_stood_in_for_by_the_job_before_it() -> None:
+    # Another rank may run job 1, so the scheduler fences job 2 on it; here, where job 1 was
+    # refused, job 2 must still wait for job 0, which reads the GPU block job 2 writes.
+    from kvmgr.errors import TransferError
+    from kvmgr.scheduler.jobs import TransferJob
+    from kvmgr.testing import FaultyEngine
+
+    engine = FaultyEngine(HostEngine(), refuse_batches={1})
+    worker = TransferWorker(_kv(8, seed=2), 6, engine)
+    engine.hold()
+
+    def job(job_id: int, direction: Direction, cpu: int, wait_for: tuple[int, ...] = ()):
+        ids = np.array([4], dtype=np.int64)
+        return TransferJob(job_id, direction, ids, np.array([cpu], np.int64), wait_for)
+
+    first = worker.submit(job(0, Direction.D2H, 0)).handle
+    with pytest.raises(TransferError, match="refused"):
+        worker.submit(job(1, Direction.D2H, 1))
+    load = worker.submit(job(2, Direction.H2D, 2, wait_for=(1,))).handle
+    assert engine.unresolved_wait_for(load.batch_id) == (first.batch_id,)
+    engine.release()
+    first.future.result(timeout=10)
+    load.future.result(timeout=10)
+    assert worker.handle(1) is None  # the stand-in went with job 0
+    worker.close()
