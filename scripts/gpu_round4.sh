@@ -14,7 +14,7 @@ if [ "$what" = merged1 ] || [ "$what" = tests ]; then
   TAIL=8 run pytest_all 280 python3 -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests
 fi
 if [ "$what" = suite ]; then  # the whole suite over 4 workers (pytest-xdist is on the image)
-  TAIL=25 run pytest_suite "${SUITE_SECS:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark --timeout 120 -n 4 tests
+  TAIL=25 run pytest_suite "${SUITE_SECS:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark --timeout 120 -n "${SUITE_WORKERS:-4}" tests
   shift
 fi
 if [ "$what" = merged1 ]; then
