@@ -83,12 +83,8 @@ class TransferWorker:
         self.engine = engine
         self.rank = rank
         self.merge = merge
-        self.geometry = KVGeometry(
-            self.gpu_layout.num_blocks,
-            tuple(int(p) for p in self.gpu_layout.page_bytes.tolist()),
-            layout,
-            num_ranks,
-        )
+        pages = tuple(int(p) for p in self.gpu_layout.page_bytes.tolist())
+        self.geometry = KVGeometry(self.gpu_layout.num_blocks, pages, layout, num_ranks)
         self.cpu_pool = cpu_pool or HostKVPool(
             self.gpu_layout.page_bytes.tolist(),
             num_cpu_blocks,
@@ -103,8 +99,7 @@ class TransferWorker:
             Direction.H2D: (cpu_layout, self.gpu_layout),
         }
         self._handles: dict[int, BatchHandle] = {}
-        #: per direction, the handle of the last job this worker submitted
-        self._last: dict[Direction, BatchHandle] = {}
+        self._last: dict[Direction, BatchHandle] = {}  # the last job submitted, per direction
         self._prebuilt: dict[int, TransferPlan] = {}  # job id -> its plan (``order``)
         self._duplex = getattr(engine, "plan_duplex", None)  # engine "auto": paths per step
         self._duplex_plans = getattr(engine, "plan_duplex_plans", None)  # ... given the plans
