@@ -435,9 +435,9 @@ def test_a_guarded_signature_writes_exactly_what_each_step_holds() -> None:
             slots = torch.stack([slots.roll(i) for i in range(num_layers)])
         elif step == 13:
             step_scales = others
-        guarded += insert._guarded is not None and insert._repeated(kv_c, k_pe, slots, step_scales) is not None  # fmt: skip
         expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=step_scales)  # fmt: skip
         assert insert(kv_c, k_pe, slots, step_scales) == num_tokens
+        guarded += insert.fired is not None
         assert _same_bytes(caches, expected), step
         assert insert._last[-1].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
     assert guarded >= 6

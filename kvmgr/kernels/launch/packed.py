@@ -176,7 +176,11 @@ class PackedLaunch(TritonLaunch):
             OverflowError: a value does not fit its cell (another specialization).
             RuntimeError: the driver refused the launch (its error name in the message).
         """
-        self.set(values, args)
+        self._changed = args  # as set(), inlined: the per-step path
+        try:
+            self._pack_values(self._buffer, _HEADER_BYTES, *values)
+        except struct.error as exc:
+            raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
         self.launch(grid, stream)
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
@@ -195,7 +199,15 @@ class PackedLaunch(TritonLaunch):
     def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
         """Launch with the values last written (:meth:`set` or :meth:`run`); raises as
         :meth:`run`."""
-        if not self._usual() and self._blocked():
+        # the usual case, tested inline: the knobs hold the hook chains of the bind, both empty,
+        # and the call comes from the bound device and thread (else _blocked decides)
+        enter, leave = self._chains
+        knobs = self._knobs
+        if not (
+            knobs.launch_enter_hook is enter and knobs.launch_exit_hook is leave
+            and not enter.calls and not leave.calls and self._get_device() == self.device
+            and _get_ident() == self._thread
+        ) and self._blocked():  # fmt: skip
             self._triton(grid, stream)
             return
         handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
@@ -215,17 +227,6 @@ class PackedLaunch(TritonLaunch):
             return None
         fmt = "<Q" if ty[0] == "*" else "<" + CELL[ty][0]
         return struct.unpack_from(fmt, self._buffer, self._offset[index])[0]
-
-    def _usual(self) -> bool:
-        """The usual case, tested first: the knobs hold the hook chains of the bind, both empty,
-        and the call comes from the bound device and thread (False: ask :meth:`_blocked`)."""
-        enter, leave = self._chains
-        knobs = self._knobs
-        return (
-            knobs.launch_enter_hook is enter and knobs.launch_exit_hook is leave
-            and not enter.calls and not leave.calls and self._get_device() == self.device
-            and _get_ident() == self._thread
-        )  # fmt: skip
 
     def _blocked(self) -> bool:
         """Whether this call must take Triton's own launch: a Triton launch hook is set (a

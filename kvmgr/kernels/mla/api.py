@@ -95,6 +95,9 @@ def grouped_mla_insert(
             16-byte aligned (use :func:`per_layer_mla_insert` for those).
         InvalidBlockError: ``check_slots=True`` and a slot is past the capacity.
     """
+    steady = not check_slots and block_tokens is None and num_warps is None
+    if steady and _MEMO.launch_steady(caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
+        return
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)
     if check_slots:
@@ -102,6 +105,8 @@ def grouped_mla_insert(
                           allow_cpu=plan.IS_INTERPRETED)  # fmt: skip
         check_slot_range(step, caches)
     insert(kv_c, k_pe, slot_mapping, kv_scales, True, None, block_tokens, num_warps)
+    if steady and insert.fired is not None:  # a steady step: one guard for caches and step next
+        _MEMO.remember_steady(caches, insert, kv_c, k_pe, slot_mapping, kv_scales)
 
 
 def per_layer_mla_insert(

@@ -98,6 +98,8 @@ class GroupedInsert:
         self._prev: tuple[Any, ...] | None = None
         self._guarded: tuple[Any, ...] | None = None
         self._refused = 0  # calls of the guarded signature its guard refused, in a row
+        # the guarded signature the last call launched through :meth:`fire` (None: another path)
+        self.fired: tuple[Any, ...] | None = None
 
     @property
     def num_bound(self) -> int:
@@ -121,14 +123,25 @@ class GroupedInsert:
             and kv_scales is last[3] and block_tokens is None and num_warps is None
             and last[4] == (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), kv_c.shape[1])
         ):  # fmt: skip
+            self.fired = None
             last[6].launch(last[5], stream)
             return last[4][3]
-        hit = self._repeated(kv_c, k_pe, slot_mapping, kv_scales) if self._guarded is not None and block_tokens is None and num_warps is None else None  # fmt: skip
-        if hit is not None:  # the last repeated signature, by its guard: no reads, no key
-            (bound, grid, ints), values = hit
-        else:
-            bound, grid, ints, values = self._by_signature(kv_c, k_pe, slot_mapping, kv_scales,
-                                                           validate, block_tokens, num_warps)  # fmt: skip
+        guarded = self._guarded  # the last repeated signature, by its guard: no reads, no key
+        if guarded is not None and block_tokens is None and num_warps is None:
+            try:
+                if guarded[1]:
+                    same = guarded[0].check(kv_c, k_pe, slot_mapping, kv_scales)
+                else:
+                    same = kv_scales is None and guarded[0].check(kv_c, k_pe, slot_mapping)
+            except TypeError:  # not tensors, or another number of them
+                same = False
+            if same:
+                num_tokens = self.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, stream)
+                if num_tokens is not None:
+                    return num_tokens
+        self.fired = None
+        bound, grid, ints, values = self._by_signature(kv_c, k_pe, slot_mapping, kv_scales,
+                                                       validate, block_tokens, num_warps)  # fmt: skip
         if grid is None:  # T == 0
             return 0
         bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
@@ -136,13 +149,40 @@ class GroupedInsert:
             self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound)
         return ints[0]
 
+    def fire(
+        self, guarded: tuple[Any, ...], kv_c: torch.Tensor, k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, stream: Any,
+    ) -> int | None:  # fmt: skip
+        """Launch the guarded signature ``guarded`` (:attr:`guarded`) for a step that passed its
+        guard (the caller ran ``guarded[0].check`` or a guard built from the same step); return
+        ``T``, or None where the bases' 16-byte alignment differs from that step's (nothing
+        launched). Sets :attr:`fired` to ``guarded`` on a launch."""
+        kv_ptr, pe_ptr = kv_c.data_ptr(), k_pe.data_ptr()
+        if ((kv_ptr | pe_ptr) & 15 == 0) is not guarded[3]:
+            return None
+        bound, grid, ints = guarded[2]
+        self.fired = guarded
+        if grid is None:  # T == 0
+            return 0
+        slot_ptr = slot_mapping.data_ptr()
+        bound.run(grid, stream, (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints),
+                  (kv_c, k_pe, slot_mapping, kv_scales, *ints))  # fmt: skip
+        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (kv_ptr, pe_ptr, slot_ptr, ints[0]), grid, bound)  # fmt: skip
+        return ints[0]
+
+    @property
+    def guarded(self) -> tuple[Any, ...] | None:
+        """The guarded signature: ``(guard, has scales, (bound launch, grid, ints), aligned)``,
+        or None (module docstring, **Guard**)."""
+        return self._guarded
+
     def _by_signature(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None, validate: bool, block_tokens: int | None,
         num_warps: int | None,
     ) -> tuple[Any, tuple[int, int, int] | None, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         """The step's launch by its signature (remembered, or new: :meth:`_new_step`); a signature
-        found twice in a row gets a guard (:meth:`_repeated`). ``(bound, grid, ints, values)``."""
+        found twice in a row gets a guard (:attr:`guarded`, launched by :meth:`fire`). ``(bound, grid, ints, values)``."""
         try:  # the step signature: 15 attribute reads (module docstring)
             kv_ptr, pe_ptr, slot_ptr = kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr()
             signature: tuple[Any, ...] | None = (
@@ -165,29 +205,6 @@ class GroupedInsert:
         bound, grid, ints = known
         values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
         return bound, grid, ints, values
-
-    def _repeated(
-        self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
-        kv_scales: torch.Tensor | None,
-    ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:  # fmt: skip
-        """``((bound, grid, ints), values)`` of the guarded signature where this step passes its
-        guard: the dtypes, devices, sizes and strides of the step it was built from (so its
-        signature), the same scales object, the same base alignment; else None."""
-        guard, scaled, known, aligned = self._guarded  # type: ignore[misc]
-        try:
-            if kv_scales is None:
-                same = not scaled and guard.check(kv_c, k_pe, slot_mapping)
-            else:
-                same = scaled and guard.check(kv_c, k_pe, slot_mapping, kv_scales)
-        except TypeError:
-            return None
-        if not same:
-            return None
-        kv_ptr, pe_ptr = kv_c.data_ptr(), k_pe.data_ptr()
-        if ((kv_ptr | pe_ptr) & 15 == 0) is not aligned:
-            return None
-        ints = known[2]
-        return known, (kv_ptr, pe_ptr, slot_mapping.data_ptr(), 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
 
     def _guard_for(
         self, known: tuple[Any, ...], aligned: bool, kv_c: torch.Tensor, k_pe: torch.Tensor,
