@@ -459,13 +459,36 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case,
 
 
 def test_the_c_driver_call_can_be_turned_off(monkeypatch):
-    native.native_fire.cache_clear()
+    native._module.cache_clear()
+    native.data_ptrs.cache_clear()
     monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
     try:
         assert native.native_fire() is None
+        assert native.data_ptrs() is native._python_data_ptrs  # the same values, from Python
+        words = torch.empty(4, dtype=torch.int32)
+        assert native.data_ptrs()(words, words[1:]) == (words.data_ptr(), words.data_ptr() + 4)
     finally:
         monkeypatch.undo()
-        native.native_fire.cache_clear()
+        native._module.cache_clear()
+        native.data_ptrs.cache_clear()
+
+
+def test_data_ptrs_reads_each_tensors_pointer_and_refuses_anything_else():
+    read = native.data_ptrs()
+    words = torch.empty(64, dtype=torch.int32)
+    tensors = (
+        words,
+        words[5:],
+        words.view(torch.float16)[3:],
+        words.view(8, 8).t(),
+        torch.empty(0),
+    )
+    assert read(*tensors) == tuple(t.data_ptr() for t in tensors)
+    assert read() == ()
+    if read is not native._python_data_ptrs:  # the C function checks its arguments' type
+        for bad in (None, 3, words.numpy()):
+            with pytest.raises(TypeError, match="not a tensor"):
+                read(words, bad)
 
 
 def test_a_new_thread_with_the_kernels_context_is_adopted(runtime):

@@ -8,9 +8,10 @@ A serving loop passes new step tensors every step (``kv``, ``score``, ``position
 slots) of one layout. :class:`~kvmgr.kernels.c128.host.Layer` finds their launch by a key of
 about 25 attribute reads and the specialization rule's classes; once a key has come twice in a
 row, :meth:`WriteGuard.remember` keeps its bound launch with
-:func:`~kvmgr.kernels.mla.checks.tensor_guard` of that step (dtype, device, every size and
+:func:`~kvmgr.kernels.launch.guard.tensor_guard` of that step (dtype, device, every size and
 stride of the four tensors: what the key and the ints' classes are made of). A later step that
-passes the guard and whose four bases are 16-byte aligned (as every base of the guarded step
+passes the guard (its pointers then read in one C call:
+:func:`kvmgr.kernels.launch.native.data_ptrs`) and whose four bases are 16-byte aligned (as every base of the guarded step
 was: the rule's pointer classes) has that key: :meth:`WriteGuard.launch` writes its pointers and
 launches. Anything else (the guard refuses, a base is not aligned, not tensors) answers None and
 the caller takes the key, which checks in full.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmgr.kernels.mla.checks import tensor_guard
+from kvmgr.kernels.launch.guard import tensor_guard
+from kvmgr.kernels.launch.native import data_ptrs
 
 __all__ = ["WriteGuard"]
 
@@ -31,7 +33,8 @@ class WriteGuard:
     """One layer's guarded state write (module docstring). Not thread-safe, as the layer."""
 
     def __init__(self) -> None:
-        # (guard, bound launch, (T, row strides), grid, key) of the guarded step, or None
+        # (guard, bound launch, (T, row strides), grid, pointer reader, key) of the guarded
+        # step, or None
         self.entry: tuple[Any, ...] | None = None
         self._key: Any = None  # the last keyed step's key
         self._refused = 0  # keyed steps of the guarded key since its guard was built
@@ -43,13 +46,13 @@ class WriteGuard:
         entry = self.entry
         if entry is None:
             return None
-        guard, bound, ints, grid, _ = entry
+        guard, bound, ints, grid, read, _ = entry
         try:
             if not guard.check(kv, score, positions, state_slot_mapping):
                 return None
         except TypeError:  # not tensors
             return None
-        ptrs = (kv.data_ptr(), score.data_ptr(), positions.data_ptr(), state_slot_mapping.data_ptr())  # fmt: skip
+        ptrs = read(kv, score, positions, state_slot_mapping)  # one C call: they passed the guard
         if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15:
             return None
         values, args = (*ptrs, *ints[1:]), (kv, score, positions, state_slot_mapping, *ints[1:])
@@ -75,7 +78,8 @@ class WriteGuard:
         self._refused = 0
         guard = tensor_guard(args[:4])
         num_tokens = args[2].shape[0]
-        self.entry = None if guard is None else (guard, bound, (num_tokens, *values[4:]), (num_tokens, 1, 1), key)  # fmt: skip
+        grid = (num_tokens, 1, 1)
+        self.entry = None if guard is None else (guard, bound, (num_tokens, *values[4:]), grid, data_ptrs(), key)  # fmt: skip
 
     def forget(self) -> None:
         """A new key was bound: the next guard needs two keyed steps again."""

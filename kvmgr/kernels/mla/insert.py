@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from kvmgr.kernels.launch import Launches
+from kvmgr.kernels.launch.native import data_ptrs
 from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
 from kvmgr.kernels.mla.checks import check_step, tensor_guard, unchecked_step
@@ -152,28 +153,30 @@ class GroupedInsert:
     def fire(
         self, guarded: tuple[Any, ...], kv_c: torch.Tensor, k_pe: torch.Tensor,
         slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, stream: Any,
+        ptrs: tuple[int, ...] | None = None,
     ) -> int | None:  # fmt: skip
         """Launch the guarded signature ``guarded`` (:attr:`guarded`) for a step that passed its
-        guard (the caller ran ``guarded[0].check`` or a guard built from the same step); return
-        ``T``, or None where the bases' 16-byte alignment differs from that step's (nothing
-        launched). Sets :attr:`fired` to ``guarded`` on a launch."""
-        kv_ptr, pe_ptr = kv_c.data_ptr(), k_pe.data_ptr()
-        if ((kv_ptr | pe_ptr) & 15 == 0) is not guarded[3]:
+        guard (the caller ran ``guarded[0].check`` or a guard built from the same step; ``ptrs``:
+        the step tensors' ``data_ptr()``s where the caller has read them); return ``T``, or None
+        where the bases' 16-byte alignment differs from that step's (nothing launched). Sets
+        :attr:`fired` to ``guarded`` on a launch."""
+        if ptrs is None:  # one C call for all (kvmgr.kernels.launch.native.data_ptrs)
+            ptrs = guarded[4](kv_c, k_pe, slot_mapping) if kv_scales is None else guarded[4](kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        if ((ptrs[0] | ptrs[1]) & 15 == 0) is not guarded[3]:
             return None
         bound, grid, ints = guarded[2]
         self.fired = guarded
         if grid is None:  # T == 0
             return 0
-        slot_ptr = slot_mapping.data_ptr()
-        bound.run(grid, stream, (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints),
-                  (kv_c, k_pe, slot_mapping, kv_scales, *ints))  # fmt: skip
-        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (kv_ptr, pe_ptr, slot_ptr, ints[0]), grid, bound)  # fmt: skip
+        values = (*ptrs, *ints) if kv_scales is not None else (*ptrs, 0, *ints)
+        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
+        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*ptrs[:3], ints[0]), grid, bound)
         return ints[0]
 
     @property
     def guarded(self) -> tuple[Any, ...] | None:
-        """The guarded signature: ``(guard, has scales, (bound launch, grid, ints), aligned)``,
-        or None (module docstring, **Guard**)."""
+        """The guarded signature: ``(guard, has scales, (bound launch, grid, ints), aligned,
+        pointer reader)``, or None (module docstring, **Guard**)."""
         return self._guarded
 
     def _by_signature(
@@ -220,7 +223,7 @@ class GroupedInsert:
         self._refused = 0
         tensors = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
         guard = tensor_guard(tensors)
-        self._guarded = None if guard is None else (guard, kv_scales is not None, known, aligned)
+        self._guarded = None if guard is None else (guard, kv_scales is not None, known, aligned, data_ptrs())  # fmt: skip
 
     def _new_step(
         self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,

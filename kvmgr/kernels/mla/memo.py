@@ -125,16 +125,21 @@ class InsertMemo:
             return None
         try:
             if scaled:
-                same = guard.check(*caches, kv_c, k_pe, slot_mapping, kv_scales)
+                if not guard.check(*caches, kv_c, k_pe, slot_mapping, kv_scales):
+                    return None
+                ptrs = guarded[4](*caches, kv_c, k_pe, slot_mapping, kv_scales)
             else:
-                same = kv_scales is None and guard.check(*caches, kv_c, k_pe, slot_mapping)
+                if kv_scales is not None or not guard.check(*caches, kv_c, k_pe, slot_mapping):
+                    return None
+                ptrs = guarded[4](*caches, kv_c, k_pe, slot_mapping)
         except TypeError:  # not tensors, or another number of them
             return None
-        if not same or tuple(map(_data_ptr, caches)) != key[0][5]:
+        num_caches = len(caches)
+        if ptrs[:num_caches] != key[0][5]:
             return None
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
-        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None)
+        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs[num_caches:])
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
