@@ -33,7 +33,7 @@ class WriteGuard:
     """One layer's guarded state write (module docstring). Not thread-safe, as the layer."""
 
     def __init__(self) -> None:
-        # (guard, bound launch, (T, row strides), grid, pointer reader, key) of the guarded
+        # (guard, bound launch, (T, (row strides)), grid, pointer reader, key) of the guarded
         # step, or None
         self.entry: tuple[Any, ...] | None = None
         self._key: Any = None  # the last keyed step's key
@@ -41,7 +41,8 @@ class WriteGuard:
 
     def launch(self, kv: Any, score: Any, positions: Any, state_slot_mapping: Any, stream: Any, run: bool) -> tuple[Any, ...] | None:  # fmt: skip
         """For a step that passes the guard: write its arguments into the bound launch and,
-        with ``run``, launch it on ``stream``; ``(bound, T, (pointers..., T), grid)``. None
+        with ``run``, launch it on ``stream``; the layer's last-write record of the step
+        ``(kv, score, positions, state_slot_mapping, (pointers..., T), bound, grid)``. None
         (nothing written) for any other step, or while nothing is guarded."""
         entry = self.entry
         if entry is None:
@@ -55,12 +56,12 @@ class WriteGuard:
         ptrs = read(kv, score, positions, state_slot_mapping)  # one C call: they passed the guard
         if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15:
             return None
-        values, args = (*ptrs, *ints[1:]), (kv, score, positions, state_slot_mapping, *ints[1:])
+        strides = ints[1]
         if run:
-            bound.run(grid, stream, values, args)
+            bound.run(grid, stream, (*ptrs, *strides), (kv, score, positions, state_slot_mapping, *strides))  # fmt: skip
         else:
-            bound.set(values, args)
-        return bound, ints[0], (*ptrs, ints[0]), grid
+            bound.set((*ptrs, *strides), (kv, score, positions, state_slot_mapping, *strides))
+        return kv, score, positions, state_slot_mapping, (*ptrs, ints[0]), bound, grid
 
     def remember(self, key: Any, bound: Any, args: tuple[Any, ...], values: tuple[Any, ...]) -> None:  # fmt: skip
         """After a keyed step (``key`` found, ``bound`` its launch; ``args`` / ``values`` its
@@ -79,7 +80,8 @@ class WriteGuard:
         guard = tensor_guard(args[:4])
         num_tokens = args[2].shape[0]
         grid = (num_tokens, 1, 1)
-        self.entry = None if guard is None else (guard, bound, (num_tokens, *values[4:]), grid, data_ptrs(), key)  # fmt: skip
+        ints = (num_tokens, tuple(values[4:]))  # T, the row strides
+        self.entry = None if guard is None else (guard, bound, ints, grid, data_ptrs(), key)
 
     def forget(self) -> None:
         """A new key was bound: the next guard needs two keyed steps again."""

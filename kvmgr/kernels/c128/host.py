@@ -168,8 +168,8 @@ class Layer:
             return last[5], last[4][-1]
         hit = self._steady_write.launch(kv, score, positions, state_slot_mapping, None, False)
         if hit is not None:
-            self._last_write = (kv, score, positions, state_slot_mapping, hit[2], hit[0], hit[3])
-            return hit[0], hit[1]
+            self._last_write = hit
+            return hit[5], hit[4][-1]
         try:
             kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
             kvt, sct = kv.stride(), score.stride()
@@ -263,8 +263,8 @@ class Layer:
             return last[4][-1]
         hit = self._steady_write.launch(kv, score, positions, state_slot_mapping, stream, True)
         if hit is not None:
-            self._last_write = (kv, score, positions, state_slot_mapping, hit[2], hit[0], hit[3])
-            return hit[1]
+            self._last_write = hit
+            return hit[4][-1]  # type: ignore[no-any-return]
         bound, num_tokens = self.prepare_write(kv, score, positions, state_slot_mapping)
         if num_tokens:
             bound.launch((num_tokens, 1, 1), stream)

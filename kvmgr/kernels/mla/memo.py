@@ -76,6 +76,12 @@ class InsertMemo:
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
 
     @property
+    def steady_lists(self) -> Any:
+        """The ``id()``s of the cache lists :meth:`launch_steady` has a record for (a live view,
+        ``in`` only): a caller tests it before paying that call."""
+        return self._steady.keys()
+
+    @property
     def num_sets(self) -> int:
         """Cache sets held (recent ones and those held for graphs)."""
         return len(self._recent.keys() | self._held.keys())
@@ -116,12 +122,17 @@ class InsertMemo:
         a call that passes it (every cache's and step tensor's dtype, device, sizes and strides,
         the scales' presence), whose caches have the key's pointers, with the same
         ``kv_cache_dtype``, ``direct`` and guarded signature, is the same cache set and the same
-        step signature: the insert's ``fire`` launches it. ``T`` on a launch."""
+        step signature: the insert's ``fire`` launches it. ``T`` on a launch. The very ``kv_c``
+        of the insert's last call answers None: persistent step buffers take the insert's
+        same-tensors path, which costs less."""
         steady = self._steady.get(id(caches))
         if steady is None:
             return None
         guard, scaled, dtype, is_direct, key, insert, guarded = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert._guarded is not guarded:
+            return None
+        last = insert._last  # the last call's very tensors again: the insert's own path is cheaper
+        if last is not None and kv_c is last[0]:
             return None
         try:
             if scaled:
