@@ -128,11 +128,13 @@ class InsertMemo:
         steady = self._steady.get(id(caches))
         if steady is None:
             return None
+        last = steady[
+            5
+        ]._last  # the last call's very tensors again: the insert's own path costs less
+        if last is not None and kv_c is last[0]:
+            return None
         guard, scaled, dtype, is_direct, key, insert, guarded = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert._guarded is not guarded:
-            return None
-        last = insert._last  # the last call's very tensors again: the insert's own path is cheaper
-        if last is not None and kv_c is last[0]:
             return None
         try:
             if scaled:
