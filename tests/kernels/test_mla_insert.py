@@ -407,7 +407,7 @@ def test_a_bad_step_after_a_guarded_signature_raises_before_writing(case: str) -
     for _ in range(4):  # new step tensors, one scales object
         grouped_mla_insert(good["kv_c"].clone(), good["k_pe"].clone(), caches,  # type: ignore[union-attr]
                            good["slot_mapping"].clone(), kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[union-attr, arg-type]  # fmt: skip
-    assert api._MEMO.insert_for(caches, "fp8_e4m3", True)._guarded is not None
+    assert api._MEMO.insert_for(caches, "fp8_e4m3", True).guarded is not None
     before = [cache.clone() for cache in caches]
     with pytest.raises(error, match="expected"):
         grouped_mla_insert(**bad)  # type: ignore[arg-type]

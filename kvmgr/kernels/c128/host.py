@@ -159,16 +159,8 @@ class Layer:
         Raises:
             GeometryError: as :meth:`check_write`.
         """
-        last = self._last_write  # the same tensor objects as the last step: nothing to redo
-        if (
-            last is not None and kv is last[0] and score is last[1] and positions is last[2]
-            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
-            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.numel())
-        ):  # fmt: skip
-            return last[5], last[4][-1]
-        hit = self._steady_write.launch(kv, score, positions, state_slot_mapping, None, False)
+        hit = self._repeated_write(kv, score, positions, state_slot_mapping)
         if hit is not None:
-            self._last_write = hit
             return hit[5], hit[4][-1]
         try:
             kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
@@ -202,6 +194,21 @@ class Layer:
         self._last_write = (kv, score, positions, state_slot_mapping, (*values[:4], num_tokens),
                             bound, (num_tokens, 1, 1))  # fmt: skip
         return bound, num_tokens
+
+    def _repeated_write(self, kv: Any, score: Any, positions: Any, state_slot_mapping: Any) -> tuple[Any, ...] | None:  # fmt: skip
+        """The last-write record of a step that needs no key, its arguments set: the very
+        tensor objects of the last step, or a step that passes the write guard; else None."""
+        last = self._last_write  # the same tensor objects as the last step: nothing to redo
+        if (
+            last is not None and kv is last[0] and score is last[1] and positions is last[2]
+            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.numel())
+        ):  # fmt: skip
+            return last
+        hit = self._steady_write.launch(kv, score, positions, state_slot_mapping, None, False)
+        if hit is not None:
+            self._last_write = hit
+        return hit
 
     def prepare_compress(self, state_block_table: Any, req_indices: Any, positions: Any, compressed_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
         """The compress kernel's bound launch with this step's arguments set, and ``T``.

@@ -165,10 +165,8 @@ class PackedLaunch(TritonLaunch):
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
         chains = isinstance(getattr(enter, "calls", None), list) and isinstance(getattr(leave, "calls", None), list)  # fmt: skip
         self._chains = (enter, leave) if chains else (_NEVER, _NEVER)
-        # what every launch reads and nothing changes after the bind, in one tuple (one unpack
-        # costs less than as many attribute reads on the per-step path)
-        self._hot = (*self._chains, knobs, device, self._get_device, self._get_stream, self._native,
-                     self._record_address)  # fmt: skip
+        # what every launch reads and nothing changes: one unpack costs less than the reads
+        self._hot = (*self._chains, knobs, device, self._get_device, self._get_stream, self._native, self._record_address)  # fmt: skip
 
     def run(self, grid: tuple[int, int, int], stream: Any = None, values: Sequence[Any] | None = None, args: Sequence[Any] | None = None) -> None:  # fmt: skip
         """:meth:`set`, then :meth:`launch`: ``values`` (the varying arguments' packed values,

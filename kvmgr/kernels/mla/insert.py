@@ -75,6 +75,9 @@ class GroupedInsert:
     Attributes:
         plan: as given.
         num_bound: step signatures bound so far (at most 64 kept).
+        guarded: the guarded signature (module docstring, **Guard**), or None: ``(guard, has
+            scales, (bound launch, grid, ints), aligned, pointer reader)``.
+        fired: the guarded signature the last call launched through :meth:`fire`, or None.
     """
 
     def __init__(self, plan: Plan, *, direct: bool = True) -> None:
@@ -97,9 +100,8 @@ class GroupedInsert:
         # the last signature found (remembered) and, once found twice in a row, its guard:
         # (torch's C++ tensor check of that step, whether it has scales, its entry, alignment)
         self._prev: tuple[Any, ...] | None = None
-        self._guarded: tuple[Any, ...] | None = None
+        self.guarded: tuple[Any, ...] | None = None
         self._refused = 0  # calls of the guarded signature its guard refused, in a row
-        # the guarded signature the last call launched through :meth:`fire` (None: another path)
         self.fired: tuple[Any, ...] | None = None
 
     @property
@@ -127,7 +129,7 @@ class GroupedInsert:
             self.fired = None
             last[6].launch(last[5], stream)
             return last[4][3]
-        guarded = self._guarded  # the last repeated signature, by its guard: no reads, no key
+        guarded = self.guarded  # the last repeated signature, by its guard: no reads, no key
         if guarded is not None and block_tokens is None and num_warps is None:
             try:
                 if guarded[1]:
@@ -173,12 +175,6 @@ class GroupedInsert:
         self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*ptrs[:3], ints[0]), grid, bound)
         return ints[0]
 
-    @property
-    def guarded(self) -> tuple[Any, ...] | None:
-        """The guarded signature: ``(guard, has scales, (bound launch, grid, ints), aligned,
-        pointer reader)``, or None (module docstring, **Guard**)."""
-        return self._guarded
-
     def _by_signature(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None, validate: bool, block_tokens: int | None,
@@ -216,14 +212,14 @@ class GroupedInsert:
         """Guard ``known`` (found on two calls in a row) by this step; a guard of ``known`` that
         refused this step (its size-1 strides, another grad mode) is rebuilt only after 16
         refusals in a row, so a loop that keeps refusing pays one build per 16 calls."""
-        if self._guarded is not None and self._guarded[2] is known:
+        if self.guarded is not None and self.guarded[2] is known:
             self._refused += 1
             if self._refused < 16:
                 return
         self._refused = 0
         tensors = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
         guard = tensor_guard(tensors)
-        self._guarded = None if guard is None else (guard, kv_scales is not None, known, aligned, data_ptrs())  # fmt: skip
+        self.guarded = None if guard is None else (guard, kv_scales is not None, known, aligned, data_ptrs())  # fmt: skip
 
     def _new_step(
         self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,

@@ -116,35 +116,28 @@ class InsertMemo:
     ) -> int | None:  # fmt: skip
         """Launch a steady step of a known list in one check, or return None (nothing done).
 
-        A steady loop passes one cache list and new step tensors of one guarded signature (the
-        insert's :attr:`~kvmgr.kernels.mla.insert.GroupedInsert.guarded`). For it
-        :meth:`remember_steady` built ONE tensor guard over the caches and that step's tensors;
-        a call that passes it (every cache's and step tensor's dtype, device, sizes and strides,
-        the scales' presence), whose caches have the key's pointers, with the same
-        ``kv_cache_dtype``, ``direct`` and guarded signature, is the same cache set and the same
-        step signature: the insert's ``fire`` launches it. ``T`` on a launch. The very ``kv_c``
-        of the insert's last call answers None: persistent step buffers take the insert's
-        same-tensors path, which costs less."""
+        A steady loop passes one cache list and new step tensors of the insert's guarded
+        signature (:attr:`~kvmgr.kernels.mla.insert.GroupedInsert.guarded`): for it
+        :meth:`remember_steady` built ONE tensor guard over the caches and that step. A call that
+        passes it (dtype, device, sizes, strides of every cache and step tensor; the scales'
+        presence), whose caches have the key's pointers, with the same ``kv_cache_dtype``,
+        ``direct`` and guarded signature, is that cache set and step signature: the insert's
+        ``fire`` launches it; ``T``. The insert's last ``kv_c`` again answers None (persistent
+        step buffers: the insert's same-tensors path costs less)."""
         steady = self._steady.get(id(caches))
-        if steady is None:
-            return None
-        last = steady[
-            5
-        ]._last  # the last call's very tensors again: the insert's own path costs less
-        if last is not None and kv_c is last[0]:
+        last = None if steady is None else steady[5]._last
+        if steady is None or (last is not None and kv_c is last[0]):
             return None
         guard, scaled, dtype, is_direct, key, insert, guarded = steady
-        if dtype != kv_cache_dtype or is_direct != direct or insert._guarded is not guarded:
+        if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
         try:
-            if scaled:
-                if not guard.check(*caches, kv_c, k_pe, slot_mapping, kv_scales):
-                    return None
+            if scaled and guard.check(*caches, kv_c, k_pe, slot_mapping, kv_scales):
                 ptrs = guarded[4](*caches, kv_c, k_pe, slot_mapping, kv_scales)
-            else:
-                if kv_scales is not None or not guard.check(*caches, kv_c, k_pe, slot_mapping):
-                    return None
+            elif not scaled and kv_scales is None and guard.check(*caches, kv_c, k_pe, slot_mapping):  # fmt: skip
                 ptrs = guarded[4](*caches, kv_c, k_pe, slot_mapping)
+            else:
+                return None
         except TypeError:  # not tensors, or another number of them
             return None
         num_caches = len(caches)
