@@ -775,9 +775,10 @@ def test_the_caches_memo_sees_a_dtype_change_and_keeps_no_cache_alive() -> None:
 
     num_layers, rank, rope_dim, num_blocks, block_size = 2, 24, 8, 6, 4
     caches = _caches(180, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
-    for step in range(3):
+    for step in range(5):  # new step tensors: from the third on, the one-guard path
         kv_c, k_pe = _inputs(181 + step, num_layers, 5, rank, rope_dim, torch.bfloat16)
         grouped_mla_insert(kv_c, k_pe, caches, _slots(184 + step, 5, num_blocks * block_size, 1))
+    assert id(caches) in api._MEMO._steady
     remembered = api._MEMO.insert_for(caches, "auto", True)
     for cache in caches:
         cache.data = cache.view(torch.float16)
