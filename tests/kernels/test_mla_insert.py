@@ -498,7 +498,9 @@ def test_steady_steps_of_other_valid_layouts_are_written_exactly() -> None:
         else:
             step["slot_mapping"] = slots.clone().expand(2, 5)  # type: ignore[union-attr]
         expected = _reference(step["kv_c"], step["k_pe"], caches, step["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=step["kv_scales"])  # fmt: skip
-        took = api._MEMO.launch_steady(caches, "fp8_e4m3", True, **step)  # type: ignore[arg-type]
+        took = api._MEMO.launch_steady(
+            api._MEMO.steady_record(id(caches)), caches, "fp8_e4m3", True, **step
+        )  # type: ignore[arg-type]
         assert (took is not None) is (case == "other scales"), case  # its pointer is read per step
         if took is None:
             grouped_mla_insert(step["kv_c"], step["k_pe"], caches, step["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=step["kv_scales"])  # fmt: skip
@@ -758,7 +760,7 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(
     capacity = min(c.shape[0] * c.shape[1] for c in caches)
     kv_c, k_pe = _inputs(176, num_layers, 7, rank, rope_dim, torch.bfloat16)  # the same signature
     if check == "guard" and not is_same_set:  # the steady path must refuse the changed caches
-        assert api._MEMO.launch_steady(caches, "auto", True, kv_c, k_pe, _slots(177, 7, capacity, 2), None) is None  # fmt: skip
+        assert api._MEMO.launch_steady(api._MEMO.steady_record(id(caches)), caches, "auto", True, kv_c, k_pe, _slots(177, 7, capacity, 2), None) is None  # fmt: skip
     assert (api._MEMO.insert_for(caches, "auto", True) is remembered) is is_same_set
     slots = _slots(177, 7, capacity, 2)
     expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)

@@ -46,7 +46,7 @@ from kvmgr.kernels.mla.reference import mla_insert_reference
 __all__ = ["KV_CACHE_DTYPES", "grouped_mla_insert", "mla_insert_reference", "per_layer_mla_insert"]
 
 _MEMO = InsertMemo()  # the cache sets grouped_mla_insert has seen (kvmgr.kernels.mla.memo)
-_STEADY = _MEMO.steady_lists  # ids of the lists a steady step may be launched for in one check
+_steady_record = _MEMO.steady_record  # id(list) -> the record of its steady steps, or None
 
 
 def grouped_mla_insert(
@@ -97,7 +97,8 @@ def grouped_mla_insert(
         InvalidBlockError: ``check_slots=True`` and a slot is past the capacity.
     """
     steady = not check_slots and block_tokens is None and num_warps is None
-    if steady and id(caches) in _STEADY and _MEMO.launch_steady(caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
+    record = _steady_record(id(caches)) if steady else None
+    if record is not None and _MEMO.launch_steady(record, caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
         return
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)

@@ -76,10 +76,11 @@ class InsertMemo:
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
 
     @property
-    def steady_lists(self) -> Any:
-        """The ``id()``s of the cache lists :meth:`launch_steady` has a record for (a live view,
-        ``in`` only): a caller tests it before paying that call."""
-        return self._steady.keys()
+    def steady_record(self) -> Any:
+        """``record(id(caches))``: the steady-step record of a cache list for
+        :meth:`launch_steady`, or None (the records' ``get``, bound once: a caller looks a list
+        up before paying that call)."""
+        return self._steady.get
 
     @property
     def num_sets(self) -> int:
@@ -110,11 +111,12 @@ class InsertMemo:
         return insert
 
     def launch_steady(
-        self, caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool,
+        self, steady: tuple[Any, ...], caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool,
         kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None,
     ) -> int | None:  # fmt: skip
-        """Launch a steady step of a known list in one check, or return None (nothing done).
+        """Launch a steady step of a known list in one check, or return None (nothing done);
+        ``steady``: the list's record (``steady_record(id(caches))``, not None).
 
         A steady loop passes one cache list and new step tensors of the insert's guarded
         signature (:attr:`~kvmgr.kernels.mla.insert.GroupedInsert.guarded`): for it
@@ -124,9 +126,8 @@ class InsertMemo:
         ``direct`` and guarded signature, is that cache set and step signature: the insert's
         ``fire`` launches it; ``T``. The insert's last ``kv_c`` again answers None (persistent
         step buffers: the insert's same-tensors path costs less)."""
-        steady = self._steady.get(id(caches))
-        last = None if steady is None else steady[5]._last
-        if steady is None or (last is not None and kv_c is last[0]):
+        last = steady[5]._last
+        if last is not None and kv_c is last[0]:
             return None
         guard, scaled, dtype, is_direct, key, insert, guarded = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
