@@ -10,8 +10,8 @@ about 25 attribute reads and the specialization rule's classes; once a key has c
 row, :meth:`WriteGuard.remember` keeps its bound launch with
 :func:`~kvmgr.kernels.launch.guard.tensor_guard` of that step (dtype, device, every size and
 stride of the four tensors: what the key and the ints' classes are made of). A later step that
-passes the guard (its pointers then read in one C call:
-:func:`kvmgr.kernels.launch.native.data_ptrs`) and whose four bases are 16-byte aligned (as every base of the guarded step
+passes the guard (its verdict and the pointers in one C call:
+:func:`kvmgr.kernels.launch.native.checked_data_ptrs`) and whose four bases are 16-byte aligned (as every base of the guarded step
 was: the rule's pointer classes) has that key: :meth:`WriteGuard.launch` writes its pointers and
 launches. Anything else (the guard refuses, a base is not aligned, not tensors) answers None and
 the caller takes the key, which checks in full.
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmgr.kernels.launch.guard import tensor_guard
-from kvmgr.kernels.launch.native import data_ptrs
+from kvmgr.kernels.launch.native import checked_data_ptrs
 
 __all__ = ["WriteGuard"]
 
@@ -48,13 +48,11 @@ class WriteGuard:
         if entry is None:
             return None
         guard, bound, ints, grid, read, _ = entry
-        try:
-            if not guard.check(kv, score, positions, state_slot_mapping):
-                return None
+        try:  # the guard's verdict and the four pointers in one C call
+            ptrs = read(guard.check, kv, score, positions, state_slot_mapping)
         except TypeError:  # not tensors
             return None
-        ptrs = read(kv, score, positions, state_slot_mapping)  # one C call: they passed the guard
-        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15:
+        if ptrs is None or (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15:
             return None
         strides = ints[1]
         if run:
@@ -81,7 +79,7 @@ class WriteGuard:
         num_tokens = args[2].shape[0]
         grid = (num_tokens, 1, 1)
         ints = (num_tokens, tuple(values[4:]))  # T, the row strides
-        self.entry = None if guard is None else (guard, bound, ints, grid, data_ptrs(), key)
+        self.entry = None if guard is None else (guard, bound, ints, grid, checked_data_ptrs(), key)
 
     def forget(self) -> None:
         """A new key was bound: the next guard needs two keyed steps again."""

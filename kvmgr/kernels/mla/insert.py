@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from kvmgr.kernels.launch import Launches
-from kvmgr.kernels.launch.native import data_ptrs
+from kvmgr.kernels.launch.native import checked_data_ptrs
 from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
 from kvmgr.kernels.mla.checks import check_step, tensor_guard, unchecked_step
@@ -131,15 +131,15 @@ class GroupedInsert:
             return last[4][3]
         guarded = self.guarded  # the last repeated signature, by its guard: no reads, no key
         if guarded is not None and block_tokens is None and num_warps is None:
-            try:
+            try:  # the guard's verdict and the pointers in one C call
                 if guarded[1]:
-                    same = guarded[0].check(kv_c, k_pe, slot_mapping, kv_scales)
+                    ptrs = guarded[4](guarded[0].check, kv_c, k_pe, slot_mapping, kv_scales)
                 else:
-                    same = kv_scales is None and guarded[0].check(kv_c, k_pe, slot_mapping)
+                    ptrs = None if kv_scales is not None else guarded[4](guarded[0].check, kv_c, k_pe, slot_mapping)  # fmt: skip
             except TypeError:  # not tensors, or another number of them
-                same = False
-            if same:
-                num_tokens = self.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, stream)
+                ptrs = None
+            if ptrs is not None:
+                num_tokens = self.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, stream, ptrs)
                 if num_tokens is not None:
                     return num_tokens
         self.fired = None
@@ -155,15 +155,13 @@ class GroupedInsert:
     def fire(
         self, guarded: tuple[Any, ...], kv_c: torch.Tensor, k_pe: torch.Tensor,
         slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, stream: Any,
-        ptrs: tuple[int, ...] | None = None,
+        ptrs: tuple[int, ...],
     ) -> int | None:  # fmt: skip
         """Launch the guarded signature ``guarded`` (:attr:`guarded`) for a step that passed its
-        guard (the caller ran ``guarded[0].check`` or a guard built from the same step; ``ptrs``:
-        the step tensors' ``data_ptr()``s where the caller has read them); return ``T``, or None
-        where the bases' 16-byte alignment differs from that step's (nothing launched). Sets
-        :attr:`fired` to ``guarded`` on a launch."""
-        if ptrs is None:  # one C call for all (kvmgr.kernels.launch.native.data_ptrs)
-            ptrs = guarded[4](kv_c, k_pe, slot_mapping) if kv_scales is None else guarded[4](kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        guard or one built from the same step (``ptrs``: the step tensors' ``data_ptr()``s, read
+        with that verdict: :func:`kvmgr.kernels.launch.native.checked_data_ptrs`); return
+        ``T``, or None where the bases' 16-byte alignment differs from that step's (nothing
+        launched). Sets :attr:`fired` to ``guarded`` on a launch."""
         if ((ptrs[0] | ptrs[1]) & 15 == 0) is not guarded[3]:
             return None
         bound, grid, ints = guarded[2]
@@ -219,7 +217,7 @@ class GroupedInsert:
         self._refused = 0
         tensors = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
         guard = tensor_guard(tensors)
-        self.guarded = None if guard is None else (guard, kv_scales is not None, known, aligned, data_ptrs())  # fmt: skip
+        self.guarded = None if guard is None else (guard, kv_scales is not None, known, aligned, checked_data_ptrs())  # fmt: skip
 
     def _new_step(
         self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,

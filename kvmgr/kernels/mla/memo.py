@@ -132,17 +132,15 @@ class InsertMemo:
         guard, scaled, dtype, is_direct, key, insert, guarded = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
-        try:
-            if scaled and guard.check(*caches, kv_c, k_pe, slot_mapping, kv_scales):
-                ptrs = guarded[4](*caches, kv_c, k_pe, slot_mapping, kv_scales)
-            elif not scaled and kv_scales is None and guard.check(*caches, kv_c, k_pe, slot_mapping):  # fmt: skip
-                ptrs = guarded[4](*caches, kv_c, k_pe, slot_mapping)
+        try:  # the guard's verdict and every pointer in one C call
+            if scaled:
+                ptrs = guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping, kv_scales)
             else:
-                return None
+                ptrs = None if kv_scales is not None else guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
         except TypeError:  # not tensors, or another number of them
             return None
         num_caches = len(caches)
-        if ptrs[:num_caches] != key[0][5]:
+        if ptrs is None or ptrs[:num_caches] != key[0][5]:
             return None
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
