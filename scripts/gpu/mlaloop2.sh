@@ -5,7 +5,7 @@
 # 0. env: versions.
 # 1. tests: the MLA insert's and the c128 kernels' GPU tests, the steady-loop tests (a bad step
 #    tensor, also one on the CPU, or an out-of-range slot after a steady loop is refused with
-#    its typed error; in-place cache changes seen) on CUDA, and checked_data_ptrs: all must pass.
+#    its typed error) on CUDA, and checked_data_ptrs: all must pass.
 # 2. launch_host_ab: `kvmgr bench launch-host --tokens 1,16,128 --rounds 15` for the tree at the
 #    branch point ($MLALOOP2_BASE, default 373f872, main when mlaloop2 began) and this one, each
 #    from its own root (PYTHONPATH = that root), old then new: min and median per row, ratios.
@@ -27,13 +27,13 @@ D=$(cd "$D" && pwd)
 OLD=/tmp/mlaloop2_old  # outside $OUT: nothing of it comes back
 rm -rf "$OLD" && mkdir -p "$OLD" && git archive "$BASE" kvmgr | tar -x -C "$OLD"
 step env 5 python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-step tests 35 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_insert.py \
-  tests/kernels/test_c128.py tests/kernels/test_launch.py -k "gpu or steady or in_place or checked or turned_off"
+step tests 40 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_insert.py \
+  tests/kernels/test_c128.py tests/kernels/test_launch.py -k "gpu or steady or checked or turned_off"
 step launch_host_ab 20 python3 scripts/launch_host_ab.py "$OLD" --runs 1 \
   --bench "--tokens 1,16,128 --rounds 15" --json "$D/launch_host_ab.json"
 step launch_host_pair 12 python3 scripts/launch_host_pair.py "$OLD" --tokens 1,16,128 \
   --rounds 20 --json "$D/launch_host_pair.json"
-step peer_build 35 python3 -c "
+step peer_build 30 python3 -c "
 import time
 from kvmgr.bench._peer_mla_op import build_op, missing_tools
 print('missing tools:', missing_tools())
