@@ -5,17 +5,12 @@ Offers (to :mod:`kvmgr.kernels.mla.memo`, ``api`` and ``hook``):
                     step's pointers, ``T`` and layer strides into a bound launch and launches it
 
 **Launch key.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
-constexprs depend on, except the values that are runtime arguments of the kernel: ranks, ``L``,
-``R``, ``P``, token and column strides, devices, ``slot_mapping``'s leading dims, the scales'
-shape, stride and device (read once per scales tensor object, the last 16 objects held),
-whether ``IO_ALIGNED`` holds, the tile (a function of ``T * L``) and the classes the
-specialization rule gives the runtime arguments (:func:`kvmgr.kernels.launch.rule.reader`: their
-dtypes, the ints' widths). ``T``
-itself, the layer strides and the pointers are not part of it: the grouped kernel takes them as
-``do_not_specialize`` runtime arguments, so one bound launch serves every step size of a tile. A
-step whose key was checked before skips the checks, save the one they do not cover: that
-``kv_c``, ``k_pe`` and ``slot_mapping`` agree on ``T``. A new key is checked in full (raising as
-:func:`~kvmgr.kernels.mla.api.grouped_mla_insert` does) and bound (compiled if needed).
+constexprs depend on but the kernel's runtime arguments (``T``, the layer strides, the
+pointers: ``do_not_specialize``, so one bound launch serves every step size of a tile); the
+scales' part is read once per scales object (the last 16 held). A known key skips the checks
+but one (``kv_c``, ``k_pe`` and ``slot_mapping`` agree on ``T``); a new key is checked in full
+(raising as :func:`~kvmgr.kernels.mla.api.grouped_mla_insert` does) and bound (compiled if
+needed). Its parts: docs/kernels-mla-insert.md, "Host cost".
 
 **Step signature.** In front of the key, each call reads the step tensors once, 15 attribute
 reads and no indexing: per tensor ``shape``, ``is_contiguous() or stride()``, ``dtype``,
@@ -28,17 +23,9 @@ strides: they are fixed by its shape except on dims of size 1, whose stride the 
 by index 0 only. The shortcut is taken only while the rule reads every varying argument by dtype
 and value alone (all ``do_not_specialize``); otherwise each call takes the key.
 
-**Guard.** A signature found on two consecutive calls (a steady loop: one step size, new step
-tensors from the same buffers) gets torch's C++ tensor check of that step
-(:func:`~kvmgr.kernels.mla.checks.tensor_guard`: dtype, device, every size and stride of
-``kv_c``, ``k_pe``, ``slot_mapping`` and the scales): a later call that passes it, and whose
-bases have that step's 16-byte alignment, takes that signature's launch without the 15 reads
-and the hash (one C++ call and the four pointers). Anything else takes the signature path.
-
-A call with the very same tensor objects as the last one (same ``data_ptr()``s and ``T``) skips
-even the signature: persistent step buffers cost one launch (in-place metadata changes such as
-``set_`` between such calls are not seen). Under ``TRITON_INTERPRET=1``, or where packing is
-unavailable, the same flow ends in Triton's launch (a ``TritonLaunch``).
+**Guard and steady steps** (a signature found on two consecutive calls gets torch's C++
+tensor check; the very same tensors as the last call skip even the signature):
+docs/kernels-mla-insert.md, "Host cost".
 """
 
 from __future__ import annotations
