@@ -191,15 +191,28 @@ class CpuTier:
                 deque(map(self.index.__delitem__, keys), 0)
             self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
-            self.pool.give(ids)
+            self.pool.give(ids, vouched=True)  # the distinct blocks of keys just unindexed
         self._on_removed(keys)
 
     def add_pending(
-        self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
+        self,
+        keys: list[bytes],
+        ids: list[int] | np.ndarray,
+        parents: Sequence[bytes | None],
+        *,
+        vouched: bool = False,
     ) -> None:
-        """Index and track new distinct keys, PENDING on their new blocks (all or nothing)."""
+        """Index and track new distinct keys, PENDING on their new blocks (all or nothing).
+
+        ``vouched``: the caller found every key absent from the index since its last change
+        that could add one (``Stores.prepare``: ``_fresh`` asked, then only evictions ran), so
+        the check is not made again.
+
+        Raises:
+            BlockStateError: (not ``vouched``) a key is indexed already; nothing changed.
+        """
         index = self.index
-        if not index.keys().isdisjoint(keys):  # two stores of one key: a caller's bug
+        if not vouched and not index.keys().isdisjoint(keys):  # two stores of one key: a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
         if self._lru is None:
