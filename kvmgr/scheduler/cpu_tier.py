@@ -194,23 +194,11 @@ class CpuTier:
             self.pool.give(ids, vouched=True)  # the distinct blocks of keys just unindexed
         self._on_removed(keys)
 
-    def add_pending(
-        self,
-        keys: list[bytes],
-        ids: list[int] | np.ndarray,
-        parents: Sequence[bytes | None],
-        *,
-        vouched: bool = False,
-    ) -> None:
+    def add_pending(self, keys: list[bytes], ids: list[int] | np.ndarray,
+                    parents: Sequence[bytes | None], *, vouched: bool = False) -> None:  # fmt: skip
         """Index and track new distinct keys, PENDING on their new blocks (all or nothing).
-
-        ``vouched``: the caller found every key absent from the index since its last change
-        that could add one (``Stores.prepare``: ``_fresh`` asked, then only evictions ran), so
-        the check is not made again.
-
-        Raises:
-            BlockStateError: (not ``vouched``) a key is indexed already; nothing changed.
-        """
+        ``vouched``: the caller saw the keys absent since the index last gained one (as
+        ``Stores.prepare`` does), so they are not checked again (BlockStateError otherwise)."""
         index = self.index
         if not vouched and not index.keys().isdisjoint(keys):  # two stores of one key: a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
