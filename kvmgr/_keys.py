@@ -42,7 +42,7 @@ def check_keys(keys: object, *, distinct: bool = False) -> list[bytes]:
         is_bytes = set(map(type, out)) == {bytes}
     else:
         is_bytes = all(type(key) is bytes for key in out)
-    if not is_bytes or b"" in out:
+    if not is_bytes or not all(out):  # all bytes by then: an empty one is the false one
         i = next(i for i, k in enumerate(out) if type(k) is not bytes or not k)
         raise InvalidKeyError(
             f"key {i}: expected non-empty bytes, got {type(out[i]).__name__}: {out[i]!r:.40}"

@@ -156,16 +156,23 @@ class BlockAllocator:
         self._bytes[block_id] = ALLOCATED
         return block_id
 
-    def give(self, ids: np.ndarray) -> None:
+    def give(self, ids: np.ndarray, *, vouched: bool = False) -> None:
         """Return ids (an int64 array of distinct allocated ids; the smallest is reused first).
+
+        ``vouched``: the owner knows ``ids`` is a non-empty 1-D int64 array of distinct ids it
+        holds allocated (the CPU tier freeing blocks whose keys it just dropped), so only the
+        order is computed, not the checks.
 
         Raises:
             InvalidBlockError, DoubleFreeError: as ``check_allocated`` (and for anything but a
                 1-D integer array); nothing is freed then.
         """
-        ordered = self._check_array(ids)
-        if len(ids) == 0:
-            return
+        if vouched:
+            ordered = np.sort(ids)
+        else:
+            ordered = self._check_array(ids)
+            if len(ids) == 0:
+                return
         self._state[ids] = FREED
         top = self._top
         self._stack_np[top : top + len(ids)] = ordered[::-1]  # the smallest on top of the stack

@@ -168,13 +168,10 @@ class KeyChains:
         at = np.asarray(ids, dtype=np.int64)
         up_np, kids_np = self._up_np, self._kids_np
         parents = up_np[at]
-        linked = parents >= 0
-        if linked.any():  # parents in the tier lose a child each
-            parents = parents[linked]
-            np.subtract.at(kids_np, parents, 1)
-            self.num_parents -= self._num_distinct(parents[kids_np[parents] == 0])
-        if self.loose and not linked.all():  # parents not in the tier (roots have none)
-            self._orphan_links(at[~linked].tolist())
+        if len(at) > 2 and (parents[:-1] == at[1:]).all():
+            self._remove_chain(at, int(parents[-1]))
+        else:
+            self._remove_links(at, parents)
         up_np[at] = -1
         staying = np.flatnonzero(kids_np[at])
         for i in staying.tolist():  # children stay: they become orphans of the key
@@ -184,6 +181,34 @@ class KeyChains:
             self.orphans[key] = children
             self.loose.update(zip(children, repeat(key)))
             kids_np[block] = 0
+
+    def _remove_links(self, at: np.ndarray, parents: np.ndarray) -> None:
+        """``remove``'s child counts for any blocks ``at`` whose parent blocks are ``parents``
+        (``-1``: a root or a loose key)."""
+        kids_np = self._kids_np
+        linked = parents >= 0
+        if linked.any():  # parents in the tier lose a child each
+            parents = parents[linked]
+            np.subtract.at(kids_np, parents, 1)
+            self.num_parents -= self._num_distinct(parents[kids_np[parents] == 0])
+        if self.loose and not linked.all():  # parents not in the tier (roots have none)
+            self._orphan_links(at[~linked].tolist())
+
+    def _remove_chain(self, at: np.ndarray, last: int) -> None:
+        """``remove``'s child counts when the key on ``at[i]`` extends the one on ``at[i + 1]``
+        (an evicted run of one chain, its leaf first), the last one's parent block ``last``
+        (``-1``: a root or a loose key): the same counts without ``ufunc.at`` (``at[1:]`` are
+        distinct) or a distinct count."""
+        kids_np, inner = self._kids_np, at[1:]
+        kids_np[inner] -= 1
+        if last >= 0:
+            kids_np[last] -= 1
+        gone = int(np.count_nonzero(kids_np[inner] == 0))
+        if last >= 0 and kids_np[last] == 0 and not (inner == last).any():  # (in: a cycle)
+            gone += 1
+        self.num_parents -= gone
+        if last < 0 and self.loose:  # the parent is not in the tier (roots have none)
+            self._orphan_links([int(at[-1])])
 
     def _num_distinct(self, blocks: np.ndarray) -> int:
         """How many distinct ids ``blocks`` holds, without a sort: each id's position is

@@ -191,15 +191,16 @@ class CpuTier:
                 deque(map(self.index.__delitem__, keys), 0)
             self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
-            self.pool.give(ids)
+            self.pool.give(ids, vouched=True)  # the distinct blocks of keys just unindexed
         self._on_removed(keys)
 
-    def add_pending(
-        self, keys: list[bytes], ids: list[int] | np.ndarray, parents: Sequence[bytes | None]
-    ) -> None:
-        """Index and track new distinct keys, PENDING on their new blocks (all or nothing)."""
+    def add_pending(self, keys: list[bytes], ids: list[int] | np.ndarray,
+                    parents: Sequence[bytes | None], *, vouched: bool = False) -> None:  # fmt: skip
+        """Index and track new distinct keys, PENDING on their new blocks (all or nothing).
+        ``vouched``: the caller saw the keys absent since the index last gained one (as
+        ``Stores.prepare`` does), so they are not checked again (BlockStateError otherwise)."""
         index = self.index
-        if not index.keys().isdisjoint(keys):  # two stores of one key: a caller's bug
+        if not vouched and not index.keys().isdisjoint(keys):  # two stores of one key: a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
         if self._lru is None:

@@ -114,8 +114,8 @@ class Stores:
         protected = keys if num_present else ()
         cpu_ids: Any = cpu.make_room_small(m, protected) if small else cpu.make_room(m, protected)
         new_parents = all_parents if everything else [all_parents[i] for i in fresh]
-        if m:
-            cpu.add_pending(new_keys, cpu_ids, new_parents)
+        if m:  # the new keys were absent at ``_fresh``; the admission and the room-making
+            cpu.add_pending(new_keys, cpu_ids, new_parents, vouched=True)  # added none
         if tokens is not None:
             tokens = None if m == 0 else tokens if everything else tokens[fresh]
         if self._threshold > 1:

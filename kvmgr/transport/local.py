@@ -55,6 +55,9 @@ class LocalTransport:
             raise
         handle = submitted.handle
         land, job_id = self._land, job.job_id
+        if handle.future.done() and asyncio._get_running_loop() is loop:  # ended already (a
+            loop.call_soon(land, job_id, handle)  # synchronous engine): no self-pipe wakeup
+            return submitted
 
         def on_done(_: object) -> None:  # an engine thread (or here, if already done)
             with contextlib.suppress(RuntimeError):  # loop closed: close() settles the job

@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 
 from kvmgr.errors import KVMgrError, UnknownKeyError
 from kvmgr.policy import LRUPolicy
+from kvmgr.pool.allocator import BlockAllocator
 from kvmgr.scheduler.block_lru import BlockLru
+from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.cpu_tier import CpuTier
 
 
@@ -37,6 +39,35 @@ def _outcome(call: Callable[[], Any]) -> Any:
     return got.tolist() if isinstance(got, np.ndarray) else got
 
 
+class _GeneralChains(KeyChains):
+    """Removals always through the general child-count pass (the old behaviour)."""
+
+    __slots__ = ()
+
+    def _remove_chain(self, at: np.ndarray, last: int) -> None:
+        self._remove_links(at, self._up_np[at])
+
+
+class _CountedChains(KeyChains):
+    """Counts the removals that took the one-chain pass (``passes``, by the class)."""
+
+    __slots__ = ()
+    passes = 0
+
+    def _remove_chain(self, at: np.ndarray, last: int) -> None:
+        _CountedChains.passes += 1
+        super()._remove_chain(at, last)
+
+
+class _CheckedPool(BlockAllocator):
+    """Every free checked, vouched or not (the old behaviour)."""
+
+    __slots__ = ()
+
+    def give(self, ids: np.ndarray, *, vouched: bool = False) -> None:
+        super().give(ids)
+
+
 class _Pair:
     """The key-based tier (``old``) and the by-block tier (``new``), called alike."""
 
@@ -46,6 +77,10 @@ class _Pair:
         self.new = CpuTier(num_blocks, "lru", self.removed["new"].append)
         assert isinstance(self.new.policy, BlockLru)
         assert isinstance(self.old.policy, LRUPolicy)
+        # the old tier also takes the general paths the batched round skips (helper batched3):
+        # the child counts of any removal (not the one-chain pass) and the checked free
+        self.old.chains.__class__, self.old.pool.__class__ = _GeneralChains, _CheckedPool
+        self.new.chains.__class__ = _CountedChains
 
     def both(self, call: Callable[[CpuTier], Any]) -> Any:
         want, got = _outcome(lambda: call(self.old)), _outcome(lambda: call(self.new))
@@ -59,6 +94,11 @@ class _Pair:
         assert len(new.policy) == len(old.policy)
         assert new.index == old.index and new.state == old.state
         assert all(k in new.policy for k in new.index)
+        a, b = new.chains, old.chains
+        assert a.num_parents == b.num_parents and a.orphans == b.orphans and a.loose == b.loose
+        assert (a._up_np == b._up_np).all() and (a._kids_np == b._kids_np).all()
+        top = old.pool._top
+        assert new.pool._top == top and (new.pool._stack_np[:top] == old.pool._stack_np[:top]).all()
 
 
 def _store(pair: _Pair, rng: random.Random, new: list[bytes], how: str) -> Any:
@@ -135,7 +175,7 @@ def test_by_block_evicts_the_same_keys_in_the_same_order(rng, num_blocks):
 
 
 def test_a_long_run_of_stores_compacts_the_log_and_keeps_the_order():
-    pair = _Pair(16)
+    pair, passes_before = _Pair(16), _CountedChains.passes
     for r in range(40):  # each round: 8 new keys, touches of old ones, a full tier
         new = [bytes([r, i]) for i in range(8)]
         ids = pair.both(lambda t: t.make_room(8, ()))
@@ -144,6 +184,9 @@ def test_a_long_run_of_stores_compacts_the_log_and_keeps_the_order():
         pair.both(lambda t: t.policy.touch(new[4:] + new[:2]))
         pair.same()
     assert pair.new.policy._tail <= 2 * 16 + 2 * 128  # compacted, never past the log
+    assert (
+        _CountedChains.passes - passes_before >= 30
+    )  # each full round evicts one chain of 8 through the pass
 
 
 def test_remove_of_an_untracked_key_changes_nothing():
