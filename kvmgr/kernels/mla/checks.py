@@ -15,16 +15,11 @@ neither Triton nor the kernels, so the torch reference uses it too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
-
-try:  # torch's C++ check of tensor metadata (dynamo's guards); the attribute reads without it
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - a torch without dynamo
-    _TensorGuards = None
 
 __all__ = [
     "FP8_FORMATS", "KV_CACHE_DTYPES", "CacheMeta", "Step", "check_caches",
@@ -193,19 +188,3 @@ def check_slot_range(step: Step, caches: Sequence[torch.Tensor]) -> None:
                 f"slot_mapping for layer {layer}: expected slots < {cache.shape[0] * cache.shape[1]}"
                 f" (num_blocks {cache.shape[0]} x block_size {cache.shape[1]}), got {slot}"
             )
-
-
-def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
-    """torch's C++ check of ``tensors`` as they are now, or None where this torch has none that
-    accepts them. ``guard.check(*others)`` is True when ``others`` are as many tensors, each of
-    the dtype, device, sizes and strides of its counterpart (and its dispatch keys and
-    ``requires_grad`` under the grad mode the guard was built in: ``torch.compile``'s input
-    check, ``torch._C._dynamo.guards.TensorGuards``); pointers are not compared. Raises
-    ``TypeError`` for another number of tensors."""
-    if _TensorGuards is None:
-        return None
-    try:
-        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                             dynamic_dims_strides=[list(t.stride()) for t in tensors])  # fmt: skip
-    except Exception:  # another torch's signature, or not tensors
-        return None

@@ -30,7 +30,7 @@ and value alone (all ``do_not_specialize``); otherwise each call takes the key.
 
 **Guard.** A signature found on two consecutive calls (a steady loop: one step size, new step
 tensors from the same buffers) gets torch's C++ tensor check of that step
-(:func:`~kvmgr.kernels.mla.checks.tensor_guard`: dtype, device, every size and stride of
+(:func:`~kvmgr._tensor_guard.tensor_guard`: dtype, device, every size and stride of
 ``kv_c``, ``k_pe``, ``slot_mapping`` and the scales): a later call that passes it, and whose
 bases have that step's 16-byte alignment, takes that signature's launch without the 15 reads
 and the hash (one C++ call and the four pointers). Anything else takes the signature path.
@@ -47,10 +47,11 @@ from typing import Any
 
 import torch
 
+from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.launch import Launches
 from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
-from kvmgr.kernels.mla.checks import check_step, tensor_guard, unchecked_step
+from kvmgr.kernels.mla.checks import check_step, unchecked_step
 from kvmgr.kernels.mla.kernel import grouped_insert_kernel
 from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
 

@@ -1,0 +1,35 @@
+"""torch's C++ check of tensor metadata, built for a list of tensors (private to ``kvmgr``).
+
+Used by the worker's moved-tensor check (:mod:`kvmgr.worker.tensors`) and the MLA insert's memo
+(:mod:`kvmgr.kernels.mla`); imports torch only, so neither depends on the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+try:  # torch's C++ check of tensor metadata (dynamo's guards); the callers' reads without it
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch without dynamo
+    _TensorGuards = None
+
+__all__ = ["tensor_guard"]
+
+
+def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """torch's C++ check of ``tensors`` as they are now, or None where this torch has none that
+    accepts them. ``guard.check(*others)`` is True when ``others`` are as many tensors, each of
+    the dtype, device, sizes and strides of its counterpart (and its dispatch keys and
+    ``requires_grad`` under the grad mode the guard was built in: ``torch.compile``'s input
+    check, ``torch._C._dynamo.guards.TensorGuards``); pointers are not compared. Raises
+    ``TypeError`` for another number of tensors."""
+    if _TensorGuards is None:
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])  # fmt: skip
+    except Exception:  # another torch's signature, or not tensors
+        return None
