@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 27, step() host time after the moved-tensor check's C++ fast path (helper stepcuda2),
+# on the H200, from the repo root; results under $OUT/stepcuda2/ (log.txt,
+# step_{old,new}_{1,2}.json). About 2 minutes: limits 10 + 2 x 30 + 2 x 20 + 25 s (the second
+# round of section 2 runs only if under 70 s have passed).
+# Old tree = this helper's branch point off main (3c5e150; else `git merge-base HEAD main`),
+# extracted with git archive; new tree = this checkout. Each tree's bench runs from its own
+# root with PYTHONPATH set to that root only (`python3 -m` puts the working directory first on
+# sys.path: run from this checkout, the old tree's run would import the new kvmgr).
+#  1. The versions (python, torch, the GPU).
+#  2. `kvmgr bench swap` step table: 512 queued one-block stores of 48 x 4 KiB pages, cuda engine
+#     on consecutive ids (target step() host <= 150 us; last measured 236) and kernel engine on
+#     scattered ids (target <= 300 us; last 295); old and new alternately, twice if time allows.
+#     Look at the summary: host / manager / engine per tree and new/old (the guard is in
+#     "manager").
+#  3. The moved-tensor tests on CUDA tensors (tests/manager/test_tensor_guard.py, the cuda
+#     cases: every move in every grad mode, the rebuild after a mode change) and the 48-tensor
+#     check's time on CUDA tensors: moved() (C++ check + pointers) against the four-list compare.
+source "${BASH_SOURCE%/*}/_common.sh" stepcuda2
+D=$(cd "$D" && pwd)
+LOG="$D/log.txt"
+NEW="$PWD"
+BASE=3c5e150
+git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || BASE=$(git merge-base HEAD main 2>/dev/null)
+STEP_ARGS="--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3 --step-swaps 512 --step-engines cuda kernel"
+
+step env 10 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+
+OLD=""
+if [ -n "$BASE" ]; then
+  OLD="$(mktemp -d)"
+  git archive "$BASE" kvmgr | tar -x -C "$OLD" || OLD=""
+fi
+[ -z "$OLD" ] && echo "no git history: the old tree's rows are skipped" | tee -a "$LOG"
+for run in 1 2; do
+  [ "$run" = 2 ] && [ "$SECONDS" -gt 70 ] && { echo "second round skipped (time)" | tee -a "$LOG"; break; }
+  for tree in old new; do
+    root="$NEW"; [ "$tree" = old ] && root="$OLD"
+    [ -z "$root" ] && continue
+    step "step_${tree}_$run" $((run == 1 ? 30 : 20)) bash -c "cd '$root' && PYTHONPATH='$root' python3 -m kvmgr.cli bench swap \
+      $STEP_ARGS --json '$D/step_${tree}_$run.json'"
+  done
+done
+
+step guard_tests 25 bash -c "python3 -m pytest -q -p no:randomly -k cuda tests/manager/test_tensor_guard.py && \
+  python3 -c \"
+import timeit, torch
+from kvmgr.worker.tensors import TensorGuard
+kv = [torch.empty((1025, 4096), dtype=torch.uint8, device='cuda') for _ in range(48)]
+guard = TensorGuard(kv)
+assert guard.moved() is None and guard._check is not None and guard._check.check(*kv)
+for name, fn in (('moved (C++ check + pointers)', guard.moved), ('four-list compare', guard._compare)):
+    best = min(timeit.repeat(fn, number=2000, repeat=5)) / 2000 * 1e6
+    print(f'48 CUDA tensors, {name}: {best:.1f} us')
+\""
+
+echo "=== stepcuda2 summary (base $BASE)"
+python3 scripts/gpu/step_summary.py "$D"
+grep -E "48 CUDA tensors|passed|failed" "$LOG"
+grep -E "^=== .* rc=" "$LOG"
+[ -n "$OLD" ] && rm -rf "$OLD"
