@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 27, step() host time after the moved-tensor check's C++ fast path (helper stepcuda2),
 # on the H200, from the repo root; results under $OUT/stepcuda2/ (log.txt,
-# step_{old,new}_{1,2}.json). About 2 minutes: limits 10 + 2 x 30 + 2 x 20 + 25 s (the second
-# round of section 2 runs only if under 70 s have passed).
+# step_{old,new}_{1,2}.json, pieces.json). About 2 minutes: limits 10 + 2 x 30 + 2 x 20 + 25 +
+# 30 s (the second round of section 2 runs only if under 50 s have passed; each run is 10-15 s).
 # Old tree = this helper's branch point off main (3c5e150; else `git merge-base HEAD main`),
 # extracted with git archive; new tree = this checkout. Each tree's bench runs from its own
 # root with PYTHONPATH set to that root only (`python3 -m` puts the working directory first on
@@ -16,6 +16,9 @@
 #  3. The moved-tensor tests on CUDA tensors (tests/manager/test_tensor_guard.py, the cuda
 #     cases: every move in every grad mode, the rebuild after a mode change) and the 48-tensor
 #     check's time on CUDA tensors: moved() (C++ check + pointers) against the four-list compare.
+#  4. scripts/step_pieces.py on the H200 (this tree, real engines and driver): min / p10 / median
+#     us of each piece of the step (flush, take, moved, launch, plan, engine submit, DMA issue,
+#     descriptor table, driver call, queueing): where the remaining host time goes.
 source "${BASH_SOURCE%/*}/_common.sh" stepcuda2
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
@@ -33,7 +36,7 @@ if [ -n "$BASE" ]; then
 fi
 [ -z "$OLD" ] && echo "no git history: the old tree's rows are skipped" | tee -a "$LOG"
 for run in 1 2; do
-  [ "$run" = 2 ] && [ "$SECONDS" -gt 70 ] && { echo "second round skipped (time)" | tee -a "$LOG"; break; }
+  [ "$run" = 2 ] && [ "$SECONDS" -gt 50 ] && { echo "second round skipped (time)" | tee -a "$LOG"; break; }
   for tree in old new; do
     root="$NEW"; [ "$tree" = old ] && root="$OLD"
     [ -z "$root" ] && continue
@@ -54,8 +57,11 @@ for name, fn in (('moved (C++ check + pointers)', guard.moved), ('four-list comp
     print(f'48 CUDA tensors, {name}: {best:.1f} us')
 \""
 
+step pieces 30 python3 scripts/step_pieces.py --repeats 100 --json "$D/pieces.json"
+
 echo "=== stepcuda2 summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
 grep -E "48 CUDA tensors|passed|failed" "$LOG"
+sed -n '/^=== pieces (/,/^=== pieces rc=/p' "$LOG"
 grep -E "^=== .* rc=" "$LOG"
 [ -n "$OLD" ] && rm -rf "$OLD"
