@@ -20,30 +20,15 @@
 #     us of each piece of the step (flush, take, moved, launch, plan, engine submit, DMA issue,
 #     descriptor table, driver call, queueing): where the remaining host time goes.
 source "${BASH_SOURCE%/*}/_common.sh" stepcuda2
+source "${BASH_SOURCE%/*}/_step_table.sh"
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
-NEW="$PWD"
 BASE=3c5e150
 git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || BASE=$(git merge-base HEAD main 2>/dev/null)
-STEP_ARGS="--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3 --step-swaps 512 --step-engines cuda kernel"
 
 step env 10 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
 
-OLD=""
-if [ -n "$BASE" ]; then
-  OLD="$(mktemp -d)"
-  git archive "$BASE" kvmgr | tar -x -C "$OLD" || OLD=""
-fi
-[ -z "$OLD" ] && echo "no git history: the old tree's rows are skipped" | tee -a "$LOG"
-for run in 1 2; do
-  [ "$run" = 2 ] && [ "$SECONDS" -gt 50 ] && { echo "second round skipped (time)" | tee -a "$LOG"; break; }
-  for tree in old new; do
-    root="$NEW"; [ "$tree" = old ] && root="$OLD"
-    [ -z "$root" ] && continue
-    step "step_${tree}_$run" $((run == 1 ? 30 : 20)) bash -c "cd '$root' && PYTHONPATH='$root' python3 -m kvmgr.cli bench swap \
-      $STEP_ARGS --json '$D/step_${tree}_$run.json'"
-  done
-done
+step_table_ab "$BASE" 50
 
 step guard_tests 25 bash -c "python3 -m pytest -q -p no:randomly -k cuda tests/manager/test_tensor_guard.py && \
   python3 -c \"
@@ -64,4 +49,3 @@ python3 scripts/gpu/step_summary.py "$D"
 grep -E "48 CUDA tensors|passed|failed" "$LOG"
 sed -n '/^=== pieces (/,/^=== pieces rc=/p' "$LOG"
 grep -E "^=== .* rc=" "$LOG"
-[ -n "$OLD" ] && rm -rf "$OLD"
