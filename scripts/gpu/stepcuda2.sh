@@ -2,7 +2,7 @@
 # Issue 27, step() host time after the moved-tensor check's C++ fast path (helper stepcuda2),
 # on the H200, from the repo root; results under $OUT/stepcuda2/ (log.txt,
 # step_{old,new}_{1,2}.json, pieces.json). About 2 minutes: limits 10 + 2 x 30 + 2 x 20 + 25 +
-# 30 s (the second round of section 2 runs only if under 50 s have passed; each run is 10-15 s).
+# 15 + 30 s (the second round of section 2 runs only if under 50 s have passed; each run is 10-15 s).
 # Old tree = this helper's branch point off main (3c5e150; else `git merge-base HEAD main`),
 # extracted with git archive; new tree = this checkout. Each tree's bench runs from its own
 # root with PYTHONPATH set to that root only (`python3 -m` puts the working directory first on
@@ -16,7 +16,11 @@
 #  3. The moved-tensor tests on CUDA tensors (tests/manager/test_tensor_guard.py, the cuda
 #     cases: every move in every grad mode, the rebuild after a mode change) and the 48-tensor
 #     check's time on CUDA tensors: moved() (C++ check + pointers) against the four-list compare.
-#  4. scripts/step_pieces.py on the H200 (this tree, real engines and driver): min / p10 / median
+#  4. What the streams' per-batch torch calls cost on the H200 host (hot loop, best of 5): an
+#     event record on the current stream (torch's Python wrapper builds a Stream) against one on
+#     a given stream or through torch's C base, wait_event, current_device, cuda_stream: for
+#     the next cut of CopyStreams.submit (none was made here without these figures).
+#  5. scripts/step_pieces.py on the H200 (this tree, real engines and driver): min / p10 / median
 #     us of each piece of the step (flush, take, moved, launch, plan, engine submit, DMA issue,
 #     descriptor table, driver call, queueing): where the remaining host time goes.
 source "${BASH_SOURCE%/*}/_common.sh" stepcuda2
@@ -42,10 +46,33 @@ for name, fn in (('moved (C++ check + pointers)', guard.moved), ('four-list comp
     print(f'48 CUDA tensors, {name}: {best:.1f} us')
 \""
 
+step event_costs 15 python3 -c "
+import timeit, torch
+dev = torch.device('cuda', 0)
+side = torch.cuda.Stream(dev)
+event, other = torch.cuda.Event(), torch.cuda.Event(enable_timing=True, blocking=True)
+event.record(); other.record(side); torch.cuda.synchronize()
+base_record = torch._C._CudaEventBase.record
+cases = {
+    'Event.record() (current stream: builds a Stream)': lambda: event.record(),
+    'torch.cuda.current_stream()': lambda: torch.cuda.current_stream(),
+    'Event.record(stream)': lambda: other.record(side),
+    '_CudaEventBase.record(event, stream)': lambda: base_record(other, side),
+    'Stream.wait_event(event)': lambda: side.wait_event(event),
+    'torch.cuda.current_device()': lambda: torch.cuda.current_device(),
+    'torch._C._cuda_getDevice()': lambda: torch._C._cuda_getDevice(),
+    'stream.cuda_stream': lambda: side.cuda_stream,
+}
+for name, fn in cases.items():
+    best = min(timeit.repeat(fn, number=2000, repeat=5)) / 2000 * 1e6
+    print(f'event cost {name}: {best:.2f} us')
+torch.cuda.synchronize()
+"
+
 step pieces 30 python3 scripts/step_pieces.py --repeats 100 --json "$D/pieces.json"
 
 echo "=== stepcuda2 summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
-grep -E "48 CUDA tensors|passed|failed" "$LOG"
+grep -E "48 CUDA tensors|passed|failed|^event cost" "$LOG"
 sed -n '/^=== pieces (/,/^=== pieces rc=/p' "$LOG"
 grep -E "^=== .* rc=" "$LOG"
