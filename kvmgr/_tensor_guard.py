@@ -1,7 +1,14 @@
-"""torch's C++ check of tensor metadata, built for a list of tensors (private to ``kvmgr``).
+"""torch's C++ check of tensor metadata, built for some tensors (private to ``kvmgr``).
 
-Used by the worker's moved-tensor check (:mod:`kvmgr.worker.tensors`) and the MLA insert's memo
-(:mod:`kvmgr.kernels.mla`); imports torch only, so neither depends on the other.
+Offers:
+    tensor_guard    a ``torch._C._dynamo.guards.TensorGuards`` of some tensors as they are now
+
+``torch.compile`` checks its inputs with it: dtype, device, every size and stride, dispatch keys
+and ``requires_grad`` (under the grad mode it was built in), one C++ call for all the tensors
+(about 0.28 us per tensor on the 2-core CPU host, against 0.75-0.85 us for four attribute reads).
+Pointers are not compared. Used by the worker's moved-tensor check (:mod:`kvmgr.worker.tensors`)
+and the kernel families' per-step fast paths (MLA insert, c128); imports torch only, so neither
+side depends on the other.
 """
 
 from __future__ import annotations

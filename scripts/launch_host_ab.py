@@ -2,6 +2,12 @@
 
     git archive d4df0e3 kvmgr | (mkdir -p /tmp/old && tar -x -C /tmp/old)
     python3 scripts/launch_host_ab.py /tmp/old [--runs 3] [--tokens 64]
+    python3 scripts/launch_host_ab.py /tmp/old --bench "--tokens 1,16,128 --rounds 20" [--runs 3]
+
+``--bench ARGS``: both trees have ``kvmgr bench launch-host``; it runs with ARGS in each tree's
+own root (``-C``, ``PYTHONPATH`` = that root), old and new alternately, ``--runs`` times, and the
+table gives per row the minimum of the runs' minima, the median of their medians, and new/old of
+both (``--json PATH`` keeps them).
 
 The same rows as ``kvmgr bench launch-host`` (which the old tree lacks), on a stand-in GPU: Triton
 compiles the real kernels for ``cuda:90`` behind a stub driver (``kvmgr.bench.stub_gpu`` of this
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,12 +132,50 @@ def _run(tree: Path, tokens: int, out: Path) -> dict[str, float]:
     return result
 
 
+def _bench(tree: Path, bench_args: str, out: Path) -> dict[str, tuple[float, float]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(tree)
+    command = [sys.executable, "-m", "kvmgr.cli", "bench", "launch-host", *bench_args.split(), "--json", str(out)]  # fmt: skip
+    subprocess.run(command, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["rows"]
+    return {r["row"]: (r["min_us"], r["median_us"]) for r in rows}
+
+
+def _bench_pairs(old: Path, bench_args: str, runs: int, json_path: str | None) -> None:
+    """``--bench``: the launch-host rows of both trees, alternately (module docstring)."""
+    seen: dict[str, dict[str, list[tuple[float, float]]]] = {"old": {}, "new": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(runs):
+            for name, tree in (("old", old), ("new", HERE)):
+                for row, us in _bench(tree, bench_args, Path(tmp) / f"{name}{run}.json").items():
+                    seen[name].setdefault(row, []).append(us)
+    table = []
+    for row, olds in seen["old"].items():
+        news = seen["new"].get(row)
+        if not news:
+            continue
+        old_min, new_min = min(u[0] for u in olds), min(u[0] for u in news)
+        old_med, new_med = statistics.median(u[1] for u in olds), statistics.median(u[1] for u in news)  # fmt: skip
+        table.append({"row": row, "old_min": old_min, "new_min": new_min, "old_median": old_med, "new_median": new_med})  # fmt: skip
+    print(f"{'launch-host, us per call (stub driver)':84s} {'old min':>8s} {'new min':>8s} {'ratio':>6s} {'old med':>8s} {'new med':>8s} {'ratio':>6s}")  # fmt: skip
+    for r in table:
+        print(f"{r['row'][:84]:84s} {r['old_min']:8.2f} {r['new_min']:8.2f} {r['new_min'] / r['old_min']:6.2f} {r['old_median']:8.2f} {r['new_median']:8.2f} {r['new_median'] / r['old_median']:6.2f}")  # fmt: skip
+    if json_path:
+        Path(json_path).write_text(json.dumps({"args": bench_args, "runs": runs, "rows": table}, indent=2))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("old", type=Path, help="an older kvmgr tree (its parent of kvmgr/)")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per tree")
     parser.add_argument("--tokens", type=int, default=64, help="MLA step size T")
+    parser.add_argument("--bench", metavar="ARGS", default=None,
+                        help="run `kvmgr bench launch-host ARGS` in both trees instead")  # fmt: skip
+    parser.add_argument("--json", default=None, help="with --bench: write the table as JSON")
     args = parser.parse_args()
+    if args.bench is not None:
+        _bench_pairs(args.old.resolve(), args.bench, args.runs, args.json)
+        return
     best: dict[str, dict[str, float]] = {"old": {}, "new": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):

@@ -814,3 +814,108 @@ def test_state_write_binds_once_per_signature_and_checks_t_agreement():
     with pytest.raises(GeometryError, match=r"kv: expected shape \[3, 512\], got \[2, 512\]"):
         layer.launch_write(base.kv[:2], base.score[:3], base.positions[:3], base.state_slot_mapping[:3])  # fmt: skip
     assert torch.equal(layer.state_cache, expected)
+
+
+def _fresh(ctx: StepContext, **changes) -> StepContext:
+    """``ctx`` with new step tensors (clones: new objects, new pointers), some replaced."""
+    tensors = {k: v.clone() for k, v in ctx.tensors.items()}
+    tensors.update({k: bad(tensors[k]) for k, bad in changes.items()})
+    return StepContext(tensors=tensors, num_computed_tokens=ctx.num_computed_tokens,
+                       query_start_loc=ctx.query_start_loc)  # fmt: skip
+
+
+def _steady_writes(hook: C128CompressorHook, step: Step, expected: torch.Tensor) -> None:
+    """Five gated steps with new step tensors (a steady serving loop), each state write checked
+    against the reference; then the write is guarded (the one-check path is armed)."""
+    for _ in range(5):
+        ctx = _fresh(step.context())
+        t = ctx.tensors
+        c128_state_write_ref(t["c128.kv"], t["c128.score"], step.ape, t["positions"],
+                             t["c128.state_slot_mapping"], expected)  # fmt: skip
+        report = hook(ctx)
+        assert (report.launches, report.skips) == (1, 1)
+        assert torch.equal(hook.state_cache, expected)
+    assert hook._layer._steady_write.entry is not None
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "match"),
+    [
+        ("c128.kv", lambda t: t.half(), "score: expected dtype in torch.float16"),
+        ("c128.score", lambda t: t.float(), "score: expected dtype in torch.bfloat16"),
+        ("c128.kv", lambda t: t[:1], r"kv: expected shape \[2, 512\], got \[1, 512\]"),
+        ("c128.score", lambda t: t.t().contiguous().t(), "score: expected unit last stride"),
+        ("positions", lambda t: t.float(), "positions: expected dtype in"),
+        ("positions", lambda t: t[:, None], r"positions: expected shape \[\*\]"),
+        ("c128.state_slot_mapping", lambda t: t[:1], r"state_slot_mapping: expected shape \[2\]"),
+        ("c128.state_slot_mapping", lambda t: t.repeat(2)[::2], "unit last stride"),
+        pytest.param(
+            "c128.state_slot_mapping",
+            lambda t: t.cpu(),
+            "state_slot_mapping: expected device",
+            marks=pytest.mark.skipif(DEV == "cpu", reason="needs a CUDA GPU (one device here)"),
+        ),
+    ],
+)
+def test_a_bad_step_after_steady_steps_is_refused_before_launching(key, bad, match):
+    # a steady loop's state writes run on one C++ guard of the step tensors (c128/_steady.py):
+    # a new step tensor of another dtype, shape, stride or device must still raise the typed
+    # error of a first step, launch nothing, and leave the state cache as it was
+    step = Step(231, [(126, 1), (20, 1)])  # no request completes a window: gated, write only
+    hook = make_hook(step)
+    expected = step.state_cache.clone()
+    _steady_writes(hook, step, expected)
+    with pytest.raises(GeometryError, match=match):
+        hook(_fresh(step.context(), **{key: bad}))
+    assert torch.equal(hook.state_cache, expected)
+    _steady_writes(hook, step, expected)  # and the loop goes on exactly
+
+
+def test_a_slot_past_the_state_cache_after_steady_steps_is_refused_with_check_slots():
+    step = Step(232, [(126, 1), (20, 1)])
+    hook = make_hook(step, check_slots=True)
+    expected = step.state_cache.clone()
+    _steady_writes(hook, step, expected)
+    capacity = step.state_cache.shape[0] * step.block_size
+
+    def past(t):
+        t[1] = capacity
+        return t
+
+    with pytest.raises(InvalidBlockError, match=r"state_slot_mapping: expected slots < \d+"):
+        hook(_fresh(step.context(), **{"c128.state_slot_mapping": past}))
+    assert torch.equal(hook.state_cache, expected)
+
+
+def test_steady_writes_of_other_valid_layouts_leave_the_guard_and_are_exact():
+    # same sizes, other valid layouts between steady steps: int32 positions, token-strided kv
+    # rows, a score base 4 bytes past 16-byte alignment, another T; each is written exactly
+    from kvmgr.kernels.c128.host import Layer
+
+    base = Step(233, [(0, 6), (126, 1), (300, 1)])
+    layer = Layer(base.state_cache.clone(), ape=base.ape)
+    expected = base.state_cache.clone()
+    rows = (base.kv, base.score, base.positions, base.state_slot_mapping)
+
+    def write(args):
+        c128_state_write_ref(*args[:2], base.ape, *args[2:], expected)
+        assert layer.launch_write(*args) == args[2].shape[0]
+        assert torch.equal(layer.state_cache, expected)
+
+    def misaligned(t):
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        return storage[1:].view(t.shape).copy_(t)  # bf16: 2 bytes past the base
+
+    others = {
+        "int32 positions": lambda a: (a[0], a[1], a[2].int(), a[3]),
+        "token-strided kv": lambda a: (torch.cat([a[0], a[0]], dim=-1)[:, :512], *a[1:]),
+        "misaligned score": lambda a: (a[0], misaligned(a[1]), *a[2:]),
+        "T = 3": lambda a: tuple(t[:3] for t in a),
+    }
+    for name, other in others.items():
+        for _ in range(3):
+            write(tuple(t.clone() for t in rows))
+        assert layer._steady_write.entry is not None, name
+        changed = other(tuple(t.clone() for t in rows))
+        assert layer._steady_write.launch(*changed, None, False) is None, name
+        write(changed)

@@ -36,6 +36,7 @@ from triton.knobs import HookChain
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.launch import (
     Launcher,
     Launches,
@@ -459,13 +460,54 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case,
 
 
 def test_the_c_driver_call_can_be_turned_off(monkeypatch):
-    native.native_fire.cache_clear()
+    native._module.cache_clear()
+    native.checked_data_ptrs.cache_clear()
     monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
     try:
         assert native.native_fire() is None
+        read = native.checked_data_ptrs()
+        assert read is native._python_checked_ptrs  # the same values, from Python
+        words = torch.empty(4, dtype=torch.int32)
+        guard = tensor_guard((words, words[1:]))
+        assert read(guard.check, words, words[1:]) == (words.data_ptr(), words.data_ptr() + 4)
+        assert read(guard.check, words, words) is None
     finally:
         monkeypatch.undo()
-        native.native_fire.cache_clear()
+        native._module.cache_clear()
+        native.checked_data_ptrs.cache_clear()
+
+
+def test_checked_data_ptrs_reads_only_what_the_guard_accepts():
+    # the pointers of the tensors a tensor guard accepts, in one call; None where it refuses:
+    # another shape, stride, dtype, or a tensor without storage (whose pointer read would end
+    # the process from C), which the guard's dispatch keys refuse first
+    read = native.checked_data_ptrs()
+    words = torch.empty(64, dtype=torch.int32)
+    tensors = (
+        words,
+        words[5:],
+        words.view(torch.float16)[3:],
+        words.view(8, 8).t(),
+        torch.empty(0),
+    )
+    guard = tensor_guard(tensors)
+    assert read(guard.check, *tensors) == tuple(t.data_ptr() for t in tensors)
+    more = torch.empty(64, dtype=torch.int32)  # the same layouts in other memory
+    others = (more, more[5:], more.view(torch.float16)[3:], more.view(8, 8).t(), torch.empty(0))
+    assert read(guard.check, *others) == tuple(t.data_ptr() for t in others)
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (4,), check_invariants=True
+    )
+    one = tensor_guard((torch.empty(4),))
+    for bad in (words[:10], words.view(torch.float32), words.view(8, 8), sparse):
+        assert read(one.check, bad) is None
+    with pytest.raises(TypeError):  # another number of tensors: the guard's own error
+        read(guard.check, words)
+    if read is not native._python_checked_ptrs:  # the C function checks its arguments' type
+        for bad in (None, 3, words.numpy()):
+            with pytest.raises(TypeError, match="not a tensor"):
+                read(lambda *args: True, words, bad)
+        assert read(lambda *args: False, None) is None  # a refusal reads nothing
 
 
 def test_a_new_thread_with_the_kernels_context_is_adopted(runtime):

@@ -407,11 +407,104 @@ def test_a_bad_step_after_a_guarded_signature_raises_before_writing(case: str) -
     for _ in range(4):  # new step tensors, one scales object
         grouped_mla_insert(good["kv_c"].clone(), good["k_pe"].clone(), caches,  # type: ignore[union-attr]
                            good["slot_mapping"].clone(), kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[union-attr, arg-type]  # fmt: skip
-    assert api._MEMO.insert_for(caches, "fp8_e4m3", True)._guarded is not None
+    assert api._MEMO.insert_for(caches, "fp8_e4m3", True).guarded is not None
     before = [cache.clone() for cache in caches]
     with pytest.raises(error, match="expected"):
         grouped_mla_insert(**bad)  # type: ignore[arg-type]
     assert _same_bytes(caches, before)
+
+
+def _steady_steps(good: dict[str, object], caches: list[torch.Tensor], hooks: Sequence[GroupedMLAInsertHook]) -> None:  # fmt: skip
+    """Five steps of new step tensors (clones of ``good``) through the public function and each
+    hook, each checked against the reference: a steady loop. Asserts that the fast paths are
+    then armed (the memo's one guard of caches and step, each hook's step guard)."""
+    names = ("kv_c", "k_pe", "slot_mapping")
+    for _ in range(5):
+        step = {k: good[k].clone() for k in (*names, "kv_scales")}  # type: ignore[union-attr]
+        expected = _reference(*(step[k] for k in names[:2]), caches, step["slot_mapping"],
+                              kv_cache_dtype="fp8_e4m3", kv_scales=step["kv_scales"])  # fmt: skip
+        grouped_mla_insert(step["kv_c"], step["k_pe"], caches, step["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=step["kv_scales"])  # fmt: skip
+        assert _same_bytes(caches, expected)
+        for hook in hooks:
+            hook(StepContext(tensors={k: good[k].clone() for k in names}))  # type: ignore[union-attr]
+    assert id(caches) in api._MEMO._steady
+    assert all(hook._insert.guarded is not None and hook._insert.fired is not None for hook in hooks if not hook._check_slots)  # fmt: skip
+
+
+STEADY_CASES = [*STEP_CASES, "slot past the capacity", "kv_c on the CPU"]
+
+
+@pytest.mark.parametrize("case", STEADY_CASES)
+def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) -> None:
+    # a steady loop (one cache list, new step tensors of one signature) runs the public function
+    # on ONE C++ guard of caches and step (InsertMemo.launch_steady) and the hook on its step
+    # guard. A new step tensor of another dtype, shape, stride, layer count or device, or (with
+    # check_slots) a slot past the capacity, must still raise the typed error of a first call,
+    # through both, and write nothing; the poison of every cache stays
+    if case == "kv_c on the CPU" and DEVICE == "cpu":
+        pytest.skip("needs a CUDA GPU (one device here)")
+    error, bad = _bad_args("good" if case in ("slot past the capacity", "kv_c on the CPU") else case)  # fmt: skip
+    good = _bad_args("good")[1]
+    if case == "slots of wrong layers":
+        bad["slot_mapping"] = torch.stack([_slots(31, 5, 8, 1)] * 3)
+    elif case == "float64 scales":
+        bad["kv_scales"] = _scales(32, 2).double()
+    elif case == "slot past the capacity":
+        error, bad["check_slots"] = InvalidBlockError, True
+        bad["slot_mapping"] = good["slot_mapping"].clone()  # type: ignore[union-attr]
+        bad["slot_mapping"][2] = 8  # capacity: 2 blocks x 4
+    elif case == "kv_c on the CPU":
+        bad["kv_c"] = good["kv_c"].cpu()  # type: ignore[union-attr]
+    caches = bad["caches"]
+    assert isinstance(caches, list)
+    api._MEMO.clear()
+    checked = case == "slot past the capacity"
+    hook = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"], check_slots=checked)  # type: ignore[arg-type]  # fmt: skip
+    _steady_steps(good, caches, [hook])
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(error, match="expected"):
+        grouped_mla_insert(**bad)  # type: ignore[arg-type]
+    if case not in ("scales shape", "float64 scales"):  # the hook's scales are its own
+        with pytest.raises(error, match="expected"):
+            hook(StepContext(tensors={k: bad[k] for k in ("kv_c", "k_pe", "slot_mapping")}))
+    assert _same_bytes(caches, before)
+    _steady_steps(good, caches, [hook])  # and the loop goes on exactly
+
+
+def test_steady_steps_of_other_valid_layouts_are_written_exactly() -> None:
+    # between the steps of a steady loop, steps of the same sizes but other strides, another
+    # base alignment, the other slot layout or another T are valid: each must leave the
+    # one-guard path for its own launch, and be written exactly; other scales of the same
+    # layout stay on it (their pointer is read every step)
+    good = _bad_args("good")[1]
+    caches = good["caches"]
+    assert isinstance(caches, list)
+    api._MEMO.clear()
+    kv_c, k_pe, slots, scales = (good[k] for k in ("kv_c", "k_pe", "slot_mapping", "kv_scales"))
+    for case in ("token-strided kv_c", "k_pe 2 bytes past alignment", "other scales", "[L, T] slots", "T = 3", "a stride-0 expand"):  # fmt: skip
+        _steady_steps(good, caches, [])
+        step = {"kv_c": kv_c.clone(), "k_pe": k_pe.clone(), "slot_mapping": slots.clone(), "kv_scales": scales}  # type: ignore[union-attr]  # fmt: skip
+        if case == "token-strided kv_c":
+            step["kv_c"] = torch.cat([kv_c, kv_c], dim=-1)[..., :8]  # type: ignore[list-item]
+        elif case == "k_pe 2 bytes past alignment":
+            storage = torch.empty(k_pe.numel() + 1, dtype=k_pe.dtype, device=DEVICE)  # type: ignore[union-attr]
+            step["k_pe"] = storage[1:].view(k_pe.shape).copy_(k_pe)  # type: ignore[union-attr]
+        elif case == "other scales":
+            step["kv_scales"] = _scales(33, 2)
+        elif case == "[L, T] slots":
+            step["slot_mapping"] = torch.stack([slots, slots.roll(1)])  # type: ignore[union-attr]
+        elif case == "T = 3":
+            step = {k: v[..., :3, :] if k in ("kv_c", "k_pe") else v[:3] if k == "slot_mapping" else v for k, v in step.items()}  # type: ignore[index]  # fmt: skip
+        else:
+            step["slot_mapping"] = slots.clone().expand(2, 5)  # type: ignore[union-attr]
+        expected = _reference(step["kv_c"], step["k_pe"], caches, step["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=step["kv_scales"])  # fmt: skip
+        took = api._MEMO.launch_steady(
+            api._MEMO.steady_record(id(caches)), caches, "fp8_e4m3", True, **step
+        )  # type: ignore[arg-type]
+        assert (took is not None) is (case == "other scales"), case  # its pointer is read per step
+        if took is None:
+            grouped_mla_insert(step["kv_c"], step["k_pe"], caches, step["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=step["kv_scales"])  # fmt: skip
+        assert _same_bytes(caches, expected), case
 
 
 def test_a_guarded_signature_writes_exactly_what_each_step_holds() -> None:
@@ -436,9 +529,9 @@ def test_a_guarded_signature_writes_exactly_what_each_step_holds() -> None:
             slots = torch.stack([slots.roll(i) for i in range(num_layers)])
         elif step == 13:
             step_scales = others
-        guarded += insert._guarded is not None and insert._repeated(kv_c, k_pe, slots, step_scales) is not None  # fmt: skip
         expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=step_scales)  # fmt: skip
         assert insert(kv_c, k_pe, slots, step_scales) == num_tokens
+        guarded += insert.fired is not None
         assert _same_bytes(caches, expected), step
         assert insert._last[-1].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
     assert guarded >= 6
@@ -636,14 +729,16 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     width = rank + rope_dim
     caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)
-    for step in range(3):
-        kv_c, k_pe = _inputs(171 + step, num_layers, 9, rank, rope_dim, torch.bfloat16)
-        slots = _slots(173 + step, 9, num_blocks * block_size, 2)
+    for step in range(5):  # new step tensors of one signature: from the third on, a steady loop
+        kv_c, k_pe = _inputs(171 + step, num_layers, 7, rank, rope_dim, torch.bfloat16)
+        slots = _slots(173 + step, 7, num_blocks * block_size, 2)
         expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
         assert _same_bytes(caches, expected)
     remembered = api._MEMO.insert_for(caches, "auto", True)
-    assert remembered.num_bound == 1  # the three calls went through one insert
+    assert remembered.num_bound == 1  # the calls went through one insert
     assert (api._MEMO._lists[id(caches)][8] is None) is (check == "reads")
+    # with the guard, the next step of that signature would take the one-guard path
+    assert (id(caches) in api._MEMO._steady) is (check == "guard")
     fresh = _caches(175, 1, num_blocks, block_size, width, torch.bfloat16)[0]
     if change == "set_":
         caches[1].set_(fresh)  # same shape, new storage: a new pointer
@@ -662,9 +757,11 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(
     else:
         caches = list(caches)
     is_same_set = change == "new list, same tensors"
-    assert (api._MEMO.insert_for(caches, "auto", True) is remembered) is is_same_set
     capacity = min(c.shape[0] * c.shape[1] for c in caches)
-    kv_c, k_pe = _inputs(176, num_layers, 7, rank, rope_dim, torch.bfloat16)
+    kv_c, k_pe = _inputs(176, num_layers, 7, rank, rope_dim, torch.bfloat16)  # the same signature
+    if check == "guard" and not is_same_set:  # the steady path must refuse the changed caches
+        assert api._MEMO.launch_steady(api._MEMO.steady_record(id(caches)), caches, "auto", True, kv_c, k_pe, _slots(177, 7, capacity, 2), None) is None  # fmt: skip
+    assert (api._MEMO.insert_for(caches, "auto", True) is remembered) is is_same_set
     slots = _slots(177, 7, capacity, 2)
     expected = _run_both(grouped_mla_insert, kv_c, k_pe, caches, slots)
     assert _same_bytes(caches, expected)
@@ -680,9 +777,10 @@ def test_the_caches_memo_sees_a_dtype_change_and_keeps_no_cache_alive() -> None:
 
     num_layers, rank, rope_dim, num_blocks, block_size = 2, 24, 8, 6, 4
     caches = _caches(180, num_layers, num_blocks, block_size, rank + rope_dim, torch.bfloat16)
-    for step in range(3):
+    for step in range(5):  # new step tensors: from the third on, the one-guard path
         kv_c, k_pe = _inputs(181 + step, num_layers, 5, rank, rope_dim, torch.bfloat16)
         grouped_mla_insert(kv_c, k_pe, caches, _slots(184 + step, 5, num_blocks * block_size, 1))
+    assert id(caches) in api._MEMO._steady
     remembered = api._MEMO.insert_for(caches, "auto", True)
     for cache in caches:
         cache.data = cache.view(torch.float16)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvmgr.kernels.c128._steady import WriteGuard
 from kvmgr.kernels.c128.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -94,6 +95,8 @@ class Layer:
         # the last step's tensors, their pointers and T, and its bound launch: a step that
         # passes the very same tensor objects (persistent buffers) skips even the signature
         self._last_write: tuple[Any, ...] | None = None
+        # a steady loop's new step tensors: the state write by one C++ check (_steady)
+        self._steady_write = WriteGuard()
         self._last_compress: tuple[Any, ...] | None = None
 
     def check_write(self, kv: object, score: object, positions: object, state_slot_mapping: object) -> int:  # fmt: skip
@@ -156,13 +159,9 @@ class Layer:
         Raises:
             GeometryError: as :meth:`check_write`.
         """
-        last = self._last_write  # the same tensor objects as the last step: nothing to redo
-        if (
-            last is not None and kv is last[0] and score is last[1] and positions is last[2]
-            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
-            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.numel())
-        ):  # fmt: skip
-            return last[5], last[4][-1]
+        hit = self._repeated_write(kv, score, positions, state_slot_mapping)
+        if hit is not None:
+            return hit[5], hit[4][-1]
         try:
             kvs, scs, ps, ss = kv.shape, score.shape, positions.shape, state_slot_mapping.shape  # fmt: skip
             kvt, sct = kv.stride(), score.stride()
@@ -188,10 +187,28 @@ class Layer:
                     *args[4:], *self.state_strides, self.state_capacity, self.block_size,
                     self.head_dim, C128_RATIO)  # fmt: skip
             bound = self._write.bind(classes if key is None else key, (num_tokens, 1, 1), full)
+            self._steady_write.forget()
+        else:
+            self._steady_write.remember(key, bound, args, values)
         bound.set(values, args)
         self._last_write = (kv, score, positions, state_slot_mapping, (*values[:4], num_tokens),
                             bound, (num_tokens, 1, 1))  # fmt: skip
         return bound, num_tokens
+
+    def _repeated_write(self, kv: Any, score: Any, positions: Any, state_slot_mapping: Any) -> tuple[Any, ...] | None:  # fmt: skip
+        """The last-write record of a step that needs no key, its arguments set: the very
+        tensor objects of the last step, or a step that passes the write guard; else None."""
+        last = self._last_write  # the same tensor objects as the last step: nothing to redo
+        if (
+            last is not None and kv is last[0] and score is last[1] and positions is last[2]
+            and state_slot_mapping is last[3] and last[4] == (kv.data_ptr(), score.data_ptr(),
+            positions.data_ptr(), state_slot_mapping.data_ptr(), positions.numel())
+        ):  # fmt: skip
+            return last
+        hit = self._steady_write.launch(kv, score, positions, state_slot_mapping, None, False)
+        if hit is not None:
+            self._last_write = hit
+        return hit
 
     def prepare_compress(self, state_block_table: Any, req_indices: Any, positions: Any, compressed_slot_mapping: Any) -> tuple[Any, int]:  # fmt: skip
         """The compress kernel's bound launch with this step's arguments set, and ``T``.
@@ -251,6 +268,10 @@ class Layer:
         ):  # fmt: skip
             last[5].launch(last[6], stream)
             return last[4][-1]
+        hit = self._steady_write.launch(kv, score, positions, state_slot_mapping, stream, True)
+        if hit is not None:
+            self._last_write = hit
+            return hit[4][-1]  # type: ignore[no-any-return]
         bound, num_tokens = self.prepare_write(kv, score, positions, state_slot_mapping)
         if num_tokens:
             bound.launch((num_tokens, 1, 1), stream)

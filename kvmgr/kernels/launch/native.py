@@ -1,8 +1,10 @@
 """The driver call of a packed launch from C: one Python-level call, no ctypes argument passing.
 
-Offers (to the rest of :mod:`kvmgr.kernels.launch`):
+Offers (to the rest of :mod:`kvmgr.kernels.launch`, and ``data_ptrs`` to the kernels' owners):
     native_fire     ``fire(record_address) -> CUresult``, or None where it cannot be built
     Record          a launch record: the entry point and its three arguments, in C memory
+    checked_data_ptrs   ``checked_data_ptrs()(check, *tensors)``: their ``data_ptr()``s where a
+                    tensor guard's ``check`` accepts them, else None; one C call where it builds
 
 Why: a ctypes call of ``cuLaunchKernelEx`` prepares a libffi call and converts its four arguments
 on every launch (0.5-0.9 us of host time on the 2-core CPU machine, the stub driver's whole
@@ -15,6 +17,19 @@ The module is compiled once per machine by Triton's own helper for its launchers
 (``triton.runtime.build.compile_module_from_src``: the system C compiler, Triton's cache), the
 first time a packed launch is bound. Anything that fails there (no compiler, another Triton)
 leaves :func:`native_fire` None and packed launches on the ctypes call: the same launch.
+**Pointers.** ``checked_data_ptrs()`` returns ``f(check, *tensors)``: where ``check(*tensors)``
+is True (a torch tensor guard's ``check``: :mod:`kvmgr._tensor_guard`) the ``data_ptr()``
+of each tensor, else None, in ONE call: the module's ``checked_ptrs`` (``METH_FASTCALL``) calls
+``check`` and then reads each pointer through torch's own C reader
+(``torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr``, the one Inductor's
+generated wrappers call): 0.5-0.6 us for a five-tensor guard's verdict plus the pointers, where
+``Tensor.data_ptr()`` alone costs ~0.2 us per call on the 2-core CPU host. The guard comes first
+by design: that reader throws a C++ exception for a tensor without storage (a sparse one), which
+would end the process from C, and a guard built from dense tensors refuses every such tensor (its
+dispatch keys). Anything that is not a ``torch.Tensor`` after an accepting check raises
+``TypeError``. Where the module or the reader is missing, or the reader disagrees with
+``data_ptr()`` on probe tensors, ``f`` is the same in Python.
+
 ``KVMGR_NATIVE_LAUNCH=0`` in the environment keeps the ctypes call (a way around a platform where
 the module misbehaves, and the baseline of the A/B in ``scripts/gpu/launchhost.sh``).
 """
@@ -24,9 +39,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Record", "native_fire"]
+import torch
+
+try:  # torch's C reader of a tensor's data pointer lives with dynamo's guards
+    from torch._C._dynamo import guards as _guards
+except ImportError:  # pragma: no cover - a torch without dynamo
+    _guards = None
+
+__all__ = ["Record", "checked_data_ptrs", "native_fire"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -49,8 +72,68 @@ static PyObject *fire(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(result);
 }
 
+typedef void *(*reader_t)(PyObject *);
+static reader_t reader = NULL;
+static PyObject *tensor_type = NULL;
+
+/* use_reader(address, tensor type): checked_ptrs reads pointers with the C function at address */
+static PyObject *use_reader(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "use_reader(address, tensor type)");
+        return NULL;
+    }
+    void *address = PyLong_AsVoidPtr(args[0]);
+    if (address == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "use_reader: a NULL address");
+        return NULL;
+    }
+    Py_INCREF(args[1]);
+    Py_XDECREF(tensor_type);
+    tensor_type = args[1];
+    reader = (reader_t)address;
+    Py_RETURN_NONE;
+}
+
+/* checked_ptrs(check, *tensors): the tuple of their data pointers where check(*tensors) is
+   True (a torch tensor guard's check), else None: a pointer is read only from a tensor the guard
+   accepted (torch's reader throws a C++ exception for a tensor without storage) */
+static PyObject *checked_ptrs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (reader == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "checked_ptrs: no reader (use_reader first)");
+        return NULL;
+    }
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "checked_ptrs(check, *tensors)");
+        return NULL;
+    }
+    PyObject *verdict = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), NULL);
+    if (verdict == NULL) return NULL;
+    int passed = verdict == Py_True;
+    Py_DECREF(verdict);
+    if (!passed) Py_RETURN_NONE;
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        if (!PyObject_TypeCheck(args[i], (PyTypeObject *)tensor_type)) {
+            PyErr_Format(PyExc_TypeError, "checked_ptrs: argument %zd is not a tensor", i);
+            return NULL;
+        }
+    }
+    PyObject *out = PyTuple_New(nargs - 1);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        PyObject *value = PyLong_FromVoidPtr(reader(args[i]));
+        if (value == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i - 1, value);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"fire", fire, METH_O, "fire(record_address) -> the launch entry point's result"},
+    {"use_reader", (PyCFunction)(void (*)(void))use_reader, METH_FASTCALL, "use_reader(address, tensor type)"},
+    {"checked_ptrs", (PyCFunction)(void (*)(void))checked_ptrs, METH_FASTCALL, "checked_ptrs(check, *tensors) -> their data pointers, or None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -58,6 +141,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvmgr_fire", NULL, -
 
 PyMODINIT_FUNC PyInit_kvmgr_fire(void) { return PyModule_Create(&module); }
 """
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 class Record:
@@ -76,13 +162,45 @@ class Record:
 
 
 @functools.cache
-def native_fire() -> Any:
-    """The C ``fire`` function (module docstring), built once; None where it cannot be."""
+def _module() -> Any:
+    """The C module (module docstring), built once; None where it cannot be."""
     if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
         return None
     try:
         from triton.runtime.build import compile_module_from_src
 
-        return compile_module_from_src(_SOURCE, "kvmgr_fire").fire
+        return compile_module_from_src(_SOURCE, "kvmgr_fire")
     except Exception:  # no C compiler, no Python headers, another Triton: the ctypes call
         return None
+
+
+def native_fire() -> Any:
+    """The C ``fire`` function (module docstring), built once; None where it cannot be."""
+    module = _module()
+    return None if module is None else module.fire
+
+
+def _python_checked_ptrs(check: Callable[..., bool], *tensors: torch.Tensor) -> tuple[int, ...] | None:  # fmt: skip
+    return tuple(map(_data_ptr, tensors)) if check(*tensors) is True else None
+
+
+@functools.cache
+def checked_data_ptrs() -> Callable[..., tuple[int, ...] | None]:
+    """``f(check, *tensors)``: ``(t.data_ptr(), ...)`` where ``check(*tensors)`` is True (the
+    ``check`` of a :func:`~kvmgr._tensor_guard.tensor_guard`), else None; from C where
+    the module builds and agrees with ``data_ptr()`` on probes, else the same in Python (module
+    docstring, **Pointers**)."""
+    module = _module()
+    address = getattr(_guards, "_torchinductor_pyobject_tensor_data_ptr", None) if _guards else None  # fmt: skip
+    if module is None or not isinstance(address, int) or not address:
+        return _python_checked_ptrs
+    try:
+        module.use_reader(address, torch.Tensor)
+        words = torch.empty(8, dtype=torch.int32)
+        probes = (words, words[3:], words.view(torch.float16)[1:], torch.empty(0))
+        agree = lambda *tensors: len(tensors) == 4  # noqa: E731
+        if module.checked_ptrs(agree, *probes) == _python_checked_ptrs(agree, *probes):
+            return module.checked_ptrs  # type: ignore[no-any-return]
+    except Exception:  # another module or torch: the Python reads
+        pass
+    return _python_checked_ptrs

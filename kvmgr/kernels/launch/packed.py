@@ -165,19 +165,48 @@ class PackedLaunch(TritonLaunch):
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
         chains = isinstance(getattr(enter, "calls", None), list) and isinstance(getattr(leave, "calls", None), list)  # fmt: skip
         self._chains = (enter, leave) if chains else (_NEVER, _NEVER)
+        # what every launch reads and nothing changes: one unpack costs less than the reads
+        self._hot = (*self._chains, knobs, device, self._get_device, self._get_stream, self._native, self._record_address)  # fmt: skip
 
-    def run(self, grid: tuple[int, int, int], stream: Any, values: Sequence[Any], args: Sequence[Any]) -> None:  # fmt: skip
+    def run(self, grid: tuple[int, int, int], stream: Any = None, values: Sequence[Any] | None = None, args: Sequence[Any] | None = None) -> None:  # fmt: skip
         """:meth:`set`, then :meth:`launch`: ``values`` (the varying arguments' packed values,
         from the rule's reader), then a launch over ``grid`` on ``stream`` (a torch stream; None:
         the bound device's current one); the header is rewritten only when the grid or stream
-        differs from the last launch's.
+        differs from the last launch's. ``values`` None: no new values (:meth:`launch`, which is
+        this method: one Python call per launch either way).
 
         Raises:
             OverflowError: a value does not fit its cell (another specialization).
             RuntimeError: the driver refused the launch (its error name in the message).
         """
-        self.set(values, args)
-        self.launch(grid, stream)
+        if values is not None:  # as set(), inlined: the per-step path
+            self._changed = args
+            try:
+                self._pack_values(self._buffer, _HEADER_BYTES, *values)
+            except struct.error as exc:
+                raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
+        # the usual case, tested inline: the knobs hold the hook chains of the bind, both empty,
+        # and the call comes from the bound device and thread (else _blocked decides)
+        enter, leave, knobs, device, get_device, get_stream, native, record = self._hot
+        if not (
+            knobs.launch_enter_hook is enter and knobs.launch_exit_hook is leave
+            and not enter.calls and not leave.calls and get_device() == device
+            and _get_ident() == self._thread
+        ) and self._blocked():  # fmt: skip
+            self._triton(grid, stream)
+            return
+        handle = get_stream(device) if stream is None else stream.cuda_stream
+        # a loop relaunches with the same grid (often the very tuple) and stream
+        if handle != self._handle or (grid is not self._grid and grid != self._grid):
+            self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
+            self._grid, self._handle = grid, handle
+        result = self._driver.launch(*self._call) if native is None else native(record)
+        if result:
+            raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
+
+    # launch(grid, stream=None): launch with the values last written (set() or run()); raises
+    # as run(). The same function as run without values, so that neither adds a Python call.
+    launch = run
 
     def set(self, values: Sequence[Any], args: Sequence[Any]) -> None:
         """Write ``values`` (the varying arguments' packed values) for the next launches; ``args``
@@ -192,22 +221,6 @@ class PackedLaunch(TritonLaunch):
         except struct.error as exc:
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
 
-    def launch(self, grid: tuple[int, int, int], stream: Any = None) -> None:
-        """Launch with the values last written (:meth:`set` or :meth:`run`); raises as
-        :meth:`run`."""
-        if not self._usual() and self._blocked():
-            self._triton(grid, stream)
-            return
-        handle = self._get_stream(self.device) if stream is None else stream.cuda_stream
-        # a loop relaunches with the same grid (often the very tuple) and stream
-        if handle != self._handle or (grid is not self._grid and grid != self._grid):
-            self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
-            self._grid, self._handle = grid, handle
-        native = self._native
-        result = self._driver.launch(*self._call) if native is None else native(self._record_address)  # fmt: skip
-        if result:
-            raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")
-
     def value(self, index: int) -> Any:
         """The packed value of argument ``index`` (an int or float; None for a constexpr)."""
         ty = self._types[index]
@@ -215,17 +228,6 @@ class PackedLaunch(TritonLaunch):
             return None
         fmt = "<Q" if ty[0] == "*" else "<" + CELL[ty][0]
         return struct.unpack_from(fmt, self._buffer, self._offset[index])[0]
-
-    def _usual(self) -> bool:
-        """The usual case, tested first: the knobs hold the hook chains of the bind, both empty,
-        and the call comes from the bound device and thread (False: ask :meth:`_blocked`)."""
-        enter, leave = self._chains
-        knobs = self._knobs
-        return (
-            knobs.launch_enter_hook is enter and knobs.launch_exit_hook is leave
-            and not enter.calls and not leave.calls and self._get_device() == self.device
-            and _get_ident() == self._thread
-        )  # fmt: skip
 
     def _blocked(self) -> bool:
         """Whether this call must take Triton's own launch: a Triton launch hook is set (a

@@ -46,6 +46,7 @@ from kvmgr.kernels.mla.reference import mla_insert_reference
 __all__ = ["KV_CACHE_DTYPES", "grouped_mla_insert", "mla_insert_reference", "per_layer_mla_insert"]
 
 _MEMO = InsertMemo()  # the cache sets grouped_mla_insert has seen (kvmgr.kernels.mla.memo)
+_steady_record = _MEMO.steady_record  # id(list) -> the record of its steady steps, or None
 
 
 def grouped_mla_insert(
@@ -95,6 +96,10 @@ def grouped_mla_insert(
             16-byte aligned (use :func:`per_layer_mla_insert` for those).
         InvalidBlockError: ``check_slots=True`` and a slot is past the capacity.
     """
+    steady = not check_slots and block_tokens is None and num_warps is None
+    record = _steady_record(id(caches)) if steady else None
+    if record is not None and _MEMO.launch_steady(record, caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
+        return
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)
     if check_slots:
@@ -102,6 +107,8 @@ def grouped_mla_insert(
                           allow_cpu=plan.IS_INTERPRETED)  # fmt: skip
         check_slot_range(step, caches)
     insert(kv_c, k_pe, slot_mapping, kv_scales, True, None, block_tokens, num_warps)
+    if steady and insert.fired is not None:  # a steady step: one guard for caches and step next
+        _MEMO.remember_steady(caches, insert, kv_c, k_pe, slot_mapping, kv_scales)
 
 
 def per_layer_mla_insert(

@@ -19,12 +19,13 @@ from typing import NamedTuple
 
 import torch
 
+from kvmgr._tensor_guard import tensor_guard  # re-exported: the family's modules use it
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 
 __all__ = [
     "FP8_FORMATS", "KV_CACHE_DTYPES", "CacheMeta", "Step", "check_caches",
     "check_dtype_and_scales", "check_slot_range", "check_step", "is_uniform", "layer_slots",
-    "unchecked_step",
+    "tensor_guard", "unchecked_step",
 ]  # fmt: skip
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")

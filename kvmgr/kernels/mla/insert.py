@@ -5,17 +5,12 @@ Offers (to :mod:`kvmgr.kernels.mla.memo`, ``api`` and ``hook``):
                     step's pointers, ``T`` and layer strides into a bound launch and launches it
 
 **Launch key.** Everything :func:`~kvmgr.kernels.mla.checks.check_step` and the launch's
-constexprs depend on, except the values that are runtime arguments of the kernel: ranks, ``L``,
-``R``, ``P``, token and column strides, devices, ``slot_mapping``'s leading dims, the scales'
-shape, stride and device (read once per scales tensor object, the last 16 objects held),
-whether ``IO_ALIGNED`` holds, the tile (a function of ``T * L``) and the classes the
-specialization rule gives the runtime arguments (:func:`kvmgr.kernels.launch.rule.reader`: their
-dtypes, the ints' widths). ``T``
-itself, the layer strides and the pointers are not part of it: the grouped kernel takes them as
-``do_not_specialize`` runtime arguments, so one bound launch serves every step size of a tile. A
-step whose key was checked before skips the checks, save the one they do not cover: that
-``kv_c``, ``k_pe`` and ``slot_mapping`` agree on ``T``. A new key is checked in full (raising as
-:func:`~kvmgr.kernels.mla.api.grouped_mla_insert` does) and bound (compiled if needed).
+constexprs depend on but the kernel's runtime arguments (``T``, the layer strides, the
+pointers: ``do_not_specialize``, so one bound launch serves every step size of a tile); the
+scales' part is read once per scales object (the last 16 held). A known key skips the checks
+but one (``kv_c``, ``k_pe`` and ``slot_mapping`` agree on ``T``); a new key is checked in full
+(raising as :func:`~kvmgr.kernels.mla.api.grouped_mla_insert` does) and bound (compiled if
+needed). Its parts: docs/kernels-mla-insert.md, "Host cost".
 
 **Step signature.** In front of the key, each call reads the step tensors once, 15 attribute
 reads and no indexing: per tensor ``shape``, ``is_contiguous() or stride()``, ``dtype``,
@@ -28,17 +23,9 @@ strides: they are fixed by its shape except on dims of size 1, whose stride the 
 by index 0 only. The shortcut is taken only while the rule reads every varying argument by dtype
 and value alone (all ``do_not_specialize``); otherwise each call takes the key.
 
-**Guard.** A signature found on two consecutive calls (a steady loop: one step size, new step
-tensors from the same buffers) gets torch's C++ tensor check of that step
-(:func:`~kvmgr._tensor_guard.tensor_guard`: dtype, device, every size and stride of
-``kv_c``, ``k_pe``, ``slot_mapping`` and the scales): a later call that passes it, and whose
-bases have that step's 16-byte alignment, takes that signature's launch without the 15 reads
-and the hash (one C++ call and the four pointers). Anything else takes the signature path.
-
-A call with the very same tensor objects as the last one (same ``data_ptr()``s and ``T``) skips
-even the signature: persistent step buffers cost one launch (in-place metadata changes such as
-``set_`` between such calls are not seen). Under ``TRITON_INTERPRET=1``, or where packing is
-unavailable, the same flow ends in Triton's launch (a ``TritonLaunch``).
+**Guard and steady steps** (a signature found on two consecutive calls gets torch's C++
+tensor check; the very same tensors as the last call skip even the signature):
+docs/kernels-mla-insert.md, "Host cost".
 """
 
 from __future__ import annotations
@@ -47,11 +34,11 @@ from typing import Any
 
 import torch
 
-from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.launch import Launches
+from kvmgr.kernels.launch.native import checked_data_ptrs
 from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
-from kvmgr.kernels.mla.checks import check_step, unchecked_step
+from kvmgr.kernels.mla.checks import check_step, tensor_guard, unchecked_step
 from kvmgr.kernels.mla.kernel import grouped_insert_kernel
 from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
 
@@ -75,6 +62,9 @@ class GroupedInsert:
     Attributes:
         plan: as given.
         num_bound: step signatures bound so far (at most 64 kept).
+        guarded: the guarded signature (module docstring, **Guard**), or None: ``(guard, has
+            scales, (bound launch, grid, ints), aligned, pointer reader)``.
+        fired: the guarded signature the last call launched through :meth:`fire`, or None.
     """
 
     def __init__(self, plan: Plan, *, direct: bool = True) -> None:
@@ -97,8 +87,9 @@ class GroupedInsert:
         # the last signature found (remembered) and, once found twice in a row, its guard:
         # (torch's C++ tensor check of that step, whether it has scales, its entry, alignment)
         self._prev: tuple[Any, ...] | None = None
-        self._guarded: tuple[Any, ...] | None = None
+        self.guarded: tuple[Any, ...] | None = None
         self._refused = 0  # calls of the guarded signature its guard refused, in a row
+        self.fired: tuple[Any, ...] | None = None
 
     @property
     def num_bound(self) -> int:
@@ -122,19 +113,51 @@ class GroupedInsert:
             and kv_scales is last[3] and block_tokens is None and num_warps is None
             and last[4] == (kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr(), kv_c.shape[1])
         ):  # fmt: skip
+            self.fired = None
             last[6].launch(last[5], stream)
             return last[4][3]
-        hit = self._repeated(kv_c, k_pe, slot_mapping, kv_scales) if self._guarded is not None and block_tokens is None and num_warps is None else None  # fmt: skip
-        if hit is not None:  # the last repeated signature, by its guard: no reads, no key
-            (bound, grid, ints), values = hit
-        else:
-            bound, grid, ints, values = self._by_signature(kv_c, k_pe, slot_mapping, kv_scales,
-                                                           validate, block_tokens, num_warps)  # fmt: skip
+        guarded = self.guarded  # the last repeated signature, by its guard: no reads, no key
+        if guarded is not None and block_tokens is None and num_warps is None:
+            try:  # the guard's verdict and the pointers in one C call
+                if guarded[1]:
+                    ptrs = guarded[4](guarded[0].check, kv_c, k_pe, slot_mapping, kv_scales)
+                else:
+                    ptrs = None if kv_scales is not None else guarded[4](guarded[0].check, kv_c, k_pe, slot_mapping)  # fmt: skip
+            except TypeError:  # not tensors, or another number of them
+                ptrs = None
+            if ptrs is not None:
+                num_tokens = self.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, stream, ptrs)
+                if num_tokens is not None:
+                    return num_tokens
+        self.fired = None
+        bound, grid, ints, values = self._by_signature(kv_c, k_pe, slot_mapping, kv_scales,
+                                                       validate, block_tokens, num_warps)  # fmt: skip
         if grid is None:  # T == 0
             return 0
         bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
         if block_tokens is None and num_warps is None:
             self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound)
+        return ints[0]
+
+    def fire(
+        self, guarded: tuple[Any, ...], kv_c: torch.Tensor, k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None, stream: Any,
+        ptrs: tuple[int, ...],
+    ) -> int | None:  # fmt: skip
+        """Launch the guarded signature ``guarded`` (:attr:`guarded`) for a step that passed its
+        guard or one built from the same step (``ptrs``: the step tensors' ``data_ptr()``s, read
+        with that verdict: :func:`kvmgr.kernels.launch.native.checked_data_ptrs`); return
+        ``T``, or None where the bases' 16-byte alignment differs from that step's (nothing
+        launched). Sets :attr:`fired` to ``guarded`` on a launch."""
+        if ((ptrs[0] | ptrs[1]) & 15 == 0) is not guarded[3]:
+            return None
+        bound, grid, ints = guarded[2]
+        self.fired = guarded
+        if grid is None:  # T == 0
+            return 0
+        values = (*ptrs, *ints) if kv_scales is not None else (*ptrs, 0, *ints)
+        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
+        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*ptrs[:3], ints[0]), grid, bound)
         return ints[0]
 
     def _by_signature(
@@ -143,7 +166,7 @@ class GroupedInsert:
         num_warps: int | None,
     ) -> tuple[Any, tuple[int, int, int] | None, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
         """The step's launch by its signature (remembered, or new: :meth:`_new_step`); a signature
-        found twice in a row gets a guard (:meth:`_repeated`). ``(bound, grid, ints, values)``."""
+        found twice in a row gets a guard (:attr:`guarded`, launched by :meth:`fire`). ``(bound, grid, ints, values)``."""
         try:  # the step signature: 15 attribute reads (module docstring)
             kv_ptr, pe_ptr, slot_ptr = kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr()
             signature: tuple[Any, ...] | None = (
@@ -167,29 +190,6 @@ class GroupedInsert:
         values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
         return bound, grid, ints, values
 
-    def _repeated(
-        self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
-        kv_scales: torch.Tensor | None,
-    ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:  # fmt: skip
-        """``((bound, grid, ints), values)`` of the guarded signature where this step passes its
-        guard: the dtypes, devices, sizes and strides of the step it was built from (so its
-        signature), the same scales object, the same base alignment; else None."""
-        guard, scaled, known, aligned = self._guarded  # type: ignore[misc]
-        try:
-            if kv_scales is None:
-                same = not scaled and guard.check(kv_c, k_pe, slot_mapping)
-            else:
-                same = scaled and guard.check(kv_c, k_pe, slot_mapping, kv_scales)
-        except TypeError:
-            return None
-        if not same:
-            return None
-        kv_ptr, pe_ptr = kv_c.data_ptr(), k_pe.data_ptr()
-        if ((kv_ptr | pe_ptr) & 15 == 0) is not aligned:
-            return None
-        ints = known[2]
-        return known, (kv_ptr, pe_ptr, slot_mapping.data_ptr(), 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
-
     def _guard_for(
         self, known: tuple[Any, ...], aligned: bool, kv_c: torch.Tensor, k_pe: torch.Tensor,
         slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -197,14 +197,14 @@ class GroupedInsert:
         """Guard ``known`` (found on two calls in a row) by this step; a guard of ``known`` that
         refused this step (its size-1 strides, another grad mode) is rebuilt only after 16
         refusals in a row, so a loop that keeps refusing pays one build per 16 calls."""
-        if self._guarded is not None and self._guarded[2] is known:
+        if self.guarded is not None and self.guarded[2] is known:
             self._refused += 1
             if self._refused < 16:
                 return
         self._refused = 0
         tensors = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
         guard = tensor_guard(tensors)
-        self._guarded = None if guard is None else (guard, kv_scales is not None, known, aligned)
+        self.guarded = None if guard is None else (guard, kv_scales is not None, known, aligned, checked_data_ptrs())  # fmt: skip
 
     def _new_step(
         self, signature: tuple[Any, ...] | None, kv_c: torch.Tensor, k_pe: torch.Tensor,

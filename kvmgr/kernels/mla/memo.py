@@ -71,6 +71,16 @@ class InsertMemo:
         # id(list) -> (kv_cache_dtype, direct, ptrs, shape, strides, dtype, contiguous, device,
         # guard or None, key, insert)
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+        # id(list) -> (guard of the caches and one step, has scales, kv_cache_dtype, direct,
+        # key, insert, the insert's guarded signature it pairs with): see launch_steady
+        self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+
+    @property
+    def steady_record(self) -> Any:
+        """``record(id(caches))``: the steady-step record of a cache list for
+        :meth:`launch_steady`, or None (the records' ``get``, bound once: a caller looks a list
+        up before paying that call)."""
+        return self._steady.get
 
     @property
     def num_sets(self) -> int:
@@ -100,6 +110,62 @@ class InsertMemo:
             self._held[key] = insert  # a graph may replay it after it leaves the recent sets
         return insert
 
+    def launch_steady(
+        self, steady: tuple[Any, ...], caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool,
+        kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None,
+    ) -> int | None:  # fmt: skip
+        """Launch a steady step of a known list in one check, or return None (nothing done);
+        ``steady``: the list's record (``steady_record(id(caches))``, not None).
+
+        A steady loop passes one cache list and new step tensors of the insert's guarded
+        signature (:attr:`~kvmgr.kernels.mla.insert.GroupedInsert.guarded`): for it
+        :meth:`remember_steady` built ONE tensor guard over the caches and that step. A call that
+        passes it (dtype, device, sizes, strides of every cache and step tensor; the scales'
+        presence), whose caches have the key's pointers, with the same ``kv_cache_dtype``,
+        ``direct`` and guarded signature, is that cache set and step signature: the insert's
+        ``fire`` launches it; ``T``. The insert's last ``kv_c`` again answers None (persistent
+        step buffers: the insert's same-tensors path costs less)."""
+        last = steady[5]._last
+        if last is not None and kv_c is last[0]:
+            return None
+        guard, scaled, dtype, is_direct, key, insert, guarded = steady
+        if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
+            return None
+        try:  # the guard's verdict and every pointer in one C call
+            if scaled:
+                ptrs = guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping, kv_scales)
+            else:
+                ptrs = None if kv_scales is not None else guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
+        except TypeError:  # not tensors, or another number of them
+            return None
+        num_caches = len(caches)
+        if ptrs is None or ptrs[:num_caches] != key[0][5]:
+            return None
+        if key[0][1] >= 0 and _is_capturing():
+            self._held[key] = insert  # as insert_for
+        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs[num_caches:])
+
+    def remember_steady(
+        self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
+        k_pe: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """After a call that ``insert_for(caches, ...)`` answered with ``insert`` and that
+        launched through the insert's guarded signature (``insert.fired``): guard the caches and
+        this step together for :meth:`launch_steady`."""
+        seen = self._lists.get(id(caches))
+        guarded = insert.fired
+        if seen is None or seen[-1] is not insert or guarded is None:
+            return
+        step = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        guard = tensor_guard((*caches, *step))
+        if guard is None:
+            return
+        self._steady[id(caches)] = (guard, kv_scales is not None, seen[0], seen[1], seen[-2], insert, guarded)  # fmt: skip
+        self._steady.move_to_end(id(caches))
+        if len(self._steady) > self._max_sets:
+            self._steady.popitem(last=False)
+
     def _lookup(self, caches: Sequence[torch.Tensor], kv_cache_dtype: str, direct: bool) -> tuple[tuple[CacheKey, bool], GroupedInsert]:  # fmt: skip
         """The insert by key (made if new), remembered for this list too."""
         found = cache_key(caches, kv_cache_dtype)
@@ -127,6 +193,7 @@ class InsertMemo:
         self._recent.clear()
         self._held.clear()
         self._lists.clear()
+        self._steady.clear()
 
 
 def _unchanged(seen: tuple[Any, ...], caches: Sequence[torch.Tensor]) -> bool:
