@@ -3,8 +3,9 @@
 # on the H200, from the repo root; results under $OUT/stepcuda2/ (log.txt,
 # step_{old,new}_{1,2}.json, pieces.json). About 2 minutes: limits 10 + 2 x 30 + 2 x 20 + 25 +
 # 15 + 30 s (the second round of section 2 runs only if under 50 s have passed; each run is 10-15 s).
-# Old tree = this helper's branch point off main (3c5e150; else `git merge-base HEAD main`),
-# extracted with git archive; new tree = this checkout. Each tree's bench runs from its own
+# Old tree = main just before this branch's first merge into it (the first parent of
+# "Merge branch 'stepcuda2'"; before any merge, the branch point 3c5e150; else `git merge-base
+# HEAD main`), extracted with git archive; new tree = this checkout. Each tree's bench runs from its own
 # root with PYTHONPATH set to that root only (`python3 -m` puts the working directory first on
 # sys.path: run from this checkout, the old tree's run would import the new kvmgr).
 #  1. The versions (python, torch, the GPU).
@@ -27,7 +28,10 @@ source "${BASH_SOURCE%/*}/_common.sh" stepcuda2
 source "${BASH_SOURCE%/*}/_step_table.sh"
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
-BASE=3c5e150
+# main just before this branch was first merged into it (else the branch point, else the merge base)
+FIRST=$(git log --merges --reverse --format=%H --grep="^Merge branch 'stepcuda2'" 2>/dev/null | head -1)
+BASE=${FIRST:+$FIRST^1}
+[ -z "$BASE" ] && BASE=3c5e150
 git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || BASE=$(git merge-base HEAD main 2>/dev/null)
 
 step env 10 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
