@@ -17,30 +17,15 @@
 #  3. scripts/step_cost_ab.py on the H200 host's CPU: both trees in one process, step by step
 #     (fake CUDA, stub driver: kvmgr's Python share of a step without driver calls).
 source "${BASH_SOURCE%/*}/_common.sh" stepcost
+source "${BASH_SOURCE%/*}/_step_table.sh"
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
-NEW="$PWD"
 BASE=a0c022e
 git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || BASE=$(git merge-base HEAD main 2>/dev/null)
-STEP_ARGS="--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3 --step-swaps 512 --step-engines cuda kernel"
 
 step env 10 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
 
-OLD=""
-if [ -n "$BASE" ]; then
-  OLD="$(mktemp -d)"
-  git archive "$BASE" kvmgr | tar -x -C "$OLD" || OLD=""
-fi
-[ -z "$OLD" ] && echo "no git history: the old tree's rows are skipped" | tee -a "$LOG"
-for run in 1 2; do
-  [ "$run" = 2 ] && [ "$SECONDS" -gt 60 ] && { echo "second round skipped (time)" | tee -a "$LOG"; break; }
-  for tree in old new; do
-    root="$NEW"; [ "$tree" = old ] && root="$OLD"
-    [ -z "$root" ] && continue
-    step "step_${tree}_$run" $((run == 1 ? 30 : 20)) bash -c "cd '$root' && PYTHONPATH='$root' python3 -m kvmgr.cli bench swap \
-      $STEP_ARGS --json '$D/step_${tree}_$run.json'"
-  done
-done
+step_table_ab "$BASE" 60
 [ -n "$BASE" ] && step cpu_ab 25 bash -c "python3 scripts/step_cost_ab.py --old $BASE --repeats 100 \
   --json '$D/cpu_ab.json' | tee '$D/cpu_ab.txt'"
 
@@ -48,4 +33,3 @@ echo "=== stepcost summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
 [ -f "$D/cpu_ab.txt" ] && { echo "cpu a/b (one process):"; cat "$D/cpu_ab.txt"; }
 grep -E "^=== .* rc=" "$LOG"
-[ -n "$OLD" ] && rm -rf "$OLD"

@@ -36,6 +36,7 @@ from triton.knobs import HookChain
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.launch import (
     Launcher,
     Launches,
@@ -49,7 +50,6 @@ from kvmgr.kernels.launch import (
     signature,
 )
 from kvmgr.kernels.launch import launcher as launcher_module
-from kvmgr.kernels.launch.guard import tensor_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from triton.runtime.jit import JITFunction
 
+from kvmgr import _tensor_guard
 from kvmgr.bench import mla_insert as bench
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 from kvmgr.hooks import StepContext, StepHook
-from kvmgr.kernels.launch import guard as launch_guard
 from kvmgr.kernels.launch import rule, shared_launcher
 from kvmgr.kernels.mla import api, memo, plan
 from kvmgr.kernels.mla import kernel as mla_kernel
@@ -725,7 +725,7 @@ def test_repeated_caches_are_recognised_and_in_place_changes_are_seen(
     # without the guard).
     api._MEMO.clear()
     if check == "reads":
-        monkeypatch.setattr(launch_guard, "_TensorGuards", None)
+        monkeypatch.setattr(_tensor_guard, "_TensorGuards", None)
     num_layers, rank, rope_dim, num_blocks, block_size = 3, 24, 8, 6, 4
     width = rank + rope_dim
     caches = _caches(170, num_layers, num_blocks, block_size, width, torch.bfloat16)

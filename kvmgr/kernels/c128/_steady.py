@@ -8,7 +8,7 @@ A serving loop passes new step tensors every step (``kv``, ``score``, ``position
 slots) of one layout. :class:`~kvmgr.kernels.c128.host.Layer` finds their launch by a key of
 about 25 attribute reads and the specialization rule's classes; once a key has come twice in a
 row, :meth:`WriteGuard.remember` keeps its bound launch with
-:func:`~kvmgr.kernels.launch.guard.tensor_guard` of that step (dtype, device, every size and
+:func:`~kvmgr._tensor_guard.tensor_guard` of that step (dtype, device, every size and
 stride of the four tensors: what the key and the ints' classes are made of). A later step that
 passes the guard (its verdict and the pointers in one C call:
 :func:`kvmgr.kernels.launch.native.checked_data_ptrs`) and whose four bases are 16-byte aligned (as every base of the guarded step
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmgr.kernels.launch.guard import tensor_guard
+from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.launch.native import checked_data_ptrs
 
 __all__ = ["WriteGuard"]

@@ -18,7 +18,7 @@ The module is compiled once per machine by Triton's own helper for its launchers
 first time a packed launch is bound. Anything that fails there (no compiler, another Triton)
 leaves :func:`native_fire` None and packed launches on the ctypes call: the same launch.
 **Pointers.** ``checked_data_ptrs()`` returns ``f(check, *tensors)``: where ``check(*tensors)``
-is True (a torch tensor guard's ``check``: :mod:`kvmgr.kernels.launch.guard`) the ``data_ptr()``
+is True (a torch tensor guard's ``check``: :mod:`kvmgr._tensor_guard`) the ``data_ptr()``
 of each tensor, else None, in ONE call: the module's ``checked_ptrs`` (``METH_FASTCALL``) calls
 ``check`` and then reads each pointer through torch's own C reader
 (``torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr``, the one Inductor's
@@ -187,7 +187,7 @@ def _python_checked_ptrs(check: Callable[..., bool], *tensors: torch.Tensor) -> 
 @functools.cache
 def checked_data_ptrs() -> Callable[..., tuple[int, ...] | None]:
     """``f(check, *tensors)``: ``(t.data_ptr(), ...)`` where ``check(*tensors)`` is True (the
-    ``check`` of a :func:`~kvmgr.kernels.launch.guard.tensor_guard`), else None; from C where
+    ``check`` of a :func:`~kvmgr._tensor_guard.tensor_guard`), else None; from C where
     the module builds and agrees with ``data_ptr()`` on probes, else the same in Python (module
     docstring, **Pointers**)."""
     module = _module()

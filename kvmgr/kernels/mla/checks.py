@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvmgr._tensor_guard import tensor_guard  # re-exported: the family's modules use it
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
-from kvmgr.kernels.launch.guard import tensor_guard  # re-exported: the family's modules use it
 
 __all__ = [
     "FP8_FORMATS", "KV_CACHE_DTYPES", "CacheMeta", "Step", "check_caches",

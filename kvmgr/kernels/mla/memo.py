@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kvmgr.kernels.mla.checks import tensor_guard
+from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.mla.insert import GroupedInsert
 from kvmgr.kernels.mla.plan import CacheKey, cache_key, checked_key, make_plan
 

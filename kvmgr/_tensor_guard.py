@@ -1,4 +1,4 @@
-"""torch's C++ check of tensor metadata, for the kernel families' per-step fast paths.
+"""torch's C++ check of tensor metadata, built for some tensors (private to ``kvmgr``).
 
 Offers:
     tensor_guard    a ``torch._C._dynamo.guards.TensorGuards`` of some tensors as they are now
@@ -6,8 +6,9 @@ Offers:
 ``torch.compile`` checks its inputs with it: dtype, device, every size and stride, dispatch keys
 and ``requires_grad`` (under the grad mode it was built in), one C++ call for all the tensors
 (about 0.28 us per tensor on the 2-core CPU host, against 0.75-0.85 us for four attribute reads).
-Pointers are not compared. Imports torch only (no Triton): the MLA checks, which the torch
-reference uses, re-export it.
+Pointers are not compared. Used by the worker's moved-tensor check (:mod:`kvmgr.worker.tensors`)
+and the kernel families' per-step fast paths (MLA insert, c128); imports torch only, so neither
+side depends on the other.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-try:  # torch's C++ check of tensor metadata (dynamo's guards); the attribute reads without it
+try:  # torch's C++ check of tensor metadata (dynamo's guards); the callers' reads without it
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - a torch without dynamo
     _TensorGuards = None

@@ -1,0 +1,29 @@
+# `kvmgr bench swap`'s step table (512 queued one-block stores of 48 x 4 KiB pages; cuda engine
+# on consecutive ids, kernel engine on scattered ones) for an old tree and this checkout
+# alternately, each from its own root, sourced after _common.sh:
+#   step_table_ab BASE SKIP_AFTER_S
+# BASE: the old revision (extracted with git archive; its rows are skipped without history);
+# the second round runs only if under SKIP_AFTER_S seconds have passed. Writes
+# $D/step_{old,new}_{1,2}.json (limits 30 s a run in the first round, 20 s in the second). Each
+# tree runs with PYTHONPATH set to its root only: `python3 -m` from this checkout would put the
+# new kvmgr first on sys.path for the old tree too.
+step_table_ab() {
+  local base=$1 skip_after=$2 new="$PWD" old="" run tree root
+  local args="--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3 --step-swaps 512 --step-engines cuda kernel"
+  if [ -n "$base" ]; then
+    old="$(mktemp -d)"
+    git archive "$base" kvmgr | tar -x -C "$old" || old=""
+  fi
+  [ -z "$old" ] && echo "no git history: the old tree's rows are skipped" | tee -a "$LOG"
+  for run in 1 2; do
+    [ "$run" = 2 ] && [ "$SECONDS" -gt "$skip_after" ] && { echo "second round skipped (time)" | tee -a "$LOG"; break; }
+    for tree in old new; do
+      root="$new"; [ "$tree" = old ] && root="$old"
+      [ -z "$root" ] && continue
+      step "step_${tree}_$run" $((run == 1 ? 30 : 20)) bash -c "cd '$root' && PYTHONPATH='$root' python3 -m kvmgr.cli bench swap \
+        $args --json '$D/step_${tree}_$run.json'"
+    done
+  done
+  [ -n "$old" ] && rm -rf "$old"
+  return 0
+}
