@@ -15,4 +15,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$D/log.txt"
 step() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
   timeout "$secs" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$?" | tee -a "$LOG"; }
+# base_tree REV DIR: the kvmgr package of revision REV into DIR (DIR/kvmgr): from
+# build/bases/REV/kvmgr when the caller carried it there (the device's checkout may lack new
+# commits), else with git archive; returns non-zero if neither has it.
+base_tree() { if [ -d "build/bases/$1/kvmgr" ]; then cp -r "build/bases/$1/kvmgr" "$2/"
+  else git archive "$1" kvmgr 2>/dev/null | tar -x -C "$2" 2>/dev/null; fi; [ -d "$2/kvmgr" ]; }
+# the wheel folder's site (scripts/gpu/_session.sh installs it), for a PYTHONPATH set by hand
+SITE_PATH=$([ -d /tmp/site ] && echo "/tmp/site:" || true)
 section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$D/sections.jsonl"; }

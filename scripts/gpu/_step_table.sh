@@ -5,14 +5,14 @@
 # BASE: the old revision (extracted with git archive; its rows are skipped without history);
 # the second round runs only if under SKIP_AFTER_S seconds have passed. Writes
 # $D/step_{old,new}_{1,2}.json (limits 30 s a run in the first round, 20 s in the second). Each
-# tree runs with PYTHONPATH set to its root only: `python3 -m` from this checkout would put the
+# tree runs with PYTHONPATH set to its root only (after the wheels' site): `python3 -m` from this checkout would put the
 # new kvmgr first on sys.path for the old tree too.
 step_table_ab() {
   local base=$1 skip_after=$2 new="$PWD" old="" run tree root
   local args="--geometries qwen --blocks 64 --variants none --repeats 10 --warmup 3 --step-swaps 512 --step-engines cuda kernel"
   if [ -n "$base" ]; then
     old="$(mktemp -d)"
-    git archive "$base" kvmgr | tar -x -C "$old" || old=""
+    base_tree "$base" "$old" || old=""
   fi
   [ -z "$old" ] && echo "no git history: the old tree's rows are skipped" | tee -a "$LOG"
   for run in 1 2; do
@@ -20,7 +20,7 @@ step_table_ab() {
     for tree in old new; do
       root="$new"; [ "$tree" = old ] && root="$old"
       [ -z "$root" ] && continue
-      step "step_${tree}_$run" $((run == 1 ? 30 : 20)) bash -c "cd '$root' && PYTHONPATH='$root' python3 -m kvmgr.cli bench swap \
+      step "step_${tree}_$run" $((run == 1 ? 30 : 20)) bash -c "cd '$root' && PYTHONPATH='$SITE_PATH$root' python3 -m kvmgr.cli bench swap \
         $args --json '$D/step_${tree}_$run.json'"
     done
   done
