@@ -18,8 +18,9 @@ makes a spare one for a later submit (a ``Future`` costs ~15 us of a cold step).
 Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its start/end
 events from a per-direction pool instead of creating two (a new event with its first record cost
 3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
-with ``Event.record()`` on the current stream, so no ``torch.cuda.current_stream()`` object is
-built (4.8 us). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through ctypes were tried and
+on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
+changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.6 us on the H200
+host, BENCHMARKS.md round 4 session 7). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through ctypes were tried and
 measured slower there (5.7-8.1 us per call; BENCHMARKS.md, round 3). A pair goes back to
 the pool after its batch's future resolved (never after a device error), so a handle's
 ``end_event`` may later mark a newer batch of the same direction: waits are only issued for
@@ -41,6 +42,7 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
+from kvmgr.transfer.cuda_current import CurrentStream, on_device
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -91,6 +93,7 @@ class CopyStreams:
         name: str = "cuda",
     ) -> None:
         self._device = device
+        self._current = CurrentStream(device)
         self._compute_stream = compute_stream
         self._streams = {
             Direction.D2H: torch.cuda.Stream(device, priority=_PRIORITIES["normal"]),
@@ -142,12 +145,12 @@ class CopyStreams:
         pooled = self._pooled
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
-        with _on_device(self._device):
+        with on_device(self._device):
             fence = self._fences[direction]
             if self._compute_stream is not None:
                 fence.record(self._compute_stream)
-            elif pooled:  # torch's events: the current stream, read in C++ (no Stream object)
-                fence.record()
+            elif pooled:  # torch's events: the current stream's object, built once per stream
+                fence.record(self._current.current())
             else:
                 fence.record(torch.cuda.current_stream(self._device))
             stream.wait_event(fence)
@@ -288,13 +291,3 @@ class CopyStreams:
                 counters.batches_completed += 1
                 counters.bytes_h2d += num_bytes
                 counters.device_s_h2d += device_s
-
-
-_CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
-
-
-def _on_device(device: torch.device) -> Any:
-    """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
-    if device.index is not None and torch.cuda.current_device() == device.index:
-        return _CURRENT
-    return torch.cuda.device(device)

@@ -112,14 +112,14 @@ def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return condition()
 
 
-def _group_records(log: list, h2d: object) -> list[tuple[str, object]]:
+def _group_records(log: list, h2d: object, compute: object) -> list[tuple[str, object]]:
     """``("batch", stream handle)`` and ``("record", stream)`` of the start/end events, in order."""
     out = []
     for e in log:
         if isinstance(e, dict) and "batch" in e:
             out.append(("batch", e["stream"]))
-        elif isinstance(e, tuple) and e[0] == "record" and e[2] is not None:
-            out.append(("record", e[2]))  # (the compute fence is recorded on None: the current)
+        elif isinstance(e, tuple) and e[0] == "record" and e[2] is not compute:
+            out.append(("record", e[2]))  # (the compute fence is recorded on the compute stream)
     return out
 
 
@@ -156,7 +156,7 @@ async def test_pooled_events_each_group_bracketed_on_the_load_stream_in_order(
         assert set(map(id, ends)) <= set(map(id, first_ends))
         # per group: start record, the driver's batch, end record, all on the load stream
         expected = [("record", h2d), ("batch", h2d.cuda_stream), ("record", h2d)] * LAYERS
-        assert _group_records(fake_cuda.log, h2d) == expected
+        assert _group_records(fake_cuda.log, h2d, fake_cuda.compute) == expected
         records = [e[1] for e in fake_cuda.log if isinstance(e, tuple) and e[0] == "record"]
         assert [r for r in records if r in ends] == ends  # end events in layer order
         await second
