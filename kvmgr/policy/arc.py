@@ -171,11 +171,11 @@ class ARCPolicy:
         Raises:
             ValueError: If ``n`` is negative or not an ``int``.
         """
-        _check_evict_count(n)
-        if n == 0:
-            return []
-        if n == 1:
+        if n == 1 and type(n) is int:  # the per-call store: valid, no further check
             return self._evict_one(can_evict, protected)
+        _check_evict_count(n)
+        if n <= 1:
+            return [] if n == 0 else self._evict_one(can_evict, protected)
         t1, target = self._t1, self._target
         taken = None
         if len(t1) - math.floor(target) >= n:  # every victim from T1: maybe its first n keys
