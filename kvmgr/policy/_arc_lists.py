@@ -5,6 +5,7 @@ Private to ``kvmgr.policy`` (`kvmgr.policy.arc.ARCPolicy`; its docstring states 
 Offers:
     insert_ghost_hits   a stored batch that holds ghost keys: adapt the target, key by key
     trim_ghosts         enforce the directory bounds by dropping LRU ghosts
+    commit_one          untrack one victim into its ghost list (``evict(1)``)
     leaf_run            the first ``n`` keys of a list, when they are one chain or roots and
                         one-offer-at-a-time collection would take exactly those (the common
                         eviction), with C-level passes
@@ -19,7 +20,7 @@ from itertools import islice
 from kvmgr.policy.base import KeyPredicate, _as_lookup
 from kvmgr.policy.tree import PrefixTree
 
-__all__ = ["insert_ghost_hits", "leaf_run", "trim_ghosts"]
+__all__ = ["commit_one", "insert_ghost_hits", "leaf_run", "trim_ghosts"]
 
 Keys = OrderedDict[bytes, None]
 
@@ -54,6 +55,8 @@ def trim_ghosts(size_t1: int, size_t2: int, b1: Keys, b2: Keys, capacity: int) -
     ``|T1| + |T2| + |B1| + |B2| <= 2 * capacity`` (as far as ghosts can be dropped)."""
     size_b1, size_b2 = len(b1), len(b2)
     over = size_t1 + size_b1 - capacity
+    if over <= 0 and size_b2 <= capacity and over + size_t2 + size_b2 <= capacity:
+        return  # every bound holds (the common store): nothing to drop
     if over > 0 and size_b1:
         if over == 1:
             b1.popitem(last=False)
@@ -68,6 +71,36 @@ def trim_ghosts(size_t1: int, size_t2: int, b1: Keys, b2: Keys, capacity: int) -
         excess -= _drop_oldest(b2, excess)
     if excess > 0 and b1:
         _drop_oldest(b1, excess)
+
+
+def commit_one(
+    key: bytes,
+    parent: bytes | None,
+    num_children: dict[bytes, int],
+    lists: tuple[Keys, Keys, Keys, Keys],
+    capacity: int,
+) -> list[bytes]:
+    """Untrack the victim ``key`` (already out of ``parent_of``; ``parent``: its parent, whose
+    child count in ``num_children`` drops by one) into the ghost list of its source (``T1`` ->
+    ``B1``, ``T2`` -> ``B2``) and restore the ghost bounds; ``[key]``. ``lists`` is
+    ``(T1, T2, B1, B2)``."""
+    if parent is not None:  # `PrefixTree.release` of one parent
+        count = num_children[parent]
+        if count == 1:
+            del num_children[parent]
+        else:
+            num_children[parent] = count - 1
+    t1, t2, b1, b2 = lists
+    if key in t1:
+        del t1[key]
+        b1[key] = None
+        if len(t1) + len(b1) <= capacity and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity:
+            return [key]  # T1 + B1 and the total did not grow, B2 did not: bounds hold
+    else:
+        del t2[key]
+        b2[key] = None
+    trim_ghosts(len(t1), len(t2), b1, b2, capacity)
+    return [key]
 
 
 def _drop_oldest(ghosts: Keys, count: int) -> int:

@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from itertools import repeat
 
-from kvmgr.policy._arc_lists import insert_ghost_hits, leaf_run, trim_ghosts
+from kvmgr.policy._arc_lists import commit_one, insert_ghost_hits, leaf_run, trim_ghosts
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
 from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
 
@@ -130,7 +130,7 @@ class ARCPolicy:
         else:
             lists = (self._t1, self._t2, b1, b2)
             self._target = insert_ghost_hits(keys, lists, self._target, self.capacity)
-        self._trim_ghosts()
+        trim_ghosts(len(self._t1), len(self._t2), b1, b2, self.capacity)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record hits, first key most recent: ``T1`` keys are promoted to ``T2``'s MRU end,
@@ -171,11 +171,11 @@ class ARCPolicy:
         Raises:
             ValueError: If ``n`` is negative or not an ``int``.
         """
-        _check_evict_count(n)
-        if n == 0:
-            return []
-        if n == 1:
+        if n == 1 and type(n) is int:  # the per-call store: valid, no further check
             return self._evict_one(can_evict, protected)
+        _check_evict_count(n)
+        if n <= 1:
+            return [] if n == 0 else self._evict_one(can_evict, protected)
         t1, target = self._t1, self._target
         taken = None
         if len(t1) - math.floor(target) >= n:  # every victim from T1: maybe its first n keys
@@ -247,13 +247,16 @@ class ARCPolicy:
         """``evict(1, ...)`` (the per-call store): the same choice without a `VictimSet`."""
         t1, t2, tree = self._t1, self._t2, self._tree
         first, second = (t1, t2) if len(t1) > self._target else (t2, t1)
-        key = first_leaf(tree, first, can_evict, protected)
-        if key is None:
-            key = first_leaf(tree, second, can_evict, protected)
+        key = next(iter(first), None)
+        num_children = tree.num_children
+        if key is None or key in num_children or key in protected or not can_evict(key):
+            key = first_leaf(tree, first, can_evict, protected)
             if key is None:
-                return None
-        tree.release((self._parent_of[key],))
-        return self._commit([key])
+                key = first_leaf(tree, second, can_evict, protected)
+                if key is None:
+                    return None
+        lists = (t1, t2, self._b1, self._b2)
+        return commit_one(key, self._parent_of.pop(key), num_children, lists, self.capacity)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -293,7 +296,3 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, target={self._target:g}, "
             f"t1={len(self._t1)}, t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
-
-    def _trim_ghosts(self) -> None:
-        """Enforce the ghost bounds of the class docstring by dropping LRU ghosts."""
-        trim_ghosts(len(self._t1), len(self._t2), self._b1, self._b2, self.capacity)

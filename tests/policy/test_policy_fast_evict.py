@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmgr.policy import ARCPolicy, LRUPolicy
+from kvmgr.policy._arc_lists import trim_ghosts
 from kvmgr.policy.tree import VictimSet
 
 
@@ -67,7 +68,7 @@ def _arc_reference(policy: ARCPolicy, n, can_evict, protected):
         else:
             del t2[key]
             policy._b2[key] = None
-    policy._trim_ghosts()
+    trim_ghosts(len(t1), len(t2), policy._b1, policy._b2, policy.capacity)
     return victims.keys
 
 

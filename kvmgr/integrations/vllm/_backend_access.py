@@ -102,9 +102,14 @@ def split_offer(
 
 def _all_new(access: Access, keys: Sequence[OffloadKey], position_of: PositionOf) -> Offer:
     """`split_offer` of keys all new to the tier and to the request (one pass per step)."""
-    access.seen.update(zip(keys, repeat(None)))
-    new = list(keys)
-    positions = list(map(position_of, new))
+    if len(keys) == 1:  # the per-call store: no C-level passes to set up
+        key = keys[0]
+        access.seen[key] = None
+        new, positions = [key], [position_of(key)]
+    else:
+        access.seen.update(zip(keys, repeat(None)))
+        new = list(keys)
+        positions = list(map(position_of, new))
     parents = access.extend_run(new, positions)
     if parents is None:
         placed = [(k, p) for k, p in zip(new, positions) if p is not None]

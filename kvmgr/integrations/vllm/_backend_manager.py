@@ -161,7 +161,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         are free or evictable. Keys of the offer are never evicted by it."""
         keys = keys if type(keys) is list else list(keys)
         offer = split_offer(
-            self._access(req_context),
+            Access.of(req_context, self, self._generation),
             keys,
             list(map(self._index_get, keys)),
             self._state,

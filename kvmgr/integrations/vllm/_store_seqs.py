@@ -61,7 +61,10 @@ class StoreSeqs:
         """A new store writes chunks ``ids``: its sequence number."""
         seq = self._next_seq
         self._next_seq += 1
-        deque(map(self._seq.__setitem__, ids, repeat(seq)), 0)
+        if len(ids) == 1:  # the per-call store
+            self._seq[ids[0]] = seq
+        else:
+            deque(map(self._seq.__setitem__, ids, repeat(seq)), 0)
         return seq
 
     def split(
