@@ -54,8 +54,10 @@ def _faulty_host(kind: str, delay_s: float) -> ScriptedEngine:
 
 def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker:
     """One rank's worker (see the module docstring)."""
-    kv = rank_kv(spec, rank)
     fault = spec.get("fault") or {}
+    if fault.get("rank") == rank and fault["kind"] == "raise":
+        raise ValueError("injected: this rank's make_worker raises")
+    kv = rank_kv(spec, rank)
     if fault.get("rank") == rank:
         engine: TransferEngine = _faulty_host(fault["kind"], fault.get("delay_s", 0.0))
     else:

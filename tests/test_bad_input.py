@@ -23,6 +23,7 @@ from kvmgr import (
     ClosedError,
     ConfigError,
     GeometryError,
+    HookReport,
     InvalidArgumentError,
     InvalidBlockError,
     InvalidKeyError,
@@ -374,6 +375,17 @@ async def test_use_after_close_raises_closed_error(call: Call) -> None:
             ConfigError,
             id="bad-hook",
         ),
+        *(
+            pytest.param(
+                lambda kv, what=what, value=value: OffloadManager(
+                    kv, ManagerConfig(num_cpu_blocks=4), **{what: value}
+                ),
+                ConfigError,
+                id=f"{what}-{type(value).__name__}",  # a new user found TypeError (round 4)
+            )
+            for what in ("hooks", "tiers")
+            for value in (None, 5)
+        ),
         pytest.param(
             lambda kv: OffloadManager([torch.empty(4, 0)], ManagerConfig(num_cpu_blocks=4)),
             GeometryError,
@@ -396,6 +408,25 @@ async def test_use_after_close_raises_closed_error(call: Call) -> None:
 def test_bad_constructor_arguments(make: Callable[[list[torch.Tensor]], Any], error: type) -> None:
     with pytest.raises(error):
         make(_kv())
+
+
+@pytest.mark.asyncio
+async def test_hooks_given_as_a_generator_run_every_step() -> None:
+    """Found by a new user (round 4): the type check consumed the generator, so the manager
+    kept no hooks and ``step()`` flushed stores without running them."""
+    calls = []
+
+    class Hook:
+        name = "count"
+
+        def __call__(self, ctx: StepContext) -> HookReport:
+            calls.append(ctx)
+            return HookReport(name=self.name)
+
+    hooks = (hook for hook in [Hook()])
+    async with OffloadManager(_kv(), ManagerConfig(num_cpu_blocks=4), hooks=hooks) as mgr:
+        report = await mgr.step(StepContext(step=1))
+    assert len(calls) == 1 and len(report.hooks) == 1
 
 
 def test_host_engine_instance_rejects_non_cpu_tensors() -> None:

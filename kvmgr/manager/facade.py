@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,7 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
     ) -> None:
         if not isinstance(config, ManagerConfig):
             raise ConfigError(f"expected a ManagerConfig, got {type(config).__name__}")
+        hooks, tiers = _listed(hooks, "hooks"), _listed(tiers, "tiers")  # a generator: once
         for hook in hooks:
             if not isinstance(hook, StepHook):
                 raise ConfigError(f"expected a StepHook, got {type(hook).__name__}")
@@ -255,3 +256,14 @@ def _sum_reports(a: Any, b: Any) -> Any:
     if not a.batches:
         return b
     return a + b
+
+
+def _listed(parts: object, what: str) -> tuple[Any, ...]:
+    """``parts`` as a tuple, read once (a generator of hooks or tiers is consumed here).
+
+    Raises:
+        ConfigError: not an iterable (``None`` included: pass ``()`` for none), or a string.
+    """
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Iterable):
+        raise ConfigError(f"{what}: expected a sequence (() for none), got {type(parts).__name__}")
+    return tuple(parts)

@@ -16,12 +16,14 @@ by CPU block id) and a load is read by all.
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvmgr.errors import LayoutMismatchError, RankError
+from kvmgr.errors import InvalidArgumentError, LayoutMismatchError, RankError
 from kvmgr.scheduler.jobs import JobOutcome, KVGeometry
 from kvmgr.transport.frames import (
     ClosedFrame,
@@ -80,7 +82,9 @@ class RankGroup:
         start_timeout_s: seconds to wait for every rank's ``Hello``.
 
     Raises:
-        RankError: a rank did not start in time, or exited.
+        InvalidArgumentError: ``num_ranks`` not an int >= 1, ``make_worker`` not callable, or
+            a timeout not a finite number > 0 (before any process starts).
+        RankError: a rank did not start in time, or exited (its traceback is on its stderr).
         LayoutMismatchError: the ranks' KV layouts differ (every rank is stopped first).
     """
 
@@ -93,8 +97,7 @@ class RankGroup:
         deadline_s: float = 30.0,
         start_timeout_s: float = 120.0,
     ) -> None:
-        if num_ranks < 1:
-            raise ValueError(f"expected num_ranks >= 1, got {num_ranks}")
+        _check_args(num_ranks, make_worker, deadline_s, start_timeout_s)
         ctx = multiprocessing.get_context("forkserver")
         # the fork server imports these once; each rank is then forked from it (not spawned)
         ctx.set_forkserver_preload(["torch", "numpy", "msgspec", "kvmgr.transport.rank"])
@@ -128,8 +131,12 @@ class RankGroup:
     def _hello(self, rank: int, timeout_s: float) -> Hello:
         frame = _answer(self.control[rank], Hello, timeout_s)
         if frame is None:
-            code = self.processes[rank].exitcode
-            raise RankError(f"rank {rank} did not start (exit code {code})", rank=rank)
+            process = self.processes[rank]
+            process.join(1.0)  # a rank that exited (its make_worker raised) is reaped first
+            code = "still running" if process.exitcode is None else f"exit code {process.exitcode}"
+            raise RankError(
+                f"rank {rank} did not start ({code}; a rank's error is on its stderr)", rank=rank
+            )
         return frame
 
     def dump(self, rank: int, timeout_s: float = 30.0) -> PagesFrame:
@@ -184,6 +191,22 @@ class RankGroup:
     def connect(self, deliver: Callable[[JobOutcome], None]) -> RankTransport:
         """The transport over this group, delivering outcomes to ``deliver``."""
         return RankTransport(self, deliver)
+
+
+def _check_args(num_ranks: object, make_worker: object, *timeouts: object) -> None:
+    """Raises InvalidArgumentError: see ``RankGroup``."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, numbers.Integral) or num_ranks < 1:
+        raise InvalidArgumentError(f"num_ranks: expected an int >= 1, got {num_ranks!r}")
+    if not callable(make_worker):
+        raise InvalidArgumentError(f"make_worker: expected a function, got {make_worker!r}")
+    for name, value in zip(("deadline_s", "start_timeout_s"), timeouts):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise InvalidArgumentError(f"{name}: expected seconds > 0, got {value!r}")
 
 
 def _answer(conn: Any, kind: type[_Frame], timeout_s: float) -> _Frame | None:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the rank processes import 
 from ranks_support import make_rank, rank_kv
 
 from kvmgr import (
+    InvalidArgumentError,
     LayoutMismatchError,
     ManagerConfig,
     OffloadManager,
@@ -152,6 +153,45 @@ def test_mla_replicated_stores_once_per_block_and_loads_to_every_rank() -> None:
         group.close()
         if os.path.exists(shm):
             os.unlink(shm)
+
+
+@pytest.mark.parametrize(
+    ("args", "options"),
+    [
+        ((0, make_rank), {}),
+        (("2", make_rank), {}),
+        ((1.5, make_rank), {}),
+        ((True, make_rank), {}),
+        ((2, "make_rank"), {}),
+        ((2, make_rank), {"deadline_s": -1.0}),
+        ((2, make_rank), {"deadline_s": float("nan")}),
+        ((2, make_rank), {"start_timeout_s": 0}),
+    ],
+    ids=[
+        "no_ranks",
+        "str_ranks",
+        "float_ranks",
+        "bool_ranks",
+        "not_callable",
+        "negative_deadline",
+        "nan_deadline",
+        "zero_start_timeout",
+    ],
+)
+def test_bad_group_arguments_are_typed_and_start_no_process(
+    args: tuple[Any, ...], options: dict[str, Any]
+) -> None:
+    """Found by a new user (round 4): these raised ValueError/TypeError, or were accepted (a
+    negative or NaN deadline)."""
+    with pytest.raises(InvalidArgumentError):
+        RankGroup(*args, (_spec(),), **options)
+
+
+def test_a_rank_whose_factory_raises_is_reported_with_its_exit_code() -> None:
+    """Found by a new user (round 4): the message said "exit code None" (not reaped yet)."""
+    with pytest.raises(RankError, match=r"rank 1 did not start \(exit code 1;") as info:
+        RankGroup(2, make_rank, (_spec(fault={"rank": 1, "kind": "raise"}),))
+    assert info.value.rank == 1
 
 
 def test_mismatched_layouts_are_refused_at_start() -> None:
