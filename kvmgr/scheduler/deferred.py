@@ -5,11 +5,8 @@ list of fresh keys, the default chain, no tokens, no hints, no admission control
 few checks and is *recorded*: its ids and keys are appended to flat buffers, it gets a
 ``CallFuture`` (its number in the ``StoreFanOut`` of the calls recorded since the last settle,
 ``fanout``), and its blocks are counted in ``CpuTier.reserved`` (the room it was promised: every
-other consumer of CPU blocks sees that much less). When the free blocks run short, under LRU
-the victims are evicted in one policy call at the settle if the tier surely has them, else at
-the call; under any other policy the call is not recorded (see below), since evicting a step's
-shortfall at once, before its inserts, would let ARC's list balance or S3-FIFO's queues pick
-other victims than call by call (found by a new user's differential run, round 4).
+other consumer of CPU blocks sees that much less). When the free blocks run short, the victims are
+evicted in one policy call at the settle if the tier surely has them, else at the call.
 ``settle`` prepares every recorded call in one go, with the array operations of the batched
 API (allocation, PENDING keys, policy insert, GPU busy counts), as ONE ``Part`` whose future is
 that ``StoreFanOut``: resolved once, each call's ``SwapResult`` built when asked for.
@@ -54,7 +51,7 @@ class DeferredStores:
     """
 
     __slots__ = (
-        "_chains", "_children", "_evict_later", "_gpu_state", "_index", "_num_gpu", "_owned", "_seen",
+        "_chains", "_children", "_gpu_state", "_index", "_num_gpu", "_owned", "_seen",
         "cpu", "enabled", "ends", "fan", "gpu", "gpu_ids",
     )  # fmt: skip
 
@@ -71,9 +68,6 @@ class DeferredStores:
         self._index = cpu.index
         self._chains = cpu.chains
         self._children = cpu.chains.orphans  # new keys' indexed children (not indexed)
-        # evicting a step's shortfall at once, before its inserts, decides as call by call:
-        # LRU only (ARC's list balance and S3-FIFO's queues depend on the interleaving)
-        self._evict_later = getattr(cpu.policy, "name", None) == "lru"
         self._num_gpu, self._gpu_state, self._owned = (
             gpu.num_blocks,
             gpu.state,
@@ -103,12 +97,11 @@ class DeferredStores:
         cpu = self.cpu
         reserved = cpu.reserved + 1
         short = reserved - cpu.pool.num_free  # blocks the settle must evict
-        if short > 0:
-            if not self._evict_later:
-                return None  # prepared at its call, after the settle of those recorded
-            # (inlined _sure_victims: on every call once the tier is full)
-            if short > len(self._index) - cpu.num_pending - cpu.num_loading - self._chains.num_parents:  # fmt: skip
-                cpu.evict_for(1, (key,))  # not sure: evict now; PoolExhaustedError: no change
+        # (inlined _sure_victims: on every call once the tier is full)
+        if short > 0 and short > (
+            len(self._index) - cpu.num_pending - cpu.num_loading - self._chains.num_parents
+        ):
+            cpu.evict_for(1, (key,))  # not sure: evict now; PoolExhaustedError: no change
         cpu.reserved = reserved
         self._seen[key] = None
         self.gpu_ids.append(gpu_id)
@@ -161,8 +154,6 @@ class DeferredStores:
             return None  # indexed children: the general path looks for cycles
         cpu = self.cpu
         if cpu.reserved + n > cpu.pool.num_free:
-            if not self._evict_later:
-                return None  # prepared at its call, after the settle of those recorded
             self._room_short(n, keys)
         cpu.reserved += n
         if self.ends is None:  # the calls so far stored one block each
