@@ -12,8 +12,13 @@ API (allocation, PENDING keys, policy insert, GPU busy counts), as ONE ``Part`` 
 that ``StoreFanOut``: resolved once, each call's ``SwapResult`` built when asked for.
 
 The owner settles before anything reads or changes the bookkeeping (every other call of the
-manager, the step, the tick, close), so what any call observes is exactly what it would have
-observed had every recorded store been prepared at its call. A call that does not pass the
+manager, the step, the tick, close), so every call observes the keys, states and results it
+would have observed had every recorded store been prepared at its call. One thing differs: the
+victims. The settle evicts the step's shortfall at once, before the step's inserts; under LRU
+that picks the same victims as call by call, but ARC's list balance and S3-FIFO's queues
+depend on the interleaving and may pick others (valid decisions of the policy; no KV is
+wrong). Evicting call by call instead costs ARC's per-call store 0.17x -> 1.62x of vLLM's
+manager (BENCHMARKS.md, round 4 session 7); pass ``parents`` to prepare a store at its call. A call that does not pass the
 checks (a key already present or recorded, a block not held, no room, ...) is not recorded:
 the owner settles and runs it through the general path, which raises the typed error.
 """
