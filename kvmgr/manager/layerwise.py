@@ -12,7 +12,7 @@ Ordering: what is queued when the operation starts is flushed first (one ``Flush
 so the groups are fenced on it like any later batch; a load's groups are all submitted before
 ``start_load`` returns. A store's batch has no end event until its last layer is saved (not the
 last group submitted so far: a fence on that would let a load overwrite blocks the store has
-yet to read): on a CUDA engine, a load queued meanwhile into one of its GPU blocks fails at
+yet to read): on every engine, a load queued meanwhile into one of its GPU blocks fails at
 ``step()`` with ``TransferError`` (it cannot be ordered); the step itself does not raise.
 """
 

@@ -66,6 +66,9 @@ class BatchHandle:
             future fails with it once the copies enqueued before it ended), else ``None``.
         member_ids: for a handle that joins several engine batches (a layerwise load or
             store, ``kvmgr.transfer.layerwise.LayerBatches``), their batch ids; else ``None``.
+        submitting: a joined handle whose operation may still submit batches (a layerwise
+            store whose layers are not all saved): no batch can be ordered after it, on any
+            engine (the host engine's FIFO thread has not seen the later batches either).
     """
 
     batch_id: int
@@ -74,6 +77,7 @@ class BatchHandle:
     end_event: Any = None
     refused: Any = None
     member_ids: list[int] | None = None
+    submitting: bool = False
 
     def done(self) -> bool:
         """Whether the copy has completed (successfully or not)."""

@@ -26,6 +26,12 @@ from kvmgr.worker.tensors import TensorGuard
 
 __all__ = ["Submitted", "TransferWorker"]
 
+_UNORDERED = (
+    "the {} job touches GPU blocks of a batch still being submitted (a layerwise store whose "
+    "layers are not all saved): it cannot be ordered after it; save the store's layers (or "
+    "abort it) first"
+)
+
 
 @attrs.define
 class Submitted:
@@ -194,15 +200,13 @@ class TransferWorker:
     def _submit(self, job: TransferJob, plan: TransferPlan) -> BatchHandle:
         handles = self._handles
         wait_for = [handles[j] for j in job.wait_for if j in handles]
+        if any(h.submitting for h in wait_for):  # the host engine would run it at once
+            raise TransferError(_UNORDERED.format(job.direction.value))
         try:
             return self.engine.submit(plan, wait_for=wait_for)
         except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
             if any(h.end_event is None and not h.done() for h in wait_for):
-                raise TransferError(
-                    f"the {job.direction.value} job touches GPU blocks of a batch still being "
-                    "submitted (a layerwise store whose layers are not all saved): it cannot be "
-                    "ordered after it; save the store's layers (or abort it) first"
-                ) from exc
+                raise TransferError(_UNORDERED.format(job.direction.value)) from exc
             raise
 
     def _stand_in(self, job: TransferJob) -> None:

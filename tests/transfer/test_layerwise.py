@@ -16,6 +16,7 @@ from kvmgr import (
     LayerOrderError,
     ManagerConfig,
     OffloadManager,
+    TransferError,
 )
 from kvmgr.testing import FaultyEngine, ScriptedEngine, check_invariants
 from kvmgr.transfer.host import HostEngine
@@ -400,3 +401,33 @@ def test_group_plan_equals_build_plan_of_the_group(ids: list[int]) -> None:
         ):
             assert np.array_equal(a, b)
     assert group_plan(Direction.H2D, None, cpu, gpu).num_descriptors == 0
+
+
+@pytest.mark.asyncio
+async def test_a_load_into_an_open_layerwise_stores_blocks_fails_on_the_host_engine() -> None:
+    """The host engine's FIFO thread does not order a batch after layers not yet saved: a load
+    queued into the blocks of a store that saved layer 0 only fails at ``step()`` (as on the CUDA
+    engines) instead of overwriting KV the later layers have yet to store (new user, round 4)."""
+    caches = _caches()
+    async with _manager(caches) as mgr:
+        old = _keys(4, salt=1)
+        await _store(mgr, mgr.allocate("old", 4), old)
+        src = np.asarray(mgr.allocate("s", 4))
+        expected = [t[torch.from_numpy(src)].clone() for t in caches]
+        keys = _keys(4)
+        store = mgr.store_layerwise(src, keys, layers=2)
+        store.save_layer(0)
+        load = mgr.load_many(old, src)  # into the blocks the store has yet to read
+        await mgr.step()  # the step itself does not raise
+        with pytest.raises(TransferError, match="layerwise store"):
+            await load
+        for layer in range(1, NUM_LAYERS):
+            store.save_layer(layer)
+        await store
+        check_invariants(mgr)
+        dst = np.asarray(mgr.allocate("d", 4))
+        back = mgr.load_many(keys, dst)
+        await mgr.step()
+        await back
+        for t, want in zip(caches, expected):
+            assert torch.equal(t[torch.from_numpy(dst)], want)  # every layer of the old KV
