@@ -30,7 +30,7 @@ from kvmgr.manager.flush import Flusher
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.queue import Lane, Part
-from kvmgr.transfer.engine import BatchHandle
+from kvmgr.transfer.engine import BatchHandle, check_orderable
 from kvmgr.transfer.layer_groups import LayerGroups, dense_tensors, group_plan, sub_layout
 from kvmgr.transfer.layerwise import LayerBatches, LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import BlockPairs, build_plan
@@ -147,6 +147,7 @@ class _GroupSubmits:
             fences = [h for b in in_flight if (h := worker.handle(b.seq)) is not None]
             if self._fence_once:
                 self._fences = fences
+        check_orderable(fences, direction)  # a load into an open layerwise store's blocks
         return worker.engine.submit(plan, wait_for=fences)
 
 

@@ -23,9 +23,13 @@ from typing import Any
 import attrs
 import torch
 
+from kvmgr.errors import TransferError
 from kvmgr.transfer.plan import Direction, TransferPlan
 
-__all__ = ["BatchHandle", "BatchResult", "BatchTotals", "EngineStatistics", "TransferEngine"]
+__all__ = [
+    "BatchHandle", "BatchResult", "BatchTotals", "EngineStatistics", "TransferEngine",
+    "check_orderable",
+]  # fmt: skip
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +86,22 @@ class BatchHandle:
     def done(self) -> bool:
         """Whether the copy has completed (successfully or not)."""
         return self.future.done()
+
+
+def check_orderable(wait_for: Sequence[BatchHandle], direction: Direction) -> None:
+    """Check that a batch of ``direction`` can be ordered after every handle of ``wait_for``.
+
+    Raises:
+        TransferError: a handle is still ``submitting`` (a layerwise store whose layers are
+            not all saved): no engine can run a batch after copies not yet submitted (the host
+            engine's FIFO thread would run it at once, before the store read its blocks).
+    """
+    if any(h.submitting for h in wait_for):
+        raise TransferError(
+            f"the {direction.value} job touches GPU blocks of a batch still being submitted (a "
+            "layerwise store whose layers are not all saved): it cannot be ordered after it; "
+            "save the store's layers (or abort it) first"
+        )
 
 
 @attrs.define(kw_only=True)

@@ -431,3 +431,34 @@ async def test_a_load_into_an_open_layerwise_stores_blocks_fails_on_the_host_eng
         await back
         for t, want in zip(caches, expected):
             assert torch.equal(t[torch.from_numpy(dst)], want)  # every layer of the old KV
+
+
+@pytest.mark.asyncio
+async def test_a_layerwise_load_into_an_open_layerwise_stores_blocks_is_refused() -> None:
+    """``load_layerwise`` into the blocks of a store that saved layer 0 only is refused as a
+    whole (``LayerLoadError``, typed) instead of running at once on the host engine: the store
+    keeps every layer of the KV it was asked to store (new user, round 4)."""
+    caches = _caches()
+    async with _manager(caches) as mgr:
+        old = _keys(4, salt=1)
+        await _store(mgr, mgr.allocate("old", 4), old)
+        src = mgr.allocate("s", 4)
+        expected = [t[src].clone() for t in caches]
+        keys = _keys(4)
+        store = mgr.store_layerwise(src, keys, layers=2)
+        store.save_layer(0)
+        load = mgr.load_layerwise(old, src, layers=2)
+        with pytest.raises(LayerLoadError, match="layerwise store"):
+            load.wait_layer(0)
+        with pytest.raises(LayerLoadError):
+            await load
+        for layer in range(1, NUM_LAYERS):
+            store.save_layer(layer)
+        await store
+        check_invariants(mgr)
+        dst = mgr.allocate("d", 4)
+        back = mgr.load_many(keys, dst)
+        await mgr.step()
+        await back
+        for t, want in zip(caches, expected):
+            assert torch.equal(t[dst], want)
