@@ -403,6 +403,28 @@ def test_group_plan_equals_build_plan_of_the_group(ids: list[int]) -> None:
     assert group_plan(Direction.H2D, None, cpu, gpu).num_descriptors == 0
 
 
+async def _finish_and_read_back(
+    mgr: OffloadManager,
+    store: object,
+    keys: list[bytes],
+    caches: list[torch.Tensor],
+    expected: list[torch.Tensor],
+) -> None:
+    """Save the store's other layers, then load its keys back: every layer holds ``expected``
+    (the KV its blocks held when it started, not what a refused load would have written)."""
+    for layer in range(1, NUM_LAYERS):
+        store.save_layer(layer)  # type: ignore[attr-defined]
+    await store  # type: ignore[misc]
+    check_invariants(mgr)
+    dst = mgr.allocate("d", len(keys))
+    back = mgr.load_many(keys, dst)
+    await mgr.step()
+    await back
+    assert len(caches) == len(expected) > 0
+    for t, want in zip(caches, expected):
+        assert torch.equal(t[dst], want)
+
+
 @pytest.mark.asyncio
 async def test_a_load_into_an_open_layerwise_stores_blocks_fails_on_the_host_engine() -> None:
     """The host engine's FIFO thread does not order a batch after layers not yet saved: a load
@@ -421,16 +443,7 @@ async def test_a_load_into_an_open_layerwise_stores_blocks_fails_on_the_host_eng
         await mgr.step()  # the step itself does not raise
         with pytest.raises(TransferError, match="layerwise store"):
             await load
-        for layer in range(1, NUM_LAYERS):
-            store.save_layer(layer)
-        await store
-        check_invariants(mgr)
-        dst = np.asarray(mgr.allocate("d", 4))
-        back = mgr.load_many(keys, dst)
-        await mgr.step()
-        await back
-        for t, want in zip(caches, expected):
-            assert torch.equal(t[torch.from_numpy(dst)], want)  # every layer of the old KV
+        await _finish_and_read_back(mgr, store, keys, caches, expected)
 
 
 @pytest.mark.asyncio
@@ -452,13 +465,4 @@ async def test_a_layerwise_load_into_an_open_layerwise_stores_blocks_is_refused(
             load.wait_layer(0)
         with pytest.raises(LayerLoadError):
             await load
-        for layer in range(1, NUM_LAYERS):
-            store.save_layer(layer)
-        await store
-        check_invariants(mgr)
-        dst = mgr.allocate("d", 4)
-        back = mgr.load_many(keys, dst)
-        await mgr.step()
-        await back
-        for t, want in zip(caches, expected):
-            assert torch.equal(t[dst], want)
+        await _finish_and_read_back(mgr, store, keys, caches, expected)
