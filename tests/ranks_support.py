@@ -38,11 +38,14 @@ def rank_kv(spec: dict[str, Any], rank: int) -> list[torch.Tensor]:
     return [torch.randint(1, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(2)]
 
 
-def _faulty_host(kind: str, delay_s: float) -> ScriptedEngine:
-    """The host engine under the testing kit's scripted engine, doing ``kind`` at each submit:
-    ``"fail"`` raise ``TransferError``, ``"die"`` end the process, ``"slow"`` sleep first."""
+def _faulty_host(kind: str, delay_s: float, from_batch: int = 0) -> ScriptedEngine:
+    """The host engine under the testing kit's scripted engine, doing ``kind`` at each submit
+    from batch ``from_batch`` on: ``"fail"`` raise ``TransferError``, ``"die"`` end the
+    process, ``"slow"`` sleep first."""
 
     def on_submit(batch_id: int, plan: Any) -> None:
+        if batch_id < from_batch:
+            return
         if kind == "fail":
             raise TransferError("injected: this rank's engine refuses the batch")
         if kind == "die":
@@ -59,7 +62,9 @@ def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker
         raise ValueError("injected: this rank's make_worker raises")
     kv = rank_kv(spec, rank)
     if fault.get("rank") == rank:
-        engine: TransferEngine = _faulty_host(fault["kind"], fault.get("delay_s", 0.0))
+        engine: TransferEngine = _faulty_host(
+            fault["kind"], fault.get("delay_s", 0.0), fault.get("from_batch", 0)
+        )
     else:
         engine = HostEngine()
     layout = spec.get("layout", "heads")

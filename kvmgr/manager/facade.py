@@ -110,7 +110,8 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
         Results count one rank's bytes (``SwapResult.num_bytes``); step reports count every
         rank's. A rank that fails a job fails it on every rank (``RankError`` naming it); a
         rank that dies or misses the group's deadline stops the offload: jobs in flight and
-        every later swap fail with ``RankError`` / ``RankTimeoutError``, nothing hangs. No
+        every later swap fail with ``RankError`` / ``RankTimeoutError``, nothing hangs (a
+        timed-out job's blocks stay fenced for good: the late rank may still copy). No
         hooks, no lower tiers; ``engine``, ``gpu_layout`` and ``cpu_pool`` are ``None``.
         The caller closes the group after the manager.
 

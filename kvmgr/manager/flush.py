@@ -24,6 +24,7 @@ from kvmgr.errors import (
     ClosedError,
     InvalidArgumentError,
     KVMgrError,
+    RankTimeoutError,
     StaleKVTensorError,
     TransferError,
 )
@@ -157,7 +158,13 @@ class Flusher:
 
     def complete(self, outcome: JobOutcome) -> None:
         """A job ended on every rank (on the loop thread): bookkeeping, write-through,
-        futures, waiting stores. A no-op if the job was already settled."""
+        futures, waiting stores. A no-op if the job was already settled. A job a rank did not
+        finish by the deadline stays in flight, its awaits failed: that rank is alive and may
+        still copy, so its GPU and CPU blocks stay fenced for good (the offload is off)."""
+        if isinstance(outcome.error, RankTimeoutError):
+            if (batch := self.scheduler.queue.in_flight.get(outcome.job_id)) is not None:
+                _resolve(batch.lane, outcome.error)
+            return
         settled = self.scheduler.complete(outcome)
         if settled is None:
             return
@@ -184,8 +191,14 @@ class Flusher:
             outcome = self.transport.outcome_now(seq)
             if outcome is not None:
                 self.complete(outcome)
-            elif (batch := queue.pop(seq)) is not None:
-                _resolve(batch.lane, ClosedError("manager closed while the copy was in flight"))
+            else:
+                self._abandon(seq, ClosedError("manager closed while the copy was in flight"))
+
+    def _abandon(self, seq: int, error: BaseException) -> None:
+        """Fail the awaits of in-flight batch ``seq`` with ``error``, without rollback: its
+        blocks stay fenced (a DMA or a late rank may still read or write them)."""
+        if (batch := self.scheduler.queue.pop(seq)) is not None:
+            _resolve(batch.lane, error)
 
 
 def _resolve(lane: Lane, error: BaseException | None) -> None:

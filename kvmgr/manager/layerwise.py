@@ -12,7 +12,7 @@ Ordering: what is queued when the operation starts is flushed first (one ``Flush
 so the groups are fenced on it like any later batch; a load's groups are all submitted before
 ``start_load`` returns. A store's batch has no end event until its last layer is saved (not the
 last group submitted so far: a fence on that would let a load overwrite blocks the store has
-yet to read): on a CUDA engine, a load queued meanwhile into one of its GPU blocks fails at
+yet to read): on every engine, a load queued meanwhile into one of its GPU blocks fails at
 ``step()`` with ``TransferError`` (it cannot be ordered); the step itself does not raise.
 """
 
@@ -30,7 +30,7 @@ from kvmgr.manager.flush import Flusher
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction
 from kvmgr.scheduler.queue import Lane, Part
-from kvmgr.transfer.engine import BatchHandle
+from kvmgr.transfer.engine import BatchHandle, check_orderable
 from kvmgr.transfer.layer_groups import LayerGroups, dense_tensors, group_plan, sub_layout
 from kvmgr.transfer.layerwise import LayerBatches, LayerwiseLoad, LayerwiseStore
 from kvmgr.transfer.plan import BlockPairs, build_plan
@@ -147,6 +147,7 @@ class _GroupSubmits:
             fences = [h for b in in_flight if (h := worker.handle(b.seq)) is not None]
             if self._fence_once:
                 self._fences = fences
+        check_orderable(fences, direction)  # a load into an open layerwise store's blocks
         return worker.engine.submit(plan, wait_for=fences)
 
 

@@ -11,10 +11,12 @@ reads nothing else, so the checker never depends on private attributes.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
+from kvmgr.errors import RankTimeoutError
 from kvmgr.manager.backpressure import WaitingStore
 from kvmgr.pool.block_table import Tier
 from kvmgr.scheduler.bookkeeping import Bookkeeper
@@ -68,8 +70,11 @@ class SwapSnapshot:
         keys: keyed swaps: the keys copied.
         req_id: request-level swaps: the request.
         batch_seq: the batch carrying it, or ``None`` while queued.
-        future_done: whether its future is already resolved (only a cancelled one may be).
+        future_done: whether its future is already resolved (only a cancelled or an
+            abandoned one may be).
         future_cancelled: whether its awaiter cancelled the future.
+        abandoned: its future failed with ``RankTimeoutError`` while a rank past the deadline
+            may still run the copy: it stays in flight, its blocks fenced for good.
     """
 
     kind: str
@@ -81,6 +86,7 @@ class SwapSnapshot:
     batch_seq: int | None
     future_done: bool
     future_cancelled: bool
+    abandoned: bool = False
 
 
 @attrs.frozen
@@ -145,6 +151,15 @@ def _ints(ids: object) -> tuple[int, ...]:
     return tuple(int(b) for b in np.asarray(ids, dtype=np.int64).reshape(-1))
 
 
+def _abandoned(future: Any) -> bool:
+    """Whether ``future`` failed with ``RankTimeoutError`` (its copy may still run)."""
+    return (
+        future.done()
+        and not future.cancelled()
+        and isinstance(future.exception(), RankTimeoutError)
+    )
+
+
 def _swaps(part: Part, batch_seq: int | None) -> list[SwapSnapshot]:
     """The part's swaps: one, or one per call for recorded per-call stores (a fan-out)."""
     future = part.future
@@ -160,6 +175,7 @@ def _swaps(part: Part, batch_seq: int | None) -> list[SwapSnapshot]:
                 batch_seq=batch_seq,
                 future_done=future.done(),
                 future_cancelled=future.cancelled(),
+                abandoned=_abandoned(future),
             )
         ]
     gpu, cpu, keys = _ints(part.gpu_ids), _ints(part.cpu_ids), part.keys or []
@@ -177,6 +193,7 @@ def _swaps(part: Part, batch_seq: int | None) -> list[SwapSnapshot]:
                 batch_seq,
                 call.done(),
                 call.cancelled(),
+                _abandoned(call),
             )
         )
         start = end

@@ -48,7 +48,7 @@ def check_invariants(manager: OffloadManager, *, scan_poison: bool = True) -> No
       pool, a block is allocated exactly when HELD or DRAINING, every HELD block is in one
       resident table or one resume in flight, every DRAINING block is busy, and no block a
       copy uses is FREE (it could be handed out while the DMA still uses it);
-    - no swap future resolved before its copy settled (cancelled ones excepted);
+    - no swap future resolved before its copy settled (cancelled and abandoned ones excepted);
     - ``statistics()`` agrees with the snapshot; with a ``FaultyEngine``: every unresolved
       batch belongs to the manager, and two unresolved batches of opposite directions that share
       a GPU block are ordered: the later one waits (``wait_for``, directly or through other
@@ -76,7 +76,7 @@ def _check_statistics(snap: ManagerSnapshot, stats: Any) -> list[str]:
     """Futures resolved early, and ``statistics()`` against the snapshot."""
     problems: list[str] = []
     for swap in snap.swaps:
-        if swap.future_done and not swap.future_cancelled:
+        if swap.future_done and not (swap.future_cancelled or swap.abandoned):
             problems.append(f"a {swap.kind}'s future resolved before its copy settled")
     queued = sum(1 for s in snap.swaps if s.batch_seq is None and s.kind in _QUEUED_KINDS)
     if stats.batches_in_flight != len(snap.batches):

@@ -23,9 +23,13 @@ from typing import Any
 import attrs
 import torch
 
+from kvmgr.errors import TransferError
 from kvmgr.transfer.plan import Direction, TransferPlan
 
-__all__ = ["BatchHandle", "BatchResult", "BatchTotals", "EngineStatistics", "TransferEngine"]
+__all__ = [
+    "BatchHandle", "BatchResult", "BatchTotals", "EngineStatistics", "TransferEngine",
+    "check_orderable",
+]  # fmt: skip
 
 
 @attrs.frozen(kw_only=True)
@@ -66,6 +70,9 @@ class BatchHandle:
             future fails with it once the copies enqueued before it ended), else ``None``.
         member_ids: for a handle that joins several engine batches (a layerwise load or
             store, ``kvmgr.transfer.layerwise.LayerBatches``), their batch ids; else ``None``.
+        submitting: a joined handle whose operation may still submit batches (a layerwise
+            store whose layers are not all saved): no batch can be ordered after it, on any
+            engine (the host engine's FIFO thread has not seen the later batches either).
     """
 
     batch_id: int
@@ -74,10 +81,27 @@ class BatchHandle:
     end_event: Any = None
     refused: Any = None
     member_ids: list[int] | None = None
+    submitting: bool = False
 
     def done(self) -> bool:
         """Whether the copy has completed (successfully or not)."""
         return self.future.done()
+
+
+def check_orderable(wait_for: Sequence[BatchHandle], direction: Direction) -> None:
+    """Check that a batch of ``direction`` can be ordered after every handle of ``wait_for``.
+
+    Raises:
+        TransferError: a handle is still ``submitting`` (a layerwise store whose layers are
+            not all saved): no engine can run a batch after copies not yet submitted (the host
+            engine's FIFO thread would run it at once, before the store read its blocks).
+    """
+    if any(h.submitting for h in wait_for):
+        raise TransferError(
+            f"the {direction.value} job touches GPU blocks of a batch still being submitted (a "
+            "layerwise store whose layers are not all saved): it cannot be ordered after it; "
+            "save the store's layers (or abort it) first"
+        )
 
 
 @attrs.define(kw_only=True)

@@ -42,7 +42,9 @@ class LayerBatches:
         self.num_groups = num_groups
         self.handles: list[BatchHandle] = []
         self.error: BaseException | None = None
-        self.handle = BatchHandle(-1, direction, concurrent.futures.Future(), member_ids=[])
+        self.handle = BatchHandle(
+            -1, direction, concurrent.futures.Future(), member_ids=[], submitting=True
+        )
         self._lock = threading.Lock()
         self._ended = 0
         self._closed = False  # no more groups will be submitted
@@ -85,6 +87,7 @@ class LayerBatches:
             if self._closed:
                 return
             self._closed = True
+            self.handle.submitting = False
             if len(self.handles) < self.num_groups and self.error is None:
                 self.error = LayerLoadError(
                     f"only {len(self.handles)} of {self.num_groups} layer groups were submitted"

@@ -20,7 +20,7 @@ from kvmgr.errors import KVMgrError, StaleKVTensorError, TransferError
 from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction, KVGeometry, TransferJob
-from kvmgr.transfer.engine import BatchHandle, TransferEngine
+from kvmgr.transfer.engine import BatchHandle, TransferEngine, check_orderable
 from kvmgr.transfer.plan import TransferPlan, build_plan
 from kvmgr.worker.tensors import TensorGuard
 
@@ -194,14 +194,14 @@ class TransferWorker:
     def _submit(self, job: TransferJob, plan: TransferPlan) -> BatchHandle:
         handles = self._handles
         wait_for = [handles[j] for j in job.wait_for if j in handles]
+        check_orderable(wait_for, job.direction)  # the host engine would run it at once
         try:
             return self.engine.submit(plan, wait_for=wait_for)
         except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
             if any(h.end_event is None and not h.done() for h in wait_for):
                 raise TransferError(
-                    f"the {job.direction.value} job touches GPU blocks of a batch still being "
-                    "submitted (a layerwise store whose layers are not all saved): it cannot be "
-                    "ordered after it; save the store's layers (or abort it) first"
+                    f"the {job.direction.value} job cannot be fenced on a batch in flight "
+                    f"without an end event: {exc}"
                 ) from exc
             raise
 

@@ -16,6 +16,7 @@ from kvmgr import (
     LayerOrderError,
     ManagerConfig,
     OffloadManager,
+    TransferError,
 )
 from kvmgr.testing import FaultyEngine, ScriptedEngine, check_invariants
 from kvmgr.transfer.host import HostEngine
@@ -400,3 +401,68 @@ def test_group_plan_equals_build_plan_of_the_group(ids: list[int]) -> None:
         ):
             assert np.array_equal(a, b)
     assert group_plan(Direction.H2D, None, cpu, gpu).num_descriptors == 0
+
+
+async def _finish_and_read_back(
+    mgr: OffloadManager,
+    store: object,
+    keys: list[bytes],
+    caches: list[torch.Tensor],
+    expected: list[torch.Tensor],
+) -> None:
+    """Save the store's other layers, then load its keys back: every layer holds ``expected``
+    (the KV its blocks held when it started, not what a refused load would have written)."""
+    for layer in range(1, NUM_LAYERS):
+        store.save_layer(layer)  # type: ignore[attr-defined]
+    await store  # type: ignore[misc]
+    check_invariants(mgr)
+    dst = mgr.allocate("d", len(keys))
+    back = mgr.load_many(keys, dst)
+    await mgr.step()
+    await back
+    assert len(caches) == len(expected) > 0
+    for t, want in zip(caches, expected):
+        assert torch.equal(t[dst], want)
+
+
+@pytest.mark.asyncio
+async def test_a_load_into_an_open_layerwise_stores_blocks_fails_on_the_host_engine() -> None:
+    """The host engine's FIFO thread does not order a batch after layers not yet saved: a load
+    queued into the blocks of a store that saved layer 0 only fails at ``step()`` (as on the CUDA
+    engines) instead of overwriting KV the later layers have yet to store (new user, round 4)."""
+    caches = _caches()
+    async with _manager(caches) as mgr:
+        old = _keys(4, salt=1)
+        await _store(mgr, mgr.allocate("old", 4), old)
+        src = np.asarray(mgr.allocate("s", 4))
+        expected = [t[torch.from_numpy(src)].clone() for t in caches]
+        keys = _keys(4)
+        store = mgr.store_layerwise(src, keys, layers=2)
+        store.save_layer(0)
+        load = mgr.load_many(old, src)  # into the blocks the store has yet to read
+        await mgr.step()  # the step itself does not raise
+        with pytest.raises(TransferError, match="layerwise store"):
+            await load
+        await _finish_and_read_back(mgr, store, keys, caches, expected)
+
+
+@pytest.mark.asyncio
+async def test_a_layerwise_load_into_an_open_layerwise_stores_blocks_is_refused() -> None:
+    """``load_layerwise`` into the blocks of a store that saved layer 0 only is refused as a
+    whole (``LayerLoadError``, typed) instead of running at once on the host engine: the store
+    keeps every layer of the KV it was asked to store (new user, round 4)."""
+    caches = _caches()
+    async with _manager(caches) as mgr:
+        old = _keys(4, salt=1)
+        await _store(mgr, mgr.allocate("old", 4), old)
+        src = mgr.allocate("s", 4)
+        expected = [t[src].clone() for t in caches]
+        keys = _keys(4)
+        store = mgr.store_layerwise(src, keys, layers=2)
+        store.save_layer(0)
+        load = mgr.load_layerwise(old, src, layers=2)
+        with pytest.raises(LayerLoadError, match="layerwise store"):
+            load.wait_layer(0)
+        with pytest.raises(LayerLoadError):
+            await load
+        await _finish_and_read_back(mgr, store, keys, caches, expected)

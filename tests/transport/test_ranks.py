@@ -28,6 +28,7 @@ from kvmgr import (
     LayoutMismatchError,
     ManagerConfig,
     OffloadManager,
+    PoolExhaustedError,
     RankError,
     RankTimeoutError,
 )
@@ -257,6 +258,34 @@ def test_a_rank_that_dies_mid_job_turns_the_offload_off(kind: str) -> None:
             with pytest.raises(RankError):
                 await mgr.wait(later, timeout_s=5)
             check_invariants(mgr)
+
+        asyncio.run(_over_ranks(group, body))
+    finally:
+        group.close()
+
+
+def test_the_gpu_blocks_a_late_rank_may_still_write_are_never_handed_out() -> None:
+    """A rank past the deadline is alive and may still run its copy: the GPU blocks its late
+    load would write are not given to another request (whose KV it would overwrite); the
+    load's await fails at the deadline (new user, round 4)."""
+    fault = {"rank": 1, "kind": "slow", "delay_s": 2.0, "from_batch": 1}  # the store is on time
+    group = RankGroup(2, make_rank, (_spec(fault=fault),), deadline_s=0.5)
+    try:
+
+        async def body(mgr: OffloadManager) -> None:
+            await _step(mgr, mgr.swap_out(mgr.allocate("a", 3), KEYS[:3]))
+            mgr.free("a")
+            b = mgr.allocate("b", 3)
+            load = mgr.swap_in(KEYS[:3], b)
+            await mgr.step()
+            with pytest.raises(RankTimeoutError):
+                await mgr.wait(load, timeout_s=20)  # at the deadline, before the 2 s copy
+            mgr.free("b")
+            handed_out: list[int] = []
+            with pytest.raises(PoolExhaustedError):
+                while True:
+                    handed_out += mgr.allocate("c", 1)
+            assert not set(handed_out) & set(b)  # rank 1 may still write them
 
         asyncio.run(_over_ranks(group, body))
     finally:
