@@ -18,9 +18,10 @@ victims. The settle evicts the step's shortfall at once, before the step's inser
 that picks the same victims as call by call, but ARC's list balance and S3-FIFO's queues
 depend on the interleaving and may pick others (valid decisions of the policy; no KV is
 wrong). Evicting call by call instead costs ARC's per-call store 0.17x -> 1.62x of vLLM's
-manager (BENCHMARKS.md, round 4 session 7); pass ``parents`` to prepare a store at its call. A call that does not pass the
-checks (a key already present or recorded, a block not held, no room, ...) is not recorded:
-the owner settles and runs it through the general path, which raises the typed error.
+manager (BENCHMARKS.md, round 4 session 7); pass ``parents`` to prepare a store at its call.
+A call that does not pass the checks (a key already present or recorded, a block not held, no
+room, ...) is not recorded: the owner settles and runs it through the general path, which
+raises the typed error.
 """
 
 from __future__ import annotations

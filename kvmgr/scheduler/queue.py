@@ -193,9 +193,7 @@ class SwapQueue:
         if batch is None:
             return None
         direction = batch.direction
-        earlier = [
-            b for b in self.in_flight.values() if b.seq < seq and b.lane.direction is direction
-        ]
+        earlier = [b for b in self.in_flight.values() if b.seq < seq and b.direction is direction]
         if earlier:
             marks = self._batch_marks[direction][1]
             ids = batch.gpu_ids

@@ -20,12 +20,12 @@ events from a per-direction pool instead of creating two (a new event with its f
 3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
 on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
 changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.6 us on the H200
-host, BENCHMARKS.md round 4 session 7). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through ctypes were tried and
-measured slower there (5.7-8.1 us per call; BENCHMARKS.md, round 3). A pair goes back to
-the pool after its batch's future resolved (never after a device error), so a handle's
-``end_event`` may later mark a newer batch of the same direction: waits are only issued for
-handles whose future has not resolved, and a wait on a re-recorded event waits for a later batch
-of the same FIFO stream, never for less.
+host, BENCHMARKS.md round 4 session 7). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through
+ctypes were tried and measured slower there (5.7-8.1 us per call; BENCHMARKS.md, round 3). A
+pair goes back to the pool after its batch's future resolved (never after a device error), so a
+handle's ``end_event`` may later mark a newer batch of the same direction: waits are only issued
+for handles whose future has not resolved, and a wait on a re-recorded event waits for a later
+batch of the same FIFO stream, never for less.
 """
 
 from __future__ import annotations
