@@ -6,9 +6,8 @@ Offers `ARCPolicy`, registered as ``"arc"``.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from itertools import repeat
 
 from kvmgr.policy._arc_lists import commit_one, insert_ghost_hits, leaf_run, trim_ghosts
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
@@ -68,12 +67,13 @@ class ARCPolicy:
         touches only real uses (docs/policies.md).
 
     Complexity
-        ``insert``, ``touch``, ``remove``: O(len(keys)) (C-level loops for ``touch`` and for
-        batches without ghost keys); ghost trimming removes at most what was added.
-        ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected`` is not
-        already a set; when the first ``n`` keys of the list it starts from are one chain
-        (leaf first) or roots, all evictable (the usual full tier), C-level passes over them
-        take them without a per-key Python step (``_arc_lists.leaf_run``). ``__contains__``, ``__len__``: O(1).
+        ``insert``, ``touch``, ``remove``: O(len(keys)); ghost trimming removes at most what
+        was added. ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected``
+        is not a set; when the first ``n`` keys of the list it starts from are one chain (leaf
+        first) or roots, all evictable (the usual full tier), ``_arc_lists.leaf_run`` takes
+        them without a `VictimSet`. ``__contains__``, ``__len__``: O(1). The lists are changed
+        in plain loops: ``OrderedDict.update(zip(...))`` and ``map(od.__delitem__, ...)`` cost
+        more per key than a loop's item assignment, for a few keys as for hundreds.
 
     Args:
         capacity: Number of CPU blocks: the cap on ``target`` and the ghost bound.
@@ -105,7 +105,7 @@ class ARCPolicy:
             BlockStateError: If a key is already tracked or repeated; nothing changed then.
             ValueError: If ``len(parents) != len(keys)``; nothing changed then.
         """
-        parent_of, b1, b2 = self._parent_of, self._b1, self._b2
+        parent_of, t1, b1, b2 = self._parent_of, self._t1, self._b1, self._b2
         if (
             len(keys) == 1
             and len(parents) == 1
@@ -118,19 +118,20 @@ class ARCPolicy:
                 num_children = self._tree.num_children
                 num_children[parent] = num_children.get(parent, 0) + 1
             parent_of[key] = parent
-            t1 = self._t1
             t1[key] = None
             trim_ghosts(len(t1), len(self._t2), b1, b2, self.capacity)
             return
         check_new(parent_of, keys, parents, self.name)
         self._tree.add(keys, parents)
-        parent_of.update(zip(keys, parents))
+        for key, parent in zip(keys, parents):  # plain loops: see Complexity
+            parent_of[key] = parent
         if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
-            self._t1.update(zip(reversed(keys), repeat(None)))
+            for key in reversed(keys):
+                t1[key] = None
         else:
-            lists = (self._t1, self._t2, b1, b2)
+            lists = (t1, self._t2, b1, b2)
             self._target = insert_ghost_hits(keys, lists, self._target, self.capacity)
-        trim_ghosts(len(self._t1), len(self._t2), b1, b2, self.capacity)
+        trim_ghosts(len(t1), len(self._t2), b1, b2, self.capacity)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record hits, first key most recent: ``T1`` keys are promoted to ``T2``'s MRU end,
@@ -139,11 +140,12 @@ class ARCPolicy:
         backwards = list(reversed(dict.fromkeys(keys)))  # a repeated key counts where it is first
         refresh = not t2.keys().isdisjoint(keys)
         promoted = list(filter(t1.__contains__, backwards))
-        if promoted:
-            deque(map(t1.pop, promoted, repeat(None)), 0)
-            t2.update(zip(promoted, repeat(None)))
+        for key in promoted:
+            del t1[key]
+            t2[key] = None
         if refresh:  # keys already in T2 join the promoted ones in reverse batch order
-            deque(map(t2.move_to_end, filter(t2.__contains__, backwards)), 0)
+            for key in filter(t2.__contains__, backwards):
+                t2.move_to_end(key)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys`` without recording ghost entries.
@@ -191,17 +193,17 @@ class ARCPolicy:
     def _commit(self, taken: list[bytes]) -> list[bytes]:
         """Untrack victims (their parents' child counts already released) into the ghost list
         of their source (``T1`` -> ``B1``, ``T2`` -> ``B2``) and restore the ghost bounds."""
-        parent_of, t1, t2, b1, b2, cap = (
-            self._parent_of, self._t1, self._t2, self._b1, self._b2, self.capacity
-        )  # fmt: skip
-        deque(map(parent_of.__delitem__, taken), 0)
+        parent_of, t1, t2, b1, b2 = self._parent_of, self._t1, self._t2, self._b1, self._b2
+        cap = self.capacity
         if t2.keys().isdisjoint(taken):  # the common case: every victim from T1
-            deque(map(t1.__delitem__, taken), 0)
-            b1.update(zip(taken, repeat(None)))
+            for key in taken:
+                del parent_of[key], t1[key]
+                b1[key] = None
             if len(t1) + len(b1) <= cap and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * cap:
                 return taken  # T1 + B1 and the total did not grow, B2 did not: bounds hold
         else:
             for key in taken:
+                del parent_of[key]
                 if key in t1:
                     del t1[key]
                     b1[key] = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from itertools import repeat
 from typing import Protocol
 
 from kvmgr.errors import BlockStateError, UnknownKeyError
@@ -122,7 +121,8 @@ class PrefixTree:
                 num_children[first] = num_children.get(first, 0) + 1
             return
         if parents[1:] == keys[:-1] and (childless or num_children.keys().isdisjoint(keys)):
-            num_children.update(zip(keys[:-1], repeat(1)))  # one chain: C-level
+            for key in keys[:-1]:  # one chain (a loop: cheaper than update(zip(...)))
+                num_children[key] = 1
             first = parents[0]
             if first is not None:
                 num_children[first] = num_children.get(first, 0) + 1

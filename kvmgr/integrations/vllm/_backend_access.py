@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from itertools import islice, repeat
+from itertools import islice
 
 from vllm.v1.kv_offload.base import OffloadKey
 
@@ -107,7 +107,9 @@ def _all_new(access: Access, keys: Sequence[OffloadKey], position_of: PositionOf
         access.seen[key] = None
         new, positions = [key], [position_of(key)]
     else:
-        access.seen.update(zip(keys, repeat(None)))
+        seen = access.seen
+        for key in keys:  # a loop: cheaper than update(zip(...)) for a chunk's few keys
+            seen[key] = None
         new = list(keys)
         positions = list(map(position_of, new))
     parents = access.extend_run(new, positions)

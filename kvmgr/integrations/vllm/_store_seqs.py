@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import array
 import secrets
-from collections import deque
 from collections.abc import Callable
-from itertools import repeat
 from typing import TypeVar
 
 import numpy as np
@@ -61,10 +59,9 @@ class StoreSeqs:
         """A new store writes chunks ``ids``: its sequence number."""
         seq = self._next_seq
         self._next_seq += 1
-        if len(ids) == 1:  # the per-call store
-            self._seq[ids[0]] = seq
-        else:
-            deque(map(self._seq.__setitem__, ids, repeat(seq)), 0)
+        chunk_seq = self._seq
+        for chunk in ids:  # a loop: map(array.__setitem__) costs more per id
+            chunk_seq[chunk] = seq
         return seq
 
     def split(
