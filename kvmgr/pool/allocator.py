@@ -156,6 +156,32 @@ class BlockAllocator:
         self._bytes[block_id] = ALLOCATED
         return block_id
 
+    def take_few(self, n: int) -> list[int]:
+        """``take_one`` ``n`` times in one call (the per-call path's few ids, a plain loop).
+
+        Raises:
+            PoolExhaustedError: fewer than ``n`` ids are free; nothing changed then.
+        """
+        if n > self.num_free:
+            raise PoolExhaustedError(f"{self.name}: need {n} blocks, {self.num_free} free",
+                                     needed=n, available=self.num_free,
+                                     reason=f"{self.name}_full")  # fmt: skip
+        fresh, ready, stack, top, states = (
+            self._next_fresh, self._num_ready, self._stack, self._top, self._bytes
+        )  # fmt: skip
+        ids = []
+        for _ in range(n):
+            if fresh < ready:
+                block_id, fresh = fresh, fresh + 1
+            else:
+                top -= 1
+                block_id = stack[top]
+            states[block_id] = ALLOCATED
+            ids.append(block_id)
+        self._next_fresh, self._top = fresh, top
+        self.num_free -= n
+        return ids
+
     def give(self, ids: np.ndarray, *, vouched: bool = False) -> None:
         """Return ids (an int64 array of distinct allocated ids; the smallest is reused first).
 
@@ -185,6 +211,17 @@ class BlockAllocator:
         self._stack[self._top] = block_id
         self._top += 1
         self.num_free += 1
+
+    def give_few(self, block_ids: list[int]) -> None:
+        """``give_one`` of each id in order, in one call (the caller checked them allocated
+        and distinct)."""
+        stack, states, top = self._stack, self._bytes, self._top
+        for block_id in block_ids:
+            states[block_id] = FREED
+            stack[top] = block_id
+            top += 1
+        self._top = top
+        self.num_free += len(block_ids)
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` ids, or return ``None`` (and change nothing) if fewer are free.

@@ -172,18 +172,18 @@ class CpuTier:
         """``make_room`` for a few blocks, without numpy (the per-call path)."""
         if n + self.reserved > self.pool.num_free:
             self.evict_for(n, protected)
-        return [self.pool.take_one() for _ in range(n)]  # type: ignore[misc]
+        return self.pool.take_few(n)
 
     def _forget(self, keys: list[bytes], ids: np.ndarray | None = None) -> None:
         """Drop READY keys without readers (already untracked by the policy), on blocks
         ``ids`` when the caller knows them (in key order); free the blocks."""
         if len(keys) <= 8:
-            state, give_one = self.state, self.pool.give_one
+            state, free = self.state, CpuState.FREE
             blocks = list(map(self.index.pop, keys))
             self.chains.remove(keys, blocks)
             for block in blocks:
-                state[block] = CpuState.FREE
-                give_one(block)
+                state[block] = free
+            self.pool.give_few(blocks)
         else:
             if ids is None:
                 ids = np.fromiter(map(self.index.pop, keys), dtype=np.int64, count=len(keys))

@@ -313,3 +313,32 @@ def test_num_free_counts_the_ready_ids_not_handed_out(ops: list[tuple[int, int]]
         assert allocated == len(held)
         assert pool.num_free == pool.num_ready - allocated
         assert (pool.take(pool.num_free + 1) is None) and pool.num_free >= 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9)), max_size=40), st.integers(3, 12))
+def test_few_twins_hand_out_and_take_back_in_the_order_of_one_id_calls(
+    ops: list[tuple[bool, int]], num_ready: int
+) -> None:
+    """take_few / give_few are take_one / give_one repeated: the same ids, the same stack."""
+    few, one = (BlockAllocator(12, num_ready=num_ready) for _ in range(2))
+    held: list[int] = []
+    for take, n in ops:
+        if take:
+            if n > one.num_free:
+                before = _state(few)
+                with pytest.raises(PoolExhaustedError):
+                    few.take_few(n)
+                assert _state(few) == before
+                continue
+            got = few.take_few(n)
+            assert got == [one.take_one() for _ in range(n)]
+            held += got
+        else:
+            keep = max(0, len(held) - n)
+            back, held = held[keep:][::-1], held[:keep]  # the newest first, in a mixed order
+            few.give_few(back)
+            for block in back:
+                one.give_one(block)
+        assert _state(few) == _state(one)
+    assert few.take_few(few.num_free) == [one.take_one() for _ in range(one.num_free)]
