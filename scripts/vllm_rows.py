@@ -11,11 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
+from pathlib import Path
 
+# this tree's kvmgr, not the editable install's (a script's own folder heads sys.path, not the cwd)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvmgr
 from kvmgr.bench import vllm as bench
 
 
 async def _rows(policies: list[str], steps: int) -> None:
+    print("kvmgr from", Path(kvmgr.__file__).parent, flush=True)
     for policy in policies:
         for scenario, apis in bench.SCENARIOS:
             facade = tuple(a for a in apis if a != "backend")

@@ -17,27 +17,33 @@ One *step* is the calls a scheduler step makes and their completion:
   of resident prefixes, per call on both sides.
 
 vLLM's requests get a ``ReqContext`` with the key positions the scheduler would have set (made
-outside the timed region, as the scheduler makes them when a request arrives). The variants of
-one scenario take turns step by step (vLLM, then each kvmgr API), so load from other processes
-hits them alike. Reported: p50 / p99 microseconds per step over ``--steps`` steps after 10
-warm-up steps, with the garbage collector on, and the ratio kvmgr / vLLM of the p50s (below 1:
-kvmgr is cheaper).
+outside the timed region, as the scheduler makes them when a request arrives). Each scenario
+starts from new managers on every side (vLLM's and kvmgr's, each filled the same way), and a
+full garbage collection after the fills; its variants then take turns step by step, the order
+rotated by one each step (no variant always runs first or right after another's garbage), so
+load from other processes and the collector hit them alike. Reported: p50 / p99 microseconds
+per step over ``--steps`` steps after 10 warm-up steps, with the garbage collector on, and the
+ratio kvmgr / vLLM of the p50s (below 1: kvmgr is cheaper). The JSON names the kvmgr package
+measured (its path): a script run from a worktree imports the editable install otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import platform
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+import kvmgr
 from kvmgr.bench._keys import FreshKeys
 from kvmgr.bench._vllm_side import vllm_steps
 from kvmgr.config import ManagerConfig
@@ -56,6 +62,7 @@ WARMUP = 10
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per variant")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--policies", nargs="+", choices=("lru", "arc"), default=("lru", "arc"))
 
 
 # -- kvmgr's side ---------------------------------------------------------------------------------
@@ -118,30 +125,36 @@ def _summary(samples: list[float]) -> dict[str, float]:
 async def _interleaved(
     policy: str, scenario: str, apis: tuple[str, ...], steps: int
 ) -> dict[str, list[float]]:
-    """Step vLLM's manager and each kvmgr variant in turn, so machine noise hits all alike."""
-    theirs = vllm_steps(policy, scenario, NUM_CPU_BLOCKS)
-    backend = (
-        vllm_steps(policy, scenario, NUM_CPU_BLOCKS, backend=True) if "backend" in apis else None
-    )
+    """Step vLLM's manager and each kvmgr variant in turn (new managers for this scenario, the
+    order rotated each step), so machine noise and the collector hit all alike."""
+    sync = {"vllm": vllm_steps(policy, scenario, NUM_CPU_BLOCKS)}
+    if "backend" in apis:
+        sync["backend"] = vllm_steps(policy, scenario, NUM_CPU_BLOCKS, backend=True)
     ours = {api: _kvmgr_steps(policy, scenario, api) for api in apis if api != "backend"}
-    samples: dict[str, list[float]] = {"vllm": [], **{api: [] for api in apis}}
+    for gen in sync.values():  # each side's fill and a first step, not counted
+        next(gen)
+    for agen in ours.values():
+        await agen.__anext__()
+    names = list(sync) + list(ours)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    gc.collect()  # the fills' garbage: collected now, not in some variant's timed step
     try:
         for i in range(steps + WARMUP):
-            times = {"vllm": next(theirs)}
-            if backend is not None:
-                times["backend"] = next(backend)
-            for api, gen in ours.items():
-                times[api] = await gen.__anext__()
-            if i >= WARMUP:
-                for name, seconds in times.items():
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                gen = sync.get(name)
+                seconds = next(gen) if gen is not None else await ours[name].__anext__()
+                if i >= WARMUP:
                     samples[name].append(seconds)
     finally:
-        for gen in ours.values():
-            await gen.aclose()
+        for gen in sync.values():
+            gen.close()
+        for agen in ours.values():
+            await agen.aclose()
     return samples
 
 
-def measure(steps: int, policies: tuple[str, ...] = ("lru", "arc")) -> list[dict[str, Any]]:
+def measure(steps: int, policies: Sequence[str] = ("lru", "arc")) -> list[dict[str, Any]]:
     """Every scenario and API for each policy; one dict per row (see the module docstring)."""
     rows = []
     for policy in policies:
@@ -188,13 +201,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvmgr bench vllm: error: needs vLLM 0.33 (kvmgr[vllm]): {exc}", file=sys.stderr)
         return 2
-    rows = measure(args.steps)
+    rows = measure(args.steps, args.policies)
     print(_table(rows))
     if args.json:
         doc: dict[str, Any] = {
             "python": sys.version.split()[0],
             "machine": platform.machine(),
             "vllm": vllm.__version__,
+            "kvmgr": os.path.dirname(kvmgr.__file__),
             "torch": torch.__version__,
             "num_cpu_blocks": NUM_CPU_BLOCKS,
             "steps": args.steps,

@@ -19,3 +19,13 @@ def test_bench_vllm_measures_every_variant() -> None:
     assert got == want
     assert all(r["kvmgr_p50_us"] > 0 and r["vllm_p50_us"] > 0 and r["ratio"] > 0 for r in rows)
     assert "| arc | store 512 x 1 | batched |" in bench._table(rows)
+
+
+def test_interleaved_counts_the_same_steps_for_every_side() -> None:
+    import asyncio
+
+    samples = asyncio.run(
+        bench._interleaved("lru", "mixed 64 x 8 + 16 x 16", ("backend", "per-call"), 3)
+    )
+    assert sorted(samples) == ["backend", "per-call", "vllm"]
+    assert all(len(s) == 3 and min(s) > 0 for s in samples.values())
