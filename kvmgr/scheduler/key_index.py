@@ -1,9 +1,11 @@
 """One pass over the CPU tier's key index for a store of keys all new (issue 27).
 
 Private to ``kvmgr.scheduler``. ``add_new`` is a store's whole CPU-tier part when no key is
-indexed yet, none repeats and the free blocks hold them all (no eviction), as in every round
-of ``kvmgr bench host``'s batched store: the blocks ``make_room`` would take are looked at, not
-taken, and the keys indexed on them with ``add_absent``; only then are the blocks taken.
+indexed yet and none repeats, as in every round of ``kvmgr bench host``'s batched store: when
+the free blocks hold the keys, the blocks ``make_room`` would take are looked at, not taken,
+and the keys indexed on them with ``add_absent``; only then are the blocks taken. When blocks
+must be evicted first, the keys are indexed on a placeholder (``-1``) while the policy evicts,
+then on their blocks (a second pass, in place).
 ``add_absent`` indexes keys that must all be absent and
 distinct with one ``dict.setdefault`` per key (a C-level ``map``: each key hashed and probed
 once), where a store otherwise makes three passes (absent? distinct? insert). ``setdefault``
@@ -15,7 +17,8 @@ twice), ``dict.popitem`` (last in, first out) takes exactly those back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,30 +30,41 @@ __all__ = ["add_absent", "add_new", "drop_last"]
 
 
 def add_new(cpu: CpuTier, keys: list[bytes], parents: Sequence[bytes | None]) -> np.ndarray | None:
-    """``cpu.add_pending(keys, cpu.make_room(len(keys), ()), parents)`` when that evicts
-    nothing and every key is absent and distinct, with one pass over the index; the new CPU
-    blocks (int64), or ``None`` with nothing changed (the caller takes the general path).
+    """``cpu.add_pending(keys, cpu.make_room(len(keys), ()), parents)`` when every key is
+    absent and distinct, found out by indexing them (``add_absent``); the new CPU blocks
+    (int64), or ``None`` with nothing changed (the caller takes the general path).
 
     Raises:
-        whatever the policy's ``insert`` raises (``add_pending``); nothing changed then.
+        PoolExhaustedError: too few free and evictable blocks (``make_room``); nothing changed.
+        whatever the policy's ``insert`` raises (``add_pending``): nothing changed, but for
+            the evictions and the blocks taken when room was made, as in the general path.
     """
     n, pool, index = len(keys), cpu.pool, cpu.index
-    if n + cpu.reserved > pool.num_free:
-        return None
-    ids = pool.peek(n)  # the blocks ``make_room`` would take
-    blocks = ids.tolist()
-    if not add_absent(index, keys, blocks):
-        return None
+    room = n + cpu.reserved <= pool.num_free
+    if room:  # no eviction: the keys go on the blocks ``make_room`` would take
+        ids = pool.peek(n)
+        if not add_absent(index, keys, blocks := ids.tolist()):
+            return None
+    else:  # the keys wait on a placeholder while the policy evicts (they are not its victims)
+        if not add_absent(index, keys, repeat(-1, n)):
+            return None
+        try:
+            ids = cpu.make_room(n, ())
+        except BaseException:  # PoolExhaustedError: nothing evicted
+            drop_last(index, n)
+            raise
+        index.update(zip(keys, blocks := ids.tolist()))  # in place: the order stays
     try:
         cpu.add_pending(keys, ids, parents, indexed=blocks)
     except BaseException:  # the policy refused the keys (its insert comes first)
         drop_last(index, n)
         raise
-    pool.commit(ids)
+    if room:
+        pool.commit(ids)
     return ids
 
 
-def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: Sequence[int]) -> bool:
+def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: Iterable[int]) -> bool:
     """Index ``keys[i] -> values[i]`` when every key is absent from ``index`` and the keys are
     distinct (``True``); otherwise leave ``index`` as it was, the same entries in the same
     order, and return ``False``."""

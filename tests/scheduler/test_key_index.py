@@ -12,7 +12,7 @@ import pytest
 
 import kvmgr.scheduler.store as store_module
 from kvmgr.config import ManagerConfig
-from kvmgr.errors import BlockStateError, InvalidKeyError
+from kvmgr.errors import BlockStateError, InvalidKeyError, PoolExhaustedError
 from kvmgr.pool.allocator import BlockAllocator
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuTier
@@ -101,7 +101,8 @@ def _books(stores: Stores) -> tuple[Any, ...]:
 
 def _calls() -> list[list[bytes]]:
     """Batched stores of one chain each: all new; one indexed in the middle; one repeated;
-    all new again; the first indexed (not tried); all new with no room left (evicts)."""
+    all new again; the first indexed (not tried); then with no room left (they evict): all
+    new, one indexed in the middle, one repeated."""
     return [
         [_key(i) for i in range(16)],
         [_key(100), *[_key(i) for i in range(101, 106)], _key(3), _key(106), _key(107)],
@@ -109,6 +110,8 @@ def _calls() -> list[list[bytes]]:
         [_key(i) for i in range(300, 312)],
         [_key(0), *[_key(i) for i in range(400, 410)]],
         [_key(i) for i in range(500, 512)],
+        [*[_key(i) for i in range(600, 610)], _key(505), _key(610)],
+        [*[_key(i) for i in range(700, 710)], _key(703), _key(710)],
     ]
 
 
@@ -138,8 +141,9 @@ def test_prepare_with_the_fast_path_leaves_the_tier_as_the_general_path(
             stores.cpu.stores_landed(np.asarray(part.cpu_ids), all_pending=True)
         assert got[0] == got[1]
         assert _books(fast) == _books(general)
-    # taken on the calls all new with room; given up on the others but the prefix one
-    assert tried == [True, False, False, True, False]
+    # taken on the calls all new (the last one evicts); given up on the others but the prefix
+    # one (not tried)
+    assert tried == [True, False, False, True, True, False, False]
     assert fast.cpu.counters.evictions == general.cpu.counters.evictions > 0
 
 
@@ -165,4 +169,16 @@ def test_bad_input_changes_nothing_before_the_fast_path() -> None:
         stores.prepare(np.arange(12), [*keys[:11], keys[0]], None, None, batched=False)
     with pytest.raises(InvalidKeyError, match="one key per gpu block"):
         stores.prepare(np.arange(11), keys, None, None, batched=True)
+    assert _books(stores) == before
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_no_room_even_after_eviction_leaves_nothing_changed(policy: str) -> None:
+    stores = _rig(policy)  # every block PENDING (no store landed): none is evictable
+    for start in range(0, BLOCKS, 12):
+        keys = [_key(i) for i in range(start, start + 12)]
+        stores.prepare(np.arange(12), keys, None, None, batched=True)
+    before = _books(stores)
+    with pytest.raises(PoolExhaustedError):
+        stores.prepare(np.arange(12), [_key(i) for i in range(900, 912)], None, None, batched=True)
     assert _books(stores) == before
