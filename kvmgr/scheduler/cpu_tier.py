@@ -212,7 +212,7 @@ class CpuTier:
             blocks = ids.tolist() if indexed is None else indexed
             if blocks is not indexed:
                 index.update(zip(keys, blocks))
-            self.state_np[ids] = CpuState.PENDING
+            self.state_np[ids] = _PENDING  # (a plain int: no enum conversion)
         self.num_pending += len(keys)
         self.chains.add(keys, blocks, parents, at := None if blocks is ids else ids)  # type: ignore[arg-type]
         if self._lru is not None:  # by block: tracked once indexed
@@ -233,7 +233,7 @@ class CpuTier:
         stores only), so the states are written without being read first."""
         if all_pending:
             self.num_pending -= len(ids)
-            self.state_np[ids] = CpuState.READY
+            self.state_np[ids] = _READY
             return
         states = self.state_np[ids]
         pending = states == _PENDING
