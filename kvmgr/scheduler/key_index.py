@@ -6,12 +6,13 @@ the free blocks hold the keys, the blocks ``make_room`` would take are looked at
 and the keys indexed on them with ``add_absent``; only then are the blocks taken. When blocks
 must be evicted first, the keys are indexed on a placeholder (``-1``) while the policy evicts,
 then on their blocks (a second pass, in place).
-``add_absent`` indexes keys that must all be absent and
-distinct with one ``dict.setdefault`` per key (a C-level ``map``: each key hashed and probed
-once), where a store otherwise makes three passes (absent? distinct? insert). ``setdefault``
-never overwrites a value, and a dict keeps insertion order, so the keys it added are the
-index's last entries: when fewer were added than given (a key was indexed already, or came
-twice), ``dict.popitem`` (last in, first out) takes exactly those back.
+
+``add_absent`` indexes keys that must all be absent and distinct with one ``dict.setdefault``
+per key (a C-level ``map``: each key hashed and probed once), where a store otherwise makes
+three passes (absent? distinct? insert). ``setdefault`` never overwrites a value, and a dict
+keeps insertion order, so the keys it added are the index's last entries: when fewer were
+added than given (a key was indexed already, or came twice), ``dict.popitem`` (last in, first
+out) takes exactly those back.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def add_new(cpu: CpuTier, keys: list[bytes], parents: Sequence[bytes | None]) ->
 
     Raises:
         PoolExhaustedError: too few free and evictable blocks (``make_room``); nothing changed.
-        whatever the policy's ``insert`` raises (``add_pending``): nothing changed, but for
-            the evictions and the blocks taken when room was made, as in the general path.
+        whatever the policy's ``insert`` raises (``add_pending``): nothing changed (where
+            blocks had to be evicted first, those evictions and the blocks taken stay, as in
+            the general path).
     """
     n, pool, index = len(keys), cpu.pool, cpu.index
     room = n + cpu.reserved <= pool.num_free
