@@ -7,8 +7,8 @@
 #    round: one store_many of 512 one-block keys + step() + completion with room (grow: the
 #    goal row, target <= 150 us; 369 us p50 on the H200 host before), into a full LRU tier
 #    (full), and loads (load: unchanged path); then the per-call rows (grow-call, full-call,
-#    load-call: must not be slower). Look at "new / old" (2-core VM: grow ~0.85-0.9, full
-#    ~0.92, the others ~1.0) and the new round p50 of grow.
+#    load-call: must not be slower). Look at "new / old" (2-core VM: grow 0.86-0.99, about
+#    0.91 in the middle; full 0.97-0.99; the others ~1.0) and the new round p50 of grow.
 # 2. `kvmgr bench host --rounds 200 --steps 1000`: every row and the steady state, GC on.
 source "${BASH_SOURCE%/*}/_common.sh" batched4
 step uptime 5 uptime
