@@ -1,7 +1,8 @@
 """The one-pass store of keys all new (``kvmgr.scheduler.key_index``): ``add_absent`` takes back
 exactly what it added, and ``Stores.prepare`` with the fast path leaves the tier exactly as the
 general path does, on the calls that take it and on those it gives up on (a key indexed
-already, a key repeated, no room without eviction, the policy refusing)."""
+already, a key repeated, no room without eviction, the policy refusing), and on random
+programs of stores, landings and invalidations."""
 
 from __future__ import annotations
 
@@ -182,3 +183,59 @@ def test_no_room_even_after_eviction_leaves_nothing_changed(policy: str) -> None
     with pytest.raises(PoolExhaustedError):
         stores.prepare(np.arange(12), [_key(i) for i in range(900, 912)], None, None, batched=True)
     assert _books(stores) == before
+
+
+def _step(stores: Stores, pending: list[Any], op: tuple[Any, ...]) -> object:
+    """One operation of a random program; what it returned or raised (type and message)."""
+    kind, arg = op
+    cpu = stores.cpu
+    try:
+        if kind == "store":
+            part = stores.prepare(np.arange(len(arg)), arg, None, None, batched=True)
+            pending.append(np.asarray(part.cpu_ids))
+            r = part.result
+            return r.stored.tolist(), r.present.tolist(), r.cpu_block_ids.tolist()
+        if kind == "land" and pending:
+            cpu.stores_landed(pending.pop(arg % len(pending)), all_pending=True)
+        elif kind == "drop":
+            ready = [k for k in cpu.index if cpu.can_evict(k)][arg : arg + 3]
+            cpu.drop(ready)
+        return None
+    except Exception as exc:  # the same refusal on both paths, nothing changed by it
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_programs_leave_the_tier_as_the_general_path(
+    policy: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(seed)
+    fast, general = _rig(policy), _rig(policy)
+    add_new = store_module.add_new
+    taken = []
+
+    def only_fast(cpu: CpuTier, keys: list[bytes], parents: Any) -> Any:
+        ids = None if cpu is general.cpu else add_new(cpu, keys, parents)
+        taken.append(ids is not None)
+        return ids
+
+    monkeypatch.setattr(store_module, "add_new", only_fast)
+    pendings: tuple[list[Any], list[Any]] = ([], [])
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.5:  # 9-16 keys from 200: some indexed already, some repeated
+            op: tuple[Any, ...] = (
+                "store",
+                [_key(int(k)) for k in rng.integers(0, 200, rng.integers(9, 17))],
+            )
+        elif roll < 0.6:  # all new
+            op = ("store", [_key(int(k)) for k in rng.permutation(10_000)[:12] + 1000])
+        elif roll < 0.9:
+            op = ("land", int(rng.integers(0, 100)))
+        else:
+            op = ("drop", int(rng.integers(0, 8)))
+        got = [_step(s, p, op) for s, p in zip((fast, general), pendings)]
+        assert got[0] == got[1], op
+        assert _books(fast) == _books(general), op
+    assert any(taken[::2]) and not all(taken[::2])  # the fast path ran, and gave up too
