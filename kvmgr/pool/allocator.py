@@ -136,10 +136,10 @@ class BlockAllocator:
         if num_fresh == n:
             return np.arange(start, start + n, dtype=np.int64)
         top = self._top
-        reused = self._stack_np[top - (n - num_fresh) : top][::-1]  # a view: copied below
+        reused = self._stack_np[top - (n - num_fresh) : top][::-1]  # a view: copied
         if num_fresh:
             return np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
-        return reused.copy()
+        return np.array(reused)  # a copy
 
     def commit(self, ids: np.ndarray) -> None:
         """Allocate the ids ``peek(len(ids))`` returned, nothing taken or given since (the

@@ -99,12 +99,13 @@ class Stores:
         cpu_ids: Any = None
         plain = parents is None and self.plain_admission and n > SMALL and gpu_array
         if plain and keys[0] not in cpu.index:  # (a prefix already stored: the general path)
-            cpu_ids = add_new(cpu, keys, all_parents)  # keys all new, room without eviction
+            cpu_ids = add_new(cpu, keys, all_parents)  # keys all new: one pass over the index
+        fresh: Sequence[int]
         if cpu_ids is None:
             fresh, waiting, num_present, cpu_ids, new_keys, new_parents = self._reserve(
                 keys, parents, all_parents, per_key, gpu_array, batched
             )
-        else:  # the store of ``_reserve`` when every key is new and no block is evicted
+        else:  # what ``_reserve`` gives when every key is new
             fresh, waiting, num_present, new_keys, new_parents = range(n), [], 0, keys, all_parents
         m = len(fresh)
         everything = m == n
