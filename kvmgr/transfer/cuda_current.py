@@ -5,6 +5,8 @@ Offers:
     CurrentStream   the device's current stream as a ``torch.cuda.Stream``, rebuilt only when
                     the raw current-stream handle changes
     on_device       ``torch.cuda.device(device)`` unless it is already current
+    event_calls     ``(record, wait)`` of an event on a stream: torch's C methods where they
+                    are torch's own classes
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CurrentStream", "on_device"]
+__all__ = ["CurrentStream", "event_calls", "on_device"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
@@ -47,3 +49,29 @@ def on_device(device: torch.device) -> Any:
     if device.index is not None and torch.cuda.current_device() == device.index:
         return _CURRENT
     return torch.cuda.device(device)
+
+
+def _record_by_method(event: Any, stream: Any) -> None:
+    event.record(stream)
+
+
+def _wait_by_method(event: Any, stream: Any) -> None:
+    stream.wait_event(event)
+
+
+def event_calls(real_events: bool) -> tuple[Any, Any]:
+    """``(record, wait)``, each called ``(event, stream)`` with a stream given: torch's C
+    methods (``torch._C._CudaEventBase.record`` / ``.wait``) where ``real_events`` and
+    ``torch.cuda.Event`` and ``torch.cuda.Stream`` are torch's own classes (their Python
+    ``Event.record``, ``Stream.wait_event`` and ``Event.wait`` only pass the stream on: three
+    Python frames fewer per submit), else the objects' own methods (a subclass of torch's event,
+    a test's stand-ins)."""
+    cuda, base = torch.cuda, getattr(torch._C, "_CudaEventBase", None)
+    streams = getattr(cuda, "streams", None)
+    record, wait = getattr(base, "record", None), getattr(base, "wait", None)  # CPU torch: none
+    if (
+        real_events and record is not None and wait is not None and streams is not None
+        and cuda.Event is streams.Event and cuda.Stream is streams.Stream
+    ):  # fmt: skip
+        return record, wait
+    return _record_by_method, _wait_by_method

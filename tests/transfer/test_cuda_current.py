@@ -1,4 +1,5 @@
-"""CurrentStream: the current stream's object is rebuilt only when the raw handle changes."""
+"""CurrentStream: the current stream's object is rebuilt only when the raw handle changes;
+event_calls: torch's C record and wait only for torch's own event and stream classes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from kvmgr.transfer import cuda_current
-from kvmgr.transfer.cuda_current import CurrentStream
+from kvmgr.transfer.cuda_current import CurrentStream, event_calls
 
 
 def test_the_stream_object_is_rebuilt_only_when_the_raw_handle_changes(
@@ -52,3 +53,57 @@ def test_gpu_the_object_follows_the_current_stream() -> None:
     with torch.cuda.stream(side):
         assert current.current() == side
     assert current.current() == torch.cuda.current_stream()
+
+
+def test_event_calls_are_torchs_c_methods_only_for_torchs_own_classes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = torch._C._CudaEventBase
+    by_method = event_calls(False)  # a test's stand-in events: each object's own methods
+    if hasattr(base, "record"):  # a CUDA build of torch (a CPU build has a placeholder class)
+        assert event_calls(True) == (base.record, base.wait) != by_method
+    else:
+        assert event_calls(True) == by_method
+    log: list[tuple[str, object, object]] = []
+
+    class Event:
+        def record(self, stream: object = None) -> None:
+            log.append(("record", self, stream))
+
+    class Stream:
+        def wait_event(self, event: object) -> None:
+            log.append(("wait", self, event))
+
+    record, wait = by_method
+    event, stream = Event(), Stream()
+    record(event, stream)
+    wait(event, stream)
+    assert log == [("record", event, stream), ("wait", stream, event)]
+
+    class LoggingEvent(torch.cuda.Event):  # a subclass of torch's event: its record must run
+        pass
+
+    monkeypatch.setattr(torch.cuda, "Event", LoggingEvent)
+    assert event_calls(True) == by_method
+    monkeypatch.setattr(torch.cuda, "Event", torch.cuda.streams.Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)  # another stream class: its wait_event
+    assert event_calls(True) == by_method
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_event_calls_order_a_side_stream_after_the_current_one() -> None:
+    record, wait = event_calls(True)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    fence, done = torch.cuda.Event(), torch.cuda.Event(enable_timing=True)
+    src = torch.full((1 << 22,), 7, dtype=torch.int32, device="cuda")
+    dst = torch.zeros_like(src)
+    torch.cuda._sleep(50_000_000)  # the current stream busy, then the value changes
+    src.add_(1)
+    record(fence, torch.cuda.current_stream())
+    wait(fence, side)
+    with torch.cuda.stream(side):
+        dst.copy_(src)
+    record(done, side)
+    done.synchronize()
+    assert fence.query() and int(dst[0]) == 8 and bool((dst == 8).all())
