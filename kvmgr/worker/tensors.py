@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from kvmgr._tensor_guard import tensor_guard
-from kvmgr.kernels.launch.native import checked_data_ptrs
 
 __all__ = ["TensorGuard"]
 
@@ -32,8 +31,6 @@ class TensorGuard:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._tensors = tensors
         self._ptrs = list(map(_data_ptr, tensors))
-        self._ptr_tuple = tuple(self._ptrs)  # what ``checked_data_ptrs()`` returns when unmoved
-        self._checked_ptrs = checked_data_ptrs()  # the check and the pointers in one C call
         self._shapes = list(map(_shape, tensors))
         self._strides = list(map(_stride, tensors))
         self._dtypes = list(map(_dtype, tensors))
@@ -45,10 +42,8 @@ class TensorGuard:
         dtype changed (``resize_``, ``set_``, ``as_strided_``, ``.data =``, an in-place view
         op). Exact, once per flush. Fast path: torch's C++ tensor check built from the tensors
         as remembered (``torch._C._dynamo.guards.TensorGuards``: dtype, device, every size and
-        stride; about 0.2 us a tensor on a 2-core VM) and the data pointers, read in the same
-        C call (``kvmgr.kernels.launch.native.checked_data_ptrs``: 48 tensors 11-13 against
-        17-18 us with a ``map`` of ``data_ptr()`` on that VM; the same in Python where the C
-        module cannot be built); where both pass, nothing moved. Anything else (the check refuses, e.g. under another grad
+        stride; about 0.3 us a tensor on a 2-core VM) plus one ``map`` of ``data_ptr()``; where
+        both pass, nothing moved. Anything else (the check refuses, e.g. under another grad
         mode or dispatch keys, or this torch has none) is decided by the four-list compare of
         pointers, shapes, strides and dtypes (4 C calls a tensor), which also words the
         message. A check that refused tensors the compare accepts is rebuilt in the current
@@ -58,7 +53,7 @@ class TensorGuard:
         check = self._check
         if check is not None:
             try:
-                if self._checked_ptrs(check.check, *tensors) == self._ptr_tuple:
+                if check.check(*tensors) and list(map(_data_ptr, tensors)) == self._ptrs:
                     self._rebuilt = False
                     return None
             except Exception:  # e.g. another number of tensors: the compare decides
