@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Issue 27, step() host time after the driver's copy calls from C and the event calls past
+# torch's Python wrappers (helper stepcuda3), on the H200, from the repo root; results under
+# $OUT/stepcuda3/ (log.txt, step_{old,new}_{1,2}.json, pieces_{c,ctypes,kernel}.json). About
+# 2-2.5 minutes: limits 20 + 2 x 30 + 2 x 20 + 35 + 15 + 3 x 20 s (the second round of section 2
+# runs only if under 45 s have passed; each bench run is 10-15 s).
+# Old tree = main just before this branch's first merge into it (the first parent of "Merge
+# branch 'stepcuda3'"; before any merge, the branch point 6e89bb2; else `git merge-base HEAD
+# main`), extracted with git archive (or carried in build/bases/REV); new tree = this checkout;
+# each tree's bench from its own root with PYTHONPATH set to that root only.
+#  1. The versions (python, torch, the GPU) and whether the C call module builds here.
+#  2. `kvmgr bench swap` step table: 512 queued one-block stores of 48 x 4 KiB pages, cuda engine
+#     on consecutive ids (target step() host <= 150 us; last 258 / 366) and kernel engine on
+#     scattered ids (target <= 300 us; last 302 / 432); old and new alternately, twice if time
+#     allows. Look at the summary: host / manager / engine per tree and new/old ("engine" holds
+#     the driver call and the events).
+#  3. The GPU tests of what changed: tests/transfer/test_driver_call.py (the C call's arguments,
+#     CopyDriver from C and through ctypes), test_cuda_current.py (event_calls: a side stream
+#     ordered after the current one through torch's C record/wait), test_cuda_engine.py (the
+#     real driver's copies, now from C).
+#  4. cuMemcpyBatchAsync hot on the H200 (48 descriptors of 4 KiB, device -> pinned, on a copy
+#     stream, best of 5 x 2000): through ctypes and from C; cuMemcpyAsync the same.
+#  5. scripts/step_pieces.py, cuda engine, from C and through ctypes (KVMGR_NATIVE_LAUNCH=0:
+#     only the driver call differs for engine cuda), then the kernel engine: the in-step pieces
+#     (CopyDriver.batch_at, the event records/waits "CopyStreams._record (event)", DmaCopy.issue,
+#     CopyStreams.submit, flush) min / p10 / median us.
+source "${BASH_SOURCE%/*}/_common.sh" stepcuda3
+source "${BASH_SOURCE%/*}/_step_table.sh"
+D=$(cd "$D" && pwd)
+LOG="$D/log.txt"
+FIRST=$(git log --merges --reverse --format=%H --grep="^Merge branch 'stepcuda3'" 2>/dev/null | head -1)
+BASE=${FIRST:+$FIRST^1}
+[ -z "$BASE" ] && BASE=6e89bb2
+git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || [ -d "build/bases/$BASE/kvmgr" ] || BASE=$(git merge-base HEAD main 2>/dev/null)
+
+step env 20 python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
+print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
+
+step_table_ab "$BASE" 45
+
+step gpu_tests 35 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/transfer/test_driver_call.py \
+  tests/transfer/test_cuda_current.py tests/transfer/test_cuda_engine.py
+
+step driver_call_cost 15 python3 -c "
+import timeit, numpy as np, torch
+from kvmgr.transfer.driver import CopyDriver
+dev = torch.device('cuda', 0)
+src = torch.randint(0, 256, (48, 4096), dtype=torch.uint8, device=dev)
+dst = torch.empty((48, 4096), dtype=torch.uint8).pin_memory()
+table = np.array([[src.data_ptr() + 4096 * i for i in range(48)], [dst.data_ptr() + 4096 * i for i in range(48)], [4096] * 48], dtype=np.int64)
+stream = torch.cuda.Stream(dev)
+handle = stream.cuda_stream
+for name, from_c in (('ctypes', False), ('from C', True), ('ctypes', False), ('from C', True)):
+    driver = CopyDriver(from_c=from_c)
+    assert (driver._call is not None) is from_c, 'the C module did not build'
+    at = [int(table[r].ctypes.data) for r in (1, 0, 2)]
+    batch = lambda: driver.batch_at(at[0], at[1], at[2], 48, handle, 1)
+    copy = lambda: driver.memcpy(dst.data_ptr(), src.data_ptr(), 4096, handle)
+    for what, fn in (('cuMemcpyBatchAsync x48', batch), ('cuMemcpyAsync', copy)):
+        best = min(timeit.repeat(fn, number=2000, repeat=5)) / 2000 * 1e6
+        stream.synchronize()
+        print(f'driver call {what} {name}: {best:.2f} us')
+assert torch.equal(dst, src.cpu())
+"
+
+step pieces_c 20 python3 scripts/step_pieces.py --engine cuda --repeats 60 --json "$D/pieces_c.json"
+step pieces_ctypes 20 env KVMGR_NATIVE_LAUNCH=0 python3 scripts/step_pieces.py --engine cuda --repeats 60 --json "$D/pieces_ctypes.json"
+step pieces_kernel 20 python3 scripts/step_pieces.py --engine kernel --repeats 60 --json "$D/pieces_kernel.json"
+
+echo "=== stepcuda3 summary (base $BASE)"
+python3 scripts/gpu/step_summary.py "$D"
+grep -E "C call:|passed|failed|^driver call" "$LOG"
+grep -E "host_s|batch_at|_record|_wait|DmaCopy.issue|CopyStreams.submit|Flusher.flush|KernelCopy" "$LOG"
+grep -E "^=== .* rc=" "$LOG"
