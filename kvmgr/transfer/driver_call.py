@@ -2,8 +2,8 @@
 
 Offers:
     native_call     ``call(entry, *args) -> CUresult``: the C function at address ``entry`` called
-                    with its 4, 8 or 9 pointer-sized integer arguments, the GIL released; None
-                    where the module cannot be built
+                    with its 2, 3, 4, 8 or 9 pointer-sized integer arguments, the GIL released;
+                    None where the module cannot be built
 
 Why: a ctypes call of ``cuMemcpyBatchAsync`` (8 or 9 arguments, each converted by its
 ``argtypes``, then libffi) is 4-5 us hot on the 2-core CPU machine but 40-47 us with the caches
@@ -35,16 +35,18 @@ _SOURCE = r"""
 #include <stdint.h>
 
 typedef uint64_t u64;
+typedef int (*call2_t)(u64, u64);
+typedef int (*call3_t)(u64, u64, u64);
 typedef int (*call4_t)(u64, u64, u64, u64);
 typedef int (*call8_t)(u64, u64, u64, u64, u64, u64, u64, u64);
 typedef int (*call9_t)(u64, u64, u64, u64, u64, u64, u64, u64, u64);
 
-/* call(entry, *args): entry(*args) for 4, 8 or 9 integer arguments, the GIL released */
+/* call(entry, *args): entry(*args) for 2, 3, 4, 8 or 9 integer arguments, the GIL released */
 static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     u64 a[10];
     Py_ssize_t n = nargs - 1;
-    if (n != 4 && n != 8 && n != 9) {
-        PyErr_SetString(PyExc_TypeError, "call(entry, *args): 4, 8 or 9 arguments");
+    if (n != 2 && n != 3 && n != 4 && n != 8 && n != 9) {
+        PyErr_SetString(PyExc_TypeError, "call(entry, *args): 2, 3, 4, 8 or 9 arguments");
         return NULL;
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -57,7 +59,9 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     int result;
     Py_BEGIN_ALLOW_THREADS
-    if (n == 4) result = ((call4_t)(uintptr_t)a[0])(a[1], a[2], a[3], a[4]);
+    if (n == 2) result = ((call2_t)(uintptr_t)a[0])(a[1], a[2]);
+    else if (n == 3) result = ((call3_t)(uintptr_t)a[0])(a[1], a[2], a[3]);
+    else if (n == 4) result = ((call4_t)(uintptr_t)a[0])(a[1], a[2], a[3], a[4]);
     else if (n == 8) result = ((call8_t)(uintptr_t)a[0])(a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
     else result = ((call9_t)(uintptr_t)a[0])(a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9]);
     Py_END_ALLOW_THREADS

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvmgr.transfer import cuda_current
-from kvmgr.transfer.cuda_current import CurrentStream, event_calls
+from kvmgr.transfer.cuda_current import CurrentStream, DriverEvents, event_calls
+from kvmgr.transfer.driver_call import native_call
 
 
 def test_the_stream_object_is_rebuilt_only_when_the_raw_handle_changes(
@@ -61,7 +62,14 @@ def test_event_calls_are_torchs_c_methods_only_for_torchs_own_classes(
     base = torch._C._CudaEventBase
     by_method = event_calls(False)  # a test's stand-in events: each object's own methods
     if hasattr(base, "record"):  # a CUDA build of torch (a CPU build has a placeholder class)
+        record, wait = event_calls(True)
+        if native_call() is not None:  # the driver's entry points from C
+            assert isinstance(record.__self__, DriverEvents) and wait.__self__ is record.__self__
+        else:
+            assert (record, wait) == (base.record, base.wait)
+        monkeypatch.setattr(cuda_current, "native_call", lambda: None)
         assert event_calls(True) == (base.record, base.wait) != by_method
+        monkeypatch.undo()
     else:
         assert event_calls(True) == by_method
     log: list[tuple[str, object, object]] = []
@@ -90,20 +98,58 @@ def test_event_calls_are_torchs_c_methods_only_for_torchs_own_classes(
     assert event_calls(True) == by_method
 
 
+class _Event:
+    def __init__(self, handle: int) -> None:
+        self.cuda_event = handle
+
+
+class _Stream:
+    cuda_stream = 0x5EED
+
+
+def test_driver_events_call_the_entry_points_and_leave_uncreated_events_to_torch() -> None:
+    calls: list[tuple[int, ...]] = []
+    codes = [0, 0, 201, 400]  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
+    torch_calls: list[tuple[str, object, object]] = []
+    driver = DriverEvents(
+        lambda *args: calls.append(args) or codes.pop(0), 0x100, 0x200,
+        lambda event, stream: torch_calls.append(("record", event, stream)),
+        lambda event, stream: torch_calls.append(("wait", event, stream)),
+    )  # fmt: skip
+    event, fresh, stream = _Event(0xE1), _Event(0), _Stream()
+    driver.record(event, stream)
+    driver.wait(event, stream)
+    assert calls == [(0x100, 0xE1, 0x5EED), (0x200, 0x5EED, 0xE1, 0)]  # (event, stream); flags 0
+    driver.record(fresh, stream)  # torch makes the CUDA event at its first record
+    driver.wait(fresh, stream)
+    assert torch_calls == [("record", fresh, stream), ("wait", fresh, stream)] and len(calls) == 2
+    with pytest.raises(RuntimeError, match="cuEventRecord failed"):
+        driver.record(event, stream)
+    with pytest.raises(RuntimeError, match="cuStreamWaitEvent failed"):
+        driver.wait(event, stream)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_event_calls_order_a_side_stream_after_the_current_one() -> None:
     record, wait = event_calls(True)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    fence, done = torch.cuda.Event(), torch.cuda.Event(enable_timing=True)
+    fence = torch.cuda.Event()
+    start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for event in (fence, start, done):  # created by torch's first record: later ones by the driver
+        event.record(side)
+    side.synchronize()
+    assert fence.cuda_event and start.cuda_event and done.cuda_event
     src = torch.full((1 << 22,), 7, dtype=torch.int32, device="cuda")
     dst = torch.zeros_like(src)
     torch.cuda._sleep(50_000_000)  # the current stream busy, then the value changes
     src.add_(1)
     record(fence, torch.cuda.current_stream())
     wait(fence, side)
+    record(start, side)
     with torch.cuda.stream(side):
         dst.copy_(src)
     record(done, side)
     done.synchronize()
     assert fence.query() and int(dst[0]) == 8 and bool((dst == 8).all())
+    assert start.elapsed_time(done) >= 0.0  # torch still reads the events it made

@@ -20,7 +20,7 @@ _U = ctypes.c_uint64
 
 
 @needs_c
-@pytest.mark.parametrize("arity", [4, 8, 9])
+@pytest.mark.parametrize("arity", [2, 3, 4, 8, 9])
 def test_call_passes_every_argument_and_returns_the_result(arity: int) -> None:
     seen: list[tuple[int, ...]] = []
     proto = ctypes.CFUNCTYPE(ctypes.c_int, *([_U] * arity))
@@ -32,8 +32,10 @@ def test_call_passes_every_argument_and_returns_the_result(arity: int) -> None:
 
 @needs_c
 def test_call_refuses_other_arities_and_a_null_entry_before_calling() -> None:
-    with pytest.raises(TypeError, match="4, 8 or 9"):
-        call(1, 2, 3)
+    with pytest.raises(TypeError, match="2, 3, 4, 8 or 9"):
+        call(1, 2)
+    with pytest.raises(TypeError, match="2, 3, 4, 8 or 9"):
+        call(1, 2, 3, 4, 5, 6)
     with pytest.raises(ValueError, match="NULL"):
         call(0, 1, 2, 3, 4)
     with pytest.raises(TypeError):
