@@ -28,10 +28,7 @@ source "${BASH_SOURCE%/*}/_common.sh" stepcuda3
 source "${BASH_SOURCE%/*}/_step_table.sh"
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
-FIRST=$(git log --merges --reverse --format=%H --grep="^Merge branch 'stepcuda3'" 2>/dev/null | head -1)
-BASE=${FIRST:+$FIRST^1}
-[ -z "$BASE" ] && BASE=6e89bb2
-git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || [ -d "build/bases/$BASE/kvmgr" ] || BASE=$(git merge-base HEAD main 2>/dev/null)
+BASE=$(branch_base stepcuda3 6e89bb2)  # main just before its first merge, else 6e89bb2
 
 step env 20 python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
 print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
