@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Issue 27, step() host time after the driver's copy calls from C and the event calls past
-# torch's Python wrappers (helper stepcuda3), on the H200, from the repo root; results under
-# $OUT/stepcuda3/ (log.txt, step_{old,new}_{1,2}.json, pieces_{c,ctypes,kernel}.json). About
-# 2-2.5 minutes: limits 20 + 2 x 30 + 2 x 20 + 35 + 15 + 3 x 20 s (the second round of section 2
+# Issue 27, step() host time after the driver's copy and event calls from C (helper stepcuda3),
+# on the H200, from the repo root; results under $OUT/stepcuda3/ (log.txt, step_{old,new}_{1,2}.json, pieces_{c,ctypes,kernel}.json). About
+# 2-2.5 minutes: limits 20 + 2 x 30 + 2 x 20 + 35 + 20 + 3 x 20 s (the second round of section 2
 # runs only if under 45 s have passed; each bench run is 10-15 s).
 # Old tree = main just before this branch's first merge into it (the first parent of "Merge
 # branch 'stepcuda3'"; before any merge, the branch point 6e89bb2; else `git merge-base HEAD
@@ -16,12 +15,14 @@
 #     the driver call and the events).
 #  3. The GPU tests of what changed: tests/transfer/test_driver_call.py (the C call's arguments,
 #     CopyDriver from C and through ctypes), test_cuda_current.py (event_calls: a side stream
-#     ordered after the current one through torch's C record/wait), test_cuda_engine.py (the
-#     real driver's copies, now from C).
+#     ordered after the current one through the driver's record/wait from C), test_cuda_engine.py
+#     (the real driver's copies from C; a store after a kernel, three rounds: the fence and
+#     events of rounds 1-2 on the driver path). Any failure here: revert ff7d31e (DriverEvents).
 #  4. cuMemcpyBatchAsync hot on the H200 (48 descriptors of 4 KiB, device -> pinned, on a copy
-#     stream, best of 5 x 2000): through ctypes and from C; cuMemcpyAsync the same.
-#  5. scripts/step_pieces.py, cuda engine, from C and through ctypes (KVMGR_NATIVE_LAUNCH=0:
-#     only the driver call differs for engine cuda), then the kernel engine: the in-step pieces
+#     stream, best of 5 x 2000): through ctypes and from C; cuMemcpyAsync the same; an event
+#     record and a wait through torch's C methods and through the driver from C (DriverEvents).
+#  5. scripts/step_pieces.py, cuda engine, from C and without (KVMGR_NATIVE_LAUNCH=0: the driver
+#     call through ctypes, the events through torch's C methods), then the kernel engine: pieces
 #     (CopyDriver.batch_at, the event records/waits "CopyStreams._record (event)", DmaCopy.issue,
 #     CopyStreams.submit, flush) min / p10 / median us.
 source "${BASH_SOURCE%/*}/_common.sh" stepcuda3
@@ -38,7 +39,7 @@ step_table_ab "$BASE" 45
 step gpu_tests 35 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/transfer/test_driver_call.py \
   tests/transfer/test_cuda_current.py tests/transfer/test_cuda_engine.py
 
-step driver_call_cost 15 python3 -c "
+step driver_call_cost 20 python3 -c "
 import timeit, numpy as np, torch
 from kvmgr.transfer.driver import CopyDriver
 dev = torch.device('cuda', 0)
@@ -58,6 +59,17 @@ for name, from_c in (('ctypes', False), ('from C', True), ('ctypes', False), ('f
         stream.synchronize()
         print(f'driver call {what} {name}: {best:.2f} us')
 assert torch.equal(dst, src.cpu())
+from kvmgr.transfer.cuda_current import event_calls
+event, other = torch.cuda.Event(), torch.cuda.Event(enable_timing=True, blocking=True)
+event.record(stream); other.record(stream); stream.synchronize()  # made by torch
+base = torch._C._CudaEventBase
+driver_record, driver_wait = event_calls(True)
+print('event calls:', driver_record)
+for name, record, wait in (('torch C', base.record, base.wait), ('driver from C', driver_record, driver_wait)) * 2:
+    for what, fn in (('record', lambda: record(other, stream)), ('wait', lambda: wait(event, stream))):
+        best = min(timeit.repeat(fn, number=2000, repeat=5)) / 2000 * 1e6
+        print(f'event call {what} {name}: {best:.2f} us')
+stream.synchronize()
 "
 
 step pieces_c 20 python3 scripts/step_pieces.py --engine cuda --repeats 60 --json "$D/pieces_c.json"
@@ -66,6 +78,6 @@ step pieces_kernel 20 python3 scripts/step_pieces.py --engine kernel --repeats 6
 
 echo "=== stepcuda3 summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
-grep -E "C call:|passed|failed|^driver call" "$LOG"
+grep -E "C call:|passed|failed|^driver call|^event call" "$LOG"
 grep -E "host_s|batch_at|_record|_wait|DmaCopy.issue|CopyStreams.submit|Flusher.flush|KernelCopy" "$LOG"
 grep -E "^=== .* rc=" "$LOG"
