@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 27, step() host time after the driver's copy and event calls from C (helper stepcuda3),
 # on the H200, from the repo root; results under $OUT/stepcuda3/ (log.txt,
-# step_{old,new}_{1,2}.json, pieces_{c,ctypes,kernel}.json). About 2-2.5 minutes: limits 20 + 2 x 30 + 2 x 20 + 35 + 20 + 3 x 20 s (the second round of section 2
-# runs only if under 45 s have passed; each bench run is 10-15 s).
+# step_{old,new}_{1,2}.json, pieces_{c,ctypes,kernel}.json). About 2-2.5 minutes: limits
+# 20 + 2 x 30 + 2 x 20 + 35 + 20 + 3 x 20 s (the second round of section 2 runs only if under
+# 45 s have passed; each bench run is 10-15 s).
 # Old tree = main just before this branch's first merge into it (the first parent of "Merge
 # branch 'stepcuda3'"; before any merge, the branch point 6e89bb2; else `git merge-base HEAD
 # main`), extracted with git archive (or carried in build/bases/REV); new tree = this checkout;
