@@ -71,7 +71,9 @@ class DriverEvents:
     ``CUevent`` / ``CUstream``): past torch's ``CUDAGuard`` and the runtime's layer, one C call
     each. The caller is on the event's device (``on_device``), as torch's record requires too.
     An event torch has not created yet (handle 0: it makes the CUDA event at its first record)
-    is recorded, or waited on (a no-op then), by torch's own methods.
+    is recorded, or waited on (a no-op then), by torch's own methods; so is a call the driver
+    refused with ``CUDA_ERROR_INVALID_CONTEXT`` (a thread on which no CUDA runtime call made the
+    device's context current yet: the refused call enqueued nothing, torch's makes it current).
 
     Args:
         call: ``driver_call.native_call()``.
@@ -88,20 +90,18 @@ class DriverEvents:
 
     def record(self, event: Any, stream: Any) -> None:
         handle = event.cuda_event
-        if not handle:
+        code = self._call(self._record_at, handle, stream.cuda_stream) if handle else _NO_CONTEXT
+        if code == _NO_CONTEXT:
             self._torch_record(event, stream)
-            return
-        code = self._call(self._record_at, handle, stream.cuda_stream)
-        if code:
+        elif code:
             raise RuntimeError(f"cuEventRecord failed: {_error_name(code)}")
 
     def wait(self, event: Any, stream: Any) -> None:
         handle = event.cuda_event
-        if not handle:
+        code = self._call(self._wait_at, stream.cuda_stream, handle, 0) if handle else _NO_CONTEXT
+        if code == _NO_CONTEXT:
             self._torch_wait(event, stream)
-            return
-        code = self._call(self._wait_at, stream.cuda_stream, handle, 0)
-        if code:
+        elif code:
             raise RuntimeError(f"cuStreamWaitEvent failed: {_error_name(code)}")
 
 
@@ -132,3 +132,4 @@ def event_calls(real_events: bool) -> tuple[Any, Any]:
 
 
 _EVENT_ENTRIES = (("cuEventRecord", 2000), ("cuStreamWaitEvent", 3020))  # PFN_..._v2000, v3020
+_NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread

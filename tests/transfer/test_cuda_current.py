@@ -1,7 +1,11 @@
 """CurrentStream: the current stream's object is rebuilt only when the raw handle changes;
-event_calls: torch's C record and wait only for torch's own event and stream classes."""
+event_calls: the driver's record and wait from C (DriverEvents) or torch's C methods only for
+torch's own event and stream classes; events torch has not made, and threads with no current
+context, go through torch."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -107,9 +111,9 @@ class _Stream:
     cuda_stream = 0x5EED
 
 
-def test_driver_events_call_the_entry_points_and_leave_uncreated_events_to_torch() -> None:
+def test_driver_events_call_the_entry_points_and_leave_the_rest_to_torch() -> None:
     calls: list[tuple[int, ...]] = []
-    codes = [0, 0, 201, 400]  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
+    codes = [0, 0, 400, 1]  # CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE
     torch_calls: list[tuple[str, object, object]] = []
     driver = DriverEvents(
         lambda *args: calls.append(args) or codes.pop(0), 0x100, 0x200,
@@ -127,6 +131,12 @@ def test_driver_events_call_the_entry_points_and_leave_uncreated_events_to_torch
         driver.record(event, stream)
     with pytest.raises(RuntimeError, match="cuStreamWaitEvent failed"):
         driver.wait(event, stream)
+    assert len(calls) == 4 and len(torch_calls) == 2
+    codes.extend([201, 201])  # no context current on this thread: torch's call makes it so
+    driver.record(event, stream)
+    driver.wait(event, stream)
+    assert torch_calls[2:] == [("record", event, stream), ("wait", event, stream)]
+    assert calls[4:] == [(0x100, 0xE1, 0x5EED), (0x200, 0x5EED, 0xE1, 0)]
 
 
 @pytest.mark.gpu
@@ -153,3 +163,29 @@ def test_gpu_event_calls_order_a_side_stream_after_the_current_one() -> None:
     done.synchronize()
     assert fence.query() and int(dst[0]) == 8 and bool((dst == 8).all())
     assert start.elapsed_time(done) >= 0.0  # torch still reads the events it made
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_event_calls_from_a_thread_that_made_no_cuda_call_yet() -> None:
+    record, wait = event_calls(True)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    event = torch.cuda.Event()
+    event.record(side)  # made by torch
+    side.synchronize()
+    errors: list[BaseException] = []
+
+    def fresh() -> None:  # no context current here until a runtime call makes it so
+        try:
+            record(event, side)
+            wait(event, side)
+            record(event, side)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=fresh)
+    thread.start()
+    thread.join(30)
+    assert not errors
+    side.synchronize()
+    assert event.query()
