@@ -21,9 +21,9 @@ events from a per-direction pool instead of creating two (a new event with its f
 on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
 changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.6 us on the H200
 host, BENCHMARKS.md round 4 session 7); the fence, start and end records and the fence's wait
-call torch's C methods (``_CudaEventBase.record`` / ``.wait``) past their Python wrappers
-(``cuda_current.event_calls``). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through ctypes
-were tried and measured slower there (5.7-8.1 us per call; BENCHMARKS.md, round 3). A
+go to the driver's ``cuEventRecord`` / ``cuStreamWaitEvent`` from C where that builds, else to
+torch's C methods past their Python wrappers (``cuda_current.event_calls``; the same calls
+through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A
 pair goes back to the pool after its batch's future resolved (never after a device error), so a
 handle's ``end_event`` may later mark a newer batch of the same direction: waits are only issued
 for handles whose future has not resolved, and a wait on a re-recorded event waits for a later
