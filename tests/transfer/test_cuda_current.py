@@ -139,17 +139,23 @@ def test_driver_events_call_the_entry_points_and_leave_the_rest_to_torch() -> No
     assert calls[4:] == [(0x100, 0xE1, 0x5EED), (0x200, 0x5EED, 0xE1, 0)]
 
 
+def _made_by_torch(side: torch.cuda.Stream, *timing: bool) -> list[torch.cuda.Event]:
+    """Events torch made (its first record creates the CUDA event; later ones go to the
+    driver through ``DriverEvents`` where the C call builds)."""
+    events = [torch.cuda.Event(enable_timing=t) for t in timing]
+    for event in events:
+        event.record(side)
+    side.synchronize()
+    assert all(event.cuda_event for event in events)
+    return events
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_event_calls_order_a_side_stream_after_the_current_one() -> None:
     record, wait = event_calls(True)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    fence = torch.cuda.Event()
-    start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for event in (fence, start, done):  # created by torch's first record: later ones by the driver
-        event.record(side)
-    side.synchronize()
-    assert fence.cuda_event and start.cuda_event and done.cuda_event
+    fence, start, done = _made_by_torch(side, False, True, True)
     src = torch.full((1 << 22,), 7, dtype=torch.int32, device="cuda")
     dst = torch.zeros_like(src)
     torch.cuda._sleep(50_000_000)  # the current stream busy, then the value changes
@@ -170,9 +176,7 @@ def test_gpu_event_calls_order_a_side_stream_after_the_current_one() -> None:
 def test_gpu_event_calls_from_a_thread_that_made_no_cuda_call_yet() -> None:
     record, wait = event_calls(True)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    event = torch.cuda.Event()
-    event.record(side)  # made by torch
-    side.synchronize()
+    (event,) = _made_by_torch(side, False)
     errors: list[BaseException] = []
 
     def fresh() -> None:  # no context current here until a runtime call makes it so
