@@ -19,9 +19,10 @@
 #     ordered after the current one through the driver's record/wait from C), test_cuda_engine.py
 #     (the real driver's copies from C; a store after a kernel, three rounds: the fence and
 #     events of rounds 1-2 on the driver path). Any failure here: revert ff7d31e (DriverEvents).
-#  4. cuMemcpyBatchAsync hot on the H200 (48 descriptors of 4 KiB, device -> pinned, on a copy
-#     stream, best of 5 x 2000): through ctypes and from C; cuMemcpyAsync the same; an event
-#     record and a wait through torch's C methods and through the driver from C (DriverEvents).
+#  4. cuMemcpyBatchAsync on the H200 (48 descriptors of 4 KiB, device -> pinned, on a copy
+#     stream, 400 calls each on an idle stream: min / p10 / median): through ctypes and from C;
+#     cuMemcpyAsync the same; an event record and a wait (hot loop, best of 5 x 2000) through
+#     torch's C methods and through the driver from C (DriverEvents).
 #  5. scripts/step_pieces.py, cuda engine, from C and without (KVMGR_NATIVE_LAUNCH=0: the driver
 #     call through ctypes, the events through torch's C methods), then the kernel engine: pieces
 #     (CopyDriver.batch_at, the event records/waits "CopyStreams._record (event)", DmaCopy.issue,
@@ -49,6 +50,7 @@ dst = torch.empty((48, 4096), dtype=torch.uint8).pin_memory()
 table = np.array([[src.data_ptr() + 4096 * i for i in range(48)], [dst.data_ptr() + 4096 * i for i in range(48)], [4096] * 48], dtype=np.int64)
 stream = torch.cuda.Stream(dev)
 handle = stream.cuda_stream
+import statistics, time
 for name, from_c in (('ctypes', False), ('from C', True), ('ctypes', False), ('from C', True)):
     driver = CopyDriver(from_c=from_c)
     assert (driver._call is not None) is from_c, 'the C module did not build'
@@ -56,9 +58,12 @@ for name, from_c in (('ctypes', False), ('from C', True), ('ctypes', False), ('f
     batch = lambda: driver.batch_at(at[0], at[1], at[2], 48, handle, 1)
     copy = lambda: driver.memcpy(dst.data_ptr(), src.data_ptr(), 4096, handle)
     for what, fn in (('cuMemcpyBatchAsync x48', batch), ('cuMemcpyAsync', copy)):
-        best = min(timeit.repeat(fn, number=2000, repeat=5)) / 2000 * 1e6
-        stream.synchronize()
-        print(f'driver call {what} {name}: {best:.2f} us')
+        times = []
+        for _ in range(400):  # one call on an idle stream each (a full queue would time the GPU)
+            t0 = time.perf_counter_ns(); fn(); times.append((time.perf_counter_ns() - t0) / 1e3)
+            stream.synchronize()
+        times.sort()
+        print(f'driver call {what} {name}: min {times[0]:.2f} p10 {times[40]:.2f} median {statistics.median(times):.2f} us')
 assert torch.equal(dst, src.cpu())
 from kvmgr.transfer.cuda_current import event_calls
 event, other = torch.cuda.Event(), torch.cuda.Event(enable_timing=True, blocking=True)
