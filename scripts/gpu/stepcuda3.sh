@@ -18,7 +18,8 @@
 #     CopyDriver from C and through ctypes), test_cuda_current.py (event_calls: a side stream
 #     ordered after the current one through the driver's record/wait from C), test_cuda_engine.py
 #     (the real driver's copies from C; a store after a kernel, three rounds: the fence and
-#     events of rounds 1-2 on the driver path). Any failure here: revert ff7d31e (DriverEvents).
+#     events of rounds 1-2 on the driver path). An event test failing here: revert 1dc4102 and
+#     ff7d31e (DriverEvents; torch's C methods stay).
 #  4. cuMemcpyBatchAsync on the H200 (48 descriptors of 4 KiB, device -> pinned, on a copy
 #     stream, 400 calls each on an idle stream: min / p10 / median): through ctypes and from C;
 #     cuMemcpyAsync the same; an event record and a wait (hot loop, best of 5 x 2000) through
