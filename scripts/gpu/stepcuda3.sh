@@ -32,7 +32,7 @@ source "${BASH_SOURCE%/*}/_common.sh" stepcuda3
 source "${BASH_SOURCE%/*}/_step_table.sh"
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
-BASE=$(branch_base stepcuda3 6e89bb2)  # main just before its first merge, else 6e89bb2
+BASE=${STEP_BASE:-$(branch_base stepcuda3 6e89bb2)}  # STEP_BASE overrides; main just before its first merge, else 6e89bb2
 
 step env 20 python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
 print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
