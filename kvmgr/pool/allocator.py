@@ -34,12 +34,10 @@ class BlockAllocator:
     (a store of consecutive GPU blocks into LIFO-reversed ids would need one per page).
 
     Data: a cursor over fresh ids, a stack of freed ids (an ``array`` of ``num_blocks`` slots
-    with a numpy view and a top index: a batch is pushed and popped as one slice, no list
-    conversion), and a state byte per id
-    (fresh, allocated, freed) that catches double frees and ids this pool never handed out.
-    The state bytes live in a ``bytearray`` (fast single-id access) viewed as a numpy array
-    (one operation per batch): ``take``/``give`` take and return int64 arrays without a Python
-    loop per id; ``allocate``/``free`` are the list-based twins.
+    with a numpy view and a top index: a batch is pushed and popped as one slice), and a state
+    byte per id (fresh, allocated, freed) that catches double frees and ids this pool never
+    handed out, in a ``bytearray`` viewed as a numpy array: ``take``/``give`` take and return
+    int64 arrays; ``allocate``/``free`` are list-based twins, ``take_few``/``give_few`` loops.
 
     Progressive availability: with ``num_ready < num_blocks`` only the ids below ``num_ready``
     are handed out (the CPU tier's memory beyond them is still being pinned); ``make_ready``
@@ -166,28 +164,21 @@ class BlockAllocator:
         return block_id
 
     def take_few(self, n: int) -> list[int]:
-        """``take_one`` ``n`` times in one call (the per-call path's few ids, a plain loop).
+        """``take_one`` ``n`` times in one call, as a list (the per-call path's few ids).
 
         Raises:
             PoolExhaustedError: fewer than ``n`` ids are free; nothing changed then.
         """
         if n > self.num_free:
-            raise PoolExhaustedError(f"{self.name}: need {n} blocks, {self.num_free} free",
-                                     needed=n, available=self.num_free,
-                                     reason=f"{self.name}_full")  # fmt: skip
-        fresh, ready, stack, top, states = (
-            self._next_fresh, self._num_ready, self._stack, self._top, self._bytes
-        )  # fmt: skip
-        ids = []
-        for _ in range(n):
-            if fresh < ready:
-                block_id, fresh = fresh, fresh + 1
-            else:
-                top -= 1
-                block_id = stack[top]
+            self.allocate(n)  # raises PoolExhaustedError
+        start = self._next_fresh  # fresh ids first, then the stack's top
+        ids = list(range(start, min(start + n, self._num_ready)))
+        self._next_fresh = start + len(ids)
+        top = self._top - (n - len(ids))
+        ids += reversed(self._stack[top : self._top])  # popped one by one: the top first
+        self._top, states = top, self._bytes
+        for block_id in ids:
             states[block_id] = ALLOCATED
-            ids.append(block_id)
-        self._next_fresh, self._top = fresh, top
         self.num_free -= n
         return ids
 
@@ -222,8 +213,7 @@ class BlockAllocator:
         self.num_free += 1
 
     def give_few(self, block_ids: list[int]) -> None:
-        """``give_one`` of each id in order, in one call (the caller checked them allocated
-        and distinct)."""
+        """``give_one`` of each id in order, in one call (ids checked allocated, distinct)."""
         stack, states, top = self._stack, self._bytes, self._top
         for block_id in block_ids:
             states[block_id] = FREED
