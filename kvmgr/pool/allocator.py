@@ -214,11 +214,13 @@ class BlockAllocator:
 
     def give_few(self, block_ids: list[int]) -> None:
         """``give_one`` of each id in order, in one call (ids checked allocated, distinct)."""
-        n, top, states = len(block_ids), self._top, self._bytes
-        self._stack[top : top + n] = array.array("q", block_ids)  # the last id on top
+        stack, states, top = self._stack, self._bytes, self._top
         for block_id in block_ids:
             states[block_id] = FREED
-        self._top, self.num_free = top + n, self.num_free + n
+            stack[top] = block_id
+            top += 1
+        self._top = top
+        self.num_free += len(block_ids)
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` ids, or return ``None`` (and change nothing) if fewer are free.
