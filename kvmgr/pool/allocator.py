@@ -214,12 +214,11 @@ class BlockAllocator:
 
     def give_few(self, block_ids: list[int]) -> None:
         """``give_one`` of each id in order, in one call (ids checked allocated, distinct)."""
-        stack, states, top = self._stack, self._bytes, self._top
-        for block_id in block_ids:
-            states[block_id] = FREED
+        stack, states = self._stack, self._bytes
+        for top, block_id in enumerate(block_ids, self._top):
             stack[top] = block_id
-            top += 1
-        self._top = top
+            states[block_id] = FREED
+        self._top += len(block_ids)
         self.num_free += len(block_ids)
 
     def try_allocate(self, n: int) -> list[int] | None:
