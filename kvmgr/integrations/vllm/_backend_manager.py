@@ -186,8 +186,7 @@ class KvmgrOffloadingManager(OffloadingManager):
         else:
             evicted = [k for batch in batches for k in batch]  # type: ignore[misc]
         batches.clear()
-        # one batch, its first key most recent (OffloadKey is bytes); vouched: the keys were
-        # not indexed at the lookup above, and eviction only unindexes
+        # one batch, first key most recent; vouched: looked up absent, eviction only unindexes
         self.tier.add_pending(new, ids, offer.parents, vouched=True)  # type: ignore[arg-type]
         seq = self._seqs.number(ids)
         self._allocation_sizes.append(len(new))
