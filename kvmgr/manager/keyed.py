@@ -68,7 +68,8 @@ class KeyedCalls(ManagerCore):
         self._books.touch(keys)
 
     def invalidate(self, keys: Sequence[bytes]) -> int:
-        """Drop READY keys (and free their CPU blocks); unknown keys are ignored.
+        """Drop READY keys (and free their CPU blocks); unknown keys are ignored. Lower tiers
+        keep their copies (a later ``fetch`` stages them again; see docs/guides/tiers.md).
 
         Returns:
             Keys dropped. Each drop is a ``removed`` KV event.
@@ -84,8 +85,8 @@ class KeyedCalls(ManagerCore):
         return dropped
 
     def clear(self) -> int:
-        """Drop every READY key without loads in flight. Keys with a store or loads in flight
-        stay (they are dropped by a later ``clear``). Returns the keys dropped.
+        """Drop every READY key without loads in flight (lower tiers keep theirs); keys with a
+        store or loads in flight stay (a later ``clear`` drops them). Returns the keys dropped.
 
         Raises:
             ClosedError: the manager is closed.
