@@ -107,8 +107,8 @@ class KeyedCalls(ManagerCore):
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
         ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
-        by default ``keys[i]`` extends ``keys[i - 1]``. The policy uses the chains to evict the
-        leaves of a prefix before its root.
+        by default ``keys[i]`` extends ``keys[i - 1]`` and ``keys[0]`` is a root (pass ``parents``
+        when the call continues a chain stored earlier). The policy evicts a chain's leaves first.
 
         Keys already in the CPU tier (any state) are skipped, and so are keys not admitted yet
         (``store_threshold``). The others get CPU blocks (free ones first, then by evicting
