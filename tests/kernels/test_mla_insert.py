@@ -431,7 +431,8 @@ def _steady_steps(good: dict[str, object], caches: list[torch.Tensor], hooks: Se
     assert all(hook._insert.guarded is not None and hook._insert.fired is not None for hook in hooks if not hook._check_slots)  # fmt: skip
 
 
-STEADY_CASES = [*STEP_CASES, "slot past the capacity", "kv_c on the CPU"]
+META_CASES = ["kv_c on the meta device", "k_pe on the meta device", "slot_mapping on the meta device", "kv_scales on the meta device"]  # fmt: skip
+STEADY_CASES = [*STEP_CASES, "slot past the capacity", "kv_c on the CPU", *META_CASES]
 
 
 @pytest.mark.parametrize("case", STEADY_CASES)
@@ -443,7 +444,7 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
     # through both, and write nothing; the poison of every cache stays
     if case == "kv_c on the CPU" and DEVICE == "cpu":
         pytest.skip("needs a CUDA GPU (one device here)")
-    error, bad = _bad_args("good" if case in ("slot past the capacity", "kv_c on the CPU") else case)  # fmt: skip
+    error, bad = _bad_args("good" if case in ("slot past the capacity", "kv_c on the CPU", *META_CASES) else case)  # fmt: skip
     good = _bad_args("good")[1]
     if case == "slots of wrong layers":
         bad["slot_mapping"] = torch.stack([_slots(31, 5, 8, 1)] * 3)
@@ -455,6 +456,9 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
         bad["slot_mapping"][2] = 8  # capacity: 2 blocks x 4
     elif case == "kv_c on the CPU":
         bad["kv_c"] = good["kv_c"].cpu()  # type: ignore[union-attr]
+    elif case in META_CASES:  # storage-less, device index -1 as on the CPU: must not pass as it
+        name = case.split()[0]
+        bad[name] = torch.empty_like(good[name], device="meta")  # type: ignore[arg-type]
     caches = bad["caches"]
     assert isinstance(caches, list)
     api._MEMO.clear()
@@ -464,11 +468,26 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
     before = [cache.clone() for cache in caches]
     with pytest.raises(error, match="expected"):
         grouped_mla_insert(**bad)  # type: ignore[arg-type]
-    if case not in ("scales shape", "float64 scales"):  # the hook's scales are its own
+    if "scales" not in case:  # the hook's scales are its own
         with pytest.raises(error, match="expected"):
             hook(StepContext(tensors={k: bad[k] for k in ("kv_c", "k_pe", "slot_mapping")}))
     assert _same_bytes(caches, before)
     _steady_steps(good, caches, [hook])  # and the loop goes on exactly
+
+
+def test_caches_on_the_meta_device_are_refused_as_another_device() -> None:
+    # meta tensors have no storage and get_device() -1, as CPU tensors (the interpreted kernels'
+    # memory): the public function and the hook must refuse meta caches with the typed error
+    good = _bad_args("good")[1]
+    meta_caches = [torch.empty_like(cache, device="meta") for cache in good["caches"]]  # type: ignore[attr-defined]
+    api._MEMO.clear()
+    with pytest.raises(GeometryError, match="expected cuda"):
+        grouped_mla_insert(**{**good, "caches": meta_caches})  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="expected cuda"):
+        per_layer_mla_insert(**{**good, "caches": meta_caches})  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="expected cuda"):
+        GroupedMLAInsertHook(meta_caches, kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+    assert api._MEMO.num_sets == 0
 
 
 def test_steady_steps_of_other_valid_layouts_are_written_exactly() -> None:

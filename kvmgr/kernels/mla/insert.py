@@ -38,7 +38,7 @@ from kvmgr.kernels.launch import Launches
 from kvmgr.kernels.launch.native import checked_data_ptrs
 from kvmgr.kernels.launch.rule import PLAIN, Unsupported
 from kvmgr.kernels.mla import plan as plans
-from kvmgr.kernels.mla.checks import check_step, tensor_guard, unchecked_step
+from kvmgr.kernels.mla.checks import any_meta, check_step, tensor_guard, unchecked_step
 from kvmgr.kernels.mla.kernel import grouped_insert_kernel
 from kvmgr.kernels.mla.plan import Plan, grouped_constexprs, launch_config
 
@@ -179,6 +179,8 @@ class GroupedInsert:
             known = self._steps.get(signature) if self._plain else None
         except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
             signature, known = None, None
+        if known is not None and signature[9] < 0 and any_meta(kv_c, k_pe, slot_mapping, kv_scales):  # type: ignore[index]  # fmt: skip
+            known = None  # a CPU signature (interpreted kernels): meta shares the index -1
         if known is None:
             self._prev = None
             return self._new_step(signature, kv_c, k_pe, slot_mapping, kv_scales, validate,
@@ -256,6 +258,8 @@ class GroupedInsert:
             None if kv_scales is None else self._scales_key if kv_scales is self._scales else self._scales_part(kv_scales),
         )  # fmt: skip
         bound = self._launches.get(key) if ps[1] == num_tokens == ss[-1] else None
+        if bound is not None and key[6] < 0 and any_meta(kv_c, k_pe, slot_mapping, kv_scales):
+            bound = None  # as in _by_signature: the full checks refuse it
         return key, bound, args, values, tile
 
     def _scales_part(self, kv_scales: torch.Tensor) -> Any:
