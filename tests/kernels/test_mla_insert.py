@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -1195,3 +1196,86 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
              "hook_host_us", "hook_triton_host_us", "hook_unchecked_host_us")  # fmt: skip
     for row in result["rows"]:  # host timings for eager rows only
         assert all((row[key] is None) == (row["mode"] == "graph") for key in hosts)
+
+
+_STUB_STEADY = """
+import json, os, struct, sys
+import torch
+
+sys.path.insert(0, os.getcwd())
+from kvmgr.bench import stub_gpu
+seen = stub_gpu.install(record=True)
+from kvmgr.errors import GeometryError
+from kvmgr.hooks import StepContext
+from kvmgr.kernels.mla.api import _MEMO, grouped_mla_insert
+from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
+
+gen = torch.Generator().manual_seed(5)
+caches = [torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn) for _ in range(3)]
+scales = torch.rand(3, generator=gen) + 0.5
+hook = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+rows, armed = [], []
+
+def cells(call):  # the step's pointer cells and ints as the driver saw them
+    p = call["params"]
+    return [struct.unpack_from("<Q", p[i])[0] for i in (0, 1, 2, 3, 4)] + [struct.unpack_from("<i", p[i])[0] for i in (5, 6, 7, 8)]
+
+def step(num_tokens, via, table):
+    kv_c = torch.randn(3, num_tokens, 64, generator=gen)
+    k_pe = torch.randn(3, num_tokens, 32, generator=gen)
+    slots = torch.randperm(64, generator=gen)[:num_tokens]
+    before = len(seen.calls)
+    if via == "public":
+        grouped_mla_insert(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    else:
+        hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+    want = [kv_c.data_ptr(), k_pe.data_ptr(), table().data_ptr(), slots.data_ptr(), scales.data_ptr(), num_tokens, kv_c.stride(0), k_pe.stride(0), 0]
+    rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+
+public_table = lambda: _MEMO.insert_for(caches, "fp8_e4m3", True).plan.table
+for via, table in (("public", public_table), ("hook", lambda: hook.plan.table)):
+    for num_tokens in (5, 5, 5, 5, 7, 5, 5, 7, 7, 5, 5, 5):  # T = 7 rewrites the launch's ints
+        step(num_tokens, via, table)
+    record = _MEMO.steady_record(id(caches))
+    armed.append(record is not None and record[5][5] is not None if via == "public" else hook._insert.guarded[5] is not None)
+armed.append(_MEMO.steady_record(id(caches))[4][2][2][0])  # the record's guarded T: 5
+for cache in caches:  # new storage in place: the steady record's pointers no longer match
+    cache.set_(torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn))
+for _ in range(4):
+    step(5, "public", public_table)
+before = len(seen.calls)
+refused = []
+for bad in ("dtype", "meta"):
+    kv_c = torch.randn(3, 5, 64, generator=gen)
+    kv_c = kv_c.half() if bad == "dtype" else torch.empty_like(kv_c, device="meta")
+    try:
+        grouped_mla_insert(kv_c, torch.randn(3, 5, 32), caches, torch.arange(5), kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    except GeometryError:
+        refused.append(bad)
+print(json.dumps({"rows": rows, "armed": armed, "refused": refused, "launched": len(seen.calls) - before}))
+"""
+
+
+def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_path: Path) -> None:
+    # the public function's steady record and the hook's guarded signature write the step's
+    # pointers and ints into the packed launch's cells from C (kvmgr.kernels.mla.steady): on
+    # the stand-in GPU every launch must hold exactly its step's pointers, T and strides, also
+    # after a step of another T rewrote the shared launch's ints; caches given new storage in
+    # place are not launched through the record's stale pointers; bad steps still raise
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests launch for real")
+    from kvmgr.kernels.launch import native
+
+    if native.cell_writer() is None:
+        pytest.skip("the C module cannot be built here (no C compiler?)")
+    script = tmp_path / "stub_steady.py"
+    script.write_text(_STUB_STEADY)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["armed"] == [True, True, 5]
+    assert result["rows"] == [[1, True]] * 28
+    assert result["refused"] == ["dtype", "meta"] and result["launched"] == 0

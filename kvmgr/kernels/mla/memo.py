@@ -48,12 +48,13 @@ from typing import Any
 import torch
 
 from kvmgr._tensor_guard import tensor_guard
+from kvmgr.kernels.launch.native import checked_data_ptrs
 from kvmgr.kernels.mla.insert import GroupedInsert
 from kvmgr.kernels.mla.plan import CacheKey, cache_key, checked_key, make_plan
+from kvmgr.kernels.mla.steady import guard_step
 
 __all__ = ["InsertMemo"]
 
-_data_ptr = torch.Tensor.data_ptr
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)  # fmt: skip
 
 
@@ -71,8 +72,8 @@ class InsertMemo:
         # id(list) -> (kv_cache_dtype, direct, ptrs, shape, strides, dtype, contiguous, device,
         # guard or None, key, insert)
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
-        # id(list) -> (guard of the caches and one step, has scales, kv_cache_dtype, direct,
-        # key, insert, the insert's guarded signature it pairs with): see launch_steady
+        # id(list) -> (insert, kv_cache_dtype, direct, key, the insert's guarded signature it
+        # pairs with, the guarded signature of the caches and one step): see launch_steady
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
 
     @property
@@ -118,33 +119,38 @@ class InsertMemo:
         """Launch a steady step of a known list in one check, or return None (nothing done);
         ``steady``: the list's record (``steady_record(id(caches))``, not None).
 
-        A steady loop passes one cache list and new step tensors of the insert's guarded
-        signature (:attr:`~kvmgr.kernels.mla.insert.GroupedInsert.guarded`): for it
-        :meth:`remember_steady` built ONE tensor guard over the caches and that step. A call that
-        passes it (dtype, device, sizes, strides of every cache and step tensor; the scales'
-        presence), whose caches have the key's pointers, with the same ``kv_cache_dtype``,
-        ``direct`` and guarded signature, is that cache set and step signature: the insert's
-        ``fire`` launches it; ``T``. The insert's last ``kv_c`` again answers None (persistent
-        step buffers: the insert's same-tensors path costs less)."""
-        last = steady[5]._last
+        :meth:`remember_steady` built ONE tensor guard over the caches and a step of the
+        insert's guarded signature (:mod:`kvmgr.kernels.mla.steady`). A call that passes it
+        (dtype, device, sizes, strides of every cache and step tensor; the scales' presence),
+        whose caches have the key's pointers and whose bases the step's alignment, with the same
+        ``kv_cache_dtype``, ``direct`` and guarded signature, is launched by the insert's
+        ``fire``; ``T``. On a packed launch those tests and the writes of the step's pointers
+        and ints into the launch's cells are one C call. The insert's last ``kv_c`` again
+        answers None (persistent step buffers: the insert's same-tensors path costs less)."""
+        insert = steady[0]
+        last = insert._last
         if last is not None and kv_c is last[0]:
             return None
-        guard, scaled, dtype, is_direct, key, insert, guarded = steady
+        _, dtype, is_direct, key, guarded, (guard, scaled, _, _, read, cells, _) = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
+        head = () if cells is None else (cells,)  # the C writer: pointers compared and written
         try:  # the guard's verdict and every pointer in one C call
             if scaled:
-                ptrs = guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping, kv_scales)
+                ptrs = read(*head, guard.check, *caches, kv_c, k_pe, slot_mapping, kv_scales)
             else:
-                ptrs = None if kv_scales is not None else guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
+                ptrs = None if kv_scales is not None else read(*head, guard.check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
         except TypeError:  # not tensors, or another number of them
             return None
-        num_caches = len(caches)
-        if ptrs is None or ptrs[:num_caches] != key[0][5]:
+        if ptrs is None:
             return None
+        if cells is None:  # read, not compared: the caches' pointers come first
+            if ptrs[: len(caches)] != key[0][5]:
+                return None
+            ptrs = ptrs[len(caches) :]
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
-        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs[num_caches:])
+        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, bool(head))
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
@@ -158,10 +164,10 @@ class InsertMemo:
         if seen is None or seen[-1] is not insert or guarded is None:
             return
         step = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
-        guard = tensor_guard((*caches, *step))
-        if guard is None:
+        mine = guard_step((*caches, *step), guarded[2], guarded[3], seen[-2][0][5])
+        if mine is None:
             return
-        self._steady[id(caches)] = (guard, kv_scales is not None, seen[0], seen[1], seen[-2], insert, guarded)  # fmt: skip
+        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], guarded, mine)
         self._steady.move_to_end(id(caches))
         if len(self._steady) > self._max_sets:
             self._steady.popitem(last=False)
@@ -219,8 +225,8 @@ def _unchanged(seen: tuple[Any, ...], caches: Sequence[torch.Tensor]) -> bool:
 def _guard_passes(guard: Any, caches: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
     """Whether ``guard`` passes ``caches`` (as many, each of the dtype, device, sizes and strides
     it was built from) and their pointers are ``ptrs``: the key they were remembered under."""
-    try:
-        return guard.check(*caches) and tuple(map(_data_ptr, caches)) == ptrs  # type: ignore[no-any-return]  # fmt: skip
+    try:  # the verdict and the pointers in one C call (kvmgr.kernels.launch.native)
+        return checked_data_ptrs()(guard.check, *caches) == ptrs
     except TypeError:  # another number of caches
         return False
 
