@@ -1237,7 +1237,7 @@ for via, table in (("public", public_table), ("hook", lambda: hook.plan.table)):
     for num_tokens in (5, 5, 5, 5, 7, 5, 5, 7, 7, 5, 5, 5):  # T = 7 rewrites the launch's ints
         step(num_tokens, via, table)
     record = _MEMO.steady_record(id(caches))
-    armed.append(record is not None and record[5][5] is not None if via == "public" else hook._insert.guarded[5] is not None)
+    armed.append(record is not None and record[8] is not None if via == "public" else hook._insert.guarded[5] is not None)
 armed.append(_MEMO.steady_record(id(caches))[4][2][2][0])  # the record's guarded T: 5
 for cache in caches:  # new storage in place: the steady record's pointers no longer match
     cache.set_(torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn))

@@ -47,6 +47,7 @@ __all__ = ["KV_CACHE_DTYPES", "grouped_mla_insert", "mla_insert_reference", "per
 
 _MEMO = InsertMemo()  # the cache sets grouped_mla_insert has seen (kvmgr.kernels.mla.memo)
 _steady_record = _MEMO.steady_record  # id(list) -> the record of its steady steps, or None
+_launch_steady = _MEMO.launch_steady
 
 
 def grouped_mla_insert(
@@ -98,7 +99,7 @@ def grouped_mla_insert(
     """
     steady = not check_slots and block_tokens is None and num_warps is None
     record = _steady_record(id(caches)) if steady else None
-    if record is not None and _MEMO.launch_steady(record, caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
+    if record is not None and _launch_steady(record, caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
         return
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)

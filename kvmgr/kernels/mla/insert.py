@@ -111,17 +111,17 @@ class GroupedInsert:
             last[6].launch(last[5], stream)
             return last[4][3]
         guarded = self.guarded  # the last repeated signature, by its guard: no reads, no key
-        if guarded is not None and block_tokens is None and num_warps is None:
-            head = () if guarded[5] is None else (guarded[5],)  # cells: written there too
-            try:  # the guard's verdict and the pointers in one C call
-                if guarded[1]:
-                    ptrs = guarded[4](*head, guarded[0].check, kv_c, k_pe, slot_mapping, kv_scales)
+        if guarded is not None and block_tokens is None and num_warps is None and (kv_scales is not None) is guarded[1]:  # fmt: skip
+            check, scaled, _, _, read, cells, _ = guarded  # scaled: the step has scales
+            try:  # the guard's verdict and the pointers in one C call (cells: written there too)
+                if cells is not None:
+                    ptrs = read(cells, check, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, kv_c, k_pe, slot_mapping)  # fmt: skip
                 else:
-                    ptrs = None if kv_scales is not None else guarded[4](*head, guarded[0].check, kv_c, k_pe, slot_mapping)  # fmt: skip
+                    ptrs = read(check, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, kv_c, k_pe, slot_mapping)  # fmt: skip
             except TypeError:  # not tensors, or another number of them
                 ptrs = None
             if ptrs is not None:
-                num_tokens = self.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, stream, ptrs, bool(head))  # fmt: skip
+                num_tokens = self.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, stream, ptrs, cells is not None)  # fmt: skip
                 if num_tokens is not None:
                     return num_tokens
         self.fired = None

@@ -73,7 +73,8 @@ class InsertMemo:
         # guard or None, key, insert)
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
         # id(list) -> (insert, kv_cache_dtype, direct, key, the insert's guarded signature it
-        # pairs with, the guarded signature of the caches and one step): see launch_steady
+        # pairs with, then of the caches' and one step's guarded signature (kvmgr.kernels.mla
+        # .steady) its guard's check, has scales, read, cells address or None, and itself)
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
 
     @property
@@ -127,19 +128,17 @@ class InsertMemo:
         ``fire``; ``T``. On a packed launch those tests and the writes of the step's pointers
         and ints into the launch's cells are one C call. The insert's last ``kv_c`` again
         answers None (persistent step buffers: the insert's same-tensors path costs less)."""
-        insert = steady[0]
+        insert, dtype, is_direct, key, guarded, check, scaled, read, cells, _ = steady
         last = insert._last
-        if last is not None and kv_c is last[0]:
+        if (last is not None and kv_c is last[0]) or dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:  # fmt: skip
             return None
-        _, dtype, is_direct, key, guarded, (guard, scaled, _, _, read, cells, _) = steady
-        if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
-            return None
-        head = () if cells is None else (cells,)  # the C writer: pointers compared and written
-        try:  # the guard's verdict and every pointer in one C call
-            if scaled:
-                ptrs = read(*head, guard.check, *caches, kv_c, k_pe, slot_mapping, kv_scales)
+        if (kv_scales is not None) is not scaled:
+            return None  # the scales' presence is the record's
+        try:  # the guard's verdict and every pointer in one C call (with cells: also written)
+            if cells is not None:
+                ptrs = read(cells, check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
             else:
-                ptrs = None if kv_scales is not None else read(*head, guard.check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
+                ptrs = read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
         except TypeError:  # not tensors, or another number of them
             return None
         if ptrs is None:
@@ -150,7 +149,9 @@ class InsertMemo:
             ptrs = ptrs[len(caches) :]
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
-        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, bool(head))
+        return insert.fire(
+            guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None
+        )
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
@@ -167,7 +168,8 @@ class InsertMemo:
         mine = guard_step((*caches, *step), guarded[2], guarded[3], seen[-2][0][5])
         if mine is None:
             return
-        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], guarded, mine)
+        # the record: launch_steady's unpacking order; the last item holds the cells' memory
+        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], guarded, *mine[:2], *mine[4:6], mine)  # fmt: skip
         self._steady.move_to_end(id(caches))
         if len(self._steady) > self._max_sets:
             self._steady.popitem(last=False)

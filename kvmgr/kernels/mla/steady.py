@@ -2,8 +2,9 @@
 C writer of that launch's cells (private to :mod:`kvmgr.kernels.mla`).
 
 Offers (to :mod:`kvmgr.kernels.mla.insert` and ``memo``):
-    guard_step      the guarded signature of a step: ``(guard, has scales, (bound launch, grid,
-                    ints), aligned, read, cells address or None, cells)``
+    guard_step      the guarded signature of a step: ``(check, has scales, (bound launch, grid,
+                    ints), aligned, read, cells address or None, cells)``; ``check`` is its
+                    tensor guard's
 
 ``read`` is :func:`kvmgr.kernels.launch.native.checked_data_ptrs` (``read(check, *tensors)``:
 the verdict and every pointer in one C call) or, where the launch is packed and the C module
@@ -52,7 +53,7 @@ def guard_step(
     scaled = len(tensors) - len(known) == 4
     write = cell_writer()
     if write is None or grid is None or not bound.is_packed:
-        return (guard, scaled, entry, aligned, checked_data_ptrs(), None, None)
+        return (guard.check, scaled, entry, aligned, checked_data_ptrs(), None, None)
     words = [*zip(_INTS, ints, strict=True), *([] if scaled else [(_SCALES, None)])]
     cells = bound.step_cells(known, aligned, _POINTERS[: 4 if scaled else 3], words)
-    return (guard, scaled, entry, aligned, write, cells.address, cells)
+    return (guard.check, scaled, entry, aligned, write, cells.address, cells)
