@@ -408,7 +408,7 @@ def test_a_bad_step_after_a_guarded_signature_raises_before_writing(case: str) -
     for _ in range(4):  # new step tensors, one scales object
         grouped_mla_insert(good["kv_c"].clone(), good["k_pe"].clone(), caches,  # type: ignore[union-attr]
                            good["slot_mapping"].clone(), kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[union-attr, arg-type]  # fmt: skip
-    assert api._MEMO.insert_for(caches, "fp8_e4m3", True).guarded is not None
+    assert api._MEMO.steady_record(id(caches)) is not None  # the one-guard path is armed
     before = [cache.clone() for cache in caches]
     with pytest.raises(error, match="expected"):
         grouped_mla_insert(**bad)  # type: ignore[arg-type]
@@ -474,6 +474,32 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
             hook(StepContext(tensors={k: bad[k] for k in ("kv_c", "k_pe", "slot_mapping")}))
     assert _same_bytes(caches, before)
     _steady_steps(good, caches, [hook])  # and the loop goes on exactly
+
+
+def test_persistent_step_buffers_run_on_one_guard_and_stay_exact() -> None:
+    # the very same step tensors every call (persistent buffers; bench mla-insert's "grouped",
+    # one list per cache set) get the memo's one guard of caches and step too: the buffers'
+    # contents may change between calls, a cache given new storage in place is written there,
+    # and a bad step after the loop raises its typed error before writing
+    good = _bad_args("good")[1]
+    caches = good["caches"]
+    assert isinstance(caches, list)
+    api._MEMO.clear()
+    args = {**good}
+    for turn in range(5):
+        args["kv_c"].mul_(-1.5)  # type: ignore[union-attr]  # new contents, the same tensor
+        expected = _reference(args["kv_c"], args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+        grouped_mla_insert(**args)  # type: ignore[arg-type]
+        assert _same_bytes(caches, expected), turn
+    assert api._MEMO.steady_record(id(caches)) is not None
+    caches[1].set_(_caches(33, 1, 2, 4, 16, torch.float8_e4m3fn)[0])  # new storage in place
+    expected = _reference(args["kv_c"], args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+    grouped_mla_insert(**args)  # type: ignore[arg-type]
+    assert _same_bytes(caches, expected)
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(GeometryError, match="expected"):
+        grouped_mla_insert(**{**args, "k_pe": args["k_pe"].half()})  # type: ignore[arg-type, union-attr]
+    assert _same_bytes(caches, before)
 
 
 def test_caches_on_the_meta_device_are_refused_as_another_device() -> None:
@@ -553,7 +579,7 @@ def test_a_guarded_signature_writes_exactly_what_each_step_holds() -> None:
         assert insert(kv_c, k_pe, slots, step_scales) == num_tokens
         guarded += insert.fired is not None
         assert _same_bytes(caches, expected), step
-        assert insert._last[-1].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
+        assert insert._last[6].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
     assert guarded >= 6
 
 
@@ -584,7 +610,7 @@ def test_remembered_step_signatures_write_exactly_what_each_step_holds() -> None
         expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
         assert insert(kv_c.clone() if step > 9 else kv_c, k_pe, slots, scales) == num_tokens
         assert _same_bytes(caches, expected)
-        assert insert._last[-1].args[-1] is (step % 4 != 2)  # IO_ALIGNED: off for that base
+        assert insert._last[6].args[-1] is (step % 4 != 2)  # IO_ALIGNED: off for that base
     assert 4 <= len(insert._steps) <= 12
 
 
@@ -706,7 +732,7 @@ def test_packed_path_checks_and_binds_once_per_step_signature_for_one_compiled_k
         assert _same_bytes(caches, expected)
         specializations |= {rule.reader(kinds)(*b.args)[0] for b in insert.bound()}
     assert insert.num_bound == 2 and len(specializations) == 1
-    bound = insert._last[-1]  # the last step's launch: its arguments are that step's
+    bound = insert._last[6]  # the last step's launch: its arguments are that step's
     assert bound.args[0] is kv_c and bound.args[1] is k_pe and bound.args[3] is slots
     assert bound.args[5:9] == [7, kv_c.stride(0), k_pe.stride(0), slots.stride(0)]
     assert bound.is_packed is (DEVICE == "cuda")  # packed on a GPU; the interpreter: Triton
@@ -1243,6 +1269,19 @@ for cache in caches:  # new storage in place: the steady record's pointers no lo
     cache.set_(torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn))
 for _ in range(4):
     step(5, "public", public_table)
+# persistent step buffers and their own cache set (bench mla-insert's "grouped"): the same
+# tensors every call get a record too; a buffer given new storage in place is launched with it
+own = [torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn) for _ in range(3)]
+kv_c, k_pe, slots = torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), torch.arange(5)
+for turn in range(6):
+    if turn == 4:
+        kv_c.data = torch.randn(3, 5, 64, generator=gen)
+    before = len(seen.calls)
+    grouped_mla_insert(kv_c, k_pe, own, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    want = [kv_c.data_ptr(), k_pe.data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), slots.data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
+    rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+record = _MEMO.steady_record(id(own))
+armed.append(record is not None and record[8] is not None)
 before = len(seen.calls)
 refused = []
 for bad in ("dtype", "meta"):
@@ -1276,6 +1315,6 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
                           text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["armed"] == [True, True, 5]
-    assert result["rows"] == [[1, True]] * 28
+    assert result["armed"] == [True, True, 5, True]
+    assert result["rows"] == [[1, True]] * 34
     assert result["refused"] == ["dtype", "meta"] and result["launched"] == 0

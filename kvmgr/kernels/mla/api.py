@@ -108,7 +108,9 @@ def grouped_mla_insert(
                           allow_cpu=plan.IS_INTERPRETED)  # fmt: skip
         check_slot_range(step, caches)
     insert(kv_c, k_pe, slot_mapping, kv_scales, True, None, block_tokens, num_warps)
-    if steady and insert.fired is not None:  # a steady step: one guard for caches and step next
+    # a steady step (new tensors of a guarded signature, or the last call's tensors again): one
+    # guard for caches and step next
+    if steady and (insert.fired is not None or record is None):
         _MEMO.remember_steady(caches, insert, kv_c, k_pe, slot_mapping, kv_scales)
 
 

@@ -131,7 +131,7 @@ class GroupedInsert:
             return 0
         bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
         if block_tokens is None and num_warps is None:
-            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound)
+            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound, ints)  # fmt: skip
         return ints[0]
 
     def fire(
@@ -154,7 +154,7 @@ class GroupedInsert:
             return 0
         values = None if written else (*ptrs, *ints) if kv_scales is not None else (*ptrs, 0, *ints)
         bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
-        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*ptrs[:3], ints[0]), grid, bound)
+        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*ptrs[:3], ints[0]), grid, bound, ints)
         return ints[0]
 
     def _by_signature(

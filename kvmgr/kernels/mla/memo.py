@@ -76,6 +76,7 @@ class InsertMemo:
         # pairs with, then of the caches' and one step's guarded signature (kvmgr.kernels.mla
         # .steady) its guard's check, has scales, read, cells address or None, and itself)
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+        self._fresh: int | None = None  # id of the list insert_for met first in this call
 
     @property
     def steady_record(self) -> Any:
@@ -96,7 +97,7 @@ class InsertMemo:
             GeometryError: the caches are unfit for the grouped kernel (as ``checked_key``).
             ConfigError: the first call for these caches happens under CUDA-graph capture.
         """
-        lists = self._lists
+        lists, self._fresh = self._lists, None
         seen = lists.get(id(caches))
         if seen is None or seen[0] != kv_cache_dtype or seen[1] != direct:
             key, insert = self._lookup(caches, kv_cache_dtype, bool(direct))
@@ -120,17 +121,16 @@ class InsertMemo:
         """Launch a steady step of a known list in one check, or return None (nothing done);
         ``steady``: the list's record (``steady_record(id(caches))``, not None).
 
-        :meth:`remember_steady` built ONE tensor guard over the caches and a step of the
-        insert's guarded signature (:mod:`kvmgr.kernels.mla.steady`). A call that passes it
-        (dtype, device, sizes, strides of every cache and step tensor; the scales' presence),
-        whose caches have the key's pointers and whose bases the step's alignment, with the same
-        ``kv_cache_dtype``, ``direct`` and guarded signature, is launched by the insert's
-        ``fire``; ``T``. On a packed launch those tests and the writes of the step's pointers
-        and ints into the launch's cells are one C call. The insert's last ``kv_c`` again
-        answers None (persistent step buffers: the insert's same-tensors path costs less)."""
-        insert, dtype, is_direct, key, guarded, check, scaled, read, cells, _ = steady
-        last = insert._last
-        if (last is not None and kv_c is last[0]) or dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:  # fmt: skip
+        :meth:`remember_steady` built ONE tensor guard over the caches and a step the insert
+        launched (:mod:`kvmgr.kernels.mla.steady`). A call that passes it (dtype, device, sizes,
+        strides of every cache and step tensor; the scales' presence), whose caches have the
+        key's pointers and whose bases the step's alignment, with the same ``kv_cache_dtype``,
+        ``direct`` and insert's guarded signature as then, is launched by the insert's ``fire``
+        with that step's launch; ``T``. On a packed launch those tests and the writes of the
+        step's pointers and ints into the launch's cells are one C call. New step tensors (a
+        serving loop) and the very same ones (persistent buffers, a cache set per call) alike."""
+        insert, dtype, is_direct, key, guarded, check, scaled, read, cells, mine = steady
+        if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
         if (kv_scales is not None) is not scaled:
             return None  # the scales' presence is the record's
@@ -149,27 +149,29 @@ class InsertMemo:
             ptrs = ptrs[len(caches) :]
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
-        return insert.fire(
-            guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None
-        )
+        return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None)
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
         k_pe: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
     ) -> None:  # fmt: skip
-        """After a call that ``insert_for(caches, ...)`` answered with ``insert`` and that
-        launched through the insert's guarded signature (``insert.fired``): guard the caches and
-        this step together for :meth:`launch_steady`."""
-        seen = self._lists.get(id(caches))
-        guarded = insert.fired
-        if seen is None or seen[-1] is not insert or guarded is None:
+        """After a call that ``insert_for(caches, ...)`` answered with ``insert`` for a list seen
+        before and that launched these very tensors (``insert``'s last launch; through a plain
+        signature): guard the caches and this step together for :meth:`launch_steady`. A list
+        new in this call gets no record (a caller passing a new list each call would build a
+        guard per call)."""
+        seen, last = self._lists.get(id(caches)), insert._last
+        if seen is None or seen[-1] is not insert or self._fresh == id(caches) or last is None:
+            return
+        if last[0] is not kv_c or last[1] is not k_pe or last[2] is not slot_mapping or last[3] is not kv_scales or not insert._plain:  # fmt: skip
             return
         step = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
-        mine = guard_step((*caches, *step), guarded[2], guarded[3], seen[-2][0][5])
+        aligned = (last[4][0] | last[4][1]) & 15 == 0
+        mine = guard_step((*caches, *step), (last[6], last[5], last[7]), aligned, seen[-2][0][5])
         if mine is None:
             return
         # the record: launch_steady's unpacking order; the last item holds the cells' memory
-        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], guarded, *mine[:2], *mine[4:6], mine)  # fmt: skip
+        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], insert.guarded, *mine[:2], *mine[4:6], mine)  # fmt: skip
         self._steady.move_to_end(id(caches))
         if len(self._steady) > self._max_sets:
             self._steady.popitem(last=False)
@@ -189,6 +191,7 @@ class InsertMemo:
                 recent.popitem(last=False)
         _, _, shape, strides, dtype, ptrs = key[0]
         contiguous = strides == _contiguous_strides(shape)
+        self._fresh = id(caches)  # a list new in this call: remember_steady skips it
         self._lists[id(caches)] = (kv_cache_dtype, direct, ptrs, shape, strides, dtype,
                                    contiguous, key[0][1], tensor_guard(caches), key, insert)  # fmt: skip
         self._lists.move_to_end(id(caches))
