@@ -480,7 +480,8 @@ def test_persistent_step_buffers_run_on_one_guard_and_stay_exact() -> None:
     # the very same step tensors every call (persistent buffers; bench mla-insert's "grouped",
     # one list per cache set) get the memo's one guard of caches and step too: the buffers'
     # contents may change between calls, a cache given new storage in place is written there,
-    # and a bad step after the loop raises its typed error before writing
+    # a buffer re-strided in place (same pointer and shape) is read as it is now, and a bad step
+    # after the loop raises its typed error before writing
     good = _bad_args("good")[1]
     caches = good["caches"]
     assert isinstance(caches, list)
@@ -494,6 +495,13 @@ def test_persistent_step_buffers_run_on_one_guard_and_stay_exact() -> None:
     assert api._MEMO.steady_record(id(caches)) is not None
     caches[1].set_(_caches(33, 1, 2, 4, 16, torch.float8_e4m3fn)[0])  # new storage in place
     expected = _reference(args["kv_c"], args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+    grouped_mla_insert(**args)  # type: ignore[arg-type]
+    assert _same_bytes(caches, expected)
+    kv_c = args["kv_c"]
+    assert isinstance(kv_c, torch.Tensor)
+    num_layers, _, rank = kv_c.shape  # the same object, its rows re-strided in place:
+    kv_c.as_strided_(kv_c.shape, (rank, num_layers * rank, 1))  # same pointer, another layout
+    expected = _reference(kv_c, args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
     grouped_mla_insert(**args)  # type: ignore[arg-type]
     assert _same_bytes(caches, expected)
     before = [cache.clone() for cache in caches]

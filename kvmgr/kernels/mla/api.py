@@ -103,6 +103,8 @@ def grouped_mla_insert(
         return
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)
+    if record is not None:  # the record refused: the very same tensors may have changed in
+        insert._last = None  # place, so the insert's identity test must not launch them
     if check_slots:
         step = check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, insert.plan.meta,
                           allow_cpu=plan.IS_INTERPRETED)  # fmt: skip

@@ -140,13 +140,11 @@ class InsertMemo:
             else:
                 ptrs = read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
         except TypeError:  # not tensors, or another number of them
-            return None
+            ptrs = None
+        if cells is None and ptrs is not None:  # read, not compared: the caches' come first
+            ptrs = ptrs[len(caches) :] if ptrs[: len(caches)] == key[0][5] else None
         if ptrs is None:
             return None
-        if cells is None:  # read, not compared: the caches' pointers come first
-            if ptrs[: len(caches)] != key[0][5]:
-                return None
-            ptrs = ptrs[len(caches) :]
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
         return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None)
