@@ -20,7 +20,6 @@ packed launch, and one packed launch alone (the hook's bound launch, its cells a
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import shutil
@@ -37,7 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(HERE / "scripts"), str(HERE)]
-from launch_host_pair import _renamed_copy  # noqa: E402
+from launch_host_pair import _renamed_copy, pair_parser  # noqa: E402
 
 _CALLS = 64
 
@@ -136,12 +135,7 @@ def _pieces() -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("old", type=Path, help="an older kvmgr tree (the parent of its kvmgr/)")
-    parser.add_argument("--tokens", default="1,16,128", help="step sizes T")
-    parser.add_argument("--rounds", type=int, default=30, help="samples per tree and row")
-    parser.add_argument("--json", default=None, help="also write the rows as JSON")
-    args = parser.parse_args()
+    args = pair_parser(__doc__ or "", 30).parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     tmp = Path(tempfile.mkdtemp(prefix="kvmgr_pair_"))
