@@ -14,8 +14,10 @@ us per call, the real ``cuLaunchKernelEx`` included). Per row: min and median of
 the median of the per-pair ratios new/old. Target: <= 10 us per call for the public function.
 
 Then the per-call pieces this host pays on the real driver and the stub does not (us, best of 7
-x 20,000): the capture query of the public function, the current device and raw stream of every
-packed launch, and one packed launch alone (the hook's bound launch, its cells as they are).
+x 2,000): the capture query of the public function, the current device and raw stream of every
+packed launch, one packed launch alone (the hook's bound launch, its cells as they are, through
+kvmgr's C call), and one trivial driver call (``cuCtxGetCurrent``) through ctypes and through
+cuda-python: what each binding adds to a call.
 """
 
 from __future__ import annotations
@@ -124,7 +126,14 @@ def _pieces() -> dict[str, float]:
         "torch._C._cuda_getDevice()": torch._C._cuda_getDevice,  # type: ignore[attr-defined]
         "torch._C._cuda_getCurrentRawStream(0)": lambda: get_stream(0),
         "one packed launch alone (bound.launch)": lambda: bound.launch(grid, None),
+        "cuCtxGetCurrent through ctypes (kvmgr's Libcuda)": bound._driver.current_context,
     }
+    try:  # the same trivial driver call through cuda-python (the binding a launch could use)
+        from cuda.bindings import driver as cuda_driver
+
+        pieces["cuCtxGetCurrent through cuda-python"] = cuda_driver.cuCtxGetCurrent
+    except ImportError:
+        pass
     out = {}
     for name, fn in pieces.items():
         best = min(timeit.repeat(fn, number=2000, repeat=7)) / 2000 * 1e6
