@@ -1311,9 +1311,9 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
     # place are not launched through the record's stale pointers; bad steps still raise
     if torch.cuda.is_available():
         pytest.skip("the gpu tests launch for real")
-    from kvmgr.kernels.launch import native
+    from kvmgr.kernels.launch.cells import cell_writer
 
-    if native.cell_writer() is None:
+    if cell_writer() is None:
         pytest.skip("the C module cannot be built here (no C compiler?)")
     script = tmp_path / "stub_steady.py"
     script.write_text(_STUB_STEADY)

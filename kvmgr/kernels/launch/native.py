@@ -5,10 +5,7 @@ Offers (to the rest of :mod:`kvmgr.kernels.launch`, and ``data_ptrs`` to the ker
     Record          a launch record: the entry point and its three arguments, in C memory
     checked_data_ptrs   ``checked_data_ptrs()(check, *tensors)``: their ``data_ptr()``s where a
                     tensor guard's ``check`` accepts them, else None; one C call where it builds
-    cell_writer     ``cell_writer()(cells.address, check, *tensors)``: that check, the first
-                    pointers compared with known ones, the others written into a bound launch's
-                    cells (:class:`~kvmgr.kernels.launch.cells.StepCells`) and returned; one C
-                    call, or None where the C module does not build
+    (its C ``write_cells``: :func:`kvmgr.kernels.launch.cells.cell_writer`)
 
 Why: a ctypes call of ``cuLaunchKernelEx`` prepares a libffi call and converts its four arguments
 on every launch (0.5-0.9 us of host time on the 2-core CPU machine, the stub driver's whole
@@ -48,14 +45,12 @@ from typing import Any
 
 import torch
 
-from kvmgr.kernels.launch.cells import StepCells
-
 try:  # torch's C reader of a tensor's data pointer lives with dynamo's guards
     from torch._C._dynamo import guards as _guards
 except ImportError:  # pragma: no cover - a torch without dynamo
     _guards = None
 
-__all__ = ["Record", "cell_writer", "checked_data_ptrs", "native_fire"]
+__all__ = ["Record", "checked_data_ptrs", "native_fire"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -150,15 +145,16 @@ static PyObject *checked_ptrs(PyObject *self, PyObject *const *args, Py_ssize_t 
     return pointers(args + 1, nargs - 1);
 }
 
-/* write_cells(spec, check, *tensors): checked_ptrs, then (spec: uint64 words at an address)
-   {n_tensors, n_known, aligned, n_cells, n_words, known[n_known], cells[n_cells],
-   (address, word)[n_words]}: the first n_known pointers must equal known, the next two (when
-   n_cells >= 2) be 16-byte aligned both or not as aligned says; then each further pointer is
+/* write_cells(spec, check, known, *step): checked_ptrs of (*known, *step) (known: a tuple or
+   list of tensors, e.g. a cache set's), then (spec: uint64 words at an address) {n_tensors,
+   n_known, aligned, n_cells, n_words, known[n_known], cells[n_cells], (address, word)[n_words]}:
+   the known tensors' pointers must equal known, the first two step tensors' bases (when n_cells
+   >= 2) be 16-byte aligned both or not as aligned says; then each step tensor's pointer is
    written to its cell and each word to its address, and the tuple of those pointers returned.
-   None (nothing written) for another number of tensors or any refusal */
+   None (nothing written) for other numbers of tensors or any refusal */
 static PyObject *write_cells(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 2) {
-        PyErr_SetString(PyExc_TypeError, "write_cells(spec, check, *tensors)");
+    if (nargs < 3) {
+        PyErr_SetString(PyExc_TypeError, "write_cells(spec, check, known, *step)");
         return NULL;
     }
     const unsigned long long *spec = (const unsigned long long *)PyLong_AsVoidPtr(args[0]);
@@ -166,26 +162,42 @@ static PyObject *write_cells(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "write_cells: a NULL spec");
         return NULL;
     }
-    Py_ssize_t n = nargs - 2, n_known = (Py_ssize_t)spec[1], n_cells = (Py_ssize_t)spec[3];
-    if ((unsigned long long)n != spec[0] || n_known + n_cells != n) Py_RETURN_NONE;
-    int passed = accepted("write_cells", args[1], args + 2, n);
-    if (passed < 0) return NULL;
-    if (!passed) Py_RETURN_NONE;
-    PyObject *const *step = args + 2 + n_known;
+    if (!PyTuple_Check(args[2]) && !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "write_cells: known must be a tuple or list");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[2], "write_cells: known must be a tuple or list");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n_known = PySequence_Fast_GET_SIZE(seq), n_cells = nargs - 3, n = n_known + n_cells;
+    PyObject *all[64];
+    if ((unsigned long long)n_known != spec[1] || (unsigned long long)n_cells != spec[3] || n > 64) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n_known; i++) all[i] = items[i];
+    for (Py_ssize_t i = 0; i < n_cells; i++) all[n_known + i] = args[3 + i];
+    PyObject *out = NULL;
+    int passed = accepted("write_cells", args[1], all, n);
+    if (passed <= 0) goto done;
     const unsigned long long *known = spec + 5, *cells = known + n_known, *words = cells + n_cells;
+    PyObject *const *step = all + n_known;
     for (Py_ssize_t i = 0; i < n_known; i++) {
-        if ((unsigned long long)(uintptr_t)reader(args[2 + i]) != known[i]) Py_RETURN_NONE;
+        if ((unsigned long long)(uintptr_t)reader(all[i]) != known[i]) goto done;
     }
     if (n_cells >= 2) {
         uintptr_t bases = (uintptr_t)reader(step[0]) | (uintptr_t)reader(step[1]);
-        if (((bases & 15) == 0) != (spec[2] != 0)) Py_RETURN_NONE;
+        if (((bases & 15) == 0) != (spec[2] != 0)) goto done;
     }
-    PyObject *out = pointers(step, n_cells);
-    if (out == NULL) return NULL;
+    out = pointers(step, n_cells);
+    if (out == NULL) goto done;
     for (Py_ssize_t i = 0; i < n_cells; i++)
         *(unsigned long long *)(uintptr_t)cells[i] = (uintptr_t)reader(step[i]);
     for (unsigned long long j = 0; j < spec[4]; j++)
         *(unsigned long long *)(uintptr_t)words[2 * j] = words[2 * j + 1];
+done:
+    Py_DECREF(seq);
+    if (out == NULL && passed >= 0 && !PyErr_Occurred()) Py_RETURN_NONE;
     return out;
 }
 
@@ -193,7 +205,7 @@ static PyMethodDef methods[] = {
     {"fire", fire, METH_O, "fire(record_address) -> the launch entry point's result"},
     {"use_reader", (PyCFunction)(void (*)(void))use_reader, METH_FASTCALL, "use_reader(address, tensor type)"},
     {"checked_ptrs", (PyCFunction)(void (*)(void))checked_ptrs, METH_FASTCALL, "checked_ptrs(check, *tensors) -> their data pointers, or None"},
-    {"write_cells", (PyCFunction)(void (*)(void))write_cells, METH_FASTCALL, "write_cells(spec, check, *tensors) -> the written pointers, or None"},
+    {"write_cells", (PyCFunction)(void (*)(void))write_cells, METH_FASTCALL, "write_cells(spec, check, known, *step) -> the written pointers, or None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -238,31 +250,6 @@ def native_fire() -> Any:
     """The C ``fire`` function (module docstring), built once; None where it cannot be."""
     module = _module()
     return None if module is None else module.fire
-
-
-@functools.cache
-def cell_writer() -> Callable[..., tuple[int, ...] | None] | None:
-    """``write(cells.address, check, *tensors)`` (a
-    :class:`~kvmgr.kernels.launch.cells.StepCells`): where ``check(*tensors)``
-    is True, the known pointers match and the alignment is as given, the other tensors'
-    ``data_ptr()``s written to their cells and the step's words to theirs, and those pointers
-    returned; else None, nothing written. ONE C call; None where :func:`checked_data_ptrs` is
-    not the C one or a probe write disagrees (callers then read and pack in Python)."""
-    module = _module()
-    if module is None or checked_data_ptrs() is not getattr(module, "checked_ptrs", None):
-        return None
-    try:
-        words = torch.empty(8, dtype=torch.int64)
-        out = (ctypes.c_uint64 * 3)()
-        cells = StepCells([words.data_ptr()], True, [ctypes.addressof(out)], [(ctypes.addressof(out) + 8, 7)], out)  # fmt: skip
-        agree = lambda *tensors: len(tensors) == 2  # noqa: E731
-        shifted = words[1:]
-        got = module.write_cells(cells.address, agree, words, shifted)
-        if got == (shifted.data_ptr(),) and list(out) == [shifted.data_ptr(), 7, 0]:
-            return module.write_cells  # type: ignore[no-any-return]
-    except Exception:  # another module or torch: the Python reads
-        pass
-    return None
 
 
 def _python_checked_ptrs(check: Callable[..., bool], *tensors: torch.Tensor) -> tuple[int, ...] | None:  # fmt: skip

@@ -225,7 +225,7 @@ class PackedLaunch(TritonLaunch):
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
 
     def step_cells(self, known: Sequence[int], aligned: bool, pointers: Sequence[int], words: Sequence[tuple[int, Any]]) -> StepCells:  # fmt: skip
-        """What :func:`~kvmgr.kernels.launch.native.cell_writer` writes for a step:
+        """What :func:`~kvmgr.kernels.launch.cells.cell_writer` writes for a step:
         the tensors after ``known`` (their pointers compared) to the cells of the varying
         arguments ``pointers``, and ``words`` (``(index, value)`` of varying arguments, e.g. a
         step's ints) packed as :meth:`set` packs them. A launch then passes the same arguments

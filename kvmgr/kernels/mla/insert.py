@@ -115,7 +115,7 @@ class GroupedInsert:
             check, scaled, _, _, read, cells, _ = guarded  # scaled: the step has scales
             try:  # the guard's verdict and the pointers in one C call (cells: written there too)
                 if cells is not None:
-                    ptrs = read(cells, check, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, kv_c, k_pe, slot_mapping)  # fmt: skip
+                    ptrs = read(cells, check, (), kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, (), kv_c, k_pe, slot_mapping)  # fmt: skip
                 else:
                     ptrs = read(check, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, kv_c, k_pe, slot_mapping)  # fmt: skip
             except TypeError:  # not tensors, or another number of them
@@ -129,9 +129,9 @@ class GroupedInsert:
                                                        validate, block_tokens, num_warps)  # fmt: skip
         if grid is None:  # T == 0
             return 0
-        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
+        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
         if block_tokens is None and num_warps is None:
-            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*values[:3], ints[0]), grid, bound, ints)  # fmt: skip
+            self._last = (kv_c, k_pe, slot_mapping, kv_scales, (values[0], values[1], values[2], ints[0]), grid, bound, ints)  # fmt: skip
         return ints[0]
 
     def fire(
@@ -143,8 +143,8 @@ class GroupedInsert:
         guard or one built from the same step (``ptrs``: the step tensors' ``data_ptr()``s, read
         with that verdict: :func:`kvmgr.kernels.launch.native.checked_data_ptrs`); return
         ``T``, or None where the bases' 16-byte alignment differs from that step's (nothing
-        launched). ``written``: ``ptrs`` came from the C writer of :meth:`step_cells` (which
-        compared the alignment and wrote them and the ints into the launch's cells). Sets
+        launched). ``written``: ``ptrs`` came from the C writer (:mod:`kvmgr.kernels.mla.steady`:
+        it compared the alignment and wrote them and the ints into the launch's cells). Sets
         :attr:`fired` to ``guarded`` on a launch."""
         if not written and ((ptrs[0] | ptrs[1]) & 15 == 0) is not guarded[3]:
             return None
@@ -152,9 +152,10 @@ class GroupedInsert:
         self.fired = guarded
         if grid is None:  # T == 0
             return 0
-        values = None if written else (*ptrs, *ints) if kv_scales is not None else (*ptrs, 0, *ints)
-        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales, *ints))
-        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (*ptrs[:3], ints[0]), grid, bound, ints)
+        # tuples joined with + (RUF005): 70 ns less than from starred parts, on every launch
+        values = None if written else ptrs + ints if kv_scales is not None else ptrs + (0,) + ints  # noqa: RUF005
+        bound.run(grid, stream, values, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
+        self._last = (kv_c, k_pe, slot_mapping, kv_scales, (ptrs[0], ptrs[1], ptrs[2], ints[0]), grid, bound, ints)  # fmt: skip
         return ints[0]
 
     def _by_signature(
@@ -186,7 +187,7 @@ class GroupedInsert:
             self._guard_for(known, signature[12], kv_c, k_pe, slot_mapping, kv_scales)
         self._prev = known
         bound, grid, ints = known
-        values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr(), *ints)  # fmt: skip
+        values = (kv_ptr, pe_ptr, slot_ptr, 0 if kv_scales is None else kv_scales.data_ptr()) + ints  # noqa: RUF005  # fmt: skip
         return bound, grid, ints, values
 
     def _guard_for(

@@ -136,7 +136,7 @@ class InsertMemo:
             return None  # the scales' presence is the record's
         try:  # the guard's verdict and every pointer in one C call (with cells: also written)
             if cells is not None:
-                ptrs = read(cells, check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
+                ptrs = read(cells, check, caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, caches, kv_c, k_pe, slot_mapping)  # fmt: skip
             else:
                 ptrs = read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
         except TypeError:  # not tensors, or another number of them

@@ -8,12 +8,12 @@ Offers (to :mod:`kvmgr.kernels.mla.insert` and ``memo``):
 
 ``read`` is :func:`kvmgr.kernels.launch.native.checked_data_ptrs` (``read(check, *tensors)``:
 the verdict and every pointer in one C call) or, where the launch is packed and the C module
-builds, its ``cell_writer`` (``read(address, check, *tensors)``: the verdict, the ``known``
-tensors' pointers compared with theirs, the two bases' 16-byte alignment with the guarded step's,
-and the step's pointers and ints written into the launch's cells, in ONE C call; the pointers
-returned, None where anything refuses and nothing is written). Tensors passed: the ``known`` ones
-(a cache set's, for the public function's steady record) then ``kv_c``, ``k_pe``,
-``slot_mapping`` and, for a step with scales, ``kv_scales``.
+builds, :func:`kvmgr.kernels.launch.cells.cell_writer` (``read(address, check, known, *step)``: the verdict over
+``(*known, *step)``, the ``known`` tensors' pointers compared with theirs, the two bases'
+16-byte alignment with the guarded step's, and the step's pointers and ints written into the
+launch's cells, in ONE C call; the pointers returned, None where anything refuses and nothing is
+written). ``known``: a cache set's tensors (the public function's steady record) or ``()``; the
+step: ``kv_c``, ``k_pe``, ``slot_mapping`` and, for a step with scales, ``kv_scales``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from kvmgr._tensor_guard import tensor_guard
-from kvmgr.kernels.launch.native import cell_writer, checked_data_ptrs
+from kvmgr.kernels.launch.cells import cell_writer
+from kvmgr.kernels.launch.native import checked_data_ptrs
 
 __all__ = ["guard_step"]
 
