@@ -23,7 +23,8 @@ step tests 50 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla
   tests/kernels/test_c128.py tests/kernels/test_launch.py \
   -k "gpu or steady or meta or persistent or cell_writer or checked or guarded or turned_off"
 BENCH="-m kvmgr.cli bench mla-insert --tokens 1,16,128 --kv-cache-dtypes fp8_e4m3 --modes eager --reps 15"
-step bench_old 20 env PYTHONPATH="$SITE_PATH$OLD" python3 $BENCH --json "$D/bench_old.json"
+# from the old tree's root: `python3 -m` puts the working directory first on sys.path
+step bench_old 20 bash -c "cd '$OLD' && PYTHONPATH='$SITE_PATH$OLD' python3 $BENCH --json '$D/bench_old.json'"
 step bench_new 20 python3 $BENCH --json "$D/bench_new.json"
 step pair 30 python3 scripts/gpu/mlahost3_pair.py "$OLD" --tokens 1,16,128 --rounds 24 --json "$D/pair.json"
 grep -E "^=== |passed|failed|error" "$LOG" | tail -n 16
