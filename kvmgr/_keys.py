@@ -5,8 +5,8 @@ Offers:
 
 A key is a block hash: exactly ``bytes`` (not a subclass, not ``str``), never empty (an empty
 key cannot be told from a missing one once a tier namespace prefixes it). Calls of up to
-``SMALL`` keys take a plain loop; larger ones test the key types as a set, which costs one C
-pass instead of a Python call per key.
+``SMALL`` keys take a plain loop; larger ones count the keys of type ``bytes`` in a list of
+their types, C passes instead of a Python call per key.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def check_keys(keys: object, *, distinct: bool = False) -> list[bytes]:
     else:
         out = list(keys)
     if len(out) > SMALL:
-        is_bytes = set(map(type, out)) == {bytes}
+        is_bytes = list(map(type, out)).count(bytes) == len(out)  # (faster than a set)
     else:
         is_bytes = all(type(key) is bytes for key in out)
     if not is_bytes or not all(out):  # all bytes by then: an empty one is the false one

@@ -2,7 +2,7 @@
 
     python3 scripts/step_pieces.py [--fake] [--repeats 200] [--swaps 512] [--json out.json]
 
-Helper ``stepcuda2``. The step of ``kvmgr bench swap``'s step table (512 queued one-block
+Helpers ``stepcuda2``, ``stepcuda3``. The step of ``kvmgr bench swap``'s step table (512 queued one-block
 stores of 48 x 4 KiB pages; the ``cuda`` engine on consecutive GPU ids, the ``kernel`` engine on
 scattered ones), with the functions under the flush wrapped by a timer (``perf_counter_ns``):
 per piece, calls and min / p10 / median us over ``--repeats`` steps, nested pieces included in
@@ -10,7 +10,9 @@ their callers. On a CUDA machine the real engines and driver run (the tensors on
 with ``--fake`` (or without a GPU) the fake CUDA of ``scripts/_fake_cuda.py`` and the stub
 driver of ``scripts/step_cost_ab.py`` (kvmgr's Python share alone). Each wrapper adds its own
 cost to its callers (printed as ``timer``: an empty wrapped call); the step's own figure is
-``StepReport.host_s`` as the step reports it, with the timers in.
+``StepReport.host_s`` as the step reports it, with the timers in. Where the engine's streams
+keep their event calls (``CopyStreams._record`` / ``_wait``), each record and wait is timed too
+(with torch's events: the fence, start and end records and the fence's wait of every submit).
 
 Not a comparison: run ``scripts/step_cost_ab.py`` (one process, two trees) for ratios.
 """
@@ -51,6 +53,8 @@ PIECES = [
     ("kvmgr.transfer.driver", "CopyDriver", "batch_at"),
     ("kvmgr.transfer.kernel", "KernelCopy", "issue"),
     ("kvmgr.transfer.streams", "CopyStreams", "_queue"),
+    ("kvmgr.transfer.streams", "", "on_device"),
+    ("kvmgr.transfer.cuda_current", "CurrentStream", "current"),
 ]
 
 
@@ -97,8 +101,18 @@ def make_manager(engine: str, swaps: int, fake: bool) -> Any:
     return kvmgr.OffloadManager(tensors, config)
 
 
+def wrap_event_calls(mgr: Any) -> None:
+    """Time the engine's event record and wait calls where its streams keep them
+    (``CopyStreams._record`` / ``_wait``: helper stepcuda3's tree on)."""
+    streams = getattr(mgr.engine, "_streams", None)
+    for name in ("_record", "_wait"):
+        if streams is not None and hasattr(streams, name):
+            setattr(streams, name, _timed(f"CopyStreams.{name} (event)", getattr(streams, name)))
+
+
 async def run_case(engine: str, swaps: int, repeats: int, fake: bool) -> dict[str, Any]:
     mgr = make_manager(engine, swaps, fake)
+    wrap_event_calls(mgr)
     rng = np.random.default_rng(0)
     ids = (2 * rng.permutation(swaps) if engine == "kernel" else np.arange(swaps)).tolist()
     host: list[float] = []

@@ -124,23 +124,32 @@ class BlockAllocator:
             raise InvalidBlockError(f"{self.name}: expected an int n >= 0, got {n!r}")
         if n > self.num_free:
             return None
-        self.num_free -= n
-        num_fresh = min(n, self._num_ready - self._next_fresh)
-        start = self._next_fresh
-        self._next_fresh += num_fresh
-        rest = n - num_fresh
-        if rest == 0:
-            ids = np.arange(start, start + num_fresh, dtype=np.int64)
-        else:
-            top = self._top
-            self._top = top - rest
-            reused = self._stack_np[top - rest : top][::-1]  # a view: copied below
-            if num_fresh:
-                ids = np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
-            else:
-                ids = reused.copy()
-        self._state[ids] = ALLOCATED
+        ids = self.peek(n)
+        self.commit(ids)
         return ids
+
+    def peek(self, n: int) -> np.ndarray:
+        """The int64 ids ``take(n)`` would return now; nothing changes (``n`` an int in
+        ``[0, num_free]``, not checked)."""
+        start = self._next_fresh
+        num_fresh = min(n, self._num_ready - start)
+        if num_fresh == n:
+            return np.arange(start, start + n, dtype=np.int64)
+        top = self._top
+        reused = self._stack_np[top - (n - num_fresh) : top][::-1]  # a view: copied
+        if num_fresh:
+            return np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
+        return np.array(reused)  # a copy
+
+    def commit(self, ids: np.ndarray) -> None:
+        """Allocate the ids ``peek(len(ids))`` returned, nothing taken or given since (the
+        caller checks, then commits: a check that fails leaves the pool untouched)."""
+        n = len(ids)
+        num_fresh = min(n, self._num_ready - self._next_fresh)
+        self.num_free -= n
+        self._next_fresh += num_fresh
+        self._top -= n - num_fresh
+        self._state[ids] = ALLOCATED
 
     def take_one(self) -> int | None:
         """Allocate one id, or return ``None``."""

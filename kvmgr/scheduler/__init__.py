@@ -10,11 +10,12 @@ Offers:
     Bookkeeper, Landed   the states of every block, key and request (bookkeeping.py)
     CpuState, GpuState   the named states of CPU and GPU blocks
 
-Modules: ``bookkeeping``, ``store`` (keyed stores, step by step), ``keys`` (validation),
-``cpu_tier`` (CPU blocks, key index, eviction), ``gpu_blocks`` (busy counts, the owned pool),
-``requests`` (block tables, preempt/resume), ``queue`` (generations, lanes, batches in flight),
-``events`` (the KV event stream), ``counters``, ``jobs``. ``tests/scheduler/test_scheduler_split.py``
-imports this package with torch blocked.
+Modules: ``bookkeeping``, ``store`` (keyed stores, step by step; ``key_index``: the one-pass
+store of keys all new), ``keys`` (validation), ``cpu_tier`` (CPU blocks, key index, eviction),
+``gpu_blocks`` (busy counts, the owned pool), ``requests`` (block tables, preempt/resume),
+``queue`` (generations, lanes, batches in flight), ``events`` (the KV event stream),
+``counters``, ``jobs``. ``tests/scheduler/test_scheduler_split.py`` imports this package with
+torch blocked.
 """
 
 from __future__ import annotations

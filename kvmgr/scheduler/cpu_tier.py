@@ -119,10 +119,6 @@ class CpuTier:
             hits += 1
         return hits
 
-    def present(self, keys: Sequence[bytes]) -> np.ndarray:
-        """bool ``[len(keys)]``: which keys are indexed (PENDING or READY)."""
-        return np.fromiter(map(self.index.__contains__, keys), dtype=bool, count=len(keys))
-
     def make_room(self, n: int, protected: Collection[bytes]) -> np.ndarray:
         """Allocate ``n`` CPU blocks (state unchanged: the caller sets it), evicting READY
         blocks without readers if needed; all or nothing.
@@ -195,12 +191,14 @@ class CpuTier:
         self._on_removed(keys)
 
     def add_pending(self, keys: list[bytes], ids: list[int] | np.ndarray,
-                    parents: Sequence[bytes | None], *, vouched: bool = False) -> None:  # fmt: skip
+                    parents: Sequence[bytes | None], *, vouched: bool = False,
+                    indexed: list[int] | None = None) -> None:  # fmt: skip
         """Index and track new distinct keys, PENDING on their new blocks (all or nothing).
         ``vouched``: the caller saw the keys absent since the index last gained one (as
-        ``Stores.prepare`` does), so they are not checked again (BlockStateError otherwise)."""
+        ``Stores.prepare`` does), so they are not checked again (BlockStateError otherwise);
+        ``indexed``: ``ids`` (an array) as a list, on which ``key_index.add_new`` put them."""
         index = self.index
-        if not vouched and not index.keys().isdisjoint(keys):  # two stores of one key: a bug
+        if not vouched and indexed is None and not index.keys().isdisjoint(keys):  # a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
         if self._lru is None:
@@ -211,9 +209,10 @@ class CpuTier:
                 index[key] = block
                 state[block] = _PENDING
         else:
-            blocks = ids.tolist()
-            index.update(zip(keys, blocks))
-            self.state_np[ids] = CpuState.PENDING
+            blocks = ids.tolist() if indexed is None else indexed
+            if blocks is not indexed:
+                index.update(zip(keys, blocks))
+            self.state_np[ids] = _PENDING  # (a plain int: no enum conversion)
         self.num_pending += len(keys)
         self.chains.add(keys, blocks, parents, at := None if blocks is ids else ids)  # type: ignore[arg-type]
         if self._lru is not None:  # by block: tracked once indexed
@@ -234,7 +233,7 @@ class CpuTier:
         stores only), so the states are written without being read first."""
         if all_pending:
             self.num_pending -= len(ids)
-            self.state_np[ids] = CpuState.READY
+            self.state_np[ids] = _READY
             return
         states = self.state_np[ids]
         pending = states == _PENDING

@@ -233,7 +233,7 @@ def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
     # within a call the first key most recent (one insert takes its first key most recent)
     if ends is None:  # one block per call: every key a root
         parents: list[bytes | None] = [None] * n
-        cpu.add_pending(keys[::-1], cpu_ids[::-1], parents)
+        cpu.add_pending(keys[::-1], cpu_ids[::-1], parents, vouched=True)  # absent above
     else:
         parents = keys[:]
         order: list[Any] = []
@@ -244,7 +244,8 @@ def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
             order.append(range(start, end))
             start = end
         order = [i for call in reversed(order) for i in call]
-        cpu.add_pending([keys[i] for i in order], cpu_ids[order], [parents[i] for i in order])
+        cpu.add_pending([keys[i] for i in order], cpu_ids[order], [parents[i] for i in order],
+                        vouched=True)  # fmt: skip
     gpu_ids = gpu_ids.copy()
     if gpu.distinct(gpu_ids):
         gpu.busy_np[gpu_ids] += 1

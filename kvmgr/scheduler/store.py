@@ -11,6 +11,7 @@ busy count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from kvmgr.reports import StoreResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuTier
 from kvmgr.scheduler.gpu_blocks import GpuBlocks
+from kvmgr.scheduler.key_index import add_new
 from kvmgr.scheduler.keys import SMALL, check_keys, check_parents
 from kvmgr.scheduler.queue import Kind, Part
 
@@ -93,29 +95,20 @@ class Stores:
         all_parents = check_parents(keys, parents)
         tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         per_key = hints_per_key(hints, n)
-        fresh = self._fresh(keys, batched)
-        num_present = n - len(fresh)
-        # a parent chain reaching the key itself: InvalidKeyError, nothing changed. The default
-        # chain of keys all new cannot close one: every walk goes to earlier keys of the call
-        # and ends at keys[0], a root
-        if num_present == 0:
-            if parents is not None and n:
-                self.cpu.chains.check(keys, all_parents)
-        elif fresh:
-            self.cpu.chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
-        fresh, waiting = self._admit(keys, fresh, all_parents, per_key)
-        everything = len(fresh) == n
-        new_keys = keys if everything else [keys[i] for i in fresh]
-        m = len(new_keys)
-        small = isinstance(gpu, list)
-        cpu = self.cpu
-        # the last check: raises PoolExhaustedError with nothing changed. Only keys of the
-        # call already in the tier need protecting from eviction (the others are not tracked)
-        protected = keys if num_present else ()
-        cpu_ids: Any = cpu.make_room_small(m, protected) if small else cpu.make_room(m, protected)
-        new_parents = all_parents if everything else [all_parents[i] for i in fresh]
-        if m:  # the new keys were absent at ``_fresh``; the admission and the room-making
-            cpu.add_pending(new_keys, cpu_ids, new_parents, vouched=True)  # added none
+        cpu, gpu_array = self.cpu, not isinstance(gpu, list)
+        cpu_ids: Any = None
+        plain = parents is None and self.plain_admission and n > SMALL and gpu_array
+        if plain and keys[0] not in cpu.index:  # (a prefix already stored: the general path)
+            cpu_ids = add_new(cpu, keys, all_parents)  # keys all new: one pass over the index
+        fresh: Sequence[int]
+        if cpu_ids is None:
+            fresh, waiting, num_present, cpu_ids, new_keys, new_parents = self._reserve(
+                keys, parents, all_parents, per_key, gpu_array, batched
+            )
+        else:  # what ``_reserve`` gives when every key is new
+            fresh, waiting, num_present, new_keys, new_parents = range(n), [], 0, keys, all_parents
+        m = len(fresh)
+        everything = m == n
         if tokens is not None:
             tokens = None if m == 0 else tokens if everything else tokens[fresh]
         if self._threshold > 1:
@@ -127,7 +120,7 @@ class Stores:
         if everything:
             src: Any = gpu
         else:
-            src = [gpu[i] for i in fresh] if small else gpu[np.array(fresh, dtype=np.int64)]
+            src = gpu[np.array(fresh, dtype=np.int64)] if gpu_array else [gpu[i] for i in fresh]
         self.gpu.acquire(src)
         counters = self.counters
         counters.stores_queued += m
@@ -142,6 +135,47 @@ class Stores:
 
     # ------------------------------------------------------------------ steps
 
+    def _reserve(
+        self,
+        keys: list[bytes],
+        parents: object,
+        all_parents: list[bytes | None],
+        per_key: list[Any] | None,
+        gpu_array: bool,
+        batched: bool,
+    ) -> tuple[list[int], list[bytes], int, Any, list[bytes], list[bytes | None]]:
+        """The new keys PENDING on their blocks (the general path: ``_fresh``, ``_admit``, the
+        room): (fresh indices admitted, keys turned away, keys present, their CPU blocks, the
+        new keys, their parents).
+
+        Raises:
+            InvalidKeyError: a parent chain reaching the key itself; nothing changed.
+            PoolExhaustedError: no room even after eviction; nothing changed.
+        """
+        n, cpu = len(keys), self.cpu
+        fresh = self._fresh(keys, batched)
+        num_present = n - len(fresh)
+        # a parent chain reaching the key itself: InvalidKeyError, nothing changed. The default
+        # chain of keys all new cannot close one: every walk goes to earlier keys of the call
+        # and ends at keys[0], a root
+        if num_present == 0:
+            if parents is not None and n:
+                cpu.chains.check(keys, all_parents)
+        elif fresh:
+            cpu.chains.check([keys[i] for i in fresh], [all_parents[i] for i in fresh])
+        fresh, waiting = self._admit(keys, fresh, all_parents, per_key)
+        everything = len(fresh) == n
+        new_keys = keys if everything else [keys[i] for i in fresh]
+        m = len(new_keys)
+        # the last check: raises PoolExhaustedError with nothing changed. Only keys of the
+        # call already in the tier need protecting from eviction (the others are not tracked)
+        protected = keys if num_present else ()
+        cpu_ids = cpu.make_room(m, protected) if gpu_array else cpu.make_room_small(m, protected)
+        new_parents = all_parents if everything else [all_parents[i] for i in fresh]
+        if m:  # the new keys were absent at ``_fresh``; the admission and the room-making
+            cpu.add_pending(new_keys, cpu_ids, new_parents, vouched=True)  # added none
+        return fresh, waiting, num_present, cpu_ids, new_keys, new_parents
+
     def _fresh(self, keys: list[bytes], batched: bool) -> list[int]:
         """Indices of the keys not in the CPU tier (any state); a batched call's repeated keys
         count once (the first occurrence)."""
@@ -151,7 +185,7 @@ class Stores:
         elif index.keys().isdisjoint(keys):
             fresh = list(range(n))
         else:
-            fresh = np.flatnonzero(~self.cpu.present(keys)).tolist()
+            fresh = np.flatnonzero(~_present(index, keys)).tolist()
         if batched and n > 1 and len(set(keys)) != n:
             first: dict[bytes, int] = {}
             for i in fresh:
@@ -200,7 +234,7 @@ class Stores:
     def _result(
         self,
         keys: list[bytes],
-        fresh: list[int],
+        fresh: Sequence[int],
         cpu_ids: Any,
         src: Any,
         *,
@@ -223,7 +257,12 @@ class Stores:
             cpu_block_ids[fresh] = cpu_ids
         present = ~stored
         if waiting:
-            present &= self.cpu.present(keys)
+            present &= _present(self.cpu.index, keys)
         return StoreResult(
             stored=stored, present=present, cpu_block_ids=cpu_block_ids, num_bytes=m * block_bytes
         )
+
+
+def _present(index: dict[bytes, int], keys: Sequence[bytes]) -> np.ndarray:
+    """bool ``[len(keys)]``: which keys are indexed (PENDING or READY)."""
+    return np.fromiter(map(index.__contains__, keys), dtype=bool, count=len(keys))

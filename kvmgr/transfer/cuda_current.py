@@ -5,6 +5,10 @@ Offers:
     CurrentStream   the device's current stream as a ``torch.cuda.Stream``, rebuilt only when
                     the raw current-stream handle changes
     on_device       ``torch.cuda.device(device)`` unless it is already current
+    event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
+                    C (``DriverEvents``) or torch's C methods where they are torch's own
+                    classes, else the objects' own methods
+    DriverEvents    ``record`` / ``wait`` through ``cuEventRecord`` / ``cuStreamWaitEvent``
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CurrentStream", "on_device"]
+from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
+from kvmgr.transfer.driver_call import native_call
+
+__all__ = ["CurrentStream", "DriverEvents", "event_calls", "on_device"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
@@ -47,3 +54,82 @@ def on_device(device: torch.device) -> Any:
     if device.index is not None and torch.cuda.current_device() == device.index:
         return _CURRENT
     return torch.cuda.device(device)
+
+
+def _record_by_method(event: Any, stream: Any) -> None:
+    event.record(stream)
+
+
+def _wait_by_method(event: Any, stream: Any) -> None:
+    stream.wait_event(event)
+
+
+class DriverEvents:
+    """``record(event, stream)`` / ``wait(event, stream)`` for torch's own CUDA events and
+    streams through the driver's ``cuEventRecord`` / ``cuStreamWaitEvent`` called from C
+    (:mod:`kvmgr.transfer.driver_call`; a ``cudaEvent_t`` / ``cudaStream_t`` is the driver's
+    ``CUevent`` / ``CUstream``): past torch's ``CUDAGuard`` and the runtime's layer, one C call
+    each. The caller is on the event's device (``on_device``), as torch's record requires too.
+    An event torch has not created yet (handle 0: it makes the CUDA event at its first record)
+    is recorded, or waited on (a no-op then), by torch's own methods; so is a call the driver
+    refused with ``CUDA_ERROR_INVALID_CONTEXT`` (a thread on which no CUDA runtime call made the
+    device's context current yet: the refused call enqueued nothing, torch's makes it current).
+
+    Args:
+        call: ``driver_call.native_call()``.
+        record_at, wait_at: the addresses of ``cuEventRecord`` and ``cuStreamWaitEvent``.
+        record, wait: torch's ``_CudaEventBase.record`` / ``.wait`` (``(event, stream)``).
+
+    Raises (``record``, ``wait``):
+        RuntimeError: the driver refused the call (as torch's methods raise).
+    """
+
+    def __init__(self, call: Any, record_at: int, wait_at: int, record: Any, wait: Any) -> None:
+        self._call, self._record_at, self._wait_at = call, record_at, wait_at
+        self._torch_record, self._torch_wait = record, wait
+
+    def record(self, event: Any, stream: Any) -> None:
+        handle = event.cuda_event
+        code = self._call(self._record_at, handle, stream.cuda_stream) if handle else _NO_CONTEXT
+        if code == _NO_CONTEXT:
+            self._torch_record(event, stream)
+        elif code:
+            raise RuntimeError(f"cuEventRecord failed: {_error_name(code)}")
+
+    def wait(self, event: Any, stream: Any) -> None:
+        handle = event.cuda_event
+        code = self._call(self._wait_at, stream.cuda_stream, handle, 0) if handle else _NO_CONTEXT
+        if code == _NO_CONTEXT:
+            self._torch_wait(event, stream)
+        elif code:
+            raise RuntimeError(f"cuStreamWaitEvent failed: {_error_name(code)}")
+
+
+def event_calls(real_events: bool) -> tuple[Any, Any]:
+    """``(record, wait)``, each called ``(event, stream)`` with a stream given, for
+    ``real_events`` where ``torch.cuda.Event`` and ``torch.cuda.Stream`` are torch's own
+    classes: ``DriverEvents``' where the C call module builds and the driver grants both entry
+    points, else torch's C methods (``torch._C._CudaEventBase.record`` / ``.wait``: their Python
+    ``Event.record``, ``Stream.wait_event`` and ``Event.wait`` only pass the stream on). Anything
+    else (a subclass of torch's event, a test's stand-ins) gets the objects' own methods."""
+    cuda, base = torch.cuda, getattr(torch._C, "_CudaEventBase", None)
+    streams = getattr(cuda, "streams", None)
+    record, wait = getattr(base, "record", None), getattr(base, "wait", None)  # CPU torch: none
+    if not (
+        real_events and record is not None and wait is not None and streams is not None
+        and cuda.Event is streams.Event and cuda.Stream is streams.Stream
+    ):  # fmt: skip
+        return _record_by_method, _wait_by_method
+    call = native_call()
+    try:
+        entries = [cuda_python_resolver(name, version) for name, version in _EVENT_ENTRIES]
+    except Exception:  # no cuda-python, no driver: torch's methods
+        entries = []
+    if call is None or len(entries) != 2 or not all(entries):
+        return record, wait
+    driver = DriverEvents(call, int(entries[0]), int(entries[1]), record, wait)  # type: ignore[arg-type]
+    return driver.record, driver.wait
+
+
+_EVENT_ENTRIES = (("cuEventRecord", 2000), ("cuStreamWaitEvent", 3020))  # PFN_..._v2000, v3020
+_NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread

@@ -33,12 +33,21 @@ _MIN_DESCRIPTORS = 256  # smallest buffer: 6 KiB
 
 
 class _Buffer:
-    __slots__ = ("address", "capacity", "rows")
+    __slots__ = ("_count", "_table", "address", "capacity", "rows")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.rows = np.empty(3 * capacity, dtype=np.int64)
         self.address = int(self.rows.ctypes.data)
+        self._count, self._table = 0, self.rows[:0].reshape(3, 0)
+
+    def table(self, n: int) -> np.ndarray:
+        """The buffer's first ``3 * n`` entries as a C-contiguous int64 ``[3, n]`` view, kept
+        for the last ``n`` asked for (a steady loop's steps reuse it: two numpy calls fewer a
+        step). Used by one batch at a time (taken, then given back after its end event)."""
+        if n != self._count:
+            self._count, self._table = n, self.rows[: 3 * n].reshape(3, n)
+        return self._table
 
 
 class DescriptorBuffers(SizePool[_Buffer]):
@@ -84,7 +93,7 @@ class DmaCopy:
         pairs = plan.matching_blocks()
         if pairs is not None:  # computed into a pooled buffer: no allocation, address known
             buffer = self.buffers.take(n)
-            table = pairs.descriptor_table(buffer.rows[: 3 * n].reshape(3, n))
+            table = pairs.descriptor_table(buffer.table(n))
             address, keep = buffer.address, ()
             release = lambda: self.buffers.give(buffer)  # noqa: E731  (after the end event)
         else:
@@ -92,7 +101,8 @@ class DmaCopy:
             address, keep, release = None, (table,), None
         order = self._orders[plan.direction]
         num_chunks, error = self._copy(path, table, address, handle, order)
-        return Issued(path, num_chunks, self._fallbacks(path, num_chunks), keep, release, error)
+        fallbacks = num_chunks if path != self.path else 0
+        return Issued(path, num_chunks, fallbacks, keep, release, error)
 
     def _copy(
         self, path: str, table: np.ndarray, address: int | None, handle: int, order: int
@@ -124,6 +134,3 @@ class DmaCopy:
             index = None if exc.fail_index is None else num_chunks * cap + exc.fail_index
             return num_chunks, TransferError(str(exc), fail_index=index)
         return num_chunks, None
-
-    def _fallbacks(self, path: str, num_chunks: int) -> int:
-        return num_chunks if path != self.path else 0

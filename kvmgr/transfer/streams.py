@@ -20,8 +20,10 @@ events from a per-direction pool instead of creating two (a new event with its f
 3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
 on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
 changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.6 us on the H200
-host, BENCHMARKS.md round 4 session 7). Raw ``cuEventRecord`` / ``cuStreamWaitEvent`` through
-ctypes were tried and measured slower there (5.7-8.1 us per call; BENCHMARKS.md, round 3). A
+host, BENCHMARKS.md round 4 session 7); the fence, start and end records and the fence's wait
+go to the driver's ``cuEventRecord`` / ``cuStreamWaitEvent`` from C where that builds, else to
+torch's C methods past their Python wrappers (``cuda_current.event_calls``; the same calls
+through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A
 pair goes back to the pool after its batch's future resolved (never after a device error), so a
 handle's ``end_event`` may later mark a newer batch of the same direction: waits are only issued
 for handles whose future has not resolved, and a wait on a re-recorded event waits for a later
@@ -42,7 +44,7 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.cuda_current import CurrentStream, on_device
+from kvmgr.transfer.cuda_current import CurrentStream, event_calls, on_device
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -102,6 +104,7 @@ class CopyStreams:
         self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
         # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
         self._pooled = _real_cuda_events()
+        self._record, self._wait = event_calls(self._pooled)  # on its own streams, events
         self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
         self.counters = CopyCounters()
         self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
@@ -145,23 +148,24 @@ class CopyStreams:
         pooled = self._pooled
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
+        record, wait = self._record, self._wait
         with on_device(self._device):
             fence = self._fences[direction]
             if self._compute_stream is not None:
                 fence.record(self._compute_stream)
             elif pooled:  # torch's events: the current stream's object, built once per stream
-                fence.record(self._current.current())
+                record(fence, self._current.current())
             else:
                 fence.record(torch.cuda.current_stream(self._device))
-            stream.wait_event(fence)
+            wait(fence, stream)
             for other in wait_for:
                 if other.end_event is not None and not (pooled and other.future.done()):
                     stream.wait_event(other.end_event)
-            events[0].record(stream)
+            record(events[0], stream)
             issued_at = time.perf_counter()
             issued = issuer.issue(plan, stream)
             issue_s = time.perf_counter() - issued_at
-            events[1].record(stream)
+            record(events[1], stream)
         return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
 
     @staticmethod

@@ -27,3 +27,15 @@ step_table_ab() {
   [ -n "$old" ] && rm -rf "$old"
   return 0
 }
+# branch_base NAME POINT: main just before branch NAME was first merged into it (the first parent
+# of "Merge branch 'NAME'"), else the branch point POINT, else `git merge-base HEAD main`; a
+# revision the checkout lacks is kept where build/bases/REV/kvmgr was carried (base_tree).
+branch_base() {
+  local first base
+  first=$(git log --merges --reverse --format=%H --grep="^Merge branch '$1'" 2>/dev/null | head -1)
+  base=${first:+$first^1}
+  [ -z "$base" ] && base=$2
+  git rev-parse --verify -q "$base^{commit}" >/dev/null 2>&1 || [ -d "build/bases/$base/kvmgr" ] \
+    || base=$(git merge-base HEAD main 2>/dev/null)
+  echo "$base"
+}

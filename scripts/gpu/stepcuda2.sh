@@ -28,11 +28,7 @@ source "${BASH_SOURCE%/*}/_common.sh" stepcuda2
 source "${BASH_SOURCE%/*}/_step_table.sh"
 D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
-# main just before this branch was first merged into it (else the branch point, else the merge base)
-FIRST=$(git log --merges --reverse --format=%H --grep="^Merge branch 'stepcuda2'" 2>/dev/null | head -1)
-BASE=${FIRST:+$FIRST^1}
-[ -z "$BASE" ] && BASE=3c5e150
-git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1 || BASE=$(git merge-base HEAD main 2>/dev/null)
+BASE=$(branch_base stepcuda2 3c5e150)  # main just before its first merge, else 3c5e150
 
 step env 10 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
 

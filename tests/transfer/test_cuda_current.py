@@ -1,12 +1,18 @@
-"""CurrentStream: the current stream's object is rebuilt only when the raw handle changes."""
+"""CurrentStream: the current stream's object is rebuilt only when the raw handle changes;
+event_calls: the driver's record and wait from C (DriverEvents) or torch's C methods only for
+torch's own event and stream classes; events torch has not made, and threads with no current
+context, go through torch."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from kvmgr.transfer import cuda_current
-from kvmgr.transfer.cuda_current import CurrentStream
+from kvmgr.transfer.cuda_current import CurrentStream, DriverEvents, event_calls
+from kvmgr.transfer.driver_call import native_call
 
 
 def test_the_stream_object_is_rebuilt_only_when_the_raw_handle_changes(
@@ -52,3 +58,138 @@ def test_gpu_the_object_follows_the_current_stream() -> None:
     with torch.cuda.stream(side):
         assert current.current() == side
     assert current.current() == torch.cuda.current_stream()
+
+
+def test_event_calls_are_torchs_c_methods_only_for_torchs_own_classes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = torch._C._CudaEventBase
+    by_method = event_calls(False)  # a test's stand-in events: each object's own methods
+    if hasattr(base, "record"):  # a CUDA build of torch (a CPU build has a placeholder class)
+        record, wait = event_calls(True)
+        if native_call() is not None:  # the driver's entry points from C
+            assert isinstance(record.__self__, DriverEvents) and wait.__self__ is record.__self__
+        else:
+            assert (record, wait) == (base.record, base.wait)
+        monkeypatch.setattr(cuda_current, "native_call", lambda: None)
+        assert event_calls(True) == (base.record, base.wait) != by_method
+        monkeypatch.undo()
+    else:
+        assert event_calls(True) == by_method
+    log: list[tuple[str, object, object]] = []
+
+    class Event:
+        def record(self, stream: object = None) -> None:
+            log.append(("record", self, stream))
+
+    class Stream:
+        def wait_event(self, event: object) -> None:
+            log.append(("wait", self, event))
+
+    record, wait = by_method
+    event, stream = Event(), Stream()
+    record(event, stream)
+    wait(event, stream)
+    assert log == [("record", event, stream), ("wait", stream, event)]
+
+    class LoggingEvent(torch.cuda.Event):  # a subclass of torch's event: its record must run
+        pass
+
+    monkeypatch.setattr(torch.cuda, "Event", LoggingEvent)
+    assert event_calls(True) == by_method
+    monkeypatch.setattr(torch.cuda, "Event", torch.cuda.streams.Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)  # another stream class: its wait_event
+    assert event_calls(True) == by_method
+
+
+class _Event:
+    def __init__(self, handle: int) -> None:
+        self.cuda_event = handle
+
+
+class _Stream:
+    cuda_stream = 0x5EED
+
+
+def test_driver_events_call_the_entry_points_and_leave_the_rest_to_torch() -> None:
+    calls: list[tuple[int, ...]] = []
+    codes = [0, 0, 400, 1]  # CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE
+    torch_calls: list[tuple[str, object, object]] = []
+    driver = DriverEvents(
+        lambda *args: calls.append(args) or codes.pop(0), 0x100, 0x200,
+        lambda event, stream: torch_calls.append(("record", event, stream)),
+        lambda event, stream: torch_calls.append(("wait", event, stream)),
+    )  # fmt: skip
+    event, fresh, stream = _Event(0xE1), _Event(0), _Stream()
+    driver.record(event, stream)
+    driver.wait(event, stream)
+    assert calls == [(0x100, 0xE1, 0x5EED), (0x200, 0x5EED, 0xE1, 0)]  # (event, stream); flags 0
+    driver.record(fresh, stream)  # torch makes the CUDA event at its first record
+    driver.wait(fresh, stream)
+    assert torch_calls == [("record", fresh, stream), ("wait", fresh, stream)] and len(calls) == 2
+    with pytest.raises(RuntimeError, match="cuEventRecord failed"):
+        driver.record(event, stream)
+    with pytest.raises(RuntimeError, match="cuStreamWaitEvent failed"):
+        driver.wait(event, stream)
+    assert len(calls) == 4 and len(torch_calls) == 2
+    codes.extend([201, 201])  # no context current on this thread: torch's call makes it so
+    driver.record(event, stream)
+    driver.wait(event, stream)
+    assert torch_calls[2:] == [("record", event, stream), ("wait", event, stream)]
+    assert calls[4:] == [(0x100, 0xE1, 0x5EED), (0x200, 0x5EED, 0xE1, 0)]
+
+
+def _made_by_torch(side: torch.cuda.Stream, *timing: bool) -> list[torch.cuda.Event]:
+    """Events torch made (its first record creates the CUDA event; later ones go to the
+    driver through ``DriverEvents`` where the C call builds)."""
+    events = [torch.cuda.Event(enable_timing=t) for t in timing]
+    for event in events:
+        event.record(side)
+    side.synchronize()
+    assert all(event.cuda_event for event in events)
+    return events
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_event_calls_order_a_side_stream_after_the_current_one() -> None:
+    record, wait = event_calls(True)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    fence, start, done = _made_by_torch(side, False, True, True)
+    src = torch.full((1 << 22,), 7, dtype=torch.int32, device="cuda")
+    dst = torch.zeros_like(src)
+    torch.cuda._sleep(50_000_000)  # the current stream busy, then the value changes
+    src.add_(1)
+    record(fence, torch.cuda.current_stream())
+    wait(fence, side)
+    record(start, side)
+    with torch.cuda.stream(side):
+        dst.copy_(src)
+    record(done, side)
+    done.synchronize()
+    assert fence.query() and int(dst[0]) == 8 and bool((dst == 8).all())
+    assert start.elapsed_time(done) >= 0.0  # torch still reads the events it made
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_event_calls_from_a_thread_that_made_no_cuda_call_yet() -> None:
+    record, wait = event_calls(True)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    (event,) = _made_by_torch(side, False)
+    errors: list[BaseException] = []
+
+    def fresh() -> None:  # no context current here until a runtime call makes it so
+        try:
+            record(event, side)
+            wait(event, side)
+            record(event, side)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=fresh)
+    thread.start()
+    thread.join(30)
+    assert not errors
+    side.synchronize()
+    assert event.query()

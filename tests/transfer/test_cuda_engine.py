@@ -20,8 +20,10 @@ from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeou
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import driver as copy_driver
 from kvmgr.transfer import pinned
+from kvmgr.transfer.cuda_current import DriverEvents
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
 from kvmgr.transfer.driver import CopyDriver, MemcpyAttributes
+from kvmgr.transfer.driver_call import native_call
 from kvmgr.transfer.pinned import HostRegistrar, PinnedHostBuffer, mapped_device_pointer
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
@@ -670,21 +672,26 @@ def test_gpu_store_right_after_a_kernel_sees_the_final_bytes() -> None:
         ids = np.array([2, 9, 10, 31])
         ids_gpu = torch.from_numpy(ids).cuda()
         torch.cuda.synchronize()
-        # keep the compute stream busy (~50 ms), then the kernel writing the blocks; no host sync
-        torch.cuda._sleep(100_000_000)
-        for t in gpu:
-            t.index_fill_(0, ids_gpu, 0x3C)
-        handle = engine.submit(
-            build_plan(
-                Direction.D2H,
-                KVLayout.from_tensors(gpu),
-                KVLayout.from_tensors(host),
-                ids,
-                [0, 1, 5, 6],
+        # round 0: torch makes the fence and the pooled events; later rounds record and wait
+        # on them through the driver's entry points where the C call builds (DriverEvents)
+        for value in (0x3C, 0x5A, 0x77):
+            # keep the compute stream busy (~50 ms), then the kernel writing the blocks
+            torch.cuda._sleep(100_000_000)
+            for t in gpu:
+                t.index_fill_(0, ids_gpu, value)
+            handle = engine.submit(
+                build_plan(
+                    Direction.D2H,
+                    KVLayout.from_tensors(gpu),
+                    KVLayout.from_tensors(host),
+                    ids,
+                    [0, 1, 5, 6],
+                )
             )
-        )
-        handle.future.result(timeout=60)
-        assert bool((_pages(host, [0, 1, 5, 6]) == 0x3C).all())
+            handle.future.result(timeout=60)
+            assert bool((_pages(host, [0, 1, 5, 6]) == value).all())
+        if native_call() is not None:
+            assert isinstance(engine._streams._record.__self__, DriverEvents)
 
 
 @pytest.mark.gpu

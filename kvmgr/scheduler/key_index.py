@@ -1,0 +1,86 @@
+"""One pass over the CPU tier's key index for a store of keys all new (issue 27).
+
+Private to ``kvmgr.scheduler``. ``add_new`` is a store's whole CPU-tier part when no key is
+indexed yet and none repeats, as in every round of ``kvmgr bench host``'s batched store: when
+the free blocks hold the keys, the blocks ``make_room`` would take are looked at, not taken,
+and the keys indexed on them with ``add_absent``; only then are the blocks taken. When blocks
+must be evicted first, the keys are indexed on a placeholder (``-1``) while the policy evicts,
+then on their blocks (a second pass, in place).
+
+``add_absent`` indexes keys that must all be absent and distinct with one ``dict.setdefault``
+per key (a C-level ``map``: each key hashed and probed once), where a store otherwise makes
+three passes (absent? distinct? insert). ``setdefault`` never overwrites a value, and a dict
+keeps insertion order, so the keys it added are the index's last entries: when fewer were
+added than given (a key was indexed already, or came twice), ``dict.popitem`` (last in, first
+out) takes exactly those back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvmgr.scheduler.cpu_tier import CpuTier
+
+__all__ = ["add_absent", "add_new", "drop_last"]
+
+
+def add_new(cpu: CpuTier, keys: list[bytes], parents: Sequence[bytes | None]) -> np.ndarray | None:
+    """``cpu.add_pending(keys, cpu.make_room(len(keys), ()), parents)`` when every key is
+    absent and distinct, found out by indexing them (``add_absent``); the new CPU blocks
+    (int64), or ``None`` with nothing changed (the caller takes the general path).
+
+    Raises:
+        PoolExhaustedError: too few free and evictable blocks (``make_room``); nothing changed.
+        whatever the policy's ``insert`` raises (``add_pending``): nothing changed (where
+            blocks had to be evicted first, those evictions and the blocks taken stay, as in
+            the general path).
+    """
+    n, pool, index = len(keys), cpu.pool, cpu.index
+    room = n + cpu.reserved <= pool.num_free
+    if room:  # no eviction: the keys go on the blocks ``make_room`` would take
+        ids = pool.peek(n)
+        if not add_absent(index, keys, blocks := ids.tolist()):
+            return None
+    else:  # the keys wait on a placeholder while the policy evicts (they are not its victims)
+        if not add_absent(index, keys, repeat(-1, n)):
+            return None
+        try:
+            ids = cpu.make_room(n, ())
+        except BaseException:  # PoolExhaustedError: nothing evicted
+            drop_last(index, n)
+            raise
+        index.update(zip(keys, blocks := ids.tolist()))  # in place: the order stays
+    try:
+        cpu.add_pending(keys, ids, parents, indexed=blocks)
+    except BaseException:  # the policy refused the keys (its insert comes first)
+        drop_last(index, n)
+        raise
+    if room:
+        pool.commit(ids)
+    return ids
+
+
+def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: Iterable[int]) -> bool:
+    """Index ``keys[i] -> values[i]`` when every key is absent from ``index`` and the keys are
+    distinct (``True``); otherwise leave ``index`` as it was, the same entries in the same
+    order, and return ``False``."""
+    before = len(index)
+    deque(map(index.setdefault, keys, values), 0)
+    added = len(index) - before
+    if added == len(keys):
+        return True
+    drop_last(index, added)
+    return False
+
+
+def drop_last(index: dict[bytes, int], n: int) -> None:
+    """Remove the ``n`` entries inserted last (by ``add_absent``, nothing inserted since)."""
+    popitem = index.popitem
+    for _ in range(n):
+        popitem()

@@ -1,0 +1,50 @@
+"""The DMA issuer's pooled descriptor tables (``kvmgr.transfer.dma``): a buffer's ``[3, n]``
+view is kept for the last ``n`` and rebuilt for another, and plans of changing sizes through
+one reused buffer copy exactly their pages (poisoned destinations elsewhere)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import torch
+from cuda_fakes import FakeDriverLib
+
+from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer.dma import DmaCopy, _Buffer
+from kvmgr.transfer.driver import CopyDriver
+from kvmgr.transfer.plan import Direction, build_plan
+
+
+def test_a_buffer_keeps_the_view_of_the_last_count() -> None:
+    buffer = _Buffer(256)
+    first = buffer.table(48)
+    assert first.shape == (3, 48) and first.flags.c_contiguous
+    assert np.shares_memory(first, buffer.rows) and int(first.ctypes.data) == buffer.address
+    assert buffer.table(48) is first  # the same count: the same view
+    other = buffer.table(5)
+    assert other.shape == (3, 5) and other is not first
+    assert buffer.table(48) is not other and buffer.table(48).shape == (3, 48)
+
+
+def test_plans_of_changing_sizes_through_one_reused_buffer_copy_their_pages() -> None:
+    rng = np.random.default_rng(11)
+    page, blocks = 512, 40
+    src = [torch.from_numpy(rng.integers(0, 256, (blocks, page), dtype=np.uint8)) for _ in range(3)]
+    dst = [torch.full((blocks, page), 0xA5, dtype=torch.uint8) for _ in range(3)]
+    lib = FakeDriverLib()  # its callbacks stay alive while the driver calls them
+    dma = DmaCopy(CopyDriver(lib.resolver(), driver_version=13000), "batch", 8192)
+    stream = types.SimpleNamespace(cuda_stream=0x7F00)
+    written: set[int] = set()
+    for src_ids, dst_ids in (([3, 9, 27], [0, 1, 2]), ([5], [10]), ([8, 1, 30], [20, 31, 12])):
+        plan = build_plan(Direction.D2H, KVLayout.from_tensors(src), KVLayout.from_tensors(dst),
+                          src_ids, dst_ids)  # fmt: skip
+        issued = dma.issue(plan, stream)
+        assert issued.error is None and issued.num_chunks == 1
+        issued.release()  # the batch "ended": the same buffer serves the next plan
+        written |= set(dst_ids)
+        for t_src, t_dst in zip(src, dst):
+            assert torch.equal(t_dst[dst_ids], t_src[src_ids])
+    assert dma.buffers.num_allocated == 1
+    untouched = sorted(set(range(blocks)) - written)
+    assert all(bool((t[untouched] == 0xA5).all()) for t in dst)
