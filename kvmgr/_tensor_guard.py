@@ -2,6 +2,8 @@
 
 Offers:
     tensor_guard    a ``torch._C._dynamo.guards.TensorGuards`` of some tensors as they are now
+    any_meta        whether any of some tensors is on the ``meta`` device (the check by device
+                    index that the families' fast paths key on cannot tell it from the CPU)
 
 ``torch.compile`` checks its inputs with it: dtype, device, every size and stride, dispatch keys
 and ``requires_grad`` (under the grad mode it was built in), one C++ call for all the tensors
@@ -23,7 +25,7 @@ try:  # torch's C++ check of tensor metadata (dynamo's guards); the callers' rea
 except ImportError:  # pragma: no cover - a torch without dynamo
     _TensorGuards = None
 
-__all__ = ["tensor_guard"]
+__all__ = ["any_meta", "tensor_guard"]
 
 
 def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
@@ -40,3 +42,11 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
                              dynamic_dims_strides=[list(t.stride()) for t in tensors])  # fmt: skip
     except Exception:  # another torch's signature, or not tensors
         return None
+
+
+def any_meta(*tensors: torch.Tensor | None) -> bool:
+    """Whether one of ``tensors`` (None skipped) is on the ``meta`` device: storage-less, its
+    ``get_device()`` is -1 as a CPU tensor's, so a check or key by device index alone takes it
+    for a CPU tensor (where the kernels run interpreted, on CPU memory). A guard built from CPU
+    tensors refuses it (its dispatch keys)."""
+    return any(t is not None and t.is_meta for t in tensors)

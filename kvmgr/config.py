@@ -86,7 +86,8 @@ class ManagerConfig:
 
     Attributes:
         num_cpu_blocks: blocks in the CPU tier (each holds one page of every KV tensor).
-        policy: eviction policy of the CPU tier: ``"lru"`` or ``"arc"``.
+        policy: eviction policy of the CPU tier: ``"lru"``, ``"arc"``, ``"s3fifo"``, ``"reuse"``
+            or ``"online"`` (``"opt"``, the offline bound, needs the simulator's future uses).
         engine: ``"host"`` (CPU tensors, real copies on a worker thread), ``"cuda"`` (batched
             driver copy), ``"kernel"`` (SM copy kernel) or ``"auto"`` (host without CUDA tensors,
             else the per-batch choice between DMA and kernel).

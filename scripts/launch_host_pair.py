@@ -88,13 +88,19 @@ def _sample(calls: list[Callable[[], object]], repeats: int) -> float:
     return (time.thread_time() - start) * 1e6 / (repeats * len(calls))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def pair_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The options of an in-process old / new pair: the old tree, ``--tokens``, ``--rounds``
+    (default ``rounds``) and ``--json`` (also used by ``scripts/gpu/mlahost3_pair.py``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("old", type=Path, help="an older kvmgr tree (the parent of its kvmgr/)")
     parser.add_argument("--tokens", default="1,16,128", help="MLA step sizes T")
-    parser.add_argument("--rounds", type=int, default=40, help="samples per tree and row")
+    parser.add_argument("--rounds", type=int, default=rounds, help="samples per tree and row")
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = pair_parser(__doc__ or "", 40).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvmgr_pair_"))
     try:
         _renamed_copy(args.old.resolve(), tmp)

@@ -145,7 +145,8 @@ class GroupedManager:
             max_tokens: cap on the boundary (``None``: every hash).
 
         Raises:
-            GroupKeyError: bad hashes or ``max_tokens``.
+            GroupKeyError: bad hashes (or hashes contradicting a stored chain) or
+                ``max_tokens``; nothing changed.
             ClosedError: a manager is closed.
         """
         plan = self.peek(block_hashes, max_tokens=max_tokens)
@@ -157,7 +158,9 @@ class GroupedManager:
     def peek(self, block_hashes: Sequence[bytes], *, max_tokens: int | None = None) -> RestorePlan:
         """Like ``lookup``, touching nothing. Raises as ``lookup``."""
         self.sync()
-        return find_restorable(self.layout, block_hashes, self.index.is_ready, max_tokens)
+        hashes = self.layout.check_hashes(block_hashes)
+        self.index.check_chain(hashes)  # unchained hashes would plan another position's KV
+        return find_restorable(self.layout, hashes, self.index.is_ready, max_tokens)
 
     # ------------------------------------------------------------------ swaps
 

@@ -214,6 +214,8 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
                 ctx = StepContext(step=step)
             hook_reports = tuple(hook(ctx) for hook in hooks)
             self._flusher.check_hook_reports(hooks, hook_reports)
+            if self._deferred.fan is not None:  # per-call stores a hook recorded: this step's
+                self._settle_deferred()
         self._step = step
         if self._books.cpu.grow():  # pieces of the CPU tier pinned since: stores may retry,
             self._room.wake()  # and those that find room are submitted by this very step

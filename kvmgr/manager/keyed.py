@@ -68,7 +68,8 @@ class KeyedCalls(ManagerCore):
         self._books.touch(keys)
 
     def invalidate(self, keys: Sequence[bytes]) -> int:
-        """Drop READY keys (and free their CPU blocks); unknown keys are ignored.
+        """Drop READY keys (and free their CPU blocks); unknown keys are ignored. Lower tiers
+        keep their copies (a later ``fetch`` stages them again; see docs/guides/tiers.md).
 
         Returns:
             Keys dropped. Each drop is a ``removed`` KV event.
@@ -84,8 +85,8 @@ class KeyedCalls(ManagerCore):
         return dropped
 
     def clear(self) -> int:
-        """Drop every READY key without loads in flight. Keys with a store or loads in flight
-        stay (they are dropped by a later ``clear``). Returns the keys dropped.
+        """Drop every READY key without loads in flight (lower tiers keep theirs); keys with a
+        store or loads in flight stay (a later ``clear`` drops them). Returns the keys dropped.
 
         Raises:
             ClosedError: the manager is closed.
@@ -106,8 +107,8 @@ class KeyedCalls(ManagerCore):
     ) -> asyncio.Future[SwapResult]:
         """Queue a store of GPU blocks into the CPU tier under ``keys`` (``keys[i]`` names
         ``gpu_block_ids[i]``). ``parents[i]`` is the key ``keys[i]`` extends (``None``: a root);
-        by default ``keys[i]`` extends ``keys[i - 1]``. The policy uses the chains to evict the
-        leaves of a prefix before its root.
+        by default ``keys[i]`` extends ``keys[i - 1]`` and ``keys[0]`` is a root (pass ``parents``
+        when the call continues a chain stored earlier). The policy evicts a chain's leaves first.
 
         Keys already in the CPU tier (any state) are skipped, and so are keys not admitted yet
         (``store_threshold``). The others get CPU blocks (free ones first, then by evicting

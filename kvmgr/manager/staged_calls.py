@@ -107,7 +107,9 @@ class StagedCalls(ManagerCore):
         tier by tier: one batched read per tier, every blob verified) and return the new
         ready-prefix length; then ``swap_in``/``load_many`` the prefix as usual. A miss, a
         corrupt value or a failing tier ends the prefix there (recompute the rest); it never
-        raises for a tier failure. Without lower tiers: ``lookup`` without the touch.
+        raises for a tier failure. So does a key still PENDING (another fetch staging it, or a
+        store): of two fetches of one prefix at once, the later one stops there (``gather``
+        them, then ``peek`` or ``lookup``). Without lower tiers: ``lookup`` without the touch.
 
         Raises:
             InvalidKeyError, ClosedError, EventLoopError: bad keys, closed, no running loop.

@@ -30,6 +30,15 @@ def _check_ttl(instance: object, attribute: attrs.Attribute[float | None], value
         raise InvalidArgumentError(f"StoreHint.ttl_s: expected > 0 seconds or None, got {value!r}")
 
 
+def _check_session(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"StoreHint.session: expected a hashable id, got {type(value).__name__}"
+        ) from None
+
+
 @attrs.frozen(slots=True)
 class StoreHint:
     """What the serving loop knows about the request whose blocks it stores.
@@ -47,11 +56,11 @@ class StoreHint:
         ttl_s: seconds after which the blocks are worth nothing (they are evicted first then).
 
     Raises:
-        InvalidArgumentError: ``continue_p`` outside [0, 1], ``ttl_s`` not > 0, or a
-            non-int ``priority``.
+        InvalidArgumentError: an unhashable ``session``, ``continue_p`` outside [0, 1],
+            ``ttl_s`` not > 0, or a non-int ``priority``.
     """
 
-    session: object = None
+    session: object = attrs.field(default=None, validator=_check_session)
     continue_p: float | None = attrs.field(default=None, validator=_check_p)
     priority: int = attrs.field(default=0)
     ttl_s: float | None = attrs.field(default=None, validator=_check_ttl)

@@ -145,14 +145,15 @@ class CpuTier:
         Raises:
             PoolExhaustedError: too few free and evictable blocks; nothing changed then.
         """
-        n += self.reserved  # the room promised to recorded stores stays free or evictable
-        shortfall = n - self.pool.num_free
+        total = n + self.reserved  # the room promised to recorded stores stays free or evictable
+        shortfall = total - self.pool.num_free
         if shortfall > 0 and self.grow():
-            shortfall = n - self.pool.num_free
+            shortfall = total - self.pool.num_free
         if shortfall > 0:
             victims = self.policy.evict(shortfall, self.can_evict, protected)
-            if victims is None:
-                raise no_room(n, self.pool.num_free, self.pool.num_ready, self.num_blocks)
+            if victims is None:  # this call's need (backpressure="wait" compares it), not total
+                free = max(0, self.pool.num_free - self.reserved)
+                raise no_room(n, free, self.pool.num_ready, self.num_blocks)
             if self._keep_evicted:
                 ids = np.fromiter(map(self.index.__getitem__, victims), np.int64, len(victims))
                 self.evicted.append((list(victims), ids))

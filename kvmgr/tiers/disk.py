@@ -77,7 +77,8 @@ __all__ = ["ALIGN_BYTES", "DiskTier"]
 
 
 class DiskTier:
-    """Blobs in fixed-size slots of preallocated files, LRU-evicted.
+    """kvmgr blobs (``kvmgr.tiers.blob``, what ``TierBridge`` writes) in fixed-size slots of
+    preallocated files, LRU-evicted; any other value is stored but reads back as a miss.
 
     Args:
         path: first file; more files (``num_files > 1``) get ``.1``, ``.2``, ... appended.
@@ -185,7 +186,7 @@ class DiskTier:
         return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """Read the blobs (structure checked; the bridge verifies them); see ``TierBackend.get_many``."""
+        """Read the blobs (header checked, the bridge verifies the rest); see ``TierBackend``."""
         keys = check_keys(keys)
         self._check_open()
         start = time.perf_counter()

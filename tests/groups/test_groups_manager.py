@@ -259,3 +259,18 @@ async def test_a_failed_store_in_one_group_drops_the_others_orphans() -> None:
         # the full and mamba blocks restore nothing without the window: dropped, memory free
         assert mgr.index.num_held() == 0
         assert all(m.statistics().cpu_blocks_used == 0 for m in mgr.managers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["lookup", "peek"])
+async def test_a_lookup_whose_hashes_contradict_a_stored_chain_raises(how: str) -> None:
+    # A hasher that is not chained (equal blocks of tokens at two positions: equal hashes)
+    # gives [h0, h0, ...]; the stored chain says h0 is at position 0. The lookup used to plan
+    # h0's blocks (position 0's KV) for logical block 1 too: wrong KV once loaded.
+    hs = hashes(4)
+    async with make(caches(torch.Generator().manual_seed(12))) as mgr:
+        await store_now(mgr, hs, tables(4))
+        for bad in ([hs[0], hs[0]], [hs[0], hs[1], hs[1], hs[1]], [hs[1], hs[2]]):
+            with pytest.raises(GroupKeyError, match="chain"):
+                getattr(mgr, how)(bad)
+        assert getattr(mgr, how)(hs).num_tokens == 4 * BS  # the stored chain still restores

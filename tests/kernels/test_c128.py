@@ -849,6 +849,9 @@ def _steady_writes(hook: C128CompressorHook, step: Step, expected: torch.Tensor)
         ("positions", lambda t: t[:, None], r"positions: expected shape \[\*\]"),
         ("c128.state_slot_mapping", lambda t: t[:1], r"state_slot_mapping: expected shape \[2\]"),
         ("c128.state_slot_mapping", lambda t: t.repeat(2)[::2], "unit last stride"),
+        # meta: no storage, device index -1 as on the CPU (the interpreted kernels' memory)
+        ("c128.kv", lambda t: torch.empty_like(t, device="meta"), "kv: expected device"),
+        ("positions", lambda t: torch.empty_like(t, device="meta"), "positions: expected device"),
         pytest.param(
             "c128.state_slot_mapping",
             lambda t: t.cpu(),

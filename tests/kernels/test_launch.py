@@ -51,6 +51,7 @@ from kvmgr.kernels.launch import (
     signature,
 )
 from kvmgr.kernels.launch import launcher as launcher_module
+from kvmgr.kernels.launch.cells import StepCells, cell_writer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -511,6 +512,43 @@ def test_checked_data_ptrs_reads_only_what_the_guard_accepts():
             with pytest.raises(TypeError, match="not a tensor"):
                 read(lambda *args: True, words, bad)
         assert read(lambda *args: False, None) is None  # a refusal reads nothing
+
+
+def test_the_cell_writer_writes_only_what_the_guard_and_the_known_pointers_accept():
+    # write(cells.address, check, *tensors): the verdict, the known tensors' pointers, the two
+    # bases' alignment; only then every other pointer to its cell and every word to its address
+    write = cell_writer()
+    if write is None:
+        pytest.skip("the C module cannot be built here (no C compiler?)")
+    words = torch.empty(64, dtype=torch.int32)
+    known, kv, pe, slots = words[:4], words[8:24], words[24:40], words[40:56]
+    out = (ctypes.c_uint64 * 4)()
+    base = ctypes.addressof(out)
+    tensors = (known, kv, pe, slots)
+    cells = StepCells([known.data_ptr()], True, [base, base + 8, base + 16], [(base + 24, 77)], out)
+    guard = tensor_guard(tensors)
+    refusals = [
+        (guard.check, (words[4:8],), kv, pe, slots),  # another known pointer
+        (guard.check, (known,), words[9:25], pe, slots),  # kv 4 bytes past 16-byte alignment
+        (guard.check, (known,), kv.view(torch.float32), pe, slots),  # the guard refuses
+        (guard.check, (known,), kv, pe),  # another number of tensors
+        (guard.check, (), known, kv, pe, slots),  # another number of known tensors
+        (lambda *args: False, [known], kv, pe, slots),
+    ]
+    for args in refusals:
+        assert write(cells.address, *args) is None
+        assert list(out) == [0, 0, 0, 0]  # nothing written
+    with pytest.raises(TypeError, match="not a tensor"):
+        write(cells.address, lambda *args: True, (known,), kv, pe, None)
+    with pytest.raises(TypeError, match="tuple or list"):
+        write(cells.address, guard.check, known, kv, pe, slots)
+    assert list(out) == [0, 0, 0, 0]
+    assert write(cells.address, guard.check, [known], kv, pe, slots) == (kv.data_ptr(), pe.data_ptr(), slots.data_ptr())  # fmt: skip
+    assert list(out) == [kv.data_ptr(), pe.data_ptr(), slots.data_ptr(), 77]
+    unaligned = StepCells([], False, [base, base + 8], [], out)
+    odd = (words[1:9], words[2:10])
+    assert write(unaligned.address, tensor_guard(odd).check, (), *odd) == tuple(t.data_ptr() for t in odd)  # fmt: skip
+    assert write(unaligned.address, tensor_guard((kv, pe)).check, (), kv, pe) is None  # aligned
 
 
 def test_a_new_thread_with_the_kernels_context_is_adopted(runtime):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -407,7 +408,7 @@ def test_a_bad_step_after_a_guarded_signature_raises_before_writing(case: str) -
     for _ in range(4):  # new step tensors, one scales object
         grouped_mla_insert(good["kv_c"].clone(), good["k_pe"].clone(), caches,  # type: ignore[union-attr]
                            good["slot_mapping"].clone(), kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[union-attr, arg-type]  # fmt: skip
-    assert api._MEMO.insert_for(caches, "fp8_e4m3", True).guarded is not None
+    assert api._MEMO.steady_record(id(caches)) is not None  # the one-guard path is armed
     before = [cache.clone() for cache in caches]
     with pytest.raises(error, match="expected"):
         grouped_mla_insert(**bad)  # type: ignore[arg-type]
@@ -431,7 +432,8 @@ def _steady_steps(good: dict[str, object], caches: list[torch.Tensor], hooks: Se
     assert all(hook._insert.guarded is not None and hook._insert.fired is not None for hook in hooks if not hook._check_slots)  # fmt: skip
 
 
-STEADY_CASES = [*STEP_CASES, "slot past the capacity", "kv_c on the CPU"]
+META_CASES = ["kv_c on the meta device", "k_pe on the meta device", "slot_mapping on the meta device", "kv_scales on the meta device"]  # fmt: skip
+STEADY_CASES = [*STEP_CASES, "slot past the capacity", "kv_c on the CPU", *META_CASES]
 
 
 @pytest.mark.parametrize("case", STEADY_CASES)
@@ -443,7 +445,7 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
     # through both, and write nothing; the poison of every cache stays
     if case == "kv_c on the CPU" and DEVICE == "cpu":
         pytest.skip("needs a CUDA GPU (one device here)")
-    error, bad = _bad_args("good" if case in ("slot past the capacity", "kv_c on the CPU") else case)  # fmt: skip
+    error, bad = _bad_args("good" if case in ("slot past the capacity", "kv_c on the CPU", *META_CASES) else case)  # fmt: skip
     good = _bad_args("good")[1]
     if case == "slots of wrong layers":
         bad["slot_mapping"] = torch.stack([_slots(31, 5, 8, 1)] * 3)
@@ -455,6 +457,9 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
         bad["slot_mapping"][2] = 8  # capacity: 2 blocks x 4
     elif case == "kv_c on the CPU":
         bad["kv_c"] = good["kv_c"].cpu()  # type: ignore[union-attr]
+    elif case in META_CASES:  # storage-less, device index -1 as on the CPU: must not pass as it
+        name = case.split()[0]
+        bad[name] = torch.empty_like(good[name], device="meta")  # type: ignore[arg-type]
     caches = bad["caches"]
     assert isinstance(caches, list)
     api._MEMO.clear()
@@ -464,11 +469,60 @@ def test_a_bad_step_after_steady_steps_is_refused_as_on_a_first_call(case: str) 
     before = [cache.clone() for cache in caches]
     with pytest.raises(error, match="expected"):
         grouped_mla_insert(**bad)  # type: ignore[arg-type]
-    if case not in ("scales shape", "float64 scales"):  # the hook's scales are its own
+    if "scales" not in case:  # the hook's scales are its own
         with pytest.raises(error, match="expected"):
             hook(StepContext(tensors={k: bad[k] for k in ("kv_c", "k_pe", "slot_mapping")}))
     assert _same_bytes(caches, before)
     _steady_steps(good, caches, [hook])  # and the loop goes on exactly
+
+
+def test_persistent_step_buffers_run_on_one_guard_and_stay_exact() -> None:
+    # the very same step tensors every call (persistent buffers; bench mla-insert's "grouped",
+    # one list per cache set) get the memo's one guard of caches and step too: the buffers'
+    # contents may change between calls, a cache given new storage in place is written there,
+    # a buffer re-strided in place (same pointer and shape) is read as it is now, and a bad step
+    # after the loop raises its typed error before writing
+    good = _bad_args("good")[1]
+    caches = good["caches"]
+    assert isinstance(caches, list)
+    api._MEMO.clear()
+    args = {**good}
+    for turn in range(5):
+        args["kv_c"].mul_(-1.5)  # type: ignore[union-attr]  # new contents, the same tensor
+        expected = _reference(args["kv_c"], args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+        grouped_mla_insert(**args)  # type: ignore[arg-type]
+        assert _same_bytes(caches, expected), turn
+    assert api._MEMO.steady_record(id(caches)) is not None
+    caches[1].set_(_caches(33, 1, 2, 4, 16, torch.float8_e4m3fn)[0])  # new storage in place
+    expected = _reference(args["kv_c"], args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+    grouped_mla_insert(**args)  # type: ignore[arg-type]
+    assert _same_bytes(caches, expected)
+    kv_c = args["kv_c"]
+    assert isinstance(kv_c, torch.Tensor)
+    num_layers, _, rank = kv_c.shape  # the same object, its rows re-strided in place:
+    kv_c.as_strided_(kv_c.shape, (rank, num_layers * rank, 1))  # same pointer, another layout
+    expected = _reference(kv_c, args["k_pe"], caches, args["slot_mapping"], kv_cache_dtype="fp8_e4m3", kv_scales=args["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+    grouped_mla_insert(**args)  # type: ignore[arg-type]
+    assert _same_bytes(caches, expected)
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(GeometryError, match="expected"):
+        grouped_mla_insert(**{**args, "k_pe": args["k_pe"].half()})  # type: ignore[arg-type, union-attr]
+    assert _same_bytes(caches, before)
+
+
+def test_caches_on_the_meta_device_are_refused_as_another_device() -> None:
+    # meta tensors have no storage and get_device() -1, as CPU tensors (the interpreted kernels'
+    # memory): the public function and the hook must refuse meta caches with the typed error
+    good = _bad_args("good")[1]
+    meta_caches = [torch.empty_like(cache, device="meta") for cache in good["caches"]]  # type: ignore[attr-defined]
+    api._MEMO.clear()
+    with pytest.raises(GeometryError, match="expected cuda"):
+        grouped_mla_insert(**{**good, "caches": meta_caches})  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="expected cuda"):
+        per_layer_mla_insert(**{**good, "caches": meta_caches})  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="expected cuda"):
+        GroupedMLAInsertHook(meta_caches, kv_cache_dtype="fp8_e4m3", kv_scales=good["kv_scales"])  # type: ignore[arg-type]  # fmt: skip
+    assert api._MEMO.num_sets == 0
 
 
 def test_steady_steps_of_other_valid_layouts_are_written_exactly() -> None:
@@ -533,7 +587,7 @@ def test_a_guarded_signature_writes_exactly_what_each_step_holds() -> None:
         assert insert(kv_c, k_pe, slots, step_scales) == num_tokens
         guarded += insert.fired is not None
         assert _same_bytes(caches, expected), step
-        assert insert._last[-1].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
+        assert insert._last[6].args[-1] is (step != 5)  # IO_ALIGNED: off for that base
     assert guarded >= 6
 
 
@@ -564,7 +618,7 @@ def test_remembered_step_signatures_write_exactly_what_each_step_holds() -> None
         expected = _reference(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)  # fmt: skip
         assert insert(kv_c.clone() if step > 9 else kv_c, k_pe, slots, scales) == num_tokens
         assert _same_bytes(caches, expected)
-        assert insert._last[-1].args[-1] is (step % 4 != 2)  # IO_ALIGNED: off for that base
+        assert insert._last[6].args[-1] is (step % 4 != 2)  # IO_ALIGNED: off for that base
     assert 4 <= len(insert._steps) <= 12
 
 
@@ -686,7 +740,7 @@ def test_packed_path_checks_and_binds_once_per_step_signature_for_one_compiled_k
         assert _same_bytes(caches, expected)
         specializations |= {rule.reader(kinds)(*b.args)[0] for b in insert.bound()}
     assert insert.num_bound == 2 and len(specializations) == 1
-    bound = insert._last[-1]  # the last step's launch: its arguments are that step's
+    bound = insert._last[6]  # the last step's launch: its arguments are that step's
     assert bound.args[0] is kv_c and bound.args[1] is k_pe and bound.args[3] is slots
     assert bound.args[5:9] == [7, kv_c.stride(0), k_pe.stride(0), slots.stride(0)]
     assert bound.is_packed is (DEVICE == "cuda")  # packed on a GPU; the interpreter: Triton
@@ -1176,3 +1230,99 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
              "hook_host_us", "hook_triton_host_us", "hook_unchecked_host_us")  # fmt: skip
     for row in result["rows"]:  # host timings for eager rows only
         assert all((row[key] is None) == (row["mode"] == "graph") for key in hosts)
+
+
+_STUB_STEADY = """
+import json, os, struct, sys
+import torch
+
+sys.path.insert(0, os.getcwd())
+from kvmgr.bench import stub_gpu
+seen = stub_gpu.install(record=True)
+from kvmgr.errors import GeometryError
+from kvmgr.hooks import StepContext
+from kvmgr.kernels.mla.api import _MEMO, grouped_mla_insert
+from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
+
+gen = torch.Generator().manual_seed(5)
+caches = [torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn) for _ in range(3)]
+scales = torch.rand(3, generator=gen) + 0.5
+hook = GroupedMLAInsertHook(caches, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+rows, armed = [], []
+
+def cells(call):  # the step's pointer cells and ints as the driver saw them
+    p = call["params"]
+    return [struct.unpack_from("<Q", p[i])[0] for i in (0, 1, 2, 3, 4)] + [struct.unpack_from("<i", p[i])[0] for i in (5, 6, 7, 8)]
+
+def step(num_tokens, via, table):
+    kv_c = torch.randn(3, num_tokens, 64, generator=gen)
+    k_pe = torch.randn(3, num_tokens, 32, generator=gen)
+    slots = torch.randperm(64, generator=gen)[:num_tokens]
+    before = len(seen.calls)
+    if via == "public":
+        grouped_mla_insert(kv_c, k_pe, caches, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    else:
+        hook(StepContext(tensors={"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slots}))
+    want = [kv_c.data_ptr(), k_pe.data_ptr(), table().data_ptr(), slots.data_ptr(), scales.data_ptr(), num_tokens, kv_c.stride(0), k_pe.stride(0), 0]
+    rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+
+public_table = lambda: _MEMO.insert_for(caches, "fp8_e4m3", True).plan.table
+for via, table in (("public", public_table), ("hook", lambda: hook.plan.table)):
+    for num_tokens in (5, 5, 5, 5, 7, 5, 5, 7, 7, 5, 5, 5):  # T = 7 rewrites the launch's ints
+        step(num_tokens, via, table)
+    record = _MEMO.steady_record(id(caches))
+    armed.append(record is not None and record[8] is not None if via == "public" else hook._insert.guarded[5] is not None)
+armed.append(_MEMO.steady_record(id(caches))[4][2][2][0])  # the record's guarded T: 5
+for cache in caches:  # new storage in place: the steady record's pointers no longer match
+    cache.set_(torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn))
+for _ in range(4):
+    step(5, "public", public_table)
+# persistent step buffers and their own cache set (bench mla-insert's "grouped"): the same
+# tensors every call get a record too; a buffer given new storage in place is launched with it
+own = [torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn) for _ in range(3)]
+kv_c, k_pe, slots = torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), torch.arange(5)
+for turn in range(6):
+    if turn == 4:
+        kv_c.data = torch.randn(3, 5, 64, generator=gen)
+    before = len(seen.calls)
+    grouped_mla_insert(kv_c, k_pe, own, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    want = [kv_c.data_ptr(), k_pe.data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), slots.data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
+    rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+record = _MEMO.steady_record(id(own))
+armed.append(record is not None and record[8] is not None)
+before = len(seen.calls)
+refused = []
+for bad in ("dtype", "meta"):
+    kv_c = torch.randn(3, 5, 64, generator=gen)
+    kv_c = kv_c.half() if bad == "dtype" else torch.empty_like(kv_c, device="meta")
+    try:
+        grouped_mla_insert(kv_c, torch.randn(3, 5, 32), caches, torch.arange(5), kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    except GeometryError:
+        refused.append(bad)
+print(json.dumps({"rows": rows, "armed": armed, "refused": refused, "launched": len(seen.calls) - before}))
+"""
+
+
+def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_path: Path) -> None:
+    # the public function's steady record and the hook's guarded signature write the step's
+    # pointers and ints into the packed launch's cells from C (kvmgr.kernels.mla.steady): on
+    # the stand-in GPU every launch must hold exactly its step's pointers, T and strides, also
+    # after a step of another T rewrote the shared launch's ints; caches given new storage in
+    # place are not launched through the record's stale pointers; bad steps still raise
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests launch for real")
+    from kvmgr.kernels.launch.cells import cell_writer
+
+    if cell_writer() is None:
+        pytest.skip("the C module cannot be built here (no C compiler?)")
+    script = tmp_path / "stub_steady.py"
+    script.write_text(_STUB_STEADY)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["armed"] == [True, True, 5, True]
+    assert result["rows"] == [[1, True]] * 34
+    assert result["refused"] == ["dtype", "meta"] and result["launched"] == 0

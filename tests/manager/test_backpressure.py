@@ -181,3 +181,46 @@ async def test_a_waiting_store_that_gives_up_releases_its_blocks(how: str) -> No
             assert mgr.statistics().stores_waiting == 0
             assert KEYS[5] not in mgr.snapshot().keys
             check_invariants(mgr)
+
+
+@pytest.mark.parametrize("second", [1, 2], ids=["one-block", "two-blocks"])
+@pytest.mark.asyncio
+async def test_a_store_behind_a_recorded_call_of_its_step_waits_instead_of_raising(
+    second: int,
+) -> None:
+    # A plain swap_out is recorded (its room reserved) until the step settles it. A second
+    # plain swap_out of the same step that finds no room must wait like any store under
+    # "wait": it fits the tier on its own (it used to raise PoolExhaustedError at once, its
+    # `needed` counting the first call's reserved blocks too: 3 or 4 of a 2-block tier).
+    kv = _kv(seed=5)
+    config = ManagerConfig(num_cpu_blocks=2, backpressure="wait", store_wait_s=60.0)
+    async with OffloadManager(kv, config, engine=FaultyEngine(HostEngine())) as mgr:
+        first_blocks, blocks = mgr.allocate("A", 2), mgr.allocate("B", second)
+        first = mgr.swap_out(first_blocks, KEYS[:2])
+        b_bytes = [_as_bytes(_page(kv, b)) for b in blocks]
+        waiting = mgr.swap_out(blocks, KEYS[2 : 2 + second])
+        await asyncio.sleep(0)
+        assert not waiting.done() and mgr.statistics().stores_waiting == 1
+        check_invariants(mgr)
+        await mgr.step()
+        await first  # READY now, so evictable: the waiting store is queued
+        await mgr.step()
+        result = await asyncio.wait_for(waiting, 5.0)
+        assert result.num_blocks == second
+        assert [_stored(mgr, k) for k in KEYS[2 : 2 + second]] == b_bytes
+        check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+async def test_pool_exhausted_behind_a_recorded_call_names_the_calls_own_need() -> None:
+    kv = _kv(seed=6)
+    async with OffloadManager(kv, ManagerConfig(num_cpu_blocks=2)) as mgr:
+        a, b = mgr.allocate("A", 2), mgr.allocate("B", 1)
+        first = mgr.swap_out(a, KEYS[:2])
+        with pytest.raises(PoolExhaustedError) as caught:
+            mgr.swap_out(b, KEYS[2:3])
+        assert caught.value.needed == 1  # "blocks the operation asked for"
+        assert "need 1 blocks" in str(caught.value)
+        await mgr.step()
+        await first
+        check_invariants(mgr)

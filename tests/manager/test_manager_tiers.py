@@ -236,3 +236,25 @@ async def test_a_store_during_the_fetch_ends_its_run_there(tmp_path) -> None:
             check_invariants(mgr)
     finally:
         await disk.aclose()
+
+
+@pytest.mark.asyncio
+async def test_invalidate_leaves_the_lower_tiers_copy_until_the_tier_deletes_it(tmp_path) -> None:
+    # docs/guides/tiers.md: invalidate and clear drop the CPU tier's keys only
+    kv, disk = _kv(7), _disk(tmp_path)
+    try:
+        config = ManagerConfig(num_cpu_blocks=4, tier_write_through=True)
+        async with OffloadManager(kv, config, tiers=[disk], tier_namespace=_ns()) as mgr:
+            src, keys = mgr.allocate("a", 2), _keys(2, b"inv")
+            await _store(mgr, src, keys)
+            await _settle(mgr)
+            assert mgr.invalidate(keys) == 2 and mgr.peek(keys) == 0
+            assert await mgr.fetch(keys) == 2  # the disk's copy, staged again
+            dst = await _load(mgr, keys, "b")
+            assert all(torch.equal(t[src], t[dst]) for t in kv)
+            assert mgr.clear() == 2
+            assert await disk.delete_many(_ns().stored_keys(keys)) == 2
+            assert await mgr.fetch(keys) == 0
+            check_invariants(mgr)
+    finally:
+        await disk.aclose()

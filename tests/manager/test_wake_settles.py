@@ -71,3 +71,44 @@ async def test_a_wake_sees_the_keys_of_recorded_stores(policy: str) -> None:
     finally:
         engine.release()
         await mgr.aclose(timeout_s=2.0)
+
+
+class _StoringHook:
+    """A step hook that queues a store of one block in its first step, by each store path."""
+
+    name = "storing-hook"
+
+    def __init__(self, how: str) -> None:
+        self.how, self.mgr, self.future, self.block = how, None, None, -1
+
+    def __call__(self, ctx):  # type: ignore[no-untyped-def]
+        from kvmgr import HookReport
+
+        if self.future is None:
+            assert self.mgr is not None
+            (self.block,) = self.mgr.allocate("hook", 1)
+            if self.how == "swap_out":  # list ids: recorded, prepared at the settle
+                self.future = self.mgr.swap_out([self.block], [b"from-a-hook"])
+            else:
+                self.future = self.mgr.store_many([self.block], [b"from-a-hook"])
+        return HookReport(name=self.name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["swap_out", "store_many"])
+async def test_a_store_queued_by_a_hook_is_submitted_by_that_step(how: str) -> None:
+    # step() runs the hooks, then submits everything queued since the last step; a plain
+    # swap_out recorded by a hook used to wait for the next step (the step settled the
+    # recorded calls before running its hooks only)
+    gen = torch.Generator().manual_seed(5)
+    kv = [torch.randint(1, 255, (8, 64), dtype=torch.uint8, generator=gen)]
+    hook = _StoringHook(how)
+    async with OffloadManager(kv, ManagerConfig(num_cpu_blocks=4), hooks=[hook]) as mgr:
+        hook.mgr = mgr
+        report = await mgr.step()
+        assert report.d2h.blocks == 1 and mgr.statistics().queued_swaps == 0
+        result = await asyncio.wait_for(hook.future, 5.0)
+        assert isinstance(result, (SwapResult, StoreResult)) and mgr.peek([b"from-a-hook"]) == 1
+        page = mgr.cpu_pool.tensors[0][mgr.snapshot().keys[b"from-a-hook"].cpu_block_id]
+        assert torch.equal(page, kv[0][hook.block])
+        check_invariants(mgr)

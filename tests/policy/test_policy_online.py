@@ -168,6 +168,15 @@ def test_store_hint_validation() -> None:
         hints_per_key(["x", None], 2)
 
 
+def test_store_hint_refuses_an_unhashable_session() -> None:
+    # the online policy keys its sessions by it: a list used to reach the policy's admit and
+    # fail there with an untyped TypeError, in the middle of a store_many
+    for session in (["conv", 1], {"user": 7}, {1, 2}):
+        with pytest.raises(InvalidArgumentError, match="session"):
+            StoreHint(session=session)
+    assert StoreHint(session=("conv", 1)).session == ("conv", 1)
+
+
 class SpyOnline(OnlinePolicy):
     seen: ClassVar[list[object]] = []
 

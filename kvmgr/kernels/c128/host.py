@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvmgr._tensor_guard import any_meta
 from kvmgr.kernels.c128._steady import WriteGuard
 from kvmgr.kernels.c128.checks import (
     FLOAT_DTYPES,
@@ -66,6 +67,10 @@ class Layer:
         self.state_cache = check(state_cache, "state_cache", (None, None, 2 * d),
                                   (torch.float32,), None)  # fmt: skip
         self.device = self.state_cache.device
+        if self.device.type == "meta":  # storage-less: a launch would read address 0
+            raise fail("state_cache", "a tensor with storage (cuda, or cpu interpreted)", "meta")
+        # CPU memory (interpreted kernels): a key's device index -1 also fits a meta tensor
+        self._on_cpu = self.device.type == "cpu"
         self.state_strides = (self.state_cache.stride(0), self.state_cache.stride(1))
         self.num_state_blocks = dims[0]
         self.state_capacity = dims[0] * dims[1]
@@ -175,6 +180,8 @@ class Layer:
             )  # fmt: skip
             same = num_tokens > 0 and kvs[0] == num_tokens == scs[0] == ss[0]
             bound = self._write.get(key) if same else None
+            if bound is not None and self._on_cpu and any_meta(kv, score, positions, state_slot_mapping):  # fmt: skip
+                bound = None  # the checks refuse it (their device is the state cache's)
         except (AttributeError, IndexError, TypeError, Unsupported):  # not the expected ranks
             key, bound = None, None
         if bound is None:
@@ -239,6 +246,8 @@ class Layer:
             )  # fmt: skip
             same = num_tokens > 0 and num_reqs * width > 0 and rs[0] == num_tokens == ss[0]
             bound = self._compress.get(key) if same else None
+            if bound is not None and self._on_cpu and any_meta(table, req, pos, slots):
+                bound = None  # as in prepare_write
         except (AttributeError, IndexError, TypeError, ValueError, Unsupported):  # other ranks
             key, bound = None, None
         if bound is None:

@@ -15,9 +15,10 @@ lookup), one ``struct.pack_into`` of its changing values and one ``cuLaunchKerne
 
 Modules, dependencies one-way: ``rule`` (the specialization rule; torch only), ``signature``
 (how a compiled kernel is packed), ``libcuda`` (the driver's entry points) and ``native`` (the
-driver call from C) <- ``packed`` (bound launches; ctypes) <- ``launcher`` (compile, bind) <- ``launches`` (an owner's set). The
-kernel families (``kvmgr.kernels.copy``, ``mla``, ``c128``) use this package; it uses none of
-them. Importing the package imports no Triton (only a bind does).
+driver call and the cell writer, from C) <- ``cells`` (a step's cells for that writer) <-
+``packed`` (bound launches; ctypes) <- ``launcher`` (compile, bind) <- ``launches`` (an owner's
+set). The kernel families (``kvmgr.kernels.copy``, ``mla``, ``c128``) use this package; it uses
+none of them. Importing the package imports no Triton (only a bind does).
 """
 
 from kvmgr.kernels.launch.launcher import Launcher, shared_launcher

@@ -5,6 +5,7 @@ Offers (to the rest of :mod:`kvmgr.kernels.launch`, and ``data_ptrs`` to the ker
     Record          a launch record: the entry point and its three arguments, in C memory
     checked_data_ptrs   ``checked_data_ptrs()(check, *tensors)``: their ``data_ptr()``s where a
                     tensor guard's ``check`` accepts them, else None; one C call where it builds
+    (its C ``write_cells``: :func:`kvmgr.kernels.launch.cells.cell_writer`)
 
 Why: a ctypes call of ``cuLaunchKernelEx`` prepares a libffi call and converts its four arguments
 on every launch (0.5-0.9 us of host time on the 2-core CPU machine, the stub driver's whole
@@ -54,6 +55,7 @@ __all__ = ["Record", "checked_data_ptrs", "native_fire"]
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 typedef int (*launch_t)(void *, void *, void **, void **);
 
@@ -94,39 +96,108 @@ static PyObject *use_reader(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* checked_ptrs(check, *tensors): the tuple of their data pointers where check(*tensors) is
-   True (a torch tensor guard's check), else None: a pointer is read only from a tensor the guard
-   accepted (torch's reader throws a C++ exception for a tensor without storage) */
-static PyObject *checked_ptrs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* 1 where check(*tensors) is True and every tensor is a torch.Tensor, 0 where check refuses,
+   -1 with an exception set (no reader, check raised, or not a tensor after an accepting check) */
+static int accepted(const char *name, PyObject *check, PyObject *const *tensors, Py_ssize_t n) {
     if (reader == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "checked_ptrs: no reader (use_reader first)");
-        return NULL;
+        PyErr_Format(PyExc_RuntimeError, "%s: no reader (use_reader first)", name);
+        return -1;
     }
-    if (nargs < 1) {
-        PyErr_SetString(PyExc_TypeError, "checked_ptrs(check, *tensors)");
-        return NULL;
-    }
-    PyObject *verdict = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), NULL);
-    if (verdict == NULL) return NULL;
+    PyObject *verdict = PyObject_Vectorcall(check, tensors, (size_t)n, NULL);
+    if (verdict == NULL) return -1;
     int passed = verdict == Py_True;
     Py_DECREF(verdict);
-    if (!passed) Py_RETURN_NONE;
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        if (!PyObject_TypeCheck(args[i], (PyTypeObject *)tensor_type)) {
-            PyErr_Format(PyExc_TypeError, "checked_ptrs: argument %zd is not a tensor", i);
-            return NULL;
+    for (Py_ssize_t i = 0; passed && i < n; i++) {
+        if (!PyObject_TypeCheck(tensors[i], (PyTypeObject *)tensor_type)) {
+            PyErr_Format(PyExc_TypeError, "%s: tensor %zd is not a tensor", name, i);
+            return -1;
         }
     }
-    PyObject *out = PyTuple_New(nargs - 1);
+    return passed;
+}
+
+/* the tuple of the n tensors' data pointers (each accepted by a guard: see checked_ptrs) */
+static PyObject *pointers(PyObject *const *tensors, Py_ssize_t n) {
+    PyObject *out = PyTuple_New(n);
     if (out == NULL) return NULL;
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        PyObject *value = PyLong_FromVoidPtr(reader(args[i]));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyLong_FromVoidPtr(reader(tensors[i]));
         if (value == NULL) {
             Py_DECREF(out);
             return NULL;
         }
-        PyTuple_SET_ITEM(out, i - 1, value);
+        PyTuple_SET_ITEM(out, i, value);
     }
+    return out;
+}
+
+/* checked_ptrs(check, *tensors): the tuple of their data pointers where check(*tensors) is
+   True (a torch tensor guard's check), else None: a pointer is read only from a tensor the guard
+   accepted (torch's reader throws a C++ exception for a tensor without storage) */
+static PyObject *checked_ptrs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "checked_ptrs(check, *tensors)");
+        return NULL;
+    }
+    int passed = accepted("checked_ptrs", args[0], args + 1, nargs - 1);
+    if (passed < 0) return NULL;
+    if (!passed) Py_RETURN_NONE;
+    return pointers(args + 1, nargs - 1);
+}
+
+/* write_cells(spec, check, known, *step): checked_ptrs of (*known, *step) (known: a tuple or
+   list of tensors, e.g. a cache set's), then (spec: uint64 words at an address) {n_tensors,
+   n_known, aligned, n_cells, n_words, known[n_known], cells[n_cells], (address, word)[n_words]}:
+   the known tensors' pointers must equal known, the first two step tensors' bases (when n_cells
+   >= 2) be 16-byte aligned both or not as aligned says; then each step tensor's pointer is
+   written to its cell and each word to its address, and the tuple of those pointers returned.
+   None (nothing written) for other numbers of tensors or any refusal */
+static PyObject *write_cells(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 3) {
+        PyErr_SetString(PyExc_TypeError, "write_cells(spec, check, known, *step)");
+        return NULL;
+    }
+    const unsigned long long *spec = (const unsigned long long *)PyLong_AsVoidPtr(args[0]);
+    if (spec == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "write_cells: a NULL spec");
+        return NULL;
+    }
+    if (!PyTuple_Check(args[2]) && !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "write_cells: known must be a tuple or list");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[2], "write_cells: known must be a tuple or list");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n_known = PySequence_Fast_GET_SIZE(seq), n_cells = nargs - 3, n = n_known + n_cells;
+    PyObject *all[64];
+    if ((unsigned long long)n_known != spec[1] || (unsigned long long)n_cells != spec[3] || n > 64) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n_known; i++) all[i] = items[i];
+    for (Py_ssize_t i = 0; i < n_cells; i++) all[n_known + i] = args[3 + i];
+    PyObject *out = NULL;
+    int passed = accepted("write_cells", args[1], all, n);
+    if (passed <= 0) goto done;
+    const unsigned long long *known = spec + 5, *cells = known + n_known, *words = cells + n_cells;
+    PyObject *const *step = all + n_known;
+    for (Py_ssize_t i = 0; i < n_known; i++) {
+        if ((unsigned long long)(uintptr_t)reader(all[i]) != known[i]) goto done;
+    }
+    if (n_cells >= 2) {
+        uintptr_t bases = (uintptr_t)reader(step[0]) | (uintptr_t)reader(step[1]);
+        if (((bases & 15) == 0) != (spec[2] != 0)) goto done;
+    }
+    out = pointers(step, n_cells);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n_cells; i++)
+        *(unsigned long long *)(uintptr_t)cells[i] = (uintptr_t)reader(step[i]);
+    for (unsigned long long j = 0; j < spec[4]; j++)
+        *(unsigned long long *)(uintptr_t)words[2 * j] = words[2 * j + 1];
+done:
+    Py_DECREF(seq);
+    if (out == NULL && passed >= 0 && !PyErr_Occurred()) Py_RETURN_NONE;
     return out;
 }
 
@@ -134,6 +205,7 @@ static PyMethodDef methods[] = {
     {"fire", fire, METH_O, "fire(record_address) -> the launch entry point's result"},
     {"use_reader", (PyCFunction)(void (*)(void))use_reader, METH_FASTCALL, "use_reader(address, tensor type)"},
     {"checked_ptrs", (PyCFunction)(void (*)(void))checked_ptrs, METH_FASTCALL, "checked_ptrs(check, *tensors) -> their data pointers, or None"},
+    {"write_cells", (PyCFunction)(void (*)(void))write_cells, METH_FASTCALL, "write_cells(spec, check, known, *step) -> the written pointers, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvmgr.kernels.launch.cells import StepCells
 from kvmgr.kernels.launch.libcuda import Libcuda
 from kvmgr.kernels.launch.native import Record, native_fire
 from kvmgr.kernels.launch.signature import CELL, Packing
@@ -144,7 +145,7 @@ class PackedLaunch(TritonLaunch):
         hidden = [base + _HEADER_BYTES + 8 * (len(order) + k) for k in range(packing.num_hidden)]
         addresses = [base + offset[i] for i, ty in enumerate(types) if ty is not None] + hidden
         self.params = (ctypes.c_void_p * len(addresses))(*addresses)
-        self._types, self._offset = types, offset
+        self._types, self._offset, self._formats = types, offset, cells
         self.device = device
         self._block, self._shared = packing.block, packing.shared
         self._call = (ctypes.c_void_p(base), ctypes.c_void_p(packing.function), self.params, None)
@@ -173,14 +174,16 @@ class PackedLaunch(TritonLaunch):
         from the rule's reader), then a launch over ``grid`` on ``stream`` (a torch stream; None:
         the bound device's current one); the header is rewritten only when the grid or stream
         differs from the last launch's. ``values`` None: no new values (:meth:`launch`, which is
-        this method: one Python call per launch either way).
+        this method: one Python call per launch either way), or values already written to the
+        cells (:meth:`step_cells`) for the ``args`` given.
 
         Raises:
             OverflowError: a value does not fit its cell (another specialization).
             RuntimeError: the driver refused the launch (its error name in the message).
         """
-        if values is not None:  # as set(), inlined: the per-step path
+        if args is not None:  # Triton's launch (the fallback) takes the Python arguments
             self._changed = args
+        if values is not None:  # as set(), inlined: the per-step path
             try:
                 self._pack_values(self._buffer, _HEADER_BYTES, *values)
             except struct.error as exc:
@@ -220,6 +223,23 @@ class PackedLaunch(TritonLaunch):
             self._pack_values(self._buffer, _HEADER_BYTES, *values)
         except struct.error as exc:
             raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
+
+    def step_cells(self, known: Sequence[int], aligned: bool, pointers: Sequence[int], words: Sequence[tuple[int, Any]]) -> StepCells:  # fmt: skip
+        """What :func:`~kvmgr.kernels.launch.cells.cell_writer` writes for a step:
+        the tensors after ``known`` (their pointers compared) to the cells of the varying
+        arguments ``pointers``, and ``words`` (``(index, value)`` of varying arguments, e.g. a
+        step's ints) packed as :meth:`set` packs them. A launch then passes the same arguments
+        to :meth:`run` as ``args``, without ``values``.
+
+        Raises:
+            OverflowError: a value does not fit its cell.
+        """
+        base = ctypes.addressof(self._buffer)
+        try:
+            packed = [(base + self._offset[i], int.from_bytes(struct.pack("<" + self._formats[i], _value(v)).ljust(8, b"\0"), "little")) for i, v in words]  # fmt: skip
+        except struct.error as exc:
+            raise OverflowError(f"a launch argument does not fit its cell: {exc}") from None
+        return StepCells(known, aligned, [base + self._offset[i] for i in pointers], packed, self)
 
     def value(self, index: int) -> Any:
         """The packed value of argument ``index`` (an int or float; None for a constexpr)."""

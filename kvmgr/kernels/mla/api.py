@@ -47,6 +47,7 @@ __all__ = ["KV_CACHE_DTYPES", "grouped_mla_insert", "mla_insert_reference", "per
 
 _MEMO = InsertMemo()  # the cache sets grouped_mla_insert has seen (kvmgr.kernels.mla.memo)
 _steady_record = _MEMO.steady_record  # id(list) -> the record of its steady steps, or None
+_launch_steady = _MEMO.launch_steady
 
 
 def grouped_mla_insert(
@@ -98,16 +99,20 @@ def grouped_mla_insert(
     """
     steady = not check_slots and block_tokens is None and num_warps is None
     record = _steady_record(id(caches)) if steady else None
-    if record is not None and _MEMO.launch_steady(record, caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
+    if record is not None and _launch_steady(record, caches, kv_cache_dtype, direct_launch, kv_c, k_pe, slot_mapping, kv_scales) is not None:  # fmt: skip
         return
     check_dtype_and_scales(kv_cache_dtype, kv_scales)
     insert = _MEMO.insert_for(caches, kv_cache_dtype, direct_launch)
+    if record is not None:  # the record refused: the very same tensors may have changed in
+        insert._last = None  # place, so the insert's identity test must not launch them
     if check_slots:
         step = check_step(kv_c, k_pe, slot_mapping, kv_scales, kv_cache_dtype, insert.plan.meta,
                           allow_cpu=plan.IS_INTERPRETED)  # fmt: skip
         check_slot_range(step, caches)
     insert(kv_c, k_pe, slot_mapping, kv_scales, True, None, block_tokens, num_warps)
-    if steady and insert.fired is not None:  # a steady step: one guard for caches and step next
+    # a steady step (new tensors of a guarded signature, or the last call's tensors again): one
+    # guard for caches and step next
+    if steady and (insert.fired is not None or record is None):
         _MEMO.remember_steady(caches, insert, kv_c, k_pe, slot_mapping, kv_scales)
 
 

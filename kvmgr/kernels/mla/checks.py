@@ -5,7 +5,7 @@ Offers:
                                     largest finite value)
     CacheMeta, Step                 what the caches and one step's tensors were checked as
     check_dtype_and_scales, check_caches, is_uniform, check_step, unchecked_step,
-    check_slot_range, layer_slots
+    check_slot_range, layer_slots, any_meta
 
 Per-step checks are attribute reads only (no torch ops), so they cost a few microseconds; the
 opt-in :func:`check_slot_range` is the one with a reduction and a device->host sync. Imports
@@ -19,11 +19,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvmgr._tensor_guard import tensor_guard  # re-exported: the family's modules use it
+from kvmgr._tensor_guard import any_meta, tensor_guard  # re-exported: the family's modules use them
 from kvmgr.errors import ConfigError, GeometryError, InvalidBlockError
 
 __all__ = [
-    "FP8_FORMATS", "KV_CACHE_DTYPES", "CacheMeta", "Step", "check_caches",
+    "FP8_FORMATS", "KV_CACHE_DTYPES", "CacheMeta", "Step", "any_meta", "check_caches",
     "check_dtype_and_scales", "check_slot_range", "check_step", "is_uniform", "layer_slots",
     "tensor_guard", "unchecked_step",
 ]  # fmt: skip
@@ -85,6 +85,8 @@ def check_caches(caches: Sequence[torch.Tensor], kv_cache_dtype: str) -> CacheMe
     if fp8 is None and first.dtype not in INPUT_DTYPES:
         raise _fail("caches[0].dtype for 'auto'", "bfloat16, float16 or float32", first.dtype)
     width, device = (first.shape[-1] if first.dim() else 0), first.get_device()
+    if device < 0 and any_meta(*caches):  # get_device() is -1 for the CPU and meta alike
+        raise _fail("caches' device", "cuda (cpu needs TRITON_INTERPRET=1)", "meta")
     for layer, cache in enumerate(caches):
         if cache.dim() != 3 or cache.shape[2] != width:
             got = tuple(cache.shape)
@@ -127,8 +129,9 @@ def check_step(
     if kv_strides[2] != 1 or pe_strides[2] != 1 or rank == 0 or rope_dim == 0:
         raise _fail("kv_c, k_pe last dims", "contiguous and non-empty", (kv_strides, pe_strides))
     device = kv_c.get_device()
-    if device < 0 and not allow_cpu:
-        raise _fail("kv_c.device", "cuda (cpu needs TRITON_INTERPRET=1)", kv_c.device)
+    if device < 0 and (not allow_cpu or any_meta(kv_c, k_pe, slot_mapping, kv_scales)):
+        got = "meta" if any_meta(kv_c, k_pe, slot_mapping, kv_scales) else kv_c.device
+        raise _fail("kv_c, k_pe, slot_mapping, kv_scales device", "cuda (cpu needs TRITON_INTERPRET=1)", got)  # fmt: skip
     if k_pe.get_device() != device or meta.device != device or slot_mapping.get_device() != device:
         raise _fail("k_pe, caches, slot_mapping device indices", device, (k_pe.get_device(), meta.device, slot_mapping.get_device()))  # fmt: skip
     if meta.num_layers != num_layers or meta.width != rank + rope_dim:

@@ -48,12 +48,13 @@ from typing import Any
 import torch
 
 from kvmgr._tensor_guard import tensor_guard
+from kvmgr.kernels.launch.native import checked_data_ptrs
 from kvmgr.kernels.mla.insert import GroupedInsert
 from kvmgr.kernels.mla.plan import CacheKey, cache_key, checked_key, make_plan
+from kvmgr.kernels.mla.steady import guard_step
 
 __all__ = ["InsertMemo"]
 
-_data_ptr = torch.Tensor.data_ptr
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)  # fmt: skip
 
 
@@ -71,9 +72,11 @@ class InsertMemo:
         # id(list) -> (kv_cache_dtype, direct, ptrs, shape, strides, dtype, contiguous, device,
         # guard or None, key, insert)
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
-        # id(list) -> (guard of the caches and one step, has scales, kv_cache_dtype, direct,
-        # key, insert, the insert's guarded signature it pairs with): see launch_steady
+        # id(list) -> (insert, kv_cache_dtype, direct, key, the insert's guarded signature it
+        # pairs with, then of the caches' and one step's guarded signature (kvmgr.kernels.mla
+        # .steady) its guard's check, has scales, read, cells address or None, and itself)
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
+        self._fresh: int | None = None  # id of the list insert_for met first in this call
 
     @property
     def steady_record(self) -> Any:
@@ -94,7 +97,7 @@ class InsertMemo:
             GeometryError: the caches are unfit for the grouped kernel (as ``checked_key``).
             ConfigError: the first call for these caches happens under CUDA-graph capture.
         """
-        lists = self._lists
+        lists, self._fresh = self._lists, None
         seen = lists.get(id(caches))
         if seen is None or seen[0] != kv_cache_dtype or seen[1] != direct:
             key, insert = self._lookup(caches, kv_cache_dtype, bool(direct))
@@ -118,50 +121,55 @@ class InsertMemo:
         """Launch a steady step of a known list in one check, or return None (nothing done);
         ``steady``: the list's record (``steady_record(id(caches))``, not None).
 
-        A steady loop passes one cache list and new step tensors of the insert's guarded
-        signature (:attr:`~kvmgr.kernels.mla.insert.GroupedInsert.guarded`): for it
-        :meth:`remember_steady` built ONE tensor guard over the caches and that step. A call that
-        passes it (dtype, device, sizes, strides of every cache and step tensor; the scales'
-        presence), whose caches have the key's pointers, with the same ``kv_cache_dtype``,
-        ``direct`` and guarded signature, is that cache set and step signature: the insert's
-        ``fire`` launches it; ``T``. The insert's last ``kv_c`` again answers None (persistent
-        step buffers: the insert's same-tensors path costs less)."""
-        last = steady[5]._last
-        if last is not None and kv_c is last[0]:
-            return None
-        guard, scaled, dtype, is_direct, key, insert, guarded = steady
+        :meth:`remember_steady` built ONE tensor guard over the caches and a step the insert
+        launched (:mod:`kvmgr.kernels.mla.steady`). A call that passes it (dtype, device, sizes,
+        strides of every cache and step tensor; the scales' presence), whose caches have the
+        key's pointers and whose bases the step's alignment, with the same ``kv_cache_dtype``,
+        ``direct`` and insert's guarded signature as then, is launched by the insert's ``fire``
+        with that step's launch; ``T``. On a packed launch those tests and the writes of the
+        step's pointers and ints into the launch's cells are one C call. New step tensors (a
+        serving loop) and the very same ones (persistent buffers, a cache set per call) alike."""
+        insert, dtype, is_direct, key, guarded, check, scaled, read, cells, mine = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
-        try:  # the guard's verdict and every pointer in one C call
-            if scaled:
-                ptrs = guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping, kv_scales)
+        if (kv_scales is not None) is not scaled:
+            return None  # the scales' presence is the record's
+        try:  # the guard's verdict and every pointer in one C call (with cells: also written)
+            if cells is not None:
+                ptrs = read(cells, check, caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, caches, kv_c, k_pe, slot_mapping)  # fmt: skip
             else:
-                ptrs = None if kv_scales is not None else guarded[4](guard.check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
+                ptrs = read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
         except TypeError:  # not tensors, or another number of them
-            return None
-        num_caches = len(caches)
-        if ptrs is None or ptrs[:num_caches] != key[0][5]:
+            ptrs = None
+        if cells is None and ptrs is not None:  # read, not compared: the caches' come first
+            ptrs = ptrs[len(caches) :] if ptrs[: len(caches)] == key[0][5] else None
+        if ptrs is None:
             return None
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
-        return insert.fire(guarded, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs[num_caches:])
+        return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None)
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
         k_pe: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
     ) -> None:  # fmt: skip
-        """After a call that ``insert_for(caches, ...)`` answered with ``insert`` and that
-        launched through the insert's guarded signature (``insert.fired``): guard the caches and
-        this step together for :meth:`launch_steady`."""
-        seen = self._lists.get(id(caches))
-        guarded = insert.fired
-        if seen is None or seen[-1] is not insert or guarded is None:
+        """After a call that ``insert_for(caches, ...)`` answered with ``insert`` for a list seen
+        before and that launched these very tensors (``insert``'s last launch; through a plain
+        signature): guard the caches and this step together for :meth:`launch_steady`. A list
+        new in this call gets no record (a caller passing a new list each call would build a
+        guard per call)."""
+        seen, last = self._lists.get(id(caches)), insert._last
+        if seen is None or seen[-1] is not insert or self._fresh == id(caches) or last is None:
+            return
+        if last[0] is not kv_c or last[1] is not k_pe or last[2] is not slot_mapping or last[3] is not kv_scales or not insert._plain:  # fmt: skip
             return
         step = (kv_c, k_pe, slot_mapping) if kv_scales is None else (kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
-        guard = tensor_guard((*caches, *step))
-        if guard is None:
+        aligned = (last[4][0] | last[4][1]) & 15 == 0
+        mine = guard_step((*caches, *step), (last[6], last[5], last[7]), aligned, seen[-2][0][5])
+        if mine is None:
             return
-        self._steady[id(caches)] = (guard, kv_scales is not None, seen[0], seen[1], seen[-2], insert, guarded)  # fmt: skip
+        # the record: launch_steady's unpacking order; the last item holds the cells' memory
+        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], insert.guarded, *mine[:2], *mine[4:6], mine)  # fmt: skip
         self._steady.move_to_end(id(caches))
         if len(self._steady) > self._max_sets:
             self._steady.popitem(last=False)
@@ -181,6 +189,7 @@ class InsertMemo:
                 recent.popitem(last=False)
         _, _, shape, strides, dtype, ptrs = key[0]
         contiguous = strides == _contiguous_strides(shape)
+        self._fresh = id(caches)  # a list new in this call: remember_steady skips it
         self._lists[id(caches)] = (kv_cache_dtype, direct, ptrs, shape, strides, dtype,
                                    contiguous, key[0][1], tensor_guard(caches), key, insert)  # fmt: skip
         self._lists.move_to_end(id(caches))
@@ -219,8 +228,8 @@ def _unchanged(seen: tuple[Any, ...], caches: Sequence[torch.Tensor]) -> bool:
 def _guard_passes(guard: Any, caches: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
     """Whether ``guard`` passes ``caches`` (as many, each of the dtype, device, sizes and strides
     it was built from) and their pointers are ``ptrs``: the key they were remembered under."""
-    try:
-        return guard.check(*caches) and tuple(map(_data_ptr, caches)) == ptrs  # type: ignore[no-any-return]  # fmt: skip
+    try:  # the verdict and the pointers in one C call (kvmgr.kernels.launch.native)
+        return checked_data_ptrs()(guard.check, *caches) == ptrs
     except TypeError:  # another number of caches
         return False
 

@@ -30,6 +30,7 @@ from kvmgr.kernels.mla.checks import (
     CacheMeta,
     Step,
     _fail,
+    any_meta,
     check_caches,
     is_uniform,
     layer_slots,
@@ -96,6 +97,8 @@ def cache_key(caches: Sequence[torch.Tensor], kv_cache_dtype: str) -> CacheKey |
             return None
         if cache.get_device() != device:
             return None
+    if device < 0 and any_meta(*caches):  # -1: the CPU, or meta (checked_key refuses it)
+        return None
     return (kv_cache_dtype, device, shape, strides, dtype, ptrs)
 
 
