@@ -62,7 +62,13 @@ WARMUP = 10
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per variant")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--policies", nargs="+", choices=("lru", "arc"), default=("lru", "arc"))
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=("lru", "arc"),
+        default=("lru", "arc"),
+        help="the eviction policies measured on both sides",
+    )
 
 
 # -- kvmgr's side ---------------------------------------------------------------------------------
