@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvmgr._native import checked_data_ptrs
 from kvmgr._tensor_guard import tensor_guard
 
 __all__ = ["TensorGuard"]
@@ -31,6 +32,8 @@ class TensorGuard:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._tensors = tensors
         self._ptrs = list(map(_data_ptr, tensors))
+        self._ptr_tuple = tuple(self._ptrs)  # what ``_read`` returns for unmoved tensors
+        self._read = checked_data_ptrs()  # the check's verdict and the pointers in one C call
         self._shapes = list(map(_shape, tensors))
         self._strides = list(map(_stride, tensors))
         self._dtypes = list(map(_dtype, tensors))
@@ -42,8 +45,10 @@ class TensorGuard:
         dtype changed (``resize_``, ``set_``, ``as_strided_``, ``.data =``, an in-place view
         op). Exact, once per flush. Fast path: torch's C++ tensor check built from the tensors
         as remembered (``torch._C._dynamo.guards.TensorGuards``: dtype, device, every size and
-        stride; about 0.3 us a tensor on a 2-core VM) plus one ``map`` of ``data_ptr()``; where
-        both pass, nothing moved. Anything else (the check refuses, e.g. under another grad
+        stride; about 0.3 us a tensor on a 2-core VM) and, where it accepts them, their
+        ``data_ptr()``s, in one C call (:func:`kvmgr._native.checked_data_ptrs`; the same in
+        Python where kvmgr's C module does not build); where the check passes and every pointer
+        is the one remembered, nothing moved. Anything else (the check refuses, e.g. under another grad
         mode or dispatch keys, or this torch has none) is decided by the four-list compare of
         pointers, shapes, strides and dtypes (4 C calls a tensor), which also words the
         message. A check that refused tensors the compare accepts is rebuilt in the current
@@ -53,7 +58,7 @@ class TensorGuard:
         check = self._check
         if check is not None:
             try:
-                if check.check(*tensors) and list(map(_data_ptr, tensors)) == self._ptrs:
+                if self._read(check.check, *tensors) == self._ptr_tuple:
                     self._rebuilt = False
                     return None
             except Exception:  # e.g. another number of tensors: the compare decides

@@ -37,6 +37,7 @@ from triton.knobs import HookChain
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from kvmgr import _native
 from kvmgr._tensor_guard import tensor_guard
 from kvmgr.kernels.launch import (
     Launcher,
@@ -462,20 +463,20 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case,
 
 
 def test_the_c_driver_call_can_be_turned_off(monkeypatch):
-    native._module.cache_clear()
+    _native.c_module.cache_clear()
     native.checked_data_ptrs.cache_clear()
     monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
     try:
         assert native.native_fire() is None
         read = native.checked_data_ptrs()
-        assert read is native._python_checked_ptrs  # the same values, from Python
+        assert read is _native._python_checked_ptrs  # the same values, from Python
         words = torch.empty(4, dtype=torch.int32)
         guard = tensor_guard((words, words[1:]))
         assert read(guard.check, words, words[1:]) == (words.data_ptr(), words.data_ptr() + 4)
         assert read(guard.check, words, words) is None
     finally:
         monkeypatch.undo()
-        native._module.cache_clear()
+        _native.c_module.cache_clear()
         native.checked_data_ptrs.cache_clear()
 
 
@@ -507,7 +508,7 @@ def test_checked_data_ptrs_reads_only_what_the_guard_accepts():
         assert read(one.check, bad) is None
     with pytest.raises(TypeError):  # another number of tensors: the guard's own error
         read(guard.check, words)
-    if read is not native._python_checked_ptrs:  # the C function checks its arguments' type
+    if read is not _native._python_checked_ptrs:  # the C function checks its arguments' type
         for bad in (None, 3, words.numpy()):
             with pytest.raises(TypeError, match="not a tensor"):
                 read(lambda *args: True, words, bad)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvmgr import _tensor_guard
+from kvmgr import _native, _tensor_guard
 from kvmgr.worker.tensors import TensorGuard
 
 BLOCKS, PAGE = 6, 64
@@ -89,7 +89,7 @@ def _reference(kv: list[torch.Tensor], before: list[tuple[object, ...]]) -> int 
 @pytest.mark.parametrize("check_mode", MODES)
 @pytest.mark.parametrize("build_mode", MODES)
 @pytest.mark.parametrize("move", list(MOVES))
-@pytest.mark.parametrize("guard", ["torch", "compare only"])
+@pytest.mark.parametrize("guard", ["torch", "torch, pointers in Python", "compare only"])
 def test_every_move_is_reported_in_every_grad_mode(
     guard: str, move: str, build_mode: str, check_mode: str, device: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -100,6 +100,8 @@ def test_every_move_is_reported_in_every_grad_mode(
     before = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in kv]
     with _mode(build_mode):
         tensor_guard = TensorGuard(kv)
+    if guard == "torch, pointers in Python":  # kvmgr's C module did not build
+        tensor_guard._read = _native._python_checked_ptrs
     assert (tensor_guard._check is None) is (guard == "compare only")
     with _mode(check_mode):  # unmoved: never reported, twice (the second after any rebuild)
         assert tensor_guard.moved() is None
@@ -172,3 +174,30 @@ def test_a_check_that_raises_falls_back_to_the_compare(monkeypatch: pytest.Monke
     assert tensor_guard.moved() is None  # the compare zips the remembered ones
     _retype(kv)
     assert tensor_guard.moved().startswith("KV tensor 2 moved")
+
+
+@pytest.mark.parametrize("reader", ["C", "Python"])
+def test_unmoved_tensors_are_decided_by_the_fast_path(
+    reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the check's verdict and the pointers (one C call where kvmgr's C module builds) decide
+    # unmoved tensors: the four-list compare never runs; a moved pointer still reaches it
+    kv = _kv("cpu")
+    tensor_guard = TensorGuard(kv)
+    if reader == "C":
+        if _native.checked_data_ptrs() is _native._python_checked_ptrs:
+            pytest.skip("kvmgr's C module does not build here")
+        assert tensor_guard._read is _native.checked_data_ptrs()
+    else:
+        tensor_guard._read = _native._python_checked_ptrs
+    compared: list[str | None] = []
+    compare = tensor_guard._compare
+    monkeypatch.setattr(
+        tensor_guard, "_compare", lambda: compared.append(compare()) or compared[-1]
+    )
+    for _ in range(3):
+        assert tensor_guard.moved() is None
+    assert compared == []
+    _set_storage(kv)  # the same shape and strides (the check passes), another pointer
+    assert tensor_guard.moved().startswith("KV tensor 1 moved")
+    assert len(compared) == 1

@@ -1,10 +1,10 @@
-"""A bound launch's step cells as the C writer of :mod:`kvmgr.kernels.launch.native` takes them.
+"""A bound launch's step cells as the C writer of :mod:`kvmgr._native` takes them.
 
 Offers (to :mod:`kvmgr.kernels.launch.packed` and the kernels' owners):
     StepCells   what ``cell_writer()(cells.address, check, known, *step)`` checks and
                 writes: the pointers the known tensors must have, the cells the step tensors'
                 pointers go to, the words written with them; in C memory (one ``uint64`` array)
-    cell_writer ``write_cells`` of the C module of :mod:`kvmgr.kernels.launch.native` (that
+    cell_writer ``write_cells`` of the C module of :mod:`kvmgr._native` (that
                 check of ``(*known, *step)``, the known pointers compared, the step's written
                 and returned, in one call), or None where it does not build
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvmgr.kernels.launch.native import _module, checked_data_ptrs
+from kvmgr._native import c_module, checked_data_ptrs
 
 __all__ = ["StepCells", "cell_writer"]
 
@@ -53,7 +53,7 @@ def cell_writer() -> Callable[..., tuple[int, ...] | None] | None:
     alignment is as given, the ``step`` tensors' ``data_ptr()``s written to their cells and the
     words to theirs, and those pointers returned; else None, nothing written. ONE C call; None where :func:`checked_data_ptrs` is
     not the C one or a probe write disagrees (callers then read and pack in Python)."""
-    module = _module()
+    module = c_module()
     if module is None or checked_data_ptrs() is not getattr(module, "checked_ptrs", None):
         return None
     try:
