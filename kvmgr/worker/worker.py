@@ -98,6 +98,8 @@ class TransferWorker:
             Direction.D2H: (self.gpu_layout, cpu_layout),
             Direction.H2D: (cpu_layout, self.gpu_layout),
         }
+        # a store is split between the ranks (``KVGeometry.writer``): else every block is ours
+        self._split_stores = layout == "replicated" and num_ranks > 1
         self._handles: dict[int, BatchHandle] = {}
         self._last: dict[Direction, BatchHandle] = {}  # the last job submitted, per direction
         self._prebuilt: dict[int, TransferPlan] = {}  # job id -> its plan (``order``)
@@ -120,22 +122,20 @@ class TransferWorker:
     def _share(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray]:
         """(GPU ids, CPU ids) this rank copies: every block, except under the replicated layout
         where a store is written by one rank per block (``KVGeometry.writer``)."""
-        geometry = self.geometry
-        if (
-            job.direction is Direction.D2H
-            and geometry.layout == "replicated"
-            and geometry.num_ranks > 1
-        ):
-            mine = geometry.writer(job.cpu_ids) == self.rank
+        if job.direction is Direction.D2H and self._split_stores:
+            mine = self.geometry.writer(job.cpu_ids) == self.rank
             return job.gpu_ids[mine], job.cpu_ids[mine]
         return job.gpu_ids, job.cpu_ids
 
     def _plan(self, job: TransferJob) -> TransferPlan:
-        gpu_ids, cpu_ids = self._share(job)
         direction = job.direction
-        src, dst = (gpu_ids, cpu_ids) if direction is Direction.D2H else (cpu_ids, gpu_ids)
         src_layout, dst_layout = self._layouts[direction]
-        return build_plan(direction, src_layout, dst_layout, src, dst, merge=self.merge)
+        if direction is Direction.D2H:
+            if self._split_stores:
+                gpu_ids, cpu_ids = self._share(job)
+                return build_plan(direction, src_layout, dst_layout, gpu_ids, cpu_ids, merge=self.merge)  # fmt: skip
+            return build_plan(direction, src_layout, dst_layout, job.gpu_ids, job.cpu_ids, merge=self.merge)  # fmt: skip
+        return build_plan(direction, src_layout, dst_layout, job.cpu_ids, job.gpu_ids, merge=self.merge)  # fmt: skip
 
     def order(self, d2h: TransferJob, h2d: TransferJob) -> tuple[TransferJob, TransferJob]:
         """The order to submit one step's store and load jobs in: the engine's choice where it
@@ -172,16 +172,28 @@ class TransferWorker:
                 must follow (an open layerwise store).
             KVMgrError: the plan could not be built (bad ids).
         """
-        moved = None if checked else self._guard.moved()
-        if moved is not None:
+        if not checked and (moved := self._guard.moved()) is not None:
             raise StaleKVTensorError(moved)
-        try:
-            plan = self._prebuilt.pop(job.job_id, None) or self._plan(job)
-            handle = self._submit(job, plan)
+        handles, job_id = self._handles, job.job_id
+        wait_for: Sequence[BatchHandle] = ()  # the engines' default: nothing to follow
+        try:  # one frame from here to the engine (each one a cold step pays for)
+            plan = self._prebuilt.pop(job_id, None) or self._plan(job)
+            if job.wait_for:
+                wait_for = [handles[j] for j in job.wait_for if j in handles]
+                check_orderable(wait_for, job.direction)  # the host engine would run it at once
+            handle = self.engine.submit(plan, wait_for=wait_for)
+        except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
+            self._stand_in(job)
+            if any(h.end_event is None and not h.done() for h in wait_for):
+                raise TransferError(
+                    f"the {job.direction.value} job cannot be fenced on a batch in flight "
+                    f"without an end event: {exc}"
+                ) from exc
+            raise
         except BaseException:
             self._stand_in(job)
             raise
-        self._handles[job.job_id] = self._last[job.direction] = handle
+        handles[job_id] = self._last[job.direction] = handle
         pairs = plan.blocks  # build_plan's own record: its byte count, no second sum
         return Submitted(
             handle,
@@ -190,20 +202,6 @@ class TransferWorker:
             plan.num_descriptors,
             plan.num_bytes if pairs is None else pairs.num_bytes,
         )
-
-    def _submit(self, job: TransferJob, plan: TransferPlan) -> BatchHandle:
-        handles = self._handles
-        wait_for = [handles[j] for j in job.wait_for if j in handles]
-        check_orderable(wait_for, job.direction)  # the host engine would run it at once
-        try:
-            return self.engine.submit(plan, wait_for=wait_for)
-        except ValueError as exc:  # a CUDA engine cannot fence on a batch without an event
-            if any(h.end_event is None and not h.done() for h in wait_for):
-                raise TransferError(
-                    f"the {job.direction.value} job cannot be fenced on a batch in flight "
-                    f"without an end event: {exc}"
-                ) from exc
-            raise
 
     def _stand_in(self, job: TransferJob) -> None:
         """``job`` was refused here but may run on other ranks, so later jobs of the other
