@@ -2,6 +2,7 @@
 without depending on each other.
 
 Offers:
+    build               a C extension module compiled from its source (Triton's helper), or None
     c_module            the compiled module (``fire``, ``use_reader``, ``checked_ptrs``,
                         ``write_cells``), built once; None where it cannot be
     checked_data_ptrs   ``checked_data_ptrs()(check, *tensors)``: their ``data_ptr()``s where a
@@ -49,7 +50,7 @@ try:  # torch's C reader of a tensor's data pointer lives with dynamo's guards
 except ImportError:  # pragma: no cover - a torch without dynamo
     _guards = None
 
-__all__ = ["c_module", "checked_data_ptrs"]
+__all__ = ["build", "c_module", "checked_data_ptrs"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -217,18 +218,25 @@ PyMODINIT_FUNC PyInit_kvmgr_fire(void) { return PyModule_Create(&module); }
 _data_ptr = torch.Tensor.data_ptr
 
 
-@functools.cache
-def c_module() -> Any:
-    """The C module (module docstring), built once; None where it cannot be (or with
-    ``KVMGR_NATIVE_LAUNCH=0``)."""
+def build(source: str, name: str) -> Any:
+    """The C extension module ``name`` compiled from ``source`` by Triton's helper (cached per
+    machine by Triton), or None where it cannot be built (no Triton, no C compiler, no Python
+    headers) or ``KVMGR_NATIVE_LAUNCH=0`` is set. Callers cache the result."""
     if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
         return None
     try:
         from triton.runtime.build import compile_module_from_src
 
-        return compile_module_from_src(_SOURCE, "kvmgr_fire")
-    except Exception:  # no C compiler, no Python headers, another Triton: the ctypes call
+        return compile_module_from_src(source, name)
+    except Exception:  # no C compiler, no Python headers, another Triton: the Python paths
         return None
+
+
+@functools.cache
+def c_module() -> Any:
+    """The C module (module docstring), built once; None where it cannot be (or with
+    ``KVMGR_NATIVE_LAUNCH=0``)."""
+    return build(_SOURCE, "kvmgr_fire")
 
 
 def _python_checked_ptrs(check: Callable[..., bool], *tensors: torch.Tensor) -> tuple[int, ...] | None:  # fmt: skip

@@ -3,7 +3,8 @@ descriptors is ``kvmgr.transfer._pairs``).
 
 Offers (to :mod:`kvmgr.transfer.plan`):
     Runs            block pairs sorted and cut into runs of consecutive ids on both sides
-    find_runs       checked block ids -> ``Runs``, O(pairs) in about a dozen numpy operations
+    find_runs       checked block ids -> ``Runs``, O(pairs): one C call where it builds, else
+                    ``find_runs_numpy``, about a dozen numpy operations
     int_ids         ids as a 1-D int64 array (no copy for one already)
     check_hazards   reject a batch that writes one destination twice
 
@@ -18,8 +19,9 @@ import attrs
 import numpy as np
 
 from kvmgr.errors import HazardError, InvalidBlockError
+from kvmgr.transfer._runs_c import sort_pairs
 
-__all__ = ["Runs", "check_hazards", "find_runs", "int_ids"]
+__all__ = ["Runs", "check_hazards", "find_runs", "find_runs_numpy", "int_ids"]
 
 _I64 = np.dtype(np.int64)
 _MAX_IOTA = 1 << 21  # the cached range of block ids: at most 16 MiB
@@ -80,13 +82,34 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
     With ``merge``, pairs are sorted by source block (stable) and each run of consecutive
     source and destination blocks becomes one run; without, each pair is a run, in call order.
 
-    The numpy calls are chosen for a cold cache (C methods, no ufunc where a byte comparison
-    does): consecutive ids are recognised by comparing their bytes with a range's.
+    Merged pairs that are valid are checked and sorted in one C call where kvmgr's C modules
+    build (:mod:`kvmgr.transfer._runs_c`; its result is exactly the numpy path's); anything
+    else, and every error, takes the numpy path (:func:`find_runs_numpy`).
 
     Raises:
         InvalidBlockError: an id is outside ``[0, num_src)`` / ``[0, num_dst)``.
         HazardError: a destination block repeats.
     """
+    n = len(s)
+    if merge and n > 1 and (sort := sort_pairs()) is not None:
+        s_out, d_out = np.empty(n, dtype=_I64), np.empty(n, dtype=_I64)
+        code = sort(s, d, num_src, num_dst, s_out, d_out)
+        if code == 0:  # both consecutive: one run
+            return Runs(s, d, s[:1], d[:1], np.array([n], dtype=np.int64), n)
+        if code == 1:  # sorted, no pair continues its neighbour on both sides
+            return Runs(s_out, d_out, s_out, d_out, None, 1)
+        if code == 2:
+            breaks = s_out[1:] - s_out[:-1] != 1
+            breaks |= d_out[1:] - d_out[:-1] != 1
+            return _merged(s_out, d_out, breaks)
+    return find_runs_numpy(s, d, num_src, num_dst, merge)
+
+
+def find_runs_numpy(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: bool) -> Runs:  # fmt: skip
+    """``find_runs`` in numpy alone (the same arguments, result and errors).
+
+    The numpy calls are chosen for a cold cache (C methods, no ufunc where a byte comparison
+    does): consecutive ids are recognised by comparing their bytes with a range's."""
     n = len(s)
     d_range = _is_range(d, n, num_dst)  # consecutive destinations: in range, no repeat
     if merge and d_range and _is_range(s, n, num_src):  # the common case: one run
@@ -107,9 +130,14 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
     breaks |= d[1:] - d[:-1] != 1
     if np.count_nonzero(breaks) == n - 1:  # consecutive sources, scattered destinations
         return Runs(s, d, s, d, None, 1)
+    return _merged(s, d, breaks)
+
+
+def _merged(s: np.ndarray, d: np.ndarray, breaks: np.ndarray) -> Runs:
+    """The runs of sorted pairs ``s -> d`` given where they break (bool ``[n - 1]``)."""
     starts = np.flatnonzero(breaks)
     starts += 1
-    bounds = np.concatenate(((0,), starts, (n,)))
+    bounds = np.concatenate(((0,), starts, (len(s),)))
     lengths = bounds[1:] - bounds[:-1]
     firsts = bounds[:-1]
     return Runs(s, d, s[firsts], d[firsts], lengths, int(lengths.max()))
