@@ -22,6 +22,7 @@ import numpy as np
 
 from kvmgr.errors import GeometryError
 from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer._plan_c import fill_run
 from kvmgr.transfer._runs import Runs
 
 __all__ = ["LayoutPair", "layout_pair"]
@@ -54,7 +55,11 @@ class _Tensors:
         self.matrix = matrix.reshape(3 * count, 4)
 
     def fill_one(self, out: np.ndarray, src_block: int, dst_block: int, length: int) -> None:
-        """Write one run's descriptors into ``out`` (int64 ``[3, count]``, C-contiguous)."""
+        """Write one run's descriptors into ``out`` (int64 ``[3, count]``, C-contiguous): one C
+        call where kvmgr's C modules build (:mod:`kvmgr.transfer._plan_c`), else ``np.dot``."""
+        fill = fill_run()
+        if fill is not None and fill(self.matrix, out, src_block, dst_block, length):
+            return
         run = np.array((src_block, dst_block, length, 1), dtype=np.int64)
         np.dot(self.matrix, run, out=out.reshape(-1))
 

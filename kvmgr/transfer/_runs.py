@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from kvmgr.errors import HazardError, InvalidBlockError
-from kvmgr.transfer._runs_c import sort_pairs
+from kvmgr.transfer._plan_c import sort_pairs
 
 __all__ = ["Runs", "check_hazards", "find_runs", "find_runs_numpy", "int_ids"]
 
@@ -83,7 +83,7 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
     source and destination blocks becomes one run; without, each pair is a run, in call order.
 
     Merged pairs that are valid are checked and sorted in one C call where kvmgr's C modules
-    build (:mod:`kvmgr.transfer._runs_c`; its result is exactly the numpy path's); anything
+    build (:mod:`kvmgr.transfer._plan_c`; its result is exactly the numpy path's); anything
     else, and every error, takes the numpy path (:func:`find_runs_numpy`).
 
     Raises:
@@ -92,10 +92,12 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
     """
     n = len(s)
     if merge and n > 1 and (sort := sort_pairs()) is not None:
-        s_out, d_out = np.empty(n, dtype=_I64), np.empty(n, dtype=_I64)
-        code = sort(s, d, num_src, num_dst, s_out, d_out)
+        code = sort(s, d, num_src, num_dst, None, None)
         if code == 0:  # both consecutive: one run
             return Runs(s, d, s[:1], d[:1], np.array([n], dtype=np.int64), n)
+        if code == 3:  # else sorted into new arrays
+            s_out, d_out = np.empty(n, dtype=_I64), np.empty(n, dtype=_I64)
+            code = sort(s, d, num_src, num_dst, s_out, d_out)
         if code == 1:  # sorted, no pair continues its neighbour on both sides
             return Runs(s_out, d_out, s_out, d_out, None, 1)
         if code == 2:

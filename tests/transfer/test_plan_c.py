@@ -1,4 +1,4 @@
-"""``find_runs``' C call (``kvmgr.transfer._runs_c``) against the numpy path: the same runs, the
+"""``find_runs``' C call (``kvmgr.transfer._plan_c``) against the numpy path: the same runs, the
 same order (stable), the same errors, for random ids with repeats, gaps, runs and bad values."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmgr import _native
-from kvmgr.transfer import _runs, _runs_c
+from kvmgr.transfer import _pairs, _plan_c, _runs
 from kvmgr.transfer._runs import Runs, find_runs, find_runs_numpy
 
-needs_c = pytest.mark.skipif(_runs_c.sort_pairs() is None, reason="kvmgr's C modules do not build")
+needs_c = pytest.mark.skipif(_plan_c.sort_pairs() is None, reason="kvmgr's C modules do not build")
 
 
 def _outcome(fn, s, d, num_src, num_dst, merge):  # type: ignore[no-untyped-def]
@@ -104,7 +104,8 @@ def test_the_c_codes(s: list[int], d: list[int], code: int) -> None:
     n = len(s)
     s_out, d_out = np.full(n, -7, dtype=np.int64), np.full(n, -7, dtype=np.int64)
     args = (np.array(s, dtype=np.int64), np.array(d, dtype=np.int64), 10, 10, s_out, d_out)
-    assert _runs_c.sort_pairs()(*args) == code
+    assert _plan_c.sort_pairs()(*args[:4], None, None) == (3 if code else 0)  # no outputs yet
+    assert _plan_c.sort_pairs()(*args) == code
     if code in (1, 2):
         order = np.argsort(s, kind="stable")
         assert s_out.tolist() == np.take(s, order).tolist()
@@ -116,14 +117,14 @@ def test_the_c_codes(s: list[int], d: list[int], code: int) -> None:
 
 @needs_c
 def test_buffers_of_another_kind_are_left_to_numpy() -> None:
-    sort = _runs_c.sort_pairs()
+    sort = _plan_c.sort_pairs()
     ids = np.arange(8, dtype=np.int64)
     out = np.empty(4, dtype=np.int64)
     for s, d, s_out in [
         (ids[::2], ids[:4], out),  # strided
         (ids[:4].astype(np.int32), ids[:4], out),  # another dtype
         (ids[:4], ids[:3], out),  # another length
-        (ids[:4], ids[:4], np.empty(4, dtype=np.int64)[::-1]),  # a strided output
+        (ids[3::-1].copy(), ids[:4], np.empty(8, dtype=np.int64)[::2]),  # a strided output
         (ids[:1], ids[:1], out[:1]),  # one pair
     ]:
         assert sort(s, d, 10, 10, s_out, out.copy()) == -1
@@ -144,7 +145,7 @@ def test_without_the_c_module_the_numpy_path_decides(monkeypatch: pytest.MonkeyP
 
 def test_the_switch_turns_the_c_module_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
-    assert _native.build(_runs_c._SOURCE, "kvmgr_runs") is None
+    assert _native.build(_plan_c._SOURCE, "kvmgr_plan") is None
 
 
 @needs_c
@@ -152,3 +153,61 @@ def test_valid_merged_pairs_take_the_c_call(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_runs, "find_runs_numpy", lambda *a: pytest.fail("numpy path taken"))
     for s, d in [([0, 1, 2], [4, 5, 6]), ([6, 2, 4], [0, 1, 2]), ([5, 2, 3], [9, 0, 1])]:
         find_runs(np.array(s, dtype=np.int64), np.array(d, dtype=np.int64), 10, 10, True)
+
+
+@needs_c
+def test_one_runs_descriptors_match_numpys_dot_even_where_they_wrap() -> None:
+    fill = _plan_c.fill_run()
+    rng = np.random.default_rng(5)
+    for rows, scale in [(3, 1 << 12), (144, 1 << 40), (30, 1 << 62)]:
+        matrix = rng.integers(-scale, scale, size=(rows, 4), dtype=np.int64)
+        for s, d, length in [(0, 0, 1), (7, 3, 512), (1 << 40, 1 << 41, 1 << 20)]:
+            out = np.full(rows, -1, dtype=np.int64)
+            assert fill(matrix, out, s, d, length) is True
+            expect = np.dot(matrix, np.array((s, d, length, 1), dtype=np.int64))  # wraps too
+            assert out.tolist() == expect.tolist()
+    matrix = np.ones((6, 4), dtype=np.int64)
+    for bad_matrix, bad_out in [
+        (matrix, np.empty(5, dtype=np.int64)),  # another size
+        (matrix, np.empty(12, dtype=np.int64)[::2]),  # strided
+        (matrix.astype(np.int32), np.empty(6, dtype=np.int64)),  # another dtype
+        (matrix[:, :3].copy(), np.empty(6, dtype=np.int64)),  # rows of 3
+        (np.ones((8, 3), dtype=np.int64), np.empty(6, dtype=np.int64)),  # ... as many bytes
+        (np.ones(24, dtype=np.int64), np.empty(6, dtype=np.int64)),  # flat
+    ]:
+        before = bad_out.copy()
+        assert fill(bad_matrix, bad_out, 1, 2, 3) is False
+        assert bad_out.tobytes() == before.tobytes()  # nothing written
+
+
+@pytest.mark.parametrize("c", ["C", "numpy"])
+def test_fill_one_is_the_same_either_way(c: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if c == "C" and _plan_c.fill_run() is None:
+        pytest.skip("kvmgr's C modules do not build")
+    if c == "numpy":
+        monkeypatch.setattr(_pairs, "fill_run", lambda: None)
+    else:  # the C call writes it: numpy's dot is never reached
+        monkeypatch.setattr(_pairs.np, "dot", lambda *a, **k: pytest.fail("np.dot called"))
+    rng = np.random.default_rng(1)
+    src, dst = _layout(rng, 5, 40), _layout(rng, 5, 90)
+    tensors = _pairs.LayoutPair(src, dst)._dense
+    out = np.full((3, tensors.count), -1, dtype=np.int64)
+    tensors.fill_one(out, 6, 11, 9)
+    s = src.base_addrs + 6 * src.block_strides
+    d = dst.base_addrs + 11 * dst.block_strides
+    assert out.tolist() == [s.tolist(), d.tolist(), (9 * src.page_bytes).tolist()]
+
+
+def _layout(rng: np.random.Generator, tensors: int, blocks: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    from kvmgr.pool.layout import KVLayout
+
+    pages = np.full(tensors, 256, dtype=np.int64)
+    return KVLayout(
+        base_addrs=rng.integers(1 << 20, 1 << 40, size=tensors, dtype=np.int64),
+        block_strides=pages.copy(),
+        page_bytes=pages,
+        num_blocks=blocks,
+        device=torch.device("cpu"),
+    )
