@@ -2,7 +2,7 @@
 
     python3 scripts/step_pieces.py [--fake] [--repeats 200] [--swaps 512] [--json out.json]
 
-Helpers ``stepcuda2``, ``stepcuda3``. The step of ``kvmgr bench swap``'s step table (512 queued one-block
+Helpers ``stepcuda2``, ``stepcuda3``, ``stepflush``. The step of ``kvmgr bench swap``'s step table (512 queued one-block
 stores of 48 x 4 KiB pages; the ``cuda`` engine on consecutive GPU ids, the ``kernel`` engine on
 scattered ones), with the functions under the flush wrapped by a timer (``perf_counter_ns``):
 per piece, calls and min / p10 / median us over ``--repeats`` steps, nested pieces included in
@@ -46,6 +46,7 @@ PIECES = [
     ("kvmgr.worker.worker", "TransferWorker", "submit"),
     ("kvmgr.worker.worker", "TransferWorker", "_plan"),
     ("kvmgr.worker.worker", "", "build_plan"),
+    ("kvmgr.transfer.plan", "", "find_runs"),
     ("kvmgr.transfer.cuda_base", "CudaEngine", "submit"),
     ("kvmgr.transfer.streams", "CopyStreams", "submit"),
     ("kvmgr.transfer.dma", "DmaCopy", "issue"),
