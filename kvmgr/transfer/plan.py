@@ -36,9 +36,10 @@ from kvmgr._direction import Direction  # the scheduler's (torch-free) name for 
 from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer._pairs import LayoutPair, layout_pair
+from kvmgr.transfer._plan_c import fill_run
 from kvmgr.transfer._runs import Runs, check_hazards, find_runs, int_ids
 
-__all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards"]
+__all__ = ["BlockPairs", "Direction", "TransferPlan", "build_plan", "check_hazards", "prepare"]
 
 
 _NO_DESCRIPTORS = np.zeros((3, 0), dtype=np.int64)
@@ -291,3 +292,8 @@ def build_plan(
     num_descriptors = pair.num_descriptors(n, len(runs.run_src))
     pairs = BlockPairs(src, dst, n * pair.block_bytes, num_descriptors, runs, pair)
     return TransferPlan(direction, num_blocks=n, num_pages=n * pair.num_tensors, blocks=pairs)
+
+
+def prepare() -> None:
+    """Build ``build_plan``'s C helpers now, not in a first step (a no-op where they cannot)."""
+    fill_run()

@@ -21,7 +21,7 @@ from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
 from kvmgr.scheduler.jobs import Direction, KVGeometry, TransferJob
 from kvmgr.transfer.engine import BatchHandle, TransferEngine, check_orderable
-from kvmgr.transfer.plan import TransferPlan, build_plan
+from kvmgr.transfer.plan import TransferPlan, build_plan, prepare
 from kvmgr.worker.tensors import TensorGuard
 
 __all__ = ["Submitted", "TransferWorker"]
@@ -92,7 +92,8 @@ class TransferWorker:
             allocate_region=getattr(engine, "allocate_host_region", None),
         )
         self.tensors = tensors
-        self._guard = TensorGuard(tensors)
+        self._guard = TensorGuard(tensors)  # (builds kvmgr's C module, as ``prepare`` the plan's)
+        prepare()
         cpu_layout = self.cpu_pool.layout
         self._layouts = {
             Direction.D2H: (self.gpu_layout, cpu_layout),

@@ -211,3 +211,21 @@ def _layout(rng: np.random.Generator, tensors: int, blocks: int):  # type: ignor
         num_blocks=blocks,
         device=torch.device("cpu"),
     )
+
+
+def test_a_worker_builds_the_plans_c_module_before_its_first_step() -> None:
+    # the module is built (or loaded from Triton's cache) at the worker's construction, so a
+    # first step never pays a compile
+    import torch
+
+    from kvmgr.transfer.host import HostEngine
+    from kvmgr.worker.worker import TransferWorker
+
+    _plan_c._module.cache_clear()
+    try:
+        kv = [torch.zeros(4, 64, dtype=torch.uint8) for _ in range(2)]
+        worker = TransferWorker(kv, 4, HostEngine())
+        assert _plan_c._module.cache_info().currsize == 1
+        worker.close()
+    finally:
+        _plan_c._module.cache_clear()
