@@ -4,7 +4,7 @@
 # stable sort and one run's descriptors in C (kvmgr/transfer/_plan_c.py), the worker's submit in
 # one frame. On the H200, from the repo root; results under $OUT/stepflush/ (log.txt,
 # step_{old,new}_{1,2}.json, pieces_{cuda,kernel,numpy}.json). About 2-2.5 minutes: limits 20 +
-# 2 x 30 (+ 2 x 20 if under 50 s have passed) + 35 + 3 x 20 s; each bench run is 10-15 s.
+# 2 x 30 (+ 2 x 20 if under 50 s have passed) + 40 + 3 x 20 s; each bench run is 10-15 s.
 # Old tree = main just before this branch's first merge into it (else the branch point 51e895a,
 # carried in build/bases/51e895a), extracted with git archive; new tree = this checkout; each
 # tree's bench from its own root with PYTHONPATH set to that root only.
@@ -37,7 +37,7 @@ print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), '
 
 step_table_ab "$BASE" 50
 
-step gpu_tests 35 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/manager/test_tensor_guard.py \
+step gpu_tests 40 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/manager/test_tensor_guard.py \
   tests/transfer/test_plan_c.py tests/transfer/test_plan.py tests/transfer/test_cuda_engine.py tests/kernels/test_launch.py
 
 step pieces_cuda 20 python3 scripts/step_pieces.py --engine cuda --repeats 60 --json "$D/pieces_cuda.json"
