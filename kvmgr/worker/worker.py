@@ -196,13 +196,8 @@ class TransferWorker:
             raise
         handles[job_id] = self._last[job.direction] = handle
         pairs = plan.blocks  # build_plan's own record: its byte count, no second sum
-        return Submitted(
-            handle,
-            plan.num_blocks,
-            plan.num_pages,
-            plan.num_descriptors,
-            plan.num_bytes if pairs is None else pairs.num_bytes,
-        )
+        num_bytes = plan.num_bytes if pairs is None else pairs.num_bytes
+        return Submitted(handle, plan.num_blocks, plan.num_pages, plan.num_descriptors, num_bytes)
 
     def _stand_in(self, job: TransferJob) -> None:
         """``job`` was refused here but may run on other ranks, so later jobs of the other
