@@ -98,12 +98,12 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
         if code == 3:  # else sorted into new arrays
             s_out, d_out = np.empty(n, dtype=_I64), np.empty(n, dtype=_I64)
             code = sort(s, d, num_src, num_dst, s_out, d_out)
-        if code == 1:  # sorted, no pair continues its neighbour on both sides
-            return Runs(s_out, d_out, s_out, d_out, None, 1)
-        if code == 2:
-            breaks = s_out[1:] - s_out[:-1] != 1
-            breaks |= d_out[1:] - d_out[:-1] != 1
-            return _merged(s_out, d_out, breaks)
+            if code == 1:  # sorted, no pair continues its neighbour on both sides
+                return Runs(s_out, d_out, s_out, d_out, None, 1)
+            if code == 2:
+                breaks = s_out[1:] - s_out[:-1] != 1
+                breaks |= d_out[1:] - d_out[:-1] != 1
+                return _merged(s_out, d_out, breaks)
     return find_runs_numpy(s, d, num_src, num_dst, merge)
 
 

@@ -47,13 +47,14 @@ class TensorGuard:
         as remembered (``torch._C._dynamo.guards.TensorGuards``: dtype, device, every size and
         stride; about 0.3 us a tensor on a 2-core VM) and, where it accepts them, their
         ``data_ptr()``s, in one C call (:func:`kvmgr._native.checked_data_ptrs`; the same in
-        Python where kvmgr's C module does not build); where the check passes and every pointer
-        is the one remembered, nothing moved. Anything else (the check refuses, e.g. under another grad
-        mode or dispatch keys, or this torch has none) is decided by the four-list compare of
-        pointers, shapes, strides and dtypes (4 C calls a tensor), which also words the
-        message. A check that refused tensors the compare accepts is rebuilt in the current
-        mode, unless it was just rebuilt and has not passed since (a loop that changes grad mode
-        pays one build per change; tensors the check always refuses, one build in all)."""
+        Python where kvmgr's C module does not build); where the check passes and every
+        pointer is the one remembered, nothing moved. Anything else (the check refuses, e.g.
+        under another grad mode or dispatch keys, or this torch has none) is decided by the
+        four-list compare of pointers, shapes, strides and dtypes (4 C calls a tensor), which
+        also words the message. A check that refused tensors the compare accepts is rebuilt in
+        the current mode, unless it was just rebuilt and has not passed since (a loop that
+        changes grad mode pays one build per change; tensors the check always refuses, one
+        build in all)."""
         tensors = self._tensors
         check = self._check
         if check is not None:
