@@ -19,11 +19,13 @@ Offers:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvmgr.errors import BlockStateError
 from kvmgr.policy import make_policy
 from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
@@ -99,11 +101,24 @@ def stores_landed(tier: CpuTier, ids: list[int]) -> None:
 
 
 def loads_ended(tier: CpuTier, ids: list[int]) -> None:
-    """Loads of blocks ``ids`` ended (one reader each, repeats allowed); a few without numpy."""
+    """Loads of blocks ``ids`` ended (one reader each, repeats allowed); a few without numpy.
+
+    Raises:
+        BlockStateError: a block has fewer loads in flight than ``ids`` ends (a load ended
+            twice, or never begun); nothing changed (a reader count below its loads would let
+            the block be evicted, and handed out, while a later load still copies from it).
+    """
+    readers = tier.readers
+    if not all(map(readers.__getitem__, ids)) or (
+        len(ids) > 1
+        and len(set(ids)) != len(ids)
+        and any(readers[b] < n for b, n in Counter(ids).items())
+    ):
+        raise BlockStateError("complete_load: a key has no load in flight (ended twice?)")
     if len(ids) > 32:
         tier.remove_readers(np.array(ids, dtype=np.int64))
         return
-    readers, idle = tier.readers, 0
+    idle = 0
     for block in ids:
         left = readers[block] - 1
         readers[block] = left
