@@ -19,7 +19,6 @@ Offers:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -108,22 +107,25 @@ def loads_ended(tier: CpuTier, ids: list[int]) -> None:
             twice, or never begun); nothing changed (a reader count below its loads would let
             the block be evicted, and handed out, while a later load still copies from it).
     """
-    readers = tier.readers
-    if not all(map(readers.__getitem__, ids)) or (
-        len(ids) > 1
-        and len(set(ids)) != len(ids)
-        and any(readers[b] < n for b, n in Counter(ids).items())
-    ):
-        raise BlockStateError("complete_load: a key has no load in flight (ended twice?)")
     if len(ids) > 32:
+        blocks, counts = np.unique(np.array(ids, dtype=np.int64), return_counts=True)
+        if (tier.readers_np[blocks] < counts).any():
+            raise BlockStateError(_NO_LOAD)
         tier.remove_readers(np.array(ids, dtype=np.int64))
         return
-    idle = 0
-    for block in ids:
+    readers, idle = tier.readers, 0
+    for i, block in enumerate(ids):
         left = readers[block] - 1
+        if left < 0:
+            for done in ids[:i]:  # undone: nothing changed
+                readers[done] += 1
+            raise BlockStateError(_NO_LOAD)
         readers[block] = left
         idle += left == 0
     tier.num_loading -= idle
+
+
+_NO_LOAD = "complete_load: a key has no load in flight (ended twice, or never prepared)"
 
 
 def forget_all(tier: CpuTier, policy: str) -> np.ndarray:
