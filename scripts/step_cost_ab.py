@@ -14,7 +14,10 @@ scattered ones (``kvmgr bench swap``'s step table).
 
 Per case and tree: ``StepReport.host_s`` (wall) and the thread CPU time of the step's flush
 (``time.thread_time_ns``: time other processes take is left out), min / p10 / median in us,
-and new / old. The recorded stores are prepared (``_settle_deferred``) before the step, as
+and new / old; then the engine's own share of the step, from its counters (no timer wraps a
+function): ``submit`` (``CopyCounters.submit_s``: ``CudaEngine.submit``'s entry to the queued
+completion) and ``issue`` (``issue_s``, its issuer's part: descriptor table and driver call, or
+the copy kernel's staging, upload and launch). The recorded stores are prepared (``_settle_deferred``) before the step, as
 ``bench swap``'s host figure leaves them out too.
 """
 
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+WHAT = ("host", "cpu", "submit", "issue")  # the figures per case and tree
 
 
 def unpack_old(rev: str, into: Path) -> None:
@@ -105,6 +109,8 @@ class Rig:
         self.ids = (2 * rng.permutation(swaps) if scattered else np.arange(swaps)).tolist()
         self.host: list[float] = []
         self.cpu: list[float] = []
+        self.submit: list[float] = []  # the engine's submit_s and issue_s of the step
+        self.issue: list[float] = []
         self._flush_cpu = 0.0
 
     async def start(self) -> None:
@@ -122,6 +128,8 @@ class Rig:
 
     async def round(self, r: int, keep: bool) -> None:
         mgr = self.mgr
+        counters = self.engine._streams.counters
+        submit, issue = counters.submit_s, counters.issue_s
         futures = [mgr.swap_out([g], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(self.ids)]
         mgr._settle_deferred()
         report = await mgr.step()
@@ -129,6 +137,8 @@ class Rig:
         if keep:
             self.host.append(report.host_s * 1e6)
             self.cpu.append(self._flush_cpu)
+            self.submit.append((counters.submit_s - submit) * 1e6)
+            self.issue.append((counters.issue_s - issue) * 1e6)
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -151,7 +161,7 @@ async def run_case(engine: str, scattered: bool, swaps: int, repeats: int) -> di
         for rig in rigs.values():
             await rig.mgr.__aexit__(None, None, None)
     row: dict[str, Any] = {"engine": engine, "ids": "scattered" if scattered else "consecutive"}
-    for what in ("host", "cpu"):
+    for what in WHAT:
         old, new = (_stats(getattr(rigs[n], what)) for n in ("old", "new"))
         row[what] = {"old": old, "new": new, "ratio": {k: new[k] / old[k] for k in old}}
     return row
@@ -176,10 +186,10 @@ def main() -> None:
                 for e, s in (("cuda", False), ("kernel", True))]  # fmt: skip
     print(f"old = {rev[:10]}, new = this tree; {args.repeats} rounds each, interleaved; us")
     for row in rows:
-        for what in ("host", "cpu"):
+        for what in WHAT:
             old, new, ratio = row[what]["old"], row[what]["new"], row[what]["ratio"]
-            print(f"{row['engine']:6s} {row['ids']:11s} {what:4s} "
-                  + "  ".join(f"{k} {old[k]:5.0f} -> {new[k]:5.0f} ({ratio[k]:.2f}x)" for k in old))  # fmt: skip
+            print(f"{row['engine']:6s} {row['ids']:11s} {what:6s} "
+                  + "  ".join(f"{k} {old[k]:5.1f} -> {new[k]:5.1f} ({ratio[k]:.2f}x)" for k in old))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"old": rev, "rows": rows}, indent=1))
 

@@ -25,6 +25,9 @@ __all__ = ["CurrentStream", "DriverEvents", "event_calls", "on_device"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
+_TORCH_CURRENT_DEVICE = torch.cuda.current_device  # torch's own (tests may replace it)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)  # what it returns after _lazy_init
+_in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: True)
 
 
 class CurrentStream:
@@ -50,10 +53,21 @@ class CurrentStream:
 
 
 def on_device(device: torch.device) -> Any:
-    """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
-    if device.index is not None and torch.cuda.current_device() == device.index:
-        return _CURRENT
-    return torch.cuda.device(device)
+    """``torch.cuda.device(device)`` unless it is already current (saves a device switch).
+
+    The current device is read as ``torch.cuda.current_device()`` does once CUDA is initialized
+    (``_lazy_init`` a no-op then): torch's C reader straight, three Python frames fewer; before
+    initialization, in a forked child (torch's error), or where ``current_device`` is not
+    torch's own (a test's stand-in), through ``torch.cuda.current_device()``."""
+    index = device.index
+    if index is None:
+        return torch.cuda.device(device)
+    cuda = torch.cuda
+    if cuda.current_device is _TORCH_CURRENT_DEVICE and _get_device is not None and getattr(cuda, "_initialized", False) and not _in_bad_fork():  # fmt: skip
+        current = _get_device()
+    else:
+        current = cuda.current_device()
+    return _CURRENT if current == index else torch.cuda.device(device)
 
 
 def _record_by_method(event: Any, stream: Any) -> None:

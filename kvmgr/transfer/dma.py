@@ -96,6 +96,8 @@ class DmaCopy:
             table = pairs.descriptor_table(buffer.table(n))
             address, keep = buffer.address, ()
             release = lambda: self.buffers.give(buffer)  # noqa: E731  (after the end event)
+            if path == "batch" and n <= self.max_descriptors and self.batch_call == "ctypes":
+                return self._one_call(address, n, handle, plan.direction, release)
         else:
             table = plan.descriptor_table()
             address, keep, release = None, (table,), None
@@ -103,6 +105,16 @@ class DmaCopy:
         num_chunks, error = self._copy(path, table, address, handle, order)
         fallbacks = num_chunks if path != self.path else 0
         return Issued(path, num_chunks, fallbacks, keep, release, error)
+
+    def _one_call(self, address: int, n: int, handle: int, direction: Direction, release: Any) -> Issued:  # fmt: skip
+        """A pooled table of at most ``max_descriptors`` in one batched call (the common plan):
+        what ``_copy`` does for it, without the loop."""
+        try:
+            self.driver.batch_at(address + n * _WORD, address, address + 2 * n * _WORD, n, handle,
+                                 self._orders[direction])  # fmt: skip
+        except TransferError as exc:
+            return Issued("batch", 0, 0, (), release, TransferError(str(exc), fail_index=exc.fail_index))  # fmt: skip
+        return Issued("batch", 1, 0, (), release)
 
     def _copy(
         self, path: str, table: np.ndarray, address: int | None, handle: int, order: int

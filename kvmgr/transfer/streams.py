@@ -192,14 +192,15 @@ class CopyStreams:
         start, end = events
         spares = self._spare_futures  # made on the completion threads, off this path
         future = spares.pop() if spares else concurrent.futures.Future()
-        handle = BatchHandle(batch_id, direction, future, end_event=end, refused=issued.error)
+        handle = BatchHandle(batch_id, direction, future, end, issued.error)
         item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch
             counters.batches_submitted += 1
             counters.in_flight += 1
             counters.chunks_submitted += issued.num_chunks
-            counters.loop_fallbacks += issued.num_fallbacks
+            if issued.num_fallbacks:
+                counters.loop_fallbacks += issued.num_fallbacks
             if issued.path == "kernel":
                 counters.kernel_batches += 1
             else:

@@ -4,6 +4,8 @@ one reused buffer copy exactly their pages (poisoned destinations elsewhere)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import types
 
 import numpy as np
@@ -48,3 +50,52 @@ def test_plans_of_changing_sizes_through_one_reused_buffer_copy_their_pages() ->
     assert dma.buffers.num_allocated == 1
     untouched = sorted(set(range(blocks)) - written)
     assert all(bool((t[untouched] == 0xA5).all()) for t in dst)
+
+
+def _one_call_rig(fail_at: int | None = None) -> tuple[FakeDriverLib, DmaCopy]:
+    lib = FakeDriverLib(fail_at=fail_at)
+    return lib, DmaCopy(CopyDriver(lib.resolver(), driver_version=12080), "batch", 8192)
+
+
+def test_one_call_fast_path_matches_the_general_path_in_every_field() -> None:
+    # A pooled plan under the cap takes DmaCopy._one_call; the general loop (_copy) must issue
+    # the same driver call and report the same Issued, also for a refused call (12.8 failIdx).
+    rng = np.random.default_rng(12)
+    page, blocks = 256, 24
+    src = [torch.from_numpy(rng.integers(0, 256, (blocks, page), dtype=np.uint8)) for _ in range(3)]
+    for fail_at in (None, 4):
+        results = []
+        for fast in (True, False):
+            dst = [torch.full((blocks, page), 0xA5, dtype=torch.uint8) for _ in range(3)]
+            lib, dma = _one_call_rig(fail_at)
+            if not fast:  # the same buffer and table, through the loop over chunks
+                dma._one_call = functools.partial(_general, dma)
+            plan = build_plan(Direction.D2H, KVLayout.from_tensors(src),
+                              KVLayout.from_tensors(dst), [3, 9, 4, 5, 6], [0, 7, 1, 2, 3])  # fmt: skip
+            issued = dma.issue(plan, types.SimpleNamespace(cuda_stream=0x7F00))
+            error = issued.error
+            results.append((
+                [c for c in lib.calls if "batch" in c],
+                (issued.path, issued.num_chunks, issued.num_fallbacks, issued.keep_alive),
+                None if error is None else (type(error), str(error), error.fail_index),
+                [t.clone() for t in dst] if fail_at is None else None,
+            ))  # fmt: skip
+            assert issued.release is not None
+            issued.release()
+            assert dma.buffers.take(plan.num_descriptors) is not None
+        fast_result, general_result = results
+        assert fast_result[:3] == general_result[:3]
+        if fail_at is None:
+            assert all(torch.equal(a, b) for a, b in zip(fast_result[3], general_result[3]))
+            assert torch.equal(fast_result[3][0][[0, 7, 1, 2, 3]], src[0][[3, 9, 4, 5, 6]])
+        else:
+            assert fast_result[2][2] == fail_at
+
+
+def _general(dma: DmaCopy, address: int, n: int, handle: int, direction: Direction, release):  # type: ignore[no-untyped-def]
+    from kvmgr.transfer.issued import Issued
+
+    buffer_table = np.ctypeslib.as_array((ctypes.c_int64 * (3 * n)).from_address(address))
+    num_chunks, error = dma._copy("batch", buffer_table.reshape(3, n), address, handle,
+                                  dma._orders[direction])  # fmt: skip
+    return Issued("batch", num_chunks, 0, (), release, error)

@@ -69,6 +69,7 @@ class TableSlot:
     device: torch.Tensor  # int64 [3 * capacity] where the kernel runs
     host_addr: int
     device_addr: int
+    ones: int = 0  # rows[ones : 2 * ones] hold 1s (the last one-block-run table of that size)
 
 
 def new_table_slot(capacity: int, device: torch.device) -> TableSlot:
@@ -165,19 +166,29 @@ class CopyStager:
             slot = self.slots.take(n)
             rows = slot.rows
             rows[:n] = run_src_ids
-            rows[n : 2 * n] = run_dst_ids
-            rows[2 * n : 3 * n] = 1 if run_lengths is None else run_lengths
+            if run_lengths is not None:
+                rows[n : 2 * n] = run_dst_ids
+                rows[2 * n : 3 * n] = run_lengths
+                slot.ones = 0
+            elif slot.ones == n:  # the 1s of this slot's last table of n one-block runs: kept
+                rows[n : 2 * n] = run_dst_ids
+            else:
+                rows[n : 2 * n] = run_dst_ids
+                rows[2 * n : 3 * n] = 1
+                slot.ones = n
         else:
             lengths = np.ones(n, dtype=np.int64) if run_lengths is None else run_lengths
             table = build_run_table(run_src_ids, run_dst_ids, lengths, layout.max_blocks)
             n = table.shape[1]
             slot = self.slots.take(n)
             slot.rows[: 3 * n] = table.reshape(-1)
-        if self._runs is None:
-            self._runs = block_table_launches()
+            slot.ones = 0
+        launches = self._runs
+        if launches is None:
+            launches = self._runs = block_table_launches()
         return self._launch(slot, (layout.slot, slot), n, stream, launch_block_table,
-                            layout.slot.device, slot.device, layout.num_tensors, n, max_programs,
-                            launches=self._runs)  # fmt: skip
+                            (layout.slot.device, slot.device, layout.num_tensors, n, max_programs),
+                            launches)  # fmt: skip
 
     def copy_descriptors(
         self, src_addrs: np.ndarray, dst_addrs: np.ndarray, sizes: np.ndarray, max_programs: int,
@@ -199,12 +210,13 @@ class CopyStager:
         rows[:n] = src_addrs
         rows[n : 2 * n] = dst_addrs
         rows[2 * n : 3 * n] = sizes
+        slot.ones = 0
         if self._descriptors is None:
             self._descriptors = copy_table_launches()
-        return self._launch(slot, (slot,), n, stream, launch_copy_table, slot.device, n,
-                            max_programs, launches=self._descriptors)  # fmt: skip
+        return self._launch(slot, (slot,), n, stream, launch_copy_table,
+                            (slot.device, n, max_programs), self._descriptors)  # fmt: skip
 
-    def _launch(self, slot: TableSlot, keep: tuple[Any, ...], n: int, stream: Any, launch: Callable[..., int], *args: Any, launches: Launches) -> Staged:  # fmt: skip
+    def _launch(self, slot: TableSlot, keep: tuple[Any, ...], n: int, stream: Any, launch: Callable[..., int], args: tuple[Any, ...], launches: Launches) -> Staged:  # fmt: skip
         """Upload the slot's ``[3, n]`` table on ``stream``, then ``launch(*args)`` there."""
         release = lambda: self.slots.give(slot)  # noqa: E731  (after the end event)
         try:
