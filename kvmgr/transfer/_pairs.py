@@ -9,7 +9,7 @@ Offers (to :mod:`kvmgr.transfer.plan`):
 
 Host cost is the point of this module: a serving loop calls ``build_plan`` once per step with
 cold caches, where each numpy call costs several microseconds, so one dense run's descriptors
-are one ``np.dot`` and no per-pair or per-tensor Python runs anywhere. A layout's arrays are
+are one ``np.matmul`` and no per-pair or per-tensor Python runs anywhere. A layout's arrays are
 never written after it is built (``KVLayout`` is frozen; the copy kernel's stager caches by
 identity too).
 """
@@ -56,7 +56,7 @@ class _Tensors:
     def fill_one(self, out: np.ndarray, src_block: int, dst_block: int, length: int) -> None:
         """Write one run's descriptors into ``out`` (int64 ``[3, count]``, C-contiguous)."""
         run = np.array((src_block, dst_block, length, 1), dtype=np.int64)
-        np.dot(self.matrix, run, out=out.reshape(-1))
+        np.matmul(self.matrix, run, out=out.reshape(-1))  # a ufunc: no dispatcher frame (np.dot's)
 
     def fill(self, out: np.ndarray, runs: np.ndarray) -> None:
         """Write into ``out`` (int64 ``[3, count * K]``, rows contiguous) the descriptors of

@@ -44,7 +44,7 @@ import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.cuda_current import CurrentStream, event_calls, on_device
+from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -141,6 +141,13 @@ class CopyStreams:
         ``entered`` is the ``perf_counter`` at which the engine's ``submit`` began (for
         ``submit_s``). Returns at once; the handle's future resolves on the completion thread.
         """
+        if device_is_current(self._device):  # the common case: no device guard to enter
+            return self._submit(plan, issuer, wait_for, entered)
+        with torch.cuda.device(self._device):
+            return self._submit(plan, issuer, wait_for, entered)
+
+    def _submit(self, plan: TransferPlan, issuer: CopyIssuer, wait_for: Sequence[BatchHandle], entered: float) -> BatchHandle:  # fmt: skip
+        """``submit`` with the engine's device current."""
         direction = plan.direction
         stream = self._streams[direction]
         batch_id = self._next_batch_id
@@ -149,23 +156,22 @@ class CopyStreams:
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
         record, wait = self._record, self._wait
-        with on_device(self._device):
-            fence = self._fences[direction]
-            if self._compute_stream is not None:
-                fence.record(self._compute_stream)
-            elif pooled:  # torch's events: the current stream's object, built once per stream
-                record(fence, self._current.current())
-            else:
-                fence.record(torch.cuda.current_stream(self._device))
-            wait(fence, stream)
-            for other in wait_for:
-                if other.end_event is not None and not (pooled and other.future.done()):
-                    stream.wait_event(other.end_event)
-            record(events[0], stream)
-            issued_at = time.perf_counter()
-            issued = issuer.issue(plan, stream)
-            issue_s = time.perf_counter() - issued_at
-            record(events[1], stream)
+        fence = self._fences[direction]
+        if self._compute_stream is not None:
+            fence.record(self._compute_stream)
+        elif pooled:  # torch's events: the current stream's object, built once per stream
+            record(fence, self._current.current())
+        else:
+            fence.record(torch.cuda.current_stream(self._device))
+        wait(fence, stream)
+        for other in wait_for:
+            if other.end_event is not None and not (pooled and other.future.done()):
+                stream.wait_event(other.end_event)
+        record(events[0], stream)
+        issued_at = time.perf_counter()
+        issued = issuer.issue(plan, stream)
+        issue_s = time.perf_counter() - issued_at
+        record(events[1], stream)
         return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
 
     @staticmethod
@@ -173,17 +179,7 @@ class CopyStreams:
         """A (start, end) pair of timing events, the end one blocking-sync."""
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)  # fmt: skip
 
-    def _queue(
-        self,
-        plan: TransferPlan,
-        issued: Issued,
-        entered: float,
-        issue_s: float,
-        direction: Direction,
-        batch_id: int,
-        events: tuple[Any, Any],
-        pool: list[tuple[Any, Any]] | None,
-    ) -> BatchHandle:
+    def _queue(self, plan: TransferPlan, issued: Issued, entered: float, issue_s: float, direction: Direction, batch_id: int, events: tuple[Any, Any], pool: list[tuple[Any, Any]] | None) -> BatchHandle:  # fmt: skip
         """Count the submitted batch and hand it to its direction's completion thread."""
         if issued.error is not None:
             issued.error = TransferError(
