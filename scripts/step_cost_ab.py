@@ -17,7 +17,9 @@ Per case and tree: ``StepReport.host_s`` (wall) and the thread CPU time of the s
 and new / old; then the engine's own share of the step, from its counters (no timer wraps a
 function): ``submit`` (``CopyCounters.submit_s``: ``CudaEngine.submit``'s entry to the queued
 completion) and ``issue`` (``issue_s``, its issuer's part: descriptor table and driver call, or
-the copy kernel's staging, upload and launch). The recorded stores are prepared (``_settle_deferred``) before the step, as
+the copy kernel's staging, upload and launch), and ``subcpu``: the thread CPU time inside the
+engine's ``submit`` (``time.thread_time_ns`` around it, the completion queue's ``put``
+included; time other processes take is left out). The recorded stores are prepared (``_settle_deferred``) before the step, as
 ``bench swap``'s host figure leaves them out too.
 """
 
@@ -45,7 +47,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-WHAT = ("host", "cpu", "submit", "issue")  # the figures per case and tree
+WHAT = ("host", "cpu", "submit", "issue", "subcpu")  # the figures per case and tree
+_ATTR = {"subcpu": "submit_cpu"}
 
 
 def unpack_old(rev: str, into: Path) -> None:
@@ -111,6 +114,8 @@ class Rig:
         self.cpu: list[float] = []
         self.submit: list[float] = []  # the engine's submit_s and issue_s of the step
         self.issue: list[float] = []
+        self.submit_cpu: list[float] = []  # thread CPU time inside engine.submit
+        self._submit_cpu = 0.0
         self._flush_cpu = 0.0
 
     async def start(self) -> None:
@@ -125,11 +130,22 @@ class Rig:
                 self._flush_cpu = (time.thread_time_ns() - t0) / 1e3
 
         self.mgr._flush = timed
+        submit = self.engine.submit
+
+        def timed_submit(*args: Any, **kwargs: Any) -> Any:  # the engine's own, in CPU time
+            t0 = time.thread_time_ns()
+            try:
+                return submit(*args, **kwargs)
+            finally:
+                self._submit_cpu += (time.thread_time_ns() - t0) / 1e3
+
+        self.engine.submit = timed_submit
 
     async def round(self, r: int, keep: bool) -> None:
         mgr = self.mgr
         counters = self.engine._streams.counters
         submit, issue = counters.submit_s, counters.issue_s
+        self._submit_cpu = 0.0
         futures = [mgr.swap_out([g], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(self.ids)]
         mgr._settle_deferred()
         report = await mgr.step()
@@ -139,6 +155,7 @@ class Rig:
             self.cpu.append(self._flush_cpu)
             self.submit.append((counters.submit_s - submit) * 1e6)
             self.issue.append((counters.issue_s - issue) * 1e6)
+            self.submit_cpu.append(self._submit_cpu)
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -162,7 +179,7 @@ async def run_case(engine: str, scattered: bool, swaps: int, repeats: int) -> di
             await rig.mgr.__aexit__(None, None, None)
     row: dict[str, Any] = {"engine": engine, "ids": "scattered" if scattered else "consecutive"}
     for what in WHAT:
-        old, new = (_stats(getattr(rigs[n], what)) for n in ("old", "new"))
+        old, new = (_stats(getattr(rigs[n], _ATTR.get(what, what))) for n in ("old", "new"))
         row[what] = {"old": old, "new": new, "ratio": {k: new[k] / old[k] for k in old}}
     return row
 
