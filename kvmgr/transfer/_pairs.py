@@ -117,8 +117,8 @@ class LayoutPair:
         if out is None:
             out = np.empty((3, merged + paged.count * len(runs.src_ids)), dtype=np.int64)
         if len(runs.run_src) == 1 and not paged.count:  # one run, every tensor dense
-            length = 1 if runs.lengths is None else int(runs.lengths[0])
-            dense.fill_one(out, int(runs.run_src[0]), int(runs.run_dst[0]), length)
+            length = 1 if runs.lengths is None else runs.lengths.item()  # one run: one element
+            dense.fill_one(out, runs.run_src.item(), runs.run_dst.item(), length)
             return out
         if dense.count:
             dense.fill(out[:, :merged] if paged.count else out, runs.run_table())

@@ -40,7 +40,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
@@ -55,15 +54,12 @@ _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the 
 _SPARE_FUTURES = 4  # futures the completion threads make ahead for the next submits
 
 
-@attrs.define(eq=False)
-class _InFlight:
-    handle: BatchHandle
-    start: Any  # torch.cuda.Event
-    num_bytes: int
-    num_descriptors: int
-    issued: Issued
-    plan: TransferPlan | None  # kept until the end event (rule 7)
-    pool: list[tuple[Any, Any]] | None  # where the (start, end) pair goes back, or None
+#: One batch in flight, as the completion thread gets it (a list: built in one C call, its plan
+#: cleared there): ``[handle, start event, plan, issued, pool, num_bytes, num_descriptors]``: the
+#: plan is kept until the end event (rule 7), ``pool`` is where the (start, end) pair goes back,
+#: or None; the counts are the plan's at submit.
+_InFlight = list[Any]
+_PLAN = 2  # the plan's index in an _InFlight
 
 
 def _real_cuda_events() -> bool:
@@ -189,7 +185,7 @@ class CopyStreams:
         spares = self._spare_futures  # made on the completion threads, off this path
         future = spares.pop() if spares else concurrent.futures.Future()
         handle = BatchHandle(batch_id, direction, future, end, issued.error)
-        item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
+        item = [handle, start, plan, issued, pool, plan.num_bytes, plan.num_descriptors]
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch
             counters.batches_submitted += 1
@@ -246,20 +242,21 @@ class CopyStreams:
 
     def _complete(self, item: _InFlight) -> None:
         """Wait for one batch's end event, release what it kept, count it, resolve its future."""
-        handle, issued, device_s = item.handle, item.issued, 0.0
-        error = issued.error
+        handle, start, _, issued, pool, num_bytes, num_descriptors = item
+        device_s, error = 0.0, issued.error
         try:
             handle.end_event.synchronize()  # blocking-sync event: sleeps, GIL released
             if error is None:
-                device_s = item.start.elapsed_time(handle.end_event) / 1e3
+                device_s = start.elapsed_time(handle.end_event) / 1e3
         except Exception as exc:  # an asynchronous CUDA error surfaced at the event
             error = error or TransferError(f"batch {handle.batch_id} failed on the device: {exc}")
         # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
-        item.plan, release = None, issued.release
+        item[_PLAN] = None  # the plan may go before the future resolves
+        release = issued.release
         issued.keep_alive, issued.release = (), None
         if release is not None:
             release()
-        self._count_done(handle.direction, item.num_bytes, device_s, error is not None)
+        self._count_done(handle.direction, num_bytes, device_s, error is not None)
         # A cancelled future raises InvalidStateError: nobody is left to tell.
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             if error is not None:
@@ -269,14 +266,14 @@ class CopyStreams:
                     BatchResult(
                         batch_id=handle.batch_id,
                         direction=handle.direction,
-                        num_bytes=item.num_bytes,
-                        num_descriptors=item.num_descriptors,
+                        num_bytes=num_bytes,
+                        num_descriptors=num_descriptors,
                         device_s=device_s,
                         path=issued.path,
                     )
                 )
-        if item.pool is not None and error is issued.error:  # not after a device error
-            item.pool.append((item.start, handle.end_event))  # the future has resolved
+        if pool is not None and error is issued.error:  # not after a device error
+            pool.append((start, handle.end_event))  # the future has resolved
 
     def _count_done(self, direction: Direction, num_bytes: int, device_s: float, failed: bool) -> None:  # fmt: skip
         counters = self.counters
