@@ -99,7 +99,7 @@ class DmaCopy:
             return Issued(path, num_chunks=0)
         if pairs is not None:  # computed into a pooled buffer: no allocation, address known
             buffer = self.buffers.take(n)
-            table = pairs.descriptor_table(buffer.table(n))
+            table = pairs.descriptor_table(buffer._table if buffer._count == n else buffer.table(n))
             address, keep = buffer.address, ()
             release = lambda: self.buffers.give(buffer)  # noqa: E731  (after the end event)
             if path == "batch" and n <= self.max_descriptors and self.batch_call == "ctypes":

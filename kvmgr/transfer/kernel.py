@@ -83,7 +83,12 @@ class KernelCopy:
         its descriptors even where its counts still match ``blocks``: they are what it says."""
         programs = self.programs[plan.direction]
         pairs = plan.matching_blocks()
-        if pairs is not None and self._addressable(pairs.src, pairs.dst):
+        reach: bool | None = False
+        if pairs is not None:
+            reach = self._addressable_pairs.get((pairs.src, pairs.dst))  # the cached answer
+            if reach is None:  # a new pair of layouts
+                reach = self._addressable(pairs.src, pairs.dst)
+        if pairs is not None and reach:
             runs = pairs.runs  # its fields directly: four property calls fewer a plan
             staged = self.stager.copy_runs(pairs.src, pairs.dst, runs.run_src, runs.run_dst,
                                            runs.lengths, programs, stream, max_run=runs.max_run)  # fmt: skip
