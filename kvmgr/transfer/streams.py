@@ -125,25 +125,16 @@ class CopyStreams:
         """The copy stream of a direction."""
         return self._streams[direction]
 
-    def submit(
-        self,
-        plan: TransferPlan,
-        issuer: CopyIssuer,
-        wait_for: Sequence[BatchHandle],
-        entered: float,
-    ) -> BatchHandle:
+    def submit(self, plan: TransferPlan, issuer: CopyIssuer, wait_for: Sequence[BatchHandle], entered: float, _guarded: bool = False) -> BatchHandle:  # fmt: skip
         """Fence, bracket ``issuer.issue(plan, stream)`` with events, queue the completion.
 
         ``entered`` is the ``perf_counter`` at which the engine's ``submit`` began (for
         ``submit_s``). Returns at once; the handle's future resolves on the completion thread.
+        On another current device it runs again under ``torch.cuda.device`` (``_guarded``).
         """
-        if device_is_current(self._device):  # the common case: no device guard to enter
-            return self._submit(plan, issuer, wait_for, entered)
-        with torch.cuda.device(self._device):
-            return self._submit(plan, issuer, wait_for, entered)
-
-    def _submit(self, plan: TransferPlan, issuer: CopyIssuer, wait_for: Sequence[BatchHandle], entered: float) -> BatchHandle:  # fmt: skip
-        """``submit`` with the engine's device current."""
+        if not _guarded and not device_is_current(self._device):
+            with torch.cuda.device(self._device):
+                return self.submit(plan, issuer, wait_for, entered, True)
         direction = plan.direction
         stream = self._streams[direction]
         batch_id = self._next_batch_id
