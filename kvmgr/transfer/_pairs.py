@@ -9,7 +9,7 @@ Offers (to :mod:`kvmgr.transfer.plan`):
 
 Host cost is the point of this module: a serving loop calls ``build_plan`` once per step with
 cold caches, where each numpy call costs several microseconds, so one dense run's descriptors
-are one ``np.matmul`` and no per-pair or per-tensor Python runs anywhere. A layout's arrays are
+are one ``np.dot`` and no per-pair or per-tensor Python runs anywhere. A layout's arrays are
 never written after it is built (``KVLayout`` is frozen; the copy kernel's stager caches by
 identity too).
 """
@@ -114,7 +114,7 @@ class LayoutPair:
         if len(runs.run_src) == 1 and not paged.count:  # one run, every tensor dense
             length = 1 if runs.lengths is None else runs.lengths.item()  # one run: one element
             run = np.array((runs.run_src.item(), runs.run_dst.item(), length, 1), dtype=np.int64)
-            np.matmul(dense.matrix, run, out=out.reshape(-1))  # a ufunc: no np.dot dispatcher
+            np.dot(dense.matrix, run, out=out.reshape(-1))  # (np.matmul, a gufunc, is slower cold)
             return out
         if dense.count:
             dense.fill(out[:, :merged] if paged.count else out, runs.run_table())
