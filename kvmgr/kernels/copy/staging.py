@@ -69,7 +69,7 @@ class TableSlot:
     device: torch.Tensor  # int64 [3 * capacity] where the kernel runs
     host_addr: int
     device_addr: int
-    ones: int = 0  # rows[ones : 2 * ones] hold 1s (the last one-block-run table of that size)
+    ones: int = 0  # rows[2 * ones : 3 * ones] hold 1s (its last table: that many one-block runs)
 
 
 def new_table_slot(capacity: int, device: torch.device) -> TableSlot:
