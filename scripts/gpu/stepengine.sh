@@ -15,8 +15,9 @@
 #     engines, the pooled tables and events), test_dma.py (the one-call path against the
 #     general one), test_cuda_current.py (device_is_current / on_device, event_calls),
 #     test_driver_call.py, tests/kernels/test_copy_kernel.py, test_copy_blocks.py (the copy
-#     kernels against torch with poisoned padding) and test_copy_staging.py (one pooled slot
-#     serving every table kind: the kept 1s row). A failure here: revert this branch.
+#     kernels against torch with poisoned padding), test_copy_staging.py (one pooled slot
+#     serving every table kind: the kept 1s row) and test_staged_gpu.py (engine "auto"'s staged
+#     path, through KernelCopy). A failure here: revert this branch.
 #  4. The current-device read on this torch (best of 5 x 20000): torch.cuda.current_device()
 #     against kvmgr's device_is_current (torch's C reader once initialized), and on_device.
 #  5. scripts/step_pieces.py with the real engines, cuda then kernel, each tree (old first): the
@@ -36,7 +37,8 @@ step_table_ab "$BASE" 40
 
 step gpu_tests 60 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/transfer/test_cuda_engine.py \
   tests/transfer/test_dma.py tests/transfer/test_cuda_current.py tests/transfer/test_driver_call.py \
-  tests/kernels/test_copy_kernel.py tests/kernels/test_copy_blocks.py tests/kernels/test_copy_staging.py
+  tests/kernels/test_copy_kernel.py tests/kernels/test_copy_blocks.py tests/kernels/test_copy_staging.py \
+  tests/transfer/test_staged_gpu.py
 
 step device_read 15 python3 -c "
 import timeit, torch
