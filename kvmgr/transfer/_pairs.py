@@ -53,6 +53,11 @@ class _Tensors:
         matrix[:, :, 3] = self.base[:, :, 0]
         self.matrix = matrix.reshape(3 * count, 4)
 
+    def fill_one(self, out: np.ndarray, src_block: int, dst_block: int, length: int) -> None:
+        """Write one run's descriptors into ``out`` (int64 ``[3, count]``, C-contiguous)."""
+        run = np.array((src_block, dst_block, length, 1), dtype=np.int64)
+        np.dot(self.matrix, run, out=out.reshape(-1))
+
     def fill(self, out: np.ndarray, runs: np.ndarray) -> None:
         """Write into ``out`` (int64 ``[3, count * K]``, rows contiguous) the descriptors of
         ``runs`` (int64 ``[3, K]``: first source block, first destination block, blocks; or
@@ -112,9 +117,8 @@ class LayoutPair:
         if out is None:
             out = np.empty((3, merged + paged.count * len(runs.src_ids)), dtype=np.int64)
         if len(runs.run_src) == 1 and not paged.count:  # one run, every tensor dense
-            length = 1 if runs.lengths is None else runs.lengths.item()  # one run: one element
-            run = np.array((runs.run_src.item(), runs.run_dst.item(), length, 1), dtype=np.int64)
-            np.dot(dense.matrix, run, out=out.reshape(-1))  # (np.matmul, a gufunc, is slower cold)
+            length = 1 if runs.lengths is None else int(runs.lengths[0])
+            dense.fill_one(out, int(runs.run_src[0]), int(runs.run_dst[0]), length)
             return out
         if dense.count:
             dense.fill(out[:, :merged] if paged.count else out, runs.run_table())
