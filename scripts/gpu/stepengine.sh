@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27, the engines' own submit (helper stepengine), on the H200, from the repo root; results
 # under $OUT/stepengine/ (log.txt, step_{old,new}_{1,2}.json, pieces_{cuda,kernel}_{old,new}.json).
-# About 2-2.5 minutes: limits 20 + 2 x 30 (+ 2 x 20 for a second round, only if under 40 s have
+# About 2-2.5 minutes: limits 20 + 2 x 30 (+ 2 x 20 for a second round, only if under 35 s have
 # passed) + 60 + 15 + 4 x 15 s; each bench run is 10-15 s.
 # Old tree = main at 51e895a (the start of round 4 session 9; carried in build/bases/51e895a, else
 # git archive; STEP_BASE overrides), new tree = this checkout; each tree's bench from its own root
@@ -33,7 +33,7 @@ BASE=${STEP_BASE:-51e895a}
 step env 20 python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
 print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
 
-step_table_ab "$BASE" 40
+step_table_ab "$BASE" 35
 
 step gpu_tests 60 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/transfer/test_cuda_engine.py \
   tests/transfer/test_dma.py tests/transfer/test_cuda_current.py tests/transfer/test_driver_call.py \
