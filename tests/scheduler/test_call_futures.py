@@ -196,7 +196,8 @@ async def test_gather_with_return_exceptions_takes_a_cancelled_call(msg: str | N
         plain[1].cancel(msg)
         await mgr.step()
         gathered = asyncio.gather(*calls, return_exceptions=True)
-        for _ in range(10):  # the step resolved every call: the gather's callbacks run now
+        await asyncio.wait([calls[0], calls[2]], timeout=10)  # the copy ended: all resolved
+        for _ in range(10):  # the gather's done callbacks run within a few iterations
             await asyncio.sleep(0)
         assert gathered.done()  # without _cancel_message it never resolves (nor cancels)
         got = gathered.result()
