@@ -45,10 +45,12 @@ class SizePool(Generic[B]):
         """A free buffer of at least ``count`` entries (``count >= 1``), built if none is free;
         on the submitting thread."""
         capacity = max(self._smallest, 1 << (count - 1).bit_length())
-        with self._lock:
-            free = self._free.get(capacity)
-            if free:
+        free = self._free.get(capacity)
+        if free:  # no lock: dict.get and list.pop are atomic, and give only appends
+            try:
                 return free.pop()
+            except IndexError:  # another thread took the last one in between
+                pass
         self.num_allocated += 1
         return self._make(capacity)
 

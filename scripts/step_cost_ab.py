@@ -14,7 +14,12 @@ scattered ones (``kvmgr bench swap``'s step table).
 
 Per case and tree: ``StepReport.host_s`` (wall) and the thread CPU time of the step's flush
 (``time.thread_time_ns``: time other processes take is left out), min / p10 / median in us,
-and new / old. The recorded stores are prepared (``_settle_deferred``) before the step, as
+and new / old; then the engine's own share of the step, from its counters (no timer wraps a
+function): ``submit`` (``CopyCounters.submit_s``: ``CudaEngine.submit``'s entry to the queued
+completion) and ``issue`` (``issue_s``, its issuer's part: descriptor table and driver call, or
+the copy kernel's staging, upload and launch), and ``subcpu``: the thread CPU time inside the
+engine's ``submit`` (``time.thread_time_ns`` around it, the completion queue's ``put``
+included; time other processes take is left out). The recorded stores are prepared (``_settle_deferred``) before the step, as
 ``bench swap``'s host figure leaves them out too.
 """
 
@@ -42,6 +47,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+WHAT = ("host", "cpu", "submit", "issue", "subcpu")  # the figures per case and tree
+_ATTR = {"subcpu": "submit_cpu"}
 
 
 def unpack_old(rev: str, into: Path) -> None:
@@ -105,6 +112,10 @@ class Rig:
         self.ids = (2 * rng.permutation(swaps) if scattered else np.arange(swaps)).tolist()
         self.host: list[float] = []
         self.cpu: list[float] = []
+        self.submit: list[float] = []  # the engine's submit_s and issue_s of the step
+        self.issue: list[float] = []
+        self.submit_cpu: list[float] = []  # thread CPU time inside engine.submit
+        self._submit_cpu = 0.0
         self._flush_cpu = 0.0
 
     async def start(self) -> None:
@@ -119,9 +130,22 @@ class Rig:
                 self._flush_cpu = (time.thread_time_ns() - t0) / 1e3
 
         self.mgr._flush = timed
+        submit = self.engine.submit
+
+        def timed_submit(*args: Any, **kwargs: Any) -> Any:  # the engine's own, in CPU time
+            t0 = time.thread_time_ns()
+            try:
+                return submit(*args, **kwargs)
+            finally:
+                self._submit_cpu += (time.thread_time_ns() - t0) / 1e3
+
+        self.engine.submit = timed_submit
 
     async def round(self, r: int, keep: bool) -> None:
         mgr = self.mgr
+        counters = self.engine._streams.counters
+        submit, issue = counters.submit_s, counters.issue_s
+        self._submit_cpu = 0.0
         futures = [mgr.swap_out([g], keys=[f"{r}:{i}".encode()]) for i, g in enumerate(self.ids)]
         mgr._settle_deferred()
         report = await mgr.step()
@@ -129,6 +153,9 @@ class Rig:
         if keep:
             self.host.append(report.host_s * 1e6)
             self.cpu.append(self._flush_cpu)
+            self.submit.append((counters.submit_s - submit) * 1e6)
+            self.issue.append((counters.issue_s - issue) * 1e6)
+            self.submit_cpu.append(self._submit_cpu)
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -151,8 +178,8 @@ async def run_case(engine: str, scattered: bool, swaps: int, repeats: int) -> di
         for rig in rigs.values():
             await rig.mgr.__aexit__(None, None, None)
     row: dict[str, Any] = {"engine": engine, "ids": "scattered" if scattered else "consecutive"}
-    for what in ("host", "cpu"):
-        old, new = (_stats(getattr(rigs[n], what)) for n in ("old", "new"))
+    for what in WHAT:
+        old, new = (_stats(getattr(rigs[n], _ATTR.get(what, what))) for n in ("old", "new"))
         row[what] = {"old": old, "new": new, "ratio": {k: new[k] / old[k] for k in old}}
     return row
 
@@ -176,10 +203,10 @@ def main() -> None:
                 for e, s in (("cuda", False), ("kernel", True))]  # fmt: skip
     print(f"old = {rev[:10]}, new = this tree; {args.repeats} rounds each, interleaved; us")
     for row in rows:
-        for what in ("host", "cpu"):
+        for what in WHAT:
             old, new, ratio = row[what]["old"], row[what]["new"], row[what]["ratio"]
-            print(f"{row['engine']:6s} {row['ids']:11s} {what:4s} "
-                  + "  ".join(f"{k} {old[k]:5.0f} -> {new[k]:5.0f} ({ratio[k]:.2f}x)" for k in old))  # fmt: skip
+            print(f"{row['engine']:6s} {row['ids']:11s} {what:6s} "
+                  + "  ".join(f"{k} {old[k]:5.1f} -> {new[k]:5.1f} ({ratio[k]:.2f}x)" for k in old))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"old": rev, "rows": rows}, indent=1))
 

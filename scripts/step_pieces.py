@@ -53,8 +53,10 @@ PIECES = [
     ("kvmgr.transfer.plan", "BlockPairs", "descriptor_table"),
     ("kvmgr.transfer.driver", "CopyDriver", "batch_at"),
     ("kvmgr.transfer.kernel", "KernelCopy", "issue"),
+    ("kvmgr.kernels.copy.staging", "CopyStager", "copy_runs"),
     ("kvmgr.transfer.streams", "CopyStreams", "_queue"),
     ("kvmgr.transfer.streams", "", "on_device"),
+    ("kvmgr.transfer.streams", "", "device_is_current"),
     ("kvmgr.transfer.cuda_current", "CurrentStream", "current"),
 ]
 

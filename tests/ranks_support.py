@@ -8,7 +8,8 @@ directory is on their ``sys.path``). ``spec`` is a plain dict:
   ``"replicated"`` (every rank the same bytes; the CPU tier is the shared file ``shm``);
 - ``heads``: heads per rank (``"heads"``); ``bad_rank``: that rank gets one more head;
 - ``fault``: ``{"rank": r, "kind": "fail" | "slow" | "die", "delay_s": s}``: rank ``r``'s
-  engine fails every batch it is given / sleeps before each submit / exits mid-job.
+  engine fails every batch it is given / sleeps before each submit / exits mid-job;
+  ``faults``: a list of those, for several ranks.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _faulty_host(kind: str, delay_s: float, from_batch: int = 0) -> ScriptedEngi
 
 def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker:
     """One rank's worker (see the module docstring)."""
-    fault = spec.get("fault") or {}
+    faults = spec.get("faults") or [spec.get("fault") or {}]  # one fault, or one per rank
+    fault = next((f for f in faults if f.get("rank") == rank), {})
     if fault.get("rank") == rank and fault["kind"] == "raise":
         raise ValueError("injected: this rank's make_worker raises")
     kv = rank_kv(spec, rank)

@@ -91,7 +91,7 @@ def print_tables(
     columns = ("kv dtype", "mode", "target", "got", "met")
     console.print(tables.table("Targets", columns, checks, justify="left"))
     if tuning:
-        top = max(int(t) for t in args.tokens.split(","))
+        top = max(args.tokens)
         tune = [
             [t["kv_cache_dtype"], t["block_tokens"], t["num_warps"], f"{t['us']:.1f}",
              f"{t['peak_fraction']:.1%}"]

@@ -3,6 +3,7 @@
 Offers:
     add_cases    ``--geometries`` (of a ``GEOMETRIES`` table) and ``--blocks`` (64 and 512)
     add_output   ``--seed`` and ``--json``
+    int_list     an argparse ``type``: comma-separated ints >= 1 (``"1,64,512"``)
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-__all__ = ["add_cases", "add_output"]
+__all__ = ["add_cases", "add_output", "int_list"]
 
 
 def add_cases(parser: argparse.ArgumentParser, geometries: Mapping[str, object]) -> None:
@@ -27,3 +28,19 @@ def add_output(parser: argparse.ArgumentParser, *, seed: bool = True) -> None:
     if seed:
         parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
+
+
+def int_list(text: str) -> list[int]:
+    """``text`` (``"1,64,512"``) as ``[1, 64, 512]``: an argparse ``type``, so a bad value is
+    a usage error naming the option, not a traceback.
+
+    Raises:
+        argparse.ArgumentTypeError: not comma-separated ints, none, or one below 1.
+    """
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return values

@@ -46,7 +46,10 @@ SCENARIOS = ((512, 1), (512, 4), (64, 8))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=300, help="timed rounds per variant")
     parser.add_argument(
-        "--steps", type=int, default=2000, help="rounds of the steady-state GC run (>= 2000)"
+        "--steps",
+        type=int,
+        default=2000,
+        help="rounds of the steady-state GC run (2000 or more reach the steady state)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 

@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmgr.bench._options import int_list
+
 __all__ = ["add_arguments", "run"]
 
 _R, _P, _BLOCK = 512, 64, 64
@@ -54,7 +56,9 @@ _D, _S = 512, 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmgr bench launch-host``."""
-    parser.add_argument("--tokens", default="1,64,512", help="comma-separated MLA step sizes T")
+    parser.add_argument(
+        "--tokens", type=int_list, default="1,64,512", help="comma-separated MLA step sizes T"
+    )
     parser.add_argument("--layers", type=int, default=5, help="MLA layers L")
     parser.add_argument("--sets", type=int, default=16, help="rotating MLA cache sets")
     parser.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["auto", "fp8_e4m3"],
@@ -127,7 +131,7 @@ def _mla_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         return StepContext(tensors={"kv_c": s["kv_c"], "k_pe": s["k_pe"], "slot_mapping": s["slots"]})  # fmt: skip
 
     rows = []
-    for num_tokens in (int(t) for t in args.tokens.split(",")):
+    for num_tokens in args.tokens:
         sets, tag = _mla_sets(args, num_tokens), f"mla T={num_tokens}"
         first = sets[0]
         hooks = [GroupedMLAInsertHook(s["caches"], **s["kwargs"]) for s in sets]

@@ -43,7 +43,7 @@ import torch
 
 from kvmgr.bench._mla_insert_report import meta, print_tables, target_rows
 from kvmgr.bench._mla_insert_sets import TIMED, bound_calls, make_sets, variant_calls
-from kvmgr.bench._options import add_output
+from kvmgr.bench._options import add_output, int_list
 
 __all__ = ["add_arguments", "run"]
 
@@ -53,7 +53,9 @@ _MIN_INSERTS_PER_SAMPLE = 16
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``mla-insert`` options to ``parser``."""
     default_tokens = ",".join(str(2**i) for i in range(15))
-    parser.add_argument("--tokens", default=default_tokens, help="comma-separated token counts T")
+    parser.add_argument(
+        "--tokens", type=int_list, default=default_tokens, help="comma-separated token counts T"
+    )
     parser.add_argument("--layers", type=int, default=5, help="layers L (default 5)")
     parser.add_argument("--rank", type=int, default=512, help="kv_lora_rank R (default 512)")
     parser.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim P (default 64)")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # Triton missing
         print(f"kvmgr bench mla-insert: cannot load the kernels ({exc}).", file=sys.stderr)
         return 2
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = list(args.tokens)
     kv_cache_dtypes = args.kv_cache_dtypes.split(",")
     modes = args.modes.split(",")
     peak_gbps = _copy_peak_gbps(args.reps)

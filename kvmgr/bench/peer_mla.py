@@ -43,12 +43,16 @@ from typing import Any
 
 import torch
 
+from kvmgr.bench._options import int_list
+
 __all__ = ["add_arguments", "run", "run_peer_mla"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the MLA half's options to ``parser`` (all prefixed ``--mla-``: the swap half shares it)."""
-    parser.add_argument("--mla-tokens", default="1,16,128,512,16384", help="token counts T")
+    parser.add_argument(
+        "--mla-tokens", type=int_list, default="1,16,128,512,16384", help="token counts T"
+    )
     parser.add_argument("--mla-layers", type=int, default=5, help="layers L (default 5)")
     parser.add_argument("--mla-kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated")
     parser.add_argument("--mla-calls", type=int, default=200, help="calls per timed loop")
@@ -72,7 +76,7 @@ def run_peer_mla(args: argparse.Namespace) -> int:
     print(f"baseline built (or found built) in {time.perf_counter() - start_s:.1f} s")
     rows, all_equal = [], True
     for kv_cache_dtype in args.mla_kv_cache_dtypes.split(","):
-        for num_tokens in (int(t) for t in args.mla_tokens.split(",")):
+        for num_tokens in args.mla_tokens:
             row = _case(op, args, kv_cache_dtype, num_tokens)
             all_equal &= row["bytes_equal"]
             rows.append(row)

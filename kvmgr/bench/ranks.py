@@ -30,11 +30,15 @@ from typing import Any
 
 import numpy as np
 
+from kvmgr.bench._options import int_list
+
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    parser.add_argument(
+        "--ranks", type=int_list, default="1,2,4", help="comma-separated rank counts"
+    )
     parser.add_argument("--heads", type=int, default=8, help="KV heads, split across ranks")
     parser.add_argument("--layers", type=int, default=8, help="KV tensors (K and V per layer)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
@@ -146,8 +150,8 @@ def _variant(num_ranks: int, spec: dict[str, Any], args: argparse.Namespace) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    ranks = [int(r) for r in args.ranks.split(",")]
-    if any(r < 1 or args.heads % r for r in ranks):
+    ranks = args.ranks
+    if any(args.heads % r for r in ranks):
         print(f"kvmgr bench ranks: error: --heads {args.heads} must split evenly", file=sys.stderr)
         return 2
     spec = {

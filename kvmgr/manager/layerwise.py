@@ -191,8 +191,13 @@ def start_store(
 def _begin(
     flusher: Flusher, loop: asyncio.AbstractEventLoop, direction: Direction, part: Part, num: int
 ) -> tuple[Lane, LayerBatches, tuple[np.ndarray, np.ndarray]]:
-    """Flush what is queued; the part's lane, its ``num`` layer batches, its (GPU, CPU) ids."""
+    """Flush what is queued; the part's lane, its ``num`` layer batches, its (GPU, CPU) ids.
+    The blocks the part's store evicted are staged for write-back first (the flush stages
+    only with work queued): its groups overwrite those CPU blocks, and the lower tier would
+    get their bytes under the evicted keys, valid checksums and all."""
     flusher.flush(loop)
+    if flusher.tiers is not None:
+        flusher.tiers.write_evicted(flusher.scheduler.books.take_evicted(), loop)
     lane = Lane(direction)
     lane.add(part)
     return lane, LayerBatches(direction, num), lane.arrays()

@@ -174,6 +174,12 @@ class CallFuture:
     def _asyncio_future_blocking(self, value: bool) -> None:
         self._blocking = value
 
+    @property
+    def _cancel_message(self) -> Any:
+        """asyncio's field: ``gather(..., return_exceptions=True)`` reads it of a cancelled one."""
+        state, value = self._fan.state_of(self._i)
+        return value if state == _CANCELLED else None
+
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._fan.loop
 

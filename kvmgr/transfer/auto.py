@@ -107,11 +107,16 @@ class ChoiceCopy:
             path = "staged"
         if path == "staged" and staged is not None and staged.can_stage(plan):
             return staged.issue(plan, stream)
+        choose = self.choose  # always_kernel not called: two property reads and a call fewer
         if (
             kernel is not None
             and not self.pageable_host
             and plan.num_descriptors
-            and (self.choose(plan, plan.num_bytes) if path is None else path == "kernel")
+            and (
+                (choose is always_kernel or choose(plan, plan.num_bytes))
+                if path is None
+                else path == "kernel"
+            )
         ):
             return kernel.issue(plan, stream)
         return self.dma.issue(plan, stream)

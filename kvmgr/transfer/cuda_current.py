@@ -4,6 +4,7 @@
 Offers:
     CurrentStream   the device's current stream as a ``torch.cuda.Stream``, rebuilt only when
                     the raw current-stream handle changes
+    device_is_current   whether a device is the current one (torch's C reader once initialized)
     on_device       ``torch.cuda.device(device)`` unless it is already current
     event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
                     C (``DriverEvents``) or torch's C methods where they are torch's own
@@ -21,10 +22,13 @@ import torch
 from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
 from kvmgr.transfer.driver_call import native_call
 
-__all__ = ["CurrentStream", "DriverEvents", "event_calls", "on_device"]
+__all__ = ["CurrentStream", "DriverEvents", "device_is_current", "event_calls", "on_device"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
+_TORCH_CURRENT_DEVICE = torch.cuda.current_device  # torch's own (tests may replace it)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)  # what it returns after _lazy_init
+_in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: True)
 
 
 class CurrentStream:
@@ -49,11 +53,25 @@ class CurrentStream:
         return self._stream
 
 
+def device_is_current(device: torch.device) -> bool:
+    """Whether ``device`` (with an index) is the current CUDA device (no switch needed).
+
+    The current device is read as ``torch.cuda.current_device()`` does once CUDA is initialized
+    (``_lazy_init`` a no-op then): torch's C reader straight, three Python frames fewer; before
+    initialization, in a forked child (torch's error), or where ``current_device`` is not
+    torch's own (a test's stand-in), through ``torch.cuda.current_device()``."""
+    index = device.index
+    if index is None:
+        return False
+    cuda = torch.cuda
+    if cuda.current_device is _TORCH_CURRENT_DEVICE and _get_device is not None and getattr(cuda, "_initialized", False) and not _in_bad_fork():  # fmt: skip
+        return _get_device() == index
+    return cuda.current_device() == index
+
+
 def on_device(device: torch.device) -> Any:
     """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
-    if device.index is not None and torch.cuda.current_device() == device.index:
-        return _CURRENT
-    return torch.cuda.device(device)
+    return _CURRENT if device_is_current(device) else torch.cuda.device(device)
 
 
 def _record_by_method(event: Any, stream: Any) -> None:

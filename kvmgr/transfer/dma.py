@@ -30,6 +30,7 @@ __all__ = ["DescriptorBuffers", "DmaCopy"]
 
 _WORD = 8  # bytes per descriptor entry (int64 / size_t / CUdeviceptr)
 _MIN_DESCRIPTORS = 256  # smallest buffer: 6 KiB
+_MAX_STREAMS = 64  # stream handles whose path is remembered
 
 
 class _Buffer:
@@ -64,7 +65,7 @@ class DmaCopy:
     Args:
         driver: resolved entry points.
         path: ``"batch"`` or ``"loop"`` (``"batch"`` still falls back to the loop on the legacy
-            default stream, rule 1).
+            default stream, rule 1); fixed at construction (the choice is remembered per stream).
         max_descriptors: descriptors per driver call; larger plans are issued in chunks.
         batch_call: ``"ctypes"`` (raw addresses, the default) or ``"lists"`` (cuda-python lists).
 
@@ -81,21 +82,34 @@ class DmaCopy:
         self.batch_call = batch_call
         self.buffers = DescriptorBuffers()
         self._orders = {d: access_order(d) for d in Direction}
+        self._paths: dict[int, str] = {}  # stream handle -> batch_or_loop (fixed for a handle)
 
     def issue(self, plan: TransferPlan, stream: Any) -> Issued:
         """Enqueue the plan's copies on ``stream``; a refused call is returned in ``error`` with
         ``fail_index`` in plan coordinates (chunks before it still run)."""
         handle = stream.cuda_stream
-        path = batch_or_loop(self.path, self.driver.batch_abi, handle)
-        n = plan.num_descriptors
+        path = self._paths.get(handle)
+        if path is None:  # per stream handle: the requested path, the ABI and the handle decide
+            path = batch_or_loop(self.path, self.driver.batch_abi, handle)
+            if len(self._paths) < _MAX_STREAMS:
+                self._paths[handle] = path
+        pairs = plan.matching_blocks()
+        n = plan.num_descriptors if pairs is None else pairs.num_descriptors
         if n == 0:
             return Issued(path, num_chunks=0)
-        pairs = plan.matching_blocks()
         if pairs is not None:  # computed into a pooled buffer: no allocation, address known
             buffer = self.buffers.take(n)
-            table = pairs.descriptor_table(buffer.table(n))
+            table = pairs.descriptor_table(buffer._table if buffer._count == n else buffer.table(n))
             address, keep = buffer.address, ()
             release = lambda: self.buffers.give(buffer)  # noqa: E731  (after the end event)
+            if path == "batch" and n <= self.max_descriptors and self.batch_call == "ctypes":
+                try:  # the common plan: one batched call, what _copy does for it without the loop
+                    self.driver.batch_at(address + n * _WORD, address, address + 2 * n * _WORD, n,
+                                         handle, self._orders[plan.direction])  # fmt: skip
+                except TransferError as exc:
+                    error = TransferError(str(exc), fail_index=exc.fail_index)
+                    return Issued(path, 0, 0, (), release, error)
+                return Issued(path, 1, 0, (), release)
         else:
             table = plan.descriptor_table()
             address, keep, release = None, (table,), None

@@ -40,11 +40,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.cuda_current import CurrentStream, event_calls, on_device
+from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -55,15 +54,12 @@ _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the 
 _SPARE_FUTURES = 4  # futures the completion threads make ahead for the next submits
 
 
-@attrs.define(eq=False)
-class _InFlight:
-    handle: BatchHandle
-    start: Any  # torch.cuda.Event
-    num_bytes: int
-    num_descriptors: int
-    issued: Issued
-    plan: TransferPlan | None  # kept until the end event (rule 7)
-    pool: list[tuple[Any, Any]] | None  # where the (start, end) pair goes back, or None
+#: One batch in flight, as the completion thread gets it (a list: built in one C call, its plan
+#: cleared there): ``[handle, start event, plan, issued, pool, num_bytes, num_descriptors]``: the
+#: plan is kept until the end event (rule 7), ``pool`` is where the (start, end) pair goes back,
+#: or None; the counts are the plan's at submit.
+_InFlight = list[Any]
+_PLAN = 2  # the plan's index in an _InFlight
 
 
 def _real_cuda_events() -> bool:
@@ -129,18 +125,16 @@ class CopyStreams:
         """The copy stream of a direction."""
         return self._streams[direction]
 
-    def submit(
-        self,
-        plan: TransferPlan,
-        issuer: CopyIssuer,
-        wait_for: Sequence[BatchHandle],
-        entered: float,
-    ) -> BatchHandle:
+    def submit(self, plan: TransferPlan, issuer: CopyIssuer, wait_for: Sequence[BatchHandle], entered: float, _guarded: bool = False) -> BatchHandle:  # fmt: skip
         """Fence, bracket ``issuer.issue(plan, stream)`` with events, queue the completion.
 
         ``entered`` is the ``perf_counter`` at which the engine's ``submit`` began (for
         ``submit_s``). Returns at once; the handle's future resolves on the completion thread.
+        On another current device it runs again under ``torch.cuda.device`` (``_guarded``).
         """
+        if not _guarded and not device_is_current(self._device):
+            with torch.cuda.device(self._device):
+                return self.submit(plan, issuer, wait_for, entered, True)
         direction = plan.direction
         stream = self._streams[direction]
         batch_id = self._next_batch_id
@@ -149,23 +143,22 @@ class CopyStreams:
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
         record, wait = self._record, self._wait
-        with on_device(self._device):
-            fence = self._fences[direction]
-            if self._compute_stream is not None:
-                fence.record(self._compute_stream)
-            elif pooled:  # torch's events: the current stream's object, built once per stream
-                record(fence, self._current.current())
-            else:
-                fence.record(torch.cuda.current_stream(self._device))
-            wait(fence, stream)
-            for other in wait_for:
-                if other.end_event is not None and not (pooled and other.future.done()):
-                    stream.wait_event(other.end_event)
-            record(events[0], stream)
-            issued_at = time.perf_counter()
-            issued = issuer.issue(plan, stream)
-            issue_s = time.perf_counter() - issued_at
-            record(events[1], stream)
+        fence = self._fences[direction]
+        if self._compute_stream is not None:
+            fence.record(self._compute_stream)
+        elif pooled:  # torch's events: the current stream's object, built once per stream
+            record(fence, self._current.current())
+        else:
+            fence.record(torch.cuda.current_stream(self._device))
+        wait(fence, stream)
+        for other in wait_for:
+            if other.end_event is not None and not (pooled and other.future.done()):
+                stream.wait_event(other.end_event)
+        record(events[0], stream)
+        issued_at = time.perf_counter()
+        issued = issuer.issue(plan, stream)
+        issue_s = time.perf_counter() - issued_at
+        record(events[1], stream)
         return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
 
     @staticmethod
@@ -173,17 +166,7 @@ class CopyStreams:
         """A (start, end) pair of timing events, the end one blocking-sync."""
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)  # fmt: skip
 
-    def _queue(
-        self,
-        plan: TransferPlan,
-        issued: Issued,
-        entered: float,
-        issue_s: float,
-        direction: Direction,
-        batch_id: int,
-        events: tuple[Any, Any],
-        pool: list[tuple[Any, Any]] | None,
-    ) -> BatchHandle:
+    def _queue(self, plan: TransferPlan, issued: Issued, entered: float, issue_s: float, direction: Direction, batch_id: int, events: tuple[Any, Any], pool: list[tuple[Any, Any]] | None) -> BatchHandle:  # fmt: skip
         """Count the submitted batch and hand it to its direction's completion thread."""
         if issued.error is not None:
             issued.error = TransferError(
@@ -192,14 +175,15 @@ class CopyStreams:
         start, end = events
         spares = self._spare_futures  # made on the completion threads, off this path
         future = spares.pop() if spares else concurrent.futures.Future()
-        handle = BatchHandle(batch_id, direction, future, end_event=end, refused=issued.error)
-        item = _InFlight(handle, start, plan.num_bytes, plan.num_descriptors, issued, plan, pool)
+        handle = BatchHandle(batch_id, direction, future, end, issued.error)
+        item = [handle, start, plan, issued, pool, plan.num_bytes, plan.num_descriptors]
         counters = self.counters
         with counters.lock:  # counted before the completion thread can see the batch
             counters.batches_submitted += 1
             counters.in_flight += 1
             counters.chunks_submitted += issued.num_chunks
-            counters.loop_fallbacks += issued.num_fallbacks
+            if issued.num_fallbacks:
+                counters.loop_fallbacks += issued.num_fallbacks
             if issued.path == "kernel":
                 counters.kernel_batches += 1
             else:
@@ -249,20 +233,21 @@ class CopyStreams:
 
     def _complete(self, item: _InFlight) -> None:
         """Wait for one batch's end event, release what it kept, count it, resolve its future."""
-        handle, issued, device_s = item.handle, item.issued, 0.0
-        error = issued.error
+        handle, start, _, issued, pool, num_bytes, num_descriptors = item
+        device_s, error = 0.0, issued.error
         try:
             handle.end_event.synchronize()  # blocking-sync event: sleeps, GIL released
             if error is None:
-                device_s = item.start.elapsed_time(handle.end_event) / 1e3
+                device_s = start.elapsed_time(handle.end_event) / 1e3
         except Exception as exc:  # an asynchronous CUDA error surfaced at the event
             error = error or TransferError(f"batch {handle.batch_id} failed on the device: {exc}")
         # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
-        item.plan, release = None, issued.release
+        item[_PLAN] = None  # the plan may go before the future resolves
+        release = issued.release
         issued.keep_alive, issued.release = (), None
         if release is not None:
             release()
-        self._count_done(handle.direction, item.num_bytes, device_s, error is not None)
+        self._count_done(handle.direction, num_bytes, device_s, error is not None)
         # A cancelled future raises InvalidStateError: nobody is left to tell.
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             if error is not None:
@@ -272,14 +257,14 @@ class CopyStreams:
                     BatchResult(
                         batch_id=handle.batch_id,
                         direction=handle.direction,
-                        num_bytes=item.num_bytes,
-                        num_descriptors=item.num_descriptors,
+                        num_bytes=num_bytes,
+                        num_descriptors=num_descriptors,
                         device_s=device_s,
                         path=issued.path,
                     )
                 )
-        if item.pool is not None and error is issued.error:  # not after a device error
-            item.pool.append((item.start, handle.end_event))  # the future has resolved
+        if pool is not None and error is issued.error:  # not after a device error
+            pool.append((start, handle.end_event))  # the future has resolved
 
     def _count_done(self, direction: Direction, num_bytes: int, device_s: float, failed: bool) -> None:  # fmt: skip
         counters = self.counters

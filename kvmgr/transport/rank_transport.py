@@ -13,9 +13,11 @@ deadlock): every rank receives every job, in one order, and answers each one. to
 A job completes when every rank reported success. If a rank reports failure the job fails on
 every rank with ``RankError(rank=...)`` once all ranks have answered (until then the others may
 still copy). If a rank's pipe closes (it died) or a job misses ``deadline_s``, the group is
-*down*: every job in flight fails with ``RankError`` / ``RankTimeoutError`` naming the rank, and
-every later job is refused (the manager stops offloading: new swaps fail fast instead of
-hanging). No job is sent after that, so the blocks rolled back are never copied again.
+*down*: every job in flight fails with ``RankError`` / ``RankTimeoutError`` naming the rank (a
+job the other ranks still hold once they answered it, so its blocks are rolled back only when
+no rank copies any more), and every later job is refused (the manager stops offloading: new
+swaps fail fast instead of hanging). No job is sent after that, so the blocks rolled back are
+never copied again.
 """
 
 from __future__ import annotations
@@ -122,9 +124,13 @@ class RankTransport:
                 conn.send_bytes(data)
             except OSError:
                 error = RankError(f"rank {rank} is gone (its pipe is closed)", rank=rank)
-                del self._pending[job.job_id]  # the caller rolls this job back
                 loop.call_soon(self._go_down, error)
-                raise error from None
+                if rank == 0:  # no rank has the job: the caller rolls it back
+                    del self._pending[job.job_id]
+                    raise error from None
+                pending.left, pending.error = set(range(rank)), error  # those ranks may copy:
+                # it fails once they answered
+                break
         pending.timer = loop.call_later(self.group.deadline_s, self._expire, job.job_id)
         return _submitted(
             job, self.num_ranks, self._num_tensors, self._block_bytes, self._replicated
@@ -183,13 +189,22 @@ class RankTransport:
         )
 
     def _go_down(self, error: RankError) -> None:
-        """A rank is lost: fail every job in flight with ``error``; refuse new ones."""
+        """A rank is lost: fail every job in flight with ``error``; refuse new ones. A rank
+        that died copies nothing more, but the others may still be inside a job: it fails once
+        they answered (or missed the deadline: fenced for good), never while they may touch
+        its blocks (rolled back, a load's GPU blocks go to other requests)."""
         if self.down is None:
             self.down = error
+        timeout = isinstance(error, RankTimeoutError)
         for pending in list(self._pending.values()):
-            pending.error = error
-            pending.left.clear()
-            self._finish(pending)
+            if timeout or pending.error is None:
+                pending.error = error
+            if timeout:
+                pending.left.clear()
+            else:
+                pending.left.discard(error.rank)
+            if not pending.left:
+                self._finish(pending)
 
     # ------------------------------------------------------------------ the rest
 

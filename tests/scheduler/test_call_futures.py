@@ -179,3 +179,34 @@ async def test_the_one_by_one_fallback_resolves_each_callers_own_future() -> Non
         assert [r.gpu_block_ids for r in results] == [(gpu[i],) for i in range(3)]
         assert all(_landed(mgr, kv, r) for r in results) and mgr.peek(K[0:3]) == 3
         check_invariants(mgr)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("msg", [None, "why"])
+async def test_gather_with_return_exceptions_takes_a_cancelled_call(msg: str | None) -> None:
+    """``gather(..., return_exceptions=True)`` reads ``_cancel_message`` of a cancelled child;
+    a ``CallFuture`` without it raised ``AttributeError`` in gather's callback and the gather
+    never resolved. Now its results match those of plain ``asyncio.Future``s."""
+    kv = _kv(5)
+    async with OffloadManager(kv, _cfg()) as mgr:
+        gpu = mgr.allocate("r", 3)
+        calls = [mgr.swap_out([gpu[i]], [K[40 + i]]) for i in range(3)]
+        plain = [asyncio.get_running_loop().create_future() for _ in range(3)]
+        calls[1].cancel(msg)
+        plain[1].cancel(msg)
+        await mgr.step()
+        gathered = asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.wait([calls[0], calls[2]], timeout=10)  # the copy ended: all resolved
+        for _ in range(10):  # the gather's done callbacks run within a few iterations
+            await asyncio.sleep(0)
+        assert gathered.done()  # without _cancel_message it never resolves (nor cancels)
+        got = gathered.result()
+        for i, future in enumerate(plain):
+            if not future.done():
+                future.set_result(got[i])
+        want = await asyncio.gather(*plain, return_exceptions=True)
+        assert [type(r) for r in got] == [type(r) for r in want]
+        assert isinstance(got[1], asyncio.CancelledError) and got[1].args == want[1].args
+        assert _landed(mgr, kv, got[0]) and _landed(mgr, kv, got[2])
+        assert mgr.lookup([K[41]]) == 1  # the cancelled call's copy ran all the same
+        check_invariants(mgr)

@@ -193,3 +193,37 @@ def test_gpu_event_calls_from_a_thread_that_made_no_cuda_call_yet() -> None:
     assert not errors
     side.synchronize()
     assert event.query()
+
+
+def test_on_device_reads_the_device_from_c_only_where_current_device_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[str] = []
+
+    def torch_current_device() -> int:  # stands in for torch's own: _lazy_init, then the C read
+        reads.append("python")
+        return 1
+
+    def c_reader() -> int:
+        reads.append("c")
+        return 1
+
+    switched: list[object] = []
+    monkeypatch.setattr(torch.cuda, "current_device", torch_current_device)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: switched.append(device) or "guard")
+    monkeypatch.setattr(cuda_current, "_TORCH_CURRENT_DEVICE", torch_current_device)
+    monkeypatch.setattr(cuda_current, "_get_device", c_reader)
+    monkeypatch.setattr(cuda_current, "_in_bad_fork", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_initialized", True, raising=False)
+    on = cuda_current.on_device
+    assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["c"]
+    assert on(torch.device("cuda", 0)) == "guard" and switched == [torch.device("cuda", 0)]
+    # not initialized, a forked child, or a stand-in current_device: torch's own path
+    for patch in (("_initialized", False), ("_in_bad_fork", lambda: True)):
+        reads.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda if patch[0] == "_initialized" else cuda_current, *patch)
+            assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["python"]
+    reads.clear()
+    monkeypatch.setattr(cuda_current, "_TORCH_CURRENT_DEVICE", None)
+    assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["python"]

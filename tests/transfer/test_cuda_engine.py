@@ -7,16 +7,24 @@ their arguments, and ``torch.cuda`` streams/events are fakes that log the order 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
 from cuda_fakes import FakeCuda, FakeDriverLib, hold_two_tables
 
-from kvmgr.errors import ClosedError, ConfigError, TransferError, TransferTimeoutError
+from kvmgr.errors import (
+    ClosedError,
+    ConfigError,
+    GeometryError,
+    TransferError,
+    TransferTimeoutError,
+)
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import driver as copy_driver
 from kvmgr.transfer import pinned
@@ -308,6 +316,56 @@ def _store_plan(
         Direction.D2H, KVLayout.from_tensors(src), KVLayout.from_tensors(dst), src_ids, dst_ids
     )
     return plan, src, dst, src_ids, dst_ids
+
+
+def test_a_submit_on_another_device_runs_under_its_device_guard_and_the_current_one_enters_none(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(13)
+    guards: list[Any] = []
+
+    @contextlib.contextmanager
+    def guard(device: Any) -> Any:
+        guards.append(torch.device(device))
+        fake_cuda.log.append(("enter", device, None))
+        yield
+        fake_cuda.log.append(("exit", device, None))
+
+    monkeypatch.setattr(torch.cuda, "device", guard)  # the current device stays 0
+    for index, expected in ((1, [torch.device("cuda", 1)]), (0, [])):
+        guards.clear()
+        engine, _ = _fake_engine(fake_cuda, device=f"cuda:{index}")
+        with engine:
+            plan, src, dst, src_ids, dst_ids = _store_plan(rng, 584, 4)
+            fake_cuda.log.clear()
+            handle = engine.submit(plan)
+            ops = [e[0] if isinstance(e, tuple) else "batch" for e in fake_cuda.log]
+            handle.future.result(timeout=5)
+        inner = ["record", "wait", "record", "batch", "record"]  # fence, wait, start, copy, end
+        assert guards == expected
+        assert ops == (["enter", *inner, "exit"] if expected else inner)
+        for s_t, d_t in zip(src, dst):
+            assert torch.equal(d_t[dst_ids], s_t[src_ids])
+
+
+def test_malformed_plans_are_refused_before_anything_is_enqueued(fake_cuda: FakeCuda) -> None:
+    rng = np.random.default_rng(14)
+    engine, _ = _fake_engine(fake_cuda)
+    with engine:
+        plan, *_ = _store_plan(rng, 584, 3)
+        a = np.array([1, 2], dtype=np.int64)
+        bad = [
+            (ValueError, object()),
+            (ValueError, attrs.evolve(plan, direction="d2h")),  # from build_plan, not a Direction
+            (ValueError, TransferPlan(Direction.D2H, a, a, a[:1])),  # unequal arrays
+            (GeometryError, TransferPlan(Direction.D2H, a, a, np.array([4, -1], dtype=np.int64))),
+        ]
+        fake_cuda.log.clear()
+        for error, plan_ in bad:
+            with pytest.raises(error):
+                engine.submit(plan_)
+        assert fake_cuda.log == [] and engine.statistics().batches_submitted == 0
+        assert engine.submit(plan).batch_id == 0  # no id was taken by a refused plan
 
 
 def test_submit_fences_on_compute_and_dependencies_then_copies_between_events(

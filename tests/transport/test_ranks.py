@@ -290,3 +290,38 @@ def test_the_gpu_blocks_a_late_rank_may_still_write_are_never_handed_out() -> No
         asyncio.run(_over_ranks(group, body))
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("when", ["in_the_job", "before_the_send"])
+def test_a_rank_that_dies_fails_the_job_only_once_the_live_ranks_answered(when: str) -> None:
+    """Rank 1 dies at the load's submit (or is dead when the job is sent to it, the pipe's
+    end not seen by the loop yet) while rank 0 is inside the job (sleeping 1.5 s before its
+    copy into the load's GPU blocks). The load used to fail at once and its GPU blocks went
+    back to the pool, to another request, while rank 0 was about to write them; now it fails
+    when rank 0 answered (new user, round 4 session 9)."""
+    faults = [{"rank": 0, "kind": "slow", "delay_s": 1.5, "from_batch": 1}]
+    if when == "in_the_job":
+        faults.append({"rank": 1, "kind": "die", "from_batch": 1})
+    group = RankGroup(2, make_rank, (_spec(faults=faults),), deadline_s=30)
+    try:
+
+        async def body(mgr: OffloadManager) -> None:
+            await _step(mgr, mgr.swap_out(mgr.allocate("a", 3), KEYS[:3]))  # batch 0: on time
+            mgr.free("a")
+            b = mgr.allocate("b", 3)
+            load = mgr.swap_in(KEYS[:3], b)
+            if when == "before_the_send":
+                group.kill(1)
+                group.processes[1].join(5)  # dead; the loop has not read its pipe's end yet
+            await mgr.step()
+            start = asyncio.get_running_loop().time()
+            with pytest.raises(RankError) as info:
+                await mgr.wait(load, timeout_s=20)
+            assert info.value.rank == 1 and not isinstance(info.value, RankTimeoutError)
+            # rank 0 answered first: it slept 1.5 s in its submit, then copied
+            assert asyncio.get_running_loop().time() - start > 1.0
+            check_invariants(mgr)
+
+        asyncio.run(_over_ranks(group, body))
+    finally:
+        group.close()

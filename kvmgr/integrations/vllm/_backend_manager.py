@@ -122,9 +122,9 @@ class KvmgrOffloadingManager(OffloadingManager):
         if None in ids or bytes(map(state.__getitem__, ids)).count(_READY) != len(ids):  # type: ignore[arg-type]
             for key, block in zip(keys, ids):
                 if block is None:
-                    raise UnknownKeyError(f"prepare_load: key {key.hex()[:16]}... not offloaded")
+                    raise UnknownKeyError(f"prepare_load: key {key!r:.40} not offloaded")
                 if state[block] != _READY:
-                    raise BlockStateError(f"prepare_load: key {key.hex()[:16]}... not READY")
+                    raise BlockStateError(f"prepare_load: key {key!r:.40} not READY")
         self.tier.add_readers(ids)  # type: ignore[arg-type]
         fresh = saw_loaded(self._access(req_context), keys, positions_of(req_context))
         if fresh and self._touch_is_recency:  # with LRU a key shown first is a use: refresh
@@ -144,6 +144,8 @@ class KvmgrOffloadingManager(OffloadingManager):
 
         Raises:
             UnknownKeyError: a key is not in the tier (nothing changed).
+            BlockStateError: a key has no load in flight (its load ended already, or was never
+                prepared); nothing changed.
         """
         ids = list(map(self._index_get, keys))
         if None in ids:

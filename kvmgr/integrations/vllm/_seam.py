@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvmgr.errors import BlockStateError
 from kvmgr.policy import make_policy
 from kvmgr.pool.host_pool import HostKVPool
 from kvmgr.pool.layout import KVLayout
@@ -99,16 +100,32 @@ def stores_landed(tier: CpuTier, ids: list[int]) -> None:
 
 
 def loads_ended(tier: CpuTier, ids: list[int]) -> None:
-    """Loads of blocks ``ids`` ended (one reader each, repeats allowed); a few without numpy."""
+    """Loads of blocks ``ids`` ended (one reader each, repeats allowed); a few without numpy.
+
+    Raises:
+        BlockStateError: a block has fewer loads in flight than ``ids`` ends (a load ended
+            twice, or never begun); nothing changed (a reader count below its loads would let
+            the block be evicted, and handed out, while a later load still copies from it).
+    """
     if len(ids) > 32:
+        blocks, counts = np.unique(np.array(ids, dtype=np.int64), return_counts=True)
+        if (tier.readers_np[blocks] < counts).any():
+            raise BlockStateError(_NO_LOAD)
         tier.remove_readers(np.array(ids, dtype=np.int64))
         return
     readers, idle = tier.readers, 0
-    for block in ids:
+    for i, block in enumerate(ids):
         left = readers[block] - 1
+        if left < 0:
+            for done in ids[:i]:  # undone: nothing changed
+                readers[done] += 1
+            raise BlockStateError(_NO_LOAD)
         readers[block] = left
         idle += left == 0
     tier.num_loading -= idle
+
+
+_NO_LOAD = "complete_load: a key has no load in flight (ended twice, or never prepared)"
 
 
 def forget_all(tier: CpuTier, policy: str) -> np.ndarray:

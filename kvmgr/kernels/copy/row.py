@@ -134,10 +134,12 @@ def launch_programs(kernel: Any, programs: int, stream: Any, launches: Launches 
     Raises:
         TransferError: Triton is not installed.
     """
+    if launches is not None:  # (packed launches are only made where Triton is: table_launches)
+        if programs:
+            launches((programs, 1, 1), stream, *args)
+        return programs
     _require_triton()
-    if programs and launches is not None:
-        launches((programs, 1, 1), stream, *args)
-    elif programs:
+    if programs:
         shared_launcher(kernel).launch((programs, 1, 1), *args, num_warps=NUM_WARPS, stream=stream)
     return programs
 

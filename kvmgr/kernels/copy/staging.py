@@ -69,6 +69,7 @@ class TableSlot:
     device: torch.Tensor  # int64 [3 * capacity] where the kernel runs
     host_addr: int
     device_addr: int
+    ones: int = 0  # rows[2 * ones : 3 * ones] hold 1s (its last table: that many one-block runs)
 
 
 def new_table_slot(capacity: int, device: torch.device) -> TableSlot:
@@ -144,40 +145,52 @@ class CopyStager:
         run_lengths: np.ndarray | None, max_programs: int, stream: Any, *,
         max_run: int | None = None,
     ) -> Staged:  # fmt: skip
-        """Copy blocks ``run_src_ids[r] + k -> run_dst_ids[r] + k`` (``k < run_lengths[r]``) of
-        every tensor from ``src`` to ``dst`` with one paged-kernel launch on ``stream``.
-
-        ``run_lengths`` ``None`` means one block per run; ``max_run``, if given, is the longest
-        run (then no run that needs splitting is looked for: the ids go straight into the slot).
-        ``src`` and ``dst`` must be addressable by the kernel (device memory of this device,
-        pinned or registered host memory) with equal page bytes per tensor; the runs must lie in
-        both caches and not overlap (the plan's checks). A refused upload or launch is returned
-        in ``Staged.error``; nothing raises after a slot was taken.
-        """
-        try:
-            layout = self._layout_table(src, dst, stream)
-        except Exception as exc:  # the upload of a new layout table was refused
-            return Staged(0, error=exc, failed="layout upload")
+        """Copy blocks ``run_src_ids[r] + k -> run_dst_ids[r] + k`` (``k < run_lengths[r]``;
+        ``None``: one block per run) of every tensor from ``src`` to ``dst`` with one paged-kernel
+        launch on ``stream``. ``max_run``, if given, is the longest run (no run that needs
+        splitting is looked for). ``src`` and ``dst`` must be addressable by the kernel (device
+        memory of this device, pinned or registered host memory) with equal page bytes per
+        tensor; the runs must lie in both caches and not overlap (the plan's checks). A refused
+        upload or launch is returned in ``Staged.error``; nothing raises after a slot was taken."""
+        layout = self._layouts.get((stream.cuda_stream, src, dst))
+        if layout is None:
+            try:
+                layout = self._layout_table(src, dst, stream)
+            except Exception as exc:  # the upload of a new layout table was refused
+                return Staged(0, error=exc, failed="layout upload")
         n = len(run_src_ids)
         if max_run is None:
             max_run = 1 if run_lengths is None else int(run_lengths.max(initial=1))
-        if max_run <= layout.max_blocks:  # the common case: each run is one row
+        if max_run > layout.max_blocks:  # long runs, split first
+            slot, n = self._split_runs(run_src_ids, run_dst_ids, run_lengths, layout.max_blocks)
+        else:  # the common case: each run is one row
             slot = self.slots.take(n)
             rows = slot.rows
             rows[:n] = run_src_ids
             rows[n : 2 * n] = run_dst_ids
-            rows[2 * n : 3 * n] = 1 if run_lengths is None else run_lengths
-        else:
-            lengths = np.ones(n, dtype=np.int64) if run_lengths is None else run_lengths
-            table = build_run_table(run_src_ids, run_dst_ids, lengths, layout.max_blocks)
-            n = table.shape[1]
-            slot = self.slots.take(n)
-            slot.rows[: 3 * n] = table.reshape(-1)
-        if self._runs is None:
-            self._runs = block_table_launches()
+            if run_lengths is not None:
+                rows[2 * n : 3 * n] = run_lengths
+                slot.ones = 0
+            elif slot.ones != n:  # (else: the 1s of this slot's last table of n one-block runs)
+                rows[2 * n : 3 * n] = 1
+                slot.ones = n
+        launches = self._runs
+        if launches is None:
+            launches = self._runs = block_table_launches()
         return self._launch(slot, (layout.slot, slot), n, stream, launch_block_table,
-                            layout.slot.device, slot.device, layout.num_tensors, n, max_programs,
-                            launches=self._runs)  # fmt: skip
+                            (layout.slot.device, slot.device, layout.num_tensors, n, max_programs),
+                            launches)  # fmt: skip
+
+    def _split_runs(self, run_src_ids: np.ndarray, run_dst_ids: np.ndarray, run_lengths: np.ndarray | None, max_blocks: int) -> tuple[TableSlot, int]:  # fmt: skip
+        """A slot holding the runs split at ``max_blocks`` blocks, and its row count."""
+        n = len(run_src_ids)
+        lengths = np.ones(n, dtype=np.int64) if run_lengths is None else run_lengths
+        table = build_run_table(run_src_ids, run_dst_ids, lengths, max_blocks)
+        n = table.shape[1]
+        slot = self.slots.take(n)
+        slot.rows[: 3 * n] = table.reshape(-1)
+        slot.ones = 0
+        return slot, n
 
     def copy_descriptors(
         self, src_addrs: np.ndarray, dst_addrs: np.ndarray, sizes: np.ndarray, max_programs: int,
@@ -199,12 +212,13 @@ class CopyStager:
         rows[:n] = src_addrs
         rows[n : 2 * n] = dst_addrs
         rows[2 * n : 3 * n] = sizes
+        slot.ones = 0
         if self._descriptors is None:
             self._descriptors = copy_table_launches()
-        return self._launch(slot, (slot,), n, stream, launch_copy_table, slot.device, n,
-                            max_programs, launches=self._descriptors)  # fmt: skip
+        return self._launch(slot, (slot,), n, stream, launch_copy_table,
+                            (slot.device, n, max_programs), self._descriptors)  # fmt: skip
 
-    def _launch(self, slot: TableSlot, keep: tuple[Any, ...], n: int, stream: Any, launch: Callable[..., int], *args: Any, launches: Launches) -> Staged:  # fmt: skip
+    def _launch(self, slot: TableSlot, keep: tuple[Any, ...], n: int, stream: Any, launch: Callable[..., int], args: tuple[Any, ...], launches: Launches) -> Staged:  # fmt: skip
         """Upload the slot's ``[3, n]`` table on ``stream``, then ``launch(*args)`` there."""
         release = lambda: self.slots.give(slot)  # noqa: E731  (after the end event)
         try:

@@ -225,11 +225,14 @@ class DeepSeekV4Offload:
             A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`).
 
         Raises:
-            InvalidBlockError: a live block is missing from a table (nothing queued).
+            InvalidBlockError: a live block is missing from a table, or a group's ids are bad
+                (as ``OffloadManager.swap_out``; checked in every group: nothing queued).
             KVMgrError: as ``OffloadManager.swap_out``.
         """
         keys = self.keys(num_tokens, block_keys, boundary_key)
         ids = {name: self._live_ids(name, num_tokens, block_tables) for name in keys}
+        for n in keys:  # every group's ids checked before any group queues its store
+            self.managers[n].check_gpu_blocks(ids[n], "store")
         futures = [self.managers[n].swap_out(ids[n], keys[n]) for n in keys if keys[n]]
         return asyncio.gather(*futures)
 
@@ -257,7 +260,7 @@ class DeepSeekV4Offload:
             A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`).
 
         Raises:
-            InvalidBlockError: wrong number of ids for a group (nothing queued).
+            InvalidBlockError: wrong number of ids, or bad ids, for a group (nothing queued).
             UnknownKeyError: some group does not hold the restore point READY (nothing queued).
             KVMgrError: as ``OffloadManager.swap_in``.
         """
@@ -268,6 +271,7 @@ class DeepSeekV4Offload:
                 raise InvalidBlockError(
                     f"gpu_block_ids[{name!r}]: expected {len(k)} ids, got {got}"
                 )
+            self.managers[name].check_gpu_blocks(gpu_block_ids.get(name, ()), "load")
             if self.managers[name].peek(k) != len(k):
                 raise UnknownKeyError(
                     f"group {name!r}: the restore point at {num_tokens} is not READY"
@@ -282,11 +286,14 @@ class DeepSeekV4Offload:
         return [await manager.step(ctx) for manager in self.managers.values()]
 
     def _live_ids(self, name: str, num_tokens: int, tables: Mapping[str, Sequence[int]]) -> list[int]:  # fmt: skip
+        """The live entries as they are (``check_gpu_blocks`` refuses floats and bools; ``int``
+        would truncate 2.5 to block 2 and store another block's KV)."""
         table = tables.get(name, ())
         blocks = self.layout.blocks_at(name, num_tokens)
-        if len(blocks) and (len(table) < blocks.stop or min(table[i] for i in blocks) < 0):
+        live = [table[i] for i in blocks] if len(table) >= blocks.stop else [None]
+        if len(blocks) and any(b is None or (isinstance(b, (int, float)) and b < 0) for b in live):
             raise InvalidBlockError(
                 f"block_tables[{name!r}]: expected GPU blocks for logical blocks "
                 f"{blocks.start}..{blocks.stop - 1}, got {list(table)[blocks.start : blocks.stop]}"
             )
-        return [int(table[i]) for i in blocks]
+        return live

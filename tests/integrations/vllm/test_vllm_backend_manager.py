@@ -233,3 +233,41 @@ def test_touch_protects_like_vllms(policy: str) -> None:
         assert out is not None
         victims.append(out.evicted_keys)
     assert victims[0] == victims[1] == [key("b")]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_complete_load_without_a_load_in_flight_raises_and_changes_nothing(policy: str) -> None:
+    """A load ended twice (or never prepared) raises before any reader count moves: a count
+    below the loads in flight would let a later load's chunk be evicted, and handed to a new
+    store, while that load still copies from it (vLLM's own manager asserts here)."""
+    mgr = ours(policy, 4)
+    ctx = context("1", [key("a"), key("b"), key("p")])
+    mgr.prepare_store([key("a"), key("b")], ctx)
+    mgr.complete_store([key("a"), key("b")], ctx)
+    mgr.prepare_store([key("p")], ctx)  # p: PENDING, never loaded
+    mgr.prepare_load([key("a")], ctx)
+    mgr.complete_load([key("a")], ctx)
+    for keys in ([key("a")], [key("b"), key("a")], [key("p")]):
+        with pytest.raises(BlockStateError, match="no load in flight"):
+            mgr.complete_load(keys, ctx)
+    mgr.prepare_load([key("a")], ctx)
+    with pytest.raises(BlockStateError):  # one load in flight, two ended
+        mgr.complete_load([key("a"), key("a")], ctx)
+    assert list(mgr.tier.readers) == [1 if k == key("a") else 0 for k in _keys_by_block(mgr)]
+    assert mgr.tier.num_loading == 1
+    # only b is evictable (a is read, p PENDING): a store of two new keys finds no room
+    assert mgr.prepare_store([key("c"), key("d")], context("2", [key("c"), key("d")])) is None
+    mgr.complete_load([key("a")], ctx)  # the one load in flight ends: accepted
+    assert mgr.tier.num_loading == 0
+
+
+def _keys_by_block(mgr: KvmgrOffloadingManager) -> list[bytes | None]:
+    by_block: list[bytes | None] = [None] * mgr.num_chunks
+    for k, block in mgr.tier.index.items():
+        by_block[block] = k
+    return by_block
+
+
+def test_prepare_load_of_a_non_bytes_key_raises_a_typed_error() -> None:
+    with pytest.raises(UnknownKeyError):
+        ours("lru", 4).prepare_load(["not bytes"], context("1", []))  # type: ignore[list-item]
