@@ -118,13 +118,15 @@ class KeyChains:
         self,
         keys: Sequence[bytes],
         ids: list[int],
-        parents: Sequence[bytes | None],
+        parents: Sequence[bytes | None] | None,
         at: np.ndarray | None = None,
     ) -> None:
-        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``); ``at``:
-        the same ids as an int64 array, when the caller has one."""
+        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``);
+        ``parents`` ``None``: the default chain (``keys[i]`` extends ``keys[i - 1]``,
+        ``keys[0]`` a root); ``at``: the same ids as an int64 array, when the caller has one."""
         orphans = self.orphans
-        if orphans and not orphans.keys().isdisjoint(keys):  # children stored before them
+        adopted = bool(orphans) and not orphans.keys().isdisjoint(keys)
+        if adopted:  # children stored before them
             loose = self.loose
             for key, block in zip(keys, ids):
                 children = orphans.pop(key, None)
@@ -133,13 +135,20 @@ class KeyChains:
                     self._kids[block] = len(children)
                     deque(map(loose.__delitem__, children), 0)
         n = len(keys)
-        if n > 1 and parents[1:] == keys[:-1]:  # one chain: keys[i] extends keys[i - 1]
-            if at is None:
-                at = np.array(ids, dtype=np.int64)
-            self._up_np[at[1:]] = at[:-1]
-            self.num_parents += int(np.count_nonzero(self._kids_np[at[:-1]] == 0))
-            self._kids_np[at[:-1]] += 1
-            self._link(ids[0], parents[0])
+        if parents is None or (n > 1 and parents[1:] == keys[:-1]):  # one chain
+            if n > 1:  # keys[i] extends keys[i - 1]
+                if at is None:
+                    at = np.array(ids, dtype=np.int64)
+                self._up_np[at[1:]] = at[:-1]
+                inner = at[:-1]
+                if adopted or parents is not None:
+                    self.num_parents += int(np.count_nonzero(self._kids_np[inner] == 0))
+                    self._kids_np[inner] += 1
+                else:  # a block enters the index without children (``remove`` leaves every
+                    self.num_parents += n - 1  # block it frees at 0), adopted none here
+                    self._kids_np[inner] = 1
+            if parents is not None and n:
+                self._link(ids[0], parents[0])
         elif parents.count(None) < n:
             for block, up in zip(ids, parents):
                 self._link(block, up)

@@ -192,18 +192,19 @@ class CpuTier:
         self._on_removed(keys)
 
     def add_pending(self, keys: list[bytes], ids: list[int] | np.ndarray,
-                    parents: Sequence[bytes | None], *, vouched: bool = False,
+                    parents: Sequence[bytes | None] | None, *, vouched: bool = False,
                     indexed: list[int] | None = None) -> None:  # fmt: skip
-        """Index and track new distinct keys, PENDING on their new blocks (all or nothing).
-        ``vouched``: the caller saw the keys absent since the index last gained one (as
-        ``Stores.prepare`` does), so they are not checked again (BlockStateError otherwise);
-        ``indexed``: ``ids`` (an array) as a list, on which ``key_index.add_new`` put them."""
+        """Index and track new distinct keys, PENDING on their new blocks (all or nothing;
+        ``parents`` ``None``: the default chain). ``vouched``: the caller saw the keys absent
+        since the index last gained one (as ``Stores.prepare`` does), so they are not checked
+        again (BlockStateError otherwise); ``indexed``: ``ids`` (an array) as a list, on
+        which ``key_index.add_new`` put them."""
         index = self.index
         if not vouched and indexed is None and not index.keys().isdisjoint(keys):  # a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
         if self._lru is None:
-            self._track(keys, parents)
+            self._track(keys, [None, *keys[:-1]] if parents is None else parents)
         if isinstance(ids, list):
             blocks, state = ids, self.state
             for key, block in zip(keys, ids):

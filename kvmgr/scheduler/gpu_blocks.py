@@ -54,6 +54,7 @@ class GpuBlocks:
         self._positions = np.arange(num_blocks, dtype=np.int64)
         self.busy = array.array("q", [0]) * num_blocks
         self.busy_np = np.frombuffer(self.busy, dtype=np.int64)
+        self.num_draining = 0  #: owned blocks DRAINING (``release`` looks for them only then)
 
     # ------------------------------------------------------------------ validation
 
@@ -99,8 +100,9 @@ class GpuBlocks:
         """
         if len(ids) == 0:
             return
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.num_blocks:
+        # one pass for both bounds: as uint64 a negative id is beyond any pool's size
+        if int(ids.view(np.uint64).max()) >= self.num_blocks:
+            lo, hi = int(ids.min()), int(ids.max())
             raise InvalidBlockError(
                 f"gpu block id {lo if lo < 0 else hi} out of range [0, {self.num_blocks})"
             )
@@ -146,7 +148,9 @@ class GpuBlocks:
             return
         busy = self.busy_np[ids] > 0
         if busy.any():
-            self.state_np[ids[busy]] = GpuState.DRAINING
+            draining = ids[busy]
+            self.state_np[draining] = GpuState.DRAINING
+            self.num_draining += len(draining)
             ids = ids[~busy]
         self.state_np[ids] = GpuState.FREE
         self.pool.give(ids)
@@ -169,10 +173,11 @@ class GpuBlocks:
             self.busy[int(ids[0])] -= 1
         else:
             np.subtract.at(self.busy_np, ids, 1)
-        if self.pool is None:
+        if self.pool is None or not self.num_draining:
             return
         draining = ids[self.state_np[ids] == _DRAINING]
         if len(draining):
             done = sorted_distinct(draining[self.busy_np[draining] == 0])
             self.state_np[done] = GpuState.FREE
+            self.num_draining -= len(done)
             self.pool.give(done)
