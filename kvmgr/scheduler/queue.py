@@ -111,7 +111,10 @@ class SwapQueue:
         is_store = kind is Kind.STORE or kind is Kind.PREEMPT
         small = type(ids) is list
         conflict = False
-        if small:  # a few ids: plain loops, no numpy
+        # a mark equals ``number`` only where a part of this generation read (D2H lane) or
+        # wrote (H2D lane) the block: with no such part there is nothing to look up
+        touched = newest.h2d.parts or (not is_store and newest.d2h.parts)
+        if touched and small:  # a few ids: plain loops, no numpy
             written = self._written
             if is_store:
                 for b in ids:
@@ -124,7 +127,7 @@ class SwapQueue:
                     if written[b] == number or read[b] == number:
                         conflict = True
                         break
-        else:
+        elif touched:
             conflict = bool((self._written_np[ids] == number).any()) or (
                 not is_store and bool((self._read_np[ids] == number).any())
             )
