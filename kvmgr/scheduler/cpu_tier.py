@@ -28,10 +28,10 @@ import numpy as np
 from kvmgr.errors import BlockStateError
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
-from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.block_lru import BlockLru
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.cpu_readers import ReaderCounts
 from kvmgr.scheduler.evictable import evictable, no_room
 
 __all__ = ["CpuState", "CpuTier"]
@@ -51,7 +51,7 @@ class CpuState(enum.IntEnum):
 _READY, _PENDING = int(CpuState.READY), int(CpuState.PENDING)  # plain ints: array compares
 
 
-class CpuTier:
+class CpuTier(ReaderCounts):
     """Blocks, keys and eviction of the CPU tier.
 
     Args:
@@ -255,36 +255,6 @@ class CpuTier:
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE
         self.pool.give(ids)
-
-    def add_readers(self, ids: list[int] | np.ndarray) -> None:
-        """Loads of these READY blocks were queued (one reader per occurrence)."""
-        readers = self.readers
-        if isinstance(ids, list):
-            for b in ids:
-                if readers[b] == 0:
-                    self.num_loading += 1
-                readers[b] += 1
-        else:
-            distinct = sorted_distinct(ids)
-            self.num_loading += int(np.count_nonzero(self.readers_np[distinct] == 0))
-            if len(distinct) == len(ids):
-                self.readers_np[ids] += 1
-            else:
-                np.add.at(self.readers_np, ids, 1)
-
-    def remove_readers(self, ids: np.ndarray) -> None:
-        """Loads of these blocks ended (successfully or not)."""
-        if len(ids) == 1:
-            b = int(ids[0])
-            self.readers[b] -= 1
-            self.num_loading -= self.readers[b] == 0
-            return
-        distinct = sorted_distinct(ids)
-        if len(distinct) == len(ids):
-            self.readers_np[ids] -= 1
-        else:
-            np.subtract.at(self.readers_np, ids, 1)
-        self.num_loading -= int(np.count_nonzero(self.readers_np[distinct] == 0))
 
     def set_state(self, ids: np.ndarray, state: CpuState) -> None:
         self.state_np[ids] = state
