@@ -110,11 +110,20 @@ class GpuBlocks:
             raise InvalidBlockError(
                 f"gpu block id {lo if lo < 0 else hi} out of range [0, {self.num_blocks})"
             )
-        if self.pool is not None:
+        n, owned = len(ids), self.pool is not None
+        if 1 < n <= self.num_blocks:  # held and distinct in one test (``distinct``'s scratch)
+            positions = self._positions[:n]
+            self._scratch[ids] = positions
+            ok = self._scratch[ids] == positions
+            if owned:
+                ok &= self.state_np[ids] == _HELD
+            if ok.all():
+                return
+        if owned:  # the first error, in the order: not held, then repeated
             held = self.state_np[ids] == _HELD
             if not held.all():
                 raise self._not_held(int(ids[np.flatnonzero(~held)[0]]), what)
-        if len(ids) > 1 and not self.distinct(ids):
+        if n > 1 and not self.distinct(ids):
             raise InvalidBlockError(f"duplicate gpu block ids in {ids.tolist()[:16]}")
 
     def distinct(self, ids: np.ndarray) -> bool:

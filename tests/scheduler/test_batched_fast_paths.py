@@ -148,3 +148,39 @@ def test_int64_ids_are_checked_like_any_other_ids(owned: bool) -> None:
         gpu.checked_ids(np.array([0, GPU], dtype=np.int64), "store")
     with pytest.raises(InvalidBlockError, match="gpu block id -3 out of range"):
         gpu.checked_ids(np.array([-3, GPU + 5], dtype=np.int64), "store")
+
+
+def _reference_check(gpu: GpuBlocks, ids: np.ndarray, what: str) -> None:
+    """``check_array`` before its one-pass tests: range, then held, then repeats."""
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= gpu.num_blocks:
+        raise InvalidBlockError(f"gpu block id {lo if lo < 0 else hi} out of range [0, {GPU})")
+    if gpu.pool is not None:
+        held = gpu.state_np[ids] == GpuState.HELD
+        if not held.all():
+            raise gpu._not_held(int(ids[np.flatnonzero(~held)[0]]), what)
+    if len(ids) > 1 and len(set(ids.tolist())) != len(ids):
+        raise InvalidBlockError(f"duplicate gpu block ids in {ids.tolist()[:16]}")
+
+
+@pytest.mark.parametrize("owned", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+def test_check_array_raises_what_the_checks_one_by_one_raise(owned: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    gpu = GpuBlocks(GPU, owned=owned)
+    if owned:
+        gpu.allocate(GPU // 2)
+    for _ in range(300):
+        n = int(rng.integers(1, 2 * GPU))
+        ids = rng.integers(-2 if rng.random() < 0.1 else 0, GPU + (rng.random() < 0.1), n)
+        if rng.random() < 0.5:  # mostly distinct
+            ids = rng.permutation(GPU)[: min(n, GPU)]
+        ids = ids.astype(np.int64)
+        got = []
+        for check in (gpu.check_array, lambda i, w: _reference_check(gpu, i, w)):
+            try:
+                check(ids, "store")
+                got.append(None)
+            except InvalidBlockError as exc:
+                got.append(str(exc))
+        assert got[0] == got[1], ids.tolist()
