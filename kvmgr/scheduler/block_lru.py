@@ -67,12 +67,16 @@ class BlockLru:
         self.key_of = np.empty(num_blocks, dtype=object)  #: the key on each block (or stale)
         #: the blocks of the last ``evict``'s victims, in order (the tier frees them)
         self.victim_blocks = np.empty(0, dtype=np.int64)
+        #: the last victims are one chain, its leaf first, each block's only indexed child the
+        #: one before it (``KeyChains.remove_run`` then updates the chains without reading them)
+        self.victim_chain = False
         self._stamp = array.array("q", [-1]) * num_blocks
         self._stamp_np = np.frombuffer(self._stamp, dtype=np.int64)
         self._log = array.array("q", [0]) * (2 * num_blocks + 2 * _FEW)
         self._log_np = np.frombuffer(self._log, dtype=np.int64)
         self._scratch = np.zeros(num_blocks, dtype=np.int64)
         self._head = self._tail = self._len = 0
+        self._lead_end = -1  #: where the run ``_leading`` last found from the head ends
 
     def add(self, keys: Sequence[bytes], blocks: list[int], at: np.ndarray | None = None) -> None:
         """Track new keys just indexed on ``blocks`` (distinct, untracked; the tier vouches),
@@ -196,7 +200,9 @@ class BlockLru:
         get = self._index.get
         guarded = {b for b in map(get, protected) if b is not None} if protected else set()
         own = can_evict is self._can_evict
-        victims = leading_run(self, n, guarded) if own and n >= 2 else None
+        victims, self.victim_chain = (
+            leading_run(self, n, guarded) if own and n >= 2 else (None, False)
+        )
         if victims is None:
             victims = collect(self, n, None if own else can_evict, guarded)
             if victims is None:
@@ -208,9 +214,23 @@ class BlockLru:
             self._len -= n
             return list(map(self.key_of.__getitem__, victims))
         self._stamp_np[victims] = -1
+        if self._lead_end >= 0:  # the run was the entries from the head: skip them now
+            self._head = self._lead_end
         self.victim_blocks = victims
         self._len -= n
         return self.key_of[victims].tolist()  # type: ignore[no-any-return]
+
+    def _leading(self, n: int) -> np.ndarray:
+        """The blocks of the first ``n`` live entries (fewer when the log holds fewer): the
+        ``n`` entries from the head when all are live (one check), else ``_first_live``'s."""
+        head = self._head
+        if head + n <= self._tail:
+            run = self._log_np[head : head + n]
+            if (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all():
+                self._lead_end = head + n  # evicted, they leave stale entries before it
+                return run.copy()  # the head is live: ``_first_live`` would keep it
+        self._lead_end = -1
+        return self._log_np[self._first_live(n)]
 
     def _first_live(self, n: int) -> np.ndarray:
         """Log positions of the first ``n`` live entries (fewer when the log holds fewer);

@@ -191,6 +191,21 @@ class KeyChains:
             self.loose.update(zip(children, repeat(key)))
             kids_np[block] = 0
 
+    def remove_run(self, at: np.ndarray) -> None:
+        """``remove`` of keys on blocks ``at`` (int64, more than one) that form one chain, its
+        leaf first, each block's only indexed child the one before it (``BlockLru``'s
+        ``victim_chain``): the same counts, none read but the last block's parent."""
+        n, last = len(at), int(self._up_block[int(at[-1])])
+        self._kids_np[at[1:]] = 0  # each had one child, the block before it: gone too
+        self._up_np[at] = -1
+        gone = n - 1
+        if last >= 0:  # (a forest: not in the run)
+            self._kids[last] -= 1
+            gone += self._kids[last] == 0
+        self.num_parents -= gone
+        if last < 0 and self.loose:  # the parent is not in the tier (roots have none)
+            self._orphan_links([int(at[-1])])
+
     def _remove_links(self, at: np.ndarray, parents: np.ndarray) -> None:
         """``remove``'s child counts for any blocks ``at`` whose parent blocks are ``parents``
         (``-1``: a root or a loose key)."""

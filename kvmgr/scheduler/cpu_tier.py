@@ -157,7 +157,11 @@ class CpuTier(ReaderCounts):
             if self._keep_evicted:
                 ids = np.fromiter(map(self.index.__getitem__, victims), np.int64, len(victims))
                 self.evicted.append((list(victims), ids))
-            self._forget(victims, None if self._lru is None else self._lru.victim_blocks)
+            lru = self._lru
+            if lru is None:
+                self._forget(victims)
+            else:
+                self._forget(victims, lru.victim_blocks, chain=lru.victim_chain)
             self.counters.evictions += len(victims)
 
     def take_evicted(self) -> list[tuple[list[bytes], np.ndarray]]:
@@ -171,9 +175,12 @@ class CpuTier(ReaderCounts):
             self.evict_for(n, protected)
         return self.pool.take_few(n)
 
-    def _forget(self, keys: list[bytes], ids: np.ndarray | None = None) -> None:
+    def _forget(
+        self, keys: list[bytes], ids: np.ndarray | None = None, *, chain: bool = False
+    ) -> None:
         """Drop READY keys without readers (already untracked by the policy), on blocks
-        ``ids`` when the caller knows them (in key order); free the blocks."""
+        ``ids`` when the caller knows them (in key order; ``chain``: one chain, as
+        ``BlockLru.victim_chain`` says); free the blocks."""
         if len(keys) <= 8:
             state, free = self.state, CpuState.FREE
             blocks = list(map(self.index.pop, keys))
@@ -186,7 +193,10 @@ class CpuTier(ReaderCounts):
                 ids = np.fromiter(map(self.index.pop, keys), dtype=np.int64, count=len(keys))
             else:
                 deque(map(self.index.__delitem__, keys), 0)
-            self.chains.remove(keys, ids)
+            if chain:
+                self.chains.remove_run(ids)
+            else:
+                self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids, vouched=True)  # the distinct blocks of keys just unindexed
         self._on_removed(keys)

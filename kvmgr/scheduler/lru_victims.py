@@ -18,29 +18,30 @@ if TYPE_CHECKING:
 __all__ = ["collect", "leading_run"]
 
 
-def leading_run(lru: BlockLru, n: int, guarded: set[int]) -> np.ndarray | None:
+def leading_run(lru: BlockLru, n: int, guarded: set[int]) -> tuple[np.ndarray | None, bool]:
     """The first ``n`` live blocks when one offer at a time would take exactly them, in
     order: each READY without readers and not protected, every indexed child of each in
-    the run and before it. ``None`` otherwise (nothing changed)."""
-    run = lru._log_np[lru._first_live(n)]
+    the run and before it; ``None`` otherwise (nothing changed). And whether the run is one
+    chain, its leaf first, each block's only indexed child the one before it."""
+    run = lru._leading(n)
     if len(run) < n or not (lru._state_np[run] == lru._ready).all():
-        return None
+        return None, False
     if lru._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):
-        return None
+        return None, False
     up, kids = lru._chains._up_np[run], lru._chains._kids_np[run]
     if (up[:-1] == run[1:]).all() and kids[0] == 0 and (kids[1:] == 1).all():
-        return run  # one chain, its leaf first, no child outside it (the common case)
+        return run, True  # one chain, its leaf first, no child outside it (the common case)
     scratch, order = lru._scratch, np.arange(n, dtype=np.int64)
     scratch[run] = order
     linked = up >= 0
     at = np.minimum(scratch[np.where(linked, up, 0)], n - 1)
     inside = linked & (run[at] == up)  # the parent is a run block, at position ``at``
     if not (at[inside] > order[inside]).all():  # a parent before its child would wait
-        return None
+        return None, False
     counts = np.bincount(at[inside], minlength=n)
     if not (counts == kids).all():  # a child outside the run
-        return None
-    return run
+        return None, False
+    return run, False
 
 
 def collect(

@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvmgr.errors import InvalidBlockError
+from kvmgr.errors import InvalidBlockError, PoolExhaustedError
 from kvmgr.scheduler.gpu_blocks import GpuBlocks, GpuState
 from kvmgr.scheduler.queue import Kind, Lane, Part, SwapQueue
 from kvmgr.transfer.plan import Direction
@@ -184,3 +185,73 @@ def test_check_array_raises_what_the_checks_one_by_one_raise(owned: bool, seed: 
             except InvalidBlockError as exc:
                 got.append(str(exc))
         assert got[0] == got[1], ids.tolist()
+
+
+def _tier_books(tier: Any) -> tuple[Any, ...]:
+    chains, lru, pool = tier.chains, tier._lru, tier.pool
+    return (
+        list(tier.index.items()),
+        bytes(tier.state),
+        (chains._up_block.tolist(), chains._kids.tolist(), chains.num_parents),
+        (dict(chains.loose), {k: sorted(v) for k, v in chains.orphans.items()}),
+        (lru.ordered_keys(), len(lru)),
+        (pool.num_free, pool._top, pool._stack[: pool._top].tolist(), bytes(pool._bytes)),
+    )
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_evicting_a_chain_run_leaves_the_chains_as_the_general_removal(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvmgr.scheduler.block_lru as block_lru
+    from kvmgr.scheduler.cpu_tier import CpuTier
+
+    rng = np.random.default_rng(seed)
+    fast, general = (CpuTier(64, "lru", lambda keys: None) for _ in range(2))
+    leading_run, hinted = block_lru.leading_run, []
+
+    def only_fast(lru: Any, n: int, guarded: set[int]) -> tuple[Any, bool]:
+        run, chain = leading_run(lru, n, guarded)
+        if lru is general._lru:
+            return run, False  # the general removal
+        hinted.append(chain)
+        return run, chain
+
+    monkeypatch.setattr(block_lru, "leading_run", only_fast)
+    for tier in (fast, general):  # first a whole chain evicted: the short way at least once
+        ids = tier.make_room(16, ())
+        tier.add_pending([b"r%d" % i for i in range(16)], ids, None)
+        tier.stores_landed(ids, all_pending=True)
+        tier.evict_for(tier.pool.num_free + 16, ())
+    assert _tier_books(fast) == _tier_books(general) and hinted == [True]
+    next_key = 0
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.5:  # one chain of new keys, hanging below a stored key or a root
+            n = int(rng.integers(9, 20))
+            keys = [b"c%d" % i for i in range(next_key, next_key + n)]
+            next_key += n
+            stored = list(fast.index)
+            base = stored[int(rng.integers(len(stored)))] if stored and rng.random() < 0.5 else None
+            parents = [base, *keys[:-1]]
+            for tier in (fast, general):
+                try:
+                    ids = tier.make_room(n, ())
+                except PoolExhaustedError:  # no room: the same on both (compared below)
+                    continue
+                tier.add_pending(keys, ids, None if base is None else parents)
+                tier.stores_landed(ids, all_pending=True)
+        elif roll < 0.85:  # room for a later store: evicts leaves first
+            n = int(rng.integers(2, 24))
+            for tier in (fast, general):
+                with contextlib.suppress(PoolExhaustedError):
+                    tier.evict_for(tier.pool.num_free + n, ())
+        else:  # invalidate a few keys (their children stay: orphans)
+            stored = [k for k in fast.index if fast.can_evict(k)]
+            picked = list(dict.fromkeys(stored[int(i)] for i in rng.integers(0, 1 + len(stored), 3)
+                                        if int(i) < len(stored)))  # fmt: skip
+            if picked:
+                for tier in (fast, general):
+                    tier.drop(picked)
+        assert _tier_books(fast) == _tier_books(general)
+    assert any(hinted)  # the chain run was removed the short way
