@@ -14,7 +14,6 @@ part, never a set of block ids.
 from __future__ import annotations
 
 import array
-from typing import Any
 
 import numpy as np
 
@@ -107,15 +106,29 @@ class SwapQueue:
         """Queue a part in the newest generation, or in a new one if it conflicts."""
         newest = self.generations[-1]
         number = newest.number
-        ids = part.gpu_ids
-        kind = part.kind
+        ids, kind = part.gpu_ids, part.kind
         is_store = kind is Kind.STORE or kind is Kind.PREEMPT
-        small = type(ids) is list
-        # a mark equals ``number`` only where a part of this generation read (D2H lane) or
-        # wrote (H2D lane) the block: with no such part there is nothing to look up
-        if (newest.h2d.parts or (not is_store and newest.d2h.parts)) and self._conflicts(
-            ids, number, is_store, small
-        ):
+        small, conflict = type(ids) is list, False
+        # marks of ``number``: only blocks its D2H (read) or H2D (written) parts touch
+        touched = newest.h2d.parts or (not is_store and newest.d2h.parts)
+        if touched and small:  # a few ids: plain loops, no numpy
+            written = self._written
+            if is_store:
+                for b in ids:
+                    if written[b] == number:
+                        conflict = True
+                        break
+            else:
+                read = self._read
+                for b in ids:
+                    if written[b] == number or read[b] == number:
+                        conflict = True
+                        break
+        elif touched:
+            conflict = bool((self._written_np[ids] == number).any()) or (
+                not is_store and bool((self._read_np[ids] == number).any())
+            )
+        if conflict:
             newest = Generation(self._next_generation)
             self._next_generation += 1
             self.generations.append(newest)
@@ -129,26 +142,6 @@ class SwapQueue:
         calls = getattr(part.future, "num_calls", 1)  # a StoreFanOut: many recorded calls
         (newest.d2h if is_store else newest.h2d).add(part, calls)
         self.num_queued += calls
-
-    def _conflicts(self, ids: Any, number: int, is_store: bool, small: bool) -> bool:
-        """Whether a part touching ``ids`` conflicts with generation ``number``: a store
-        with a block a load writes, a load with a block read or written there."""
-        if small:  # a few ids: plain loops (no numpy, no generator)
-            written, read, conflict = self._written, self._read, False
-            if is_store:
-                for b in ids:
-                    if written[b] == number:
-                        conflict = True
-                        break
-            else:
-                for b in ids:
-                    if written[b] == number or read[b] == number:
-                        conflict = True
-                        break
-            return conflict
-        return bool((self._written_np[ids] == number).any()) or (
-            not is_store and bool((self._read_np[ids] == number).any())
-        )
 
     def take(self) -> list[Generation]:
         """Remove and return every queued generation, oldest first."""
