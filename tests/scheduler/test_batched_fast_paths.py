@@ -255,3 +255,26 @@ def test_evicting_a_chain_run_leaves_the_chains_as_the_general_removal(
                     tier.drop(picked)
         assert _tier_books(fast) == _tier_books(general)
     assert any(hinted)  # the chain run was removed the short way
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_vouched_give_stacks_the_ids_as_a_checked_one(seed: int) -> None:
+    from kvmgr.pool.allocator import BlockAllocator
+
+    rng = np.random.default_rng(seed)
+    vouched, checked = BlockAllocator(64), BlockAllocator(64)
+    for _ in range(40):
+        n = int(rng.integers(1, 12))
+        got = [p.take(n) for p in (vouched, checked)]
+        if got[0] is None:
+            continue
+        assert got[1] is not None and got[0].tolist() == got[1].tolist()
+        order = rng.random()  # strictly descending (evicted leaf first), ascending, any
+        ids = np.sort(got[0])[::-1] if order < 0.4 else np.sort(got[0]) if order < 0.6 else got[0]
+        ids = rng.permutation(ids) if order >= 0.8 else ids
+        vouched.give(np.ascontiguousarray(ids), vouched=True)
+        checked.give(np.ascontiguousarray(ids))
+        assert vouched._stack[: vouched._top].tolist() == checked._stack[: checked._top].tolist()
+        assert (
+            bytes(vouched._bytes) == bytes(checked._bytes) and vouched.num_free == checked.num_free
+        )
