@@ -9,7 +9,7 @@
 #    of 512 one-block keys + step() + completion with room (grow: the goal row, <= 150 us; 242
 #    us p50 on the H200 host before), into a full LRU tier (full), loads (load); then the
 #    per-call rows (grow-call, full-call: must not be slower). Look at "new / old" (2-core VM:
-#    grow 0.89-0.93, full 0.96-0.98, load ~0.96, per-call ~1.0) and the new grow p50.
+#    grow 0.90-0.96, full 0.88-0.93, load ~0.96, per-call ~1.0) and the new grow p50.
 # 2. `kvmgr bench host --rounds 200 --steps 1000`: every row and the steady state, GC on.
 source "${BASH_SOURCE%/*}/_common.sh" batched5
 BASE=$(mktemp -d)
