@@ -225,12 +225,13 @@ class BlockLru:
         ``n`` entries from the head when all are live (one check), else ``_first_live``'s."""
         head = self._head
         if head + n <= self._tail:
-            run = self._log_np[head : head + n]
+            run: np.ndarray = self._log_np[head : head + n]
             if (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all():
                 self._lead_end = head + n  # evicted, they leave stale entries before it
                 return run.copy()  # the head is live: ``_first_live`` would keep it
         self._lead_end = -1
-        return self._log_np[self._first_live(n)]
+        found: np.ndarray = self._log_np[self._first_live(n)]
+        return found
 
     def _first_live(self, n: int) -> np.ndarray:
         """Log positions of the first ``n`` live entries (fewer when the log holds fewer);

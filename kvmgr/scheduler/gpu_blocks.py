@@ -69,6 +69,7 @@ class GpuBlocks:
         if type(block_ids) is list and len(block_ids) <= SMALL:
             self.check_small(block_ids, what)
             return [int(b) for b in block_ids]
+        ids: np.ndarray
         if type(block_ids) is np.ndarray and block_ids.dtype is _INT64 and block_ids.ndim == 1:
             ids = block_ids.copy()  # what ``as_id_array`` gives an int64 array, copied
         else:

@@ -65,7 +65,7 @@ def collect(
         if can_evict is None:
             if state[block] != ready or readers[block]:
                 continue
-        elif not can_evict(key_of[block]):  # type: ignore[arg-type]
+        elif not can_evict(key_of[block]):
             continue
         if left.get(block, kids[block]) > 0:
             waiting.add(block)
