@@ -193,8 +193,8 @@ class BlockAllocator:
             InvalidBlockError, DoubleFreeError: as ``check_allocated`` (and for anything but a
                 1-D integer array); nothing is freed then.
         """
-        if vouched:
-            ordered = np.sort(ids)
+        if vouched:  # (blocks evicted leaf first often come strictly descending: no sort)
+            ordered = ids[::-1] if (ids[1:] < ids[:-1]).all() else np.sort(ids)
         else:
             ordered = self._check_array(ids)
             if len(ids) == 0:

@@ -28,6 +28,7 @@ import numpy as np
 from kvmgr.errors import UnknownKeyError
 from kvmgr.policy.base import _check_evict_count
 from kvmgr.scheduler.chains import KeyChains
+from kvmgr.scheduler.lru_victims import collect, leading_run
 
 __all__ = ["BlockLru"]
 
@@ -66,12 +67,16 @@ class BlockLru:
         self.key_of = np.empty(num_blocks, dtype=object)  #: the key on each block (or stale)
         #: the blocks of the last ``evict``'s victims, in order (the tier frees them)
         self.victim_blocks = np.empty(0, dtype=np.int64)
+        #: the last victims are one chain, its leaf first, each block's only indexed child the
+        #: one before it (``KeyChains.remove_run`` then updates the chains without reading them)
+        self.victim_chain = False
         self._stamp = array.array("q", [-1]) * num_blocks
         self._stamp_np = np.frombuffer(self._stamp, dtype=np.int64)
         self._log = array.array("q", [0]) * (2 * num_blocks + 2 * _FEW)
         self._log_np = np.frombuffer(self._log, dtype=np.int64)
         self._scratch = np.zeros(num_blocks, dtype=np.int64)
         self._head = self._tail = self._len = 0
+        self._lead_end = -1  #: where the run ``_leading`` last found from the head ends
 
     def add(self, keys: Sequence[bytes], blocks: list[int], at: np.ndarray | None = None) -> None:
         """Track new keys just indexed on ``blocks`` (distinct, untracked; the tier vouches),
@@ -84,7 +89,7 @@ class BlockLru:
         else:
             at = np.asarray(blocks, dtype=np.int64) if at is None else at
             self.key_of[at] = np.fromiter(keys, dtype=object, count=len(keys))
-            self._append(at[::-1])
+            self._append(at, reverse=True)
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track keys the tier has indexed already (``parents`` are the tier's chains').
@@ -116,7 +121,7 @@ class BlockLru:
         blocks = blocks[self._stamp_np[blocks] >= 0]
         if self._num_distinct(blocks) < len(blocks):  # a key twice: its first place counts
             blocks = blocks[np.sort(np.unique(blocks, return_index=True)[1])]
-        self._append(blocks[::-1])
+        self._append(blocks, reverse=True)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Stop tracking ``keys``.
@@ -149,14 +154,19 @@ class BlockLru:
             tail += 1
         self._tail = tail
 
-    def _append(self, blocks: np.ndarray) -> None:
-        """Append distinct tracked blocks (int64), the last most recent."""
+    def _append(self, blocks: np.ndarray, *, reverse: bool = False) -> None:
+        """Append distinct tracked blocks (int64), the last most recent (``reverse``: the
+        first; a reversed view would make the stamps' scatter several times slower)."""
         m = len(blocks)
         if self._tail + m > len(self._log):
             self._compact()
         t = self._tail
-        self._log_np[t : t + m] = blocks
-        self._stamp_np[blocks] = np.arange(t, t + m, dtype=np.int64)
+        if reverse:
+            self._log_np[t : t + m] = blocks[::-1]
+            self._stamp_np[blocks] = np.arange(t + m - 1, t - 1, -1, dtype=np.int64)
+        else:
+            self._log_np[t : t + m] = blocks
+            self._stamp_np[blocks] = np.arange(t, t + m, dtype=np.int64)
         self._tail = t + m
 
     def _compact(self) -> None:
@@ -190,9 +200,11 @@ class BlockLru:
         get = self._index.get
         guarded = {b for b in map(get, protected) if b is not None} if protected else set()
         own = can_evict is self._can_evict
-        victims = self._leading_run(n, guarded) if own and n >= 2 else None
+        victims, self.victim_chain = (
+            leading_run(self, n, guarded) if own and n >= 2 else (None, False)
+        )
         if victims is None:
-            victims = self._collect(n, None if own else can_evict, guarded)
+            victims = collect(self, n, None if own else can_evict, guarded)
             if victims is None:
                 return None
             stamp = self._stamp
@@ -202,9 +214,24 @@ class BlockLru:
             self._len -= n
             return list(map(self.key_of.__getitem__, victims))
         self._stamp_np[victims] = -1
+        if self._lead_end >= 0:  # the run was the entries from the head: skip them now
+            self._head = self._lead_end
         self.victim_blocks = victims
         self._len -= n
         return self.key_of[victims].tolist()  # type: ignore[no-any-return]
+
+    def _leading(self, n: int) -> np.ndarray:
+        """The blocks of the first ``n`` live entries (fewer when the log holds fewer): the
+        ``n`` entries from the head when all are live (one check), else ``_first_live``'s."""
+        head = self._head
+        if head + n <= self._tail:
+            run: np.ndarray = self._log_np[head : head + n]
+            if (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all():
+                self._lead_end = head + n  # evicted, they leave stale entries before it
+                return run.copy()  # the head is live: ``_first_live`` would keep it
+        self._lead_end = -1
+        found: np.ndarray = self._log_np[self._first_live(n)]
+        return found
 
     def _first_live(self, n: int) -> np.ndarray:
         """Log positions of the first ``n`` live entries (fewer when the log holds fewer);
@@ -219,70 +246,6 @@ class BlockLru:
         if len(live):
             self._head = int(live[0])
         return live[:n]
-
-    def _leading_run(self, n: int, guarded: set[int]) -> np.ndarray | None:
-        """The first ``n`` live blocks when one offer at a time would take exactly them, in
-        order: each READY without readers and not protected, every indexed child of each in
-        the run and before it. ``None`` otherwise (nothing changed)."""
-        run = self._log_np[self._first_live(n)]
-        if len(run) < n or not (self._state_np[run] == self._ready).all():
-            return None
-        if self._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):
-            return None
-        up, kids = self._chains._up_np[run], self._chains._kids_np[run]
-        if (up[:-1] == run[1:]).all() and kids[0] == 0 and (kids[1:] == 1).all():
-            return run  # one chain, its leaf first, no child outside it (the common case)
-        scratch, order = self._scratch, np.arange(n, dtype=np.int64)
-        scratch[run] = order
-        linked = up >= 0
-        at = np.minimum(scratch[np.where(linked, up, 0)], n - 1)
-        inside = linked & (run[at] == up)  # the parent is a run block, at position ``at``
-        if not (at[inside] > order[inside]).all():  # a parent before its child would wait
-            return None
-        counts = np.bincount(at[inside], minlength=n)
-        if not (counts == kids).all():  # a child outside the run
-            return None
-        return run
-
-    def _collect(
-        self, n: int, can_evict: Callable[[bytes], bool] | None, guarded: set[int]
-    ) -> list[int] | None:
-        """``VictimSet.offer_all`` over the live entries in order, by block: the ``n``
-        victims, or ``None``. Child counts change only in a local overlay (``left``)."""
-        log, stamp, up_of, kids = self._log, self._stamp, self._chains._up_block, self._chains._kids
-        state, readers, ready, key_of = self._state, self._readers, self._ready, self.key_of
-        head = self._head
-        while head < self._tail and stamp[log[head]] != head:
-            head += 1
-        self._head = head
-        left: dict[int, int] = {}
-        waiting: set[int] = set()
-        victims: list[int] = []
-        for pos in range(head, self._tail):
-            block = log[pos]
-            if stamp[block] != pos or block in guarded:
-                continue
-            if can_evict is None:
-                if state[block] != ready or readers[block]:
-                    continue
-            elif not can_evict(key_of[block]):  # type: ignore[arg-type]
-                continue
-            if left.get(block, kids[block]) > 0:
-                waiting.add(block)
-                continue
-            while True:  # take the block and each waiting ancestor its removal frees
-                victims.append(block)
-                up = up_of[block]
-                if up < 0:
-                    break
-                count = left[up] = left.get(up, kids[up]) - 1
-                if count > 0 or up not in waiting or len(victims) >= n:
-                    break
-                waiting.discard(up)
-                block = up
-            if len(victims) >= n:
-                return victims
-        return None
 
     def ordered_keys(self) -> list[bytes]:
         """Tracked keys from least to most recently used (for tests and reports); O(len)."""

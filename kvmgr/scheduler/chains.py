@@ -118,13 +118,15 @@ class KeyChains:
         self,
         keys: Sequence[bytes],
         ids: list[int],
-        parents: Sequence[bytes | None],
+        parents: Sequence[bytes | None] | None,
         at: np.ndarray | None = None,
     ) -> None:
-        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``); ``at``:
-        the same ids as an int64 array, when the caller has one."""
+        """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``);
+        ``parents`` ``None``: the default chain (``keys[i]`` extends ``keys[i - 1]``,
+        ``keys[0]`` a root); ``at``: the same ids as an int64 array, when the caller has one."""
         orphans = self.orphans
-        if orphans and not orphans.keys().isdisjoint(keys):  # children stored before them
+        adopted = bool(orphans) and not orphans.keys().isdisjoint(keys)
+        if adopted:  # children stored before them
             loose = self.loose
             for key, block in zip(keys, ids):
                 children = orphans.pop(key, None)
@@ -133,13 +135,20 @@ class KeyChains:
                     self._kids[block] = len(children)
                     deque(map(loose.__delitem__, children), 0)
         n = len(keys)
-        if n > 1 and parents[1:] == keys[:-1]:  # one chain: keys[i] extends keys[i - 1]
-            if at is None:
-                at = np.array(ids, dtype=np.int64)
-            self._up_np[at[1:]] = at[:-1]
-            self.num_parents += int(np.count_nonzero(self._kids_np[at[:-1]] == 0))
-            self._kids_np[at[:-1]] += 1
-            self._link(ids[0], parents[0])
+        if parents is None or (n > 1 and parents[1:] == keys[:-1]):  # one chain
+            if n > 1:  # keys[i] extends keys[i - 1]
+                if at is None:
+                    at = np.array(ids, dtype=np.int64)
+                self._up_np[at[1:]] = at[:-1]
+                inner = at[:-1]
+                if adopted or parents is not None:
+                    self.num_parents += int(np.count_nonzero(self._kids_np[inner] == 0))
+                    self._kids_np[inner] += 1
+                else:  # a block enters the index without children (``remove`` leaves every
+                    self.num_parents += n - 1  # block it frees at 0), adopted none here
+                    self._kids_np[inner] = 1
+            if parents is not None and n:
+                self._link(ids[0], parents[0])
         elif parents.count(None) < n:
             for block, up in zip(ids, parents):
                 self._link(block, up)
@@ -181,6 +190,21 @@ class KeyChains:
             self.orphans[key] = children
             self.loose.update(zip(children, repeat(key)))
             kids_np[block] = 0
+
+    def remove_run(self, at: np.ndarray) -> None:
+        """``remove`` of keys on blocks ``at`` (int64, more than one) that form one chain, its
+        leaf first, each block's only indexed child the one before it (``BlockLru``'s
+        ``victim_chain``): the same counts, none read but the last block's parent."""
+        n, last = len(at), int(self._up_block[int(at[-1])])
+        self._kids_np[at[1:]] = 0  # each had one child, the block before it: gone too
+        self._up_np[at] = -1
+        gone = n - 1
+        if last >= 0:  # (a forest: not in the run)
+            self._kids[last] -= 1
+            gone += self._kids[last] == 0
+        self.num_parents -= gone
+        if last < 0 and self.loose:  # the parent is not in the tier (roots have none)
+            self._orphan_links([int(at[-1])])
 
     def _remove_links(self, at: np.ndarray, parents: np.ndarray) -> None:
         """``remove``'s child counts for any blocks ``at`` whose parent blocks are ``parents``

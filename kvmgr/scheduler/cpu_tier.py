@@ -28,10 +28,10 @@ import numpy as np
 from kvmgr.errors import BlockStateError
 from kvmgr.policy import make_policy
 from kvmgr.pool.allocator import BlockAllocator
-from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.block_lru import BlockLru
 from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
+from kvmgr.scheduler.cpu_readers import ReaderCounts
 from kvmgr.scheduler.evictable import evictable, no_room
 
 __all__ = ["CpuState", "CpuTier"]
@@ -51,7 +51,7 @@ class CpuState(enum.IntEnum):
 _READY, _PENDING = int(CpuState.READY), int(CpuState.PENDING)  # plain ints: array compares
 
 
-class CpuTier:
+class CpuTier(ReaderCounts):
     """Blocks, keys and eviction of the CPU tier.
 
     Args:
@@ -157,7 +157,11 @@ class CpuTier:
             if self._keep_evicted:
                 ids = np.fromiter(map(self.index.__getitem__, victims), np.int64, len(victims))
                 self.evicted.append((list(victims), ids))
-            self._forget(victims, None if self._lru is None else self._lru.victim_blocks)
+            lru = self._lru
+            if lru is None:
+                self._forget(victims)
+            else:
+                self._forget(victims, lru.victim_blocks, chain=lru.victim_chain)
             self.counters.evictions += len(victims)
 
     def take_evicted(self) -> list[tuple[list[bytes], np.ndarray]]:
@@ -171,9 +175,12 @@ class CpuTier:
             self.evict_for(n, protected)
         return self.pool.take_few(n)
 
-    def _forget(self, keys: list[bytes], ids: np.ndarray | None = None) -> None:
+    def _forget(
+        self, keys: list[bytes], ids: np.ndarray | None = None, *, chain: bool = False
+    ) -> None:
         """Drop READY keys without readers (already untracked by the policy), on blocks
-        ``ids`` when the caller knows them (in key order); free the blocks."""
+        ``ids`` when the caller knows them (in key order; ``chain``: one chain, as
+        ``BlockLru.victim_chain`` says); free the blocks."""
         if len(keys) <= 8:
             state, free = self.state, CpuState.FREE
             blocks = list(map(self.index.pop, keys))
@@ -186,24 +193,28 @@ class CpuTier:
                 ids = np.fromiter(map(self.index.pop, keys), dtype=np.int64, count=len(keys))
             else:
                 deque(map(self.index.__delitem__, keys), 0)
-            self.chains.remove(keys, ids)
+            if chain:
+                self.chains.remove_run(ids)
+            else:
+                self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE
             self.pool.give(ids, vouched=True)  # the distinct blocks of keys just unindexed
         self._on_removed(keys)
 
     def add_pending(self, keys: list[bytes], ids: list[int] | np.ndarray,
-                    parents: Sequence[bytes | None], *, vouched: bool = False,
+                    parents: Sequence[bytes | None] | None, *, vouched: bool = False,
                     indexed: list[int] | None = None) -> None:  # fmt: skip
-        """Index and track new distinct keys, PENDING on their new blocks (all or nothing).
-        ``vouched``: the caller saw the keys absent since the index last gained one (as
-        ``Stores.prepare`` does), so they are not checked again (BlockStateError otherwise);
-        ``indexed``: ``ids`` (an array) as a list, on which ``key_index.add_new`` put them."""
+        """Index and track new distinct keys, PENDING on their new blocks (all or nothing;
+        ``parents`` ``None``: the default chain). ``vouched``: the caller saw the keys absent
+        since the index last gained one (as ``Stores.prepare`` does), so they are not checked
+        again (BlockStateError otherwise); ``indexed``: ``ids`` (an array) as a list, on
+        which ``key_index.add_new`` put them."""
         index = self.index
         if not vouched and indexed is None and not index.keys().isdisjoint(keys):  # a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
                                   "is indexed already")  # fmt: skip
         if self._lru is None:
-            self._track(keys, parents)
+            self._track(keys, [None, *keys[:-1]] if parents is None else parents)
         if isinstance(ids, list):
             blocks, state = ids, self.state
             for key, block in zip(keys, ids):
@@ -254,36 +265,6 @@ class CpuTier:
         self.num_pending -= int(np.count_nonzero(self.state_np[ids] == _PENDING))
         self.state_np[ids] = CpuState.FREE
         self.pool.give(ids)
-
-    def add_readers(self, ids: list[int] | np.ndarray) -> None:
-        """Loads of these READY blocks were queued (one reader per occurrence)."""
-        readers = self.readers
-        if isinstance(ids, list):
-            for b in ids:
-                if readers[b] == 0:
-                    self.num_loading += 1
-                readers[b] += 1
-        else:
-            distinct = sorted_distinct(ids)
-            self.num_loading += int(np.count_nonzero(self.readers_np[distinct] == 0))
-            if len(distinct) == len(ids):
-                self.readers_np[ids] += 1
-            else:
-                np.add.at(self.readers_np, ids, 1)
-
-    def remove_readers(self, ids: np.ndarray) -> None:
-        """Loads of these blocks ended (successfully or not)."""
-        if len(ids) == 1:
-            b = int(ids[0])
-            self.readers[b] -= 1
-            self.num_loading -= self.readers[b] == 0
-            return
-        distinct = sorted_distinct(ids)
-        if len(distinct) == len(ids):
-            self.readers_np[ids] -= 1
-        else:
-            np.subtract.at(self.readers_np, ids, 1)
-        self.num_loading -= int(np.count_nonzero(self.readers_np[distinct] == 0))
 
     def set_state(self, ids: np.ndarray, state: CpuState) -> None:
         self.state_np[ids] = state

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["add_absent", "add_new", "drop_last"]
 
 
-def add_new(cpu: CpuTier, keys: list[bytes], parents: Sequence[bytes | None]) -> np.ndarray | None:
+def add_new(
+    cpu: CpuTier, keys: list[bytes], parents: Sequence[bytes | None] | None
+) -> np.ndarray | None:
     """``cpu.add_pending(keys, cpu.make_room(len(keys), ()), parents)`` when every key is
     absent and distinct, found out by indexing them (``add_absent``); the new CPU blocks
     (int64), or ``None`` with nothing changed (the caller takes the general path).

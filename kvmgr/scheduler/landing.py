@@ -90,7 +90,7 @@ def _emit_stored(books: _Books, lane: Lane) -> None:
     if lane.num_token_parts == 0:
         events.stored(keys, lane.parents)
         return
-    stores = [p for p in lane.parts if p.kind is Kind.STORE and p.keys]
+    stores = [p for p in lane.stores if p.keys]
     tokens = [p.token_ids for p in stores if p.token_ids is not None]
     if len(tokens) == len(stores) and len({t.shape[1] for t in tokens}) == 1:
         events.stored(keys, lane.parents, np.concatenate(tokens) if len(tokens) > 1 else tokens[0])
@@ -105,6 +105,4 @@ def _store_ids(lane: Lane, cpu_ids: np.ndarray) -> np.ndarray:
     """CPU ids of the lane's keyed stores, aligned with ``lane.keys``."""
     if not lane.requests:  # stores only: the lane's ids, in part order
         return cpu_ids
-    return np.concatenate(
-        [np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.parts if p.kind is Kind.STORE]
-    )
+    return np.concatenate([np.asarray(p.cpu_ids, dtype=np.int64) for p in lane.stores])

@@ -75,23 +75,21 @@ class Lane:
         parts: every part, in the order added.
         num_calls: the swap calls its parts stand for (a part of recorded per-call stores
             stands for many).
-        keys: D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
-            ``requests`` is empty); H2D lanes: empty.
-        parents: D2H lanes: one parent per entry of ``keys`` (``None``: a root).
+        stores: D2H lanes: the keyed stores, in part order; H2D lanes: empty.
         num_token_parts: keyed stores of the lane that carry token ids.
         requests: the request-level parts (preempts, resumes), in part order.
     """
 
     __slots__ = (
-        "_cpu", "_gpu", "direction", "keys", "num_calls", "num_token_parts", "parents", "parts",
-        "requests",
+        "_cpu", "_gpu", "_keys", "direction", "num_calls", "num_token_parts", "parts",
+        "requests", "stores",
     )  # fmt: skip
 
     def __init__(self, direction: Direction) -> None:
         self.direction = direction
         self.parts: list[Part] = []
-        self.keys: list[bytes] = []
-        self.parents: list[bytes | None] = []
+        self.stores: list[Part] = []
+        self._keys: list[bytes] | None = None
         self.num_token_parts = 0
         self.num_calls = 0
         self.requests: list[Part] = []
@@ -112,18 +110,42 @@ class Lane:
             self._cpu.fromlist(cpu)
         else:
             self._cpu.frombytes(_raw(cpu))
-        keys = part.keys
-        if keys is None:
+        if part.keys is None:
             self.requests.append(part)
         elif self.direction is Direction.D2H:
-            self.keys += keys
-            if part.parents is not None:
-                self.parents += part.parents
-            elif keys:  # the default chain
-                self.parents.append(None)
-                self.parents += keys[:-1]
+            self.stores.append(part)
+            self._keys = None
             if part.token_ids is not None:
                 self.num_token_parts += 1
+
+    @property
+    def keys(self) -> list[bytes]:
+        """D2H lanes: the keys of the keyed stores, in part order (aligned with the ids when
+        ``requests`` is empty; one store's own list, not a copy: read it); H2D lanes: empty."""
+        stores = self.stores
+        if len(stores) == 1:
+            return stores[0].keys  # type: ignore[return-value]
+        if self._keys is None:
+            keys: list[bytes] = []
+            for part in stores:
+                keys += part.keys  # type: ignore[arg-type]
+            self._keys = keys
+        return self._keys
+
+    @property
+    def parents(self) -> tuple[bytes | None, ...]:
+        """D2H lanes: one parent per entry of ``keys`` (``None``: a root), built when asked."""
+        out: list[bytes | None] = []
+        for part in self.stores:
+            keys: list[bytes] = part.keys  # type: ignore[assignment]
+            if part.parents is not None:
+                out += part.parents
+            elif keys:  # the default chain
+                if len(self.stores) == 1:
+                    return (None, *keys[:-1])
+                out.append(None)
+                out += keys[:-1]
+        return tuple(out)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(GPU ids, CPU ids) of every part, int64, aligned, in part order (views of the

@@ -106,12 +106,12 @@ class SwapQueue:
         """Queue a part in the newest generation, or in a new one if it conflicts."""
         newest = self.generations[-1]
         number = newest.number
-        ids = part.gpu_ids
-        kind = part.kind
+        ids, kind = part.gpu_ids, part.kind
         is_store = kind is Kind.STORE or kind is Kind.PREEMPT
-        small = type(ids) is list
-        conflict = False
-        if small:  # a few ids: plain loops, no numpy
+        small, conflict = type(ids) is list, False
+        # marks of ``number``: only blocks its D2H (read) or H2D (written) parts touch
+        touched = newest.h2d.parts or (not is_store and newest.d2h.parts)
+        if touched and small:  # a few ids: plain loops, no numpy
             written = self._written
             if is_store:
                 for b in ids:
@@ -124,7 +124,7 @@ class SwapQueue:
                     if written[b] == number or read[b] == number:
                         conflict = True
                         break
-        else:
+        elif touched:
             conflict = bool((self._written_np[ids] == number).any()) or (
                 not is_store and bool((self._read_np[ids] == number).any())
             )

@@ -92,21 +92,23 @@ class Stores:
             raise InvalidKeyError(
                 f"expected one key per gpu block, got {n} keys and {len(gpu)} blocks"
             )
-        all_parents = check_parents(keys, parents)
+        all_parents = None if parents is None else check_parents(keys, parents)
         tokens = None if token_ids is None or n == 0 else check_token_ids(token_ids, n)
         per_key = hints_per_key(hints, n)
         cpu, gpu_array = self.cpu, not isinstance(gpu, list)
         cpu_ids: Any = None
         plain = parents is None and self.plain_admission and n > SMALL and gpu_array
         if plain and keys[0] not in cpu.index:  # (a prefix already stored: the general path)
-            cpu_ids = add_new(cpu, keys, all_parents)  # keys all new: one pass over the index
+            cpu_ids = add_new(cpu, keys, None)  # keys all new: one pass over the index
         fresh: Sequence[int]
         if cpu_ids is None:
+            if all_parents is None:
+                all_parents = check_parents(keys, None)
             fresh, waiting, num_present, cpu_ids, new_keys, new_parents = self._reserve(
                 keys, parents, all_parents, per_key, gpu_array, batched
             )
-        else:  # what ``_reserve`` gives when every key is new
-            fresh, waiting, num_present, new_keys, new_parents = range(n), [], 0, keys, all_parents
+        else:  # what ``_reserve`` gives when every key is new (the default chain: no list)
+            fresh, waiting, num_present, new_keys, new_parents = range(n), [], 0, keys, None
         m = len(fresh)
         everything = m == n
         if tokens is not None:
@@ -247,17 +249,17 @@ class Stores:
             gpu_ids = tuple(src) if isinstance(src, list) else tuple(src.tolist())
             cpu = tuple(cpu_ids) if isinstance(cpu_ids, list) else tuple(cpu_ids.tolist())
             return SwapResult(m, m * block_bytes, n - m, cpu, gpu_ids)
-        if m == n:  # the common case: every key stored
-            stored = np.ones(n, dtype=bool)
+        if m == n:  # the common case: every key stored (none waiting, none present)
+            stored, present = np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
             cpu_block_ids = np.asarray(cpu_ids, dtype=np.int64)
         else:
             stored = np.zeros(n, dtype=bool)
             stored[fresh] = True
             cpu_block_ids = np.full(n, -1, dtype=np.int64)
             cpu_block_ids[fresh] = cpu_ids
-        present = ~stored
-        if waiting:
-            present &= _present(self.cpu.index, keys)
+            present = ~stored
+            if waiting:
+                present &= _present(self.cpu.index, keys)
         return StoreResult(
             stored=stored, present=present, cpu_block_ids=cpu_block_ids, num_bytes=m * block_bytes
         )

@@ -37,10 +37,13 @@ def _store(
     *,
     as_list: bool,
     recorded: _Recorded | None = None,
+    default: bool = False,
 ):
     tier.chains.check(keys, parents)
     ids = tier.make_room(len(keys), keys)
-    tier.add_pending(keys, ids.tolist() if as_list else ids, parents)
+    if default:  # the default chain, given as ``None`` (``KeyChains.add``'s own path)
+        assert parents == [None, *keys[:-1]]
+    tier.add_pending(keys, ids.tolist() if as_list else ids, None if default else parents)
     tier.stores_landed(ids)
     if recorded is not None:
         recorded.update(zip(keys, parents))
@@ -103,8 +106,9 @@ def test_per_block_chains_match_the_recorded_parents(rng):
     absent: list[bytes] = []  # parents named by stored children, not stored themselves
     for _ in range(40):
         keys = list(tier.index)
-        op = rng.choice(("chain", "chain", "roots", "late", "parent", "fail", "drop", "evict"))
-        if op in ("chain", "roots", "late", "parent"):
+        op = rng.choice(("chain", "chain", "roots", "late", "parent", "fail", "drop", "evict",
+                         "default"))  # fmt: skip
+        if op in ("chain", "roots", "late", "parent", "default"):
             n = rng.randint(1, 12)
             new = _keys(next_key, n)
             next_key += n
@@ -117,12 +121,18 @@ def test_per_block_chains_match_the_recorded_parents(rng):
                 new = [k for k in dict.fromkeys(rng.sample(absent, min(n, len(absent))))
                        if k not in tier.index]  # fmt: skip
                 parents = [None] * len(new)
+            elif op == "default":  # one default chain, some of its keys parents stored late
+                late = [k for k in dict.fromkeys(rng.sample(absent, min(2, len(absent))))
+                        if k not in tier.index]  # fmt: skip
+                new = [*late, *new] if rng.random() < 0.5 else [*new, *late]
+                parents = [None, *new[:-1]]
             else:
                 base = rng.choice(keys) if keys and rng.random() < 0.5 else None
                 parents = [base, *new[:-1]]
             if new:
                 with contextlib.suppress(PoolExhaustedError):  # no room: nothing changed
-                    _store(tier, new, parents, as_list=rng.random() < 0.5, recorded=recorded)
+                    _store(tier, new, parents, as_list=rng.random() < 0.5, recorded=recorded,
+                           default=op == "default")  # fmt: skip
         elif op == "fail" and keys:
             picked = list(dict.fromkeys(rng.choice(keys) for _ in range(rng.randint(1, 4))))
             ids = np.array([tier.index[k] for k in picked], dtype=np.int64)
