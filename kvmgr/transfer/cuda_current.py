@@ -9,7 +9,9 @@ Offers:
     event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
                     C (``DriverEvents``) or torch's C methods where they are torch's own
                     classes, else the objects' own methods
-    DriverEvents    ``record`` / ``wait`` through ``cuEventRecord`` / ``cuStreamWaitEvent``
+    DriverEvents    ``record`` / ``wait`` through ``cuEventRecord`` / ``cuStreamWaitEvent``, and
+                    ``fence_start``: a batch's fence record, wait and start record in one C call
+    fused_fence     ``DriverEvents.fence_start`` behind an ``event_calls`` record, else None
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ from typing import Any
 import torch
 
 from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
-from kvmgr.transfer.driver_call import native_call
+from kvmgr.transfer.driver_call import native_call, native_fence_start
 
-__all__ = ["CurrentStream", "DriverEvents", "device_is_current", "event_calls", "on_device"]
+__all__ = [
+    "CurrentStream",
+    "DriverEvents",
+    "device_is_current",
+    "event_calls",
+    "fused_fence",
+    "on_device",
+]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
@@ -97,14 +106,45 @@ class DriverEvents:
         call: ``driver_call.native_call()``.
         record_at, wait_at: the addresses of ``cuEventRecord`` and ``cuStreamWaitEvent``.
         record, wait: torch's ``_CudaEventBase.record`` / ``.wait`` (``(event, stream)``).
+        fence_start: ``driver_call.native_fence_start()``, or None (``fence_start`` then makes
+            the three calls one by one).
 
-    Raises (``record``, ``wait``):
+    Raises (``record``, ``wait``, ``fence_start``):
         RuntimeError: the driver refused the call (as torch's methods raise).
     """
 
-    def __init__(self, call: Any, record_at: int, wait_at: int, record: Any, wait: Any) -> None:
+    def __init__(self, call: Any, record_at: int, wait_at: int, record: Any, wait: Any, fence_start: Any = None) -> None:  # fmt: skip
         self._call, self._record_at, self._wait_at = call, record_at, wait_at
         self._torch_record, self._torch_wait = record, wait
+        self._fence_start = fence_start
+
+    def fence_start(self, fence: Any, current: Any, copy: Any, start: Any) -> None:
+        """``record(fence, current)``, ``wait(fence, copy)``, ``record(start, copy)``: the same
+        calls in the same order, with the same fallbacks and errors, from one C call where both
+        events exist (a refusal resumes one by one at the refused step: torch's call for
+        ``CUDA_ERROR_INVALID_CONTEXT``, else its ``RuntimeError``; the later steps not made)."""
+        handle, first = fence.cuda_event, start.cuda_event
+        fused = self._fence_start
+        if fused is None or not (handle and first):
+            self.record(fence, current)
+            self.wait(fence, copy)
+            self.record(start, copy)
+            return
+        code = fused(self._record_at, self._wait_at, handle, current.cuda_stream, copy.cuda_stream, first)  # fmt: skip
+        if code:
+            self._resume(*divmod(code, 65536), fence, current, copy, start)
+
+    def _resume(self, step: int, code: int, fence: Any, current: Any, copy: Any, start: Any) -> None:  # fmt: skip
+        """``fence_start``'s step ``step`` was refused with ``code`` (the earlier ones made)."""
+        if code != _NO_CONTEXT:
+            name = "cuStreamWaitEvent" if step == 1 else "cuEventRecord"
+            raise RuntimeError(f"{name} failed: {_error_name(code)}")
+        steps = ((self._torch_record, fence, current), (self._torch_wait, fence, copy),
+                 (self._torch_record, start, copy))  # fmt: skip
+        call, event, stream = steps[step]
+        call(event, stream)  # torch's call makes the context current on this thread
+        for call, event, stream in steps[step + 1 :]:
+            (self.wait if call is self._torch_wait else self.record)(event, stream)
 
     def record(self, event: Any, stream: Any) -> None:
         handle = event.cuda_event
@@ -145,8 +185,16 @@ def event_calls(real_events: bool) -> tuple[Any, Any]:
         entries = []
     if call is None or len(entries) != 2 or not all(entries):
         return record, wait
-    driver = DriverEvents(call, int(entries[0]), int(entries[1]), record, wait)  # type: ignore[arg-type]
+    driver = DriverEvents(call, int(entries[0]), int(entries[1]), record, wait,  # type: ignore[arg-type]
+                          native_fence_start())  # fmt: skip
     return driver.record, driver.wait
+
+
+def fused_fence(record: Any) -> Any:
+    """``DriverEvents.fence_start`` (``(fence, current, copy, start)``) of the ``DriverEvents``
+    whose ``record`` ``event_calls`` returned, else None (torch's methods, stand-ins)."""
+    driver = getattr(record, "__self__", None)
+    return driver.fence_start if isinstance(driver, DriverEvents) else None
 
 
 _EVENT_ENTRIES = (("cuEventRecord", 2000), ("cuStreamWaitEvent", 3020))  # PFN_..._v2000, v3020

@@ -4,6 +4,8 @@ Offers:
     native_call     ``call(entry, *args) -> CUresult``: the C function at address ``entry`` called
                     with its 2, 3, 4, 8 or 9 pointer-sized integer arguments, the GIL released;
                     None where the module cannot be built
+    native_fence_start  ``fence_start(record, wait, fence, current, copy, start)``: a batch's
+                    fence record, its wait and its start record in one C call (None likewise)
 
 Why: a ctypes call of ``cuMemcpyBatchAsync`` (8 or 9 arguments, each converted by its
 ``argtypes``, then libffi) is 4-5 us hot on the 2-core CPU machine but 40-47 us with the caches
@@ -27,7 +29,7 @@ import functools
 import os
 from typing import Any
 
-__all__ = ["native_call"]
+__all__ = ["native_call", "native_fence_start"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -90,4 +92,71 @@ def native_call() -> Any:
 
         return compile_module_from_src(_SOURCE, "kvmgr_driver_call").call
     except Exception:  # no Triton, no C compiler, no Python headers: the ctypes calls
+        return None
+
+
+_FENCE_SOURCE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef uint64_t u64;
+typedef int (*record_t)(u64, u64);     /* cuEventRecord(event, stream) */
+typedef int (*wait_t)(u64, u64, u64);  /* cuStreamWaitEvent(stream, event, flags) */
+
+/* fence_start(record, wait, fence, current, copy, start): cuEventRecord(fence, current),
+   cuStreamWaitEvent(copy, fence, 0), cuEventRecord(start, copy), in this order, the GIL released
+   once; stops at the first nonzero CUresult. Returns 0 (all three enqueued) or
+   step * 65536 + code: the step (0, 1, 2) the driver refused with ``code``, the earlier ones
+   enqueued, the later ones not called. */
+static PyObject *fence_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    u64 a[6];
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "fence_start(record, wait, fence, current, copy, start)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < 6; i++) {
+        a[i] = PyLong_AsUnsignedLongLongMask(args[i]);
+        if (a[i] == (u64)-1 && PyErr_Occurred()) return NULL;
+    }
+    if (a[0] == 0 || a[1] == 0) {
+        PyErr_SetString(PyExc_ValueError, "fence_start: a NULL entry point");
+        return NULL;
+    }
+    record_t record = (record_t)(uintptr_t)a[0];
+    wait_t wait = (wait_t)(uintptr_t)a[1];
+    int step = 0, code;
+    Py_BEGIN_ALLOW_THREADS
+    code = record(a[2], a[3]);
+    if (code == 0) { step = 1; code = wait(a[4], a[2], 0); }
+    if (code == 0) { step = 2; code = record(a[5], a[4]); }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code == 0 ? 0 : step * 65536L + (code & 0xFFFF));
+}
+
+static PyMethodDef methods[] = {
+    {"fence_start", (PyCFunction)(void (*)(void))fence_start, METH_FASTCALL,
+     "fence_start(record, wait, fence, current, copy, start) -> 0 or step * 65536 + code"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvmgr_fence_start", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_kvmgr_fence_start(void) { return PyModule_Create(&module); }
+"""
+
+
+@functools.cache
+def native_fence_start() -> Any:
+    """The C ``fence_start`` function (``_FENCE_SOURCE``: a batch's fence record, the copy
+    stream's wait on it and the start record, one C call), built once per process; None where
+    it cannot be (or ``KVMGR_NATIVE_LAUNCH=0``). Its own module: ``native_call``'s build (in
+    Triton's cache) stays as it was."""
+    if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
+        return None
+    try:
+        from triton.runtime.build import compile_module_from_src
+
+        return compile_module_from_src(_FENCE_SOURCE, "kvmgr_fence_start").fence_start
+    except Exception:  # no Triton, no C compiler, no Python headers: one call per step
         return None

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
+from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls, fused_fence
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -101,6 +101,7 @@ class CopyStreams:
         # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
         self._pooled = _real_cuda_events()
         self._record, self._wait = event_calls(self._pooled)  # on its own streams, events
+        self._fence_start = fused_fence(self._record)  # the three in one C call, or None
         self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
         self.counters = CopyCounters()
         self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
@@ -142,24 +143,32 @@ class CopyStreams:
         pooled = self._pooled
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
-        record, wait = self._record, self._wait
+        record = self._record
         fence = self._fences[direction]
+        if wait_for or self._fence_start is None or self._compute_stream is not None:
+            self._fence(fence, stream, wait_for, events[0])
+        else:  # the fence, its wait and the start record in one C call (DriverEvents)
+            self._fence_start(fence, self._current.current(), stream, events[0])
+        issued_at = time.perf_counter()
+        issued = issuer.issue(plan, stream)
+        issue_s = time.perf_counter() - issued_at
+        record(events[1], stream)
+        return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
+
+    def _fence(self, fence: Any, stream: Any, wait_for: Sequence[BatchHandle], start: Any) -> None:  # fmt: skip
+        """Order ``stream`` after the compute stream and ``wait_for``, then record ``start``."""
+        record, pooled = self._record, self._pooled
         if self._compute_stream is not None:
             fence.record(self._compute_stream)
         elif pooled:  # torch's events: the current stream's object, built once per stream
             record(fence, self._current.current())
         else:
             fence.record(torch.cuda.current_stream(self._device))
-        wait(fence, stream)
+        self._wait(fence, stream)
         for other in wait_for:
             if other.end_event is not None and not (pooled and other.future.done()):
                 stream.wait_event(other.end_event)
-        record(events[0], stream)
-        issued_at = time.perf_counter()
-        issued = issuer.issue(plan, stream)
-        issue_s = time.perf_counter() - issued_at
-        record(events[1], stream)
-        return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
+        record(start, stream)
 
     @staticmethod
     def _new_pair() -> tuple[Any, Any]:
