@@ -108,8 +108,8 @@ def wrap_event_calls(mgr: Any) -> None:
     """Time the engine's event record and wait calls where its streams keep them
     (``CopyStreams._record`` / ``_wait``: helper stepcuda3's tree on)."""
     streams = getattr(mgr.engine, "_streams", None)
-    for name in ("_record", "_wait"):
-        if streams is not None and hasattr(streams, name):
+    for name in ("_record", "_wait", "_fence_start"):  # (the last: helper stepcuda5's tree on)
+        if streams is not None and getattr(streams, name, None) is not None:
             setattr(streams, name, _timed(f"CopyStreams.{name} (event)", getattr(streams, name)))
 
 
