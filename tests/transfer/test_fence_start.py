@@ -6,15 +6,17 @@ same order, the same torch fallbacks and the same errors as the three calls one 
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from cuda_fakes import FakeCuda, FakeDriverLib
 
 from kvmgr.pool.layout import KVLayout
 from kvmgr.transfer import driver_call
-from kvmgr.transfer.cuda_current import DriverEvents, fused_fence
+from kvmgr.transfer.cuda_current import DriverEvents, event_calls, fused_fence
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
 from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.plan import Direction, build_plan
@@ -109,8 +111,6 @@ def _submit_ops(fake: FakeCuda, fused: bool, wait_for: bool, compute: bool) -> l
     driver = CopyDriver(lib.resolver((12080, 13000)), driver_version=13000)
     kwargs = {"compute_stream": fake.compute} if compute else {}
     rng = np.random.default_rng(5)
-    import torch
-
     src = [torch.from_numpy(rng.integers(0, 256, (8, 64), dtype=np.uint8)) for _ in range(2)]
     dst = [torch.zeros((8, 64), dtype=torch.uint8) for _ in range(2)]
     plan = lambda: build_plan(Direction.D2H, KVLayout.from_tensors(src),  # noqa: E731
@@ -149,3 +149,55 @@ def test_submit_fuses_only_where_the_general_path_makes_those_three_calls(
     assert general[: 2 + waits] == [("record", "Event", "Stream"),
                                     *[("wait", "Stream", "Event")] * waits,
                                     ("record", "Event", "Stream")]  # fmt: skip
+
+
+def _gpu_fused() -> Any:
+    record, _ = event_calls(True)
+    fused = fused_fence(record)
+    if fused is None:
+        pytest.skip("no DriverEvents here (the C modules or the entry points are missing)")
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    for event in events:  # torch makes the CUDA events at their first record
+        event.record(side)
+    side.synchronize()
+    return fused, side, events
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fence_start_orders_a_side_stream_after_the_current_one() -> None:
+    fused, side, (fence, start, done) = _gpu_fused()
+    src = torch.full((1 << 22,), 7, dtype=torch.int32, device="cuda")
+    dst = torch.zeros_like(src)
+    torch.cuda._sleep(50_000_000)  # the current stream busy, then the value changes
+    src.add_(1)
+    fused(fence, torch.cuda.current_stream(), side, start)
+    with torch.cuda.stream(side):
+        dst.copy_(src)
+    done.record(side)
+    done.synchronize()
+    assert fence.query() and bool((dst == 8).all())
+    assert start.elapsed_time(done) >= 0.0  # the start event was recorded on the side stream
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fence_start_from_a_thread_that_made_no_cuda_call_yet() -> None:
+    fused, side, (fence, start, _) = _gpu_fused()
+    current = torch.cuda.current_stream()
+    errors: list[BaseException] = []
+
+    def fresh() -> None:  # no context current here until torch's call makes it so
+        try:
+            fused(fence, current, side, start)
+            fused(fence, current, side, start)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=fresh)
+    thread.start()
+    thread.join(30)
+    assert not errors
+    side.synchronize()
+    assert fence.query() and start.query()
