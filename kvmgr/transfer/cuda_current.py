@@ -132,7 +132,8 @@ class DriverEvents:
             return
         code = fused(self._record_at, self._wait_at, handle, current.cuda_stream, copy.cuda_stream, first)  # fmt: skip
         if code:
-            self._resume(*divmod(code, 65536), fence, current, copy, start)
+            step, code = divmod(code, 65536)
+            self._resume(step, code, fence, current, copy, start)
 
     def _resume(self, step: int, code: int, fence: Any, current: Any, copy: Any, start: Any) -> None:  # fmt: skip
         """``fence_start``'s step ``step`` was refused with ``code`` (the earlier ones made)."""

@@ -6,6 +6,8 @@ Offers:
                     None where the module cannot be built
     native_fence_start  ``fence_start(record, wait, fence, current, copy, start)``: a batch's
                     fence record, its wait and its start record in one C call (None likewise)
+    native_fenced_batch  those three, one ``cuMemcpyBatchAsync`` and the end record in one C
+                    call (None likewise)
 
 Why: a ctypes call of ``cuMemcpyBatchAsync`` (8 or 9 arguments, each converted by its
 ``argtypes``, then libffi) is 4-5 us hot on the 2-core CPU machine but 40-47 us with the caches
@@ -29,7 +31,7 @@ import functools
 import os
 from typing import Any
 
-__all__ = ["native_call", "native_fence_start"]
+__all__ = ["native_call", "native_fence_start", "native_fenced_batch"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -134,9 +136,56 @@ static PyObject *fence_start(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(code == 0 ? 0 : step * 65536L + (code & 0xFFFF));
 }
 
+typedef int (*batch8_t)(u64, u64, u64, u64, u64, u64, u64, u64);
+typedef int (*batch9_t)(u64, u64, u64, u64, u64, u64, u64, u64, u64);
+
+/* fenced_batch(record, wait, batch, fence, current, copy, start, end, dsts, srcs, sizes, count,
+   attrs, attrs_idxs, fail_idx): fence_start's three calls, then cuMemcpyBatchAsync(dsts, srcs,
+   sizes, count, attrs, attrs_idxs, 1, [fail_idx,] copy) (the 12.8 ABI's 9 arguments where
+   fail_idx is not 0: *fail_idx set to SIZE_MAX first; else the 13.0 ABI's 8), then
+   cuEventRecord(end, copy); the GIL released once, stopping at the first nonzero CUresult.
+   Returns 0 or step * 65536 + code, steps 0-4 in that order. */
+static PyObject *fenced_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    u64 a[15];
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "fenced_batch takes 15 arguments");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < 15; i++) {
+        a[i] = PyLong_AsUnsignedLongLongMask(args[i]);
+        if (a[i] == (u64)-1 && PyErr_Occurred()) return NULL;
+    }
+    if (a[0] == 0 || a[1] == 0 || a[2] == 0) {
+        PyErr_SetString(PyExc_ValueError, "fenced_batch: a NULL entry point");
+        return NULL;
+    }
+    record_t record = (record_t)(uintptr_t)a[0];
+    wait_t wait = (wait_t)(uintptr_t)a[1];
+    int step = 0, code;
+    Py_BEGIN_ALLOW_THREADS
+    code = record(a[3], a[4]);
+    if (code == 0) { step = 1; code = wait(a[5], a[3], 0); }
+    if (code == 0) { step = 2; code = record(a[6], a[5]); }
+    if (code == 0) {
+        step = 3;
+        if (a[14] != 0) {
+            *(size_t *)(uintptr_t)a[14] = (size_t)-1;
+            code = ((batch9_t)(uintptr_t)a[2])(a[8], a[9], a[10], a[11], a[12], a[13], 1, a[14], a[5]);
+        } else {
+            code = ((batch8_t)(uintptr_t)a[2])(a[8], a[9], a[10], a[11], a[12], a[13], 1, a[5]);
+        }
+    }
+    if (code == 0) { step = 4; code = record(a[7], a[5]); }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code == 0 ? 0 : step * 65536L + (code & 0xFFFF));
+}
+
 static PyMethodDef methods[] = {
     {"fence_start", (PyCFunction)(void (*)(void))fence_start, METH_FASTCALL,
      "fence_start(record, wait, fence, current, copy, start) -> 0 or step * 65536 + code"},
+    {"fenced_batch", (PyCFunction)(void (*)(void))fenced_batch, METH_FASTCALL,
+     "fenced_batch(record, wait, batch, fence, current, copy, start, end, dsts, srcs, sizes, "
+     "count, attrs, attrs_idxs, fail_idx) -> 0 or step * 65536 + code"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -147,16 +196,29 @@ PyMODINIT_FUNC PyInit_kvmgr_fence_start(void) { return PyModule_Create(&module);
 
 
 @functools.cache
-def native_fence_start() -> Any:
-    """The C ``fence_start`` function (``_FENCE_SOURCE``: a batch's fence record, the copy
-    stream's wait on it and the start record, one C call), built once per process; None where
-    it cannot be (or ``KVMGR_NATIVE_LAUNCH=0``). Its own module: ``native_call``'s build (in
-    Triton's cache) stays as it was."""
+def _fence_module() -> Any:
+    """The ``_FENCE_SOURCE`` module, built once per process; None where it cannot be (or
+    ``KVMGR_NATIVE_LAUNCH=0``). Its own module: ``native_call``'s build (in Triton's cache)
+    stays as it was."""
     if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
         return None
     try:
         from triton.runtime.build import compile_module_from_src
 
-        return compile_module_from_src(_FENCE_SOURCE, "kvmgr_fence_start").fence_start
+        return compile_module_from_src(_FENCE_SOURCE, "kvmgr_fence_start")
     except Exception:  # no Triton, no C compiler, no Python headers: one call per step
         return None
+
+
+def native_fence_start() -> Any:
+    """The C ``fence_start`` (a batch's fence record, the copy stream's wait on it and the
+    start record in one C call; ``_FENCE_SOURCE``), or None."""
+    module = _fence_module()
+    return None if module is None else module.fence_start
+
+
+def native_fenced_batch() -> Any:
+    """The C ``fenced_batch`` (``fence_start``'s calls, one ``cuMemcpyBatchAsync`` and the end
+    record in one C call; ``_FENCE_SOURCE``), or None."""
+    module = _fence_module()
+    return None if module is None else module.fenced_batch
