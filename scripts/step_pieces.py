@@ -54,6 +54,8 @@ PIECES = [
     ("kvmgr.transfer.driver", "CopyDriver", "batch_at"),
     ("kvmgr.transfer.kernel", "KernelCopy", "issue"),
     ("kvmgr.kernels.copy.staging", "CopyStager", "copy_runs"),
+    ("kvmgr.transfer._fused", "FusedBatch", "issue"),
+    ("kvmgr.transfer.dma", "DmaCopy", "prepare"),
     ("kvmgr.transfer.streams", "CopyStreams", "_queue"),
     ("kvmgr.transfer.streams", "", "on_device"),
     ("kvmgr.transfer.streams", "", "device_is_current"),

@@ -160,3 +160,27 @@ def test_make_takes_only_a_dma_issuer_behind_driver_events() -> None:
     assert FusedBatch.make(events.record, object()) is None
     no_c = DmaCopy(CopyDriver(lib.resolver(), driver_version=13000, from_c=False), "batch", 64)
     assert FusedBatch.make(events.record, no_c) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_the_cuda_engine_copies_through_the_fused_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[bool] = []
+    issue = FusedBatch.issue
+    monkeypatch.setattr(FusedBatch, "issue", lambda *a: made.append((r := issue(*a)) is not None) or r)  # fmt: skip
+    rng = np.random.default_rng(3)
+    src = [torch.randint(0, 256, (32, 4096), dtype=torch.uint8, device="cuda") for _ in range(4)]
+    with CudaBatchEngine() as engine:
+        dst = [engine.allocate_host(32 * 4096).view(32, 4096) for _ in range(4)]
+        for d in dst:
+            d.fill_(0xA5)  # poisoned: every block not copied keeps it
+        layouts = KVLayout.from_tensors(src), KVLayout.from_tensors(dst)
+        expected = [d.clone() for d in dst]
+        for _ in range(6):
+            gpu, cpu = rng.choice(32, 5, replace=False), rng.choice(32, 5, replace=False)
+            engine.submit(build_plan(Direction.D2H, *layouts, gpu, cpu)).future.result(timeout=30)
+            for e, s in zip(expected, src):
+                e[cpu] = s[gpu].cpu()
+        assert all(torch.equal(d, e) for d, e in zip(dst, expected))
+        assert engine._streams._fused is not None and sum(made) >= 4, made
+        assert engine.statistics().batches_completed == 6
