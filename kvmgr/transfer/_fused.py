@@ -93,13 +93,19 @@ class FusedBatch:
         if code == 0:
             return Issued("batch", 1, 0, (), release)
         step, code = divmod(code, 65536)
-        if step <= 2:  # the copy not made: the rest one by one
+        return self._resume(step, code, prepared, release, fence, current, copy, start, end)
+
+    def _resume(self, step: int, code: int, prepared: tuple[Any, int, int], release: Any, fence: Any, current: Any, copy: Any, start: Any, end: Any) -> Issued:  # fmt: skip
+        """Step ``step`` of the C call was refused with ``code`` (the earlier ones made): the
+        rest one by one, as the calls one by one would go on (module docstring)."""
+        buffer, n, order = prepared
+        if step <= 2:  # the copy not made
             try:
                 self._events._resume(step, code, fence, current, copy, start)
             except BaseException:
-                dma.buffers.give(buffer)  # nothing enqueued reads it
+                self._dma.buffers.give(buffer)  # nothing enqueued reads it
                 raise
-            issued = self._batch(at, n, copy.cuda_stream, order, release)
+            issued = self._batch(buffer.address, n, copy.cuda_stream, order, release)
         elif step == 3:
             issued = Issued("batch", 0, 0, (), release, self._refused(code, n))
         else:  # the end record refused

@@ -31,6 +31,8 @@ import functools
 import os
 from typing import Any
 
+from kvmgr._native import build
+
 __all__ = ["native_call", "native_fence_start", "native_fenced_batch"]
 
 _SOURCE = r"""
@@ -106,6 +108,40 @@ typedef uint64_t u64;
 typedef int (*record_t)(u64, u64);     /* cuEventRecord(event, stream) */
 typedef int (*wait_t)(u64, u64, u64);  /* cuStreamWaitEvent(stream, event, flags) */
 
+/* the `want` arguments as 64-bit values into a, the first `entries` of them non-NULL entry
+   points; 0, or -1 with a Python error set */
+static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int entries,
+                     u64 *a, const char *usage) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        a[i] = PyLong_AsUnsignedLongLongMask(args[i]);
+        if (a[i] == (u64)-1 && PyErr_Occurred()) return -1;
+    }
+    for (int i = 0; i < entries; i++) {
+        if (a[i] == 0) {
+            PyErr_SetString(PyExc_ValueError, "a NULL entry point");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* e = {cuEventRecord, cuStreamWaitEvent}, f = {fence, current, copy, start}: record the fence
+   on current, make copy wait on it, record start on copy; stops at the first nonzero CUresult
+   (returned, its step in *step; 0 when all three were made). Called without the GIL. */
+static int fence_steps(const u64 *e, const u64 *f, int *step) {
+    record_t record = (record_t)(uintptr_t)e[0];
+    int code;
+    *step = 0;
+    code = record(f[0], f[1]);
+    if (code == 0) { *step = 1; code = ((wait_t)(uintptr_t)e[1])(f[2], f[0], 0); }
+    if (code == 0) { *step = 2; code = record(f[3], f[2]); }
+    return code;
+}
+
 /* fence_start(record, wait, fence, current, copy, start): cuEventRecord(fence, current),
    cuStreamWaitEvent(copy, fence, 0), cuEventRecord(start, copy), in this order, the GIL released
    once; stops at the first nonzero CUresult. Returns 0 (all three enqueued) or
@@ -113,25 +149,11 @@ typedef int (*wait_t)(u64, u64, u64);  /* cuStreamWaitEvent(stream, event, flags
    enqueued, the later ones not called. */
 static PyObject *fence_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     u64 a[6];
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "fence_start(record, wait, fence, current, copy, start)");
+    if (read_args(args, nargs, 6, 2, a, "fence_start(record, wait, fence, current, copy, start)"))
         return NULL;
-    }
-    for (Py_ssize_t i = 0; i < 6; i++) {
-        a[i] = PyLong_AsUnsignedLongLongMask(args[i]);
-        if (a[i] == (u64)-1 && PyErr_Occurred()) return NULL;
-    }
-    if (a[0] == 0 || a[1] == 0) {
-        PyErr_SetString(PyExc_ValueError, "fence_start: a NULL entry point");
-        return NULL;
-    }
-    record_t record = (record_t)(uintptr_t)a[0];
-    wait_t wait = (wait_t)(uintptr_t)a[1];
-    int step = 0, code;
+    int step, code;
     Py_BEGIN_ALLOW_THREADS
-    code = record(a[2], a[3]);
-    if (code == 0) { step = 1; code = wait(a[4], a[2], 0); }
-    if (code == 0) { step = 2; code = record(a[5], a[4]); }
+    code = fence_steps(a, a + 2, &step);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(code == 0 ? 0 : step * 65536L + (code & 0xFFFF));
 }
@@ -147,25 +169,11 @@ typedef int (*batch9_t)(u64, u64, u64, u64, u64, u64, u64, u64, u64);
    Returns 0 or step * 65536 + code, steps 0-4 in that order. */
 static PyObject *fenced_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     u64 a[15];
-    if (nargs != 15) {
-        PyErr_SetString(PyExc_TypeError, "fenced_batch takes 15 arguments");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < 15; i++) {
-        a[i] = PyLong_AsUnsignedLongLongMask(args[i]);
-        if (a[i] == (u64)-1 && PyErr_Occurred()) return NULL;
-    }
-    if (a[0] == 0 || a[1] == 0 || a[2] == 0) {
-        PyErr_SetString(PyExc_ValueError, "fenced_batch: a NULL entry point");
-        return NULL;
-    }
+    if (read_args(args, nargs, 15, 3, a, "fenced_batch takes 15 arguments")) return NULL;
     record_t record = (record_t)(uintptr_t)a[0];
-    wait_t wait = (wait_t)(uintptr_t)a[1];
-    int step = 0, code;
+    int step, code;
     Py_BEGIN_ALLOW_THREADS
-    code = record(a[3], a[4]);
-    if (code == 0) { step = 1; code = wait(a[5], a[3], 0); }
-    if (code == 0) { step = 2; code = record(a[6], a[5]); }
+    code = fence_steps(a, a + 3, &step);
     if (code == 0) {
         step = 3;
         if (a[14] != 0) {
@@ -197,17 +205,10 @@ PyMODINIT_FUNC PyInit_kvmgr_fence_start(void) { return PyModule_Create(&module);
 
 @functools.cache
 def _fence_module() -> Any:
-    """The ``_FENCE_SOURCE`` module, built once per process; None where it cannot be (or
-    ``KVMGR_NATIVE_LAUNCH=0``). Its own module: ``native_call``'s build (in Triton's cache)
-    stays as it was."""
-    if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
-        return None
-    try:
-        from triton.runtime.build import compile_module_from_src
-
-        return compile_module_from_src(_FENCE_SOURCE, "kvmgr_fence_start")
-    except Exception:  # no Triton, no C compiler, no Python headers: one call per step
-        return None
+    """The ``_FENCE_SOURCE`` module, built once per process (``kvmgr._native.build``); None
+    where it cannot be (or ``KVMGR_NATIVE_LAUNCH=0``). Its own module: ``native_call``'s build
+    (in Triton's cache) stays as it was."""
+    return build(_FENCE_SOURCE, "kvmgr_fence_start")
 
 
 def native_fence_start() -> Any:

@@ -98,8 +98,7 @@ class CopyStreams:
             Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
         }
         self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
-        # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
-        self._pooled = _real_cuda_events()
+        self._pooled = _real_cuda_events()  # pooled events (a CPU test's fakes: a fresh pair)
         self._record, self._wait = event_calls(self._pooled)  # on its own streams, events
         self._fence_start = fused_fence(self._record)  # the three in one C call, or None
         self._fused_for: Any = None  # the issuer ``_fused`` (a FusedBatch, or None) is for

@@ -5,8 +5,8 @@ same order, the same torch fallbacks and the same errors as the three calls one 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
-import threading
 from typing import Any
 
 import numpy as np
@@ -186,18 +186,22 @@ def test_gpu_fence_start_orders_a_side_stream_after_the_current_one() -> None:
 def test_gpu_fence_start_from_a_thread_that_made_no_cuda_call_yet() -> None:
     fused, side, (fence, start, _) = _gpu_fused()
     current = torch.cuda.current_stream()
-    errors: list[BaseException] = []
-
-    def fresh() -> None:  # no context current here until torch's call makes it so
-        try:
-            fused(fence, current, side, start)
-            fused(fence, current, side, start)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=fresh)
-    thread.start()
-    thread.join(30)
-    assert not errors
+    with concurrent.futures.ThreadPoolExecutor(1) as fresh:  # a thread with no context yet
+        fresh.submit(lambda: [fused(fence, current, side, start) for _ in range(2)]).result(30)
     side.synchronize()
     assert fence.query() and start.query()
+
+
+@needs_c
+def test_the_c_calls_refuse_bad_arguments_before_calling() -> None:
+    fused = driver_call.native_fenced_batch()
+    with pytest.raises(TypeError, match="fence_start"):
+        fence_start(1, 2, 3)
+    with pytest.raises(TypeError, match="15 arguments"):
+        fused(*range(1, 7))
+    with pytest.raises(ValueError, match="NULL"):
+        fence_start(1, 0, 3, 4, 5, 6)
+    with pytest.raises(ValueError, match="NULL"):
+        fused(1, 2, 0, *range(12))
+    with pytest.raises(TypeError):
+        fence_start(1, 2, 3, 4, 5, "six")
