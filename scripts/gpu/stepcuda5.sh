@@ -2,7 +2,7 @@
 # Issue 27, the cuda engine's submit on the copy streams (helper stepcuda5), on the H200, from the
 # repo root; results under $OUT/stepcuda5/ (log.txt, step_{old,new}_{1,2}.json,
 # pieces_cuda_{old,new}.json). About 2 minutes: limits 20 + 2 x 30 (+ 2 x 20 for a second round,
-# only if under 40 s have passed) + 45 + 2 x 15 s; each bench run is 10-15 s.
+# only if under 40 s have passed) + 45 + 15 + 2 x 15 s; each bench run is 10-15 s.
 # Old tree = main at 42ae48b (round 4 session 9 after wave 1; carried in build/bases/42ae48b, else
 # git archive; STEP_BASE overrides), new tree = this checkout; each tree's bench from its own root
 # with PYTHONPATH set to that root only.
@@ -18,7 +18,13 @@
 #     fused call, poisoned host blocks), test_cuda_current.py (event_calls, DriverEvents on real events,
 #     a thread with no context yet), test_cuda_engine.py (real copies, pooled events),
 #     test_driver_call.py, test_dma.py. A failure here: revert this branch.
-#  4. scripts/step_pieces.py with the real cuda engine, each tree (old first): the in-step pieces
+#     test_cuda_current.py also runs a forked child and a fresh process: device_is_current (now
+#     torch's C reader without the initialized / bad-fork checks) must say what
+#     torch.cuda.current_device() says there (torch's error in the child). A failure there:
+#     revert the device_is_current commit only.
+#  4. The current-device read (best of 5 x 20000): torch.cuda.current_device() and
+#     device_is_current.
+#  5. scripts/step_pieces.py with the real cuda engine, each tree (old first): the in-step pieces
 #     (FusedBatch.issue, DmaCopy.prepare and CopyStreams._fence_start (event) where the new tree
 #     has them, _record / _wait, CopyDriver.batch_at (the old tree's),
 #     CopyStreams.submit, CudaEngine.submit, Flusher.flush) min / p10 / median us.
@@ -39,6 +45,18 @@ step gpu_tests 45 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/
   tests/transfer/test_cuda_current.py tests/transfer/test_cuda_engine.py tests/transfer/test_driver_call.py \
   tests/transfer/test_dma.py
 
+step device_read 15 python3 -c "
+import timeit, torch
+from kvmgr.transfer.cuda_current import device_is_current
+dev = torch.device('cuda', torch.cuda.current_device())
+torch.cuda.Stream(dev)  # CUDA initialized, as an engine finds it
+for name, fn in (('torch.cuda.current_device()', torch.cuda.current_device),
+                 ('device_is_current', lambda: device_is_current(dev))) * 2:
+    best = min(timeit.repeat(fn, number=20000, repeat=5)) / 20000 * 1e6
+    print(f'device read {name}: {best:.3f} us')
+assert device_is_current(dev)
+"
+
 OLD_TREE=$(mktemp -d)
 if base_tree "$BASE" "$OLD_TREE"; then
   mkdir -p "$OLD_TREE/scripts"  # step_pieces.py's ROOT: the old tree
@@ -54,6 +72,6 @@ rm -rf "$OLD_TREE"
 
 echo "=== stepcuda5 summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
-grep -E "C call:|passed|failed" "$LOG"
+grep -E "C call:|passed|failed|^device read" "$LOG"
 grep -E "^=== pieces|host_s|FusedBatch|prepare|_fence_start|_record|_wait|batch_at|DmaCopy.issue|device_is_current|_queue|CopyStreams.submit|CudaEngine.submit|TransferWorker.submit|Flusher.flush" "$LOG"
 grep -E "^=== .* rc=" "$LOG"
