@@ -83,7 +83,10 @@ def _timed(key: str, fn: Any) -> Any:
 def wrap_pieces() -> None:
     """Replace each piece (where this tree has it) by a timed wrapper, once per process."""
     for module, owner, name in PIECES:
-        target: Any = importlib.import_module(module)
+        try:
+            target: Any = importlib.import_module(module)
+        except ModuleNotFoundError:  # an older tree without that module
+            continue
         if owner:
             target = getattr(target, owner, None)
         fn = getattr(target, name, None) if target is not None else None

@@ -2,7 +2,7 @@
 # Issue 27, the cuda engine's submit on the copy streams (helper stepcuda5), on the H200, from the
 # repo root; results under $OUT/stepcuda5/ (log.txt, step_{old,new}_{1,2}.json,
 # pieces_cuda_{old,new}.json). About 2 minutes: limits 20 + 2 x 30 (+ 2 x 20 for a second round,
-# only if under 40 s have passed) + 45 + 15 + 2 x 15 s; each bench run is 10-15 s.
+# only if under 40 s have passed) + 60 + 15 + 2 x 15 s; each bench run is 10-15 s.
 # Old tree = main at 42ae48b (round 4 session 9 after wave 1; carried in build/bases/42ae48b, else
 # git archive; STEP_BASE overrides), new tree = this checkout; each tree's bench from its own root
 # with PYTHONPATH set to that root only.
@@ -40,7 +40,7 @@ print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), '
 
 step_table_ab "$BASE" 40
 
-step gpu_tests 45 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/transfer/test_fence_start.py \
+step gpu_tests 60 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/transfer/test_fence_start.py \
   tests/transfer/test_fused_batch.py \
   tests/transfer/test_cuda_current.py tests/transfer/test_cuda_engine.py tests/transfer/test_driver_call.py \
   tests/transfer/test_dma.py
