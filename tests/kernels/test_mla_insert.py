@@ -1290,6 +1290,14 @@ for turn in range(6):
     rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
 record = _MEMO.steady_record(id(own))
 armed.append(record is not None and record[8] is not None)
+# another list of the same caches (one insert, no record yet): its tensors again after the
+# record launched others take the insert's identity shortcut only while its cells hold them
+alias, mine = list(own), [(torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), torch.arange(5) + 8 * i) for i in range(2)]
+for tensors, cache_list in ((mine[0], alias), (mine[1], own), (mine[0], alias)):
+    before = len(seen.calls)
+    grouped_mla_insert(*tensors[:2], cache_list, tensors[2], kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    want = [tensors[0].data_ptr(), tensors[1].data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), tensors[2].data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
+    rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
 before = len(seen.calls)
 refused = []
 for bad in ("dtype", "meta"):
@@ -1308,7 +1316,9 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
     # pointers and ints into the packed launch's cells from C (kvmgr.kernels.mla.steady): on
     # the stand-in GPU every launch must hold exactly its step's pointers, T and strides, also
     # after a step of another T rewrote the shared launch's ints; caches given new storage in
-    # place are not launched through the record's stale pointers; bad steps still raise
+    # place are not launched through the record's stale pointers; a record's launch leaves the
+    # insert no last tensors for its identity shortcut (another list of the same caches); bad
+    # steps still raise
     if torch.cuda.is_available():
         pytest.skip("the gpu tests launch for real")
     from kvmgr.kernels.launch.cells import cell_writer
@@ -1324,5 +1334,5 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["armed"] == [True, True, 5, True]
-    assert result["rows"] == [[1, True]] * 34
+    assert result["rows"] == [[1, True]] * 37
     assert result["refused"] == ["dtype", "meta"] and result["launched"] == 0

@@ -125,8 +125,8 @@ class InsertMemo:
         launched (:mod:`kvmgr.kernels.mla.steady`). A call that passes it (dtype, device, sizes,
         strides of every cache and step tensor; the scales' presence), whose caches have the
         key's pointers and whose bases the step's alignment, with the same ``kv_cache_dtype``,
-        ``direct`` and insert's guarded signature as then, is launched by the insert's ``fire``
-        with that step's launch; ``T``. On a packed launch those tests and the writes of the
+        ``direct`` and insert's guarded signature as then, is launched with that step's launch
+        (as the insert's ``fire``; inlined where the C writer wrote the cells); ``T``. On a packed launch those tests and the writes of the
         step's pointers and ints into the launch's cells are one C call. New step tensors (a
         serving loop) and the very same ones (persistent buffers, a cache set per call) alike."""
         insert, dtype, is_direct, key, guarded, check, scaled, read, cells, mine = steady
@@ -147,7 +147,17 @@ class InsertMemo:
             return None
         if key[0][1] >= 0 and _is_capturing():
             self._held[key] = insert  # as insert_for
-        return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None)
+        if cells is None:
+            return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs)
+        # the C writer compared the alignment and wrote the pointers and ints: fire's launch,
+        # inlined (a frame of 8 arguments less per call); the insert's last tensors forgotten
+        # (its identity shortcut would relaunch these cells for them), as a refused record does
+        bound, grid, ints = mine[2]
+        insert.fired, insert._last = mine, None
+        if grid is None:  # T == 0
+            return 0
+        bound.run(grid, None, None, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
+        return ints[0]
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
