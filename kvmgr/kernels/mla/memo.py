@@ -157,7 +157,7 @@ class InsertMemo:
         if grid is None:  # T == 0
             return 0
         bound.run(grid, None, None, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
-        return ints[0]
+        return ints[0]  # type: ignore[no-any-return]
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
