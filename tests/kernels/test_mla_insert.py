@@ -1239,7 +1239,7 @@ import torch
 sys.path.insert(0, os.getcwd())
 from kvmgr.bench import stub_gpu
 seen = stub_gpu.install(record=True)
-from kvmgr.errors import GeometryError
+from kvmgr.errors import ConfigError, GeometryError
 from kvmgr.hooks import StepContext
 from kvmgr.kernels.mla.api import _MEMO, grouped_mla_insert
 from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
@@ -1271,7 +1271,7 @@ for via, table in (("public", public_table), ("hook", lambda: hook.plan.table)):
     for num_tokens in (5, 5, 5, 5, 7, 5, 5, 7, 7, 5, 5, 5):  # T = 7 rewrites the launch's ints
         step(num_tokens, via, table)
     record = _MEMO.steady_record(id(caches))
-    armed.append(record is not None and record[8] is not None if via == "public" else hook._insert.guarded[5] is not None)
+    armed.append(record is not None and record[7] is not None if via == "public" else hook._insert.guarded[5] is not None)
 armed.append(_MEMO.steady_record(id(caches))[4][2][2][0])  # the record's guarded T: 5
 for cache in caches:  # new storage in place: the steady record's pointers no longer match
     cache.set_(torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn))
@@ -1289,7 +1289,7 @@ for turn in range(6):
     want = [kv_c.data_ptr(), k_pe.data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), slots.data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
     rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
 record = _MEMO.steady_record(id(own))
-armed.append(record is not None and record[8] is not None)
+armed.append(record is not None and record[7] is not None)
 # another list of the same caches (one insert, no record yet): its tensors again after the
 # record launched others take the insert's identity shortcut only while its cells hold them
 alias, mine = list(own), [(torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), torch.arange(5) + 8 * i) for i in range(2)]
@@ -1298,14 +1298,19 @@ for tensors, cache_list in ((mine[0], alias), (mine[1], own), (mine[0], alias)):
     grouped_mla_insert(*tensors[:2], cache_list, tensors[2], kv_cache_dtype="fp8_e4m3", kv_scales=scales)
     want = [tensors[0].data_ptr(), tensors[1].data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), tensors[2].data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
     rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+plain = [torch.zeros(4, 16, 96) for _ in range(3)]  # auto caches: a record without scales
+for _ in range(4):
+    grouped_mla_insert(torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), plain, torch.arange(5))
+armed.append(_MEMO.steady_record(id(plain))[7] is not None)
 before = len(seen.calls)
 refused = []
-for bad in ("dtype", "meta"):
+for bad in ("dtype", "meta", "no scales", "scales for auto"):
     kv_c = torch.randn(3, 5, 64, generator=gen)
-    kv_c = kv_c.half() if bad == "dtype" else torch.empty_like(kv_c, device="meta")
+    kv_c = kv_c.half() if bad == "dtype" else torch.empty_like(kv_c, device="meta") if bad == "meta" else kv_c
+    many = (plain, None) if bad == "scales for auto" else (caches, "fp8_e4m3")
     try:
-        grouped_mla_insert(kv_c, torch.randn(3, 5, 32), caches, torch.arange(5), kv_cache_dtype="fp8_e4m3", kv_scales=scales)
-    except GeometryError:
+        grouped_mla_insert(kv_c, torch.randn(3, 5, 32), many[0], torch.arange(5), kv_cache_dtype=many[1] or "auto", kv_scales=None if bad == "no scales" else scales)
+    except (ConfigError, GeometryError):
         refused.append(bad)
 print(json.dumps({"rows": rows, "armed": armed, "refused": refused, "launched": len(seen.calls) - before}))
 """
@@ -1318,7 +1323,7 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
     # after a step of another T rewrote the shared launch's ints; caches given new storage in
     # place are not launched through the record's stale pointers; a record's launch leaves the
     # insert no last tensors for its identity shortcut (another list of the same caches); bad
-    # steps still raise
+    # steps still raise, scales missing for FP8 or given for auto too (a record of either kind)
     if torch.cuda.is_available():
         pytest.skip("the gpu tests launch for real")
     from kvmgr.kernels.launch.cells import cell_writer
@@ -1333,6 +1338,7 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
                           text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["armed"] == [True, True, 5, True]
+    assert result["armed"] == [True, True, 5, True, True]
     assert result["rows"] == [[1, True]] * 37
-    assert result["refused"] == ["dtype", "meta"] and result["launched"] == 0
+    assert result["refused"] == ["dtype", "meta", "no scales", "scales for auto"]
+    assert result["launched"] == 0

@@ -74,7 +74,7 @@ class InsertMemo:
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
         # id(list) -> (insert, kv_cache_dtype, direct, key, the insert's guarded signature it
         # pairs with, then of the caches' and one step's guarded signature (kvmgr.kernels.mla
-        # .steady) its guard's check, has scales, read, cells address or None, and itself)
+        # .steady) its guard's check, read, cells address or None, itself; on a GPU)
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
         self._fresh: int | None = None  # id of the list insert_for met first in this call
 
@@ -129,35 +129,46 @@ class InsertMemo:
         (as the insert's ``fire``; inlined where the C writer wrote the cells); ``T``. On a packed launch those tests and the writes of the
         step's pointers and ints into the launch's cells are one C call. New step tensors (a
         serving loop) and the very same ones (persistent buffers, a cache set per call) alike."""
-        insert, dtype, is_direct, key, guarded, check, scaled, read, cells, mine = steady
+        insert, dtype, is_direct, key, guarded, check, read, cells, mine, on_gpu = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
-        if (kv_scales is not None) is not scaled:
-            return None  # the scales' presence is the record's
-        try:  # the guard's verdict and every pointer in one C call (with cells: also written)
-            if cells is not None:
-                ptrs = read(cells, check, caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, caches, kv_c, k_pe, slot_mapping)  # fmt: skip
-            else:
-                ptrs = read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
-        except TypeError:  # not tensors, or another number of them
-            ptrs = None
-        if cells is None and ptrs is not None:  # read, not compared: the caches' come first
-            ptrs = ptrs[len(caches) :] if ptrs[: len(caches)] == key[0][5] else None
+        if cells is None:
+            return self._launch_read(steady, caches, kv_c, k_pe, slot_mapping, kv_scales)
+        try:  # the verdict, the caches' pointers and alignment compared, the cells written: one
+            # C call; the scales' presence is the record's (else another count: None)
+            ptrs = read(cells, check, caches, kv_c, k_pe, slot_mapping) if kv_scales is None else read(cells, check, caches, kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        except TypeError:  # not tensors
+            return None
         if ptrs is None:
             return None
-        if key[0][1] >= 0 and _is_capturing():
+        if on_gpu and _is_capturing():
             self._held[key] = insert  # as insert_for
-        if cells is None:
-            return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs)
-        # the C writer compared the alignment and wrote the pointers and ints: fire's launch,
-        # inlined (a frame of 8 arguments less per call); the insert's last tensors forgotten
-        # (its identity shortcut would relaunch these cells for them), as a refused record does
+        # fire's launch, inlined (a frame of 8 arguments less per call); the insert's last
+        # tensors forgotten (its identity shortcut would relaunch these cells for them), as a
+        # refused record does
         bound, grid, ints = mine[2]
         insert.fired, insert._last = mine, None
         if grid is None:  # T == 0
             return 0
         bound.run(grid, None, None, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
         return ints[0]  # type: ignore[no-any-return]
+
+    def _launch_read(
+        self, steady: tuple[Any, ...], caches: Sequence[torch.Tensor], kv_c: torch.Tensor,
+        k_pe: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
+    ) -> int | None:  # fmt: skip
+        """:meth:`launch_steady` where the C writer does not serve the launch: the verdict and
+        every pointer read in one call, the caches' compared here, then the insert's ``fire``."""
+        insert, _, _, key, _, check, read, _, mine, on_gpu = steady
+        try:  # as launch_steady: another count of tensors raises TypeError
+            ptrs = read(check, *caches, kv_c, k_pe, slot_mapping) if kv_scales is None else read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        except TypeError:
+            return None
+        if ptrs is None or ptrs[: len(caches)] != key[0][5]:
+            return None
+        if on_gpu and _is_capturing():
+            self._held[key] = insert
+        return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs[len(caches) :])
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
@@ -179,7 +190,7 @@ class InsertMemo:
         if mine is None:
             return
         # the record: launch_steady's unpacking order; the last item holds the cells' memory
-        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], insert.guarded, *mine[:2], *mine[4:6], mine)  # fmt: skip
+        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], insert.guarded, mine[0], *mine[4:6], mine, seen[-2][0][1] >= 0)  # fmt: skip
         self._steady.move_to_end(id(caches))
         if len(self._steady) > self._max_sets:
             self._steady.popitem(last=False)
