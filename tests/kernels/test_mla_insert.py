@@ -1138,9 +1138,12 @@ def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
+@pytest.mark.parametrize("steady", [False, True])
+def test_gpu_graph_outlives_the_eager_plan_memo(steady: bool) -> None:
     # A graph captured through grouped_mla_insert reads its pointer table at every replay. The
     # eager memo drops the table after 32 newer cache sets; the capture must keep it alive.
+    # steady: eager calls on the default stream (no capture query there) arm the list's steady
+    # record, the capture goes through it, and 32 newer records push it out too.
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 40, 512, 64, 8, 16
     width, capacity = rank + rope_dim, num_blocks * block_size
     api._MEMO.clear()
@@ -1153,13 +1156,19 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     with torch.cuda.stream(side):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
     torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3 if steady else 0):  # the default stream: handle 0
+        grouped_mla_insert(kv_c, k_pe, caches, slots)
+    assert (api._MEMO.steady_record(id(caches)) is not None) is steady
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
-    # 2. 32 newer cache sets push these out of the memo's recent ones.
+    # 2. 32 newer cache sets push these out of the memo's recent ones (and records).
     newer = [_caches(300 + seed, num_layers, 1, block_size, width, torch.bfloat16) for seed in range(32)]  # fmt: skip
+    one = (kv_c[:, :1], k_pe[:, :1], slots[:1] % block_size)
     for others in newer:
-        grouped_mla_insert(kv_c[:, :1], k_pe[:, :1], others, slots[:1] % block_size)
+        for _ in range(3 if steady else 1):
+            grouped_mla_insert(one[0], one[1], others, one[2])
+    assert api._MEMO.steady_record(id(caches)) is None
     # 3. Tables pointing at a decoy cache take any freed table memory on the same stream, so a
     #    freed table would send the replay's writes to the decoy instead of faulting.
     decoy = _caches(213, 1, num_blocks, block_size, width, torch.bfloat16)[0]
@@ -1298,6 +1307,19 @@ for tensors, cache_list in ((mine[0], alias), (mine[1], own), (mine[0], alias)):
     grouped_mla_insert(*tensors[:2], cache_list, tensors[2], kv_cache_dtype="fp8_e4m3", kv_scales=scales)
     want = [tensors[0].data_ptr(), tensors[1].data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), tensors[2].data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
     rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+# a record's launch under capture holds its insert (the graph replays its table); the query is
+# skipped on the legacy default stream (handle 0): CPU caches stand in for a GPU's
+from kvmgr.kernels.mla import memo
+for _ in range(2):  # the alias's calls re-guarded the insert: its record is rebuilt
+    grouped_mla_insert(kv_c, k_pe, own, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+asked, key = [], _MEMO.steady_record(id(own))[3]
+memo._is_capturing = lambda: asked.append(1) or True
+_MEMO._steady[id(own)] = _MEMO.steady_record(id(own))[:9] + (True,)
+streams = torch._C._cuda_getCurrentRawStream.__self__  # the stub's {device: handle}
+for handle in (0, 7):
+    streams[0] = handle
+    grouped_mla_insert(kv_c, k_pe, own, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    armed.append([len(asked), key in _MEMO._held])
 plain = [torch.zeros(4, 16, 96) for _ in range(3)]  # auto caches: a record without scales
 for _ in range(4):
     grouped_mla_insert(torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), plain, torch.arange(5))
@@ -1323,7 +1345,8 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
     # after a step of another T rewrote the shared launch's ints; caches given new storage in
     # place are not launched through the record's stale pointers; a record's launch leaves the
     # insert no last tensors for its identity shortcut (another list of the same caches); bad
-    # steps still raise, scales missing for FP8 or given for auto too (a record of either kind)
+    # steps still raise, scales missing for FP8 or given for auto too (a record of either kind);
+    # under capture the record's insert is held (asked after the launch, not on stream 0)
     if torch.cuda.is_available():
         pytest.skip("the gpu tests launch for real")
     from kvmgr.kernels.launch.cells import cell_writer
@@ -1338,7 +1361,7 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
                           text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["armed"] == [True, True, 5, True, True]
+    assert result["armed"] == [True, True, 5, True, [0, False], [1, True], True]
     assert result["rows"] == [[1, True]] * 37
     assert result["refused"] == ["dtype", "meta", "no scales", "scales for auto"]
     assert result["launched"] == 0

@@ -141,16 +141,18 @@ class InsertMemo:
             return None
         if ptrs is None:
             return None
-        if on_gpu and _is_capturing():
-            self._held[key] = insert  # as insert_for
         # fire's launch, inlined (a frame of 8 arguments less per call); the insert's last
         # tensors forgotten (its identity shortcut would relaunch these cells for them), as a
         # refused record does
         bound, grid, ints = mine[2]
         insert.fired, insert._last = mine, None
-        if grid is None:  # T == 0
+        if grid is None:  # T == 0: nothing launched, nothing a graph could replay
             return 0
         bound.run(grid, None, None, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
+        # held as insert_for does, asked after the launch: a launch through the driver on the
+        # legacy default stream (handle 0) is never captured (CUDA begins no capture there)
+        if on_gpu and bound.stream_handle != 0 and _is_capturing():
+            self._held[key] = insert
         return ints[0]  # type: ignore[no-any-return]
 
     def _launch_read(
