@@ -35,7 +35,9 @@ storage has to read each cache (its version counter does not move).
 **CUDA graphs.** A captured launch reads its plan's pointer table at every replay, so an entry
 looked up while the stream is capturing is also held for the life of the process (one
 ``int64 [L]`` device tensor per cache set ever captured): the graph stays valid after any number
-of newer cache sets. That costs one capture query per call on CUDA. A first call for a cache set
+of newer cache sets. That costs one capture query per call on CUDA (a steady launch through the
+C writer asks after its launch, and not on the legacy default stream, where CUDA begins no
+capture: :attr:`PackedLaunch.stream_handle` 0). A first call for a cache set
 under capture raises ``ConfigError`` (:func:`~kvmgr.kernels.mla.plan.make_plan`).
 """
 
