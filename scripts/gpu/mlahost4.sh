@@ -14,11 +14,11 @@
 # 3. pair: scripts/gpu/mlahost3_pair.py, both trees in ONE process on the real driver (FP8),
 #    samples interleaved: min / median per tree and the per-pair ratio new/old.
 source "${BASH_SOURCE%/*}/_common.sh" mlahost4
-BASE=${MLAHOST4_BASE:-42ae48b}
 D=$(cd "$D" && pwd)
-OLD=/tmp/mlahost4_old  # outside $OUT: nothing of it comes back
-rm -rf "$OLD" && mkdir -p "$OLD" && base_tree "$BASE" "$OLD" || echo "no base tree for $BASE" | tee -a "$LOG"
 step env 5 python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+OLD=/tmp/mlahost4_old  # the base tree, outside $OUT: nothing of it comes back
+rm -rf "$OLD" && mkdir -p "$OLD"
+base_tree "${MLAHOST4_BASE:-42ae48b}" "$OLD" || echo "no base tree for ${MLAHOST4_BASE:-42ae48b}" | tee -a "$LOG"
 step tests 30 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_insert.py \
   tests/kernels/test_launch.py -k "gpu or steady or cell_writer or stream_handle or capture"
 BENCH="-m kvmgr.cli bench mla-insert --tokens 1,16,128,512 --modes eager --reps 15"
@@ -30,14 +30,9 @@ grep -E "^=== |passed|failed|error" "$LOG" | tail -n 12
 sed -n '/=== pair (/,/=== pair rc/p' "$LOG"
 python3 - "$D" <<'PY'
 import json, os, sys
-d = sys.argv[1]
-cols = ("grouped", "grouped_same", "hook")
-print("bench mla-insert host us (eager)        " + "  ".join(f"{c:>14s}" for c in cols))
+print("bench mla-insert host us (eager): tree dtype T, grouped / grouped_same / hook")
 for tree in ("old", "new"):
-    path = os.path.join(d, f"bench_{tree}.json")
-    if not os.path.exists(path):
-        print(f"{tree}: no JSON"); continue
-    for r in json.load(open(path))["rows"]:
-        cells = "  ".join(f"{r.get(c + '_host_us') or float('nan'):14.2f}" for c in cols)
-        print(f"{tree} {r.get('kv_cache_dtype', '?'):9s} T={r['tokens']:<5d}          {cells}")
+    path = os.path.join(sys.argv[1], f"bench_{tree}.json")
+    rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+    print("\n".join(f"{tree} {r['kv_cache_dtype']:9s} T={r['tokens']:<5d} " + " / ".join(f"{r.get(c + '_host_us') or float('nan'):.2f}" for c in ("grouped", "grouped_same", "hook")) for r in rows) or f"{tree}: no JSON")
 PY

@@ -128,9 +128,9 @@ class InsertMemo:
         strides of every cache and step tensor; the scales' presence), whose caches have the
         key's pointers and whose bases the step's alignment, with the same ``kv_cache_dtype``,
         ``direct`` and insert's guarded signature as then, is launched with that step's launch
-        (as the insert's ``fire``; inlined where the C writer wrote the cells); ``T``. On a packed launch those tests and the writes of the
-        step's pointers and ints into the launch's cells are one C call. New step tensors (a
-        serving loop) and the very same ones (persistent buffers, a cache set per call) alike."""
+        (the insert's ``fire``, inlined where one C call made those tests and wrote the step's
+        pointers and ints into the packed launch's cells); ``T``. New step tensors (a serving
+        loop) and the very same ones (persistent buffers, a cache set per call) alike."""
         insert, dtype, is_direct, key, guarded, check, read, cells, mine, on_gpu = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
@@ -143,9 +143,8 @@ class InsertMemo:
             return None
         if ptrs is None:
             return None
-        # fire's launch, inlined (a frame of 8 arguments less per call); the insert's last
-        # tensors forgotten (its identity shortcut would relaunch these cells for them), as a
-        # refused record does
+        # fire, inlined (a frame of 8 arguments less); the insert's last tensors forgotten (its
+        # identity shortcut would relaunch these cells for them), as a refused record does
         bound, grid, ints = mine[2]
         insert.fired, insert._last = mine, None
         if grid is None:  # T == 0: nothing launched, nothing a graph could replay
