@@ -2,6 +2,7 @@
 
     git archive main kvmgr | (mkdir -p /tmp/old && tar -x -C /tmp/old)
     python3 scripts/launch_host_pair.py /tmp/old [--tokens 1,16,128] [--rounds 40] [--json PATH]
+        [--kv-cache-dtype fp8_e4m3,auto]
 
 A 2-core shared machine changes speed between processes (the same row moves by up to 2x between
 two runs of ``kvmgr bench launch-host``), so two trees timed in two processes, even alternately,
@@ -15,7 +16,7 @@ ratios new/old (the figure that survives the machine's changes of speed). Rows: 
 ``grouped_mla_insert`` (one cache set with new step tensors, a serving loop; the same tensors
 every call; 16 rotating cache sets), the MLA hook (new step tensors; one hook per set), and the
 c128 hook (gated with the same and with new step tensors, ungated), L = 5, R = 512, P = 64, FP8
-e4m3 caches, D = 512 (``kvmgr bench launch-host``'s cases). Not a GPU figure: the driver's own
+e4m3 caches (``--kv-cache-dtype``: the MLA rows for each dtype given, ``auto`` = bf16 caches), D = 512 (``kvmgr bench launch-host``'s cases). Not a GPU figure: the driver's own
 time is excluded from both columns alike.
 """
 
@@ -45,7 +46,7 @@ def _renamed_copy(old: Path, into: Path) -> None:
         path.write_text(pattern.sub(r"kvmgr_old\1", path.read_text()))
 
 
-def _cases(pkg: str, num_tokens: int, with_c128: bool) -> dict[str, list[Callable[[], object]]]:
+def _cases(pkg: str, num_tokens: int, with_c128: bool, kv_cache_dtype: str = "fp8_e4m3") -> dict[str, list[Callable[[], object]]]:  # fmt: skip
     import numpy as np
     import torch
 
@@ -54,11 +55,11 @@ def _cases(pkg: str, num_tokens: int, with_c128: bool) -> dict[str, list[Callabl
 
     api, hook_mod, hooks, c128 = mod("kernels.mla.api"), mod("kernels.mla.hook"), mod("hooks"), mod("kernels.c128.hook")  # fmt: skip
     bench = mod("bench.launch_host")
-    sets = bench._mla_sets(argparse.Namespace(layers=5, sets=16, kv_cache_dtype="fp8_e4m3"), num_tokens)  # fmt: skip
+    sets = bench._mla_sets(argparse.Namespace(layers=5, sets=16, kv_cache_dtype=kv_cache_dtype), num_tokens)  # fmt: skip
     first, insert = sets[0], api.grouped_mla_insert
     ctxs = [hooks.StepContext(tensors={"kv_c": s["kv_c"], "k_pe": s["k_pe"], "slot_mapping": s["slots"]}) for s in sets]  # fmt: skip
     per_set = [hook_mod.GroupedMLAInsertHook(s["caches"], **s["kwargs"]) for s in sets]
-    tag = f"T={num_tokens}"
+    tag = f"T={num_tokens}" if kv_cache_dtype == "fp8_e4m3" else f"T={num_tokens} {kv_cache_dtype}"
     # fmt: off
     cases: dict[str, list[Callable[[], object]]] = {
         f"{tag} grouped_mla_insert, one cache set, new step tensors": [lambda s=s: insert(s["kv_c"], s["k_pe"], first["caches"], s["slots"], **s["kwargs"]) for s in sets],
@@ -96,6 +97,11 @@ def pair_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
     parser.add_argument("--tokens", default="1,16,128", help="MLA step sizes T")
     parser.add_argument("--rounds", type=int, default=rounds, help="samples per tree and row")
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="fp8_e4m3",
+        help="MLA cache dtypes, comma-separated (fp8_e4m3, auto)",
+    )
     return parser
 
 
@@ -111,18 +117,21 @@ def main() -> None:
         stub_gpu.install()
         importlib.import_module("kvmgr_old.kernels.launch.launcher").driver = launcher.driver
         importlib.import_module("kvmgr_old.kernels.mla.plan").IS_INTERPRETED = True
-        rows = _measure([int(t) for t in args.tokens.split(",")], args.rounds)
+        rows = _measure(
+            [int(t) for t in args.tokens.split(",")], args.rounds, args.kv_cache_dtype.split(",")
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"old": str(args.old), "rounds": args.rounds, "rows": rows}, indent=2))  # fmt: skip
 
 
-def _measure(tokens: list[int], rounds: int) -> list[dict[str, Any]]:
+def _measure(tokens: list[int], rounds: int, dtypes: list[str]) -> list[dict[str, Any]]:
     rows = []
     print(f"{'host CPU us per call, one process (stub driver)':58s} {'old min':>8s} {'new min':>8s} {'old med':>8s} {'new med':>8s} {'new/old':>8s}")  # fmt: skip
-    for num_tokens in tokens:
-        old, new = _cases("kvmgr_old", num_tokens, num_tokens == tokens[0]), _cases("kvmgr", num_tokens, num_tokens == tokens[0])  # fmt: skip
+    for num_tokens, dtype in [(t, d) for t in tokens for d in dtypes]:
+        c128 = num_tokens == tokens[0] and dtype == dtypes[0]
+        old, new = _cases("kvmgr_old", num_tokens, c128, dtype), _cases("kvmgr", num_tokens, c128, dtype)  # fmt: skip
         for name, old_calls in old.items():
             new_calls, repeats = new[name], max(1, 256 // len(old_calls))
             for call in (old_calls + new_calls) * 3:  # warm up: compile, bind, guard

@@ -184,11 +184,13 @@ def test_decode_graphs_match_the_eager_decode(device: str) -> None:
     assert graphs.fits(batch)
     static = graphs.run(_decode_batch(device, 4)[0])  # padded to a bucket of 4
     torch.testing.assert_close(static, eager, atol=1e-4, rtol=0)
-    # the same slots were written (the first layer bit for bit), nothing else but the pad block
-    assert torch.equal(kv[0][:39], after_eager[0][:39]) and torch.equal(
-        kv[1][:39], after_eager[1][:39]
-    )
-    for t, e in zip(kv, after_eager):
+    # the same slots were written, with the same numbers up to float rounding (a padded batch of
+    # 4 runs other matmul shapes than the eager batch of 3: bit equality depends on the CPU's BLAS
+    # kernels, e.g. it held on Intel and not on AMD EPYC), and nothing else but the pad block
+    for t, e, b in zip(kv, after_eager, before):
+        untouched = e[:39] == b[:39]  # what the eager decode left alone
+        assert not bool(untouched.all())
+        assert torch.equal(t[:39][untouched], b[:39][untouched])
         torch.testing.assert_close(t[:39], e[:39], atol=1e-4, rtol=0)
     if device == "cuda":  # captured and replayed: the same numbers as the static code eagerly
         for t, b in zip(kv, before):

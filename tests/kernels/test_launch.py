@@ -462,6 +462,20 @@ def test_packed_launches_take_tritons_launch_when_a_call_needs_it(runtime, case,
     assert kernel.log[0][3][:2] == (words, 3)  # Triton's launch got the new arguments
 
 
+def test_a_launch_through_tritons_leaves_no_stream_handle(runtime):
+    # stream_handle is the stream of the last launch through the driver (the MLA memo skips its
+    # capture query on handle 0): after a launch through Triton's it must not stay set
+    kernel = RecordingJIT(_body)
+    bound = _packed(runtime, kernel)
+    words = torch.arange(4, dtype=torch.int32)
+    assert bound.stream_handle is None
+    bound.run((2, 1, 1), None, (words.data_ptr(), 3), (words, 3))
+    assert bound.stream_handle is not None and bound.stream_handle == runtime.libcuda.calls[-1]["stream"]  # fmt: skip
+    runtime.knobs.launch_enter_hook.add(print)
+    bound.run((2, 1, 1), None, (words.data_ptr(), 3), (words, 3))
+    assert bound.stream_handle is None and _paths(kernel)[-1] == "triton"
+
+
 def test_the_c_driver_call_can_be_turned_off(monkeypatch):
     _native.c_module.cache_clear()
     native.checked_data_ptrs.cache_clear()

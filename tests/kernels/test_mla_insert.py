@@ -1138,9 +1138,12 @@ def test_gpu_cuda_graph_capture_and_replay(variant: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
+@pytest.mark.parametrize("steady", [False, True])
+def test_gpu_graph_outlives_the_eager_plan_memo(steady: bool) -> None:
     # A graph captured through grouped_mla_insert reads its pointer table at every replay. The
     # eager memo drops the table after 32 newer cache sets; the capture must keep it alive.
+    # steady: eager calls on the default stream (no capture query there) arm the list's steady
+    # record, the capture goes through it, and 32 newer records push it out too.
     num_layers, num_tokens, rank, rope_dim, num_blocks, block_size = 3, 40, 512, 64, 8, 16
     width, capacity = rank + rope_dim, num_blocks * block_size
     api._MEMO.clear()
@@ -1153,13 +1156,19 @@ def test_gpu_graph_outlives_the_eager_plan_memo() -> None:
     with torch.cuda.stream(side):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
     torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3 if steady else 0):  # the default stream: handle 0
+        grouped_mla_insert(kv_c, k_pe, caches, slots)
+    assert (api._MEMO.steady_record(id(caches)) is not None) is steady
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
-    # 2. 32 newer cache sets push these out of the memo's recent ones.
+    # 2. 32 newer cache sets push these out of the memo's recent ones (and records).
     newer = [_caches(300 + seed, num_layers, 1, block_size, width, torch.bfloat16) for seed in range(32)]  # fmt: skip
+    one = (kv_c[:, :1], k_pe[:, :1], slots[:1] % block_size)
     for others in newer:
-        grouped_mla_insert(kv_c[:, :1], k_pe[:, :1], others, slots[:1] % block_size)
+        for _ in range(3 if steady else 1):
+            grouped_mla_insert(one[0], one[1], others, one[2])
+    assert api._MEMO.steady_record(id(caches)) is None
     # 3. Tables pointing at a decoy cache take any freed table memory on the same stream, so a
     #    freed table would send the replay's writes to the decoy instead of faulting.
     decoy = _caches(213, 1, num_blocks, block_size, width, torch.bfloat16)[0]
@@ -1239,7 +1248,7 @@ import torch
 sys.path.insert(0, os.getcwd())
 from kvmgr.bench import stub_gpu
 seen = stub_gpu.install(record=True)
-from kvmgr.errors import GeometryError
+from kvmgr.errors import ConfigError, GeometryError
 from kvmgr.hooks import StepContext
 from kvmgr.kernels.mla.api import _MEMO, grouped_mla_insert
 from kvmgr.kernels.mla.hook import GroupedMLAInsertHook
@@ -1271,7 +1280,7 @@ for via, table in (("public", public_table), ("hook", lambda: hook.plan.table)):
     for num_tokens in (5, 5, 5, 5, 7, 5, 5, 7, 7, 5, 5, 5):  # T = 7 rewrites the launch's ints
         step(num_tokens, via, table)
     record = _MEMO.steady_record(id(caches))
-    armed.append(record is not None and record[8] is not None if via == "public" else hook._insert.guarded[5] is not None)
+    armed.append(record is not None and record[7] is not None if via == "public" else hook._insert.guarded[5] is not None)
 armed.append(_MEMO.steady_record(id(caches))[4][2][2][0])  # the record's guarded T: 5
 for cache in caches:  # new storage in place: the steady record's pointers no longer match
     cache.set_(torch.zeros(4, 16, 96, dtype=torch.float8_e4m3fn))
@@ -1289,15 +1298,41 @@ for turn in range(6):
     want = [kv_c.data_ptr(), k_pe.data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), slots.data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
     rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
 record = _MEMO.steady_record(id(own))
-armed.append(record is not None and record[8] is not None)
+armed.append(record is not None and record[7] is not None)
+# another list of the same caches (one insert, no record yet): its tensors again after the
+# record launched others take the insert's identity shortcut only while its cells hold them
+alias, mine = list(own), [(torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), torch.arange(5) + 8 * i) for i in range(2)]
+for tensors, cache_list in ((mine[0], alias), (mine[1], own), (mine[0], alias)):
+    before = len(seen.calls)
+    grouped_mla_insert(*tensors[:2], cache_list, tensors[2], kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    want = [tensors[0].data_ptr(), tensors[1].data_ptr(), _MEMO.insert_for(own, "fp8_e4m3", True).plan.table.data_ptr(), tensors[2].data_ptr(), scales.data_ptr(), 5, 320, 160, 0]
+    rows.append([len(seen.calls) - before, cells(seen.calls[-1]) == want])
+# a record's launch under capture holds its insert (the graph replays its table); the query is
+# skipped on the legacy default stream (handle 0): CPU caches stand in for a GPU's
+from kvmgr.kernels.mla import memo
+for _ in range(2):  # the alias's calls re-guarded the insert: its record is rebuilt
+    grouped_mla_insert(kv_c, k_pe, own, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+asked, key = [], _MEMO.steady_record(id(own))[3]
+memo._is_capturing = lambda: asked.append(1) or True
+_MEMO._steady[id(own)] = _MEMO.steady_record(id(own))[:9] + (True,)
+streams = torch._C._cuda_getCurrentRawStream.__self__  # the stub's {device: handle}
+for handle in (0, 7):
+    streams[0] = handle
+    grouped_mla_insert(kv_c, k_pe, own, slots, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    armed.append([len(asked), key in _MEMO._held])
+plain = [torch.zeros(4, 16, 96) for _ in range(3)]  # auto caches: a record without scales
+for _ in range(4):
+    grouped_mla_insert(torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 32, generator=gen), plain, torch.arange(5))
+armed.append(_MEMO.steady_record(id(plain))[7] is not None)
 before = len(seen.calls)
 refused = []
-for bad in ("dtype", "meta"):
+for bad in ("dtype", "meta", "no scales", "scales for auto"):
     kv_c = torch.randn(3, 5, 64, generator=gen)
-    kv_c = kv_c.half() if bad == "dtype" else torch.empty_like(kv_c, device="meta")
+    kv_c = kv_c.half() if bad == "dtype" else torch.empty_like(kv_c, device="meta") if bad == "meta" else kv_c
+    many = (plain, None) if bad == "scales for auto" else (caches, "fp8_e4m3")
     try:
-        grouped_mla_insert(kv_c, torch.randn(3, 5, 32), caches, torch.arange(5), kv_cache_dtype="fp8_e4m3", kv_scales=scales)
-    except GeometryError:
+        grouped_mla_insert(kv_c, torch.randn(3, 5, 32), many[0], torch.arange(5), kv_cache_dtype=many[1] or "auto", kv_scales=None if bad == "no scales" else scales)
+    except (ConfigError, GeometryError):
         refused.append(bad)
 print(json.dumps({"rows": rows, "armed": armed, "refused": refused, "launched": len(seen.calls) - before}))
 """
@@ -1308,7 +1343,10 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
     # pointers and ints into the packed launch's cells from C (kvmgr.kernels.mla.steady): on
     # the stand-in GPU every launch must hold exactly its step's pointers, T and strides, also
     # after a step of another T rewrote the shared launch's ints; caches given new storage in
-    # place are not launched through the record's stale pointers; bad steps still raise
+    # place are not launched through the record's stale pointers; a record's launch leaves the
+    # insert no last tensors for its identity shortcut (another list of the same caches); bad
+    # steps still raise, scales missing for FP8 or given for auto too (a record of either kind);
+    # under capture the record's insert is held (asked after the launch, not on stream 0)
     if torch.cuda.is_available():
         pytest.skip("the gpu tests launch for real")
     from kvmgr.kernels.launch.cells import cell_writer
@@ -1323,6 +1361,7 @@ def test_steady_steps_through_the_c_cell_writer_launch_each_steps_arguments(tmp_
                           text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["armed"] == [True, True, 5, True]
-    assert result["rows"] == [[1, True]] * 34
-    assert result["refused"] == ["dtype", "meta"] and result["launched"] == 0
+    assert result["armed"] == [True, True, 5, True, [0, False], [1, True], True]
+    assert result["rows"] == [[1, True]] * 37
+    assert result["refused"] == ["dtype", "meta", "no scales", "scales for auto"]
+    assert result["launched"] == 0

@@ -116,7 +116,9 @@ class PackedLaunch(TritonLaunch):
     """One compiled kernel's arguments in one buffer, launched with ``cuLaunchKernelEx``.
 
     Built by the launcher's ``bind``. Attributes: ``args`` (as :class:`TritonLaunch`), ``params``
-    (the ``void *`` array handed to the driver), ``device`` (the device index it was loaded on).
+    (the ``void *`` array handed to the driver), ``device`` (the device index it was loaded on),
+    ``stream_handle`` (the raw stream handle of the last launch if it went through the driver;
+    None before the first and after one through Triton's launch).
     """
 
     is_packed = True
@@ -134,7 +136,9 @@ class PackedLaunch(TritonLaunch):
         order = [*self._varying, *fixed]
         self._pack_header = struct.Struct(_HEADER[:-3]).pack_into
         self._grid: Any = None  # the grid and stream handle in the buffer's header
-        self._handle: Any = None
+        # the stream handle in the header: that of the last launch through the driver, None
+        # before one and after a launch through Triton's (the header is rewritten next time)
+        self.stream_handle: Any = None
         self._pack_values = struct.Struct("<" + "".join(cells[i] for i in self._varying)).pack_into
         size = _HEADER_BYTES + 8 * (len(order) + packing.num_hidden)
         self._buffer = (ctypes.c_uint64 * (size // 8))()
@@ -196,13 +200,14 @@ class PackedLaunch(TritonLaunch):
             and not enter.calls and not leave.calls and get_device() == device
             and _get_ident() == self._thread
         ) and self._blocked():  # fmt: skip
+            self.stream_handle = None
             self._triton(grid, stream)
             return
         handle = get_stream(device) if stream is None else stream.cuda_stream
         # a loop relaunches with the same grid (often the very tuple) and stream
-        if handle != self._handle or (grid is not self._grid and grid != self._grid):
+        if handle != self.stream_handle or (grid is not self._grid and grid != self._grid):
             self._pack_header(self._buffer, 0, *grid, self._block, 1, 1, self._shared, handle)
-            self._grid, self._handle = grid, handle
+            self._grid, self.stream_handle = grid, handle
         result = self._driver.launch(*self._call) if native is None else native(record)
         if result:
             raise RuntimeError(f"cuLaunchKernelEx: {self._driver.error_name(result)}")

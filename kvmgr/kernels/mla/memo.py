@@ -35,7 +35,9 @@ storage has to read each cache (its version counter does not move).
 **CUDA graphs.** A captured launch reads its plan's pointer table at every replay, so an entry
 looked up while the stream is capturing is also held for the life of the process (one
 ``int64 [L]`` device tensor per cache set ever captured): the graph stays valid after any number
-of newer cache sets. That costs one capture query per call on CUDA. A first call for a cache set
+of newer cache sets. That costs one capture query per call on CUDA (a steady launch through the
+C writer asks after its launch, and not on the legacy default stream, where CUDA begins no
+capture: :attr:`PackedLaunch.stream_handle` 0). A first call for a cache set
 under capture raises ``ConfigError`` (:func:`~kvmgr.kernels.mla.plan.make_plan`).
 """
 
@@ -74,7 +76,7 @@ class InsertMemo:
         self._lists: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
         # id(list) -> (insert, kv_cache_dtype, direct, key, the insert's guarded signature it
         # pairs with, then of the caches' and one step's guarded signature (kvmgr.kernels.mla
-        # .steady) its guard's check, has scales, read, cells address or None, and itself)
+        # .steady) its guard's check, read, cells address or None, itself; on a GPU)
         self._steady: OrderedDict[int, tuple[Any, ...]] = OrderedDict()
         self._fresh: int | None = None  # id of the list insert_for met first in this call
 
@@ -125,29 +127,51 @@ class InsertMemo:
         launched (:mod:`kvmgr.kernels.mla.steady`). A call that passes it (dtype, device, sizes,
         strides of every cache and step tensor; the scales' presence), whose caches have the
         key's pointers and whose bases the step's alignment, with the same ``kv_cache_dtype``,
-        ``direct`` and insert's guarded signature as then, is launched by the insert's ``fire``
-        with that step's launch; ``T``. On a packed launch those tests and the writes of the
-        step's pointers and ints into the launch's cells are one C call. New step tensors (a
-        serving loop) and the very same ones (persistent buffers, a cache set per call) alike."""
-        insert, dtype, is_direct, key, guarded, check, scaled, read, cells, mine = steady
+        ``direct`` and insert's guarded signature as then, is launched with that step's launch
+        (the insert's ``fire``, inlined where one C call made those tests and wrote the step's
+        pointers and ints into the packed launch's cells); ``T``. New step tensors (a serving
+        loop) and the very same ones (persistent buffers, a cache set per call) alike."""
+        insert, dtype, is_direct, key, guarded, check, read, cells, mine, on_gpu = steady
         if dtype != kv_cache_dtype or is_direct != direct or insert.guarded is not guarded:
             return None
-        if (kv_scales is not None) is not scaled:
-            return None  # the scales' presence is the record's
-        try:  # the guard's verdict and every pointer in one C call (with cells: also written)
-            if cells is not None:
-                ptrs = read(cells, check, caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(cells, check, caches, kv_c, k_pe, slot_mapping)  # fmt: skip
-            else:
-                ptrs = read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales) if scaled else read(check, *caches, kv_c, k_pe, slot_mapping)  # fmt: skip
-        except TypeError:  # not tensors, or another number of them
-            ptrs = None
-        if cells is None and ptrs is not None:  # read, not compared: the caches' come first
-            ptrs = ptrs[len(caches) :] if ptrs[: len(caches)] == key[0][5] else None
+        if cells is None:
+            return self._launch_read(steady, caches, kv_c, k_pe, slot_mapping, kv_scales)
+        try:  # the verdict, the caches' pointers and alignment compared, the cells written: one
+            # C call; the scales' presence is the record's (else another count: None)
+            ptrs = read(cells, check, caches, kv_c, k_pe, slot_mapping) if kv_scales is None else read(cells, check, caches, kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        except TypeError:  # not tensors
+            return None
         if ptrs is None:
             return None
-        if key[0][1] >= 0 and _is_capturing():
-            self._held[key] = insert  # as insert_for
-        return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs, cells is not None)
+        # fire, inlined (a frame of 8 arguments less); the insert's last tensors forgotten (its
+        # identity shortcut would relaunch these cells for them), as a refused record does
+        bound, grid, ints = mine[2]
+        insert.fired, insert._last = mine, None
+        if grid is None:  # T == 0: nothing launched, nothing a graph could replay
+            return 0
+        bound.run(grid, None, None, (kv_c, k_pe, slot_mapping, kv_scales) + ints)  # noqa: RUF005
+        # held as insert_for does, asked after the launch: a launch through the driver on the
+        # legacy default stream (handle 0) is never captured (CUDA begins no capture there)
+        if on_gpu and bound.stream_handle != 0 and _is_capturing():
+            self._held[key] = insert
+        return ints[0]  # type: ignore[no-any-return]
+
+    def _launch_read(
+        self, steady: tuple[Any, ...], caches: Sequence[torch.Tensor], kv_c: torch.Tensor,
+        k_pe: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None,
+    ) -> int | None:  # fmt: skip
+        """:meth:`launch_steady` where the C writer does not serve the launch: the verdict and
+        every pointer read in one call, the caches' compared here, then the insert's ``fire``."""
+        insert, _, _, key, _, check, read, _, mine, on_gpu = steady
+        try:  # as launch_steady: another count of tensors raises TypeError
+            ptrs = read(check, *caches, kv_c, k_pe, slot_mapping) if kv_scales is None else read(check, *caches, kv_c, k_pe, slot_mapping, kv_scales)  # fmt: skip
+        except TypeError:
+            return None
+        if ptrs is None or ptrs[: len(caches)] != key[0][5]:
+            return None
+        if on_gpu and _is_capturing():
+            self._held[key] = insert
+        return insert.fire(mine, kv_c, k_pe, slot_mapping, kv_scales, None, ptrs[len(caches) :])
 
     def remember_steady(
         self, caches: Sequence[torch.Tensor], insert: GroupedInsert, kv_c: torch.Tensor,
@@ -169,7 +193,7 @@ class InsertMemo:
         if mine is None:
             return
         # the record: launch_steady's unpacking order; the last item holds the cells' memory
-        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], insert.guarded, *mine[:2], *mine[4:6], mine)  # fmt: skip
+        self._steady[id(caches)] = (insert, seen[0], seen[1], seen[-2], insert.guarded, mine[0], *mine[4:6], mine, seen[-2][0][1] >= 0)  # fmt: skip
         self._steady.move_to_end(id(caches))
         if len(self._steady) > self._max_sets:
             self._steady.popitem(last=False)
