@@ -1162,11 +1162,13 @@ def test_gpu_graph_outlives_the_eager_plan_memo(steady: bool) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         grouped_mla_insert(kv_c, k_pe, caches, slots)
-    # 2. 32 newer cache sets push these out of the memo's recent ones (and records).
+    # 2. 32 newer cache sets push these out of the memo's recent ones and its records (three
+    #    calls each: a list seen before gets a record; the capture itself made one for `caches`
+    #    in both cases, so the graph must outlive that record too).
     newer = [_caches(300 + seed, num_layers, 1, block_size, width, torch.bfloat16) for seed in range(32)]  # fmt: skip
     one = (kv_c[:, :1], k_pe[:, :1], slots[:1] % block_size)
     for others in newer:
-        for _ in range(3 if steady else 1):
+        for _ in range(3):
             grouped_mla_insert(one[0], one[1], others, one[2])
     assert api._MEMO.steady_record(id(caches)) is None
     # 3. Tables pointing at a decoy cache take any freed table memory on the same stream, so a
