@@ -88,7 +88,7 @@ class BlockLru:
             self._append_few(blocks[::-1])
         else:
             at = np.asarray(blocks, dtype=np.int64) if at is None else at
-            self.key_of[at] = np.fromiter(keys, dtype=object, count=len(keys))
+            self.key_of[at] = keys  # (a list into an object array: the keys themselves)
             self._append(at, reverse=True)
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
