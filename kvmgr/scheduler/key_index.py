@@ -47,25 +47,28 @@ def add_new(
     room = n + cpu.reserved <= pool.num_free
     if room:  # no eviction: the keys go on the blocks ``make_room`` would take
         ids = pool.peek(n)
-        if not add_absent(index, keys, blocks := int_list(ids, pool.num_blocks)):
+        start = pool.fresh_start(n)  # ``ids`` a run: slices instead of gathers and scatters
+        run = None if start is None else slice(start, start + n)
+        blocks = int_list(ids if run is None else run, pool.num_blocks)
+        if not add_absent(index, keys, blocks):
             return None
     else:  # the keys wait on a placeholder while the policy evicts (they are not its victims)
         if not add_absent(index, keys, repeat(-1, n)):
             return None
         try:
-            ids = cpu.make_room(n, ())
+            ids, run = cpu.make_room(n, ()), None
         except BaseException:  # PoolExhaustedError: nothing evicted
             drop_last(index, n)
             raise
         blocks = int_list(ids, pool.num_blocks)
         index.update(zip(keys, blocks))  # in place: the order stays
     try:
-        cpu.add_pending(keys, ids, parents, indexed=blocks)
+        cpu.add_pending(keys, ids, parents, indexed=blocks, run=run)
     except BaseException:  # the policy refused the keys (its insert comes first)
         drop_last(index, n)
         raise
     if room:
-        pool.commit(ids)
+        pool.commit(ids if run is None else run)
     return ids
 
 
@@ -75,8 +78,9 @@ def add_new(
 _INTS = np.arange(0).astype(object)
 
 
-def int_list(ids: np.ndarray, num_blocks: int) -> list[int]:
-    """``ids.tolist()`` (int ``[n]``, in ``[0, num_blocks)``) of int objects made once."""
+def int_list(ids: np.ndarray | slice, num_blocks: int) -> list[int]:
+    """``ids.tolist()`` (int ``[n]``, or a ``slice``; in ``[0, num_blocks)``) of int objects
+    made once."""
     global _INTS
     if len(_INTS) < num_blocks:
         _INTS = np.arange(num_blocks).astype(object)
