@@ -205,15 +205,10 @@ def _step(stores: Stores, pending: list[Any], op: tuple[Any, ...]) -> object:
         return type(exc).__name__, str(exc)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
-@pytest.mark.parametrize("seed", range(12))
-def test_random_programs_leave_the_tier_as_the_general_path(
-    policy: str, seed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rng = np.random.default_rng(seed)
-    fast, general = _rig(policy), _rig(policy)
-    add_new = store_module.add_new
-    taken = []
+def _only_fast(monkeypatch: pytest.MonkeyPatch, general: Stores) -> list[bool]:
+    """``add_new`` for every tier but ``general``'s (the general path only); whether each call
+    took it, in order (``general``'s calls count as not taken)."""
+    add_new, taken = store_module.add_new, []
 
     def only_fast(cpu: CpuTier, keys: list[bytes], parents: Any) -> Any:
         ids = None if cpu is general.cpu else add_new(cpu, keys, parents)
@@ -221,6 +216,17 @@ def test_random_programs_leave_the_tier_as_the_general_path(
         return ids
 
     monkeypatch.setattr(store_module, "add_new", only_fast)
+    return taken
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_programs_leave_the_tier_as_the_general_path(
+    policy: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(seed)
+    fast, general = _rig(policy), _rig(policy)
+    taken = _only_fast(monkeypatch, general)
     pendings: tuple[list[Any], list[Any]] = ([], [])
     for _ in range(60):
         roll = rng.random()
@@ -249,15 +255,7 @@ def test_fresh_runs_and_reused_blocks_leave_the_tier_as_the_general_path(
     fresh ids then reused ones, or reused ones only (gathers and scatters): all three as the
     general path leaves them."""
     fast, general = _rig(policy), _rig(policy)
-    add_new = store_module.add_new
-    taken: list[bool] = []
-
-    def only_fast(cpu: CpuTier, keys: list[bytes], parents: Any) -> Any:
-        ids = None if cpu is general.cpu else add_new(cpu, keys, parents)
-        taken.append(ids is not None)
-        return ids
-
-    monkeypatch.setattr(store_module, "add_new", only_fast)
+    taken = _only_fast(monkeypatch, general)
     pendings: tuple[list[Any], list[Any]] = ([], [])
     program: list[tuple[Any, ...]] = [
         ("store", [_key(i) for i in range(16)]),  # fresh 0-15
