@@ -73,7 +73,8 @@ def add_new(
 
 
 #: ``_INTS[i] == i`` (an object array): the index's values, made once per process (doubled as
-#: ids beyond it are stored, up to the largest pool's size: 36 bytes per CPU block at most),
+#: runs of fresh ids beyond it are stored; to the pool's size at the first store of other ids;
+#: up to the largest pool's size: 36 bytes per CPU block at most),
 #: instead of 512 new ints per store (``tolist`` of an int64 array)
 _INTS = np.arange(0).astype(object)
 
@@ -82,8 +83,8 @@ def int_list(ids: np.ndarray | slice, num_blocks: int) -> list[int]:
     """``ids.tolist()`` (int ``[n]``, or a ``slice``; in ``[0, num_blocks)``) of int objects
     made once."""
     global _INTS
-    need = ids.stop if type(ids) is slice else int(ids.max()) + 1 if len(ids) else 0
-    if need > (have := len(_INTS)):  # (the first stores make only what they use)
+    need = ids.stop if type(ids) is slice else num_blocks  # (a fresh run: what it uses)
+    if need > (have := len(_INTS)):
         more = np.arange(have, min(num_blocks, max(need, 2 * have))).astype(object)
         _INTS = np.concatenate([_INTS, more])
     return _INTS[ids].tolist()  # type: ignore[no-any-return]
