@@ -139,10 +139,15 @@ class BlockAllocator:
             return np.concatenate([np.arange(start, start + num_fresh, dtype=np.int64), reused])
         return np.array(reused)  # a copy
 
-    def commit(self, ids: np.ndarray) -> None:
-        """Allocate the ids ``peek(len(ids))`` returned, nothing taken or given since (the
-        caller checks, then commits: a check that fails leaves the pool untouched)."""
-        n = len(ids)
+    def fresh_start(self, n: int) -> int | None:
+        """``s`` when ``peek(n)`` is ``arange(s, s + n)`` (ids never handed out), else ``None``."""
+        start = self._next_fresh
+        return start if n <= self._num_ready - start else None
+
+    def commit(self, ids: np.ndarray | slice) -> None:
+        """Allocate the ids ``peek(n)`` returned (their ``slice`` if ``fresh_start``), nothing
+        taken or given since (the caller checks, then commits: a failed check changes none)."""
+        n = len(ids) if type(ids) is not slice else ids.stop - ids.start
         num_fresh = min(n, self._num_ready - self._next_fresh)
         self.num_free -= n
         self._next_fresh += num_fresh
@@ -282,14 +287,11 @@ class BlockAllocator:
         ordered = np.sort(ids)
         lo, hi = int(ordered[0]), int(ordered[-1])
         if lo < 0 or hi >= self.num_blocks:
-            bad = lo if lo < 0 else hi
-            raise InvalidBlockError(
-                f"{self.name}: block id {bad} out of range [0, {self.num_blocks})"
-            )
+            bad, num = lo if lo < 0 else hi, self.num_blocks
+            raise InvalidBlockError(f"{self.name}: block id {bad} out of range [0, {num})")
         states = self._state[ids]
         if not (states == ALLOCATED).all():
-            bad_at = int(np.flatnonzero(states != ALLOCATED)[0])
-            bad = int(ids[bad_at])
+            bad = int(ids[bad_at := int(np.flatnonzero(states != ALLOCATED)[0])])
             if states[bad_at] == FREED:
                 raise DoubleFreeError(f"{self.name}: block {bad} is already free")
             raise InvalidBlockError(f"{self.name}: block {bad} was never allocated here")

@@ -78,9 +78,16 @@ class BlockLru:
         self._head = self._tail = self._len = 0
         self._lead_end = -1  #: where the run ``_leading`` last found from the head ends
 
-    def add(self, keys: Sequence[bytes], blocks: list[int], at: np.ndarray | None = None) -> None:
+    def add(
+        self,
+        keys: Sequence[bytes],
+        blocks: list[int],
+        at: np.ndarray | None = None,
+        run: slice | None = None,
+    ) -> None:
         """Track new keys just indexed on ``blocks`` (distinct, untracked; the tier vouches),
-        the first most recent; ``at``: the same blocks as an int64 array, if the caller has one."""
+        the first most recent; ``at``: the same blocks as an int64 array, if the caller has one
+        (``run``: they are ``arange(run.start, run.stop)``: slices, not scatters)."""
         self._len += len(blocks)
         if len(blocks) <= 8:
             for block, key in zip(blocks, keys):
@@ -88,8 +95,8 @@ class BlockLru:
             self._append_few(blocks[::-1])
         else:
             at = np.asarray(blocks, dtype=np.int64) if at is None else at
-            self.key_of[at] = np.fromiter(keys, dtype=object, count=len(keys))
-            self._append(at, reverse=True)
+            self.key_of[at if run is None else run] = keys  # (the keys themselves)
+            self._append(at, reverse=True, run=run)
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
         """Track keys the tier has indexed already (``parents`` are the tier's chains').
@@ -154,16 +161,20 @@ class BlockLru:
             tail += 1
         self._tail = tail
 
-    def _append(self, blocks: np.ndarray, *, reverse: bool = False) -> None:
+    def _append(
+        self, blocks: np.ndarray, *, reverse: bool = False, run: slice | None = None
+    ) -> None:
         """Append distinct tracked blocks (int64), the last most recent (``reverse``: the
-        first; a reversed view would make the stamps' scatter several times slower)."""
+        first; a reversed view would make the stamps' scatter several times slower; ``run``:
+        ``blocks`` as a slice)."""
         m = len(blocks)
         if self._tail + m > len(self._log):
             self._compact()
         t = self._tail
         if reverse:
             self._log_np[t : t + m] = blocks[::-1]
-            self._stamp_np[blocks] = np.arange(t + m - 1, t - 1, -1, dtype=np.int64)
+            at = blocks if run is None else run
+            self._stamp_np[at] = np.arange(t + m - 1, t - 1, -1, dtype=np.int64)
         else:
             self._log_np[t : t + m] = blocks
             self._stamp_np[blocks] = np.arange(t, t + m, dtype=np.int64)

@@ -120,10 +120,12 @@ class KeyChains:
         ids: list[int],
         parents: Sequence[bytes | None] | None,
         at: np.ndarray | None = None,
+        run: slice | None = None,
     ) -> None:
         """Record keys just indexed on blocks ``ids`` (a list; checked by ``check``);
         ``parents`` ``None``: the default chain (``keys[i]`` extends ``keys[i - 1]``,
-        ``keys[0]`` a root); ``at``: the same ids as an int64 array, when the caller has one."""
+        ``keys[0]`` a root); ``at``: the same ids as an int64 array, when the caller has one
+        (``run``: they are ``arange(run.start, run.stop)``: slices, not gathers)."""
         orphans = self.orphans
         adopted = bool(orphans) and not orphans.keys().isdisjoint(keys)
         if adopted:  # children stored before them
@@ -139,8 +141,12 @@ class KeyChains:
             if n > 1:  # keys[i] extends keys[i - 1]
                 if at is None:
                     at = np.array(ids, dtype=np.int64)
-                self._up_np[at[1:]] = at[:-1]
-                inner = at[:-1]
+                inner: Any = at[:-1]
+                if run is None:
+                    self._up_np[at[1:]] = inner
+                else:
+                    self._up_np[run.start + 1 : run.stop] = inner
+                    inner = slice(run.start, run.stop - 1)
                 if adopted or parents is not None:
                     self.num_parents += int(np.count_nonzero(self._kids_np[inner] == 0))
                     self._kids_np[inner] += 1

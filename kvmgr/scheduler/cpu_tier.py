@@ -203,12 +203,13 @@ class CpuTier(ReaderCounts):
 
     def add_pending(self, keys: list[bytes], ids: list[int] | np.ndarray,
                     parents: Sequence[bytes | None] | None, *, vouched: bool = False,
-                    indexed: list[int] | None = None) -> None:  # fmt: skip
+                    indexed: list[int] | None = None,
+                    run: slice | None = None) -> None:  # fmt: skip
         """Index and track new distinct keys, PENDING on their new blocks (all or nothing;
         ``parents`` ``None``: the default chain). ``vouched``: the caller saw the keys absent
         since the index last gained one (as ``Stores.prepare`` does), so they are not checked
         again (BlockStateError otherwise); ``indexed``: ``ids`` (an array) as a list, on
-        which ``key_index.add_new`` put them."""
+        which ``key_index.add_new`` put them; ``run``: ``ids`` is ``arange`` of its bounds."""
         index = self.index
         if not vouched and indexed is None and not index.keys().isdisjoint(keys):  # a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "
@@ -224,11 +225,11 @@ class CpuTier(ReaderCounts):
             blocks = ids.tolist() if indexed is None else indexed
             if blocks is not indexed:
                 index.update(zip(keys, blocks))
-            self.state_np[ids] = _PENDING  # (a plain int: no enum conversion)
+            self.state_np[ids if run is None else run] = _PENDING  # (a plain int: no enum)
         self.num_pending += len(keys)
-        self.chains.add(keys, blocks, parents, at := None if blocks is ids else ids)  # type: ignore[arg-type]
+        self.chains.add(keys, blocks, parents, at := None if blocks is ids else ids, run)  # type: ignore[arg-type]
         if self._lru is not None:  # by block: tracked once indexed
-            self._lru.add(keys, blocks, at)  # type: ignore[arg-type]
+            self._lru.add(keys, blocks, at, run)  # type: ignore[arg-type]
 
     def _track(self, keys: list[bytes], parents: Sequence[bytes | None]) -> None:
         """Track new keys in a key-based policy (its unchecked ``insert_new`` when it has

@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from kvmgr.scheduler.cpu_tier import CpuTier
 
-__all__ = ["add_absent", "add_new", "drop_last"]
+__all__ = ["add_absent", "add_new", "drop_last", "int_list"]
 
 
 def add_new(
@@ -47,25 +47,47 @@ def add_new(
     room = n + cpu.reserved <= pool.num_free
     if room:  # no eviction: the keys go on the blocks ``make_room`` would take
         ids = pool.peek(n)
-        if not add_absent(index, keys, blocks := ids.tolist()):
+        start = pool.fresh_start(n)  # ``ids`` a run: slices instead of gathers and scatters
+        run = None if start is None else slice(start, start + n)
+        blocks = int_list(ids if run is None else run, pool.num_blocks)
+        if not add_absent(index, keys, blocks):
             return None
     else:  # the keys wait on a placeholder while the policy evicts (they are not its victims)
         if not add_absent(index, keys, repeat(-1, n)):
             return None
         try:
-            ids = cpu.make_room(n, ())
+            ids, run = cpu.make_room(n, ()), None
         except BaseException:  # PoolExhaustedError: nothing evicted
             drop_last(index, n)
             raise
-        index.update(zip(keys, blocks := ids.tolist()))  # in place: the order stays
+        blocks = int_list(ids, pool.num_blocks)
+        index.update(zip(keys, blocks))  # in place: the order stays
     try:
-        cpu.add_pending(keys, ids, parents, indexed=blocks)
+        cpu.add_pending(keys, ids, parents, indexed=blocks, run=run)
     except BaseException:  # the policy refused the keys (its insert comes first)
         drop_last(index, n)
         raise
     if room:
-        pool.commit(ids)
+        pool.commit(ids if run is None else run)
     return ids
+
+
+#: ``_INTS[i] == i`` (an object array): the index's values, made once per process (doubled as
+#: runs of fresh ids beyond it are stored; to the pool's size at the first store of other ids;
+#: up to the largest pool's size: 36 bytes per CPU block at most),
+#: instead of 512 new ints per store (``tolist`` of an int64 array)
+_INTS = np.arange(0).astype(object)
+
+
+def int_list(ids: np.ndarray | slice, num_blocks: int) -> list[int]:
+    """``ids.tolist()`` (int ``[n]``, or a ``slice``; in ``[0, num_blocks)``) of int objects
+    made once."""
+    global _INTS
+    need = ids.stop if type(ids) is slice else num_blocks  # (a fresh run: what it uses)
+    if need > (have := len(_INTS)):
+        more = np.arange(have, min(num_blocks, max(need, 2 * have))).astype(object)
+        _INTS = np.concatenate([_INTS, more])
+    return _INTS[ids].tolist()  # type: ignore[no-any-return]
 
 
 def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: Iterable[int]) -> bool:

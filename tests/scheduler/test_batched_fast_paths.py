@@ -8,8 +8,9 @@
    always scans, and ``num_draining`` counts the DRAINING blocks.
 3. ``Lane.keys`` / ``Lane.parents`` (built when asked, one store's own list) equal the
    concatenation of every keyed store's keys and parents.
-4. ``GpuBlocks.checked_ids``' int64 shortcut and ``check_array``'s one bound pass: the same ids
-   (a copy) and the same typed errors as the general path.
+4. ``GpuBlocks.checked_ids``' int64 shortcut and ``check_array``'s one bound pass (and its
+   strictly increasing shortcut): the same ids (a copy) and the same typed errors as the
+   general path.
 """
 
 from __future__ import annotations
@@ -177,6 +178,8 @@ def test_check_array_raises_what_the_checks_one_by_one_raise(owned: bool, seed: 
         if rng.random() < 0.5:  # mostly distinct
             ids = rng.permutation(GPU)[: min(n, GPU)]
         ids = ids.astype(np.int64)
+        if rng.random() < 0.4:  # sorted: strictly increasing (the shortcut) or with repeats
+            ids = np.unique(ids) if rng.random() < 0.7 else np.sort(ids)
         got = []
         for check in (gpu.check_array, lambda i, w: _reference_check(gpu, i, w)):
             try:

@@ -205,15 +205,10 @@ def _step(stores: Stores, pending: list[Any], op: tuple[Any, ...]) -> object:
         return type(exc).__name__, str(exc)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
-@pytest.mark.parametrize("seed", range(12))
-def test_random_programs_leave_the_tier_as_the_general_path(
-    policy: str, seed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rng = np.random.default_rng(seed)
-    fast, general = _rig(policy), _rig(policy)
-    add_new = store_module.add_new
-    taken = []
+def _only_fast(monkeypatch: pytest.MonkeyPatch, general: Stores) -> list[bool]:
+    """``add_new`` for every tier but ``general``'s (the general path only); whether each call
+    took it, in order (``general``'s calls count as not taken)."""
+    add_new, taken = store_module.add_new, []
 
     def only_fast(cpu: CpuTier, keys: list[bytes], parents: Any) -> Any:
         ids = None if cpu is general.cpu else add_new(cpu, keys, parents)
@@ -221,6 +216,17 @@ def test_random_programs_leave_the_tier_as_the_general_path(
         return ids
 
     monkeypatch.setattr(store_module, "add_new", only_fast)
+    return taken
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_programs_leave_the_tier_as_the_general_path(
+    policy: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(seed)
+    fast, general = _rig(policy), _rig(policy)
+    taken = _only_fast(monkeypatch, general)
     pendings: tuple[list[Any], list[Any]] = ([], [])
     for _ in range(60):
         roll = rng.random()
@@ -239,3 +245,33 @@ def test_random_programs_leave_the_tier_as_the_general_path(
         assert got[0] == got[1], op
         assert _books(fast) == _books(general), op
     assert any(taken[::2]) and not all(taken[::2])  # the fast path ran, and gave up too
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_fresh_runs_and_reused_blocks_leave_the_tier_as_the_general_path(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room, the blocks a store takes are a run of fresh ids (written through slices),
+    fresh ids then reused ones, or reused ones only (gathers and scatters): all three as the
+    general path leaves them."""
+    fast, general = _rig(policy), _rig(policy)
+    taken = _only_fast(monkeypatch, general)
+    pendings: tuple[list[Any], list[Any]] = ([], [])
+    program: list[tuple[Any, ...]] = [
+        ("store", [_key(i) for i in range(16)]),  # fresh 0-15
+        ("land", 0),
+        ("store", [_key(i) for i in range(16, 32)]),  # fresh 16-31
+        ("land", 0),
+        ("drop", 2), ("drop", 9), ("drop", 20),  # 9 blocks back on the stack
+        ("store", [_key(i) for i in range(40, 52)]),  # fresh 32-43: a run
+        ("store", [_key(i) for i in range(60, 72)]),  # 4 fresh, then 8 reused
+        ("land", 0), ("land", 0),
+        ("drop", 0), ("drop", 3), ("drop", 6), ("drop", 12),
+        ("store", [_key(i) for i in range(80, 90)]),  # reused only
+    ]  # fmt: skip
+    for op in program:
+        got = [_step(s, p, op) for s, p in zip((fast, general), pendings)]
+        assert got[0] == got[1], op
+        assert _books(fast) == _books(general), op
+    assert taken[::2] == [True] * 5
+    assert fast.cpu.pool._next_fresh == BLOCKS and fast.cpu.pool._top > 0
