@@ -1,6 +1,6 @@
 """``step()`` host time of an old kvmgr tree against this one, in ONE process, step by step.
 
-    python3 scripts/step_cost_ab.py [--old REV] [--repeats 200] [--driver-events] [--json out.json]
+    python3 scripts/step_cost_ab.py [--old REV] [--repeats 200] [--json out.json]
 
 Issue 27 (helper ``stepcost``). On a loaded 2-core machine two processes differ by more than
 the change under test, so both trees run in one process: ``git archive REV kvmgr`` (default:
@@ -21,11 +21,6 @@ the copy kernel's staging, upload and launch), and ``subcpu``: the thread CPU ti
 engine's ``submit`` (``time.thread_time_ns`` around it, the completion queue's ``put``
 included; time other processes take is left out). The recorded stores are prepared (``_settle_deferred``) before the step, as
 ``bench swap``'s host figure leaves them out too.
-
-``--driver-events`` (helper stepcuda5): the engines' event records and waits go through each
-tree's ``DriverEvents`` (the C call module, the stub entry point for ``cuEventRecord`` and
-``cuStreamWaitEvent``; the fake events given a handle), as on a GPU where torch's classes are
-the real ones, so what a tree does in C for them (one call per event, or fused) is timed too.
 """
 
 from __future__ import annotations
@@ -99,26 +94,10 @@ def stub_driver(package: str) -> Any:
     return driver.CopyDriver(lambda symbol, version: noop, driver_version=13000)
 
 
-def driver_events_on(package: str, streams: Any) -> None:
-    """``streams``' records and waits through ``package``'s ``DriverEvents`` with the stub entry
-    point (``--driver-events``), fused where the tree fuses them."""
-    current = importlib.import_module(package + ".transfer.cuda_current")
-    calls = importlib.import_module(package + ".transfer.driver_call")
-    fn = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6").fegetround
-    noop = ctypes.cast(fn, ctypes.c_void_p).value
-    fence_start = getattr(calls, "native_fence_start", lambda: None)()
-    record = _fake_cuda.Event.record  # torch's calls: never made (every handle is given)
-    args = (calls.native_call(), noop, noop, record, record)
-    events = current.DriverEvents(*args, fence_start) if fence_start else current.DriverEvents(*args)  # fmt: skip
-    streams._pooled, streams._record, streams._wait = True, events.record, events.wait
-    if hasattr(streams, "_fence_start"):
-        streams._fence_start = current.fused_fence(events.record)
-
-
 class Rig:
     """One tree's manager, engine and KV tensors for one case."""
 
-    def __init__(self, package: str, engine_name: str, scattered: bool, swaps: int, driver_events: bool = False) -> None:  # fmt: skip
+    def __init__(self, package: str, engine_name: str, scattered: bool, swaps: int) -> None:
         kv = importlib.import_module(package)
         engines = importlib.import_module(package + ".transfer.cuda_engine")
         cls = {"cuda": engines.CudaBatchEngine, "kernel": engines.CopyKernelEngine}[engine_name]
@@ -126,8 +105,6 @@ class Rig:
         if engine_name == "kernel":
             options["warmup"] = False
         self.engine = cls(**options)
-        if driver_events:
-            driver_events_on(package, self.engine._streams)
         tensors = [torch.empty((2 * swaps + 1, 4096), dtype=torch.uint8) for _ in range(48)]
         config = kv.ManagerConfig(num_cpu_blocks=4 * swaps, manage_gpu_blocks=False)
         self.mgr = kv.OffloadManager(tensors, config, engine=self.engine)
@@ -187,9 +164,9 @@ def _stats(values: list[float]) -> dict[str, float]:
             "median": statistics.median(ordered)}  # fmt: skip
 
 
-async def run_case(engine: str, scattered: bool, swaps: int, repeats: int, driver_events: bool = False) -> dict[str, Any]:  # fmt: skip
+async def run_case(engine: str, scattered: bool, swaps: int, repeats: int) -> dict[str, Any]:
     """Both trees' figures for one case, rounds interleaved."""
-    rigs = {n: Rig(p, engine, scattered, swaps, driver_events) for n, p in (("old", "kvmgr_old"), ("new", "kvmgr"))}  # fmt: skip
+    rigs = {"old": Rig("kvmgr_old", engine, scattered, swaps), "new": Rig("kvmgr", engine, scattered, swaps)}  # fmt: skip
     for rig in rigs.values():
         await rig.start()
     try:
@@ -213,10 +190,7 @@ def main() -> None:
     parser.add_argument("--swaps", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--driver-events", action="store_true", help="events through DriverEvents")
     args = parser.parse_args()
-    if args.driver_events:
-        _fake_cuda.Event.cuda_event = 0x5678  # type: ignore[attr-defined]  # a handle torch made
     rev = args.old or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True,
                                      capture_output=True, text=True).stdout.strip()  # fmt: skip
     sys.path.insert(0, str(ROOT))
@@ -225,7 +199,7 @@ def main() -> None:
         sys.path.insert(0, tmp)
         install_fakes("kvmgr")
         install_fakes("kvmgr_old")
-        rows = [asyncio.run(run_case(e, s, args.swaps, args.repeats, args.driver_events))
+        rows = [asyncio.run(run_case(e, s, args.swaps, args.repeats))
                 for e, s in (("cuda", False), ("kernel", True))]  # fmt: skip
     print(f"old = {rev[:10]}, new = this tree; {args.repeats} rounds each, interleaved; us")
     for row in rows:

@@ -54,8 +54,6 @@ PIECES = [
     ("kvmgr.transfer.driver", "CopyDriver", "batch_at"),
     ("kvmgr.transfer.kernel", "KernelCopy", "issue"),
     ("kvmgr.kernels.copy.staging", "CopyStager", "copy_runs"),
-    ("kvmgr.transfer._fused", "FusedBatch", "issue"),
-    ("kvmgr.transfer.dma", "DmaCopy", "prepare"),
     ("kvmgr.transfer.streams", "CopyStreams", "_queue"),
     ("kvmgr.transfer.streams", "", "on_device"),
     ("kvmgr.transfer.streams", "", "device_is_current"),
@@ -83,10 +81,7 @@ def _timed(key: str, fn: Any) -> Any:
 def wrap_pieces() -> None:
     """Replace each piece (where this tree has it) by a timed wrapper, once per process."""
     for module, owner, name in PIECES:
-        try:
-            target: Any = importlib.import_module(module)
-        except ModuleNotFoundError:  # an older tree without that module
-            continue
+        target: Any = importlib.import_module(module)
         if owner:
             target = getattr(target, owner, None)
         fn = getattr(target, name, None) if target is not None else None
@@ -113,8 +108,8 @@ def wrap_event_calls(mgr: Any) -> None:
     """Time the engine's event record and wait calls where its streams keep them
     (``CopyStreams._record`` / ``_wait``: helper stepcuda3's tree on)."""
     streams = getattr(mgr.engine, "_streams", None)
-    for name in ("_record", "_wait", "_fence_start"):  # (the last: helper stepcuda5's tree on)
-        if streams is not None and getattr(streams, name, None) is not None:
+    for name in ("_record", "_wait"):
+        if streams is not None and hasattr(streams, name):
             setattr(streams, name, _timed(f"CopyStreams.{name} (event)", getattr(streams, name)))
 
 

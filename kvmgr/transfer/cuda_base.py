@@ -51,8 +51,7 @@ class CudaEngineStatistics(StreamTotals, EngineStatistics):
         submit_s: host seconds spent inside ``submit`` (the caller's thread), summed.
         issue_s: the part of ``submit_s`` spent issuing the copies themselves: driver calls, or
             the copy kernel's table staging, upload and launch. The rest is events, stream
-            waits and bookkeeping (where engine ``"cuda"`` makes a batch's event calls and its
-            copy in one C call, ``kvmgr.transfer._fused``, that call counts here whole).
+            waits and bookkeeping.
         pinning: one ``PinStatistics`` per host region allocated, in allocation order.
     """
 

@@ -9,9 +9,7 @@ Offers:
     event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
                     C (``DriverEvents``) or torch's C methods where they are torch's own
                     classes, else the objects' own methods
-    DriverEvents    ``record`` / ``wait`` through ``cuEventRecord`` / ``cuStreamWaitEvent``, and
-                    ``fence_start``: a batch's fence record, wait and start record in one C call
-    fused_fence     ``DriverEvents.fence_start`` behind an ``event_calls`` record, else None
+    DriverEvents    ``record`` / ``wait`` through ``cuEventRecord`` / ``cuStreamWaitEvent``
 """
 
 from __future__ import annotations
@@ -22,21 +20,15 @@ from typing import Any
 import torch
 
 from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
-from kvmgr.transfer.driver_call import native_call, native_fence_start
+from kvmgr.transfer.driver_call import native_call
 
-__all__ = [
-    "CurrentStream",
-    "DriverEvents",
-    "device_is_current",
-    "event_calls",
-    "fused_fence",
-    "on_device",
-]
+__all__ = ["CurrentStream", "DriverEvents", "device_is_current", "event_calls", "on_device"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
 _TORCH_CURRENT_DEVICE = torch.cuda.current_device  # torch's own (tests may replace it)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)  # what it returns after _lazy_init
+_in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: True)
 
 
 class CurrentStream:
@@ -64,20 +56,17 @@ class CurrentStream:
 def device_is_current(device: torch.device) -> bool:
     """Whether ``device`` (with an index) is the current CUDA device (no switch needed).
 
-    The current device is read by torch's C reader (``torch._C._cuda_getDevice``) straight,
-    three Python frames fewer than ``torch.cuda.current_device()``, which is ``_lazy_init()``
-    then that reader: the reader itself initializes CUDA first where torch has not
-    (``device_lazy_init``: torch's ``_lazy_init``, so before initialization and in a forked
-    child, where a fork handler marks CUDA uninitialized, it does and raises what
-    ``current_device()`` does; ``tests/transfer/test_cuda_current.py`` checks both on a GPU).
-    Where ``current_device`` is not torch's own (a test's stand-in) or the reader is missing,
-    through ``torch.cuda.current_device()``."""
+    The current device is read as ``torch.cuda.current_device()`` does once CUDA is initialized
+    (``_lazy_init`` a no-op then): torch's C reader straight, three Python frames fewer; before
+    initialization, in a forked child (torch's error), or where ``current_device`` is not
+    torch's own (a test's stand-in), through ``torch.cuda.current_device()``."""
     index = device.index
     if index is None:
         return False
-    if _get_device is not None and torch.cuda.current_device is _TORCH_CURRENT_DEVICE:
+    cuda = torch.cuda
+    if cuda.current_device is _TORCH_CURRENT_DEVICE and _get_device is not None and getattr(cuda, "_initialized", False) and not _in_bad_fork():  # fmt: skip
         return _get_device() == index
-    return torch.cuda.current_device() == index
+    return cuda.current_device() == index
 
 
 def on_device(device: torch.device) -> Any:
@@ -108,46 +97,14 @@ class DriverEvents:
         call: ``driver_call.native_call()``.
         record_at, wait_at: the addresses of ``cuEventRecord`` and ``cuStreamWaitEvent``.
         record, wait: torch's ``_CudaEventBase.record`` / ``.wait`` (``(event, stream)``).
-        fence_start: ``driver_call.native_fence_start()``, or None (``fence_start`` then makes
-            the three calls one by one).
 
-    Raises (``record``, ``wait``, ``fence_start``):
+    Raises (``record``, ``wait``):
         RuntimeError: the driver refused the call (as torch's methods raise).
     """
 
-    def __init__(self, call: Any, record_at: int, wait_at: int, record: Any, wait: Any, fence_start: Any = None) -> None:  # fmt: skip
+    def __init__(self, call: Any, record_at: int, wait_at: int, record: Any, wait: Any) -> None:
         self._call, self._record_at, self._wait_at = call, record_at, wait_at
         self._torch_record, self._torch_wait = record, wait
-        self._fence_start = fence_start
-
-    def fence_start(self, fence: Any, current: Any, copy: Any, start: Any) -> None:
-        """``record(fence, current)``, ``wait(fence, copy)``, ``record(start, copy)``: the same
-        calls in the same order, with the same fallbacks and errors, from one C call where both
-        events exist (a refusal resumes one by one at the refused step: torch's call for
-        ``CUDA_ERROR_INVALID_CONTEXT``, else its ``RuntimeError``; the later steps not made)."""
-        handle, first = fence.cuda_event, start.cuda_event
-        fused = self._fence_start
-        if fused is None or not (handle and first):
-            self.record(fence, current)
-            self.wait(fence, copy)
-            self.record(start, copy)
-            return
-        code = fused(self._record_at, self._wait_at, handle, current.cuda_stream, copy.cuda_stream, first)  # fmt: skip
-        if code:
-            step, code = divmod(code, 65536)
-            self._resume(step, code, fence, current, copy, start)
-
-    def _resume(self, step: int, code: int, fence: Any, current: Any, copy: Any, start: Any) -> None:  # fmt: skip
-        """``fence_start``'s step ``step`` was refused with ``code`` (the earlier ones made)."""
-        if code != _NO_CONTEXT:
-            name = "cuStreamWaitEvent" if step == 1 else "cuEventRecord"
-            raise RuntimeError(f"{name} failed: {_error_name(code)}")
-        steps = ((self._torch_record, fence, current), (self._torch_wait, fence, copy),
-                 (self._torch_record, start, copy))  # fmt: skip
-        call, event, stream = steps[step]
-        call(event, stream)  # torch's call makes the context current on this thread
-        for call, event, stream in steps[step + 1 :]:
-            (self.wait if call is self._torch_wait else self.record)(event, stream)
 
     def record(self, event: Any, stream: Any) -> None:
         handle = event.cuda_event
@@ -188,16 +145,8 @@ def event_calls(real_events: bool) -> tuple[Any, Any]:
         entries = []
     if call is None or len(entries) != 2 or not all(entries):
         return record, wait
-    driver = DriverEvents(call, int(entries[0]), int(entries[1]), record, wait,  # type: ignore[arg-type]
-                          native_fence_start())  # fmt: skip
+    driver = DriverEvents(call, int(entries[0]), int(entries[1]), record, wait)  # type: ignore[arg-type]
     return driver.record, driver.wait
-
-
-def fused_fence(record: Any) -> Any:
-    """``DriverEvents.fence_start`` (``(fence, current, copy, start)``) of the ``DriverEvents``
-    whose ``record`` ``event_calls`` returned, else None (torch's methods, stand-ins)."""
-    driver = getattr(record, "__self__", None)
-    return driver.fence_start if isinstance(driver, DriverEvents) else None
 
 
 _EVENT_ENTRIES = (("cuEventRecord", 2000), ("cuStreamWaitEvent", 3020))  # PFN_..._v2000, v3020

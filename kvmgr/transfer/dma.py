@@ -118,22 +118,6 @@ class DmaCopy:
         fallbacks = num_chunks if path != self.path else 0
         return Issued(path, num_chunks, fallbacks, keep, release, error)
 
-    def prepare(self, plan: TransferPlan, stream: Any) -> tuple[Any, int, int] | None:
-        """Where ``issue`` would copy ``plan`` with its one batched ctypes call on ``stream``
-        (a plan from ``build_plan`` of 1 to ``max_descriptors`` descriptors, a stream whose
-        remembered path is the batch): its pooled buffer with the descriptor table computed,
-        the count and the access order, for that call to be made from C with the batch's
-        events (``kvmgr.transfer._fused``); else None, nothing taken. The buffer goes back with
-        ``buffers.give`` after the end event, as ``issue``'s ``release`` does."""
-        if self.batch_call != "ctypes" or self._paths.get(stream.cuda_stream) != "batch":
-            return None
-        pairs = plan.matching_blocks()
-        if pairs is None or not 0 < (n := pairs.num_descriptors) <= self.max_descriptors:
-            return None
-        buffer = self.buffers.take(n)
-        pairs.descriptor_table(buffer._table if buffer._count == n else buffer.table(n))
-        return buffer, n, self._orders[plan.direction]
-
     def _copy(
         self, path: str, table: np.ndarray, address: int | None, handle: int, order: int
     ) -> tuple[int, TransferError | None]:

@@ -16,17 +16,18 @@ keep alive (rule 7), hands its reusable buffers back, updates the totals, resolv
 makes a spare one for a later submit (a ``Future`` costs ~15 us of a cold step).
 
 Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its start/end
-events from a per-direction pool (a new event with its first record cost 3.7-4.0 us on the H200
-host, a record of an existing one 1.7 us) and records the compute fence on the current stream's
-``torch.cuda.Stream``, rebuilt only when the raw handle changes (BENCHMARKS.md round 4 session
-7); the records and the fence's wait go to the driver from C where that builds, else to torch's
-C methods (``cuda_current.event_calls``); with no ``wait_for`` and no compute stream the fence,
-its wait and the start record are one C call (``DriverEvents.fence_start``), and a DMA one-call
-plan's copy and end record join them (``kvmgr.transfer._fused``: the same calls in the same
-order, session 9). A pair goes back to the pool after its batch's future resolved (never after
-a device error), so a handle's ``end_event`` may later mark a newer batch of the same direction:
-waits are only issued for handles whose future has not resolved; a wait on a re-recorded event
-waits for a later batch of the same FIFO stream, never for less.
+events from a per-direction pool instead of creating two (a new event with its first record cost
+3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
+on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
+changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.6 us on the H200
+host, BENCHMARKS.md round 4 session 7); the fence, start and end records and the fence's wait
+go to the driver's ``cuEventRecord`` / ``cuStreamWaitEvent`` from C where that builds, else to
+torch's C methods past their Python wrappers (``cuda_current.event_calls``; the same calls
+through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A
+pair goes back to the pool after its batch's future resolved (never after a device error), so a
+handle's ``end_event`` may later mark a newer batch of the same direction: waits are only issued
+for handles whose future has not resolved, and a wait on a re-recorded event waits for a later
+batch of the same FIFO stream, never for less.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ from typing import Any
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer._fused import FusedBatch
-from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls, fused_fence
+from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -98,11 +98,9 @@ class CopyStreams:
             Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
         }
         self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
-        self._pooled = _real_cuda_events()  # pooled events (a CPU test's fakes: a fresh pair)
+        # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
+        self._pooled = _real_cuda_events()
         self._record, self._wait = event_calls(self._pooled)  # on its own streams, events
-        self._fence_start = fused_fence(self._record)  # the three in one C call, or None
-        self._fused_for: Any = None  # the issuer ``_fused`` (a FusedBatch, or None) is for
-        self._fused: FusedBatch | None = None
         self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
         self.counters = CopyCounters()
         self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
@@ -144,39 +142,24 @@ class CopyStreams:
         pooled = self._pooled
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
+        record, wait = self._record, self._wait
         fence = self._fences[direction]
-        if wait_for or self._fence_start is None or self._compute_stream is not None:
-            self._fence(fence, stream, wait_for, events[0])
-        else:  # the fence, its wait and the start record in one C call (DriverEvents)
-            current = self._current.current()
-            if issuer is not self._fused_for:  # a DMA one-call plan: its copy and end too
-                self._fused_for, self._fused = issuer, FusedBatch.make(self._record, issuer)
-            issued_at = time.perf_counter()
-            fused = self._fused and self._fused.issue(plan, fence, current, stream, *events)
-            if fused:  # (issue_s: the one C call, its event calls too)
-                issue_s = time.perf_counter() - issued_at
-                return self._queue(plan, fused, entered, issue_s, direction, batch_id, events, pool)  # fmt: skip
-            self._fence_start(fence, current, stream, events[0])
-        issued_at = time.perf_counter()
-        issued = issuer.issue(plan, stream)
-        issue_s = time.perf_counter() - issued_at
-        self._record(events[1], stream)
-        return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
-
-    def _fence(self, fence: Any, stream: Any, wait_for: Sequence[BatchHandle], start: Any) -> None:  # fmt: skip
-        """Order ``stream`` after the compute stream and ``wait_for``, then record ``start``."""
-        record, pooled = self._record, self._pooled
         if self._compute_stream is not None:
             fence.record(self._compute_stream)
         elif pooled:  # torch's events: the current stream's object, built once per stream
             record(fence, self._current.current())
         else:
             fence.record(torch.cuda.current_stream(self._device))
-        self._wait(fence, stream)
+        wait(fence, stream)
         for other in wait_for:
             if other.end_event is not None and not (pooled and other.future.done()):
                 stream.wait_event(other.end_event)
-        record(start, stream)
+        record(events[0], stream)
+        issued_at = time.perf_counter()
+        issued = issuer.issue(plan, stream)
+        issue_s = time.perf_counter() - issued_at
+        record(events[1], stream)
+        return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
 
     @staticmethod
     def _new_pair() -> tuple[Any, Any]:
