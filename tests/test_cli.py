@@ -220,6 +220,7 @@ _BAD_MULTI_INSTANCE_FLAGS = [
     (["--instances", "2", "--policy", "opt"], "--policy opt (the offline optimum)"),
     (["--instances", "2", "--disk", "{tmp}/missing"], "no such folder"),
     (["--shared", "redis://127.0.0.1:1"], "--shared: the server cannot be used"),
+    (["--disk-tokens", "5M"], "--disk-tokens sizes the disk tier: give --disk DIR too"),
 ]
 
 

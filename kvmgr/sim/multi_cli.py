@@ -44,9 +44,9 @@ def add_multi_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disk-tokens",
         type=finite_count,
-        default=50_000_000,
-        help="disk tier capacity per instance, in tokens (K/M/G suffixes; default 50M); the "
-        "tier's files are scratch: created fresh in DIR and deleted after the run",
+        default=None,
+        help="disk tier capacity per instance, in tokens (K/M/G suffixes; default 50M; needs "
+        "--disk); the tier's files are scratch: created fresh in DIR and deleted after the run",
     )
 
 
@@ -59,12 +59,14 @@ def check_multi_arguments(args: argparse.Namespace) -> None:
     """Refuse, before any run, what the multi-instance replay cannot do.
 
     Raises:
-        ValueError: ``--instances`` < 1; ``--sweep`` or ``--policy opt`` with several instances
+        ValueError: ``--instances`` < 1; ``--disk-tokens`` without ``--disk``; ``--sweep`` or ``--policy opt`` with several instances
             or lower tiers; a ``--disk`` folder that does not exist or is not writable; a
             ``--shared`` server that cannot be reached or refuses the password.
     """
     if args.instances < 1:
         raise ValueError(f"--instances: expected >= 1, got {args.instances}")
+    if getattr(args, "disk_tokens", None) is not None and args.disk is None:
+        raise ValueError("--disk-tokens sizes the disk tier: give --disk DIR too")
     if not wants_multi(args):
         return
     flags = ", ".join(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import numbers
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -46,8 +47,11 @@ class VirtualClock:
         """Move time forward; timers that became due run at the loop's next iteration.
 
         Raises:
-            ValueError: ``seconds`` is negative (time is monotonic).
+            TypeError: ``seconds`` is not a real number (a ``bool`` neither).
+            ValueError: ``seconds`` is negative or NaN (time is monotonic).
         """
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+            raise TypeError(f"expected seconds as a real number, got {seconds!r}")
         if not seconds >= 0:
             raise ValueError(f"expected seconds >= 0, got {seconds!r}")
         self._now += seconds

@@ -312,6 +312,12 @@ def test_virtual_clock_fires_timers_only_when_advanced() -> None:
     assert clock.time() == 130.0
     with pytest.raises(ValueError):
         clock.advance(-1.0)
+    with pytest.raises(ValueError):
+        clock.advance(float("nan"))
+    for bad in ("1", None, True):
+        with pytest.raises(TypeError, match="real number"):
+            clock.advance(bad)  # type: ignore[arg-type]
+    assert clock.time() == 130.0  # nothing moved
 
 
 @pytest.mark.asyncio
