@@ -126,16 +126,7 @@ class KeyChains:
         ``parents`` ``None``: the default chain (``keys[i]`` extends ``keys[i - 1]``,
         ``keys[0]`` a root); ``at``: the same ids as an int64 array, when the caller has one
         (``run``: they are ``arange(run.start, run.stop)``: slices, not gathers)."""
-        orphans = self.orphans
-        adopted = bool(orphans) and not orphans.keys().isdisjoint(keys)
-        if adopted:  # children stored before them
-            loose = self.loose
-            for key, block in zip(keys, ids):
-                children = orphans.pop(key, None)
-                if children is not None:  # still a parent: num_parents unchanged
-                    self._up_np[children] = block
-                    self._kids[block] = len(children)
-                    deque(map(loose.__delitem__, children), 0)
+        adopted = self._adopt(keys, ids)
         n = len(keys)
         if parents is None or (n > 1 and parents[1:] == keys[:-1]):  # one chain
             if n > 1:  # keys[i] extends keys[i - 1]
@@ -158,6 +149,21 @@ class KeyChains:
         elif parents.count(None) < n:
             for block, up in zip(ids, parents):
                 self._link(block, up)
+
+    def _adopt(self, keys: Sequence[bytes], ids: list[int]) -> bool:
+        """Give the orphans waiting for any of ``keys`` (children stored before them) their
+        parent's block; whether any were."""
+        orphans = self.orphans
+        if not orphans or orphans.keys().isdisjoint(keys):
+            return False
+        loose = self.loose
+        for key, block in zip(keys, ids):
+            children = orphans.pop(key, None)
+            if children is not None:  # still a parent: num_parents unchanged
+                self._up_np[children] = block
+                self._kids[block] = len(children)
+                deque(map(loose.__delitem__, children), 0)
+        return True
 
     def _link(self, block: int, up: bytes | None) -> None:
         """The key on ``block`` extends ``up`` (``None``: a root)."""
