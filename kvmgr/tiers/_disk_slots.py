@@ -5,7 +5,8 @@ Private to ``kvmgr.tiers.disk``. Offers:
                 first), free slot ids (fresh ids ascending first, so a batch lands in
                 consecutive slots, then freed ids last-freed-first), pins (slot -> reads in
                 flight: a pinned slot is never evicted or reused; one dropped while pinned is
-                freed by its last unpin) and the keys whose write is in flight (not readable)
+                freed by its last unpin) and the keys whose write is in flight (not readable;
+                one dropped while in flight is never indexed: its write frees its slot)
 
 Every method runs on the event loop's thread; none does I/O.
 """
@@ -32,6 +33,7 @@ class SlotTable:
         self._pins: dict[int, int] = {}
         self._doomed: set[int] = set()
         self.pending: set[bytes] = set()
+        self._cancelled: set[bytes] = set()  # pending keys dropped: their write frees the slot
 
     def is_stored(self, key: bytes) -> bool:
         """Whether ``key`` is readable or being written (a write of it would be redundant);
@@ -62,10 +64,11 @@ class SlotTable:
         """Writes ``(slot, key, blob bytes)`` ended: index them (``ok``) or free their slots."""
         for slot, key, length in writes:
             self.pending.discard(key)
-            if ok:
+            if ok and key not in self._cancelled:
                 self.index[key] = (slot, length)
             else:
                 self._free.append(slot)
+            self._cancelled.discard(key)
 
     def pin(self, key: bytes) -> tuple[int, int] | None:
         """``(slot, blob bytes)`` of a readable key, pinned until ``unpin``; ``None`` if absent."""
@@ -96,9 +99,15 @@ class SlotTable:
             self._free.append(slot)
 
     def drop(self, key: bytes) -> bool:
-        """Forget ``key``; its slot is free once no read pins it. Whether it was indexed."""
+        """Forget ``key``; its slot is free once no read pins it. Whether it was indexed.
+
+        A key whose write is in flight is not indexed when that write ends (its slot is freed
+        then): a delete is never undone by a write that started before it. A put of the key
+        until then counts it as stored (it is pending) but it reads as a miss."""
         entry = self.index.pop(key, None)
         if entry is None:
+            if key in self.pending:
+                self._cancelled.add(key)
             return False
         slot = entry[0]
         if slot in self._pins:
