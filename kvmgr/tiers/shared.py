@@ -28,28 +28,26 @@ breaker opens) until the cluster has failed over and a refresh finds the new pri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import InvalidKeyError, TierError, TierSecurityWarning
+from kvmgr.errors import InvalidKeyError, TierError
 from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
 from kvmgr.tiers._nodes import Breaker, SlotMap
 from kvmgr.tiers._resp import nbytes
 from kvmgr.tiers._shared_calls import Dispatcher
+from kvmgr.tiers._shared_client import PutsInFlight, warn_default_user
 from kvmgr.tiers._shared_io import FAILED, get_part, keys_part, put_part
 from kvmgr.tiers.base import Buffer, PutResult, TierCounters, TierStatistics, check_keys
 
 __all__ = ["SharedTier"]
-
-_log = logging.getLogger(__name__)
 
 
 class SharedTier:
@@ -145,8 +143,9 @@ class SharedTier:
             endpoint, breaker, max_connections, slots, self._executor, self._counters, self.url
         )
         self._closed = False
+        self._puts = PutsInFlight()  # a delete while a put runs deletes again when it ends
         if address.username is None and not single_tenant:
-            _warn_default_user(self.url)
+            warn_default_user(self.url)
 
     def __repr__(self) -> str:
         user = f", user={self._address.username!r}" if self._address.username else ""
@@ -177,6 +176,7 @@ class SharedTier:
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
         num_bytes = 0
+        token = self._puts.begin(keys)
         try:
             if keys:
                 job = functools.partial(
@@ -192,6 +192,10 @@ class SharedTier:
                         self._counters.num_already_present += 1
         finally:
             self._counters.add_put_time(time.perf_counter() - start)
+            late = self._puts.end(token, keys)
+            if late:  # a delete_many ran meanwhile: its UNLINK may have preceded our SET
+                with contextlib.suppress(TierError):  # (as a delete_many that fails)
+                    await self._unlink(late)
         self._counters.bytes_written += num_bytes
         return PutResult(stored, int(stored.sum()), num_bytes, time.perf_counter() - start)
 
@@ -232,8 +236,13 @@ class SharedTier:
         return np.array([isinstance(v, int) and v > 0 for v in outcome], dtype=bool)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
-        """``UNLINK`` the keys; returns how many existed."""
+        """``UNLINK`` the keys; returns how many existed. A put of them running in this client
+        deletes them again when it ends (it counts them as stored; they read as misses)."""
         keys = check_keys(keys)
+        self._puts.deleted(keys)
+        return await self._unlink(keys)
+
+    async def _unlink(self, keys: list[bytes]) -> int:
         if not keys:
             return 0
         job = functools.partial(keys_part, verb=b"UNLINK")
@@ -285,14 +294,3 @@ class SharedTier:
             hits = [i for i, v in enumerate(values) if v is True]
             self._counters.bytes_read += sum(sum(map(nbytes, vectors[i])) for i in hits)
         return values
-
-
-def _warn_default_user(url: str) -> None:
-    message = (
-        f"SharedTier({url}): connecting as the server's default user; every client "
-        "with its password can list, read and overwrite every tenant's keys. Use one ACL "
-        "user per tenant (docs/tiers.md), or pass single_tenant=True if this server is "
-        "yours alone."
-    )
-    _log.warning(message)
-    warnings.warn(message, TierSecurityWarning, stacklevel=3)

@@ -1,5 +1,6 @@
-"""DiskTier as a new user drives it: a delete while the key's write is in flight, and a random
-program of puts, gets, deletes and evictions checked against the slot table's invariants."""
+"""A delete while a put of the key is in flight is never undone when the put lands (DiskTier,
+SharedTier: docs/guides/tiers.md's "delete it from each tier" races write-back), and a random
+program of the disk tier's slot table (puts, reads, deletes, evictions) keeps its invariants."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import threading
 
 import pytest
 
-from kvmgr.tiers import DiskTier
+import kvmgr.tiers.shared as shared_module
+from kvmgr.tiers import DiskTier, SharedTier
 from kvmgr.tiers._disk_slots import SlotTable
 
 SLOT = 4096
@@ -43,6 +45,33 @@ async def test_delete_during_write_stays_deleted(tmp_path) -> None:
     keys = [bytes([i]) for i in range(8)]
     res = await tier.put_many(keys, [b"y" * 10] * 8)
     assert res.num_stored == 8 and tier.statistics().num_evicted == 0
+    await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_shared_delete_during_put_stays_deleted(tier_server, monkeypatch) -> None:
+    tier = SharedTier(tier_server.url, single_tenant=True)
+    gate = threading.Event()
+    real_put = shared_module.put_part
+
+    def slow_put(*args, **kw):  # type: ignore[no-untyped-def]
+        gate.wait(5)  # the SET reaches the server after the delete's UNLINK
+        return real_put(*args, **kw)
+
+    monkeypatch.setattr(shared_module, "put_part", slow_put)
+    keys = [b"nu11-k", b"nu11-other"]
+    await tier.delete_many(keys)
+    put = asyncio.ensure_future(tier.put_many(keys[:1], [b"x" * 100]))
+    await asyncio.sleep(0.05)
+    assert await tier.delete_many(keys[:1]) == 0
+    gate.set()
+    await put
+    assert not (await tier.contains_many(keys[:1])).any()
+    # a put that starts after the delete is kept
+    monkeypatch.setattr(shared_module, "put_part", real_put)
+    assert (await tier.put_many(keys, [b"y" * 10] * 2)).num_stored == 2
+    assert (await tier.contains_many(keys)).all()
+    await tier.delete_many(keys)
     await tier.aclose()
 
 
