@@ -213,7 +213,7 @@ class DiskTier:
         return np.fromiter((k in index for k in keys), dtype=bool, count=len(keys))
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Drop the keys from the index and free their slots (after in-flight reads)."""
+        """Drop the keys and free their slots (after in-flight reads; in-flight writes: unindexed)."""
         return sum(self._slots.drop(key) for key in check_keys(keys))
 
     async def aclose(self) -> None:
