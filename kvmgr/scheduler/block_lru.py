@@ -28,14 +28,14 @@ import numpy as np
 from kvmgr.errors import UnknownKeyError
 from kvmgr.policy.base import _check_evict_count
 from kvmgr.scheduler.chains import KeyChains
-from kvmgr.scheduler.lru_victims import collect, leading_run
+from kvmgr.scheduler.lru_victims import VictimSearch
 
 __all__ = ["BlockLru"]
 
 _FEW = 128  #: touches of up to this many keys take one Python pass (no numpy calls)
 
 
-class BlockLru:
+class BlockLru(VictimSearch):
     """LRU eviction of the CPU tier's keys, by CPU block (see the module docstring).
 
     Args:
@@ -212,10 +212,10 @@ class BlockLru:
         guarded = {b for b in map(get, protected) if b is not None} if protected else set()
         own = can_evict is self._can_evict
         victims, self.victim_chain = (
-            leading_run(self, n, guarded) if own and n >= 2 else (None, False)
+            self._leading_run(n, guarded) if own and n >= 2 else (None, False)
         )
         if victims is None:
-            victims = collect(self, n, None if own else can_evict, guarded)
+            victims = self._collect(n, None if own else can_evict, guarded)
             if victims is None:
                 return None
             stamp = self._stamp

@@ -206,12 +206,12 @@ def _tier_books(tier: Any) -> tuple[Any, ...]:
 def test_evicting_a_chain_run_leaves_the_chains_as_the_general_removal(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvmgr.scheduler.block_lru as block_lru
+    from kvmgr.scheduler.block_lru import BlockLru
     from kvmgr.scheduler.cpu_tier import CpuTier
 
     rng = np.random.default_rng(seed)
     fast, general = (CpuTier(64, "lru", lambda keys: None) for _ in range(2))
-    leading_run, hinted = block_lru.leading_run, []
+    leading_run, hinted = BlockLru._leading_run, []
 
     def only_fast(lru: Any, n: int, guarded: set[int]) -> tuple[Any, bool]:
         run, chain = leading_run(lru, n, guarded)
@@ -220,7 +220,7 @@ def test_evicting_a_chain_run_leaves_the_chains_as_the_general_removal(
         hinted.append(chain)
         return run, chain
 
-    monkeypatch.setattr(block_lru, "leading_run", only_fast)
+    monkeypatch.setattr(BlockLru, "_leading_run", only_fast)
     for tier in (fast, general):  # first a whole chain evicted: the short way at least once
         ids = tier.make_room(16, ())
         tier.add_pending([b"r%d" % i for i in range(16)], ids, None)
