@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from kvmgr._futures import quiet
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import PoolExhaustedError, UnknownKeyError
 from kvmgr.groups._results import GroupedStore, gather_store, group_results
@@ -200,7 +201,7 @@ class GroupedManager:
         check_room(work, self.layout, self.index, self.managers)
         futures = self._queue_stores(hashes, work)
         self.sync()  # the stores' evictions
-        return asyncio.ensure_future(gather_store(futures))
+        return quiet(asyncio.ensure_future(gather_store(futures)))
 
     def _queue_stores(
         self, hashes: list[bytes], work: list[tuple[int, list[int], list[bytes], Any]]
@@ -257,7 +258,7 @@ class GroupedManager:
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         for g, group_keys, ids in work:
             futures[g] = self.managers[g].swap_in(group_keys, ids)
-        return asyncio.ensure_future(group_results(futures))
+        return quiet(asyncio.ensure_future(group_results(futures)))
 
     async def step(self, ctx: Any = None) -> list[Any]:
         """One scheduler step of every group's manager (hooks, then one flush each); then the

@@ -41,6 +41,10 @@ class WaitingFuture(asyncio.Future):  # type: ignore[type-arg]
             self.on_cancel()
         return cancelled
 
+    def set_exception(self, exception: Any) -> None:
+        super().set_exception(exception)
+        self.exception()  # mark retrieved: an unawaited failure is counted (as the flush's)
+
 
 class WaitingStore:
     """A store waiting for room: its caller's future, how to retry it, the GPU blocks it holds.

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvmgr._futures import quiet
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     GeometryError,
@@ -234,7 +235,7 @@ class DeepSeekV4Offload:
         for n in keys:  # every group's ids checked before any group queues its store
             self.managers[n].check_gpu_blocks(ids[n], "store")
         futures = [self.managers[n].swap_out(ids[n], keys[n]) for n in keys if keys[n]]
-        return asyncio.gather(*futures)
+        return quiet(asyncio.gather(*futures))
 
     def is_restorable(self, num_tokens: int, block_keys: Sequence[bytes], boundary_key: bytes) -> bool:  # fmt: skip
         """Whether every group holds all its blocks of this restore point READY (touches them)."""
@@ -279,7 +280,7 @@ class DeepSeekV4Offload:
         futures = [
             self.managers[n].swap_in(k, list(gpu_block_ids[n])) for n, k in keys.items() if k
         ]
-        return asyncio.gather(*futures)
+        return quiet(asyncio.gather(*futures))
 
     async def step(self, ctx: StepContext | None = None) -> list[StepReport]:
         """``step(ctx)`` of every manager (hooks run where registered; one flush per group)."""
