@@ -28,7 +28,7 @@ import attrs
 
 from kvmgr._futures import quiet
 from kvmgr.config import ManagerConfig
-from kvmgr.errors import PoolExhaustedError, UnknownKeyError
+from kvmgr.errors import ClosedError, PoolExhaustedError, UnknownKeyError
 from kvmgr.groups._results import GroupedStore, gather_store, group_results
 from kvmgr.groups._tables import check_blocks, check_room, load_work, store_work
 from kvmgr.groups._tracker import IndexTracker
@@ -158,6 +158,8 @@ class GroupedManager:
 
     def peek(self, block_hashes: Sequence[bytes], *, max_tokens: int | None = None) -> RestorePlan:
         """Like ``lookup``, touching nothing. Raises as ``lookup``."""
+        if any(mgr.closed for mgr in self.managers):  # (the index outlives the managers)
+            raise ClosedError("a group's manager is closed")
         self.sync()
         hashes = self.layout.check_hashes(block_hashes)
         self.index.check_chain(hashes)  # unchained hashes would plan another position's KV
