@@ -110,6 +110,8 @@ class IndexTracker:
         """Invalidate orphans of group ``g``; those with loads in flight wait for a later
         sync. Dropped keys leave the index now, so their removal events sweep nothing."""
         mgr = self.managers[g]
+        if mgr.closed:  # a closed tier serves nothing: no orphan to drop (events after close)
+            return
         keys = list(dict.fromkeys(keys))
         try:
             mgr.invalidate(keys)

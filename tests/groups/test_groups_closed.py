@@ -38,3 +38,35 @@ async def test_peek_and_lookup_after_close_raise_closed_error() -> None:
         for hashes in ([hit], [miss]):
             with pytest.raises(ClosedError):
                 call(hashes)
+
+
+@pytest.mark.asyncio
+async def test_take_events_after_close_with_orphans_pending_returns_the_events() -> None:
+    """A store that failed in one group leaves the other group's landed blocks orphans, dropped
+    at the next sync; after close that sync raised ``ClosedError`` from ``take_events`` (whose
+    docstring names no error), and a router draining the last events lost them."""
+    from kvmgr import ManagerConfig, OffloadManager
+    from kvmgr.errors import TransferError
+    from kvmgr.testing import FaultyEngine
+    from kvmgr.transfer.host import HostEngine
+
+    config = ManagerConfig(num_cpu_blocks=8, engine="host", manage_gpu_blocks=False)
+    managers = [
+        OffloadManager(
+            [torch.zeros(8, BS * 8, dtype=torch.uint8)],
+            config,
+            engine=FaultyEngine(HostEngine(), fail_rate=float(g), seed=0),  # "swa" fails
+        )
+        for g in range(2)
+    ]
+    mgr = GroupedManager(LAYOUT, managers)
+    hashes = [hashlib.blake2b(bytes([i])).digest() for i in range(3)]
+    async with mgr:
+        stored = mgr.store(hashes, {"full": [0, 1, 2], "swa": [0, 1, 2]})
+        await mgr.step()
+        with pytest.raises(TransferError):
+            await stored
+    events = mgr.take_events()
+    # the full group's blocks landed; each group's close cleared its tier
+    assert [e.kind for e in events] == ["stored", "cleared", "cleared"]
+    assert mgr.take_events() == []
