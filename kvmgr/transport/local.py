@@ -57,15 +57,15 @@ class LocalTransport:
             raise
         handle = submitted.handle
         land, job_id = self._land, job.job_id
-        if handle.future.done() and asyncio._get_running_loop() is loop:  # ended already (a
-            loop.call_soon(land, job_id, handle)  # synchronous engine): no self-pipe wakeup
-            return submitted
 
-        def on_done(_: object) -> None:  # an engine thread (or here, if already done)
+        def on_done(_: object) -> None:  # an engine thread, or here (a synchronous engine)
+            if asyncio._get_running_loop() is loop:  # this loop's thread: no self-pipe wakeup
+                loop.call_soon(land, job_id, handle)
+                return
             with contextlib.suppress(RuntimeError):  # loop closed: close() settles the job
                 loop.call_soon_threadsafe(land, job_id, handle)
 
-        handle.future.add_done_callback(on_done)
+        handle.future.add_done_callback(on_done)  # called at once if the copy ended already
         return submitted
 
     def track(self, job_id: int, handle: BatchHandle, loop: asyncio.AbstractEventLoop) -> None:
