@@ -4,9 +4,9 @@
 # generation without the order list, the outcome read once, the settle inlined), the landed
 # stores' ``stored`` event without the parents list, the no-copy engine's done handle in one
 # frame. On the H200, from the repo root; results under $OUT/stepfast/ (log.txt,
-# step_{old,new}_{1,2}.json, host_pair.json, cost_ab.json, pieces_{cuda,kernel}.json). About
-# 2-2.5 minutes: limits 20 + 2 x 30 (+ 2 x 20 if under 50 s have passed) + 35 + 30 + 25 + 2 x 20 s;
-# each bench run is 10-15 s.
+# step_{old,new}_{1,2}.json, host_pair.json, round_ab.json, cost_ab.json,
+# pieces_{cuda,kernel}.json). About 2-2.5 minutes: limits 20 + 2 x 30 (+ 2 x 20 if under 50 s
+# have passed) + 35 + 20 + 30 + 25 + 2 x 20 s; each bench run is 10-15 s.
 # Old tree = 1ee9787 (main at the start of round 4 session 10; carried in build/bases/1ee9787,
 # else git archive; STEP_BASE overrides); new tree = this checkout; each tree's bench from its own
 # root with PYTHONPATH set to that root only.
@@ -18,9 +18,11 @@
 #  3. scripts/host_pair.py against the old tree (grow, full, load; 200 pairs): `kvmgr bench
 #     host`'s batched round (store_many of 512 fresh keys + step() + completion, 48 tensors,
 #     the no-copy engine; target <= 150 us p50, last 223), paired round by round, new / old.
-#  4. scripts/step_cost_ab.py --old 1ee9787 (both trees in one process, fake CUDA and a stub
-#     driver: kvmgr's Python share of the cuda and kernel steps on this host's CPU); skipped
-#     where the checkout has no git history of 1ee9787.
+#  4. scripts/round_step_ab.py --old 1ee9787 (the batched round of 3., both trees in ONE
+#     process, rounds alternating: calls, step host_s, step + completion, round) and
+#     scripts/step_cost_ab.py --old 1ee9787 (both trees in one process, fake CUDA and a stub
+#     driver: kvmgr's Python share of the cuda and kernel steps on this host's CPU); the old tree
+#     from build/bases/1ee9787 (else git archive; skipped where neither has it).
 #  5. The tests of what changed: tests/manager (the state machine included),
 #     tests/transport (the gloo rank groups), tests/scheduler/test_landing*.py if present.
 #  6. scripts/step_pieces.py with the real engines, cuda then kernel: Flusher.flush,
@@ -44,7 +46,8 @@ else
 fi
 rm -rf "$OLD"
 
-if git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1; then
+if [ -d "build/bases/$BASE/kvmgr" ] || git rev-parse --verify -q "$BASE^{commit}" >/dev/null 2>&1; then
+  step round_ab 20 python3 scripts/round_step_ab.py --old "$BASE" --rounds 600 --json "$D/round_ab.json"
   step cost_ab 30 python3 scripts/step_cost_ab.py --old "$BASE" --repeats 150 --json "$D/cost_ab.json"
 else
   echo "no git history of $BASE: step_cost_ab skipped" | tee -a "$LOG"
@@ -59,6 +62,7 @@ step pieces_kernel 20 python3 scripts/step_pieces.py --engine kernel --repeats 6
 echo "=== stepfast summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
 grep -E "^\| (grow|full|load) " "$LOG"
+grep -E "^\| (grow|full) \| (host|step|round) " "$LOG"
 grep -E "^(cuda|kernel) " "$LOG" | grep -E " host | cpu "
 grep -E "passed|failed" "$LOG"
 grep -E "host_s|Flusher.flush|Flusher._submit|LocalTransport.submit|TransferWorker.submit|CudaEngine.submit" "$LOG"
