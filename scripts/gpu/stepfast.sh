@@ -6,7 +6,7 @@
 # frame. On the H200, from the repo root; results under $OUT/stepfast/ (log.txt,
 # step_{old,new}_{1,2}.json, host_pair.json, round_ab.json, cost_ab.json,
 # pieces_{cuda,kernel}.json). About 2-2.5 minutes: limits 20 + 2 x 30 (+ 2 x 20 if under 50 s
-# have passed) + 35 + 20 + 30 + 25 + 2 x 20 s; each bench run is 10-15 s.
+# have passed) + 35 + 20 + 30 + 30 + 2 x 20 s; each bench run is 10-15 s.
 # Old tree = 1ee9787 (main at the start of round 4 session 10; carried in build/bases/1ee9787,
 # else git archive; STEP_BASE overrides); new tree = this checkout; each tree's bench from its own
 # root with PYTHONPATH set to that root only.
@@ -23,8 +23,9 @@
 #     scripts/step_cost_ab.py --old 1ee9787 (both trees in one process, fake CUDA and a stub
 #     driver: kvmgr's Python share of the cuda and kernel steps on this host's CPU); the old tree
 #     from build/bases/1ee9787 (else git archive; skipped where neither has it).
-#  5. The tests of what changed: tests/manager (the state machine included),
-#     tests/transport (the gloo rank groups), tests/scheduler/test_landing*.py if present.
+#  5. The tests of what changed that use the GPU: the manager state machine (its CUDA cases:
+#     cancellation at random points, bytes compared) and tests/scheduler/test_step_fast_paths.py
+#     (the rank groups' tests are CPU-only and passed on the VM).
 #  6. scripts/step_pieces.py with the real engines, cuda then kernel: Flusher.flush,
 #     Flusher._submit, LocalTransport.submit, TransferWorker.submit, CudaEngine.submit min / p10 /
 #     median us (the layers above the engine: their differences).
@@ -53,15 +54,15 @@ else
   echo "no git history of $BASE: step_cost_ab skipped" | tee -a "$LOG"
 fi
 
-step tests 25 python3 -m pytest -q -x -p no:randomly -p no:cacheprovider tests/manager/test_state_machine.py \
-  tests/transport tests/manager/test_reliability.py
+step tests 30 python3 -m pytest -q -x -p no:randomly -p no:cacheprovider tests/manager/test_state_machine.py \
+  tests/scheduler/test_step_fast_paths.py
 
 step pieces_cuda 20 python3 scripts/step_pieces.py --engine cuda --repeats 60 --json "$D/pieces_cuda.json"
 step pieces_kernel 20 python3 scripts/step_pieces.py --engine kernel --repeats 60 --json "$D/pieces_kernel.json"
 
 echo "=== stepfast summary (base $BASE)"
 python3 scripts/gpu/step_summary.py "$D"
-grep -E "^\| (grow|full|load) " "$LOG"
+grep -E "^\| (grow|full|load) \| [0-9]" "$LOG"
 grep -E "^\| (grow|full) \| (host|step|round) " "$LOG"
 grep -E "^(cuda|kernel) " "$LOG" | grep -E " host | cpu "
 grep -E "passed|failed" "$LOG"
