@@ -96,10 +96,8 @@ class TransferWorker:
         self.moved = self._guard.moved  # `moved`, one frame fewer (once per flush)
         prepare()
         cpu_layout = self.cpu_pool.layout
-        self._layouts = {
-            Direction.D2H: (self.gpu_layout, cpu_layout),
-            Direction.H2D: (cpu_layout, self.gpu_layout),
-        }
+        self._layouts = {Direction.D2H: (self.gpu_layout, cpu_layout),
+                         Direction.H2D: (cpu_layout, self.gpu_layout)}  # fmt: skip
         # a store is split between the ranks (``KVGeometry.writer``): else every block is ours
         self._split_stores = layout == "replicated" and num_ranks > 1
         self._handles: dict[int, BatchHandle] = {}
