@@ -171,3 +171,34 @@ def test_a_batch_that_waits_for_another_records_its_start_after_the_waits(
         waits = [] if pooled else ["wait", "record"]
         assert [op[0] for op in _ops(clocked)] == ["record", "wait", *waits, "batch", "record"]
         assert again.future.result(timeout=5).device_s == pytest.approx(0.002 if pooled else 0.001)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_device_s_counts_the_copy_only_not_the_compute_before_it_nor_the_batch_ahead() -> None:
+    """On the device: a store behind a long kernel on the compute stream is not timed from its
+    fence's record (the kernel's time is not in it), and a second store queued behind the first
+    is not timed from its own fence either (the first one's copy is not in it)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gpu = [torch.randint(0, 256, (64, 1 << 20), dtype=torch.uint8, device=dev) for _ in range(2)]
+    host = [[torch.empty(64, 1 << 20, dtype=torch.uint8).pin_memory() for _ in range(2)] for _ in range(2)]  # fmt: skip
+    ids = np.arange(64)
+    with CudaBatchEngine(dev) as engine:
+        for _ in range(2):  # the second round on pooled (re-recorded) events
+            plans = [
+                build_plan(
+                    Direction.D2H, KVLayout.from_tensors(gpu), KVLayout.from_tensors(h), ids, ids
+                )
+                for h in host
+            ]
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of compute before the stores' fences
+            end.record()
+            first, second = (engine.submit(p) for p in plans)
+            a, b = first.future.result(timeout=30), second.future.result(timeout=30)
+            sleep_s = begin.elapsed_time(end) / 1e3
+            assert 0 < a.device_s < sleep_s / 4, (a.device_s, sleep_s)
+            assert 0.5 < b.device_s / a.device_s < 1.6, (a.device_s, b.device_s)
+            for h in host:
+                assert all(torch.equal(g.cpu(), t) for g, t in zip(gpu, h))
