@@ -10,24 +10,20 @@ priority. Before a batch, its copy stream waits on an event recorded on the comp
 3, 4) and on the end events of ``wait_for`` batches; an end event follows the issuer's copies.
 Batches of one direction therefore run and complete in FIFO order.
 
-Events per batch: a pair ``(fence, end)``, both timing events. The fence is recorded on the
-compute stream and the copy stream waits on it; no start event is recorded on the copy stream
-unless the batch also waits for ``wait_for`` batches not yet done (then the fence event is
-recorded again on the copy stream after those waits: a wait takes an event's state at its call,
-so the fence's wait is unaffected). A batch starts on its stream when its fence has been reached
-and the previous batch of the stream has ended, so ``device_s`` is the smaller of fence -> end
-and previous end -> end (exactly end - start, up to the stream's wake-up on the fence); for
-this the completion thread holds each batch's pair back from the pool until the next batch of
-its direction has been timed. (Work a caller enqueued on ``stream(direction)`` itself between
-batches counts in the next batch's ``device_s``.) One record fewer per submit than a start event:
-each event call cost 3-4 us inside the step on the H200 host (BENCHMARKS.md, round 4 session 9).
+Events per batch: ``(fence, end)``, both timing events; no start record on the copy stream (an
+event call cost 3-4 us in the step on the H200 host) unless the batch waits for ``wait_for``
+batches not yet done: then the fence event is recorded again on the copy stream after those
+waits (a wait takes an event's state at its call). A batch starts when its fence is reached and
+the previous batch of its stream has ended, so ``device_s`` is the smaller of fence -> end and
+previous end -> end; the completion thread holds each pair back from the pool until the next
+batch of its direction was timed (work put on ``stream(direction)`` by a caller counts too).
 
 Completion: one thread per direction sleeps in ``end_event.synchronize()`` (blocking-sync events,
 no polling, GIL released) for each batch in submission order, then drops what the issuer asked to
 keep alive (rule 7), hands its reusable buffers back, updates the totals, resolves the future and
 makes a spare one for a later submit (a ``Future`` costs ~15 us of a cold step).
 
-Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its start/end
+Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its fence/end
 events from a per-direction pool instead of creating two (a new event with its first record cost
 3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
 on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
@@ -35,12 +31,11 @@ changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.
 host, BENCHMARKS.md round 4 session 7); the fence and end records and the fence's wait
 go to the driver's ``cuEventRecord`` / ``cuStreamWaitEvent`` from C where that builds, else to
 torch's C methods past their Python wrappers (``cuda_current.event_calls``; the same calls
-through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A
-pair goes back to the pool after its batch's future resolved and the next batch of its direction
-was timed (never after a device error), so a
-handle's ``end_event`` may later mark a newer batch of the same direction: waits are only issued
-for handles whose future has not resolved, and a wait on a re-recorded event waits for a later
-batch of the same FIFO stream, never for less.
+through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A pair goes back
+to the pool after its batch's future resolved and the next batch was timed (never after a device
+error), so a handle's ``end_event`` may later mark a newer batch of the same direction: waits are
+only issued for handles whose future has not resolved, and a wait on a re-recorded event waits
+for a later batch of the same FIFO stream, never for less.
 """
 
 from __future__ import annotations
@@ -67,10 +62,9 @@ _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the 
 _SPARE_FUTURES = 4  # futures the completion threads make ahead for the next submits
 
 
-#: One batch in flight, as the completion thread gets it (a list: built in one C call, its plan
-#: cleared there): ``[handle, fence (or start) event, plan, issued, pool, num_bytes, num_descriptors]``:
-#: the plan is kept until the end event (rule 7), ``pool`` is where the (fence, end) pair goes back,
-#: or None; the counts are the plan's at submit.
+#: One batch in flight, as its completion thread gets it: ``[handle, fence (or start) event,
+#: plan, issued, pool, num_bytes, num_descriptors]``: the plan is kept until the end event (rule
+#: 7), ``pool`` is where the pair goes back, or None; the counts are the plan's at submit.
 _InFlight = list[Any]
 _PLAN = 2  # the plan's index in an _InFlight
 #: The events of the last batch a completion thread finished: ``(pool or None, fence or start,
@@ -82,6 +76,15 @@ def _real_cuda_events() -> bool:
     """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
     base, event = getattr(torch._C, "_CudaEventBase", None), torch.cuda.Event
     return base is not None and isinstance(event, type) and issubclass(event, base)
+
+
+def _device_seconds(start: Any, end: Any, previous: _Held) -> float:
+    """Seconds from a batch's start to its ``end`` event: it started at the later of ``start``
+    (its fence, or the start recorded after its waits) and the previous batch's end."""
+    elapsed = start.elapsed_time(end)
+    if previous is not None:
+        elapsed = min(elapsed, previous[2].elapsed_time(end))
+    return elapsed / 1e3
 
 
 class CopyStreams:
@@ -266,11 +269,8 @@ class CopyStreams:
         device_s, error = 0.0, issued.error
         try:
             end.synchronize()  # blocking-sync event: sleeps, GIL released
-            if error is None:  # it started at the later of its fence and the previous end
-                elapsed = start.elapsed_time(end)
-                if previous is not None:
-                    elapsed = min(elapsed, previous[2].elapsed_time(end))
-                device_s = elapsed / 1e3
+            if error is None:
+                device_s = _device_seconds(start, end, previous)
         except Exception as exc:  # an asynchronous CUDA error surfaced at the event
             error = error or TransferError(f"batch {handle.batch_id} failed on the device: {exc}")
         if previous is not None and previous[0] is not None:

@@ -31,8 +31,7 @@ D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
 BASE=${STEP_BASE:-1ee9787}
 
-step env 15 python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
-print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
+env_step 15
 
 step_table_ab "$BASE" 45
 
@@ -40,18 +39,7 @@ step gpu_tests 45 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/
   tests/transfer/test_cuda_engine.py tests/transfer/test_layerwise_gpu.py tests/transfer/test_cuda_current.py \
   tests/transfer/test_dma.py tests/transfer/test_driver_call.py
 
-step device_read 15 python3 -c "
-import timeit, torch
-from kvmgr.transfer.cuda_current import device_is_current, on_device
-dev = torch.device('cuda', torch.cuda.current_device())
-torch.cuda.Stream(dev)  # CUDA initialized, as an engine finds it
-for name, fn in (('torch.cuda.current_device()', torch.cuda.current_device),
-                 ('device_is_current', lambda: device_is_current(dev)),
-                 ('on_device', lambda: on_device(dev))) * 2:
-    best = min(timeit.repeat(fn, number=20000, repeat=5)) / 20000 * 1e6
-    print(f'device read {name}: {best:.3f} us')
-assert device_is_current(dev)
-"
+device_read_step
 
 step batch_sizes 20 python3 -c "
 import statistics, time, numpy as np, torch
