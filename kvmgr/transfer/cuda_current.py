@@ -4,8 +4,9 @@
 Offers:
     CurrentStream   the device's current stream as a ``torch.cuda.Stream``, rebuilt only when
                     the raw current-stream handle changes
-    device_is_current   whether a device is the current one (torch's C reader once initialized)
+    device_is_current   whether a device is the current one (torch's C reader)
     on_device       ``torch.cuda.device(device)`` unless it is already current
+    real_cuda_events    whether ``torch.cuda.Event`` is torch's own class
     event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
                     C (``DriverEvents``) or torch's C methods where they are torch's own
                     classes, else the objects' own methods
@@ -22,7 +23,14 @@ import torch
 from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
 from kvmgr.transfer.driver_call import native_call
 
-__all__ = ["CurrentStream", "DriverEvents", "device_is_current", "event_calls", "on_device"]
+__all__ = [
+    "CurrentStream",
+    "DriverEvents",
+    "device_is_current",
+    "event_calls",
+    "on_device",
+    "real_cuda_events",
+]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
@@ -74,6 +82,12 @@ def device_is_current(device: torch.device) -> bool:
 def on_device(device: torch.device) -> Any:
     """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
     return _CURRENT if device_is_current(device) else torch.cuda.device(device)
+
+
+def real_cuda_events() -> bool:
+    """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
+    base, event = getattr(torch._C, "_CudaEventBase", None), torch.cuda.Event
+    return base is not None and isinstance(event, type) and issubclass(event, base)
 
 
 def _record_by_method(event: Any, stream: Any) -> None:

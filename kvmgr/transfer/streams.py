@@ -52,6 +52,7 @@ import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
 from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
+from kvmgr.transfer.cuda_current import real_cuda_events as _real_cuda_events  # tests patch it
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -70,12 +71,6 @@ _PLAN = 2  # the plan's index in an _InFlight
 #: The events of the last batch a completion thread finished: ``(pool or None, fence or start,
 #: end)``, held back from the pool until the next batch's timing has read its end event.
 _Held = tuple[Any, Any, Any] | None
-
-
-def _real_cuda_events() -> bool:
-    """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
-    base, event = getattr(torch._C, "_CudaEventBase", None), torch.cuda.Event
-    return base is not None and isinstance(event, type) and issubclass(event, base)
 
 
 def _device_seconds(start: Any, end: Any, previous: _Held) -> float:
@@ -112,6 +107,10 @@ class CopyStreams:
         self._device = device
         self._current = CurrentStream(device)
         self._compute_stream = compute_stream
+        # A compute stream of another device (or of unknown device) gets its own fence per
+        # direction and every batch a start record (a fence there cannot time a copy here).
+        same = compute_stream is None or getattr(compute_stream, "device", None) == device
+        self._fences = None if same else {d: torch.cuda.Event() for d in Direction}
         self._streams = {
             Direction.D2H: torch.cuda.Stream(device, priority=_PRIORITIES["normal"]),
             Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
@@ -161,7 +160,8 @@ class CopyStreams:
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
         record, wait = self._record, self._wait
-        fence = events[0]  # the batch's fence; also its start unless it waits for other batches
+        fences = self._fences  # the batch's fence is its start, unless it waits for others
+        fence = events[0] if fences is None else fences[direction]
         if self._compute_stream is not None:
             fence.record(self._compute_stream)
         elif pooled:  # torch's events: the current stream's object, built once per stream
@@ -169,8 +169,8 @@ class CopyStreams:
         else:
             fence.record(torch.cuda.current_stream(self._device))
         wait(fence, stream)
-        if wait_for and self._wait_for(wait_for, stream):
-            record(fence, stream)  # the start, after those waits (the fence's wait is made)
+        if (wait_for and self._wait_for(wait_for, stream)) or fences is not None:
+            record(events[0], stream)  # the start, after the waits (they are made already)
         issued_at = time.perf_counter()
         issued = issuer.issue(plan, stream)
         issue_s = time.perf_counter() - issued_at

@@ -173,6 +173,47 @@ def test_a_batch_that_waits_for_another_records_its_start_after_the_waits(
         assert again.future.result(timeout=5).device_s == pytest.approx(0.002 if pooled else 0.001)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [None, torch.device("cuda", 1), torch.device("cuda", 0)],
+    ids=["unknown", "other", "same"],
+)
+def test_a_compute_stream_of_another_device_keeps_a_fence_of_its_own_and_a_start_record(
+    clocked: ClockedCuda, device: Any
+) -> None:
+    """A fence recorded on another device cannot time a copy here: there each batch's start is
+    recorded on the copy stream after its fence's wait, as before, and times it. A compute
+    stream of the engine's device is fenced as the current stream is (no start record)."""
+    compute = clocked.Stream()
+    if device is not None:
+        compute.device = device
+    lib = FakeDriverLib()
+    driver = CopyDriver(lib.resolver((12080, 13000)), driver_version=13000)
+    driver.fake_lib = lib  # type: ignore[attr-defined]
+    lib.calls = clocked.log
+    with CudaBatchEngine(0, compute_stream=compute, driver=driver) as engine:
+        stream = engine.stream(Direction.D2H)
+        for first in range(2):
+            clocked.stamps[:] = [20.0 * first + t for t in (0.0, 7.0, 10.0)]  # fence, start, end
+            clocked.log.clear()
+            handle = engine.submit(_plan(Direction.D2H, first))
+            if device == torch.device("cuda", 0):
+                assert [op[0] for op in _ops(clocked)] == ["record", "wait", "batch", "record"]
+                assert engine._streams._fences is None
+                assert handle.future.result(timeout=5).device_s == pytest.approx(0.007)
+                continue
+            fence, start = clocked.log[0][1], clocked.log[2][1]
+            assert _ops(clocked) == [
+                ("record", fence, compute),
+                ("wait", stream, fence),
+                ("record", start, stream),
+                ("batch", None, None),
+                ("record", handle.end_event, stream),
+            ]
+            assert fence is not start and fence is engine._streams._fences[Direction.D2H]
+            assert handle.future.result(timeout=5).device_s == pytest.approx(0.003)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_device_s_counts_the_copy_only_not_the_compute_before_it_nor_the_batch_ahead() -> None:
     """On the device: a store behind a long kernel on the compute stream is not timed from its
