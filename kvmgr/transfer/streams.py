@@ -107,9 +107,8 @@ class CopyStreams:
         self._device = device
         self._current = CurrentStream(device)
         self._compute_stream = compute_stream
-        # A compute stream of another device (or of unknown device) gets its own fence per
-        # direction and every batch a start record (a fence there cannot time a copy here).
         same = compute_stream is None or getattr(compute_stream, "device", None) == device
+        # another (or an unknown) device's fence cannot time a copy here: own fences, starts
         self._fences = None if same else {d: torch.cuda.Event() for d in Direction}
         self._streams = {
             Direction.D2H: torch.cuda.Stream(device, priority=_PRIORITIES["normal"]),
