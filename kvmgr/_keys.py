@@ -6,13 +6,15 @@ Offers:
 A key is a block hash: exactly ``bytes`` (not a subclass, not ``str``), never empty (an empty
 key cannot be told from a missing one once a tier namespace prefixes it). Calls of up to
 ``SMALL`` keys take a plain loop; larger ones count the keys of type ``bytes`` in a list of
-their types, C passes instead of a Python call per key.
+their types, C passes instead of a Python call per key; one C pass (:mod:`kvmgr._index_c`'s
+``bytes_list``) copies and checks a list or tuple of them where kvmgr's C modules build.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmgr._index_c import index_c
 from kvmgr.errors import InvalidKeyError
 
 __all__ = ["check_keys"]
@@ -32,6 +34,17 @@ def check_keys(keys: object, *, distinct: bool = False) -> list[bytes]:
         InvalidKeyError: not a sequence, a key that is not ``bytes`` or is empty, or repeated
             keys where ``distinct``.
     """
+    module = index_c() if type(keys) in (list, tuple) and len(keys) > SMALL else None  # type: ignore[arg-type]
+    out = None if module is None else module.bytes_list(keys)  # (None: a key to word)
+    if out is None:
+        out = _checked(keys)
+    if distinct and len(out) > 1 and len(set(out)) != len(out):
+        raise InvalidKeyError(f"expected distinct keys, got {len(out) - len(set(out))} repeats")
+    return out
+
+
+def _checked(keys: object) -> list[bytes]:
+    """``check_keys`` without ``distinct``, in Python."""
     if type(keys) is list:
         out = keys[:]
     elif isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
@@ -47,6 +60,4 @@ def check_keys(keys: object, *, distinct: bool = False) -> list[bytes]:
         raise InvalidKeyError(
             f"key {i}: expected non-empty bytes, got {type(out[i]).__name__}: {out[i]!r:.40}"
         )
-    if distinct and len(out) > 1 and len(set(out)) != len(out):
-        raise InvalidKeyError(f"expected distinct keys, got {len(out) - len(set(out))} repeats")
     return out
