@@ -201,10 +201,52 @@ static PyObject *increasing_ok(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyBool_FromLong(ok);
 }
 
+/* array[at[i]] = items[i] (at: an int64 buffer of len(items) positions, or an int: a run from
+   it), array a 1-D C-contiguous buffer of objects (a numpy object array): True; False, nothing
+   written, for other buffers or a position outside the array */
+static PyObject *put_objects(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "put_objects(array, at, list)");
+        return NULL;
+    }
+    PyObject *items = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(items), start = -1;
+    Py_buffer dst, at;
+    int run = PyLong_CheckExact(args[1]);
+    if (run) {
+        start = PyLong_AsSsize_t(args[1]);
+        if (start == -1 && PyErr_Occurred()) return NULL;
+    } else if (!int64_buffer(args[1], &at, 8)) {
+        Py_RETURN_FALSE;
+    }
+    int held = PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) == 0;
+    if (!held) PyErr_Clear();
+    int ok = held && dst.ndim == 1 && dst.itemsize == sizeof(PyObject *) && dst.format != NULL &&
+             !strcmp(dst.format, "O");
+    Py_ssize_t size = ok ? dst.shape[0] : 0;
+    const int64_t *pos = run ? NULL : (const int64_t *)at.buf;
+    if (ok) ok = run ? start >= 0 && start <= size - n : at.shape[0] == n;
+    for (Py_ssize_t i = 0; ok && pos != NULL && i < n; i++) ok = pos[i] >= 0 && pos[i] < size;
+    if (ok) {
+        PyObject **cells = (PyObject **)dst.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(items, i), **cell = cells + (run ? start + i : pos[i]);
+            PyObject *old = *cell;
+            Py_INCREF(item);
+            *cell = item;
+            Py_XDECREF(old);
+        }
+    }
+    if (held) PyBuffer_Release(&dst);
+    if (!run) PyBuffer_Release(&at);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"bytes_list", bytes_list, METH_O, "bytes_list(keys) -> a new list, or None"},
     {"add_absent", (PyCFunction)(void (*)(void))add_absent, METH_FASTCALL, "add_absent(index, keys, values) -> the number inserted"},
     {"increasing_ok", (PyCFunction)(void (*)(void))increasing_ok, METH_FASTCALL, "increasing_ok(ids, state, held, num_blocks) -> bool"},
+    {"put_objects", (PyCFunction)(void (*)(void))put_objects, METH_FASTCALL, "put_objects(array, at, list) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 
