@@ -34,10 +34,16 @@ def check_keys(keys: object, *, distinct: bool = False) -> list[bytes]:
         InvalidKeyError: not a sequence, a key that is not ``bytes`` or is empty, or repeated
             keys where ``distinct``.
     """
-    module = index_c() if type(keys) in (list, tuple) and len(keys) > SMALL else None  # type: ignore[arg-type]
-    out = None if module is None else module.bytes_list(keys)  # (None: a key to word)
-    if out is None:
-        out = _checked(keys)
+    out: list[bytes]
+    if type(keys) is list and len(keys) <= SMALL:  # (a per-call store: a plain loop)
+        out = keys[:]
+        for key in out:
+            if type(key) is not bytes or not key:
+                raise _bad_key(out)
+    else:
+        many = type(keys) in (list, tuple) and (module := index_c()) is not None
+        fast = module.bytes_list(keys) if many else None  # (None: a key to word)
+        out = _checked(keys) if fast is None else fast
     if distinct and len(out) > 1 and len(set(out)) != len(out):
         raise InvalidKeyError(f"expected distinct keys, got {len(out) - len(set(out))} repeats")
     return out
@@ -56,8 +62,13 @@ def _checked(keys: object) -> list[bytes]:
     else:
         is_bytes = all(type(key) is bytes for key in out)
     if not is_bytes or not all(out):  # all bytes by then: an empty one is the false one
-        i = next(i for i, k in enumerate(out) if type(k) is not bytes or not k)
-        raise InvalidKeyError(
-            f"key {i}: expected non-empty bytes, got {type(out[i]).__name__}: {out[i]!r:.40}"
-        )
+        raise _bad_key(out)
     return out
+
+
+def _bad_key(keys: Sequence[object]) -> InvalidKeyError:
+    """The error for the first key of ``keys`` that is not non-empty ``bytes``."""
+    i = next(i for i, k in enumerate(keys) if type(k) is not bytes or not k)
+    return InvalidKeyError(
+        f"key {i}: expected non-empty bytes, got {type(keys[i]).__name__}: {keys[i]!r:.40}"
+    )

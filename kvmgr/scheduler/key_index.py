@@ -107,7 +107,7 @@ def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: list[int]
         drop_last(index, added)
         return False
     before = len(index)
-    each = repeat(values, len(keys)) if type(values) is int else values
+    each = repeat(values, len(keys)) if isinstance(values, int) else values
     deque(map(index.setdefault, keys, each), 0)
     added = len(index) - before
     if added == len(keys):
