@@ -19,7 +19,12 @@ of exact ``bytes``, ``values`` a ``list`` of ``len(keys)`` items or one object f
 Inserts ``keys[i] -> values[i]`` in order and stops at the first key that is not new (indexed
 already, repeated in ``keys``, or not exactly ``bytes``): returns how many were inserted (the
 index's last entries, in order; the caller takes them back). An exception (memory) takes back
-what was inserted before it propagates.
+what was inserted before it propagates. Before each chunk of 64 keys it prefetches the index
+slots of their first probes, then the entries those slots name: a store's keys land in
+random slots of an index of up to millions of keys, two dependent cache misses each, which a
+plain loop meets one at a time (512 keys into 200k: 24-30 us quiet, 50-90 us after a step has
+run through the caches; the prefetches halve the latter). The prefetch reads CPython's dict
+layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
 
 ``increasing_ok(ids, state, held, num_blocks)``: ``ids`` a 1-D C-contiguous int64 buffer,
 ``state`` a uint8 buffer (or None): True when ``ids`` are strictly increasing, inside
@@ -98,35 +103,37 @@ typedef struct {
 #define PREFETCH 0
 #endif
 
-/* Ahead of inserting key i (i < 0: the warm-up before key 0): the first probe's index slot of key i + 2 * AHEAD into the cache,
-   and (that slot read, fetched AHEAD keys ago) the entry it names for key i + AHEAD: the two
-   dependent cache misses of a probe in a large index, overlapped across keys. */
-#define AHEAD 8
-static void prefetch(PyObject *index, PyObject *keys, Py_ssize_t i, Py_ssize_t n) {
+/* The first probe of each key's insertion, ahead of it: the index slot (keys[lo:hi], exact
+   bytes only: their hashes, cached in them), then, those slots read, the entries they name:
+   the two dependent cache misses of a probe into a large index, overlapped across a chunk of
+   keys instead of met one key at a time. Nothing here changes a result. */
+#define CHUNK 64
+static void prefetch(PyObject *index, PyObject *keys, Py_ssize_t lo, Py_ssize_t hi) {
 #if PREFETCH
     table_t *t = ((dict_t *)index)->table;
     int shift = t->log2_index_bytes - t->log2_size;
     if (shift < 0 || shift > 3) return;
     size_t mask = ((size_t)1 << t->log2_size) - 1;
-    if (i + 2 * AHEAD < n) {
-        PyObject *key = PyList_GET_ITEM(keys, i + 2 * AHEAD);
+    const char *entries = t->indices + ((size_t)1 << t->log2_index_bytes);
+    size_t entry = t->kind == 0 ? 3 * sizeof(void *) : 2 * sizeof(void *);
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
         if (PyBytes_CheckExact(key))
             __builtin_prefetch(t->indices + (((size_t)PyObject_Hash(key) & mask) << shift));
     }
-    if (i + AHEAD < 0 || i + AHEAD >= n) return;
-    PyObject *key = PyList_GET_ITEM(keys, i + AHEAD);
-    if (!PyBytes_CheckExact(key)) return;
-    size_t slot = (size_t)PyObject_Hash(key) & mask; /* (cached in the bytes object) */
-    int64_t ix;
-    switch (shift) {
-    case 0: ix = ((int8_t *)t->indices)[slot]; break;
-    case 1: ix = ((int16_t *)t->indices)[slot]; break;
-    case 2: ix = ((int32_t *)t->indices)[slot]; break;
-    default: ix = ((int64_t *)t->indices)[slot]; break;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key)) continue;
+        size_t slot = (size_t)PyObject_Hash(key) & mask;
+        int64_t ix;
+        switch (shift) {
+        case 0: ix = ((int8_t *)t->indices)[slot]; break;
+        case 1: ix = ((int16_t *)t->indices)[slot]; break;
+        case 2: ix = ((int32_t *)t->indices)[slot]; break;
+        default: ix = ((int64_t *)t->indices)[slot]; break;
+        }
+        if (ix >= 0) __builtin_prefetch(entries + entry * (size_t)ix);
     }
-    size_t entry = t->kind == 0 ? 3 * sizeof(void *) : 2 * sizeof(void *);
-    if (ix >= 0)
-        __builtin_prefetch(t->indices + ((size_t)1 << t->log2_index_bytes) + entry * (size_t)ix);
 #endif
 }
 
@@ -142,12 +149,11 @@ static PyObject *add_absent(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "add_absent: one value per key");
         return NULL;
     }
-    for (Py_ssize_t i = -2 * AHEAD; i < 0; i++) prefetch(index, keys, i, n); /* the first keys' */
     Py_ssize_t added = 0;
     for (; added < n; added++) {
         PyObject *key = PyList_GET_ITEM(keys, added);
         if (!PyBytes_CheckExact(key)) break;
-        prefetch(index, keys, added, n);
+        if (added % CHUNK == 0) prefetch(index, keys, added, added + CHUNK < n ? added + CHUNK : n);
         Py_ssize_t before = PyDict_GET_SIZE(index);
         PyObject *value = each ? PyList_GET_ITEM(values, added) : values;
         if (PyDict_SetDefault(index, key, value) == NULL) {
