@@ -32,12 +32,13 @@ layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
 buffers of other kinds (the caller's numpy path decides and words the error).
 
 ``tests/scheduler/test_index_c.py`` runs each against its Python path. ``Stores`` builds the
-module when it is made (:func:`index_c`), not at a first store.
+module when it is made (:func:`index_c`), not at a first store; only where torch is loaded
+already (the manager's process; :mod:`kvmgr._native`, the builder, imports torch).
 """
 
 from __future__ import annotations
 
-import functools
+import sys
 from typing import Any
 
 __all__ = ["index_c"]
@@ -262,13 +263,18 @@ PyMODINIT_FUNC PyInit_kvmgr_index(void) { return PyModule_Create(&module); }
 """
 
 
-@functools.cache
+_built: list[Any] = []  #: the module (or None) once built or found missing
+
+
 def index_c() -> Any:
-    """The module (module docstring), built once; None where it cannot be, or where torch
-    cannot be imported (the scheduler side runs without it: :mod:`kvmgr._native`, the
-    builder, imports torch, so only here)."""
-    try:
-        from kvmgr._native import build
-    except ImportError:
+    """The module (module docstring), built once torch is loaded; None where it cannot be
+    built, and (without building) while torch is not loaded: :mod:`kvmgr._native`, the
+    builder, imports torch, which the scheduler side never imports itself."""
+    if _built:
+        return _built[0]
+    if "torch" not in sys.modules:
         return None
-    return build(_SOURCE, "kvmgr_index")
+    from kvmgr._native import build
+
+    _built.append(build(_SOURCE, "kvmgr_index"))
+    return _built[0]

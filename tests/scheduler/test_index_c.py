@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch  # noqa: F401  (loaded: the module is built only where torch is)
 from test_key_index import _books, _rig, _step
 
 import kvmgr._keys as keys_module
