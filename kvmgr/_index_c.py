@@ -1,14 +1,10 @@
 """A batched store's per-key passes in single C calls (private to :mod:`kvmgr._keys` and
 :mod:`kvmgr.scheduler`; issue 27).
 
-Offers:
-    index_c     the compiled module (below), built once; None where kvmgr's C modules do not
-                build (no Triton, no compiler, ``KVMGR_NATIVE_LAUNCH=0``): every caller then
-                takes its Python path, which computes the same
-
-Why: a batched store of 512 fresh keys made three Python-level passes over them before the
-index was touched (the type pass of ``check_keys``, the id checks) and one ``dict.setdefault``
-per key through ``map``; each C pass is a plain loop with no call per item.
+Offers ``index_c``: the compiled module (below), built once; None where kvmgr's C modules do
+not build (no Triton, no compiler, ``KVMGR_NATIVE_LAUNCH=0``): every caller then takes its
+Python path, which computes the same. Each function is one plain C loop over a store's keys or
+ids where Python made a call (or numpy a conversion) per item.
 
 ``bytes_list(keys)``: a new list of the items of ``keys`` (an exact ``list`` or ``tuple``) when
 every one is exactly ``bytes`` and non-empty; else None (the caller's Python path decides and
@@ -30,6 +26,14 @@ layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
 ``state`` a uint8 buffer (or None): True when ``ids`` are strictly increasing, inside
 ``[0, num_blocks)`` and (``state`` given) ``state[id] == held`` for each; False otherwise or for
 buffers of other kinds (the caller's numpy path decides and words the error).
+
+``set_items(index, keys, values)``: ``index.update(zip(keys, values))`` (lists of one length),
+or with ``values`` None ``del index[key]`` for each key in order (a missing key: ``KeyError``,
+the keys before it deleted, as the Python loops).
+
+``put_objects(array, at, items)``: ``array[at] = items`` for a numpy object array (``at`` an
+int: the run from it, or int64 positions); False, nothing written, for other arrays or
+positions outside it.
 
 ``tests/scheduler/test_index_c.py`` runs each against its Python path. ``Stores`` builds the
 module when it is made (:func:`index_c`), not at a first store; only where torch is loaded
@@ -57,13 +61,7 @@ static PyObject *bytes_list(PyObject *self, PyObject *keys) {
         PyObject *key = items[i];
         if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) == 0) Py_RETURN_NONE;
     }
-    PyObject *out = PyList_New(n);
-    if (out == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_INCREF(items[i]);
-        PyList_SET_ITEM(out, i, items[i]);
-    }
-    return out;
+    return PyList_CheckExact(keys) ? PyList_GetSlice(keys, 0, n) : PySequence_List(keys);
 }
 
 /* take back the last n entries of index (inserted last), keeping the pending exception */
@@ -173,7 +171,7 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize) {
     }
     const char *f = view->format;
     int ok = view->ndim == 1 && view->itemsize == itemsize && f != NULL;
-    if (ok && itemsize == 8) ok = (!strcmp(f, "l") || !strcmp(f, "q") || !strcmp(f, "=q") || !strcmp(f, "<q")) && sizeof(long) == 8;
+    if (ok && itemsize == 8) ok = (!strcmp(f, "l") && sizeof(long) == 8) || !strcmp(f, "q");
     if (ok && itemsize == 1) ok = !strcmp(f, "B");
     if (!ok) PyBuffer_Release(view);
     return ok;
@@ -249,10 +247,31 @@ static PyObject *put_objects(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyBool_FromLong(ok);
 }
 
+/* index[keys[i]] = values[i] in order (keys, values: lists of one length), or (values None)
+   del index[keys[i]]: as dict.update(zip(keys, values)) / one del per key, stopping at the
+   first error (a missing key: KeyError) with what came before it done */
+static PyObject *set_items(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        (args[2] != Py_None && (!PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != PyList_GET_SIZE(args[1])))) {
+        PyErr_SetString(PyExc_TypeError, "set_items(dict, list, list of one length or None)");
+        return NULL;
+    }
+    PyObject *index = args[0], *keys = args[1], *values = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        int rc = values == Py_None ? PyDict_DelItem(index, key)
+                                   : PyDict_SetItem(index, key, PyList_GET_ITEM(values, i));
+        if (rc < 0) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"bytes_list", bytes_list, METH_O, "bytes_list(keys) -> a new list, or None"},
     {"add_absent", (PyCFunction)(void (*)(void))add_absent, METH_FASTCALL, "add_absent(index, keys, values) -> the number inserted"},
     {"increasing_ok", (PyCFunction)(void (*)(void))increasing_ok, METH_FASTCALL, "increasing_ok(ids, state, held, num_blocks) -> bool"},
+    {"set_items", (PyCFunction)(void (*)(void))set_items, METH_FASTCALL, "set_items(index, keys, values or None)"},
     {"put_objects", (PyCFunction)(void (*)(void))put_objects, METH_FASTCALL, "put_objects(array, at, list) -> bool"},
     {NULL, NULL, 0, NULL},
 };

@@ -29,7 +29,7 @@ from kvmgr._index_c import index_c
 if TYPE_CHECKING:
     from kvmgr.scheduler.cpu_tier import CpuTier
 
-__all__ = ["add_absent", "add_new", "drop_last", "int_list"]
+__all__ = ["add_absent", "add_new", "drop_last", "int_list", "set_items"]
 
 
 def add_new(
@@ -63,7 +63,7 @@ def add_new(
             drop_last(index, n)
             raise
         blocks = int_list(ids, pool.num_blocks)
-        index.update(zip(keys, blocks))  # in place: the order stays
+        set_items(index, keys, blocks)  # in place: the order stays
     try:
         cpu.add_pending(keys, ids, parents, indexed=blocks, run=run)
     except BaseException:  # the policy refused the keys (its insert comes first)
@@ -114,6 +114,18 @@ def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: list[int]
         return True
     drop_last(index, added)
     return False
+
+
+def set_items(index: dict[bytes, int], keys: list[bytes], values: list[int] | None) -> None:
+    """``index.update(zip(keys, values))``, or (``values`` None) ``del index[key]`` for each key
+    (a missing key: ``KeyError``, those before it deleted); one C loop where it builds."""
+    module = index_c()
+    if module is not None and type(index) is dict and type(keys) is list:
+        module.set_items(index, keys, values)
+    elif values is None:
+        deque(map(index.__delitem__, keys), 0)
+    else:
+        index.update(zip(keys, values))
 
 
 def drop_last(index: dict[bytes, int], n: int) -> None:

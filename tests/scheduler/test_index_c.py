@@ -183,3 +183,28 @@ def test_random_programs_leave_the_tier_as_without_the_module(
     with_c = run()
     _no_c(monkeypatch)
     assert with_c == run()
+
+
+@needs_c
+def test_set_items_updates_and_deletes_as_the_python_loops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def run() -> list[Any]:
+        rng, out = np.random.default_rng(5), []
+        for _ in range(100):
+            index = _index(rng)
+            keys = [k for k in index if rng.random() < 0.5]
+            if rng.random() < 0.3:  # a missing key in the middle: KeyError, those before done
+                keys.insert(len(keys) // 2, b"missing")
+            values = None if rng.random() < 0.5 else rng.integers(0, 9, len(keys)).tolist()
+            try:
+                index_module.set_items(index, keys, values)
+                out.append((list(index.items()), None))
+            except KeyError as exc:
+                out.append((list(index.items()), repr(exc)))
+        return out
+
+    with_c = run()
+    assert any(error for _, error in with_c) and not all(error for _, error in with_c)
+    _no_c(monkeypatch)
+    assert with_c == run()
