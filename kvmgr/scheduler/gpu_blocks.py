@@ -113,8 +113,7 @@ class GpuBlocks:
         ):
             return
         if n > 2 and ids[0] < ids[1] and ids[-2] < ids[-1] and (ids[1:] > ids[:-1]).all():
-            # strictly increasing (often: blocks allocated together): distinct, and the ends
-            # are the bounds (one pass fewer)
+            # strictly increasing: distinct, and the ends are the bounds (one pass fewer)
             bad = ids[0] < 0 or ids[-1] >= self.num_blocks
             if not bad and (not owned or (self.state_np[ids] == _HELD).all()):
                 return

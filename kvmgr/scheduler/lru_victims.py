@@ -72,18 +72,15 @@ class VictimSearch:
         """``VictimSet.offer_all`` over the live entries in order, by block: the ``n``
         victims, or ``None``. Child counts change only in a local overlay (``left``).
         Without a key predicate (the tier's own: the arrays), ``_collect_leaves``."""
-        log, stamp, up_of, kids = self._log, self._stamp, self._chains._up_block, self._chains._kids
-        state, readers, ready, key_of = self._state, self._readers, self._ready, self.key_of
-        head = self._head
-        while head < self._tail and stamp[log[head]] != head:
-            head += 1
-        self._head = head
+        self._skip_stale_head()
         if can_evict is None:
             return self._collect_leaves(n, guarded)
+        log, stamp, up_of, kids = self._log, self._stamp, self._chains._up_block, self._chains._kids
+        state, readers, ready, key_of = self._state, self._readers, self._ready, self.key_of
         left: dict[int, int] = {}
         waiting: set[int] = set()
         victims: list[int] = []
-        for pos in range(head, self._tail):
+        for pos in range(self._head, self._tail):
             block = log[pos]
             if stamp[block] != pos or block in guarded:
                 continue
@@ -108,6 +105,13 @@ class VictimSearch:
             if len(victims) >= n:
                 return victims
         return None
+
+    def _skip_stale_head(self) -> None:
+        """Move the head past the log's leading stale entries."""
+        log, stamp, head = self._log, self._stamp, self._head
+        while head < self._tail and stamp[log[head]] != head:
+            head += 1
+        self._head = head
 
     def _collect_leaves(self, n: int, guarded: set[int]) -> list[int] | None:
         """``_collect`` without a key predicate, the same victims in the same order, where
