@@ -33,7 +33,7 @@ for section in "$@"; do
     transfer)  # issue 12, engines and submission: under 6 minutes in all (limits sum to 360 s)
       TAIL=60 step smoke_transfer 40 python3 scripts/gpu_smoke_transfer.py
       TAIL=40 step pytest_transfer 110 python3 -m pytest -q -rf -p no:cacheprovider tests/transfer/test_cuda_engine.py tests/kernels/test_copy_kernel.py tests/transfer/test_host_engine.py tests/transfer/test_plan.py
-      TAIL=45 step bench_swap_quick 60 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 5 --warmup 1 --variants batch_ctypes kernel auto --json "$OUT/swap_quick.json"
+      TAIL=45 step bench_swap_quick 60 python3 -m kvmgr.cli bench swap --geometries qwen llama --blocks 512 --repeats 5 --warmup 1 --variants batch_c kernel auto --json "$OUT/swap_quick.json"
       TAIL=40 step bench_swap_kernel_quick 60 python3 -m kvmgr.cli bench swap-kernel --geometries qwen --blocks 512 --repeats 5 --warmup 1 --programs 8 16 32 --matmuls 10 --interference-repeats 3 --json "$OUT/swap_kernel_quick.json"
       TAIL=30 step bench_peer_swap 90 python3 -c "import argparse, sys; from kvmgr.bench.peer_swap import run_peer_swap; r = run_peer_swap(argparse.Namespace(swap_repeats=8, swap_warmup=2, swap_json='$OUT/peer_swap.json')); sys.exit(0 if r['ok'] else 1)" ;;
     manager)

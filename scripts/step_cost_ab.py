@@ -52,19 +52,31 @@ _ATTR = {"subcpu": "submit_cpu"}
 
 
 def unpack_old(rev: str, into: Path) -> None:
-    """``git archive rev kvmgr`` into ``into/kvmgr_old``, the package name rewritten."""
-    blob = subprocess.run(["git", "archive", rev, "kvmgr"], cwd=ROOT, check=True,
-                          capture_output=True).stdout  # fmt: skip
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(into / "_raw", filter="data")
+    """``git archive rev kvmgr`` into ``into/kvmgr_old``, the package name rewritten; from
+    ``build/bases/REV/kvmgr`` where that was carried (a checkout without the history)."""
+    raw = ROOT / "build" / "bases" / rev / "kvmgr"
+    if not raw.is_dir():
+        blob = subprocess.run(["git", "archive", rev, "kvmgr"], cwd=ROOT, check=True,
+                              capture_output=True).stdout  # fmt: skip
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            tar.extractall(into / "_raw", filter="data")
+        raw = into / "_raw" / "kvmgr"
     word = re.compile(r"\bkvmgr\b")
-    for path in (into / "_raw" / "kvmgr").rglob("*"):
-        target = into / "kvmgr_old" / path.relative_to(into / "_raw" / "kvmgr")
+    for path in raw.rglob("*"):
+        target = into / "kvmgr_old" / path.relative_to(raw)
         if path.is_dir():
             target.mkdir(parents=True, exist_ok=True)
         elif path.suffix == ".py":
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(word.sub("kvmgr_old", path.read_text()))
+
+
+def old_revision(rev: str | None) -> str:
+    """``rev``, or by default the merge base of HEAD and ``main``."""
+    if rev:
+        return rev
+    return subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
 
 
 def install_fakes(package: str) -> None:
@@ -191,8 +203,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rev = args.old or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True,
-                                     capture_output=True, text=True).stdout.strip()  # fmt: skip
+    rev = old_revision(args.old)
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
         unpack_old(rev, Path(tmp))

@@ -12,7 +12,8 @@ driver of ``scripts/step_cost_ab.py`` (kvmgr's Python share alone). Each wrapper
 cost to its callers (printed as ``timer``: an empty wrapped call); the step's own figure is
 ``StepReport.host_s`` as the step reports it, with the timers in. Where the engine's streams
 keep their event calls (``CopyStreams._record`` / ``_wait``), each record and wait is timed too
-(with torch's events: the fence, start and end records and the fence's wait of every submit).
+(with torch's events: the fence and end records and the fence's wait of every submit; a start
+record only after ``wait_for`` waits).
 
 Not a comparison: run ``scripts/step_cost_ab.py`` (one process, two trees) for ratios.
 """

@@ -4,7 +4,8 @@ Offers:
     GEOMETRIES              benchmark KV geometries (tensors x page bytes)
     CopyCase, Variant       what a copy variant receives and returns
     CasePool                a geometry's GPU tensors and registered host region, drawing cases
-    default_variants        ``loop``, ``batch_ctypes``, ``batch_lists``: the driver's call paths
+    default_variants        ``loop``, ``batch_c``, ``batch_lists``: the driver's call paths
+    select_variants         the ``--variants`` subset, old names accepted (``DEPRECATED_VARIANTS``)
     kernel_variant          the engines' kernel issue (``KernelCopy``) at a program cap: paged
                             (a plan from ``build_plan``) or from a descriptor table
     auto_variant            the engines' per-plan choice (``ChoiceCopy`` over the cost model)
@@ -21,6 +22,7 @@ import collections
 import functools
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import attrs
@@ -38,6 +40,7 @@ from kvmgr.transfer.pinned import PinnedHostBuffer
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 
 __all__ = [
+    "DEPRECATED_VARIANTS",
     "GEOMETRIES",
     "CasePool",
     "CopyCase",
@@ -46,6 +49,7 @@ __all__ = [
     "auto_variant",
     "default_variants",
     "kernel_variant",
+    "select_variants",
     "time_issue",
     "verify",
 ]
@@ -87,8 +91,16 @@ class CopyCase:
 Variant = Callable[[CopyCase], Callable[[], None]]
 
 
+#: old variant name -> current one (``--variants`` still takes the old names, with a warning)
+DEPRECATED_VARIANTS: dict[str, str] = {"batch_ctypes": "batch_c"}
+
+
 def default_variants() -> dict[str, Variant]:
-    """The per-page loop and both call paths of the batched copy."""
+    """The per-page loop (``loop``) and both call paths of the batched copy: ``batch_c``, the
+    resolved ``cuMemcpyBatchAsync`` called from C (``kvmgr.transfer.driver_call``) with the plan's
+    int64 numpy buffers, through ctypes where that C module cannot be built or
+    ``KVMGR_NATIVE_LAUNCH=0``; ``batch_lists``, cuda-python's binding with Python lists. (Until
+    2026-12 ``batch_c`` was named ``batch_ctypes``, from when it always went through ctypes.)"""
 
     def loop(case: CopyCase) -> Callable[[], None]:
         p = case.plan
@@ -106,7 +118,23 @@ def default_variants() -> dict[str, Variant]:
 
         return prepare
 
-    return {"loop": loop, "batch_ctypes": batch("ctypes"), "batch_lists": batch("lists")}
+    return {"loop": loop, "batch_c": batch("ctypes"), "batch_lists": batch("lists")}
+
+
+def select_variants(variants: dict[str, Variant], names: list[str] | None) -> dict[str, Variant]:
+    """The ``--variants`` subset of ``variants`` in their order (all of them for ``None``); a
+    name in ``DEPRECATED_VARIANTS`` stands for its current name and warns (``FutureWarning``).
+    Names that are not columns on this machine (``kernel`` without Triton) are left out."""
+    if not names:
+        return variants
+    wanted = set()
+    for name in names:
+        if name in DEPRECATED_VARIANTS:
+            new = DEPRECATED_VARIANTS[name]
+            warnings.warn(f"variant {name!r} is now named {new!r}", FutureWarning, stacklevel=2)
+            name = new
+        wanted.add(name)
+    return {k: v for k, v in variants.items() if k in wanted}
 
 
 def _released(issuer: object, case: CopyCase) -> Callable[[], None]:

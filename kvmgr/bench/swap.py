@@ -45,6 +45,7 @@ from kvmgr.bench.common import (
     CopyCase,
     Variant,
     all_variants,
+    select_variants,
     time_issue,
     verify,
 )
@@ -64,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cases(parser, GEOMETRIES)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", default=None, help="subset of columns")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="subset of columns (batch_ctypes: old name of batch_c)",
+    )
     parser.add_argument("--step-swaps", type=int, default=512, help="0 skips the step() timing")
     parser.add_argument(
         "--step-engines", nargs="+", choices=_STEP_ENGINES, default=list(_STEP_ENGINES)
@@ -82,9 +88,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     driver = CopyDriver()
     stream = torch.cuda.Stream()
-    variants = all_variants()
-    if args.variants:
-        variants = {k: v for k, v in variants.items() if k in args.variants}
+    variants = select_variants(all_variants(), args.variants)
     result: dict[str, Any] = {"info": collect_info(probe_pinned=False)}
     result["peak"] = _peaks(driver, stream, args)
     peak_gbps = {r["direction"]: r["gbps"] for r in result["peak"] if r["memory"] == "registered"}

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     calib = Calibration.from_json(args.calibration) if args.calibration else None
     columns = {
-        "batch": default_variants()["batch_ctypes"],
+        "batch": default_variants()["batch_c"],
         "kernel": kernel_variant(),
         "auto": auto_variant(calib),
     }

@@ -41,6 +41,7 @@ __all__ = ["Flusher"]
 MAX_COMPLETED = 4096
 
 _NOTHING = DirectionReport()  # frozen: shared by every flush that submits nothing
+_D2H = Direction.D2H
 
 
 class Flusher:
@@ -65,6 +66,7 @@ class Flusher:
         self.room = room
         self.tiers = tiers
         self.transport = connect(self.complete)
+        self._moved = self.transport.moved  # bound once: called once per flush
         self._completed: collections.deque[object] = collections.deque(maxlen=MAX_COMPLETED)
 
     @staticmethod
@@ -92,7 +94,7 @@ class Flusher:
         d2h = h2d = _NOTHING
         if not generations:
             return d2h, h2d
-        moved = self.transport.moved()
+        moved = self._moved()
         if self.tiers is not None:  # evicted blocks' pages, before a store may overwrite them
             self.tiers.write_evicted(scheduler.books.take_evicted(), loop)
         bug: BaseException | None = None
@@ -101,9 +103,11 @@ class Flusher:
                 for lane in lanes:
                     self._settle(scheduler.fail(lane, StaleKVTensorError(moved)))
                 continue
-            jobs = [(scheduler.launch(lane), lane) for lane in lanes]
-            if len(jobs) == 2:  # a store and a load: the worker may prefer the load first
-                first, _ = self.transport.order(jobs[0][0], jobs[1][0])
+            if len(lanes) == 1:  # one direction: no order to choose (the usual generation)
+                jobs: Sequence[tuple[TransferJob, Lane]] = ((scheduler.launch(lanes[0]), lanes[0]),)  # fmt: skip
+            else:
+                jobs = [(scheduler.launch(lane), lane) for lane in lanes]
+                first, _ = self.transport.order(jobs[0][0], jobs[1][0])  # the load first?
                 if first is not jobs[0][0]:
                     jobs.reverse()
             for job, lane in jobs:
@@ -114,7 +118,7 @@ class Flusher:
                     continue
                 if report is None:
                     continue
-                if job.direction is Direction.D2H:
+                if job.direction is _D2H:
                     d2h = report if d2h is _NOTHING else d2h + report
                 else:
                     h2d = report if h2d is _NOTHING else h2d + report
@@ -161,15 +165,19 @@ class Flusher:
         futures, waiting stores. A no-op if the job was already settled. A job a rank did not
         finish by the deadline stays in flight, its awaits failed: that rank is alive and may
         still copy, so its GPU and CPU blocks stay fenced for good (the offload is off)."""
-        if isinstance(outcome.error, RankTimeoutError):
+        error = outcome.error
+        if error is not None and isinstance(error, RankTimeoutError):
             if (batch := self.scheduler.queue.in_flight.get(outcome.job_id)) is not None:
-                _resolve(batch.lane, outcome.error)
+                _resolve(batch.lane, error)
             return
         settled = self.scheduler.complete(outcome)
         if settled is None:
             return
         self._completed.extend(outcome.results)
-        self._settle(settled)
+        if settled.landed is not None and self.tiers is not None:  # ``_settle``, inlined
+            self.tiers.write_landed(settled.landed)
+        _resolve(settled.lane, error)
+        self.room.wake()
 
     def _settle(self, settled: Settled) -> None:
         if settled.landed is not None and self.tiers is not None:

@@ -25,6 +25,7 @@ from itertools import repeat
 
 import numpy as np
 
+from kvmgr._index_c import index_c
 from kvmgr.errors import UnknownKeyError
 from kvmgr.policy.base import _check_evict_count
 from kvmgr.scheduler.chains import KeyChains
@@ -95,7 +96,10 @@ class BlockLru(VictimSearch):
             self._append_few(blocks[::-1])
         else:
             at = np.asarray(blocks, dtype=np.int64) if at is None else at
-            self.key_of[at if run is None else run] = keys  # (the keys themselves)
+            module = index_c()  # one C loop (numpy converts the list to an array first)
+            put = module is not None and type(keys) is list
+            if not put or not module.put_objects(self.key_of, at if run is None else int(run.start), keys):  # fmt: skip
+                self.key_of[at if run is None else run] = keys  # (the keys themselves)
             self._append(at, reverse=True, run=run)
 
     def insert(self, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import array
 import enum
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ from kvmgr.scheduler.chains import KeyChains
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_readers import ReaderCounts
 from kvmgr.scheduler.evictable import evictable, no_room
+from kvmgr.scheduler.key_index import set_items
 
 __all__ = ["CpuState", "CpuTier"]
 
@@ -192,7 +192,7 @@ class CpuTier(ReaderCounts):
             if ids is None:
                 ids = np.fromiter(map(self.index.pop, keys), dtype=np.int64, count=len(keys))
             else:
-                deque(map(self.index.__delitem__, keys), 0)
+                set_items(self.index, keys, None)
             if chain:
                 self.chains.remove_run(ids)
             else:

@@ -21,6 +21,7 @@ import enum
 
 import numpy as np
 
+from kvmgr._index_c import index_c
 from kvmgr.errors import InvalidBlockError
 from kvmgr.pool.allocator import BlockAllocator
 from kvmgr.pool.block_ids import as_id_array, sorted_distinct
@@ -106,9 +107,13 @@ class GpuBlocks:
         n, owned = len(ids), self.pool is not None
         if n == 0:
             return
+        module = index_c()  # strictly increasing, in range and held: one C pass
+        if module is not None and module.increasing_ok(
+            ids, self.state if owned else None, _HELD, self.num_blocks
+        ):
+            return
         if n > 2 and ids[0] < ids[1] and ids[-2] < ids[-1] and (ids[1:] > ids[:-1]).all():
-            # strictly increasing (often: blocks allocated together): distinct, and the ends
-            # are the bounds (one pass fewer)
+            # strictly increasing: distinct, and the ends are the bounds (one pass fewer)
             bad = ids[0] < 0 or ids[-1] >= self.num_blocks
             if not bad and (not owned or (self.state_np[ids] == _HELD).all()):
                 return

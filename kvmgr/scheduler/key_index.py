@@ -18,16 +18,18 @@ out) takes exactly those back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvmgr._index_c import index_c
+
 if TYPE_CHECKING:
     from kvmgr.scheduler.cpu_tier import CpuTier
 
-__all__ = ["add_absent", "add_new", "drop_last", "int_list"]
+__all__ = ["add_absent", "add_new", "drop_last", "int_list", "set_items"]
 
 
 def add_new(
@@ -53,7 +55,7 @@ def add_new(
         if not add_absent(index, keys, blocks):
             return None
     else:  # the keys wait on a placeholder while the policy evicts (they are not its victims)
-        if not add_absent(index, keys, repeat(-1, n)):
+        if not add_absent(index, keys, -1):
             return None
         try:
             ids, run = cpu.make_room(n, ()), None
@@ -61,7 +63,7 @@ def add_new(
             drop_last(index, n)
             raise
         blocks = int_list(ids, pool.num_blocks)
-        index.update(zip(keys, blocks))  # in place: the order stays
+        set_items(index, keys, blocks)  # in place: the order stays
     try:
         cpu.add_pending(keys, ids, parents, indexed=blocks, run=run)
     except BaseException:  # the policy refused the keys (its insert comes first)
@@ -90,17 +92,40 @@ def int_list(ids: np.ndarray | slice, num_blocks: int) -> list[int]:
     return _INTS[ids].tolist()  # type: ignore[no-any-return]
 
 
-def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: Iterable[int]) -> bool:
+def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: list[int] | int) -> bool:
     """Index ``keys[i] -> values[i]`` when every key is absent from ``index`` and the keys are
     distinct (``True``); otherwise leave ``index`` as it was, the same entries in the same
-    order, and return ``False``."""
+    order, and return ``False``. ``values``: one per key, or one int for every key.
+
+    One C loop where kvmgr's C modules build (:mod:`kvmgr._index_c`: it stops at the first key
+    not new, and prefetches the index's table ahead), else ``setdefault`` through ``map``."""
+    module = index_c()
+    if module is not None and type(index) is dict and type(keys) is list:
+        added = module.add_absent(index, keys, values)
+        if added == len(keys):
+            return True
+        drop_last(index, added)
+        return False
     before = len(index)
-    deque(map(index.setdefault, keys, values), 0)
+    each = repeat(values, len(keys)) if isinstance(values, int) else values
+    deque(map(index.setdefault, keys, each), 0)
     added = len(index) - before
     if added == len(keys):
         return True
     drop_last(index, added)
     return False
+
+
+def set_items(index: dict[bytes, int], keys: list[bytes], values: list[int] | None) -> None:
+    """``index.update(zip(keys, values))``, or (``values`` None) ``del index[key]`` for each key
+    (a missing key: ``KeyError``, those before it deleted); one C loop where it builds."""
+    module = index_c()
+    if module is not None and type(index) is dict and type(keys) is list:
+        module.set_items(index, keys, values)
+    elif values is None:
+        deque(map(index.__delitem__, keys), 0)
+    else:
+        index.update(zip(keys, values))
 
 
 def drop_last(index: dict[bytes, int], n: int) -> None:

@@ -161,8 +161,9 @@ class ScriptedEngine(ScriptControls, TransferEngine):
         """
         if self._closed:
             raise ClosedError(f"{self.name} engine is closed")
-        if self._plain and not self._holding and not self._order.batches:
-            return self._complete_now(plan)
+        if self._plain and not self._holding and not self._order.batches:  # done at once
+            self._next_batch_id += 1
+            return completed_handle(self._totals, self._next_batch_id - 1, plan, self.name)
         order = self._order
         with order.lock:
             preds = [order.by_id.get(h.batch_id) for h in wait_for]
@@ -249,11 +250,6 @@ class ScriptedEngine(ScriptControls, TransferEngine):
             raise TransferError(f"batch {handle.batch_id} is held; its copy has not started")
 
     # ------------------------------------------------------------------ internals
-
-    def _complete_now(self, plan: TransferPlan) -> BatchHandle:
-        """An unscripted batch of the no-copy engine with nothing before it: done at once."""
-        self._next_batch_id += 1
-        return completed_handle(self._totals, self._next_batch_id - 1, plan, self.name)
 
     def _start(self, batch: Batch, waits: Sequence[BatchHandle]) -> None:
         """Hand one batch's copy to the inner engine (``BatchOrder``'s ``start``)."""

@@ -1,6 +1,8 @@
-"""A ``SharedTier`` client's own bookkeeping and warnings.
+"""A ``SharedTier`` client's connection set-up, its own bookkeeping and warnings.
 
 Private to ``kvmgr.tiers.shared``. Offers:
+    open_calls          the connection options checked, then the server's address, the tier's
+                        worker threads, counters and call ``Dispatcher``
     PutsInFlight        per key, the puts of this client still running; ``deleted`` marks those
                         a ``delete_many`` overtook (its ``UNLINK`` may reach the server before
                         their ``SET``), ``end`` says which keys a put that ended must delete again
@@ -13,14 +15,62 @@ thread.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 from kvmgr.errors import TierSecurityWarning
+from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
+from kvmgr.tiers._nodes import Breaker, SlotMap
+from kvmgr.tiers._shared_calls import Dispatcher
+from kvmgr.tiers.base import TierCounters
 
-__all__ = ["PutsInFlight", "warn_default_user"]
+__all__ = ["PutsInFlight", "open_calls", "warn_default_user"]
 
 _log = logging.getLogger("kvmgr.tiers.shared")
+
+#: ``(username, password_file, password_env)``, as ``SharedTier`` takes them
+Credentials = tuple[str | None, str | os.PathLike[str] | None, str | None]
+#: ``(ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_check_hostname, connect_timeout_s)``
+Reach = tuple[str | None, str | None, str | None, bool, float]
+#: ``(reconnect_backoff_s, max_backoff_s, trip_after_timeouts)``: each server's ``Breaker``
+Backoff = tuple[float, float, int]
+
+
+def open_calls(
+    url: str, credentials: Credentials, reach: Reach, max_connections: int, backoff: Backoff
+) -> tuple[ServerAddress, ThreadPoolExecutor, TierCounters, Dispatcher]:
+    """Check the connection limits, resolve the address (password from the URL, the file or
+    the environment), then build the worker threads (``max_connections``), the counters and
+    the ``Dispatcher`` (one breaker per server; a slot map for a cluster). Connects to nothing.
+
+    Raises:
+        ConfigError: a non-positive limit, a bad URL, TLS arguments with a plain URL or
+            unreadable TLS or password files; nothing was built then.
+    """
+    ca_certs, certfile, keyfile, check_hostname, connect_timeout_s = reach
+    first_backoff, max_backoff, trips = backoff
+    check_limits(
+        connect_timeout_s=connect_timeout_s,
+        reconnect_backoff_s=(first_backoff, True),
+        max_backoff_s=(max_backoff, True),
+        max_connections=(max_connections, int),
+        trip_after_timeouts=(trips, int),
+    )
+    username, password_file, password_env = credentials
+    address = parse_address(
+        url, username=username, password_file=password_file, password_env=password_env
+    )
+    tls_files = (ca_certs, certfile, keyfile)
+    endpoint = endpoint_for(address, tls_files, check_hostname, connect_timeout_s)
+    executor = ThreadPoolExecutor(max_connections, thread_name_prefix="kvmgr-shared")
+    counters = TierCounters("shared", "cluster" if address.is_cluster else "resp")
+    breaker = functools.partial(Breaker, first_backoff, max_backoff, trips)
+    slots = SlotMap(list(address.servers)) if address.is_cluster else None
+    calls = Dispatcher(endpoint, breaker, max_connections, slots, executor, counters, address.url)
+    return address, executor, counters, calls
 
 
 class PutsInFlight:

@@ -33,19 +33,16 @@ import functools
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from kvmgr.errors import InvalidKeyError, TierError
-from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
-from kvmgr.tiers._nodes import Breaker, SlotMap
+from kvmgr.tiers._connection import check_limits
 from kvmgr.tiers._resp import nbytes
-from kvmgr.tiers._shared_calls import Dispatcher
-from kvmgr.tiers._shared_client import PutsInFlight, warn_default_user
+from kvmgr.tiers._shared_client import PutsInFlight, open_calls, warn_default_user
 from kvmgr.tiers._shared_io import FAILED, get_part, keys_part, put_part
-from kvmgr.tiers.base import Buffer, PutResult, TierCounters, TierStatistics, check_keys
+from kvmgr.tiers.base import Buffer, PutResult, TierStatistics, check_keys
 
 __all__ = ["SharedTier"]
 
@@ -112,39 +109,22 @@ class SharedTier:
         single_tenant: bool = False,
         skip_present: bool = True,
     ) -> None:
-        check_limits(
-            deadline_s=deadline_s,
-            hint_deadline_s=hint_deadline_s,
-            connect_timeout_s=connect_timeout_s,
-            reconnect_backoff_s=(reconnect_backoff_s, True),
-            max_backoff_s=(max_backoff_s, True),
-            ttl_s=(ttl_s, None),
-            max_connections=(max_connections, int),
-            trip_after_timeouts=(trip_after_timeouts, int),
+        check_limits(deadline_s=deadline_s, hint_deadline_s=hint_deadline_s, ttl_s=(ttl_s, None))
+        self._address, self._executor, self._counters, self._calls = open_calls(
+            url,
+            (username, password_file, password_env),
+            (ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_check_hostname, connect_timeout_s),
+            max_connections,
+            (reconnect_backoff_s, max_backoff_s, trip_after_timeouts),
         )
-        address = parse_address(
-            url, username=username, password_file=password_file, password_env=password_env
-        )
-        tls_files = (ssl_ca_certs, ssl_certfile, ssl_keyfile)
-        endpoint = endpoint_for(address, tls_files, ssl_check_hostname, connect_timeout_s)
-        self._address: ServerAddress = address
         self.single_tenant = single_tenant
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._deadline_s = deadline_s
         self._hint_deadline_s = hint_deadline_s
         self._skip_present = skip_present
-        self._executor = ThreadPoolExecutor(max_connections, thread_name_prefix="kvmgr-shared")
-        self._counters = TierCounters("shared", "cluster" if address.is_cluster else "resp")
-        breaker = functools.partial(
-            Breaker, reconnect_backoff_s, max_backoff_s, trip_after_timeouts
-        )
-        slots = SlotMap(list(address.servers)) if address.is_cluster else None
-        self._calls = Dispatcher(
-            endpoint, breaker, max_connections, slots, self._executor, self._counters, self.url
-        )
         self._closed = False
         self._puts = PutsInFlight()  # a delete while a put runs deletes again when it ends
-        if address.username is None and not single_tenant:
+        if self._address.username is None and not single_tenant:
             warn_default_user(self.url)
 
     def __repr__(self) -> str:

@@ -34,6 +34,8 @@ _LEGACY_PER_DESCRIPTOR = "batch_us_per_descriptor"
 #: DMA per-descriptor costs are fitted on rows with descriptors up to this size where there are
 #: any: the per-descriptor term decides small descriptors; bandwidth decides large ones.
 _SMALL_DESCRIPTOR_BYTES = 8192
+#: the batched DMA rows of ``bench swap-kernel`` and ``bench swap`` (its old name too)
+_BATCH_VARIANTS = ("batch", "batch_c", "batch_ctypes")
 
 
 def from_dict(cls: Any, data: Mapping[str, Any]) -> Any:
@@ -107,8 +109,8 @@ def fit(
 
     Kernel: least squares of launch, per-descriptor and per-direction bandwidth over the
     ``kernel`` rows. DMA: bandwidth from the ``registered`` peak rows (else ``base``'s), launch
-    from ``base``; per direction, the median over the ``batch``/``batch_ctypes`` rows of ``(us -
-    launch - bytes / bandwidth) / descriptors``, over the rows of descriptors up to 8 KiB where
+    from ``base``; per direction, the median over the ``batch``/``batch_c`` rows (``batch_ctypes``
+    in older files) of ``(us - launch - bytes / bandwidth) / descriptors``, over the rows of descriptors up to 8 KiB where
     there are any (the per-descriptor term decides small descriptors). Scattered batches hold
     thousands of descriptors, so they pin down per-descriptor costs but not launch costs.
 
@@ -120,7 +122,7 @@ def fit(
         for peak in peak_rows:
             if peak.get("memory") == "registered":
                 values[f"batch_{Direction(peak['direction']).value}_gbps"] = peak["gbps"]
-        batch = [r for r in rows if r.get("variant") in ("batch", "batch_ctypes")]
+        batch = [r for r in rows if r.get("variant") in _BATCH_VARIANTS]
         for direction in Direction:
             per_descriptor = _batch_per_descriptor(batch, direction, values)
             if per_descriptor is not None:

@@ -4,8 +4,9 @@
 Offers:
     CurrentStream   the device's current stream as a ``torch.cuda.Stream``, rebuilt only when
                     the raw current-stream handle changes
-    device_is_current   whether a device is the current one (torch's C reader once initialized)
+    device_is_current   whether a device is the current one (torch's C reader)
     on_device       ``torch.cuda.device(device)`` unless it is already current
+    real_cuda_events    whether ``torch.cuda.Event`` is torch's own class
     event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
                     C (``DriverEvents``) or torch's C methods where they are torch's own
                     classes, else the objects' own methods
@@ -22,13 +23,19 @@ import torch
 from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
 from kvmgr.transfer.driver_call import native_call
 
-__all__ = ["CurrentStream", "DriverEvents", "device_is_current", "event_calls", "on_device"]
+__all__ = [
+    "CurrentStream",
+    "DriverEvents",
+    "device_is_current",
+    "event_calls",
+    "on_device",
+    "real_cuda_events",
+]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # device index -> handle
 _CURRENT = contextlib.nullcontext()  # reusable and reentrant: one for every submit
 _TORCH_CURRENT_DEVICE = torch.cuda.current_device  # torch's own (tests may replace it)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)  # what it returns after _lazy_init
-_in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: True)
 
 
 class CurrentStream:
@@ -56,22 +63,31 @@ class CurrentStream:
 def device_is_current(device: torch.device) -> bool:
     """Whether ``device`` (with an index) is the current CUDA device (no switch needed).
 
-    The current device is read as ``torch.cuda.current_device()`` does once CUDA is initialized
-    (``_lazy_init`` a no-op then): torch's C reader straight, three Python frames fewer; before
-    initialization, in a forked child (torch's error), or where ``current_device`` is not
-    torch's own (a test's stand-in), through ``torch.cuda.current_device()``."""
+    The current device is read by torch's C reader (``torch._C._cuda_getDevice``) straight,
+    three Python frames fewer than ``torch.cuda.current_device()``, which is ``_lazy_init()``
+    then that reader: the reader itself initializes CUDA first where torch has not
+    (``device_lazy_init``: torch's ``_lazy_init``, so before initialization and in a forked
+    child, where a fork handler marks CUDA uninitialized, it does and raises what
+    ``current_device()`` does; ``tests/transfer/test_cuda_current.py`` checks both on a GPU).
+    Where ``current_device`` is not torch's own (a test's stand-in) or the reader is missing,
+    through ``torch.cuda.current_device()``."""
     index = device.index
     if index is None:
         return False
-    cuda = torch.cuda
-    if cuda.current_device is _TORCH_CURRENT_DEVICE and _get_device is not None and getattr(cuda, "_initialized", False) and not _in_bad_fork():  # fmt: skip
+    if _get_device is not None and torch.cuda.current_device is _TORCH_CURRENT_DEVICE:
         return _get_device() == index
-    return cuda.current_device() == index
+    return torch.cuda.current_device() == index
 
 
 def on_device(device: torch.device) -> Any:
     """``torch.cuda.device(device)`` unless it is already current (saves a device switch)."""
     return _CURRENT if device_is_current(device) else torch.cuda.device(device)
+
+
+def real_cuda_events() -> bool:
+    """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
+    base, event = getattr(torch._C, "_CudaEventBase", None), torch.cuda.Event
+    return base is not None and isinstance(event, type) and issubclass(event, base)
 
 
 def _record_by_method(event: Any, stream: Any) -> None:

@@ -41,8 +41,10 @@ class BatchResult:
         direction: D2H or H2D.
         num_bytes: bytes copied.
         num_descriptors: descriptors submitted (after merging, summed over split chunks).
-        device_s: seconds between the batch's start and end events on the device, or the worker
-            thread's copy time for the host engine; ``None`` if not measured.
+        device_s: seconds the batch ran on the device, from its start (the later of its compute
+            fence and the previous batch's end on its copy stream, or the start recorded after
+            its ``wait_for`` waits) to its end event; or the worker thread's copy time for the
+            host engine; ``None`` if not measured.
         path: how it was copied: ``"host"``, ``"batch"`` (cuMemcpyBatchAsync), ``"loop"``
             (per-copy cuMemcpyAsync), ``"kernel"`` (SM copy kernel) or ``"staged"`` (a device
             staging buffer and few DMA descriptors, ``kvmgr.transfer.staged``).

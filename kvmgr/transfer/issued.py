@@ -21,7 +21,7 @@ import attrs
 
 from kvmgr.errors import TransferError
 from kvmgr.transfer.engine import BatchTotals
-from kvmgr.transfer.plan import TransferPlan
+from kvmgr.transfer.plan import Direction, TransferPlan
 
 __all__ = ["CopyCounters", "CopyIssuer", "Issued", "StreamTotals"]
 
@@ -82,3 +82,19 @@ class CopyCounters(StreamTotals, BatchTotals):
         """A consistent snapshot of every counter, by field name."""
         with self.lock:
             return {k: v for k, v in attrs.asdict(self).items() if k != "lock"}
+
+    def count_done(self, direction: Direction, num_bytes: int, device_s: float, failed: bool) -> None:  # fmt: skip
+        """Count one batch that left the device: ``num_bytes`` moved in ``device_s`` seconds
+        (both ignored when ``failed``)."""
+        with self.lock:
+            self.in_flight -= 1
+            if failed:
+                self.batches_failed += 1
+            elif direction is Direction.D2H:
+                self.batches_completed += 1
+                self.bytes_d2h += num_bytes
+                self.device_s_d2h += device_s
+            else:
+                self.batches_completed += 1
+                self.bytes_h2d += num_bytes
+                self.device_s_h2d += device_s

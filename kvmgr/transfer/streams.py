@@ -1,33 +1,41 @@
 """Streams, events and completion shared by the CUDA engines.
 
 Offers:
-    CopyStreams     per-direction copy streams, compute fences, start/end events and FIFO
+    CopyStreams     per-direction copy streams, compute fences, end events and FIFO
                     completion threads around an issuer's work (``kvmgr.transfer.issued``'s
                     names are re-exported)
 
 Ordering (docs/transfer.md): each direction has its own non-default copy stream, H2D at higher
 priority. Before a batch, its copy stream waits on an event recorded on the compute stream (rules
-3, 4) and on the end events of ``wait_for`` batches; start and end events bracket the issuer's
-copies. Batches of one direction therefore run and complete in FIFO order.
+3, 4) and on the end events of ``wait_for`` batches; an end event follows the issuer's copies.
+Batches of one direction therefore run and complete in FIFO order.
+
+Events per batch: ``(fence, end)``, both timing events; no start record on the copy stream (an
+event call cost 3-4 us in the step on the H200 host) unless the batch waits for ``wait_for``
+batches not yet done: then the fence event is recorded again on the copy stream after those
+waits (a wait takes an event's state at its call). A batch starts when its fence is reached and
+the previous batch of its stream has ended, so ``device_s`` is the smaller of fence -> end and
+previous end -> end; the completion thread holds each pair back from the pool until the next
+batch of its direction was timed (work put on ``stream(direction)`` by a caller counts too).
 
 Completion: one thread per direction sleeps in ``end_event.synchronize()`` (blocking-sync events,
 no polling, GIL released) for each batch in submission order, then drops what the issuer asked to
 keep alive (rule 7), hands its reusable buffers back, updates the totals, resolves the future and
 makes a spare one for a later submit (a ``Future`` costs ~15 us of a cold step).
 
-Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its start/end
+Host cost. With torch's own CUDA events (not a CPU test's stand-in) a submit takes its fence/end
 events from a per-direction pool instead of creating two (a new event with its first record cost
 3.7-4.0 us on the H200 host, a record of an existing one 1.7 us) and records the compute fence
 on the current stream's ``torch.cuda.Stream``, rebuilt only when the raw current-stream handle
 changes (``Event.record()`` without a stream builds one per call: 9.0 against 2.6 us on the H200
-host, BENCHMARKS.md round 4 session 7); the fence, start and end records and the fence's wait
+host, BENCHMARKS.md round 4 session 7); the fence and end records and the fence's wait
 go to the driver's ``cuEventRecord`` / ``cuStreamWaitEvent`` from C where that builds, else to
 torch's C methods past their Python wrappers (``cuda_current.event_calls``; the same calls
-through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A
-pair goes back to the pool after its batch's future resolved (never after a device error), so a
-handle's ``end_event`` may later mark a newer batch of the same direction: waits are only issued
-for handles whose future has not resolved, and a wait on a re-recorded event waits for a later
-batch of the same FIFO stream, never for less.
+through ctypes measured slower, 5.7-8.1 us each: BENCHMARKS.md, round 3). A pair goes back
+to the pool after its batch's future resolved and the next batch was timed (never after a device
+error), so a handle's ``end_event`` may later mark a newer batch of the same direction: waits are
+only issued for handles whose future has not resolved, and a wait on a re-recorded event waits
+for a later batch of the same FIFO stream, never for less.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
 from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
+from kvmgr.transfer.cuda_current import real_cuda_events as _real_cuda_events  # tests patch it
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
 from kvmgr.transfer.plan import Direction, TransferPlan
@@ -54,18 +63,23 @@ _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the 
 _SPARE_FUTURES = 4  # futures the completion threads make ahead for the next submits
 
 
-#: One batch in flight, as the completion thread gets it (a list: built in one C call, its plan
-#: cleared there): ``[handle, start event, plan, issued, pool, num_bytes, num_descriptors]``: the
-#: plan is kept until the end event (rule 7), ``pool`` is where the (start, end) pair goes back,
-#: or None; the counts are the plan's at submit.
+#: One batch in flight, as its completion thread gets it: ``[handle, fence (or start) event,
+#: plan, issued, pool, num_bytes, num_descriptors]``: the plan is kept until the end event (rule
+#: 7), ``pool`` is where the pair goes back, or None; the counts are the plan's at submit.
 _InFlight = list[Any]
 _PLAN = 2  # the plan's index in an _InFlight
+#: The events of the last batch a completion thread finished: ``(pool or None, fence or start,
+#: end)``, held back from the pool until the next batch's timing has read its end event.
+_Held = tuple[Any, Any, Any] | None
 
 
-def _real_cuda_events() -> bool:
-    """Whether ``torch.cuda.Event`` is torch's own CUDA event class (not a test's stand-in)."""
-    base, event = getattr(torch._C, "_CudaEventBase", None), torch.cuda.Event
-    return base is not None and isinstance(event, type) and issubclass(event, base)
+def _device_seconds(start: Any, end: Any, previous: _Held) -> float:
+    """Seconds from a batch's start to its ``end`` event: it started at the later of ``start``
+    (its fence, or the start recorded after its waits) and the previous batch's end."""
+    elapsed = start.elapsed_time(end)
+    if previous is not None:
+        elapsed = min(elapsed, previous[2].elapsed_time(end))
+    return elapsed / 1e3
 
 
 class CopyStreams:
@@ -93,11 +107,13 @@ class CopyStreams:
         self._device = device
         self._current = CurrentStream(device)
         self._compute_stream = compute_stream
+        same = compute_stream is None or getattr(compute_stream, "device", None) == device
+        # another (or an unknown) device's fence cannot time a copy here: own fences, starts
+        self._fences = None if same else {d: torch.cuda.Event() for d in Direction}
         self._streams = {
             Direction.D2H: torch.cuda.Stream(device, priority=_PRIORITIES["normal"]),
             Direction.H2D: torch.cuda.Stream(device, priority=_PRIORITIES[h2d_priority]),
         }
-        self._fences = {d: torch.cuda.Event() for d in Direction}  # recorded, then waited at once
         # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
         self._pooled = _real_cuda_events()
         self._record, self._wait = event_calls(self._pooled)  # on its own streams, events
@@ -126,7 +142,7 @@ class CopyStreams:
         return self._streams[direction]
 
     def submit(self, plan: TransferPlan, issuer: CopyIssuer, wait_for: Sequence[BatchHandle], entered: float, _guarded: bool = False) -> BatchHandle:  # fmt: skip
-        """Fence, bracket ``issuer.issue(plan, stream)`` with events, queue the completion.
+        """Fence, ``issuer.issue(plan, stream)``, end event, queue the completion.
 
         ``entered`` is the ``perf_counter`` at which the engine's ``submit`` began (for
         ``submit_s``). Returns at once; the handle's future resolves on the completion thread.
@@ -143,7 +159,8 @@ class CopyStreams:
         pool = self._pools[direction] if pooled else None
         events = pool.pop() if pool else self._new_pair()
         record, wait = self._record, self._wait
-        fence = self._fences[direction]
+        fences = self._fences  # the batch's fence is its start, unless it waits for others
+        fence = events[0] if fences is None else fences[direction]
         if self._compute_stream is not None:
             fence.record(self._compute_stream)
         elif pooled:  # torch's events: the current stream's object, built once per stream
@@ -151,19 +168,27 @@ class CopyStreams:
         else:
             fence.record(torch.cuda.current_stream(self._device))
         wait(fence, stream)
-        for other in wait_for:
-            if other.end_event is not None and not (pooled and other.future.done()):
-                stream.wait_event(other.end_event)
-        record(events[0], stream)
+        if (wait_for and self._wait_for(wait_for, stream)) or fences is not None:
+            record(events[0], stream)  # the start, after the waits (they are made already)
         issued_at = time.perf_counter()
         issued = issuer.issue(plan, stream)
         issue_s = time.perf_counter() - issued_at
         record(events[1], stream)
         return self._queue(plan, issued, entered, issue_s, direction, batch_id, events, pool)
 
+    def _wait_for(self, wait_for: Sequence[BatchHandle], stream: Any) -> bool:
+        """Make ``stream`` wait for the end events of the ``wait_for`` batches not yet done;
+        whether it waits for any."""
+        waited, pooled = False, self._pooled
+        for other in wait_for:
+            if other.end_event is not None and not (pooled and other.future.done()):
+                stream.wait_event(other.end_event)
+                waited = True
+        return waited
+
     @staticmethod
     def _new_pair() -> tuple[Any, Any]:
-        """A (start, end) pair of timing events, the end one blocking-sync."""
+        """A (fence or start, end) pair of timing events, the end one blocking-sync."""
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)  # fmt: skip
 
     def _queue(self, plan: TransferPlan, issued: Issued, entered: float, issue_s: float, direction: Direction, batch_id: int, events: tuple[Any, Any], pool: list[tuple[Any, Any]] | None) -> BatchHandle:  # fmt: skip
@@ -226,28 +251,36 @@ class CopyStreams:
     def _complete_in_order(self, inbox: queue.SimpleQueue[_InFlight | None]) -> None:
         """Completion thread of one direction: one event synchronize per batch, FIFO."""
         spares = self._spare_futures
+        previous: _Held = None
         while (item := inbox.get()) is not None:
-            self._complete(item)
+            previous = self._complete(item, previous)
             if len(spares) < _SPARE_FUTURES:
                 spares.append(concurrent.futures.Future())
 
-    def _complete(self, item: _InFlight) -> None:
-        """Wait for one batch's end event, release what it kept, count it, resolve its future."""
+    def _complete(self, item: _InFlight, previous: _Held) -> _Held:
+        """Wait for one batch's end event, release what it kept, count it, resolve its future.
+
+        ``previous``: the events of the batch before it on this stream (held back from their
+        pool until now: its end event times this batch's start), or None. Returns this batch's
+        to hold for the next one (None after a device error: its pair is dropped)."""
         handle, start, _, issued, pool, num_bytes, num_descriptors = item
+        end = handle.end_event
         device_s, error = 0.0, issued.error
         try:
-            handle.end_event.synchronize()  # blocking-sync event: sleeps, GIL released
+            end.synchronize()  # blocking-sync event: sleeps, GIL released
             if error is None:
-                device_s = start.elapsed_time(handle.end_event) / 1e3
+                device_s = _device_seconds(start, end, previous)
         except Exception as exc:  # an asynchronous CUDA error surfaced at the event
             error = error or TransferError(f"batch {handle.batch_id} failed on the device: {exc}")
+        if previous is not None and previous[0] is not None:
+            previous[0].append((previous[1], previous[2]))  # its future resolved long ago
         # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
         item[_PLAN] = None  # the plan may go before the future resolves
         release = issued.release
         issued.keep_alive, issued.release = (), None
         if release is not None:
             release()
-        self._count_done(handle.direction, num_bytes, device_s, error is not None)
+        self.counters.count_done(handle.direction, num_bytes, device_s, error is not None)
         # A cancelled future raises InvalidStateError: nobody is left to tell.
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             if error is not None:
@@ -263,20 +296,4 @@ class CopyStreams:
                         path=issued.path,
                     )
                 )
-        if pool is not None and error is issued.error:  # not after a device error
-            pool.append((start, handle.end_event))  # the future has resolved
-
-    def _count_done(self, direction: Direction, num_bytes: int, device_s: float, failed: bool) -> None:  # fmt: skip
-        counters = self.counters
-        with counters.lock:
-            counters.in_flight -= 1
-            if failed:
-                counters.batches_failed += 1
-            elif direction is Direction.D2H:
-                counters.batches_completed += 1
-                counters.bytes_d2h += num_bytes
-                counters.device_s_d2h += device_s
-            else:
-                counters.batches_completed += 1
-                counters.bytes_h2d += num_bytes
-                counters.device_s_h2d += device_s
+        return (pool, start, end) if error is issued.error else None  # not after a device error

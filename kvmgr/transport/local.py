@@ -33,6 +33,7 @@ class LocalTransport:
     def __init__(self, worker: TransferWorker, deliver: Callable[[JobOutcome], None]) -> None:
         self.worker = worker
         self._deliver = deliver
+        self.moved = worker.moved  # `moved` without this frame (the guard's own, bound)
 
     def moved(self) -> str | None:
         """Why a KV tensor moved since the worker was built, or ``None`` (checked once per
@@ -48,22 +49,23 @@ class LocalTransport:
         Raises:
             KVMgrError: the worker refused it (nothing runs then; roll it back).
         """
+        worker = self.worker
         try:
-            submitted = self.worker.submit(job, checked=checked)
+            submitted = worker.submit(job, checked=checked)
         except BaseException:
-            self.worker.forget(job.job_id)  # a plan kept by ``order``
+            worker.forget(job.job_id)  # a plan kept by ``order``
             raise
         handle = submitted.handle
         land, job_id = self._land, job.job_id
-        if handle.future.done() and asyncio._get_running_loop() is loop:  # ended already (a
-            loop.call_soon(land, job_id, handle)  # synchronous engine): no self-pipe wakeup
-            return submitted
 
-        def on_done(_: object) -> None:  # an engine thread (or here, if already done)
+        def on_done(_: object) -> None:  # an engine thread, or here (a synchronous engine)
+            if asyncio._get_running_loop() is loop:  # this loop's thread: no self-pipe wakeup
+                loop.call_soon(land, job_id, handle)
+                return
             with contextlib.suppress(RuntimeError):  # loop closed: close() settles the job
                 loop.call_soon_threadsafe(land, job_id, handle)
 
-        handle.future.add_done_callback(on_done)
+        handle.future.add_done_callback(on_done)  # called at once if the copy ended already
         return submitted
 
     def track(self, job_id: int, handle: BatchHandle, loop: asyncio.AbstractEventLoop) -> None:
@@ -80,7 +82,13 @@ class LocalTransport:
 
     def _land(self, job_id: int, handle: BatchHandle) -> None:
         self.worker.forget(job_id)
-        self._deliver(_outcome(job_id, handle))
+        future = handle.future  # done: one read of its error, one of its result
+        error = future.exception()
+        if error is not None:
+            self._deliver(JobOutcome(job_id, error))
+            return
+        result = future.result()
+        self._deliver(JobOutcome(job_id, None, result.num_bytes, result.device_s, (result,)))
 
     def outcome_now(self, job_id: int) -> JobOutcome | None:
         """The job's outcome if its copy has ended, else ``None`` (it may still run)."""

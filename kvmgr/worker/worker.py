@@ -93,12 +93,11 @@ class TransferWorker:
         )
         self.tensors = tensors
         self._guard = TensorGuard(tensors)  # (builds kvmgr's C module, as ``prepare`` the plan's)
+        self.moved = self._guard.moved  # `moved`, one frame fewer (once per flush)
         prepare()
         cpu_layout = self.cpu_pool.layout
-        self._layouts = {
-            Direction.D2H: (self.gpu_layout, cpu_layout),
-            Direction.H2D: (cpu_layout, self.gpu_layout),
-        }
+        self._layouts = {Direction.D2H: (self.gpu_layout, cpu_layout),
+                         Direction.H2D: (cpu_layout, self.gpu_layout)}  # fmt: skip
         # a store is split between the ranks (``KVGeometry.writer``): else every block is ours
         self._split_stores = layout == "replicated" and num_ranks > 1
         self._handles: dict[int, BatchHandle] = {}
@@ -175,10 +174,10 @@ class TransferWorker:
         """
         if not checked and (moved := self._guard.moved()) is not None:
             raise StaleKVTensorError(moved)
-        handles, job_id = self._handles, job.job_id
+        handles, job_id, prebuilt = self._handles, job.job_id, self._prebuilt
         wait_for: Sequence[BatchHandle] = ()  # the engines' default: nothing to follow
         try:  # one frame from here to the engine (each one a cold step pays for)
-            plan = self._prebuilt.pop(job_id, None) or self._plan(job)
+            plan = (prebuilt and prebuilt.pop(job_id, None)) or self._plan(job)
             if job.wait_for:
                 wait_for = [handles[j] for j in job.wait_for if j in handles]
                 check_orderable(wait_for, job.direction)  # the host engine would run it at once

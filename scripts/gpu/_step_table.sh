@@ -39,3 +39,25 @@ branch_base() {
     || base=$(git merge-base HEAD main 2>/dev/null)
   echo "$base"
 }
+# device_read_step: step "device_read" (15 s), best of 5 x 20000 calls each:
+# torch.cuda.current_device() against kvmgr's device_is_current and on_device.
+device_read_step() {
+  step device_read 15 python3 -c "
+import timeit, torch
+from kvmgr.transfer.cuda_current import device_is_current, on_device
+dev = torch.device('cuda', torch.cuda.current_device())
+torch.cuda.Stream(dev)  # CUDA initialized, as an engine finds it
+for name, fn in (('torch.cuda.current_device()', torch.cuda.current_device),
+                 ('device_is_current', lambda: device_is_current(dev)),
+                 ('on_device', lambda: on_device(dev))) * 2:
+    best = min(timeit.repeat(fn, number=20000, repeat=5)) / 20000 * 1e6
+    print(f'device read {name}: {best:.3f} us')
+assert device_is_current(dev)
+"
+}
+# env_step SECONDS: step "env": the versions (python, torch, the GPU) and whether the C call
+# module builds here.
+env_step() {
+  step env "$1" python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
+print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
+}

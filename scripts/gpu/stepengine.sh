@@ -30,8 +30,7 @@ D=$(cd "$D" && pwd)
 LOG="$D/log.txt"
 BASE=${STEP_BASE:-51e895a}
 
-step env 20 python3 -c "import sys, torch; from kvmgr.transfer.driver_call import native_call; \
-print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), 'C call:', native_call())"
+env_step 20
 
 step_table_ab "$BASE" 35
 
@@ -40,18 +39,7 @@ step gpu_tests 60 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/
   tests/kernels/test_copy_kernel.py tests/kernels/test_copy_blocks.py tests/kernels/test_copy_staging.py \
   tests/transfer/test_staged_gpu.py
 
-step device_read 15 python3 -c "
-import timeit, torch
-from kvmgr.transfer.cuda_current import device_is_current, on_device
-dev = torch.device('cuda', torch.cuda.current_device())
-torch.cuda.Stream(dev)  # CUDA initialized, as an engine finds it
-for name, fn in (('torch.cuda.current_device()', torch.cuda.current_device),
-                 ('device_is_current', lambda: device_is_current(dev)),
-                 ('on_device', lambda: on_device(dev))) * 2:
-    best = min(timeit.repeat(fn, number=20000, repeat=5)) / 20000 * 1e6
-    print(f'device read {name}: {best:.3f} us')
-assert device_is_current(dev)
-"
+device_read_step
 
 OLD_TREE=$(mktemp -d)
 if base_tree "$BASE" "$OLD_TREE"; then

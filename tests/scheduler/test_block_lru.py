@@ -128,6 +128,20 @@ def _store(pair: _Pair, rng: random.Random, new: list[bytes], how: str) -> Any:
 @settings(max_examples=150, deadline=None)
 @given(st.randoms(use_true_random=False), st.sampled_from([8, 16, 48]))
 def test_by_block_evicts_the_same_keys_in_the_same_order(rng, num_blocks):
+    _program(rng, num_blocks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from([8, 48]), st.sampled_from([1, 3]))
+def test_the_victim_search_by_chunks_of_any_width_evicts_the_same(rng, num_blocks, width):
+    """``_leaf_entries`` reads the log by chunks of 1024 entries and more; here by chunks of
+    one or three, so that the chunks' edges fall everywhere in these small logs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BlockLru, "_first_chunk", staticmethod(lambda n: width))
+        _program(rng, num_blocks)
+
+
+def _program(rng: random.Random, num_blocks: int) -> None:
     pair = _Pair(num_blocks)
     pending: list[tuple[list[bytes], list[int]]] = []
     loading: list[list[int]] = []

@@ -213,17 +213,56 @@ def test_on_device_reads_the_device_from_c_only_where_current_device_would(
     monkeypatch.setattr(torch.cuda, "device", lambda device: switched.append(device) or "guard")
     monkeypatch.setattr(cuda_current, "_TORCH_CURRENT_DEVICE", torch_current_device)
     monkeypatch.setattr(cuda_current, "_get_device", c_reader)
-    monkeypatch.setattr(cuda_current, "_in_bad_fork", lambda: False)
-    monkeypatch.setattr(torch.cuda, "_initialized", True, raising=False)
     on = cuda_current.on_device
     assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["c"]
     assert on(torch.device("cuda", 0)) == "guard" and switched == [torch.device("cuda", 0)]
-    # not initialized, a forked child, or a stand-in current_device: torch's own path
-    for patch in (("_initialized", False), ("_in_bad_fork", lambda: True)):
+    # initialized or not, forked or not: the C reader (it initializes CUDA itself: GPU tests)
+    monkeypatch.setattr(torch.cuda, "_initialized", False, raising=False)
+    reads.clear()
+    assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["c"]
+    # a stand-in current_device, or no C reader: torch's own path
+    for name in ("_TORCH_CURRENT_DEVICE", "_get_device"):
         reads.clear()
         with monkeypatch.context() as m:
-            m.setattr(torch.cuda if patch[0] == "_initialized" else cuda_current, *patch)
+            m.setattr(cuda_current, name, None)
             assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["python"]
-    reads.clear()
-    monkeypatch.setattr(cuda_current, "_TORCH_CURRENT_DEVICE", None)
-    assert on(torch.device("cuda", 1)) is cuda_current._CURRENT and reads == ["python"]
+
+
+_CHILD = """
+import sys, torch
+from kvmgr.transfer.cuda_current import device_is_current
+def outcome(fn):
+    try:
+        return repr(fn())
+    except Exception as exc:
+        return type(exc).__name__ + ": " + str(exc).splitlines()[0]
+dev = torch.device("cuda", 0)
+if sys.argv[1] == "fork":  # CUDA initialized, then a forked child asks
+    import os
+    torch.cuda.current_device()
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.write(w, (outcome(torch.cuda.current_device) + "|" + outcome(lambda: device_is_current(dev))).encode())
+        os._exit(0)
+    os.wait()
+    print(os.read(r, 4096).decode())
+else:  # nothing initialized yet: the C reader initializes CUDA as current_device() would
+    first = outcome(lambda: device_is_current(dev))
+    print(first + "|" + repr(torch.cuda.is_initialized()) + "|" + outcome(torch.cuda.current_device))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_device_is_current_reads_as_current_device_in_a_forked_child_and_before_init() -> None:
+    import subprocess
+    import sys
+
+    def run(mode: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True,
+                             timeout=120, check=True)  # fmt: skip
+        return out.stdout.strip().splitlines()[-1].split("|")
+
+    torch_says, ours = run("fork")
+    assert "forked subprocess" in torch_says and ours == torch_says  # torch's own error
+    assert run("fresh") == ["True", "True", "0"]

@@ -113,7 +113,7 @@ def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 
 def _group_records(log: list, h2d: object, compute: object) -> list[tuple[str, object]]:
-    """``("batch", stream handle)`` and ``("record", stream)`` of the start/end events, in order."""
+    """``("batch", stream handle)`` and ``("record", stream)`` of the copy stream's events, in order."""
     out = []
     for e in log:
         if isinstance(e, dict) and "batch" in e:
@@ -127,9 +127,10 @@ def _group_records(log: list, h2d: object, compute: object) -> list[tuple[str, o
 async def test_pooled_events_each_group_bracketed_on_the_load_stream_in_order(
     fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the event pool on (as with torch's real events): every group's copy sits between
-    its own start and end records on the load stream, group 0 first; a resolved load's pairs go
-    back to the pool and the next load's groups re-record them, so a resolved handle's
+    """With the event pool on (as with torch's real events): every group's copy is followed by
+    its own end record on the load stream (its fence, on the compute stream, is its start),
+    group 0 first; a resolved load's pairs go back to the pool (the last one once the next batch
+    of the stream was timed with its end) and the next load's groups re-record them, so a resolved handle's
     ``end_event`` is no longer its own (why the GPU test reads end times with fresh events
     only), and ``wait_layer`` on a resolved group never waits on such a recycled event."""
     monkeypatch.setattr(streams, "_real_cuda_events", lambda: True)
@@ -148,14 +149,16 @@ async def test_pooled_events_each_group_bracketed_on_the_load_stream_in_order(
         for gate in gates:
             gate.set()
         await first
-        assert _until(lambda: len(pool) == LAYERS)  # back after the futures resolved
+        # back after the futures resolved, but the last: held until the next batch's timing
+        assert _until(lambda: len(pool) == LAYERS - 1)
         fake_cuda.log.clear()
         second = mgr.load_layerwise(keys, dst, layers=2)
         ends = [h.end_event for h in second.batches.handles]
-        # recycled pairs (a group may even reuse one of the same load's, ended meanwhile)
-        assert set(map(id, ends)) <= set(map(id, first_ends))
-        # per group: start record, the driver's batch, end record, all on the load stream
-        expected = [("record", h2d), ("batch", h2d.cuda_stream), ("record", h2d)] * LAYERS
+        # recycled pairs (a group may even reuse one of the same load's, ended meanwhile); one
+        # may be new (the held pair comes back once the second load's first group was timed)
+        assert len(set(map(id, ends)) & set(map(id, first_ends))) >= LAYERS - 1
+        # per group: the driver's batch, then the end record, both on the load stream
+        expected = [("batch", h2d.cuda_stream), ("record", h2d)] * LAYERS
         assert _group_records(fake_cuda.log, h2d, fake_cuda.compute) == expected
         records = [e[1] for e in fake_cuda.log if isinstance(e, tuple) and e[0] == "record"]
         assert [r for r in records if r in ends] == ends  # end events in layer order

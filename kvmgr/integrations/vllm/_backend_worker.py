@@ -48,28 +48,16 @@ from vllm.v1.kv_offload.base import (
 from kvmgr.errors import TransferError
 from kvmgr.integrations.vllm import _seam
 from kvmgr.integrations.vllm._fault_table import FaultTable
-from kvmgr.integrations.vllm._worker_jobs import Batch, Job, job_of, succeeded
+from kvmgr.integrations.vllm._worker_jobs import (
+    Batch,
+    Job,
+    WorkerStatistics,
+    job_of,
+    succeeded,
+)
 from kvmgr.transfer import BatchHandle, Direction, TransferEngine
 
 __all__ = ["KvmgrOffloadingWorker", "WorkerStatistics"]
-
-
-@attrs.frozen
-class WorkerStatistics:
-    """Totals since the worker was built.
-
-    Attributes:
-        num_store_jobs / num_load_jobs: jobs vLLM submitted.
-        num_store_batches / num_load_batches: engine batches they became.
-        num_failed_store_jobs / num_failed_load_jobs: jobs in batches the engine failed.
-    """
-
-    num_store_jobs: int = 0
-    num_load_jobs: int = 0
-    num_store_batches: int = 0
-    num_load_batches: int = 0
-    num_failed_store_jobs: int = 0
-    num_failed_load_jobs: int = 0
 
 
 class KvmgrOffloadingWorker(OffloadingWorker):
@@ -80,7 +68,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         num_chunks: CPU chunks of the tier (as the manager's).
         blocks_per_chunk: GPU blocks per chunk.
         rank: this worker's rank (its row of the fault table).
-        faults: the engine's fault table, or ``None`` (a failed store then raises).
+        faults: the engine's fault table, or ``None``: a failed store then makes every later
+            ``get_finished`` raise ``TransferError`` (it cannot be reported as landed).
         engine: a kvmgr engine instance, or the name of one (``"auto"``: the host engine for
             CPU tensors, DMA / copy kernel per batch on CUDA).
 
@@ -144,8 +133,11 @@ class KvmgrOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         """Submit what is buffered; the jobs of every batch that ended since the last call.
 
-        Raises:
-            TransferError: a load failed and no load-error channel is set (module docstring).
+        Raises (before any ended batch is taken out of flight, so no job's result is lost):
+            TransferError: a load failed and no load-error channel is set (module docstring;
+                raised once, as ``wait`` does: the next call reports the ended batches, that
+                load's jobs among them); a store failed and the worker has no fault table
+                (raised again by every later call: the store is never reported as landed).
         """
         self._flush()
         done: list[Batch] = []
@@ -154,6 +146,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
             (done if batch.handle.done() else pending).append(batch)
         if not done:
             return []
+        for batch in done:
+            self._check_reportable(batch)
         self._in_flight = pending
         results: list[TransferResult] = []
         for batch in done:
@@ -259,17 +253,26 @@ class KvmgrOffloadingWorker(OffloadingWorker):
     def _finish(self, batch: Batch) -> list[TransferResult]:
         """TransferResults of an ended batch (its failure recorded first)."""
         error = batch.handle.future.exception()
-        if error is not None:
-            if batch.direction is Direction.D2H:
-                self._store_failed(batch, error)
-            else:
-                self._load_failed(batch)
-            return [TransferResult(j.job_id, True) for j in batch.jobs]
-        return succeeded(batch)
+        if error is None:
+            return succeeded(batch)
+        if batch.direction is Direction.D2H:
+            self._store_failed(batch)
+        else:
+            self._load_failed(batch)
+        return [TransferResult(j.job_id, True) for j in batch.jobs]
 
-    def _store_failed(self, batch: Batch, error: BaseException) -> None:
-        if self._faults is None:
+    def _check_reportable(self, batch: Batch) -> None:
+        """Raise now what finishing the ended ``batch`` would raise (``get_finished``)."""
+        error = batch.handle.future.exception()
+        if error is None:
+            return
+        if batch.direction is Direction.H2D:
+            self._load_failed(batch)  # raises once without a load-error channel
+        elif self._faults is None:
             raise TransferError(f"store copy failed and no fault table is set: {error}") from error
+
+    def _store_failed(self, batch: Batch) -> None:
+        assert self._faults is not None  # else _check_reportable raised
         for job in batch.jobs:
             seqs = np.full(len(job.chunk_ids), job.seq, dtype=np.int64)
             self._faults.record(self.rank, job.chunk_ids, seqs)

@@ -1,5 +1,5 @@
-"""What the vLLM worker moves: a vLLM job as kvmgr block ids, a kvmgr batch of jobs, and the
-results vLLM gets back for a batch that succeeded.
+"""What the vLLM worker moves: a vLLM job as kvmgr block ids, a kvmgr batch of jobs, the
+results vLLM gets back for a batch that succeeded, and the worker's totals.
 
 Private to ``kvmgr.integrations.vllm`` (``_backend_worker`` documents the CPU tier's layout:
 sub-block ``chunk * blocks_per_chunk + i`` holds GPU block ``i`` of that chunk).
@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvmgr.transfer import BatchHandle, Direction
 
-__all__ = ["Batch", "Job", "job_of", "succeeded"]
+__all__ = ["Batch", "Job", "WorkerStatistics", "job_of", "succeeded"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -83,3 +83,21 @@ def succeeded(batch: Batch) -> list[TransferResult]:
         )
         for j in batch.jobs
     ]
+
+
+@attrs.frozen
+class WorkerStatistics:
+    """Totals since the worker was built.
+
+    Attributes:
+        num_store_jobs / num_load_jobs: jobs vLLM submitted.
+        num_store_batches / num_load_batches: engine batches they became.
+        num_failed_store_jobs / num_failed_load_jobs: jobs in batches the engine failed.
+    """
+
+    num_store_jobs: int = 0
+    num_load_jobs: int = 0
+    num_store_batches: int = 0
+    num_load_batches: int = 0
+    num_failed_store_jobs: int = 0
+    num_failed_load_jobs: int = 0

@@ -163,6 +163,34 @@ def test_a_failed_load_raises_or_is_reported() -> None:
     worker.shutdown()
 
 
+def test_without_a_fault_table_a_failed_store_raises_and_loses_nothing() -> None:
+    # a worker built directly (the spec always gives one a table): an ended good store and a
+    # refused one end together; get_finished raises before taking either out of flight, and
+    # keeps raising (the failed store is never reported as landed)
+    worker, _ = make_worker(FaultyEngine(HostEngine(), refuse_batches={1}))
+    worker.submit_store(0, gpu([0]), KvmgrChunkSpec([0], 1))
+    worker.wait({0})
+    worker.submit_store(1, gpu([1]), KvmgrChunkSpec([1], 2))
+    for _ in range(2):
+        with pytest.raises(TransferError, match="no fault table"):
+            worker.get_finished()
+    assert worker.statistics().num_failed_store_jobs == 0  # nothing recorded
+    worker.shutdown()
+
+
+def test_a_failed_load_raises_once_and_its_batch_still_ends() -> None:
+    # the good store's result is not lost to the raise: the next call reports both batches
+    worker, _ = make_worker(FaultyEngine(HostEngine(), refuse_batches={1}))
+    worker.submit_store(0, gpu([0]), KvmgrChunkSpec([0], 1))
+    worker.wait({0})
+    worker.submit_load(1, KvmgrChunkSpec([2]), gpu([5]))
+    with pytest.raises(TransferError, match="cannot recompute"):
+        worker.get_finished()
+    assert sorted(r.job_id for r in worker.get_finished()) == [0, 1]
+    assert worker.statistics().num_failed_load_jobs == 1
+    worker.shutdown()
+
+
 CHILD = """
 import sys
 from pathlib import Path
