@@ -2,8 +2,10 @@
 (newuser12): one random program of ``store_many`` (keys all new, overlapping, repeated, with
 parents, reversed ids), lookups + ``load_many``, ``invalidate``, ``clear``, ``touch`` and
 ``free`` runs twice, once as shipped and once with ``key_index.add_new``, ``BlockLru``'s
-``_leading_run`` and the C ``sort_pairs`` turned off; every step's snapshot (keys, blocks,
-states, parents, policy keys), KV events, store results and errors must be equal."""
+``_leading_run`` and ``_collect_leaves`` (the plain loop of ``_collect`` instead), the C
+``sort_pairs`` and kvmgr's C index passes (``_index_c``) turned off; every step's snapshot
+(keys, blocks, states, parents, policy keys), KV events, store results and errors must be
+equal."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+import kvmgr._keys as keys_module
+import kvmgr.scheduler.block_lru as block_lru
+import kvmgr.scheduler.gpu_blocks as gpu_blocks
+import kvmgr.scheduler.key_index as key_index
 import kvmgr.scheduler.lru_victims as lru_victims
 import kvmgr.scheduler.store as store
 import kvmgr.transfer._runs as runs
@@ -101,6 +107,12 @@ async def _program(seed: int, out: list[Any]) -> None:
                 _record(mgr, out)
 
 
+def _collect_loop(self: Any, n: int, guarded: set[int]) -> list[int] | None:
+    """``_collect``'s plain loop without a key predicate (what ``_collect_leaves`` replaces)."""
+    always = self._can_evict  # the tier's own predicate: READY, no readers (what the arrays say)
+    return lru_victims.VictimSearch._collect(self, n, lambda key: always(key), guarded)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", range(10))
 async def test_fast_paths_give_the_general_paths_state(seed: int, monkeypatch: Any) -> None:
@@ -109,6 +121,9 @@ async def test_fast_paths_give_the_general_paths_state(seed: int, monkeypatch: A
     monkeypatch.setattr(store, "add_new", lambda *args, **kwargs: None)
     monkeypatch.setattr(lru_victims.VictimSearch, "_leading_run", lambda self, n, g: (None, False))
     monkeypatch.setattr(runs, "sort_pairs", lambda: None)
+    monkeypatch.setattr(lru_victims.VictimSearch, "_collect_leaves", _collect_loop)
+    for module in (keys_module, block_lru, gpu_blocks, key_index, store):
+        monkeypatch.setattr(module, "index_c", lambda: None)
     general: list[Any] = []
     await _program(seed, general)
     assert len(fast) == len(general) > 10
