@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,6 +75,8 @@ class Flusher:
         """Raises InvalidArgumentError: a hook returned something else than a HookReport."""
         for hook, report in zip(hooks, reports):
             if not isinstance(report, HookReport):
+                if inspect.iscoroutine(report):  # an async hook: never awaited, say so once
+                    report.close()
                 raise InvalidArgumentError(
                     f"hook {getattr(hook, 'name', hook)!r} returned "
                     f"{type(report).__name__}, expected a HookReport (is it async?)"

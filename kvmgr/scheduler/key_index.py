@@ -85,11 +85,12 @@ def int_list(ids: np.ndarray | slice, num_blocks: int) -> list[int]:
     """``ids.tolist()`` (int ``[n]``, or a ``slice``; in ``[0, num_blocks)``) of int objects
     made once."""
     global _INTS
+    ints = _INTS  # one array throughout: another thread may replace the module's meanwhile
     need = ids.stop if type(ids) is slice else num_blocks  # (a fresh run: what it uses)
-    if need > (have := len(_INTS)):
+    if need > (have := len(ints)):
         more = np.arange(have, min(num_blocks, max(need, 2 * have))).astype(object)
-        _INTS = np.concatenate([_INTS, more])
-    return _INTS[ids].tolist()  # type: ignore[no-any-return]
+        _INTS = ints = np.concatenate([ints, more])
+    return ints[ids].tolist()  # type: ignore[no-any-return]
 
 
 def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: list[int] | int) -> bool:

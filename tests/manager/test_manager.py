@@ -32,6 +32,7 @@ from kvmgr import (
     ConfigError,
     DirectionReport,
     HookReport,
+    InvalidArgumentError,
     InvalidKeyError,
     ManagerConfig,
     OffloadManager,
@@ -987,6 +988,30 @@ async def test_a_failing_hook_leaves_the_queue_untouched() -> None:
         report = await mgr.step()
         assert report.d2h.swaps == 1
         assert (await store).cpu_block_ids == (0,)
+
+
+@pytest.mark.asyncio
+async def test_an_async_hook_is_refused_without_a_never_awaited_warning() -> None:
+    """An ``async def`` hook returns a coroutine: step() raises the typed error and closes it
+    (no "coroutine ... was never awaited" RuntimeWarning on top)."""
+    import gc
+    import warnings
+
+    kv = _kv(seed=26)
+
+    class _AsyncHook:
+        name = "async-hook"
+
+        async def __call__(self, ctx: StepContext) -> HookReport:
+            return HookReport(name=self.name)
+
+    async with _serving(kv, _cfg(), hooks=[_AsyncHook()]) as mgr:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(InvalidArgumentError, match="is it async"):
+                await mgr.step()
+            gc.collect()
+        assert not [w for w in seen if "never awaited" in str(w.message)]
 
 
 # ------------------------------------------------------------------ issue 20: stuck states

@@ -275,3 +275,24 @@ def test_fresh_runs_and_reused_blocks_leave_the_tier_as_the_general_path(
         assert _books(fast) == _books(general), op
     assert taken[::2] == [True] * 5
     assert fast.cpu.pool._next_fresh == BLOCKS and fast.cpu.pool._top > 0
+
+
+def test_int_list_stays_right_when_another_thread_grows_the_ints_meanwhile(monkeypatch) -> None:
+    """``int_list`` grows the module's int objects; another thread may replace them between
+    its length read and its concatenation. Here that other thread is played by ``np.arange``
+    (which ``int_list`` calls in between): the values must still be ``ids`` themselves."""
+    from kvmgr.scheduler import key_index
+
+    monkeypatch.setattr(key_index, "_INTS", np.arange(4).astype(object))
+    real_arange = np.arange
+
+    def arange_while_another_thread_grows(*args: Any, **kwargs: Any) -> np.ndarray:
+        key_index._INTS = real_arange(40).astype(object)  # the other thread's, already in
+        return real_arange(*args, **kwargs)
+
+    monkeypatch.setattr(key_index.np, "arange", arange_while_another_thread_grows)
+    ids = real_arange(16, dtype=np.int64)[::-1].copy()
+    got = key_index.int_list(ids, 64)
+    monkeypatch.setattr(key_index.np, "arange", real_arange)
+    assert got == ids.tolist()
+    assert key_index.int_list(real_arange(64, dtype=np.int64), 64) == list(range(64))
