@@ -202,7 +202,12 @@ def main() -> None:
     parser.add_argument("--swaps", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--cases", nargs="+", default=["cuda:consecutive", "kernel:scattered"],
+        help="ENGINE:IDS cases (engine cuda or kernel; ids consecutive or scattered)",
+    )  # fmt: skip
     args = parser.parse_args()
+    cases = [(c.split(":")[0], c.split(":")[1] == "scattered") for c in args.cases]
     rev = old_revision(args.old)
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,7 +216,7 @@ def main() -> None:
         install_fakes("kvmgr")
         install_fakes("kvmgr_old")
         rows = [asyncio.run(run_case(e, s, args.swaps, args.repeats))
-                for e, s in (("cuda", False), ("kernel", True))]  # fmt: skip
+                for e, s in cases]  # fmt: skip
     print(f"old = {rev[:10]}, new = this tree; {args.repeats} rounds each, interleaved; us")
     for row in rows:
         for what in WHAT:
