@@ -23,3 +23,14 @@ base_tree() { if [ -d "build/bases/$1/kvmgr" ]; then cp -r "build/bases/$1/kvmgr
 # the wheel folder's site (scripts/gpu/_session.sh installs it), for a PYTHONPATH set by hand
 SITE_PATH=$([ -d /tmp/site ] && echo "/tmp/site:" || true)
 section() { echo "{\"section\": \"$1\", \"rc\": $2}" | tee -a "$D/sections.jsonl"; }
+# host_pair_ab REV: scripts/host_pair.py of the tree of REV (base_tree) against this checkout,
+# three runs (grow/full/load 300 rounds, grow/full 300, the per-call rows 60), JSON into $D.
+host_pair_ab() { local base run name rounds modes; base=$(mktemp -d)
+  if base_tree "$1" "$base"; then
+    for run in host_pair:300:grow,full,load host_pair_2:300:grow,full host_pair_call:60:grow-call,full-call; do
+      IFS=: read -r name rounds modes <<< "$run"
+      step "$name" 40 python3 scripts/host_pair.py "$base" --rounds "$rounds" \
+        --modes ${modes//,/ } --json "$D/$name.json" || echo "$name failed: see above" | tee -a "$LOG"
+    done
+  else echo "no tree for $1: see above" | tee -a "$LOG"; fi
+  rm -rf "$base"; }

@@ -17,16 +17,8 @@
 #    per-call 0.97-1.01) and the new grow p50, min and calls.
 # 2. `kvmgr bench host --rounds 200 --steps 1000`: every row and the steady state, GC on.
 source "${BASH_SOURCE%/*}/_common.sh" batched7
-BASE=$(mktemp -d)
 step uptime 5 uptime
 step c_module 60 python3 -c "import torch; from kvmgr._index_c import index_c; print('c_module', index_c())"
-if base_tree 1ee9787 "$BASE"; then  # host_pair.py of the base against this tree, 3 runs
-  for run in host_pair:300:grow,full,load host_pair_2:300:grow,full host_pair_call:60:grow-call,full-call; do
-    IFS=: read -r name rounds modes <<< "$run"
-    step "$name" 40 python3 scripts/host_pair.py "$BASE" --rounds "$rounds" \
-      --modes ${modes//,/ } --json "$D/$name.json" || echo "$name failed: see above" | tee -a "$LOG"
-  done
-else echo "no tree for 1ee9787: see above" | tee -a "$LOG"; fi
-rm -rf "$BASE"
+host_pair_ab 1ee9787  # host_pair.py of the base against this tree, 3 runs
 step bench_host 50 python3 -m kvmgr.cli bench host --rounds 200 --steps 1000 --json "$D/bench_host.json"
 tail -n 40 "$LOG"
