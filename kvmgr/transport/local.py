@@ -9,6 +9,7 @@ construction, on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -82,13 +83,7 @@ class LocalTransport:
 
     def _land(self, job_id: int, handle: BatchHandle) -> None:
         self.worker.forget(job_id)
-        future = handle.future  # done: one read of its error, one of its result
-        error = future.exception()
-        if error is not None:
-            self._deliver(JobOutcome(job_id, error))
-            return
-        result = future.result()
-        self._deliver(JobOutcome(job_id, None, result.num_bytes, result.device_s, (result,)))
+        self._deliver(_outcome(job_id, handle))
 
     def outcome_now(self, job_id: int) -> JobOutcome | None:
         """The job's outcome if its copy has ended, else ``None`` (it may still run)."""
@@ -135,8 +130,13 @@ class LocalTransport:
 
 
 def _outcome(job_id: int, handle: BatchHandle) -> JobOutcome:
-    error = handle.future.exception()
-    if error is not None:
+    """The outcome of an ended job: ONE read of its future (each read takes the future's lock).
+    A cancelled future raises ``CancelledError`` as ``exception()`` would; any other error the
+    copy ended with (``BaseException`` included) is the outcome's error."""
+    try:
+        result = handle.future.result()
+    except concurrent.futures.CancelledError:
+        raise
+    except BaseException as error:  # what ``exception()`` returns: the very object
         return JobOutcome(job_id, error)
-    result = handle.future.result()
     return JobOutcome(job_id, None, result.num_bytes, result.device_s, (result,))

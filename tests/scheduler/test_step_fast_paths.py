@@ -9,6 +9,8 @@
 3. A manager's program through one-lane generations (stores only) and the same stores with a
    load in most steps (two-lane generations, the engine's order asked): every store's result,
    the stored events and the blocks stored agree.
+4. ``local._outcome`` (helper stepfast2) reads an ended job's future once: the outcome the two
+   reads gave, for a result, an error, a ``BaseException`` and a cancelled future.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import random
 import threading
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -26,12 +29,13 @@ import torch
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.errors import TransferError
 from kvmgr.scheduler.events import EventStream
+from kvmgr.scheduler.jobs import JobOutcome
 from kvmgr.scheduler.landing import _emit_stored
 from kvmgr.scheduler.queue import Kind, Lane, Part
 from kvmgr.testing import NullEngine
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.plan import Direction
-from kvmgr.transport.local import LocalTransport
+from kvmgr.transport.local import LocalTransport, _outcome
 
 
 class _Books:
@@ -186,3 +190,41 @@ async def test_one_and_two_lane_generations_store_the_same(seed: int) -> None:
     assert alone[0] == mixed[0]  # every store's result
     assert alone[2] == mixed[2] and alone[2]  # the stored events, parents included
     assert alone[1] == mixed[1] > 0
+
+
+class _Stop(BaseException):
+    """Not an ``Exception``: ``exception()`` returns it like any other error."""
+
+
+def _two_reads(job_id: int, handle: BatchHandle) -> Any:
+    """The outcome as read before (``exception()``, then ``result()``): the reference."""
+    error = handle.future.exception()
+    if error is not None:
+        return JobOutcome(job_id, error)
+    result = handle.future.result()
+    return JobOutcome(job_id, None, result.num_bytes, result.device_s, (result,))
+
+
+@pytest.mark.parametrize("end", ["result", "error", "base", "cancelled"])
+def test_the_one_read_outcome_is_the_two_read_one(end: str) -> None:
+    """4. ``local._outcome`` reads the ended future once (its result, or the error it raises):
+    the same outcome as ``exception()`` then ``result()``, the very error object, and a
+    cancelled future raises ``CancelledError`` in both."""
+    future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+    error: BaseException = TransferError("x") if end == "error" else _Stop()
+    if end == "result":
+        future.set_result(_result())
+    elif end == "cancelled":
+        future.cancel()
+    else:
+        future.set_exception(error)
+    handle = BatchHandle(0, Direction.D2H, future)
+    if end == "cancelled":
+        for read in (_outcome, _two_reads):
+            with pytest.raises(concurrent.futures.CancelledError):
+                read(3, handle)
+        return
+    got, want = _outcome(3, handle), _two_reads(3, handle)
+    assert attrs.asdict(got, recurse=False) == attrs.asdict(want, recurse=False)
+    if end != "result":
+        assert got.error is error and got.results == ()
