@@ -11,6 +11,8 @@
    the stored events and the blocks stored agree.
 4. ``local._outcome`` (helper stepfast2) reads an ended job's future once: the outcome the two
    reads gave, for a result, an error, a ``BaseException`` and a cancelled future.
+5. ``Flusher._submit`` (helper stepfast2) shares its frozen ``DirectionReport`` between flushes
+   of the same counts: each is the report built from its counts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import concurrent.futures
 import random
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -28,6 +31,10 @@ import torch
 
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.errors import TransferError
+from kvmgr.manager import flush
+from kvmgr.manager.flush import Flusher
+from kvmgr.reports import DirectionReport
+from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.events import EventStream
 from kvmgr.scheduler.jobs import JobOutcome
 from kvmgr.scheduler.landing import _emit_stored
@@ -36,6 +43,7 @@ from kvmgr.testing import NullEngine
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.plan import Direction
 from kvmgr.transport.local import LocalTransport, _outcome
+from kvmgr.worker.worker import Submitted
 
 
 class _Books:
@@ -228,3 +236,36 @@ def test_the_one_read_outcome_is_the_two_read_one(end: str) -> None:
     assert attrs.asdict(got, recurse=False) == attrs.asdict(want, recurse=False)
     if end != "result":
         assert got.error is error and got.results == ()
+
+
+class _Counts:
+    """The transport's side of ``Flusher._submit``: ``Submitted`` counts chosen by the test."""
+
+    def __init__(self) -> None:
+        self.next: tuple[int, int, int, int] = (1, 1, 1, 1)
+
+    def moved(self) -> None:
+        return None
+
+    def submit(self, job: Any, loop: Any, *, checked: bool = False) -> Submitted:
+        return Submitted(None, *self.next)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shared_direction_reports_are_the_ones_built_each_time(seed: int) -> None:
+    """5. ``Flusher._submit`` (helper stepfast2) shares one frozen ``DirectionReport`` per
+    counts: random counts from a few shapes (repeats, and more shapes than the table keeps)
+    give each time the report built from them, ints only."""
+    rng, counts = random.Random(seed), _Counts()
+    scheduler = SimpleNamespace(books=SimpleNamespace(counters=Counters()))
+    flusher = Flusher(scheduler, None, None, lambda deliver: counts)  # type: ignore[arg-type]
+    shapes = [tuple(rng.randint(0, 3) for _ in range(5)) for _ in range(3 * flush._MAX_REPORTS)]
+    for _ in range(600):
+        calls, *sub = rng.choice(shapes[:4] if rng.random() < 0.7 else shapes)
+        counts.next = tuple(sub)  # type: ignore[assignment]
+        job, lane = SimpleNamespace(num_blocks=sub[0]), SimpleNamespace(num_calls=calls)
+        got = flusher._submit(job, lane, None)  # type: ignore[arg-type]
+        want = DirectionReport(swaps=calls, blocks=sub[0], pages=sub[1], descriptors=sub[2],
+                               bytes=sub[3], batches=1)  # fmt: skip
+        assert got == want and all(type(v) is int for v in attrs.astuple(got))
+        assert len(flusher._reports) <= flush._MAX_REPORTS
