@@ -25,6 +25,7 @@ from itertools import repeat
 
 import numpy as np
 
+from kvmgr._ids_c import ids_c
 from kvmgr._index_c import index_c
 from kvmgr.errors import UnknownKeyError
 from kvmgr.policy.base import _check_evict_count
@@ -241,7 +242,11 @@ class BlockLru(VictimSearch):
         head = self._head
         if head + n <= self._tail:
             run: np.ndarray = self._log_np[head : head + n]
-            if (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all():
+            module = ids_c()  # one C loop where it builds (None: undecided, numpy decides)
+            live = None if module is None else module.live_run(self._log, self._stamp, head, n)
+            if live is None:
+                live = (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all()
+            if live:
                 self._lead_end = head + n  # evicted, they leave stale entries before it
                 return run.copy()  # the head is live: ``_first_live`` would keep it
         self._lead_end = -1

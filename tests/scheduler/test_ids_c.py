@@ -111,3 +111,75 @@ def test_ids_out_of_range_raise_numpys_error_with_or_without_the_module() -> Non
     with pytest.raises(IndexError):
         gpu.acquire(np.array([3, 8], dtype=np.int64))
     assert gpu.busy.tolist() == [0] * 8
+
+
+def _numpy_live(log: np.ndarray, stamp: np.ndarray, head: int, n: int) -> bool:
+    return bool((stamp[log[head : head + n]] == np.arange(head, head + n)).all())
+
+
+def _numpy_chain(run: np.ndarray, state: np.ndarray, readers: np.ndarray, up: np.ndarray, kids: np.ndarray) -> bool:  # fmt: skip
+    """``_leading_run``'s common case in numpy (``ready`` 1)."""
+    return bool(
+        (state[run] == 1).all()
+        and not readers[run].any()
+        and (up[run][:-1] == run[1:]).all()
+        and kids[run][0] == 0
+        and (kids[run][1:] == 1).all()
+    )
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(4))
+def test_live_run_and_chain_ok_decide_as_numpy(seed: int) -> None:
+    rng, verdicts = np.random.default_rng(seed), set()
+    for _ in range(400):
+        size, n = 40, int(rng.integers(1, 12))
+        run = rng.permutation(size)[:n].astype(np.int64)
+        state = np.ones(size, dtype=np.uint8)
+        readers, up, kids = (np.zeros(size, dtype=np.int64) for _ in range(3))
+        up[run[:-1]], kids[run[1:]] = run[1:], 1  # one chain, leaf first: then spoil it
+        for _ in range(int(rng.integers(0, 3))):
+            where = (state, readers, up, kids)[int(rng.integers(0, 4))]
+            where[run[int(rng.integers(0, n))]] = int(rng.integers(0, 3))
+        got = module.chain_ok(run, bytearray(state), 1, array.array("q", readers), array.array("q", up), array.array("q", kids))  # fmt: skip
+        assert got is _numpy_chain(run, state, readers, up, kids)
+        verdicts.add(got)
+        log = rng.integers(0, size, 30)
+        stamp = rng.integers(0, 30, size)
+        head = int(rng.integers(0, 30 - n))
+        if rng.random() < 0.6:  # live entries, but for a few
+            stamp[log[head : head + n]] = np.arange(head, head + n)
+        live = module.live_run(array.array("q", log), array.array("q", stamp), head, n)
+        assert live is _numpy_live(log, stamp, head, n)
+        verdicts.add(("live", live))
+    assert verdicts == {True, False, ("live", True), ("live", False)}
+    log, stamp = array.array("q", [0, 1, 5]), array.array("q", [0, 1])  # 5: outside stamp
+    assert module.live_run(log, stamp, 0, 3) is None and module.live_run(log, stamp, 2, 2) is None
+    assert module.live_run(np.zeros(3, dtype=np.int32), stamp, 0, 1) is None
+    q = array.array("q", [0, 0])
+    assert module.chain_ok(np.array([0, 5]), bytearray(2), 0, q, q, q) is False  # outside
+
+
+def _tier_program(seed: int) -> list[Any]:
+    """Random stores into a small tier (every few evict through ``_leading_run``), landings
+    and drops: what each returned and the tier's books after each."""
+    from test_index_c import _program
+    from test_key_index import _books, _rig, _step
+
+    stores, pending = _rig("lru"), []
+    return [(_step(stores, pending, op), _books(stores)) for op in _program(np.random.default_rng(seed))]  # fmt: skip
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(6))
+def test_random_evicting_programs_leave_the_tier_as_without_the_module(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvmgr.scheduler.block_lru as lru_module
+    import kvmgr.scheduler.lru_victims as victims_module
+
+    with_c = _tier_program(seed)
+    for where in (lru_module, victims_module):
+        monkeypatch.setattr(where, "ids_c", lambda: None)
+    _no_c(monkeypatch)
+    assert with_c == _tier_program(seed)
