@@ -130,6 +130,17 @@ class BlockLru(VictimSearch):
         except KeyError:
             blocks = np.fromiter(map(self._index.get, keys, repeat(-1)), np.int64, len(keys))
             blocks = blocks[blocks >= 0]
+        self._touch_found(blocks)
+
+    def touch_blocks(self, keys: Sequence[bytes], blocks: np.ndarray) -> None:
+        """``touch(keys)`` where the caller looked the keys up already (a batched load):
+        ``blocks[i]`` (int64 ``[len(keys)]``) is ``keys[i]``'s block in the index."""
+        if len(keys) <= _FEW:
+            self.touch(keys)  # (its few-keys path: the same log entries)
+        else:
+            self._touch_found(blocks)
+
+    def _touch_found(self, blocks: np.ndarray) -> None:
         blocks = blocks[self._stamp_np[blocks] >= 0]
         if self._num_distinct(blocks) < len(blocks):  # a key twice: its first place counts
             blocks = blocks[np.sort(np.unique(blocks, return_index=True)[1])]
