@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["ids_c"]
+__all__ = ["built_once", "ids_c"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -171,11 +171,18 @@ _built: list[Any] = []  #: the module (or None) once built or found missing
 def ids_c() -> Any:
     """The module (module docstring), built once torch is loaded; None where it cannot be
     built, and (without building) while torch is not loaded (as :func:`kvmgr._index_c.index_c`)."""
-    if _built:
-        return _built[0]
+    return built_once(_built, _SOURCE, "kvmgr_ids")
+
+
+def built_once(built: list[Any], source: str, name: str) -> Any:
+    """``built[0]``, or (torch loaded, ``built`` empty) the module ``name`` built from
+    ``source`` and kept in ``built`` (None where it does not build); None while torch is not
+    loaded (nothing kept: a later call builds)."""
+    if built:
+        return built[0]
     if "torch" not in sys.modules:
         return None
     from kvmgr._native import build
 
-    _built.append(build(_SOURCE, "kvmgr_ids"))
-    return _built[0]
+    built.append(build(source, name))
+    return built[0]
