@@ -42,8 +42,9 @@ already (the manager's process; :mod:`kvmgr._native`, the builder, imports torch
 
 from __future__ import annotations
 
-import sys
 from typing import Any
+
+from kvmgr._ids_c import built_once
 
 __all__ = ["index_c"]
 
@@ -289,11 +290,4 @@ def index_c() -> Any:
     """The module (module docstring), built once torch is loaded; None where it cannot be
     built, and (without building) while torch is not loaded: :mod:`kvmgr._native`, the
     builder, imports torch, which the scheduler side never imports itself."""
-    if _built:
-        return _built[0]
-    if "torch" not in sys.modules:
-        return None
-    from kvmgr._native import build
-
-    _built.append(build(_SOURCE, "kvmgr_index"))
-    return _built[0]
+    return built_once(_built, _SOURCE, "kvmgr_index")

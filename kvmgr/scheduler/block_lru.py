@@ -25,6 +25,7 @@ from itertools import repeat
 
 import numpy as np
 
+from kvmgr._ids_c import ids_c
 from kvmgr._index_c import index_c
 from kvmgr.errors import UnknownKeyError
 from kvmgr.policy.base import _check_evict_count
@@ -129,6 +130,17 @@ class BlockLru(VictimSearch):
         except KeyError:
             blocks = np.fromiter(map(self._index.get, keys, repeat(-1)), np.int64, len(keys))
             blocks = blocks[blocks >= 0]
+        self._touch_found(blocks)
+
+    def touch_blocks(self, keys: Sequence[bytes], blocks: np.ndarray) -> None:
+        """``touch(keys)`` where the caller looked the keys up already (a batched load):
+        ``blocks[i]`` (int64 ``[len(keys)]``) is ``keys[i]``'s block in the index."""
+        if len(keys) <= _FEW:
+            self.touch(keys)  # (its few-keys path: the same log entries)
+        else:
+            self._touch_found(blocks)
+
+    def _touch_found(self, blocks: np.ndarray) -> None:
         blocks = blocks[self._stamp_np[blocks] >= 0]
         if self._num_distinct(blocks) < len(blocks):  # a key twice: its first place counts
             blocks = blocks[np.sort(np.unique(blocks, return_index=True)[1])]
@@ -241,7 +253,11 @@ class BlockLru(VictimSearch):
         head = self._head
         if head + n <= self._tail:
             run: np.ndarray = self._log_np[head : head + n]
-            if (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all():
+            module = ids_c()  # one C loop where it builds (None: undecided, numpy decides)
+            live = None if module is None else module.live_run(self._log, self._stamp, head, n)
+            if live is None:
+                live = (self._stamp_np[run] == np.arange(head, head + n, dtype=np.int64)).all()
+            if live:
                 self._lead_end = head + n  # evicted, they leave stale entries before it
                 return run.copy()  # the head is live: ``_first_live`` would keep it
         self._lead_end = -1

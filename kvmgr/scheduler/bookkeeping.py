@@ -228,7 +228,10 @@ class Bookkeeper:
         n, nbytes = len(keys), len(keys) * self.block_bytes
         cpu_ids: Any = cpu_list if small else cpu_arr
         cpu.add_readers(cpu_ids)
-        if n:
+        touch_blocks = None if small else getattr(cpu.policy, "touch_blocks", None)
+        if n and touch_blocks is not None:  # by block (``BlockLru``): the blocks found above,
+            touch_blocks(keys, cpu_arr)  # not the keys looked up again
+        elif n:
             cpu.policy.touch(keys)
         self.gpu.acquire(gpu)
         self.counters.loads_queued += n

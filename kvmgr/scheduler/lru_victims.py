@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvmgr._ids_c import ids_c
+
 if TYPE_CHECKING:
     from kvmgr.scheduler.chains import KeyChains
 
@@ -47,6 +49,11 @@ class VictimSearch:
         the run and before it; ``None`` otherwise (nothing changed). And whether the run is one
         chain, its leaf first, each block's only indexed child the one before it."""
         run = self._leading(n)
+        module = ids_c()  # the common case's checks in one C loop where it builds
+        if len(run) == n and module is not None and (not guarded or guarded.isdisjoint(run.tolist())):  # fmt: skip
+            chains = self._chains
+            if module.chain_ok(run, self._state, self._ready, self._readers, chains._up_block, chains._kids):  # fmt: skip
+                return run, True
         if len(run) < n or not (self._state_np[run] == self._ready).all():
             return None, False
         if self._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):

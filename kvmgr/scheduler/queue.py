@@ -17,6 +17,7 @@ import array
 
 import numpy as np
 
+from kvmgr._ids_c import ids_c
 from kvmgr.pool.block_ids import sorted_distinct
 from kvmgr.scheduler.jobs import Direction, TransferJob
 from kvmgr.scheduler.lanes import Kind, Lane, Part
@@ -138,7 +139,9 @@ class SwapQueue:
             for b in ids:
                 marks[b] = number
         else:
-            (self._read_np if is_store else self._written_np)[ids] = number
+            module = ids_c()
+            if module is None or not module.set_at(self._read if is_store else self._written, ids, number):  # fmt: skip
+                (self._read_np if is_store else self._written_np)[ids] = number
         calls = getattr(part.future, "num_calls", 1)  # a StoreFanOut: many recorded calls
         (newest.d2h if is_store else newest.h2d).add(part, calls)
         self.num_queued += calls

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmgr._ids_c import ids_c
 from kvmgr._index_c import index_c
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import InvalidKeyError
@@ -58,7 +59,7 @@ class Stores:
         self.plain_admission = config.store_threshold == 1 and not hasattr(cpu.policy, "admit")
         #: store sightings of keys not stored yet (bounded; only with store_threshold > 1)
         self._seen: dict[bytes, int] = {}
-        index_c()  # built (or found missing) now, not at the first store
+        index_c(), ids_c()  # built (or found missing) now, not at the first store
 
     def prepare(
         self,
