@@ -134,17 +134,21 @@ class SwapQueue:
             self._next_generation += 1
             self.generations.append(newest)
             number = newest.number
-        if small:
-            marks = self._read if is_store else self._written
-            for b in ids:
-                marks[b] = number
-        else:
-            module = ids_c()
-            if module is None or not module.set_at(self._read if is_store else self._written, ids, number):  # fmt: skip
-                (self._read_np if is_store else self._written_np)[ids] = number
+        self._mark(ids, is_store, number)
         calls = getattr(part.future, "num_calls", 1)  # a StoreFanOut: many recorded calls
         (newest.d2h if is_store else newest.h2d).add(part, calls)
         self.num_queued += calls
+
+    def _mark(self, ids: list[int] | np.ndarray, is_store: bool, number: int) -> None:
+        """Mark ``ids`` read (a store) or written (a load) by generation ``number``."""
+        marks = self._read if is_store else self._written
+        if type(ids) is list:
+            for b in ids:
+                marks[b] = number
+            return
+        module = ids_c()
+        if module is None or not module.set_at(marks, ids, number):
+            (self._read_np if is_store else self._written_np)[ids] = number
 
     def take(self) -> list[Generation]:
         """Remove and return every queued generation, oldest first."""
