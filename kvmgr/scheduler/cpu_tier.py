@@ -209,7 +209,7 @@ class CpuTier(ReaderCounts):
         ``parents`` ``None``: the default chain). ``vouched``: the caller saw the keys absent
         since the index last gained one (as ``Stores.prepare`` does), so they are not checked
         again (BlockStateError otherwise); ``indexed``: ``ids`` (an array) as a list, on
-        which ``key_index.add_new`` put them; ``run``: ``ids`` is ``arange`` of its bounds."""
+        which ``fresh_store.add_new`` put them; ``run``: ``ids`` is ``arange`` of its bounds."""
         index = self.index
         if not vouched and indexed is None and not index.keys().isdisjoint(keys):  # a bug
             raise BlockStateError(f"cpu tier: key {next(filter(index.__contains__, keys))!r} "

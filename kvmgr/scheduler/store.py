@@ -25,8 +25,8 @@ from kvmgr.policy.hints import hints_per_key
 from kvmgr.reports import StoreResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuTier
+from kvmgr.scheduler.fresh_store import add_new
 from kvmgr.scheduler.gpu_blocks import GpuBlocks
-from kvmgr.scheduler.key_index import add_new
 from kvmgr.scheduler.keys import SMALL, check_keys, check_parents
 from kvmgr.scheduler.queue import Kind, Part
 

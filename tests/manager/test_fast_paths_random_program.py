@@ -1,7 +1,7 @@
 """The store and eviction fast paths against the general paths, through the public API
 (newuser12): one random program of ``store_many`` (keys all new, overlapping, repeated, with
 parents, reversed ids), lookups + ``load_many``, ``invalidate``, ``clear``, ``touch`` and
-``free`` runs twice, once as shipped and once with ``key_index.add_new``, ``BlockLru``'s
+``free`` runs twice, once as shipped and once with ``fresh_store.add_new``, ``BlockLru``'s
 ``_leading_run`` and ``_collect_leaves`` (the plain loop of ``_collect`` instead), the C
 ``sort_pairs`` and kvmgr's C index passes (``_index_c``) turned off; every step's snapshot
 (keys, blocks, states, parents, policy keys), KV events, store results and errors must be
