@@ -42,9 +42,6 @@ __all__ = ["Flusher"]
 MAX_COMPLETED = 4096
 
 _NOTHING = DirectionReport()  # frozen: shared by every flush that submits nothing
-#: one-batch reports kept by their counts (frozen, so shared: a serving loop's steps repeat a
-#: few shapes, and building one costs ~0.7 us); the table is emptied when it reaches this size
-_MAX_REPORTS = 64
 _D2H = Direction.D2H
 
 
@@ -72,7 +69,6 @@ class Flusher:
         self.transport = connect(self.complete)
         self._moved = self.transport.moved  # bound once: called once per flush
         self._completed: collections.deque[object] = collections.deque(maxlen=MAX_COMPLETED)
-        self._reports: dict[tuple[int, ...], DirectionReport] = {}
 
     @staticmethod
     def check_hook_reports(hooks: Sequence[StepHook], reports: Sequence[object]) -> None:
@@ -156,16 +152,14 @@ class Flusher:
             self._settle(scheduler.abort(job, exc))
             raise
         scheduler.books.counters.batch_blocks.observe(job.num_blocks)
-        key = (lane.num_calls, sub.num_blocks, sub.num_pages, sub.num_descriptors, sub.num_bytes)
-        last = self._reports.get(key)  # frozen: one report of these counts is shared
-        if last is not None:
-            return last
-        if len(self._reports) >= _MAX_REPORTS:
-            self._reports.clear()
-        report = self._reports[key] = DirectionReport(
-            swaps=key[0], blocks=key[1], pages=key[2], descriptors=key[3], bytes=key[4], batches=1
+        return DirectionReport(
+            swaps=lane.num_calls,
+            blocks=sub.num_blocks,
+            pages=sub.num_pages,
+            descriptors=sub.num_descriptors,
+            bytes=sub.num_bytes,
+            batches=1,
         )
-        return report
 
     # ------------------------------------------------------------------ completion
 
@@ -183,10 +177,7 @@ class Flusher:
         if settled is None:
             return
         self._completed.extend(outcome.results)
-        if settled.landed is not None and self.tiers is not None:  # ``_settle``, inlined
-            self.tiers.write_landed(settled.landed)
-        _resolve(settled.lane, error)
-        self.room.wake()
+        self._settle(settled)
 
     def _settle(self, settled: Settled) -> None:
         if settled.landed is not None and self.tiers is not None:

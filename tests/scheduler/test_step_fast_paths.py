@@ -11,8 +11,7 @@
    the stored events and the blocks stored agree.
 4. ``local._outcome`` (helper stepfast2) reads an ended job's future once: the outcome the two
    reads gave, for a result, an error, a ``BaseException`` and a cancelled future.
-5. ``Flusher._submit`` (helper stepfast2) shares its frozen ``DirectionReport`` between flushes
-   of the same counts: each is the report built from its counts.
+5. ``Flusher._submit``'s ``DirectionReport`` is the one built from its job's counts, ints only.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import torch
 
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.errors import TransferError
-from kvmgr.manager import flush
 from kvmgr.manager.flush import Flusher
 from kvmgr.reports import DirectionReport
 from kvmgr.scheduler.counters import Counters
@@ -252,14 +250,13 @@ class _Counts:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_shared_direction_reports_are_the_ones_built_each_time(seed: int) -> None:
-    """5. ``Flusher._submit`` (helper stepfast2) shares one frozen ``DirectionReport`` per
-    counts: random counts from a few shapes (repeats, and more shapes than the table keeps)
-    give each time the report built from them, ints only."""
+def test_the_direction_reports_are_the_ones_built_from_the_counts(seed: int) -> None:
+    """5. ``Flusher._submit``'s report: random counts from a few shapes (repeats too) give each
+    time the report built from them, ints only."""
     rng, counts = random.Random(seed), _Counts()
     scheduler = SimpleNamespace(books=SimpleNamespace(counters=Counters()))
     flusher = Flusher(scheduler, None, None, lambda deliver: counts)  # type: ignore[arg-type]
-    shapes = [tuple(rng.randint(0, 3) for _ in range(5)) for _ in range(3 * flush._MAX_REPORTS)]
+    shapes = [tuple(rng.randint(0, 3) for _ in range(5)) for _ in range(192)]
     for _ in range(600):
         calls, *sub = rng.choice(shapes[:4] if rng.random() < 0.7 else shapes)
         counts.next = tuple(sub)  # type: ignore[assignment]
@@ -268,4 +265,3 @@ def test_the_shared_direction_reports_are_the_ones_built_each_time(seed: int) ->
         want = DirectionReport(swaps=calls, blocks=sub[0], pages=sub[1], descriptors=sub[2],
                                bytes=sub[3], batches=1)  # fmt: skip
         assert got == want and all(type(v) is int for v in attrs.astuple(got))
-        assert len(flusher._reports) <= flush._MAX_REPORTS
