@@ -34,7 +34,6 @@ class LocalTransport:
     def __init__(self, worker: TransferWorker, deliver: Callable[[JobOutcome], None]) -> None:
         self.worker = worker
         self._deliver = deliver
-        self.moved = worker.moved  # `moved` without this frame (the guard's own, bound)
 
     def moved(self) -> str | None:
         """Why a KV tensor moved since the worker was built, or ``None`` (checked once per

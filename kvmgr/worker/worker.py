@@ -93,7 +93,6 @@ class TransferWorker:
         )
         self.tensors = tensors
         self._guard = TensorGuard(tensors)  # (builds kvmgr's C module, as ``prepare`` the plan's)
-        self.moved = self._guard.moved  # `moved`, one frame fewer (once per flush)
         prepare()
         cpu_layout = self.cpu_pool.layout
         self._layouts = {Direction.D2H: (self.gpu_layout, cpu_layout),
