@@ -88,11 +88,6 @@ def _emit_stored(books: _Books, lane: Lane) -> None:
     if not events.enabled or not keys:
         return
     if lane.num_token_parts == 0:
-        stores = lane.stores
-        if len(stores) == 1 and stores[0].parents is None:  # one store of the default chain:
-            row = tuple(keys)  # its parents are its keys shifted by one (a tuple slice)
-            events.stored(row, (None,) + row[:-1])  # type: ignore[arg-type]  # noqa: RUF005
-            return
         events.stored(keys, lane.parents)
         return
     stores = [p for p in lane.stores if p.keys]

@@ -1,7 +1,7 @@
 """The step path's shortcuts (issue 27, helper stepfast) give what the long way gives.
 
-1. ``landing._emit_stored``'s one-store default chain (the keys as a tuple, their parents as
-   its slice) records the same ``stored`` event as the general path (``Lane.parents``), for
+1. ``landing._emit_stored`` on default chains (``Lane.parents``' one-store shortcut among
+   them) records the same ``stored`` event as the events' own call builds, for
    random lanes of one or more stores, with and without explicit parents and token rows.
 2. ``LocalTransport.submit`` delivers each job's outcome once, on the loop thread, after the
    submit returned: for a copy that ended inside ``submit`` (no self-pipe write: the loop's
