@@ -114,7 +114,7 @@ class KeyedCalls(ManagerCore):
         (``store_threshold``). The others get CPU blocks (free ones first, then by evicting
         READY blocks without loads in flight, never a key of this call) and are PENDING until
         the copy completes, READY after. The GPU blocks must not be overwritten before the
-        returned future resolves.
+        copy ended (a cancelled future's copy still runs: ``snapshot().gpu_busy``).
 
         Returns:
             A future resolving to ``SwapResult`` (``cpu_block_ids``: the blocks written), or
@@ -123,8 +123,8 @@ class KeyedCalls(ManagerCore):
 
         Raises:
             InvalidBlockError: bad ids, or (owned pool) ids no request holds.
-            InvalidKeyError: bad keys, different counts, or parents whose chain comes back to
-                a new key (a key cycle, within the call or through stored keys).
+            InvalidKeyError: bad or repeated keys, different counts, or parents whose chain
+                comes back to a new key (a key cycle, within the call or through stored keys).
             InvalidArgumentError: bad ``token_ids``.
             PoolExhaustedError: no room even after eviction; nothing changed (with
                 ``backpressure="wait"`` the future waits for room instead, holding its GPU
