@@ -52,6 +52,7 @@ from kvmgr.integrations.vllm._worker_jobs import (
     Batch,
     Job,
     WorkerStatistics,
+    check_job,
     job_of,
     succeeded,
 )
@@ -96,6 +97,7 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         self.report_load_errors = False
         #: this rank's copies: its KV tensors, its CPU tier of ``num_chunks * bpc`` blocks
         self.copies = _seam.rank_copies(gpu, max(1, num_chunks) * blocks_per_chunk, engine)
+        self._num_gpu_blocks, self._num_chunks = gpu[0].shape[0], max(1, num_chunks)
         self._faults = faults
         self._stores: list[Job] = []
         self._loads: list[Job] = []
@@ -110,8 +112,8 @@ class KvmgrOffloadingWorker(OffloadingWorker):
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        """Buffer a GPU -> CPU job (never blocks)."""
-        self._stores.append(self._job(job_id, src_spec, dst_spec))
+        """Buffer a GPU -> CPU job (never blocks). Raises InvalidBlockError (``check_job``)."""
+        self._stores.append(self._job(job_id, src_spec, dst_spec, store=True))
         self._bump(num_store_jobs=1)
         return True
 
@@ -122,11 +124,11 @@ class KvmgrOffloadingWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        """Submit the buffered stores as one batch, buffer this CPU -> GPU job."""
+        """Submit the buffered stores as one batch, buffer this CPU -> GPU job. Raises
+        InvalidBlockError (``check_job``) before either."""
+        job = self._job(job_id, dst_spec, src_spec, store=False)
         self._flush_stores()
-        (self._expedited if expedited else self._loads).append(
-            self._job(job_id, dst_spec, src_spec)
-        )
+        (self._expedited if expedited else self._loads).append(job)
         self._bump(num_load_jobs=1)
         return True
 
@@ -206,8 +208,9 @@ class KvmgrOffloadingWorker(OffloadingWorker):
 
     # -- private ------------------------------------------------------------------------------
 
-    def _job(self, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec) -> Job:
-        return job_of(job_id, gpu_spec, cpu_spec, self.blocks_per_chunk)
+    def _job(self, job_id: int, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec, *, store: bool) -> Job:
+        job = job_of(job_id, gpu, cpu, self.blocks_per_chunk)
+        return check_job(job, self._num_gpu_blocks, self._num_chunks, store=store)
 
     def _flush(self) -> None:
         self._flush_stores()

@@ -16,11 +16,13 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvmgr.errors import InvalidBlockError
 from kvmgr.transfer import BatchHandle, Direction
 
-__all__ = ["Batch", "Job", "WorkerStatistics", "job_of", "succeeded"]
+__all__ = ["Batch", "Job", "WorkerStatistics", "check_job", "job_of", "succeeded"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_FEW = 32  #: ``check_job`` checks up to this many ids in plain lists
 
 
 @attrs.define(eq=False)
@@ -61,10 +63,47 @@ def job_of(
         parts, c0 = [], 0
         for size, first in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
             pos = first % bpc + np.arange(size, dtype=np.int64)
+            if size and c0 + int(pos[-1]) // bpc >= len(chunks):
+                raise InvalidBlockError(f"job {job_id}: {len(chunks)} chunks for {len(gpu)} blocks")
             parts.append(chunks[c0 + pos // bpc] * bpc + pos % bpc)
             c0 += -(-(first % bpc + size) // bpc) if size else 0
         cpu = np.concatenate(parts) if parts else _EMPTY
     return Job(job_id, gpu, cpu, chunks, int(getattr(cpu_spec, "store_seq", 0)))
+
+
+def check_job(job: Job, num_gpu_blocks: int, num_chunks: int, *, store: bool) -> Job:
+    """``job`` if its batch can be planned: as many CPU as GPU ids, GPU blocks in
+    ``[0, num_gpu_blocks)``, chunks in ``[0, num_chunks)``, no destination twice (a store's
+    sub-blocks, a load's GPU blocks). Checked at submit: found at the flush, the plan's error
+    left the job buffered, every later call raised it and the jobs beside it never ran.
+
+    Raises:
+        InvalidBlockError: the first of those that does not hold.
+    """
+    gpu, cpu, chunks = job.gpu_ids, job.cpu_ids, job.chunk_ids  # int64 (``job_of``)
+    if len(gpu) != len(cpu):
+        raise InvalidBlockError(f"job {job.job_id}: {len(gpu)} GPU blocks, {len(cpu)} CPU blocks")
+    dst = cpu if store else gpu
+    if len(gpu) <= _FEW:  # plain lists beat numpy's calls on a few ids
+        g, c, d = gpu.tolist(), chunks.tolist(), dst.tolist()
+        in_range = (not g or (min(g) >= 0 and max(g) < num_gpu_blocks)) and (
+            not c or (min(c) >= 0 and max(c) < num_chunks)
+        )
+        distinct = len(set(d)) == len(d)
+    else:  # as uint64 a negative id is beyond any bound
+        in_range = int(gpu.view(np.uint64).max()) < num_gpu_blocks and (
+            not len(chunks) or int(chunks.view(np.uint64).max()) < num_chunks
+        )
+        ordered = np.sort(dst)  # (np.unique is 5-10x slower here)
+        distinct = bool((ordered[1:] != ordered[:-1]).all())
+    if not in_range:
+        for what, ids, n in (("GPU block", gpu, num_gpu_blocks), ("chunk", chunks, num_chunks)):
+            bad = [b for b in ids.tolist() if not 0 <= b < n]
+            if bad:
+                raise InvalidBlockError(f"job {job.job_id}: {what} id {bad[0]} out of range [0, {n})")  # fmt: skip
+    if not distinct:
+        raise InvalidBlockError(f"job {job.job_id}: a destination block twice in one job")
+    return job
 
 
 def succeeded(batch: Batch) -> list[TransferResult]:
