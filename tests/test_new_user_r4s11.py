@@ -3,7 +3,7 @@
 1. With caller-owned GPU blocks (``manage_gpu_blocks=False``) the docs said a block may be
    reused once "the swap's future has resolved". A future cancelled by a bounded await
    (``asyncio.wait_for``, ``asyncio.timeout``, a cancelled task) is done at once, but its copy
-   still runs at the next ``step()``: a loop that took "done" for "resolved" and rewrote the
+   still runs (at the next ``step()`` if it was queued): a loop that took "done" for "resolved" and rewrote the
    block stored the new bytes under the old key (wrong KV served by every later load). The
    docs now say so and name the ways to know: ``mgr.wait`` (never cancels the future) and
    ``snapshot().gpu_busy`` (the block stays busy until the copy ended). The tests pin both.
