@@ -32,7 +32,7 @@ from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
 from kvmgr.reports import LoadResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
-from kvmgr.scheduler.deferred import DeferredStores, settle
+from kvmgr.scheduler.deferred import DeferredStores
 from kvmgr.scheduler.events import EventStream
 from kvmgr.scheduler.gpu_blocks import GpuBlocks
 from kvmgr.scheduler.jobs import KVGeometry
@@ -40,6 +40,7 @@ from kvmgr.scheduler.keys import check_keys
 from kvmgr.scheduler.landing import Landed, complete_lane
 from kvmgr.scheduler.queue import Kind, Lane, Part
 from kvmgr.scheduler.requests import RequestTables
+from kvmgr.scheduler.settle import settle
 from kvmgr.scheduler.store import Stores
 
 __all__ = ["Bookkeeper", "Landed", "check_keys"]

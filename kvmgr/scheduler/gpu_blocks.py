@@ -195,6 +195,16 @@ class GpuBlocks:
             if module is None or not module.add_at(self.busy, ids, 1):
                 self.busy_np[ids] += 1
 
+    def acquire_each(self, ids: np.ndarray) -> None:
+        """``acquire`` of int64 ids that may repeat (recorded calls storing one GPU block):
+        a count per occurrence."""
+        module = ids_c()
+        if module is None or not module.add_at(self.busy, ids, 1):
+            if self.distinct(ids):
+                self.busy_np[ids] += 1
+            else:
+                np.add.at(self.busy_np, ids, 1)
+
     def release(self, ids: np.ndarray) -> None:
         """Copies of these blocks ended (one count per occurrence); DRAINING blocks whose last
         copy ended go back to the pool."""

@@ -52,8 +52,11 @@ class VictimSearch:
         module = ids_c()  # the common case's checks in one C loop where it builds
         if len(run) == n and module is not None and (not guarded or guarded.isdisjoint(run.tolist())):  # fmt: skip
             chains = self._chains
-            if module.chain_ok(run, self._state, self._ready, self._readers, chains._up_block, chains._kids):  # fmt: skip
+            args = (run, self._state, self._ready, self._readers, chains._up_block, chains._kids)
+            if module.chain_ok(*args):
                 return run, True
+            if module.leaves_ok(*args):  # no indexed child in the run (per-call roots)
+                return run, False
         if len(run) < n or not (self._state_np[run] == self._ready).all():
             return None, False
         if self._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):
