@@ -218,6 +218,13 @@ class KeyChains:
         if last < 0 and self.loose:  # the parent is not in the tier (roots have none)
             self._orphan_links([int(at[-1])])
 
+    def remove_isolated(self, at: np.ndarray) -> None:
+        """``remove`` of keys on blocks ``at`` (int64) without an indexed parent or child
+        (``BlockLru``'s ``victim_isolated``: per-call roots): no count changes, only the
+        links of keys whose parent is not indexed go."""
+        if self.loose:
+            self._orphan_links(at.tolist())
+
     def _remove_links(self, at: np.ndarray, parents: np.ndarray) -> None:
         """``remove``'s child counts for any blocks ``at`` whose parent blocks are ``parents``
         (``-1``: a root or a loose key)."""
