@@ -46,6 +46,7 @@ from kvmgr.scheduler.store import Stores
 __all__ = ["Bookkeeper", "Landed", "check_keys"]
 
 _READY = int(CpuState.READY)
+_new = tuple.__new__  # a SwapResult from its fields, as ``fanout`` makes them
 
 
 class Bookkeeper:
@@ -217,9 +218,12 @@ class Bookkeeper:
             raise UnknownKeyError(f"key {key.hex()[:16]}... is not in the CPU tier")
         cpu_list: list[int] = blocks  # type: ignore[assignment]
         small = isinstance(gpu, list)
-        if small:
-            state = cpu.state
-            ready = all(state[b] == _READY for b in cpu_list)
+        if small:  # a plain loop (a generator's frame costs more than a per-call load's key)
+            state, ready = cpu.state, True
+            for b in cpu_list:
+                if state[b] != _READY:
+                    ready = False
+                    break
         else:
             cpu_arr = np.array(cpu_list, dtype=np.int64)
             ready = bool((cpu.state_np[cpu_arr] == _READY).all())
@@ -245,9 +249,8 @@ class Bookkeeper:
                 num_bytes=nbytes,
             )
         else:
-            result = SwapResult(
-                n, nbytes, 0, tuple(cpu_list), tuple(gpu) if small else tuple(gpu.tolist())
-            )
+            gpu_ids = tuple(gpu) if small else tuple(gpu.tolist())  # (tuple.__new__: not the
+            result = _new(SwapResult, (n, nbytes, 0, tuple(cpu_list), gpu_ids))  # Python one)
         return Part(Kind.LOAD, future, result, gpu, cpu_ids, keys)
 
     # ------------------------------------------------------------------ promotes (lower tiers)
