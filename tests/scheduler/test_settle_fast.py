@@ -183,16 +183,11 @@ def _numpy_leaves(run: np.ndarray, state: np.ndarray, readers: np.ndarray, up: n
 @pytest.mark.skipif(module is None, reason="kvmgr's C modules do not build here")
 @pytest.mark.parametrize("seed", range(4))
 def test_leaves_ok_decides_as_numpy(seed: int) -> None:
+    from test_ids_c import run_arrays
+
     rng, verdicts = np.random.default_rng(seed), set()
     for _ in range(400):
-        size, n = 40, int(rng.integers(1, 12))
-        run = rng.permutation(size)[:n].astype(np.int64)
-        state = np.ones(size, dtype=np.uint8)
-        readers, up, kids = (np.zeros(size, dtype=np.int64) for _ in range(3))
-        up[:] = -1  # roots
-        for _ in range(int(rng.integers(0, 3))):  # spoil a few
-            where = (state, readers, kids, up)[int(rng.integers(0, 4))]
-            where[run[int(rng.integers(0, n))]] = int(rng.integers(0, 3))
+        run, state, readers, up, kids = run_arrays(rng, 40, int(rng.integers(1, 12)), chain=False)
         q = [array.array("q", a.tolist()) for a in (readers, up, kids)]
         got = module.leaves_ok(run, bytearray(state), 1, *q)
         assert got == _numpy_leaves(run, state, readers, up, kids) and type(got) is int
