@@ -9,7 +9,7 @@ sys.path.insert(0, "tests/scheduler")
 sys.path.insert(0, "tests")
 import test_deferred_stores as t
 
-import kvmgr.scheduler.deferred as d
+import kvmgr.scheduler.settle as d
 
 orig = d.settle
 

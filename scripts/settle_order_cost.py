@@ -22,19 +22,20 @@ import kvmgr.scheduler.bookkeeping as bookkeeping
 from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.bench._keys import FreshKeys
 from kvmgr.scheduler import deferred
+from kvmgr.scheduler import settle as settling
 from kvmgr.testing import NullEngine
 
 N = 512
 
 
-def _call_by_call(pending: deferred.DeferredStores, stores: deferred.Stores) -> list:
+def _call_by_call(pending: deferred.DeferredStores, stores: settling.Stores) -> list:
     if pending.fan is None:
         return []
     fan, ends, gpu_ids, keys = pending.take()
-    return deferred._one_by_one(stores, fan, ends, gpu_ids, keys)
+    return settling._one_by_one(stores, fan, ends, gpu_ids, keys)
 
 
-SETTLES = {"batched": deferred.settle, "call-by-call": _call_by_call}
+SETTLES = {"batched": settling.settle, "call-by-call": _call_by_call}
 
 
 async def _round(mgr: OffloadManager, held: list[int], fresh: FreshKeys, settle: object) -> float:
@@ -64,7 +65,7 @@ async def main(rounds: int) -> None:
         ratio = statistics.median(np.array(times["call-by-call"]) / np.array(times["batched"]))
         print(f"{policy:7s} batched p50 {p50['batched']:8.0f} us   call-by-call p50 "
               f"{p50['call-by-call']:8.0f} us   ratio (paired median) {ratio:.2f}x")  # fmt: skip
-    bookkeeping.settle = deferred.settle
+    bookkeeping.settle = settling.settle
 
 
 if __name__ == "__main__":

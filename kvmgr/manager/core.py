@@ -7,6 +7,13 @@ flusher, transport, waiting stores, lower tiers) and the few helpers every group
 the one rule for the ``timeout_s`` of ``wait``, ``close``, ``aclose`` and ``drain_tiers``. The public calls are
 grouped in ``keyed``, ``request_calls``, ``staged_calls`` and ``observe``, each a class over this
 one; ``facade.OffloadManager`` joins them.
+
+The running loop: asyncio's ``get_running_loop`` calls ``getpid()`` on every call (a system call,
+0.17-0.34 us on the 2-core VM: a fifth of a per-call store), so once a call found the bound
+loop running, the next ones test only that it still runs in this thread (``_fast_loop``, an
+asyncio ``BaseEventLoop``: its ``_thread_id`` is set while it runs, and one thread runs one loop
+at a time); a forked child forgets it (``os.register_at_fork``: the parent's loop is not
+running there), and closing clears it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import os
+import threading
+import weakref
+from asyncio.base_events import BaseEventLoop
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +45,18 @@ from kvmgr.transfer.layerwise import LayerwiseStore
 from kvmgr.worker import TransferWorker
 
 __all__ = ["ManagerCore", "check_timeout"]
+
+_get_ident = threading.get_ident
+_fast_bound: weakref.WeakSet[ManagerCore] = weakref.WeakSet()  #: managers with a ``_fast_loop``
+
+
+def _forget_fast_loops() -> None:
+    """In a forked child: no loop of the parent is running (asyncio's check says so too)."""
+    for manager in list(_fast_bound):
+        manager._fast_loop = None
+
+
+os.register_at_fork(after_in_child=_forget_fast_loops)
 
 
 def check_timeout(timeout_s: object) -> float | None:
@@ -79,8 +102,8 @@ class ManagerCore:
         self._tick_scheduled = False
         self._closing = False
         self._closed = False
-        #: a loop is bound and the manager is open: the fast path of ``swap_out`` may record
-        self._accepting = False
+        #: the bound loop while open, once seen running here (an asyncio ``BaseEventLoop``)
+        self._fast_loop: Any = None
         self._step = 0
 
     @property
@@ -124,6 +147,16 @@ class ManagerCore:
             self._enqueue(part)
 
     def _open_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, bound to the manager; the bound one when it still runs in this
+        thread (see the module docstring).
+
+        Raises:
+            ClosedError: closed or closing. EventLoopError: no running loop, or swaps queued
+                or in flight on the bound loop while another runs.
+        """
+        loop: Any = self._fast_loop
+        if loop is not None and loop._thread_id == _get_ident():
+            return loop  # type: ignore[no-any-return]
         if self._closed or self._closing:
             raise ClosedError("the manager is closed")
         try:
@@ -142,7 +175,9 @@ class ManagerCore:
                     "use one manager per loop"
                 )
             self._loop = loop  # rebind: nothing pending on the old loop
-        self._accepting = True
+        if isinstance(loop, BaseEventLoop) and loop._thread_id == _get_ident():  # type: ignore[attr-defined]
+            self._fast_loop = loop
+            _fast_bound.add(self)
         return loop
 
     def _check_not_closed(self) -> None:

@@ -148,7 +148,7 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
             return
         self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closing = True  # from here on, new swaps raise ClosedError
-        self._accepting = False
+        self._fast_loop = None  # the next call checks the loop (and raises ClosedError)
         self._abort_layerwise()
         self._room.fail(ClosedError("manager closed while the store waited for room"))
         if self._queue.in_flight:
@@ -171,7 +171,7 @@ class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
             return
         self._settle_deferred()  # recorded stores are queued swaps like the others
         self._closed = True
-        self._accepting = False
+        self._fast_loop = None  # the next call checks the loop (and raises ClosedError)
         self._abort_layerwise()
         self._flusher.fail_queued(ClosedError("manager closed before the swap was submitted"))
         try:

@@ -8,7 +8,6 @@ and prepared with the others at the next settle; every other store goes through
 from __future__ import annotations
 
 import asyncio
-from asyncio.events import _get_running_loop as _running_loop  # None outside a loop
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ from kvmgr.errors import (
 )
 from kvmgr.events.tokens import check_token_ids
 from kvmgr.manager.backpressure import WaitingFuture, WaitingStore
-from kvmgr.manager.core import ManagerCore
+from kvmgr.manager.core import ManagerCore, _get_ident
 from kvmgr.reports import (
     LoadResult,
     StoreResult,
@@ -135,8 +134,8 @@ class KeyedCalls(ManagerCore):
         used by policies that take hints (``"online"``); bad hints raise
         ``InvalidArgumentError`` before any change.
         """
-        loop: Any = _running_loop()
-        if loop is not self._loop or not self._accepting:
+        loop: Any = self._fast_loop  # (``_open_loop``'s first test, without its frame)
+        if loop is None or loop._thread_id != _get_ident():
             loop = self._open_loop()  # raises ClosedError / EventLoopError, or binds the loop
         plain = parents is None and token_ids is None and hint is None
         if plain and type(keys) is list and type(gpu_block_ids) is list:  # recorded now,

@@ -30,7 +30,7 @@ from kvmgr._index_c import index_c
 from kvmgr.errors import UnknownKeyError
 from kvmgr.policy.base import _check_evict_count
 from kvmgr.scheduler.chains import KeyChains
-from kvmgr.scheduler.lru_victims import VictimSearch
+from kvmgr.scheduler.lru_victims import CHAIN, ISOLATED, VictimSearch
 
 __all__ = ["BlockLru"]
 
@@ -72,6 +72,8 @@ class BlockLru(VictimSearch):
         #: the last victims are one chain, its leaf first, each block's only indexed child the
         #: one before it (``KeyChains.remove_run`` then updates the chains without reading them)
         self.victim_chain = False
+        #: the last victims have no indexed parent or child (``KeyChains.remove_isolated``)
+        self.victim_isolated = False
         self._stamp = array.array("q", [-1]) * num_blocks
         self._stamp_np = np.frombuffer(self._stamp, dtype=np.int64)
         self._log = array.array("q", [0]) * (2 * num_blocks + 2 * _FEW)
@@ -227,9 +229,8 @@ class BlockLru(VictimSearch):
         get = self._index.get
         guarded = {b for b in map(get, protected) if b is not None} if protected else set()
         own = can_evict is self._can_evict
-        victims, self.victim_chain = (
-            self._leading_run(n, guarded) if own and n >= 2 else (None, False)
-        )
+        victims, kind = self._leading_run(n, guarded) if own and n >= 2 else (None, 0)
+        self.victim_chain, self.victim_isolated = kind == CHAIN, kind == ISOLATED
         if victims is None:
             victims = self._collect(n, None if own else can_evict, guarded)
             if victims is None:

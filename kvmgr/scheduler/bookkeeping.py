@@ -32,7 +32,7 @@ from kvmgr.errors import BlockStateError, InvalidKeyError, UnknownKeyError
 from kvmgr.reports import LoadResult, SwapResult
 from kvmgr.scheduler.counters import Counters
 from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
-from kvmgr.scheduler.deferred import DeferredStores, settle
+from kvmgr.scheduler.deferred import DeferredStores
 from kvmgr.scheduler.events import EventStream
 from kvmgr.scheduler.gpu_blocks import GpuBlocks
 from kvmgr.scheduler.jobs import KVGeometry
@@ -40,11 +40,13 @@ from kvmgr.scheduler.keys import check_keys
 from kvmgr.scheduler.landing import Landed, complete_lane
 from kvmgr.scheduler.queue import Kind, Lane, Part
 from kvmgr.scheduler.requests import RequestTables
+from kvmgr.scheduler.settle import settle
 from kvmgr.scheduler.store import Stores
 
 __all__ = ["Bookkeeper", "Landed", "check_keys"]
 
 _READY = int(CpuState.READY)
+_new = tuple.__new__  # a SwapResult from its fields, as ``fanout`` makes them
 
 
 class Bookkeeper:
@@ -216,9 +218,12 @@ class Bookkeeper:
             raise UnknownKeyError(f"key {key.hex()[:16]}... is not in the CPU tier")
         cpu_list: list[int] = blocks  # type: ignore[assignment]
         small = isinstance(gpu, list)
-        if small:
-            state = cpu.state
-            ready = all(state[b] == _READY for b in cpu_list)
+        if small:  # a plain loop (a generator's frame costs more than a per-call load's key)
+            state, ready = cpu.state, True
+            for b in cpu_list:
+                if state[b] != _READY:
+                    ready = False
+                    break
         else:
             cpu_arr = np.array(cpu_list, dtype=np.int64)
             ready = bool((cpu.state_np[cpu_arr] == _READY).all())
@@ -244,9 +249,8 @@ class Bookkeeper:
                 num_bytes=nbytes,
             )
         else:
-            result = SwapResult(
-                n, nbytes, 0, tuple(cpu_list), tuple(gpu) if small else tuple(gpu.tolist())
-            )
+            gpu_ids = tuple(gpu) if small else tuple(gpu.tolist())  # (tuple.__new__: not the
+            result = _new(SwapResult, (n, nbytes, 0, tuple(cpu_list), gpu_ids))  # Python one)
         return Part(Kind.LOAD, future, result, gpu, cpu_ids, keys)
 
     # ------------------------------------------------------------------ promotes (lower tiers)

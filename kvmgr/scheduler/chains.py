@@ -85,6 +85,13 @@ class KeyChains:
         deep = bool(orphans) and not orphans.keys().isdisjoint(keys)
         if not deep and (len(keys) == 1 or (parents[1:] == keys[:-1] and parents[0] not in keys)):
             return  # one key, or one chain hanging below a key outside the call
+        if not deep and _chain_with_gaps(keys, parents):
+            return
+        self._walk(keys, parents, deep)
+
+    def _walk(self, keys: Sequence[bytes], parents: Sequence[bytes | None], deep: bool) -> None:
+        """``check``'s general test: every key's parent chain walked (``deep``: also up the
+        indexed ancestors of new keys with indexed children)."""
         batch = dict(zip(keys, parents))
         index, up, loose = self._index, self._up_block, self.loose
         done: set[bytes] = set()
@@ -218,6 +225,13 @@ class KeyChains:
         if last < 0 and self.loose:  # the parent is not in the tier (roots have none)
             self._orphan_links([int(at[-1])])
 
+    def remove_isolated(self, at: np.ndarray) -> None:
+        """``remove`` of keys on blocks ``at`` (int64) without an indexed parent or child
+        (``BlockLru``'s ``victim_isolated``: per-call roots): no count changes, only the
+        links of keys whose parent is not indexed go."""
+        if self.loose:
+            self._orphan_links(at.tolist())
+
     def _remove_links(self, at: np.ndarray, parents: np.ndarray) -> None:
         """``remove``'s child counts for any blocks ``at`` whose parent blocks are ``parents``
         (``-1``: a root or a loose key)."""
@@ -267,3 +281,20 @@ class KeyChains:
                 if not children:
                     del orphans[parent]
                     self.num_parents -= 1
+
+
+def _chain_with_gaps(keys: Sequence[bytes], parents: Sequence[bytes | None]) -> bool:
+    """Whether every ``parents[i]`` is ``None``, ``keys[i - 1]`` or no key of the call (``keys``
+    distinct, as a store's new keys are, which ``check``'s one-chain test assumes too): then a
+    walk within the call only goes to earlier keys (no cycle). A store whose present keys were
+    skipped (the default chain with gaps) is such a call; ``False`` decides nothing."""
+    inside: dict[bytes, None] | None = None
+    previous: bytes | None = None
+    for key, parent in zip(keys, parents):
+        if parent is not None and parent is not previous and parent != previous:
+            if inside is None:
+                inside = dict.fromkeys(keys)
+            if parent in inside:
+                return False
+        previous = key
+    return True

@@ -161,7 +161,8 @@ class CpuTier(ReaderCounts):
             if lru is None:
                 self._forget(victims)
             else:
-                self._forget(victims, lru.victim_blocks, chain=lru.victim_chain)
+                self._forget(victims, lru.victim_blocks, chain=lru.victim_chain,
+                             isolated=lru.victim_isolated)  # fmt: skip
             self.counters.evictions += len(victims)
 
     def take_evicted(self) -> list[tuple[list[bytes], np.ndarray]]:
@@ -175,12 +176,12 @@ class CpuTier(ReaderCounts):
             self.evict_for(n, protected)
         return self.pool.take_few(n)
 
-    def _forget(
-        self, keys: list[bytes], ids: np.ndarray | None = None, *, chain: bool = False
-    ) -> None:
+    def _forget(self, keys: list[bytes], ids: np.ndarray | None = None, *, chain: bool = False,
+                isolated: bool = False) -> None:  # fmt: skip
         """Drop READY keys without readers (already untracked by the policy), on blocks
-        ``ids`` when the caller knows them (in key order; ``chain``: one chain, as
-        ``BlockLru.victim_chain`` says); free the blocks."""
+        ``ids`` when the caller knows them (in key order; ``chain``: one chain, ``isolated``:
+        no indexed parent or child, as ``BlockLru.victim_chain`` / ``victim_isolated`` say);
+        free the blocks."""
         if len(keys) <= 8:
             state, free = self.state, CpuState.FREE
             blocks = list(map(self.index.pop, keys))
@@ -195,6 +196,8 @@ class CpuTier(ReaderCounts):
                 set_items(self.index, keys, None)
             if chain:
                 self.chains.remove_run(ids)
+            elif isolated:
+                self.chains.remove_isolated(ids)
             else:
                 self.chains.remove(keys, ids)
             self.state_np[ids] = CpuState.FREE

@@ -7,7 +7,7 @@ few checks and is *recorded*: its ids and keys are appended to flat buffers, it 
 ``fanout``), and its blocks are counted in ``CpuTier.reserved`` (the room it was promised: every
 other consumer of CPU blocks sees that much less). When the free blocks run short, the victims are
 evicted in one policy call at the settle if the tier surely has them, else at the call.
-``settle`` prepares every recorded call in one go, with the array operations of the batched
+``settle`` (``kvmgr.scheduler.settle``) prepares every recorded call in one go, with the array operations of the batched
 API (allocation, PENDING keys, policy insert, GPU busy counts), as ONE ``Part`` whose future is
 that ``StoreFanOut``: resolved once, each call's ``SwapResult`` built when asked for.
 
@@ -32,15 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import KVMgrError, PoolExhaustedError
 from kvmgr.scheduler.cpu_tier import CpuTier
 from kvmgr.scheduler.fanout import CallFuture, StoreFanOut
 from kvmgr.scheduler.gpu_blocks import GpuBlocks, GpuState
 from kvmgr.scheduler.keys import SMALL
-from kvmgr.scheduler.queue import Kind, Part
-from kvmgr.scheduler.store import Stores
 
-__all__ = ["CallFuture", "DeferredStores", "StoreFanOut", "settle"]
+__all__ = ["CallFuture", "DeferredStores", "StoreFanOut"]
 
 _HELD = int(GpuState.HELD)
 
@@ -205,67 +202,3 @@ def _sure_victims(cpu: CpuTier) -> int:
     are leaves of their chains (every key with an indexed child left out, and then some: a
     parent counted in ``chains.num_parents`` may not be indexed). A policy evicts any such key."""
     return len(cpu.index) - cpu.num_pending - cpu.num_loading - cpu.chains.num_parents
-
-
-def settle(deferred: DeferredStores, stores: Stores) -> list[Part]:
-    """Prepare every recorded call: one ``Part`` for all of them (empty list: none recorded).
-
-    Uses the batched path's steps (``CpuTier.make_room`` with one eviction for all, then
-    ``add_pending`` and the GPU busy counts over arrays). Should the tier refuse the room it
-    promised (a policy that cannot evict every READY block without readers), each call is
-    prepared on its own through ``stores.prepare`` instead, in call order, and a call that
-    still finds no room gets its ``PoolExhaustedError`` through its future.
-    """
-    if deferred.fan is None:
-        return []
-    fan, ends, gpu_ids, keys = deferred.take()
-    cpu, gpu = stores.cpu, stores.gpu
-    n = len(keys)
-    if not cpu.index.keys().isdisjoint(keys):  # indexed since the call, by a path that did
-        # not settle first (a promote from a lower tier): each call on its own, its present
-        # keys skipped as a store prepared now skips them
-        return _one_by_one(stores, fan, ends, gpu_ids, keys)
-    try:
-        cpu_ids = cpu.make_room(n, ())  # recorded keys are not in the tier: none to protect
-    except PoolExhaustedError:
-        return _one_by_one(stores, fan, ends, gpu_ids, keys)
-    # the policy learns the calls as if inserted one by one: a later call more recent, and
-    # within a call the first key most recent (one insert takes its first key most recent)
-    if ends is None:  # one block per call: every key a root
-        parents: list[bytes | None] = [None] * n
-        cpu.add_pending(keys[::-1], cpu_ids[::-1], parents, vouched=True)  # absent above
-    else:
-        parents = keys[:]
-        order: list[Any] = []
-        start = 0
-        for end in ends:
-            parents[start + 1 : end] = keys[start : end - 1]
-            parents[start] = None
-            order.append(range(start, end))
-            start = end
-        order = [i for call in reversed(order) for i in call]
-        cpu.add_pending([keys[i] for i in order], cpu_ids[order], [parents[i] for i in order],
-                        vouched=True)  # fmt: skip
-    gpu_ids = gpu_ids.copy()
-    if gpu.distinct(gpu_ids):
-        gpu.busy_np[gpu_ids] += 1
-    else:  # two calls stored one GPU block: a count per occurrence
-        np.add.at(gpu.busy_np, gpu_ids, 1)
-    stores.counters.stores_queued += n
-    fan.prepared(ends, gpu_ids, cpu_ids, stores.block_bytes)
-    return [Part(Kind.STORE, fan, None, gpu_ids, cpu_ids, keys, parents=parents)]
-
-
-def _one_by_one(
-    stores: Stores, fan: StoreFanOut, ends: Any, gpu_ids: np.ndarray, keys: list[bytes]
-) -> list[Part]:
-    parts, start, ids = [], 0, gpu_ids.tolist()
-    calls = fan.calls()
-    for call, end in zip(calls, ends if ends is not None else range(1, len(keys) + 1)):
-        try:
-            parts.append(stores.prepare(ids[start:end], keys[start:end], None, call, batched=False))
-        except KVMgrError as exc:
-            stores.counters.reject(getattr(exc, "reason", "cpu_full"))
-            call.set_exception(exc)
-        start = end
-    return parts

@@ -62,8 +62,8 @@ class StoreFanOut:
         #: call -> (state, value) for calls cancelled or resolved on their own
         self.own: dict[int, tuple[int, Any]] = {}
         self.ends: array.array[int] | None = None
-        self.gpu_ids: list[int] = []
-        self.cpu_ids: list[int] = []
+        self.gpu_ids: array.array[int] | list[int] = []
+        self.cpu_ids: array.array[int] | list[int] = []
         self.block_bytes = 0
 
     def add_call(self) -> CallFuture:
@@ -85,9 +85,11 @@ class StoreFanOut:
     def prepared(
         self, ends: array.array[int] | None, gpu_ids: np.ndarray, cpu_ids: np.ndarray, size: int
     ) -> None:
-        """The calls' ids, known at the settle (int64 ``[n]`` each), and the bytes of a block."""
+        """The calls' ids, known at the settle (int64 ``[n]`` each), and the bytes of a block
+        (kept as ``array.array``: a copy of the bytes, no int object until a result reads it)."""
         self.ends, self.block_bytes = ends, size
-        self.gpu_ids, self.cpu_ids = gpu_ids.tolist(), cpu_ids.tolist()
+        self.gpu_ids = array.array("q", gpu_ids.tobytes())  # 0.3 us for 512 (tolist: 6.5)
+        self.cpu_ids = array.array("q", cpu_ids.tobytes())
 
     # ------------------------------------------------------------------ the part's future
 

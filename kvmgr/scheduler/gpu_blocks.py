@@ -69,7 +69,8 @@ class GpuBlocks:
             InvalidBlockError: not ints, out of range, repeated, or (owned pool) not held.
         """
         if type(block_ids) is list and len(block_ids) <= SMALL:
-            self.check_small(block_ids, what)
+            if self.check_small(block_ids, what):
+                return block_ids[:]  # exact ints already
             return [int(b) for b in block_ids]
         ids: np.ndarray
         if type(block_ids) is np.ndarray and block_ids.dtype is _INT64 and block_ids.ndim == 1:
@@ -81,23 +82,25 @@ class GpuBlocks:
         self.check_array(ids, what)
         return ids
 
-    def check_small(self, ids: list[int], what: str) -> None:
-        """Validate a short list of ids (range, distinct, held when owned) without numpy.
+    def check_small(self, ids: list[int], what: str) -> bool:
+        """Validate a short list of ids (range, distinct, held when owned) without numpy;
+        whether every id is exactly an ``int`` (else integers of other types, such as numpy's).
 
         Raises:
             InvalidBlockError: an id is not an int, out of range, repeated, or not held.
         """
-        n, state, owned = self.num_blocks, self.state, self.pool is not None
+        n, state, owned, exact = self.num_blocks, self.state, self.pool is not None, True
         for b in ids:
             if type(b) is not int:
                 as_id_array(ids, "gpu", n)  # raises the typed error for non-ints
-                b = int(b)
+                b, exact = int(b), False
             if not 0 <= b < n:
                 raise InvalidBlockError(f"gpu block id {b} out of range [0, {n})")
-            if owned and state[b] != GpuState.HELD:
+            if owned and state[b] != _HELD:
                 raise self._not_held(b, what)
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvalidBlockError(f"duplicate gpu block ids in {ids}")
+        return exact
 
     def check_array(self, ids: np.ndarray, what: str) -> None:
         """Validate an int64 array of ids (range, distinct, held when owned).
@@ -194,6 +197,16 @@ class GpuBlocks:
             module = ids_c()
             if module is None or not module.add_at(self.busy, ids, 1):
                 self.busy_np[ids] += 1
+
+    def acquire_each(self, ids: np.ndarray) -> None:
+        """``acquire`` of int64 ids that may repeat (recorded calls storing one GPU block):
+        a count per occurrence."""
+        module = ids_c()
+        if module is None or not module.add_at(self.busy, ids, 1):
+            if self.distinct(ids):
+                self.busy_np[ids] += 1
+            else:
+                np.add.at(self.busy_np, ids, 1)
 
     def release(self, ids: np.ndarray) -> None:
         """Copies of these blocks ended (one count per occurrence); DRAINING blocks whose last

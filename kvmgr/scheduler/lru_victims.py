@@ -21,7 +21,9 @@ from kvmgr._ids_c import ids_c
 if TYPE_CHECKING:
     from kvmgr.scheduler.chains import KeyChains
 
-__all__ = ["VictimSearch"]
+__all__ = ["CHAIN", "ISOLATED", "VictimSearch"]
+
+CHAIN, ISOLATED = 1, 2  #: what ``_leading_run``'s run is (0: neither)
 
 
 class VictimSearch:
@@ -43,35 +45,41 @@ class VictimSearch:
     _scratch: np.ndarray
     _leading: Callable[[int], np.ndarray]  # BlockLru's method: the run of live blocks from the head
 
-    def _leading_run(self, n: int, guarded: set[int]) -> tuple[np.ndarray | None, bool]:
+    def _leading_run(self, n: int, guarded: set[int]) -> tuple[np.ndarray | None, int]:
         """The first ``n`` live blocks when one offer at a time would take exactly them, in
         order: each READY without readers and not protected, every indexed child of each in
-        the run and before it; ``None`` otherwise (nothing changed). And whether the run is one
-        chain, its leaf first, each block's only indexed child the one before it."""
+        the run and before it; ``None`` otherwise (nothing changed). And what the run is:
+        ``CHAIN`` (one chain, its leaf first, each block's only indexed child the one before
+        it), ``ISOLATED`` (no block with an indexed parent or child; found by the C pass only)
+        or 0."""
         run = self._leading(n)
         module = ids_c()  # the common case's checks in one C loop where it builds
         if len(run) == n and module is not None and (not guarded or guarded.isdisjoint(run.tolist())):  # fmt: skip
             chains = self._chains
-            if module.chain_ok(run, self._state, self._ready, self._readers, chains._up_block, chains._kids):  # fmt: skip
-                return run, True
+            args = (run, self._state, self._ready, self._readers, chains._up_block, chains._kids)
+            if module.chain_ok(*args):
+                return run, CHAIN
+            kind = module.leaves_ok(*args)  # no indexed child in the run (per-call roots)
+            if kind:
+                return run, ISOLATED if kind == 2 else 0
         if len(run) < n or not (self._state_np[run] == self._ready).all():
-            return None, False
+            return None, 0
         if self._readers_np[run].any() or (guarded and not guarded.isdisjoint(run.tolist())):
-            return None, False
+            return None, 0
         up, kids = self._chains._up_np[run], self._chains._kids_np[run]
         if (up[:-1] == run[1:]).all() and kids[0] == 0 and (kids[1:] == 1).all():
-            return run, True  # one chain, its leaf first, no child outside it (the common case)
+            return run, CHAIN  # one chain, its leaf first, no child outside it (the common case)
         scratch, order = self._scratch, np.arange(n, dtype=np.int64)
         scratch[run] = order
         linked = up >= 0
         at = np.minimum(scratch[np.where(linked, up, 0)], n - 1)
         inside = linked & (run[at] == up)  # the parent is a run block, at position ``at``
         if not (at[inside] > order[inside]).all():  # a parent before its child would wait
-            return None, False
+            return None, 0
         counts = np.bincount(at[inside], minlength=n)
         if not (counts == kids).all():  # a child outside the run
-            return None, False
-        return run, False
+            return None, 0
+        return run, 0
 
     def _collect(
         self, n: int, can_evict: Callable[[bytes], bool] | None, guarded: set[int]

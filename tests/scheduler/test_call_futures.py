@@ -164,6 +164,9 @@ async def test_the_one_by_one_fallback_resolves_each_callers_own_future() -> Non
     kv = _kv(6)
     async with OffloadManager(kv, _cfg(num_cpu_blocks=4)) as mgr:
         gpu = mgr.allocate("r", 8)
+        full = mgr.swap_out(gpu[4:8], K[10:14], [None] * 4)  # the tier full: the settle evicts
+        await mgr.step()
+        await asyncio.wait_for(full, 5)
         calls = [mgr.swap_out([gpu[i]], [K[i]]) for i in range(3)]
         cpu = mgr._books.cpu
         real, refused = cpu.make_room, []

@@ -128,19 +128,29 @@ def _numpy_chain(run: np.ndarray, state: np.ndarray, readers: np.ndarray, up: np
     )
 
 
+def run_arrays(rng: Any, size: int, n: int, *, chain: bool) -> tuple[np.ndarray, ...]:
+    """A run of ``n`` blocks of ``size`` READY ones without readers, one chain (leaf first) or
+    roots without children, then a few entries spoiled: (run, state, readers, up, kids)."""
+    run = rng.permutation(size)[:n].astype(np.int64)
+    state = np.ones(size, dtype=np.uint8)
+    readers, up, kids = (np.zeros(size, dtype=np.int64) for _ in range(3))
+    if chain:
+        up[run[:-1]], kids[run[1:]] = run[1:], 1
+    else:
+        up[:] = -1
+    for _ in range(int(rng.integers(0, 3))):
+        where = (state, readers, up, kids)[int(rng.integers(0, 4))]
+        where[run[int(rng.integers(0, n))]] = int(rng.integers(0, 3))
+    return run, state, readers, up, kids
+
+
 @needs_c
 @pytest.mark.parametrize("seed", range(4))
 def test_live_run_and_chain_ok_decide_as_numpy(seed: int) -> None:
     rng, verdicts = np.random.default_rng(seed), set()
     for _ in range(400):
         size, n = 40, int(rng.integers(1, 12))
-        run = rng.permutation(size)[:n].astype(np.int64)
-        state = np.ones(size, dtype=np.uint8)
-        readers, up, kids = (np.zeros(size, dtype=np.int64) for _ in range(3))
-        up[run[:-1]], kids[run[1:]] = run[1:], 1  # one chain, leaf first: then spoil it
-        for _ in range(int(rng.integers(0, 3))):
-            where = (state, readers, up, kids)[int(rng.integers(0, 4))]
-            where[run[int(rng.integers(0, n))]] = int(rng.integers(0, 3))
+        run, state, readers, up, kids = run_arrays(rng, size, n, chain=True)
         got = module.chain_ok(run, bytearray(state), 1, array.array("q", readers), array.array("q", up), array.array("q", kids))  # fmt: skip
         assert got is _numpy_chain(run, state, readers, up, kids)
         verdicts.add(got)
