@@ -1,0 +1,222 @@
+"""Completion woken by the copy stream itself, not by the submitting thread (opt-in; private to
+:mod:`kvmgr.transfer.streams`; issue 27).
+
+Offers:
+    HostFuncInbox       one direction's completion inbox: ``put(item)`` appends the batch to a
+                        deque and enqueues a host function on its copy stream
+                        (``cuLaunchHostFunc``) whose C callback writes an eventfd; ``run`` is
+                        the completion thread, asleep in ``poll`` on that eventfd
+    host_func_launcher  ``launch(stream, callback, data) -> CUresult`` through the driver from
+                        C, or None where it (or the C callback, or ``os.eventfd``) is missing
+    host_func_inboxes   the inboxes of both directions where ``completion`` asks for them
+    COMPLETIONS         the ``completion`` choices: ``"queue"`` (default), ``"host_func"``
+
+Why: with ``completion="queue"`` a submit hands its batch to the direction's completion thread
+by a ``queue.SimpleQueue.put`` that wakes that sleeping thread at once (a futex wake on the
+submitting thread), and the woken thread then takes the GIL from the loop thread for a few
+bytecodes before it sleeps again in the end event's ``synchronize``: 6-27 us of a cold step on
+the 2-core VM, 12-27 us on the H200 host (BENCHMARKS.md, round 4 sessions 9-10). With
+``"host_func"`` the submit appends to a deque (no wake) and makes one driver call; the thread
+is woken when the copy stream reaches the host function, i.e. when the batch has ended on the
+device (milliseconds later, off the step), by the driver's own callback thread: a C function
+(``wake``, below) that writes the eventfd and touches no Python object (no GIL).
+
+Soundness (docs/transfer.md, rule 7): the thread still settles every batch through
+``CopyStreams._complete``, i.e. after its end event's ``synchronize``: the wake only says when
+to look. A credit (one eventfd count) completes the oldest pending batch (a host function runs
+after its batch's end event on the FIFO stream); batches whose end event ``query()`` says done
+(or raises) are completed too, and the thread looks again every ``_POLL_MS`` (20 ms) while
+batches are pending and every ``_IDLE_MS`` (1 s) while none is (a batch may come in while it
+sleeps), because the driver runs no host function after a device error: the error then
+surfaces at ``synchronize`` as with ``"queue"``, within about a second at worst. A host function that could not be enqueued
+gets its credit from the submitting thread. The eventfd is closed only when every enqueued host
+function has written it (never after a device error: one descriptor leaks rather than a late
+write hitting a reused descriptor number).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvmgr._native import build
+from kvmgr.errors import ConfigError
+from kvmgr.transfer.driver_call import native_call
+
+__all__ = [
+    "COMPLETIONS",
+    "HostFuncInbox",
+    "host_func_inboxes",
+    "host_func_launcher",
+    "wake_address",
+]
+
+_LOG = logging.getLogger(__name__)
+
+COMPLETIONS = ("queue", "host_func")
+_POLL_MS = 20  # while batches are pending: how often the thread looks without a wake
+_IDLE_MS = 1000  # with none pending (one may come in while it sleeps): how often it looks
+_DRAIN_S = 1.0  # at stop: how long the thread waits for host functions still to write
+
+_SOURCE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <unistd.h>
+
+/* the host function: one eventfd count, no Python, no CUDA call (cuLaunchHostFunc's rule) */
+static void wake(void *data) {
+    uint64_t one = 1;
+    ssize_t written = write((int)(intptr_t)data, &one, sizeof one);
+    (void)written;
+}
+
+static PyObject *wake_address(PyObject *self, PyObject *unused) {
+    return PyLong_FromVoidPtr((void *)&wake);
+}
+
+static PyMethodDef methods[] = {
+    {"wake_address", wake_address, METH_NOARGS, "the address of the C host function"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvmgr_host_wake", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_kvmgr_host_wake(void) { return PyModule_Create(&module); }
+"""
+
+
+@functools.cache
+def wake_address() -> int | None:
+    """The address of the C host function ``wake(fd)``, or None where it does not build."""
+    if not hasattr(os, "eventfd"):
+        return None
+    module = build(_SOURCE, "kvmgr_host_wake")
+    return None if module is None else int(module.wake_address())
+
+
+def host_func_launcher() -> Callable[[int, int, int], int] | None:
+    """``launch(stream handle, callback address, data) -> CUresult``: the driver's
+    ``cuLaunchHostFunc`` called from C (the GIL released), or None where the driver, the C
+    call module, the C callback or ``os.eventfd`` is missing."""
+    call = native_call()
+    if call is None or wake_address() is None:
+        return None
+    try:
+        from kvmgr.transfer.driver_abi import cuda_python_resolver
+
+        entry = cuda_python_resolver("cuLaunchHostFunc", 10000)
+    except Exception:  # no cuda-python, no driver
+        return None
+    return None if not entry else functools.partial(call, int(entry))
+
+
+def host_func_inboxes(completion: str | None, streams: dict[Any, Any]) -> dict[Any, HostFuncInbox] | None:  # fmt: skip
+    """One ``HostFuncInbox`` per direction of ``streams`` (direction -> copy stream) where
+    ``completion`` (None: ``KVMGR_COMPLETION`` in the environment, else ``"queue"``) is
+    ``"host_func"`` and the launcher builds; None for ``"queue"`` or, logged, where it does not.
+
+    Raises:
+        ConfigError: ``completion`` is none of ``COMPLETIONS``.
+    """
+    if completion is None:
+        completion = os.environ.get("KVMGR_COMPLETION", "queue")
+    if completion not in COMPLETIONS:
+        raise ConfigError(f"expected completion in {list(COMPLETIONS)}, got {completion!r}")
+    if completion == "queue":
+        return None
+    launch, callback = host_func_launcher(), wake_address()
+    if launch is None or callback is None:
+        _LOG.warning("completion='host_func' unavailable here (driver, C modules or eventfd "
+                     "missing): completion='queue'")  # fmt: skip
+        return None
+    return {d: HostFuncInbox(stream.cuda_stream, launch, callback) for d, stream in streams.items()}
+
+
+class HostFuncInbox:
+    """One direction's completion inbox woken by host functions on its copy stream.
+
+    Args:
+        stream_handle: the copy stream's ``cuda_stream``.
+        launch: ``host_func_launcher()``'s (or a test's) ``launch(stream, callback, data)``.
+        callback: the address of the host function (``wake_address()``).
+    """
+
+    def __init__(self, stream_handle: int, launch: Callable[[int, int, int], int], callback: int) -> None:  # fmt: skip
+        self._stream, self._launch, self._callback = stream_handle, launch, callback
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._pending: collections.deque[Any] = collections.deque()
+        self.expected = 0  # eventfd writes to come: host functions enqueued, and our own
+        self.credited = 0  # eventfd counts read
+        self.polls = 0  # wakes without a credit (timeouts)
+
+    def put(self, item: Any) -> None:
+        """Hand ``item`` (a batch, or None: stop after the batches before it) to completion,
+        without waking the thread: the copy stream's host function does, once the batch ended."""
+        self._pending.append(item)
+        self.expected += 1
+        if item is None or self._launch(self._stream, self._callback, self._fd) != 0:
+            os.eventfd_write(self._fd, 1)  # stop, or nothing was enqueued: the credit is ours
+
+    def run(self, complete: Callable[[Any, Any], Any], after: Callable[[], None]) -> None:
+        """The completion thread: ``previous = complete(item, previous)`` for each batch in
+        order once it has ended (``complete`` synchronizes on its end event, releases and
+        resolves; it returns None after a device error), ``after()`` after each; returns at
+        the stop item."""
+        pending, poller = self._pending, select.poll()
+        poller.register(self._fd, select.POLLIN)
+        previous: Any = None
+        owed = 0  # batches completed by their query before their credit came
+        failed = False
+        while True:
+            poller.poll(_POLL_MS if pending else _IDLE_MS)  # the GIL released
+            got = self._drain()
+            self.polls += not got
+            forced, owed = max(0, got - owed), max(0, owed - got)
+            while pending and pending[0] is not None:
+                item = pending[0]
+                if forced:
+                    forced -= 1
+                elif _ended(item):
+                    owed += 1
+                else:
+                    break
+                pending.popleft()
+                previous = complete(item, previous)
+                failed = failed or previous is None
+                after()
+            if pending and pending[0] is None:
+                break
+        self._close(poller, failed)
+
+    def _drain(self) -> int:
+        try:
+            got = os.eventfd_read(self._fd)
+        except BlockingIOError:
+            return 0
+        self.credited += got
+        return got
+
+    def _close(self, poller: Any, failed: bool) -> None:
+        """Close the eventfd once every host function enqueued has written it (the stop item's
+        own count included); left open after a device error (they never will)."""
+        deadline = time.monotonic() + _DRAIN_S
+        while not failed and self.credited < self.expected and time.monotonic() < deadline:
+            poller.poll(_POLL_MS)
+            self._drain()
+        if self.credited >= self.expected:
+            os.close(self._fd)
+
+
+def _ended(item: Any) -> bool:
+    """Whether a batch's end event says it ended (or raises: ``complete`` then reports it)."""
+    try:
+        return bool(item[0].end_event.query())
+    except Exception:
+        return True
