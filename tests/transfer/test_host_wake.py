@@ -185,3 +185,39 @@ def test_the_choice_and_its_fallback(fake: FakeCuda, monkeypatch: pytest.MonkeyP
     with caplog.at_level(logging.WARNING), _engine() as engine:
         assert engine.statistics().completion == "queue"
     assert "unavailable" in caplog.text
+
+
+@pytest.mark.gpu
+def test_gpu_host_func_completion_waits_for_the_device_and_copies_right() -> None:
+    dev = torch.device("cuda", 0)
+    with CudaBatchEngine(dev, completion="host_func") as engine:
+        assert engine.statistics().completion == "host_func"  # the driver's entry was found
+        inboxes = list(engine._streams._queues.values())
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        gpu = [torch.randint(0, 256, (32, 4096), dtype=torch.uint8, device=dev, generator=gen)
+               for _ in range(3)]  # fmt: skip
+        flat = engine.allocate_host(3 * 40 * 4096)
+        host = list(flat.view(3, 40, 4096).unbind(0))
+        layouts = KVLayout.from_tensors(gpu), KVLayout.from_tensors(host)
+        for value in (0x3C, 0x5A, 0x77):
+            ids = torch.tensor([2, 9, 10, 31], device=dev)
+            torch.cuda._sleep(100_000_000)  # the compute stream busy (~50 ms) before the write
+            for t in gpu:
+                t.index_fill_(0, ids, value)
+            handle = engine.submit(
+                build_plan(Direction.D2H, *layouts, [2, 9, 10, 31], [0, 1, 5, 6])
+            )
+            time.sleep(0.005)
+            assert not handle.done()  # the copy waits for the compute stream: nothing settled
+            result = handle.future.result(timeout=60)
+            assert result.device_s > 0 and bool((torch.stack(host)[:, [0, 1, 5, 6]] == value).all())
+        for t in gpu:  # and back, into poisoned blocks
+            t[torch.tensor([20, 21, 22, 23], device=dev)] = 0xEE
+        load = engine.submit(build_plan(Direction.H2D, layouts[1], layouts[0], [0, 1, 5, 6], [20, 21, 22, 23]))  # fmt: skip
+        engine.stream_wait(load)
+        assert bool((torch.stack(gpu)[:, 20:24] == 0x77).all())
+        load.future.result(timeout=60)
+    for inbox in inboxes:  # every host function wrote its eventfd, which is closed
+        assert inbox.credited == inbox.expected
+        with pytest.raises(OSError):
+            os.fstat(inbox._fd)
