@@ -29,9 +29,10 @@ after its batch's end event on the FIFO stream); batches whose end event ``query
 batches are pending and every ``_IDLE_MS`` (1 s) while none is (a batch may come in while it
 sleeps), because the driver runs no host function after a device error: the error then
 surfaces at ``synchronize`` as with ``"queue"``, within about a second at worst. A host function that could not be enqueued
-gets its credit from the submitting thread. The eventfd is closed only when every enqueued host
-function has written it (never after a device error: one descriptor leaks rather than a late
-write hitting a reused descriptor number).
+gets its credit from the submitting thread. A host function writes through a small C target
+(the eventfd under a mutex); at stop the thread closes the eventfd through it, so a host function
+that runs later (after a device error, or once its batch's end event was seen done) writes
+nothing, never to a reused descriptor number. The target itself (56 bytes) is never freed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import functools
 import logging
 import os
 import select
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,27 +62,64 @@ _LOG = logging.getLogger(__name__)
 COMPLETIONS = ("queue", "host_func")
 _POLL_MS = 20  # while batches are pending: how often the thread looks without a wake
 _IDLE_MS = 1000  # with none pending (one may come in while it sleeps): how often it looks
-_DRAIN_S = 1.0  # at stop: how long the thread waits for host functions still to write
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <unistd.h>
+
+/* what a host function writes to: an eventfd, -1 once released (never freed: a host function
+   may still run after its inbox stopped, and must find the -1, not freed memory) */
+typedef struct { pthread_mutex_t mu; int fd; } target_t;
 
 /* the host function: one eventfd count, no Python, no CUDA call (cuLaunchHostFunc's rule) */
 static void wake(void *data) {
+    target_t *t = (target_t *)data;
     uint64_t one = 1;
-    ssize_t written = write((int)(intptr_t)data, &one, sizeof one);
-    (void)written;
+    pthread_mutex_lock(&t->mu);
+    if (t->fd >= 0) {
+        ssize_t written = write(t->fd, &one, sizeof one);
+        (void)written;
+    }
+    pthread_mutex_unlock(&t->mu);
 }
 
 static PyObject *wake_address(PyObject *self, PyObject *unused) {
     return PyLong_FromVoidPtr((void *)&wake);
 }
 
+/* target(fd): a new target for wake, its address */
+static PyObject *target(PyObject *self, PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    target_t *t = (target_t *)malloc(sizeof(target_t));
+    if (t == NULL) return PyErr_NoMemory();
+    pthread_mutex_init(&t->mu, NULL);
+    t->fd = (int)fd;
+    return PyLong_FromVoidPtr(t);
+}
+
+/* release(address): close the target's eventfd; a later wake writes nothing */
+static PyObject *release(PyObject *self, PyObject *arg) {
+    target_t *t = (target_t *)PyLong_AsVoidPtr(arg);
+    if (t == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "release: a NULL target");
+        return NULL;
+    }
+    pthread_mutex_lock(&t->mu);
+    if (t->fd >= 0) close(t->fd);
+    t->fd = -1;
+    pthread_mutex_unlock(&t->mu);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"wake_address", wake_address, METH_NOARGS, "the address of the C host function"},
+    {"target", target, METH_O, "target(fd) -> the address of a new target for the host function"},
+    {"release", release, METH_O, "release(target): close its fd; later host functions write nothing"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -93,11 +130,15 @@ PyMODINIT_FUNC PyInit_kvmgr_host_wake(void) { return PyModule_Create(&module); }
 
 
 @functools.cache
+def _module() -> Any:
+    """The C module (``wake``, ``target``, ``release``), or None where it or ``os.eventfd``
+    is missing."""
+    return build(_SOURCE, "kvmgr_host_wake") if hasattr(os, "eventfd") else None
+
+
 def wake_address() -> int | None:
-    """The address of the C host function ``wake(fd)``, or None where it does not build."""
-    if not hasattr(os, "eventfd"):
-        return None
-    module = build(_SOURCE, "kvmgr_host_wake")
+    """The address of the C host function ``wake(target)``, or None where it does not build."""
+    module = _module()
     return None if module is None else int(module.wake_address())
 
 
@@ -145,12 +186,14 @@ class HostFuncInbox:
     Args:
         stream_handle: the copy stream's ``cuda_stream``.
         launch: ``host_func_launcher()``'s (or a test's) ``launch(stream, callback, data)``.
-        callback: the address of the host function (``wake_address()``).
+        callback: the address of the host function (``wake_address()``); its data is a C
+            target holding the eventfd (``kvmgr_host_wake.target``).
     """
 
     def __init__(self, stream_handle: int, launch: Callable[[int, int, int], int], callback: int) -> None:  # fmt: skip
         self._stream, self._launch, self._callback = stream_handle, launch, callback
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._target = _module().target(self._fd)  # what the host functions write to
         self._pending: collections.deque[Any] = collections.deque()
         self.expected = 0  # eventfd writes to come: host functions enqueued, and our own
         self.credited = 0  # eventfd counts read
@@ -161,7 +204,11 @@ class HostFuncInbox:
         without waking the thread: the copy stream's host function does, once the batch ended."""
         self._pending.append(item)
         self.expected += 1
-        if item is None or self._launch(self._stream, self._callback, self._fd) != 0:
+        try:
+            code = 1 if item is None else self._launch(self._stream, self._callback, self._target)
+        except Exception:  # (nothing enqueued either)
+            code = 1
+        if code != 0:
             os.eventfd_write(self._fd, 1)  # stop, or nothing was enqueued: the credit is ours
 
     def run(self, complete: Callable[[Any, Any], Any], after: Callable[[], None]) -> None:
@@ -173,7 +220,6 @@ class HostFuncInbox:
         poller.register(self._fd, select.POLLIN)
         previous: Any = None
         owed = 0  # batches completed by their query before their credit came
-        failed = False
         while True:
             poller.poll(_POLL_MS if pending else _IDLE_MS)  # the GIL released
             got = self._drain()
@@ -189,11 +235,10 @@ class HostFuncInbox:
                     break
                 pending.popleft()
                 previous = complete(item, previous)
-                failed = failed or previous is None
                 after()
             if pending and pending[0] is None:
                 break
-        self._close(poller, failed)
+        _module().release(self._target)  # closes the eventfd: later host functions write nothing
 
     def _drain(self) -> int:
         try:
@@ -202,16 +247,6 @@ class HostFuncInbox:
             return 0
         self.credited += got
         return got
-
-    def _close(self, poller: Any, failed: bool) -> None:
-        """Close the eventfd once every host function enqueued has written it (the stop item's
-        own count included); left open after a device error (they never will)."""
-        deadline = time.monotonic() + _DRAIN_S
-        while not failed and self.credited < self.expected and time.monotonic() < deadline:
-            poller.poll(_POLL_MS)
-            self._drain()
-        if self.credited >= self.expected:
-            os.close(self._fd)
 
 
 def _ended(item: Any) -> bool:

@@ -61,8 +61,8 @@ inbox = queue.SimpleQueue()
 threading.Thread(target=lambda: [None for _ in iter(inbox.get, None)], daemon=True).start()
 launch, callback = _host_wake.host_func_launcher(), _host_wake.wake_address()
 print('launcher', launch is not None, 'callback', callback is not None)
-fd = os.eventfd(0, os.EFD_NONBLOCK)
-calls = {'put': lambda: inbox.put(1), 'launch': lambda: launch(stream.cuda_stream, callback, fd)}
+target = _host_wake._module().target(os.eventfd(0, os.EFD_NONBLOCK))  # what the host function writes
+calls = {'put': lambda: inbox.put(1), 'launch': lambda: launch(stream.cuda_stream, callback, target)}
 best = {name: [] for name in calls}
 for _ in range(5):
     for name, fn in calls.items():
