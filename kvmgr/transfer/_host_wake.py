@@ -21,6 +21,12 @@ is woken when the copy stream reaches the host function, i.e. when the batch has
 device (milliseconds later, off the step), by the driver's own callback thread: a C function
 (``wake``, below) that writes the eventfd and touches no Python object (no GIL).
 
+Cost on the device: the copy stream runs nothing after a host function until the driver's thread
+has called it, so a batch queued right behind another on its stream starts that much later (the
+callback thread's wake-up, some microseconds), and that delay counts in its ``device_s`` where
+it is timed from the previous batch's end. Unmeasured here (no GPU): ``scripts/gpu/stepcuda7.sh``
+measures the host side; hence opt-in.
+
 Soundness (docs/transfer.md, rule 7): the thread still settles every batch through
 ``CopyStreams._complete``, i.e. after its end event's ``synchronize``: the wake only says when
 to look. A credit (one eventfd count) completes the oldest pending batch (a host function runs
