@@ -204,11 +204,21 @@ class HostFuncInbox:
         self.expected = 0  # eventfd writes to come: host functions enqueued, and our own
         self.credited = 0  # eventfd counts read
         self.polls = 0  # wakes without a credit (timeouts)
+        self.skipped = 0  # batches put with a host function of an earlier one in flight
 
     def put(self, item: Any) -> None:
         """Hand ``item`` (a batch, or None: stop after the batches before it) to completion,
-        without waking the thread: the copy stream's host function does, once the batch ended."""
-        self._pending.append(item)
+        without waking the thread. A host function is enqueued for it only where none is in
+        flight (``expected == credited``): else the one in flight wakes the thread, which then
+        settles every pending batch in order, one without a host function by waiting in its
+        ``synchronize``. (Appended first, counted after: the thread either sees this batch
+        before it sleeps, or had read every credit, and then this batch gets its own.)"""
+        entry = [item, False]  # (the batch, whether a host function or write follows it)
+        self._pending.append(entry)
+        if item is not None and self.expected != self.credited:
+            self.skipped += 1
+            return
+        entry[1] = True
         self.expected += 1
         try:
             code = 1 if item is None else self._launch(self._stream, self._callback, self._target)
@@ -221,19 +231,22 @@ class HostFuncInbox:
         """The completion thread: ``previous = complete(item, previous)`` for each batch in
         order once it has ended (``complete`` synchronizes on its end event, releases and
         resolves; it returns None after a device error), ``after()`` after each; returns at
-        the stop item."""
+        the stop item. It sleeps only with a batch at the head whose host function is still
+        to come (or, once ``_POLL_MS`` or ``_IDLE_MS`` passed, to look again)."""
         pending, poller = self._pending, select.poll()
         poller.register(self._fd, select.POLLIN)
         previous: Any = None
-        owed = 0  # batches completed by their query before their credit came
+        owed = 0  # batches with a host function completed by their query before its credit
         while True:
             poller.poll(_POLL_MS if pending else _IDLE_MS)  # the GIL released
             got = self._drain()
             self.polls += not got
             forced, owed = max(0, got - owed), max(0, owed - got)
-            while pending and pending[0] is not None:
-                item = pending[0]
-                if forced:
+            while pending and pending[0][0] is not None:
+                item, launched = pending[0]
+                if not launched:
+                    pass  # a host function of an earlier batch woke the thread: synchronize
+                elif forced:
                     forced -= 1
                 elif _ended(item):
                     owed += 1
@@ -242,7 +255,7 @@ class HostFuncInbox:
                 pending.popleft()
                 previous = complete(item, previous)
                 after()
-            if pending and pending[0] is None:
+            if pending and pending[0][0] is None:
                 break
         _module().release(self._target)  # closes the eventfd: later host functions write nothing
 

@@ -82,6 +82,7 @@ def test_random_batches_settle_in_order_after_their_end_with_the_queue_results(
         rng = np.random.default_rng(5)
         with _engine(completion=completion) as engine:
             assert engine.statistics().completion == completion
+            inbox = engine._streams._queues[Direction.D2H]
             gates = [fake.gate() if rng.random() < 0.5 else None for _ in range(12)]
             fake.gates = [g for g in gates if g is not None]
             batches = [_store(rng) for _ in gates]
@@ -105,7 +106,10 @@ def test_random_batches_settle_in_order_after_their_end_with_the_queue_results(
                 (r.batch_id, r.num_bytes, r.num_descriptors, r.path) for r in out
             ]
     assert results["host_func"] == results["queue"]
-    assert fake.host_funcs.launched == 12  # type: ignore[attr-defined]
+    # a batch put while a host function of an earlier one is in flight gets none (the gated
+    # first batch's is): it is settled after that wake, by its own synchronize
+    assert fake.host_funcs.launched + inbox.skipped == 12  # type: ignore[attr-defined]
+    assert inbox.skipped > 0
 
 
 def test_nothing_settles_before_the_end_and_no_wake_at_submit(fake: FakeCuda) -> None:
