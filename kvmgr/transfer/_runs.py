@@ -26,6 +26,8 @@ __all__ = ["Runs", "check_hazards", "find_runs", "find_runs_numpy", "int_ids"]
 _I64 = np.dtype(np.int64)
 _MAX_IOTA = 1 << 21  # the cached range of block ids: at most 16 MiB
 _IOTA = np.arange(4096, dtype=np.int64)
+_ONE_RUN: dict[int, np.ndarray] = {}  # n -> read-only int64 [n]: one run's lengths, 64 kept
+_MAX_ONE_RUN = 64
 
 
 @attrs.define(eq=False)
@@ -94,7 +96,7 @@ def find_runs(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, merge: b
     if merge and n > 1 and (sort := sort_pairs()) is not None:
         code = sort(s, d, num_src, num_dst, None, None)
         if code == 0:  # both consecutive: one run
-            return Runs(s, d, s[:1], d[:1], np.array([n], dtype=np.int64), n)
+            return Runs(s, d, s[:1], d[:1], _one_run(n), n)
         if code == 3:  # else sorted into new arrays
             s_out, d_out = np.empty(n, dtype=_I64), np.empty(n, dtype=_I64)
             code = sort(s, d, num_src, num_dst, s_out, d_out)
@@ -115,7 +117,7 @@ def find_runs_numpy(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, me
     n = len(s)
     d_range = _is_range(d, n, num_dst)  # consecutive destinations: in range, no repeat
     if merge and d_range and _is_range(s, n, num_src):  # the common case: one run
-        return Runs(s, d, s[:1], d[:1], np.array([n], dtype=np.int64), n)
+        return Runs(s, d, s[:1], d[:1], _one_run(n), n)
     if merge and n > 1:
         order = s.argsort(kind="stable")
         s, d = s[order], d[order]
@@ -133,6 +135,19 @@ def find_runs_numpy(s: np.ndarray, d: np.ndarray, num_src: int, num_dst: int, me
     if np.count_nonzero(breaks) == n - 1:  # consecutive sources, scattered destinations
         return Runs(s, d, s, d, None, 1)
     return _merged(s, d, breaks)
+
+
+def _one_run(n: int) -> np.ndarray:
+    """``[n]`` as a read-only int64 array, kept for the last ``_MAX_ONE_RUN`` counts (a steady
+    loop's plans share it; nobody writes a plan's arrays, and a write would raise)."""
+    lengths = _ONE_RUN.get(n)
+    if lengths is None:
+        lengths = np.array([n], dtype=np.int64)
+        lengths.flags.writeable = False
+        if len(_ONE_RUN) >= _MAX_ONE_RUN:
+            _ONE_RUN.clear()
+        _ONE_RUN[n] = lengths
+    return lengths
 
 
 def _merged(s: np.ndarray, d: np.ndarray, breaks: np.ndarray) -> Runs:

@@ -291,7 +291,9 @@ def build_plan(
     runs = find_runs(s, d, src.num_blocks, dst.num_blocks, merge)
     num_descriptors = pair.num_descriptors(n, len(runs.run_src))
     pairs = BlockPairs(src, dst, n * pair.block_bytes, num_descriptors, runs, pair)
-    return TransferPlan(direction, num_blocks=n, num_pages=n * pair.num_tensors, blocks=pairs)
+    return TransferPlan(
+        direction, None, None, None, n, n * pair.num_tensors, pairs
+    )  # (positional: cheaper)
 
 
 def prepare() -> None:

@@ -41,7 +41,7 @@ for a later batch of the same FIFO stream, never for less.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
+import functools
 import queue
 import threading
 import time
@@ -51,6 +51,10 @@ from typing import Any
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
+from kvmgr.transfer._host_wake import host_func_inboxes
+from kvmgr.transfer._settle import Held as _Held
+from kvmgr.transfer._settle import InFlight as _InFlight
+from kvmgr.transfer._settle import settle
 from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
 from kvmgr.transfer.cuda_current import real_cuda_events as _real_cuda_events  # tests patch it
 from kvmgr.transfer.engine import BatchHandle, BatchResult
@@ -63,25 +67,6 @@ _PRIORITIES = {"high": -1, "normal": 0}  # lower is higher; torch clamps to the 
 _SPARE_FUTURES = 4  # futures the completion threads make ahead for the next submits
 
 
-#: One batch in flight, as its completion thread gets it: ``[handle, fence (or start) event,
-#: plan, issued, pool, num_bytes, num_descriptors]``: the plan is kept until the end event (rule
-#: 7), ``pool`` is where the pair goes back, or None; the counts are the plan's at submit.
-_InFlight = list[Any]
-_PLAN = 2  # the plan's index in an _InFlight
-#: The events of the last batch a completion thread finished: ``(pool or None, fence or start,
-#: end)``, held back from the pool until the next batch's timing has read its end event.
-_Held = tuple[Any, Any, Any] | None
-
-
-def _device_seconds(start: Any, end: Any, previous: _Held) -> float:
-    """Seconds from a batch's start to its ``end`` event: it started at the later of ``start``
-    (its fence, or the start recorded after its waits) and the previous batch's end."""
-    elapsed = start.elapsed_time(end)
-    if previous is not None:
-        elapsed = min(elapsed, previous[2].elapsed_time(end))
-    return elapsed / 1e3
-
-
 class CopyStreams:
     """Per-direction copy streams with fences, events and FIFO completion.
 
@@ -91,9 +76,15 @@ class CopyStreams:
             default); the current stream at each submit if ``None``.
         h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
         name: thread name prefix.
+        completion: how a batch reaches its completion thread: ``"queue"`` (a queue put that
+            wakes the thread at submit), ``"host_func"`` (opt-in: a host function on the copy
+            stream wakes it once the batch ended, ``kvmgr.transfer._host_wake``; ``"queue"``
+            where the driver or kvmgr's C modules lack it), or None: ``KVMGR_COMPLETION`` in
+            the environment, else ``"queue"``.
 
     Attributes:
         counters: the engine's totals.
+        completion: the completion in use (``"queue"`` or ``"host_func"``).
     """
 
     def __init__(
@@ -103,6 +94,7 @@ class CopyStreams:
         *,
         h2d_priority: str = "high",
         name: str = "cuda",
+        completion: str | None = None,
     ) -> None:
         self._device = device
         self._current = CurrentStream(device)
@@ -121,13 +113,16 @@ class CopyStreams:
         self.counters = CopyCounters()
         self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
         self._next_batch_id = 0
-        self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
-            d: queue.SimpleQueue() for d in Direction
-        }
+        self._queues: dict[Direction, Any] = {d: queue.SimpleQueue() for d in Direction}
+        self.completion, targets = "queue", {d: self._complete_in_order for d in Direction}
+        inboxes = host_func_inboxes(completion, self._streams)
+        if inboxes is not None:  # each inbox's run() is its thread: settle, then a spare
+            self.completion, self._queues = "host_func", inboxes
+            targets = {d: functools.partial(inboxes[d].run, self._settle, self._spare) for d in Direction}  # fmt: skip
         self._threads = [
             threading.Thread(
-                target=self._complete_in_order,
-                args=(self._queues[d],),
+                target=targets[d],
+                args=(self._queues[d],) if self.completion == "queue" else (),
                 name=f"kvmgr-{name}-{d.value}-done",
                 daemon=True,
             )
@@ -248,52 +243,18 @@ class CopyStreams:
                 f"{self.counters.in_flight} batches still in flight after {timeout_s} s"
             )
 
+    def _settle(self, item: _InFlight, previous: _Held) -> _Held:
+        return settle(self.counters, item, previous)
+
+    def _spare(self) -> None:
+        if len(self._spare_futures) < _SPARE_FUTURES:
+            self._spare_futures.append(concurrent.futures.Future())
+
     def _complete_in_order(self, inbox: queue.SimpleQueue[_InFlight | None]) -> None:
         """Completion thread of one direction: one event synchronize per batch, FIFO."""
         spares = self._spare_futures
         previous: _Held = None
         while (item := inbox.get()) is not None:
-            previous = self._complete(item, previous)
+            previous = settle(self.counters, item, previous)
             if len(spares) < _SPARE_FUTURES:
                 spares.append(concurrent.futures.Future())
-
-    def _complete(self, item: _InFlight, previous: _Held) -> _Held:
-        """Wait for one batch's end event, release what it kept, count it, resolve its future.
-
-        ``previous``: the events of the batch before it on this stream (held back from their
-        pool until now: its end event times this batch's start), or None. Returns this batch's
-        to hold for the next one (None after a device error: its pair is dropped)."""
-        handle, start, _, issued, pool, num_bytes, num_descriptors = item
-        end = handle.end_event
-        device_s, error = 0.0, issued.error
-        try:
-            end.synchronize()  # blocking-sync event: sleeps, GIL released
-            if error is None:
-                device_s = _device_seconds(start, end, previous)
-        except Exception as exc:  # an asynchronous CUDA error surfaced at the event
-            error = error or TransferError(f"batch {handle.batch_id} failed on the device: {exc}")
-        if previous is not None and previous[0] is not None:
-            previous[0].append((previous[1], previous[2]))  # its future resolved long ago
-        # The copies have ended: arrays and tables may go, buffers be reused (rule 7).
-        item[_PLAN] = None  # the plan may go before the future resolves
-        release = issued.release
-        issued.keep_alive, issued.release = (), None
-        if release is not None:
-            release()
-        self.counters.count_done(handle.direction, num_bytes, device_s, error is not None)
-        # A cancelled future raises InvalidStateError: nobody is left to tell.
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            if error is not None:
-                handle.future.set_exception(error)
-            else:
-                handle.future.set_result(
-                    BatchResult(
-                        batch_id=handle.batch_id,
-                        direction=handle.direction,
-                        num_bytes=num_bytes,
-                        num_descriptors=num_descriptors,
-                        device_s=device_s,
-                        path=issued.path,
-                    )
-                )
-        return (pool, start, end) if error is issued.error else None  # not after a device error

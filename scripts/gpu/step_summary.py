@@ -10,6 +10,7 @@ run by both trees new / old of host, manager and engine, with the case's target.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import statistics
@@ -43,8 +44,9 @@ def main(folder: str) -> None:
     print("step() host us, median of runs: engine ids tree | " + " ".join(k[:-3] for k in KEYS))
     for key in sorted(rows):
         print(" ".join(key), "|", " ".join(f"{median(rows[key], k):7.0f}" for k in KEYS))
-    for engine, ids in sorted({key[:2] for key in rows}):
-        old, new = rows.get((engine, ids, "old")), rows.get((engine, ids, "new"))
+    pairs = (("new", "old"), ("hostfunc", "new"), ("hostfunc", "old"))  # (stepcuda7's hostfunc)
+    for (engine, ids), (b, a) in itertools.product(sorted({key[:2] for key in rows}), pairs):
+        old, new = rows.get((engine, ids, a)), rows.get((engine, ids, b))
         if not (old and new):
             continue
         parts = []
@@ -52,7 +54,7 @@ def main(folder: str) -> None:
             o, n = median(old, k), median(new, k)
             parts.append(f"{k[:-3]} {n:.0f} / {o:.0f} us ({n / o:.2f}x)")
         print(
-            f"{engine} {ids}: new / old "
+            f"{engine} {ids}: {b} / {a} "
             + ", ".join(parts)
             + f"; target {new[0].get('target_us')} us"
         )

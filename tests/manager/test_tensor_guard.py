@@ -1,6 +1,6 @@
-"""The worker's moved-tensor check (``kvmgr.worker.tensors.TensorGuard``): torch's C++ tensor
-check plus the pointers on the fast path, the exact four-list compare wherever that check
-refuses or is missing. Every way a KV tensor can move is reported, in every grad mode, with the
+"""The worker's moved-tensor check (``kvmgr.worker.tensors.TensorGuard``): the shim's C check
+(``kvmgr.worker._guard_c``) first, then torch's C++ tensor check plus the pointers, the exact
+four-list compare wherever those refuse or are missing. Every way a KV tensor can move is reported, in every grad mode, with the
 same message either way; unmoved tensors are never reported."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvmgr import _native, _tensor_guard
+from kvmgr.worker import _guard_c
 from kvmgr.worker.tensors import TensorGuard
 
 BLOCKS, PAGE = 6, 64
@@ -66,6 +67,11 @@ MOVES = {
 }  # fmt: skip
 
 
+def _no_shim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No shim check (kvmgr's C modules or torch's shim missing): torch's check comes first."""
+    monkeypatch.setattr("kvmgr.worker.tensors.same_check", lambda tensors: None)
+
+
 @contextlib.contextmanager
 def _mode(name: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
@@ -89,11 +95,15 @@ def _reference(kv: list[torch.Tensor], before: list[tuple[object, ...]]) -> int 
 @pytest.mark.parametrize("check_mode", MODES)
 @pytest.mark.parametrize("build_mode", MODES)
 @pytest.mark.parametrize("move", list(MOVES))
-@pytest.mark.parametrize("guard", ["torch", "torch, pointers in Python", "compare only"])
+@pytest.mark.parametrize("guard", ["shim", "torch", "torch, pointers in Python", "compare only"])
 def test_every_move_is_reported_in_every_grad_mode(
     guard: str, move: str, build_mode: str, check_mode: str, device: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
+    if guard == "shim" and _guard_c._module() is None:
+        pytest.skip("the shim's C check does not build here")
+    if guard != "shim":
+        _no_shim(monkeypatch)
     if guard == "compare only":  # a torch without the C++ check
         monkeypatch.setattr(_tensor_guard, "_TensorGuards", None)
     kv = _kv(device)
@@ -103,6 +113,7 @@ def test_every_move_is_reported_in_every_grad_mode(
     if guard == "torch, pointers in Python":  # kvmgr's C module did not build
         tensor_guard._read = _native._python_checked_ptrs
     assert (tensor_guard._check is None) is (guard == "compare only")
+    assert (tensor_guard._same is None) is (guard != "shim")
     with _mode(check_mode):  # unmoved: never reported, twice (the second after any rebuild)
         assert tensor_guard.moved() is None
         assert tensor_guard.moved() is None
@@ -119,7 +130,10 @@ def test_every_move_is_reported_in_every_grad_mode(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_check_refused_in_another_mode_is_rebuilt_once_per_change(device: str) -> None:
+def test_a_check_refused_in_another_mode_is_rebuilt_once_per_change(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_shim(monkeypatch)
     kv = _kv(device)
     tensor_guard = TensorGuard(kv)
     first = tensor_guard._check
@@ -156,6 +170,7 @@ def test_a_check_that_always_refuses_costs_one_rebuild_and_the_compare_decides(
         return built[-1]
 
     monkeypatch.setattr("kvmgr.worker.tensors.tensor_guard", refusing)
+    _no_shim(monkeypatch)
     kv = _kv("cpu")
     tensor_guard = TensorGuard(kv)
     for _ in range(4):
@@ -166,6 +181,7 @@ def test_a_check_that_always_refuses_costs_one_rebuild_and_the_compare_decides(
 
 
 def test_a_check_that_raises_falls_back_to_the_compare(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_shim(monkeypatch)
     kv = _kv("cpu")
     tensor_guard = TensorGuard(kv)
     kv.append(torch.zeros(BLOCKS, PAGE))  # another number of tensors: the check raises
@@ -182,6 +198,7 @@ def test_unmoved_tensors_are_decided_by_the_fast_path(
 ) -> None:
     # the check's verdict and the pointers (one C call where kvmgr's C module builds) decide
     # unmoved tensors: the four-list compare never runs; a moved pointer still reaches it
+    _no_shim(monkeypatch)
     kv = _kv("cpu")
     tensor_guard = TensorGuard(kv)
     if reader == "C":

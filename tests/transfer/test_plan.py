@@ -417,3 +417,28 @@ def test_consecutive_ids_past_the_cached_range_are_found_all_the_same(
     plan = build_plan(Direction.D2H, src, dst, ids, ids + 7)
     assert _arrays(plan) == ([1000 + 10 * first], [90_000 + 10 * (first + 7)], [10 * n])
     assert len(_runs._IOTA) <= 64
+
+
+@pytest.mark.parametrize("n", [2, 7, 512])
+def test_one_run_lengths_are_shared_read_only_and_exact(n: int) -> None:
+    # consecutive ids on both sides: one run of n blocks, its lengths array shared by the
+    # plans of that n (read-only, so no plan can change another's) and equal to the numpy path's
+    from kvmgr.transfer import _runs
+
+    src = KVLayout.from_tensors([torch.zeros(600, 64, dtype=torch.uint8) for _ in range(2)])
+    dst = KVLayout.from_tensors([torch.zeros(700, 64, dtype=torch.uint8) for _ in range(2)])
+    plans = [
+        build_plan(Direction.D2H, src, dst, np.arange(n) + k, np.arange(n) + 3) for k in (0, 5)
+    ]
+    lengths = [p.blocks.run_lengths_or_none for p in plans]
+    assert lengths[0] is lengths[1] and lengths[0].tolist() == [n] and lengths[0].dtype == np.int64
+    with pytest.raises(ValueError):
+        lengths[0][0] = 1
+    numpy_runs = _runs.find_runs_numpy(np.arange(n), np.arange(n) + 3, 600, 700, True)
+    assert numpy_runs.lengths is lengths[0]
+    table = plans[1].descriptor_table()  # one descriptor a tensor: the whole run
+    assert table.tolist() == [
+        [int(src.base_addrs[t] + 5 * src.block_strides[t]) for t in range(2)],
+        [int(dst.base_addrs[t] + 3 * dst.block_strides[t]) for t in range(2)],
+        [n * 64] * 2,
+    ]
