@@ -133,3 +133,34 @@ def test_what_the_shim_cannot_read_gets_no_check() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_guard_c, "_agrees", lambda record, tensor: False)  # the shim reads otherwise
         assert _guard_c.same_check([torch.zeros(2)]) is None
+
+
+def test_swap_tensors_on_a_guarded_tensor_is_refused_or_reported() -> None:
+    kv = [torch.zeros(4, 8), torch.ones(4, 8)]
+    guard = TensorGuard(kv)
+    other = torch.full((2, 2), 3.0)
+    try:
+        torch.utils.swap_tensors(kv[0], other)
+    except RuntimeError:  # torch sees the check's second reference to the TensorImpl
+        assert guard.moved() is None and kv[0].shape == (4, 8)
+    else:
+        assert guard.moved().startswith("KV tensor 0 moved")
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 8)])
+def test_a_swapped_tensor_impl_is_seen(shape: tuple[int, int]) -> None:
+    """``torch._C._swap_tensor_impl`` gives the Python object another ``TensorImpl`` and leaves
+    the one the handle holds as it was: the check compares the object's impl pointer too."""
+    kv = [torch.zeros(4, 8), torch.ones(4, 8)]
+    guard = TensorGuard(kv)
+    assert guard._same() is True
+    torch._C._swap_tensor_impl(kv[1], torch.full(shape, 3.0))
+    assert guard._same() is False
+    assert guard.moved().startswith("KV tensor 1 moved")  # another pointer, maybe a shape
+
+
+def test_the_shim_check_needs_the_impl_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = torch.zeros(3)
+    assert _guard_c._impl_offset([t, torch.nn.Parameter(torch.ones(2))]) == 16  # torch 2.13
+    monkeypatch.setattr(_guard_c, "_impl_offset", lambda tensors: None)
+    assert _guard_c.same_check([t]) is None
