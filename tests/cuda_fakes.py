@@ -137,7 +137,11 @@ class FakeCuda:
         return gate
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-        """Make ``torch.cuda`` these streams and events on device 0 (no capture) for one test."""
+        """Make ``torch.cuda`` these streams and events on device 0 (no capture) for one test,
+        with ``completion="queue"`` unless a test asks otherwise (``KVMGR_COMPLETION`` unset: a
+        fake stream handle must never reach a real driver's ``cuLaunchHostFunc``; tests of
+        ``"host_func"`` install ``FakeHostFuncs`` after this)."""
+        monkeypatch.delenv("KVMGR_COMPLETION", raising=False)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "Stream", self.Stream)

@@ -213,9 +213,11 @@ def test_gpu_host_func_completion_waits_for_the_device_and_copies_right() -> Non
         flat = engine.allocate_host(3 * 40 * 4096)
         host = list(flat.view(3, 40, 4096).unbind(0))
         layouts = KVLayout.from_tensors(gpu), KVLayout.from_tensors(host)
+        warm = engine.submit(build_plan(Direction.D2H, *layouts, [0], [39]))  # a cold first
+        warm.future.result(timeout=60)  # submit (tens of ms on a cold host) outlasts no sleep
         for value in (0x3C, 0x5A, 0x77):
             ids = torch.tensor([2, 9, 10, 31], device=dev)
-            torch.cuda._sleep(100_000_000)  # the compute stream busy (~50 ms) before the write
+            torch.cuda._sleep(400_000_000)  # the compute stream busy (~0.2 s) before the write
             for t in gpu:
                 t.index_fill_(0, ids, value)
             handle = engine.submit(
