@@ -109,15 +109,13 @@ def stub_driver(package: str) -> Any:
 class Rig:
     """One tree's manager, engine and KV tensors for one case."""
 
-    def __init__(self, package: str, engine_name: str, scattered: bool, swaps: int, completion: str | None = None) -> None:  # fmt: skip
+    def __init__(self, package: str, engine_name: str, scattered: bool, swaps: int) -> None:
         kv = importlib.import_module(package)
         engines = importlib.import_module(package + ".transfer.cuda_engine")
         cls = {"cuda": engines.CudaBatchEngine, "kernel": engines.CopyKernelEngine}[engine_name]
         options: dict[str, Any] = {"driver": stub_driver(package), "device": "cuda:0"}
         if engine_name == "kernel":
             options["warmup"] = False
-        if completion is not None:  # (a tree with the option: stepcuda7's on)
-            options["completion"] = completion
         self.engine = cls(**options)
         tensors = [torch.empty((2 * swaps + 1, 4096), dtype=torch.uint8) for _ in range(48)]
         config = kv.ManagerConfig(num_cpu_blocks=4 * swaps, manage_gpu_blocks=False)
@@ -178,12 +176,9 @@ def _stats(values: list[float]) -> dict[str, float]:
             "median": statistics.median(ordered)}  # fmt: skip
 
 
-async def run_case(engine: str, scattered: bool, swaps: int, repeats: int, completions: dict[str, str | None] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Both trees' figures for one case, rounds interleaved (``completions``: each tree's
-    engine ``completion`` option, None: not passed)."""
-    completions = completions or {}
-    rigs = {name: Rig(package, engine, scattered, swaps, completions.get(name))
-            for name, package in (("old", "kvmgr_old"), ("new", "kvmgr"))}  # fmt: skip
+async def run_case(engine: str, scattered: bool, swaps: int, repeats: int) -> dict[str, Any]:
+    """Both trees' figures for one case, rounds interleaved."""
+    rigs = {"old": Rig("kvmgr_old", engine, scattered, swaps), "new": Rig("kvmgr", engine, scattered, swaps)}  # fmt: skip
     for rig in rigs.values():
         await rig.start()
     try:
@@ -211,14 +206,7 @@ def main() -> None:
         "--cases", nargs="+", default=["cuda:consecutive", "kernel:scattered"],
         help="ENGINE:IDS cases (engine cuda or kernel; ids consecutive or scattered)",
     )  # fmt: skip
-    parser.add_argument("--old-completion", default=None, help="the old tree's engine completion")
-    parser.add_argument(
-        "--new-completion", default=None, help="this tree's (host_func: fake C device)"
-    )
-    parser.add_argument("--device-ms", type=float, default=1.0,
-                        help="host_func: ms from a launch to its host function (the fake device)")  # fmt: skip
     args = parser.parse_args()
-    completions = {"old": args.old_completion, "new": args.new_completion}
     cases = [(c.split(":")[0], c.split(":")[1] == "scattered") for c in args.cases]
     rev = old_revision(args.old)
     sys.path.insert(0, str(ROOT))
@@ -227,13 +215,9 @@ def main() -> None:
         sys.path.insert(0, tmp)
         install_fakes("kvmgr")
         install_fakes("kvmgr_old")
-        for name, package in (("old", "kvmgr_old"), ("new", "kvmgr")):
-            if completions[name] == "host_func":
-                _fake_cuda.install_host_funcs(package, args.device_ms / 1e3)
-        rows = [asyncio.run(run_case(e, s, args.swaps, args.repeats, completions))
+        rows = [asyncio.run(run_case(e, s, args.swaps, args.repeats))
                 for e, s in cases]  # fmt: skip
-    print(f"old = {rev[:10]}, new = this tree; {args.repeats} rounds each, interleaved; us; "
-          f"completion old {args.old_completion or 'default'}, new {args.new_completion or 'default'}")  # fmt: skip
+    print(f"old = {rev[:10]}, new = this tree; {args.repeats} rounds each, interleaved; us")
     for row in rows:
         for what in WHAT:
             old, new, ratio = row[what]["old"], row[what]["new"], row[what]["ratio"]

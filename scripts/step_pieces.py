@@ -25,7 +25,6 @@ import asyncio
 import functools
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -57,7 +56,6 @@ PIECES = [
     ("kvmgr.transfer.kernel", "KernelCopy", "issue"),
     ("kvmgr.kernels.copy.staging", "CopyStager", "copy_runs"),
     ("kvmgr.transfer.streams", "CopyStreams", "_queue"),
-    ("kvmgr.transfer._host_wake", "HostFuncInbox", "put"),
     ("kvmgr.transfer.streams", "", "on_device"),
     ("kvmgr.transfer.streams", "", "device_is_current"),
     ("kvmgr.transfer.cuda_current", "CurrentStream", "current"),
@@ -86,7 +84,7 @@ def wrap_pieces() -> None:
     for module, owner, name in PIECES:
         try:
             target: Any = importlib.import_module(module)
-        except ImportError:  # a tree without it (an old tree: no _host_wake)
+        except ImportError:  # a tree without it (an older or newer tree)
             continue
         if owner:
             target = getattr(target, owner, None)
@@ -166,12 +164,7 @@ def main() -> None:
     parser.add_argument("--swaps", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--completion", default=None,
-                        help="the engine's completion (KVMGR_COMPLETION); host_func on --fake: "
-                             "the fake C device of scripts/_fake_cuda.py, 1 ms a batch")  # fmt: skip
     args = parser.parse_args()
-    if args.completion:
-        os.environ["KVMGR_COMPLETION"] = args.completion
     fake = args.fake or not torch.cuda.is_available()
     sys.path.insert(0, str(ROOT))
     if fake:
@@ -179,14 +172,11 @@ def main() -> None:
         import step_cost_ab
 
         step_cost_ab.install_fakes("kvmgr")
-        if args.completion == "host_func":
-            step_cost_ab._fake_cuda.install_host_funcs("kvmgr")
     wrap_pieces()
     engines = [args.engine] if args.engine else ["cuda", "kernel"]
     rows = [asyncio.run(run_case(e, args.swaps, args.repeats, fake)) for e in engines]
     where = "fake CUDA, stub driver" if fake else torch.cuda.get_device_name()
-    print(f"step() pieces, {where}; {args.repeats} steps; us; timer {timer_cost():.2f} us a call; "
-          f"completion {os.environ.get('KVMGR_COMPLETION', 'default')}")  # fmt: skip
+    print(f"step() pieces, {where}; {args.repeats} steps; us; timer {timer_cost():.2f} us a call")
     for row in rows:
         h = row["host"]
         print(f"{row['engine']} {row['ids']}: host_s min {h['min']:.0f} p10 {h['p10']:.0f} "

@@ -8,8 +8,6 @@
 - ``KernelFakeCuda``: ``FakeCuda`` where the copy kernel runs for real under the Triton
   interpreter on CPU addresses (``test_copy_kernel``, the manager state machine).
 - ``FakeDriver``: a duck-typed ``CopyDriver`` whose batches are logged ``memmove`` loops.
-- ``FakeHostFuncs``: ``cuLaunchHostFunc`` for ``completion="host_func"``: the real C host
-  function is called on a "driver" thread once the batch's end event has ended.
 """
 
 from __future__ import annotations
@@ -137,11 +135,7 @@ class FakeCuda:
         return gate
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-        """Make ``torch.cuda`` these streams and events on device 0 (no capture) for one test,
-        with ``completion="queue"`` unless a test asks otherwise (``KVMGR_COMPLETION`` unset: a
-        fake stream handle must never reach a real driver's ``cuLaunchHostFunc``; tests of
-        ``"host_func"`` install ``FakeHostFuncs`` after this)."""
-        monkeypatch.delenv("KVMGR_COMPLETION", raising=False)
+        """Make ``torch.cuda`` these streams and events on device 0 (no capture) for one test."""
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
@@ -235,45 +229,3 @@ class FakeDriver:
 
     def memcpy(self, dst: int, src: int, num_bytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, num_bytes)
-
-
-class FakeHostFuncs:
-    """``cuLaunchHostFunc`` on ``FakeCuda``: ``launch(stream, callback, data)`` finds the event
-    last recorded on that stream (the batch's end event) and calls ``callback(data)`` (the real
-    C host function, through ctypes) on a thread of its own once that event has ended (its gate
-    set; at once without one), as the driver runs a host function after the work before it.
-    ``refuse``: launches return an error code (nothing enqueued); ``broken``: the callbacks
-    never run (the driver runs none after a device error). ``install`` makes it the launcher
-    and ``completion="host_func"`` the default (``KVMGR_COMPLETION``)."""
-
-    def __init__(self, fake: FakeCuda) -> None:
-        self.fake = fake
-        self.refuse = self.broken = False
-        self.launched = 0
-        self.fired = 0
-        self._lock = threading.Lock()
-
-    def launch(self, stream: int, callback: int, data: int) -> int:
-        if self.refuse:
-            return 1
-        event = next(e for op, e, s in reversed(self.fake.log)
-                     if op == "record" and getattr(s, "cuda_stream", None) == stream)  # fmt: skip
-        self.launched += 1
-        threading.Thread(target=self._fire, args=(event, callback, data), daemon=True).start()
-        return 0
-
-    def _fire(self, event: Any, callback: int, data: int) -> None:
-        if event.gate is not None:
-            event.gate.wait(10)
-        if self.broken:
-            return
-        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(callback)(data)
-        with self._lock:
-            self.fired += 1
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeHostFuncs:
-        from kvmgr.transfer import _host_wake
-
-        monkeypatch.setattr(_host_wake, "host_func_launcher", lambda: self.launch)
-        monkeypatch.setenv("KVMGR_COMPLETION", "host_func")
-        return self

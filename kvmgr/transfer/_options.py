@@ -19,7 +19,6 @@ from kvmgr.kernels.copy.row import (
     DEFAULT_D2H_PROGRAMS,
     DEFAULT_H2D_PROGRAMS,
 )
-from kvmgr.transfer._host_wake import COMPLETIONS
 from kvmgr.transfer.dma import DmaCopy
 from kvmgr.transfer.driver import CopyDriver
 from kvmgr.transfer.pinning import PinOptions
@@ -49,15 +48,12 @@ def dma_parts(
     max_descriptors = options.pop("max_descriptors", DEFAULT_MAX_DESCRIPTORS)
     allow_pageable = options.pop("allow_pageable", False)
     pin = options.pop("pin", None)
-    completion = options.pop("completion", None)
     driver = options.pop("driver", None)
     if options:
         raise ConfigError(f"unknown engine options {sorted(options)}")
     _check_choice("copy_path", copy_path, _COPY_PATHS)
     _check_choice("batch_call", batch_call, _BATCH_CALLS)
     _check_choice("h2d_priority", h2d_priority, _H2D_PRIORITIES)
-    if completion is not None:
-        _check_choice("completion", completion, COMPLETIONS)
     if pin is not None and not isinstance(pin, PinOptions):
         raise ConfigError(f"expected pin to be a PinOptions, got {type(pin).__name__}")
     if not _is_count(max_descriptors):
@@ -79,7 +75,7 @@ def dma_parts(
     path = "loop" if copy_path == "loop" or driver.batch_abi is None else "batch"
     dma = DmaCopy(driver, path, max_descriptors, batch_call)
     common = {"max_descriptors": max_descriptors, "allow_pageable": allow_pageable,
-              "h2d_priority": h2d_priority, "pin": pin, "completion": completion}  # fmt: skip
+              "h2d_priority": h2d_priority, "pin": pin}  # fmt: skip
     return dev, dma, driver, common
 
 

@@ -1,6 +1,5 @@
-"""One batch's settlement on its completion thread (private to :mod:`kvmgr.transfer.streams`
-and :mod:`kvmgr.transfer._host_wake`): the end event's ``synchronize``, then release, counts,
-the future; and its ``device_s``.
+"""One batch's settlement on its completion thread (private to :mod:`kvmgr.transfer.streams`):
+the end event's ``synchronize``, then release, counts, the future; and its ``device_s``.
 
 Offers:
     InFlight        one batch in flight, as its completion thread gets it

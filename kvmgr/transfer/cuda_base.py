@@ -53,7 +53,6 @@ class CudaEngineStatistics(StreamTotals, EngineStatistics):
             the copy kernel's table staging, upload and launch. The rest is events, stream
             waits and bookkeeping.
         pinning: one ``PinStatistics`` per host region allocated, in allocation order.
-        completion: how batches reach their completion threads (``"queue"``, ``"host_func"``).
     """
 
     host_memory: str = "none"
@@ -61,7 +60,6 @@ class CudaEngineStatistics(StreamTotals, EngineStatistics):
     batch_call: str = ""
     max_programs: tuple[int, int] = (0, 0)
     pinning: tuple[PinStatistics, ...] = ()
-    completion: str = "queue"
 
 
 #: The kernel engines report the same statistics (kept as a name for callers).
@@ -83,8 +81,6 @@ class CudaEngine(TransferEngine):
         path: what ``statistics().path`` reports.
         pin: how host regions are page-locked (``PinOptions()``: the first GiB before
             ``allocate_host_region`` returns, the rest in the background).
-        completion: ``CopyStreams``' (``"queue"``, opt-in ``"host_func"``, or None: the
-            ``KVMGR_COMPLETION`` environment variable, else ``"queue"``).
     """
 
     def __init__(
@@ -100,7 +96,6 @@ class CudaEngine(TransferEngine):
         h2d_priority: str = "high",
         path: str = "batch",
         pin: PinOptions | None = None,
-        completion: str | None = None,
     ) -> None:
         self._released = True  # nothing to release until the threads start
         self.name = name
@@ -114,8 +109,7 @@ class CudaEngine(TransferEngine):
         self._regions: list[PinnedRegion] = []
         self._host_memory = "none"  # "pinned" once allocated; "pageable" if one fell back
         self._closed = False
-        self._streams = CopyStreams(device, compute_stream, h2d_priority=h2d_priority, name=name,
-                                    completion=completion)  # fmt: skip
+        self._streams = CopyStreams(device, compute_stream, h2d_priority=h2d_priority, name=name)
         self._released = False
 
     @property
@@ -255,7 +249,6 @@ class CudaEngine(TransferEngine):
             batch_call=dma.batch_call if dma.path == "batch" else "",
             max_programs=programs,
             pinning=tuple(region.statistics() for region in self._regions),
-            completion=self._streams.completion,
         )
 
     def __del__(self) -> None:

@@ -61,9 +61,6 @@ class CudaBatchEngine(CudaEngine):
         batch_call: ``"ctypes"`` (default, faster) or ``"lists"`` (cuda-python binding).
         allow_pageable: if pinning the CPU tier fails, warn and use pageable memory.
         h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
-        completion: how a batch reaches its completion thread: ``"queue"`` (default) or,
-            opt-in, ``"host_func"`` (woken by a host function on the copy stream once the batch
-            ended: ``kvmgr.transfer._host_wake``); None: ``KVMGR_COMPLETION``, else ``"queue"``.
         driver: resolved entry points; built with cuda-python if ``None``.
 
     Raises:
@@ -96,7 +93,7 @@ class CopyKernelEngine(CudaEngine):
         chunk_bytes: descriptors above this are sliced so one merged run spreads over programs.
         warmup: compile the kernel now (one 16-byte device copy) rather than on the first batch.
         **options: ``CudaBatchEngine``'s (``max_descriptors``, ``allow_pageable``,
-            ``h2d_priority``, ``copy_path``, ``batch_call``, ``completion``, ``driver``).
+            ``h2d_priority``, ``copy_path``, ``batch_call``, ``driver``).
 
     Raises:
         ConfigError: an argument is out of range.

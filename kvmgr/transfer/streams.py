@@ -41,7 +41,6 @@ for a later batch of the same FIFO stream, never for less.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import queue
 import threading
 import time
@@ -51,7 +50,6 @@ from typing import Any
 import torch
 
 from kvmgr.errors import TransferError, TransferTimeoutError
-from kvmgr.transfer._host_wake import host_func_inboxes
 from kvmgr.transfer._settle import Held as _Held
 from kvmgr.transfer._settle import InFlight as _InFlight
 from kvmgr.transfer._settle import settle
@@ -76,15 +74,9 @@ class CopyStreams:
             default); the current stream at each submit if ``None``.
         h2d_priority: ``"high"`` or ``"normal"`` priority for the load stream.
         name: thread name prefix.
-        completion: how a batch reaches its completion thread: ``"queue"`` (a queue put that
-            wakes the thread at submit), ``"host_func"`` (opt-in: a host function on the copy
-            stream wakes it once the batch ended, ``kvmgr.transfer._host_wake``; ``"queue"``
-            where the driver or kvmgr's C modules lack it), or None: ``KVMGR_COMPLETION`` in
-            the environment, else ``"queue"``.
 
     Attributes:
         counters: the engine's totals.
-        completion: the completion in use (``"queue"`` or ``"host_func"``).
     """
 
     def __init__(
@@ -94,7 +86,6 @@ class CopyStreams:
         *,
         h2d_priority: str = "high",
         name: str = "cuda",
-        completion: str | None = None,
     ) -> None:
         self._device = device
         self._current = CurrentStream(device)
@@ -113,16 +104,13 @@ class CopyStreams:
         self.counters = CopyCounters()
         self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
         self._next_batch_id = 0
-        self._queues: dict[Direction, Any] = {d: queue.SimpleQueue() for d in Direction}
-        self.completion, targets = "queue", {d: self._complete_in_order for d in Direction}
-        inboxes = host_func_inboxes(completion, self._streams)
-        if inboxes is not None:  # each inbox's run() is its thread: settle, then a spare
-            self.completion, self._queues = "host_func", inboxes
-            targets = {d: functools.partial(inboxes[d].run, self._settle, self._spare) for d in Direction}  # fmt: skip
+        self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
+            d: queue.SimpleQueue() for d in Direction
+        }
         self._threads = [
             threading.Thread(
-                target=targets[d],
-                args=(self._queues[d],) if self.completion == "queue" else (),
+                target=self._complete_in_order,
+                args=(self._queues[d],),
                 name=f"kvmgr-{name}-{d.value}-done",
                 daemon=True,
             )
@@ -242,13 +230,6 @@ class CopyStreams:
             raise TransferTimeoutError(
                 f"{self.counters.in_flight} batches still in flight after {timeout_s} s"
             )
-
-    def _settle(self, item: _InFlight, previous: _Held) -> _Held:
-        return settle(self.counters, item, previous)
-
-    def _spare(self) -> None:
-        if len(self._spare_futures) < _SPARE_FUTURES:
-            self._spare_futures.append(concurrent.futures.Future())
 
     def _complete_in_order(self, inbox: queue.SimpleQueue[_InFlight | None]) -> None:
         """Completion thread of one direction: one event synchronize per batch, FIFO."""

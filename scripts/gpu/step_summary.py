@@ -44,7 +44,7 @@ def main(folder: str) -> None:
     print("step() host us, median of runs: engine ids tree | " + " ".join(k[:-3] for k in KEYS))
     for key in sorted(rows):
         print(" ".join(key), "|", " ".join(f"{median(rows[key], k):7.0f}" for k in KEYS))
-    pairs = (("new", "old"), ("hostfunc", "new"), ("hostfunc", "old"))  # (stepcuda7's hostfunc)
+    pairs = (("new", "old"),)
     for (engine, ids), (b, a) in itertools.product(sorted({key[:2] for key in rows}), pairs):
         old, new = rows.get((engine, ids, a)), rows.get((engine, ids, b))
         if not (old and new):

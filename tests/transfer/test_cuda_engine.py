@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from cuda_fakes import FakeCuda, FakeDriverLib, FakeHostFuncs, hold_two_tables
+from cuda_fakes import FakeCuda, FakeDriverLib, hold_two_tables
 
 from kvmgr.errors import (
     ClosedError,
@@ -26,8 +26,8 @@ from kvmgr.errors import (
     TransferTimeoutError,
 )
 from kvmgr.pool.layout import KVLayout
-from kvmgr.transfer import _host_wake, pinned
 from kvmgr.transfer import driver as copy_driver
+from kvmgr.transfer import pinned
 from kvmgr.transfer.cuda_current import DriverEvents
 from kvmgr.transfer.cuda_engine import CudaBatchEngine
 from kvmgr.transfer.driver import CopyDriver, MemcpyAttributes
@@ -287,15 +287,9 @@ def test_collect_info_never_raises() -> None:
 # ------------------------------------------------------------------ the engine, on fake CUDA
 
 
-@pytest.fixture(params=["queue", "host_func"])
-def fake_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    """Fake CUDA, with each completion (``host_func``: ``FakeHostFuncs`` as the driver's)."""
-    fake = FakeCuda().install(monkeypatch)
-    if request.param == "host_func":
-        if _host_wake.wake_address() is None:
-            pytest.skip("the C host function does not build here")
-        fake.host_funcs = FakeHostFuncs(fake).install(monkeypatch)  # type: ignore[attr-defined]
-    return fake
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    return FakeCuda().install(monkeypatch)
 
 
 def _fake_engine(
