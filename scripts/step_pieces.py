@@ -51,7 +51,7 @@ PIECES = [
     ("kvmgr.transfer.cuda_base", "CudaEngine", "submit"),
     ("kvmgr.transfer.streams", "CopyStreams", "submit"),
     ("kvmgr.transfer.dma", "DmaCopy", "issue"),
-    ("kvmgr.transfer.plan", "BlockPairs", "descriptor_table"),
+    ("kvmgr.transfer.plan", "BlockPairs", "descriptor_table"),  # (re-exported: old trees too)
     ("kvmgr.transfer.driver", "CopyDriver", "batch_at"),
     ("kvmgr.transfer.kernel", "KernelCopy", "issue"),
     ("kvmgr.kernels.copy.staging", "CopyStager", "copy_runs"),

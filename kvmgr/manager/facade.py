@@ -31,6 +31,7 @@ from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager.build import build_local, build_ranked
 from kvmgr.manager.core import check_timeout
 from kvmgr.manager.keyed import KeyedCalls
+from kvmgr.manager.lookups import LookupCalls
 from kvmgr.manager.observe import Observing
 from kvmgr.manager.request_calls import RequestCalls
 from kvmgr.manager.staged_calls import StagedCalls
@@ -42,7 +43,7 @@ from kvmgr.transfer.engine import TransferEngine
 __all__ = ["OffloadManager"]
 
 
-class OffloadManager(KeyedCalls, RequestCalls, StagedCalls, Observing):
+class OffloadManager(KeyedCalls, LookupCalls, RequestCalls, StagedCalls, Observing):
     """Manages a KV cache across GPU memory and a CPU tier; embed one per serving loop.
 
     Args:

@@ -1,4 +1,5 @@
-"""The keyed calls of ``OffloadManager``: lookups, invalidation, stores and loads by key.
+"""The keyed calls of ``OffloadManager``: stores and loads by key (lookups and invalidation:
+``kvmgr.manager.lookups``).
 
 Private to ``kvmgr.manager``. A plain ``swap_out`` is recorded (``kvmgr.scheduler.deferred``)
 and prepared with the others at the next settle; every other store goes through
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,75 +27,12 @@ from kvmgr.reports import (
     SwapResult,
 )
 from kvmgr.scheduler.keys import check_keys
-from kvmgr.scheduler.queue import Part
 
 __all__ = ["KeyedCalls"]
 
 
 class KeyedCalls(ManagerCore):
-    """Keyed lookups, stores and loads (mixed into ``OffloadManager``)."""
-
-    # ------------------------------------------------------------------ keyed API
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` that are READY in the CPU tier; touches them in
-        the policy (the first key becomes the most recently used).
-
-        Raises:
-            InvalidKeyError: ``keys`` is not a sequence of bytes.
-            ClosedError: the manager is closed.
-        """
-        self._check_not_closed()
-        return self._books.lookup(keys, touch=True)
-
-    def peek(self, keys: Sequence[bytes]) -> int:
-        """Like ``lookup`` (the ready-prefix length) but touches nothing: for a router or an
-        admission check that must not change the eviction order.
-
-        Raises:
-            InvalidKeyError, ClosedError: as ``lookup``.
-        """
-        self._check_not_closed()
-        return self._books.lookup(keys, touch=False)
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark READY keys as used (the first key becomes the most recent); keys not READY in
-        the CPU tier are ignored.
-
-        Raises:
-            InvalidKeyError, ClosedError: as ``lookup``.
-        """
-        self._check_not_closed()
-        self._books.touch(keys)
-
-    def invalidate(self, keys: Sequence[bytes]) -> int:
-        """Drop READY keys (and free their CPU blocks); unknown keys are ignored. Lower tiers
-        keep their copies (a later ``fetch`` stages them again; see docs/guides/tiers.md).
-
-        Returns:
-            Keys dropped. Each drop is a ``removed`` KV event.
-
-        Raises:
-            BlockStateError: a key has a store or loads in flight; nothing is dropped then
-                (retry after those futures resolve).
-            InvalidKeyError, ClosedError: as ``lookup``.
-        """
-        self._check_not_closed()
-        dropped = self._books.invalidate(keys)
-        self._room.wake()
-        return dropped
-
-    def clear(self) -> int:
-        """Drop every READY key without loads in flight (lower tiers keep theirs); keys with a
-        store or loads in flight stay (a later ``clear`` drops them). Returns the keys dropped.
-
-        Raises:
-            ClosedError: the manager is closed.
-        """
-        self._check_not_closed()
-        dropped = self._books.clear()
-        self._room.wake()
-        return dropped
+    """Keyed stores and loads (mixed into ``OffloadManager``)."""
 
     def swap_out(
         self,
@@ -240,19 +179,8 @@ class KeyedCalls(ManagerCore):
         keys = check_keys(keys, distinct=False)
         parents = None if parents is None else list(parents)
         tokens = None if token_ids is None or not keys else check_token_ids(token_ids, len(keys))
-
-        def attempt(future: asyncio.Future[Any]) -> Part:
-            return books.prepare_store(
-                gpu,
-                keys,
-                parents,
-                future,
-                batched=batched,
-                held=True,
-                token_ids=tokens,
-                hints=hints,
-            )
-
+        options = {"batched": batched, "held": True, "token_ids": tokens, "hints": hints}
+        attempt = partial(books.prepare_store, gpu, keys, parents, **options)  # (future) -> Part
         future = WaitingFuture(loop=loop)
         held = np.array(gpu, dtype=np.int64)
         self._room.wait(

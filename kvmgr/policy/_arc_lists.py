@@ -9,18 +9,20 @@ Offers:
     leaf_run            the first ``n`` keys of a list, when they are one chain or roots and
                         one-offer-at-a-time collection would take exactly those (the common
                         eviction), with C-level passes
+    collect             the victims offered one at a time in ARC order (when no leaf run is)
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from itertools import islice
 
 from kvmgr.policy.base import KeyPredicate, _as_lookup
-from kvmgr.policy.tree import PrefixTree
+from kvmgr.policy.tree import PrefixTree, VictimSet
 
-__all__ = ["commit_one", "insert_ghost_hits", "leaf_run", "trim_ghosts"]
+__all__ = ["collect", "commit_one", "insert_ghost_hits", "leaf_run", "trim_ghosts"]
 
 Keys = OrderedDict[bytes, None]
 
@@ -145,3 +147,39 @@ def leaf_run(
     if ups.count(None) == n and num_children.keys().isdisjoint(run) and all(map(can_evict, run)):
         return run  # roots without children
     return None
+
+
+def collect(
+    lists: tuple[Keys, Keys, PrefixTree, dict[bytes, bytes | None]],
+    target: float,
+    n: int,
+    can_evict: KeyPredicate,
+    protected: Collection[bytes],
+) -> list[bytes] | None:
+    """The ``n`` victims of `ARCPolicy.evict` offered one at a time in ARC order, the tree's
+    counts released for them; ``None`` (counts restored) when there are fewer. ``lists`` is
+    ``(T1, T2, tree, parent_of)``, ``target`` ARC's target size of ``T1``.
+
+    Each list is scanned once from its LRU end, so skipped keys are visited at most once.
+    T1 is preferred while its size less the T1 keys taken exceeds ``target``: a T1 run may
+    take ``quota`` keys before the preference can flip (a victim of the run may be a
+    released T2 ancestor, so the size is recounted after it). The size only shrinks, so
+    once T2 is preferred it stays so.
+    """
+    t1, t2, tree, parent_of = lists
+    victims = VictimSet(tree, parent_of, n, can_evict, protected)
+    scan_t1, scan_t2 = iter(t1), iter(t2)
+    taken = victims.keys
+    virtual_t1_size = len(t1)
+    t1_left = True
+    while virtual_t1_size > target and t1_left:
+        before = len(taken)
+        quota = virtual_t1_size - math.floor(target)
+        t1_left = victims.offer_all(scan_t1, stop=min(n, before + quota))
+        virtual_t1_size -= sum(map(t1.__contains__, taken[before:]))
+        if len(taken) >= n:
+            return taken
+    if not victims.offer_all(scan_t2) and not (t1_left and victims.offer_all(scan_t1)):
+        victims.rollback()
+        return None  # fewer than n evictable keys in T1 and T2 together
+    return taken

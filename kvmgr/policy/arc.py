@@ -9,9 +9,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from kvmgr.policy._arc_lists import commit_one, insert_ghost_hits, leaf_run, trim_ghosts
+from kvmgr.policy._arc_lists import collect, commit_one, insert_ghost_hits, leaf_run, trim_ghosts
 from kvmgr.policy.base import KeyPredicate, _check_capacity, _check_evict_count
-from kvmgr.policy.tree import PrefixTree, VictimSet, check_new, check_tracked, first_leaf
+from kvmgr.policy.tree import PrefixTree, check_new, check_tracked, first_leaf
 
 __all__ = ["ARCPolicy"]
 
@@ -71,7 +71,7 @@ class ARCPolicy:
         was added. ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected``
         is not a set; when the first ``n`` keys of the list it starts from are one chain (leaf
         first) or roots, all evictable (the usual full tier), ``_arc_lists.leaf_run`` takes
-        them without a `VictimSet`. ``__contains__``, ``__len__``: O(1). The lists are changed
+        them without a `VictimSet` (else ``_arc_lists.collect`` offers them one at a time). ``__contains__``, ``__len__``: O(1). The lists are changed
         in plain loops: ``OrderedDict.update(zip(...))`` and ``map(od.__delitem__, ...)`` cost
         more per key than a loop's item assignment, for a few keys as for hundreds.
 
@@ -185,7 +185,8 @@ class ARCPolicy:
         elif len(t1) <= target:  # T2 first: maybe its first n keys
             taken = leaf_run(self._t2, n, self._tree, self._parent_of, can_evict, protected)
         if taken is None:
-            taken = self._collect(n, can_evict, protected)
+            lists = (self._t1, self._t2, self._tree, self._parent_of)
+            taken = collect(lists, self._target, n, can_evict, protected)
             if taken is None:
                 return None
         return self._commit(taken)
@@ -211,36 +212,6 @@ class ARCPolicy:
                     del t2[key]
                     b2[key] = None
         trim_ghosts(len(t1), len(t2), b1, b2, cap)
-        return taken
-
-    def _collect(
-        self, n: int, can_evict: KeyPredicate, protected: Collection[bytes]
-    ) -> list[bytes] | None:
-        """The ``n`` victims of `evict` offered one at a time in ARC order, the tree's counts
-        released for them; ``None`` (counts restored) when there are fewer.
-
-        Each list is scanned once from its LRU end, so skipped keys are visited at most once.
-        T1 is preferred while its size less the T1 keys taken exceeds ``target``: a T1 run may
-        take ``quota`` keys before the preference can flip (a victim of the run may be a
-        released T2 ancestor, so the size is recounted after it). The size only shrinks, so
-        once T2 is preferred it stays so.
-        """
-        victims = VictimSet(self._tree, self._parent_of, n, can_evict, protected)
-        t1, target = self._t1, self._target
-        scan_t1, scan_t2 = iter(t1), iter(self._t2)
-        taken = victims.keys
-        virtual_t1_size = len(t1)
-        t1_left = True
-        while virtual_t1_size > target and t1_left:
-            before = len(taken)
-            quota = virtual_t1_size - math.floor(target)
-            t1_left = victims.offer_all(scan_t1, stop=min(n, before + quota))
-            virtual_t1_size -= sum(map(t1.__contains__, taken[before:]))
-            if len(taken) >= n:
-                return taken
-        if not victims.offer_all(scan_t2) and not (t1_left and victims.offer_all(scan_t1)):
-            victims.rollback()
-            return None  # fewer than n evictable keys in T1 and T2 together
         return taken
 
     def _evict_one(

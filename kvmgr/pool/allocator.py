@@ -14,13 +14,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvmgr.errors import DoubleFreeError, InvalidBlockError, PoolExhaustedError
-from kvmgr.pool.block_ids import as_id_array
+from kvmgr.errors import InvalidBlockError, PoolExhaustedError
+from kvmgr.pool.block_ids import ALLOCATED, FREED, as_id_array, check_allocated_ids
 
 __all__ = ["BlockAllocator"]
-
-#: State byte of each id.
-FRESH, ALLOCATED, FREED = 0, 1, 2
 
 
 class BlockAllocator:
@@ -35,7 +32,7 @@ class BlockAllocator:
 
     Data: a cursor over fresh ids, a stack of freed ids (an ``array`` of ``num_blocks`` slots
     with a numpy view and a top index: a batch is pushed and popped as one slice), and a state
-    byte per id (fresh, allocated, freed) that catches double frees and ids this pool never
+    byte per id (fresh, allocated, freed: ``kvmgr.pool.block_ids``) that catches double frees and ids this pool never
     handed out, in a ``bytearray`` viewed as a numpy array: ``take``/``give`` take and return
     int64 arrays; ``allocate``/``free`` are list-based twins, ``take_few``/``give_few`` loops.
 
@@ -201,7 +198,7 @@ class BlockAllocator:
         if vouched:  # (blocks evicted leaf first often come strictly descending: no sort)
             ordered = ids[::-1] if (ids[1:] < ids[:-1]).all() else np.sort(ids)
         else:
-            ordered = self._check_array(ids)
+            ordered = check_allocated_ids(ids, self._state, self.num_blocks, self.name)
             if len(ids) == 0:
                 return
         self._state[ids] = FREED
@@ -265,7 +262,7 @@ class BlockAllocator:
             DoubleFreeError: an id was allocated before and is free now.
         """
         ids = as_id_array(block_ids, self.name, self.num_blocks)
-        self._check_array(ids)
+        check_allocated_ids(ids, self._state, self.num_blocks, self.name)
         return ids.tolist()
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -275,26 +272,3 @@ class BlockAllocator:
             InvalidBlockError, DoubleFreeError: as ``check_allocated``; nothing is freed then.
         """
         self.give(as_id_array(block_ids, self.name, self.num_blocks))
-
-    def _check_array(self, ids: np.ndarray) -> np.ndarray:
-        """Validate distinct allocated ids; returns them sorted (a copy)."""
-        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
-            got = f"{ids.ndim}-D {ids.dtype}" if isinstance(ids, np.ndarray) else type(ids).__name__
-            raise InvalidBlockError(f"{self.name}: expected a 1-D integer id array, got {got}")
-        if len(ids) == 0:
-            return ids
-        # one sort gives the range and the repeats (np.unique hashes: slower in numpy 2)
-        ordered = np.sort(ids)
-        lo, hi = int(ordered[0]), int(ordered[-1])
-        if lo < 0 or hi >= self.num_blocks:
-            bad, num = lo if lo < 0 else hi, self.num_blocks
-            raise InvalidBlockError(f"{self.name}: block id {bad} out of range [0, {num})")
-        states = self._state[ids]
-        if not (states == ALLOCATED).all():
-            bad = int(ids[bad_at := int(np.flatnonzero(states != ALLOCATED)[0])])
-            if states[bad_at] == FREED:
-                raise DoubleFreeError(f"{self.name}: block {bad} is already free")
-            raise InvalidBlockError(f"{self.name}: block {bad} was never allocated here")
-        if len(ids) > 1 and not (ordered[1:] != ordered[:-1]).all():
-            raise InvalidBlockError(f"{self.name}: duplicate block ids in {ids.tolist()[:16]}")
-        return ordered

@@ -3,6 +3,8 @@
 Offers:
     as_id_array     block ids (a sequence or an integer array) as a 1-D int64 array
     sorted_distinct the distinct values of an id array, sorted (``np.unique`` by a sort)
+    check_allocated_ids
+                    ids handed back to an allocator: distinct, in range, each allocated
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmgr.errors import InvalidBlockError
+from kvmgr.errors import DoubleFreeError, InvalidBlockError
 
-__all__ = ["as_id_array", "sorted_distinct"]
+__all__ = ["ALLOCATED", "FREED", "FRESH", "as_id_array", "check_allocated_ids", "sorted_distinct"]
+
+#: State byte of each id in an allocator (``kvmgr.pool.allocator``).
+FRESH, ALLOCATED, FREED = 0, 1, 2
 
 #: The largest id an int64 id array holds.
 _INT64_MAX = 2**63 - 1
@@ -87,3 +92,37 @@ def sorted_distinct(ids: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
     return ordered[keep]
+
+
+def check_allocated_ids(
+    ids: np.ndarray, states: np.ndarray, num_blocks: int, name: str
+) -> np.ndarray:
+    """Validate ids handed back to an allocator: a 1-D integer array of distinct ids in
+    ``[0, num_blocks)`` whose ``states`` (uint8 ``[num_blocks]``, one state byte per id) are
+    all ``ALLOCATED``; returns them sorted (a copy; ``ids`` itself when empty).
+
+    Raises:
+        InvalidBlockError: not a 1-D integer array, an id out of range, repeated or never
+            allocated (``name``: the pool, for the message).
+        DoubleFreeError: an id was allocated before and is free now.
+    """
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        got = f"{ids.ndim}-D {ids.dtype}" if isinstance(ids, np.ndarray) else type(ids).__name__
+        raise InvalidBlockError(f"{name}: expected a 1-D integer id array, got {got}")
+    if len(ids) == 0:
+        return ids
+    # one sort gives the range and the repeats (np.unique hashes: slower in numpy 2)
+    ordered = np.sort(ids)
+    lo, hi = int(ordered[0]), int(ordered[-1])
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise InvalidBlockError(f"{name}: block id {bad} out of range [0, {num_blocks})")
+    held = states[ids]
+    if not (held == ALLOCATED).all():
+        bad = int(ids[bad_at := int(np.flatnonzero(held != ALLOCATED)[0])])
+        if held[bad_at] == FREED:
+            raise DoubleFreeError(f"{name}: block {bad} is already free")
+        raise InvalidBlockError(f"{name}: block {bad} was never allocated here")
+    if len(ids) > 1 and not (ordered[1:] != ordered[:-1]).all():
+        raise InvalidBlockError(f"{name}: duplicate block ids in {ids.tolist()[:16]}")
+    return ordered

@@ -85,6 +85,11 @@ class Bookkeeper:
         self.gpu = GpuBlocks(geometry.num_gpu_blocks, owned=config.manage_gpu_blocks)
         self.requests = RequestTables(self.cpu, self.gpu, self.block_bytes, self.counters)
         self.stores = Stores(self.cpu, self.gpu, self.counters, config, self.block_bytes)
+        #: ``prepare_store(gpu_block_ids, keys, parents, future, *, batched, held=False,
+        #: token_ids=None, hints=None) -> Part``: a keyed store's ``Part`` (the new keys PENDING
+        #: on reserved CPU blocks, the GPU blocks busy); raises as ``Stores.prepare`` (it is that
+        #: bound method: no frame of its own per store) before changing anything
+        self.prepare_store = self.stores.prepare
         #: per-call stores recorded, prepared together by ``settle_deferred``
         self.deferred = DeferredStores(self.cpu, self.gpu, enabled=self.stores.plain_admission)
 
@@ -164,36 +169,6 @@ class Bookkeeper:
         return len(keys)
 
     # ------------------------------------------------------------------ store and load
-
-    def prepare_store(
-        self,
-        gpu_block_ids: object,
-        keys: object,
-        parents: object,
-        future: Any,
-        *,
-        batched: bool,
-        held: bool = False,
-        token_ids: object = None,
-        hints: object = None,
-    ) -> Part:
-        """A keyed store's ``Part`` (``Stores.prepare``: the new keys PENDING on reserved CPU
-        blocks, the GPU blocks busy).
-
-        Raises:
-            InvalidBlockError, InvalidKeyError, InvalidArgumentError, PoolExhaustedError: as
-            ``Stores.prepare``; nothing changed then.
-        """
-        return self.stores.prepare(
-            gpu_block_ids,
-            keys,
-            parents,
-            future,
-            batched=batched,
-            held=held,
-            token_ids=token_ids,
-            hints=hints,
-        )
 
     def prepare_load(
         self, keys: object, gpu_block_ids: object, future: Any, *, batched: bool

@@ -4,7 +4,7 @@ Private to ``kvmgr.scheduler``. A store names the key each new key extends (its 
 keys of the CPU tier must form a forest: a cycle (``a`` extends ``b`` and ``b`` extends
 ``a``, in one call or across calls) has no leaf, so no policy would ever evict it and the tier
 would fill up for good (issue 20). ``KeyChains.check`` finds such a cycle before the store
-changes anything.
+changes anything (its walks: ``_key_cycles``).
 
 Kept per CPU block, not per key (issue 27): the block of each key's parent when that parent is
 in the tier, and the number of indexed children of each block's key, so a store of one chain
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.errors import InvalidKeyError
+from kvmgr.scheduler._key_cycles import chain_with_gaps, walk_chains
 
 __all__ = ["KeyChains"]
 
@@ -85,41 +85,9 @@ class KeyChains:
         deep = bool(orphans) and not orphans.keys().isdisjoint(keys)
         if not deep and (len(keys) == 1 or (parents[1:] == keys[:-1] and parents[0] not in keys)):
             return  # one key, or one chain hanging below a key outside the call
-        if not deep and _chain_with_gaps(keys, parents):
+        if not deep and chain_with_gaps(keys, parents):
             return
-        self._walk(keys, parents, deep)
-
-    def _walk(self, keys: Sequence[bytes], parents: Sequence[bytes | None], deep: bool) -> None:
-        """``check``'s general test: every key's parent chain walked (``deep``: also up the
-        indexed ancestors of new keys with indexed children)."""
-        batch = dict(zip(keys, parents))
-        index, up, loose = self._index, self._up_block, self.loose
-        done: set[bytes] = set()
-        for start in batch:
-            if start in done:
-                continue
-            path: dict[bytes, int] = {}  # key -> keys walked before it
-            key: bytes | None = start
-            walked = 0
-            while key is not None and key not in done:
-                if key in path:
-                    raise InvalidKeyError(
-                        f"key {key.hex()[:16]}... would extend itself through its parents (a key"
-                        f" cycle of {walked - path[key]} keys); a key's parent chain must end at a root"
-                    )
-                path[key] = walked
-                walked += 1
-                if key in batch:
-                    key = batch[key]
-                elif deep and key in index:  # up its indexed ancestors (a forest) by block
-                    block = index[key]
-                    while up[block] >= 0:
-                        block = up[block]
-                        walked += 1
-                    key = loose.get(block)
-                else:
-                    break
-            done.update(path)
+        walk_chains(keys, parents, self._index, self._up_block, self.loose, deep)
 
     def add(
         self,
@@ -281,20 +249,3 @@ class KeyChains:
                 if not children:
                     del orphans[parent]
                     self.num_parents -= 1
-
-
-def _chain_with_gaps(keys: Sequence[bytes], parents: Sequence[bytes | None]) -> bool:
-    """Whether every ``parents[i]`` is ``None``, ``keys[i - 1]`` or no key of the call (``keys``
-    distinct, as a store's new keys are, which ``check``'s one-chain test assumes too): then a
-    walk within the call only goes to earlier keys (no cycle). A store whose present keys were
-    skipped (the default chain with gaps) is such a call; ``False`` decides nothing."""
-    inside: dict[bytes, None] | None = None
-    previous: bytes | None = None
-    for key, parent in zip(keys, parents):
-        if parent is not None and parent is not previous and parent != previous:
-            if inside is None:
-                inside = dict.fromkeys(keys)
-            if parent in inside:
-                return False
-        previous = key
-    return True

@@ -42,22 +42,8 @@ def dma_parts(
 
     Returns ``(device, DmaCopy, driver, CudaEngine keyword arguments)``.
     """
-    copy_path = options.pop("copy_path", "auto")
-    batch_call = options.pop("batch_call", "ctypes")
-    h2d_priority = options.pop("h2d_priority", "high")
-    max_descriptors = options.pop("max_descriptors", DEFAULT_MAX_DESCRIPTORS)
-    allow_pageable = options.pop("allow_pageable", False)
-    pin = options.pop("pin", None)
-    driver = options.pop("driver", None)
-    if options:
-        raise ConfigError(f"unknown engine options {sorted(options)}")
-    _check_choice("copy_path", copy_path, _COPY_PATHS)
-    _check_choice("batch_call", batch_call, _BATCH_CALLS)
-    _check_choice("h2d_priority", h2d_priority, _H2D_PRIORITIES)
-    if pin is not None and not isinstance(pin, PinOptions):
-        raise ConfigError(f"expected pin to be a PinOptions, got {type(pin).__name__}")
-    if not _is_count(max_descriptors):
-        raise ConfigError(f"expected max_descriptors >= 1, got {max_descriptors!r}")
+    copy_path, batch_call, driver, common = _dma_options(options)
+    max_descriptors = common["max_descriptors"]
     if not torch.cuda.is_available():
         raise TransferError(
             "the cuda engine needs a CUDA device: torch.cuda.is_available() is False"
@@ -74,9 +60,35 @@ def dma_parts(
         )
     path = "loop" if copy_path == "loop" or driver.batch_abi is None else "batch"
     dma = DmaCopy(driver, path, max_descriptors, batch_call)
+    return dev, dma, driver, common
+
+
+def _dma_options(options: dict[str, Any]) -> tuple[str, str, Any, dict[str, Any]]:
+    """Pop and check ``dma_parts``'s options (touching no CUDA): ``(copy_path, batch_call,
+    driver or None, CudaEngine keyword arguments)``.
+
+    Raises:
+        ConfigError: an unknown option or a bad value.
+    """
+    copy_path = options.pop("copy_path", "auto")
+    batch_call = options.pop("batch_call", "ctypes")
+    h2d_priority = options.pop("h2d_priority", "high")
+    max_descriptors = options.pop("max_descriptors", DEFAULT_MAX_DESCRIPTORS)
+    allow_pageable = options.pop("allow_pageable", False)
+    pin = options.pop("pin", None)
+    driver = options.pop("driver", None)
+    if options:
+        raise ConfigError(f"unknown engine options {sorted(options)}")
+    _check_choice("copy_path", copy_path, _COPY_PATHS)
+    _check_choice("batch_call", batch_call, _BATCH_CALLS)
+    _check_choice("h2d_priority", h2d_priority, _H2D_PRIORITIES)
+    if pin is not None and not isinstance(pin, PinOptions):
+        raise ConfigError(f"expected pin to be a PinOptions, got {type(pin).__name__}")
+    if not _is_count(max_descriptors):
+        raise ConfigError(f"expected max_descriptors >= 1, got {max_descriptors!r}")
     common = {"max_descriptors": max_descriptors, "allow_pageable": allow_pageable,
               "h2d_priority": h2d_priority, "pin": pin}  # fmt: skip
-    return dev, dma, driver, common
+    return copy_path, batch_call, driver, common
 
 
 def kernel_options(options: dict[str, Any]) -> tuple[dict[str, Any], bool]:

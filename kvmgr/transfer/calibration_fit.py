@@ -128,15 +128,7 @@ def fit(
             if per_descriptor is not None:
                 values[f"batch_{direction.value}_us_per_descriptor"] = per_descriptor
         kernel = _fit_kernel([r for r in rows if r.get("variant") == "kernel"])
-        batch_slowdowns = []
-        for row in interference_rows:
-            slowdown = max(float(row["slowdown_pct"]) / 100.0, 0.0)
-            if row["variant"] == "kernel":
-                values[f"kernel_{Direction(row['direction']).value}_slowdown"] = slowdown
-            elif row["variant"] == "batch":
-                batch_slowdowns.append(slowdown)
-        if batch_slowdowns:
-            values["batch_slowdown"] = statistics.fmean(batch_slowdowns)
+        _fit_slowdowns(interference_rows, values)
     except (KeyError, ValueError, TypeError) as exc:
         raise ConfigError(
             f"calibration rows need direction, descriptors, bytes, us (interference rows: "
@@ -146,6 +138,24 @@ def fit(
         names = ("launch_us", "us_per_descriptor", "h2d_gbps", "d2h_gbps")
         values.update({f"kernel_{k}": v for k, v in zip(names, kernel)})
     return cls.from_dict(values)
+
+
+def _fit_slowdowns(rows: Sequence[Mapping[str, Any]], values: dict[str, Any]) -> None:
+    """The compute slowdowns of the interference rows into ``values``: the kernel's per
+    direction, the mean of the ``batch`` rows' (``slowdown_pct`` / 100, floored at 0).
+
+    Raises:
+        KeyError, ValueError, TypeError: a row lacks a key or holds a bad value.
+    """
+    batch_slowdowns = []
+    for row in rows:
+        slowdown = max(float(row["slowdown_pct"]) / 100.0, 0.0)
+        if row["variant"] == "kernel":
+            values[f"kernel_{Direction(row['direction']).value}_slowdown"] = slowdown
+        elif row["variant"] == "batch":
+            batch_slowdowns.append(slowdown)
+    if batch_slowdowns:
+        values["batch_slowdown"] = statistics.fmean(batch_slowdowns)
 
 
 def fit_duplex(cls: Any, rows: Sequence[Mapping[str, Any]], base: Any) -> Any:

@@ -157,6 +157,16 @@ def duplex_choice(
         busy = _D2H if d2h[0] else _H2D
         path = choose_path(*counts[busy], busy, calib, stage[busy])
         return _choice({busy: path, _D2H if busy is _H2D else _H2D: "dma"}, busy, 0.0)
+    return _best_pair(calib, counts, stage)
+
+
+def _best_pair(
+    calib: Calibration,
+    counts: dict[Direction, tuple[int, int]],
+    stage: dict[Direction, int | None],
+) -> DuplexChoice:
+    """``duplex_choice`` with both directions busy: every pair of paths in both orders, the
+    cheapest after margins (DMA-only pairs win ties)."""
     options = {d: [p for p in PATHS if p != "staged" or stage[d] is not None] for d in Direction}
     best: DuplexChoice | None = None
     best_cost = 0.0

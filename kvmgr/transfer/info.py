@@ -52,16 +52,7 @@ def collect_info(*, probe_pinned: bool = True) -> dict[str, object]:
     else:
         info["gpu"] = info["compute_capability"] = _NO_DEVICE
     info["driver"] = _kernel_module_version()
-    try:
-        driver = CopyDriver()
-    except (RuntimeError, ImportError) as exc:
-        info["driver_cuda"] = info["batch_copy_abi"] = _NO_DRIVER
-        info["driver_error"] = _first_line(exc)
-        driver = None
-    if driver is not None:
-        version = driver.driver_version
-        info["driver_cuda"] = f"{version // 1000}.{version % 1000 // 10} ({version})"
-        info["batch_copy_abi"] = driver.batch_abi or "missing"
+    driver = _probe_driver(info)
     layout: bool | None = _guard(attrs_layout_matches, None)
     info["memcpy_attrs_layout"] = {
         True: "24 B, matches cuda-python",
@@ -74,6 +65,21 @@ def collect_info(*, probe_pinned: bool = True) -> dict[str, object]:
     else:
         info["copy_path"] = "batch" if driver.batch_abi else "loop"
     return info
+
+
+def _probe_driver(info: dict[str, object]) -> CopyDriver | None:
+    """The copy driver, its ``driver_cuda`` and ``batch_copy_abi`` written into ``info`` (or
+    ``driver_error`` and ``None`` where it cannot be loaded)."""
+    try:
+        driver = CopyDriver()
+    except (RuntimeError, ImportError) as exc:
+        info["driver_cuda"] = info["batch_copy_abi"] = _NO_DRIVER
+        info["driver_error"] = _first_line(exc)
+        return None
+    version = driver.driver_version
+    info["driver_cuda"] = f"{version // 1000}.{version % 1000 // 10} ({version})"
+    info["batch_copy_abi"] = driver.batch_abi or "missing"
+    return driver
 
 
 def _probe_pinned() -> str:

@@ -103,19 +103,25 @@ class LayerGroups:
         if max_groups is not None:
             total = int(sum(page_bytes))
             min_group_bytes = max(min_group_bytes, -(-total // max_groups))
-        num_layers = int(layer_of[-1]) + 1
         layer_bytes = np.bincount(layer_of, weights=np.asarray(page_bytes, dtype=np.float64))
-        group_of = np.zeros(num_layers, dtype=np.int64)
-        group, filled = 0, 0.0
-        for layer in range(num_layers):
-            if filled >= min_group_bytes and layer > 0 and filled > 0:
-                group, filled = group + 1, 0.0
-            group_of[layer] = group
-            filled += layer_bytes[layer]
+        group_of = _merge_layers(layer_bytes, min_group_bytes)
         tensor_group = group_of[layer_of]
-        tensors = tuple(np.flatnonzero(tensor_group == g) for g in range(group + 1))
+        tensors = tuple(np.flatnonzero(tensor_group == g) for g in range(int(group_of[-1]) + 1))
         sizes = np.asarray(page_bytes, dtype=np.int64)
         return cls(layer_of, group_of, tensors, tuple(int(sizes[t].sum()) for t in tensors))
+
+
+def _merge_layers(layer_bytes: np.ndarray, min_group_bytes: int) -> np.ndarray:
+    """int64 ``[num_layers]``: the group of each layer, adjacent layers merged until a group
+    holds at least ``min_group_bytes`` (``layer_bytes``: bytes per block of each layer)."""
+    group_of = np.zeros(len(layer_bytes), dtype=np.int64)
+    group, filled = 0, 0.0
+    for layer in range(len(layer_bytes)):
+        if filled >= min_group_bytes and layer > 0 and filled > 0:
+            group, filled = group + 1, 0.0
+        group_of[layer] = group
+        filled += layer_bytes[layer]
+    return group_of
 
 
 def _is_int(value: object) -> bool:

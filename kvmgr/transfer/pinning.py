@@ -148,7 +148,14 @@ class PinnedRegion:
         self._thread: threading.Thread | None = None
         self._touch = Toucher(options.populate_threads)
         self._registrar: HostRegistrar | None = None
-        num_now = 1 if options.background else len(self._pieces)
+        self._start_pinning(registrar)
+
+    # ------------------------------------------------------------------ pinning
+
+    def _start_pinning(self, registrar: Callable[[], HostRegistrar]) -> None:
+        """Pin the first piece (all of them unless ``background``) now, the rest on the
+        pinning thread (raises as the constructor)."""
+        num_now = 1 if self._options.background else len(self._pieces)
         try:
             self._registrar = registrar()
             self._pin(range(num_now))
@@ -159,8 +166,6 @@ class PinnedRegion:
             self._thread.start()
         else:
             self._finish()
-
-    # ------------------------------------------------------------------ pinning
 
     def _pin(self, indices: range) -> None:
         """Register the pieces ``indices`` in order; first touch of the next one overlaps."""

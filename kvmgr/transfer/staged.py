@@ -40,6 +40,7 @@ import torch
 
 from kvmgr.errors import TransferError
 from kvmgr.pool.layout import KVLayout
+from kvmgr.transfer.block_pairs import BlockPairs
 from kvmgr.transfer.plan import Direction, TransferPlan, build_plan
 from kvmgr.transfer.streams import CopyIssuer, Issued
 
@@ -154,15 +155,7 @@ class StagedCopy:
         assert pairs is not None
         d2h = plan.direction is Direction.D2H
         gpu, host = (pairs.src, pairs.dst) if d2h else (pairs.dst, pairs.src)
-        gpu_ids, host_ids = (
-            (pairs.src_block_ids, pairs.dst_block_ids)
-            if d2h
-            else (pairs.dst_block_ids, pairs.src_block_ids)
-        )
-        if len(host_ids) > 1 and bool((host_ids[1:] < host_ids[:-1]).any()):
-            # staging slots follow the CPU order, so CPU runs are staging runs
-            order = np.argsort(host_ids, kind="stable")
-            gpu_ids, host_ids = gpu_ids[order], host_ids[order]
+        gpu_ids, host_ids = _by_host_block(pairs, d2h)
         buffer = self._buffer(plan.direction, gpu)
         if buffer.last_use is not None:
             stream.wait_event(buffer.last_use)  # its previous use may be on another stream
@@ -206,6 +199,20 @@ class StagedCopy:
             buffer = _Staging(tensor, KVLayout.from_tensors(views), num_blocks)
             self._buffers[key] = buffer
         return buffer
+
+
+def _by_host_block(pairs: BlockPairs, d2h: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs' GPU and CPU block ids (int64 ``[n]`` each), sorted by CPU block where they
+    are not (stably): staging slots follow the CPU order, so CPU runs are staging runs."""
+    gpu_ids, host_ids = (
+        (pairs.src_block_ids, pairs.dst_block_ids)
+        if d2h
+        else (pairs.dst_block_ids, pairs.src_block_ids)
+    )
+    if len(host_ids) > 1 and bool((host_ids[1:] < host_ids[:-1]).any()):
+        order = np.argsort(host_ids, kind="stable")
+        gpu_ids, host_ids = gpu_ids[order], host_ids[order]
+    return gpu_ids, host_ids
 
 
 def _padded_block_bytes(page_bytes: np.ndarray) -> int:

@@ -1,7 +1,7 @@
 """``KeyChains.check``'s test for a chain with gaps (percall3: every parent the previous key, a
 root or outside the call, as a store whose present keys were skipped) decides as the walk of
 every key does: random distinct keys with parents drawn from the previous key, earlier or later
-keys of the call (cycles), keys outside it and ``None``, through ``check`` and ``_walk``."""
+keys of the call (cycles), keys outside it and ``None``, through ``check`` and ``walk_chains``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import random
 import pytest
 
 from kvmgr.errors import InvalidKeyError
-from kvmgr.scheduler.chains import KeyChains, _chain_with_gaps
+from kvmgr.scheduler._key_cycles import chain_with_gaps, walk_chains
+from kvmgr.scheduler.chains import KeyChains
 
 
 def _raises(fn: object, *args: object) -> bool:
@@ -35,8 +36,9 @@ def test_the_gap_test_decides_as_the_walk(seed: int) -> None:
             if parents[i] == keys[i]:
                 parents[i] = None  # (its own parent: refused before check)
         fast = _raises(chains.check, keys, parents)
-        assert fast == _raises(chains._walk, keys, parents, False), (keys, parents)
-        gaps = _chain_with_gaps(keys, parents)
+        walked = _raises(walk_chains, keys, parents, {}, chains._up_block, chains.loose, False)
+        assert fast == walked, (keys, parents)
+        gaps = chain_with_gaps(keys, parents)
         assert not (gaps and fast)  # it never passes a cycle
         outcomes.add((fast, gaps))
     assert outcomes == {(False, True), (False, False), (True, False)}

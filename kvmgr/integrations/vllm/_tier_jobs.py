@@ -26,8 +26,24 @@ from kvmgr.tiers import BridgeStatistics, TierNamespace, TierStatistics
 __all__ = ["Counters", "Outcome", "TierJobStatistics", "namespace_of", "remember"]
 
 
+@attrs.define
+class _JobTotals:
+    """The counter fields of one tier manager, declared once (``TierJobStatistics`` documents
+    them)."""
+
+    num_store_jobs: int = 0
+    num_load_jobs: int = 0
+    num_store_failed: int = 0
+    num_load_failed: int = 0
+    num_blocks_stored: int = 0
+    num_blocks_skipped: int = 0
+    num_blocks_loaded: int = 0
+    num_blocks_missed: int = 0
+    num_unexpected_errors: int = 0
+
+
 @attrs.frozen
-class TierJobStatistics:
+class TierJobStatistics(_JobTotals):
     """Totals of one tier manager since construction (jobs and blocks are counts).
 
     Attributes:
@@ -42,32 +58,13 @@ class TierJobStatistics:
             turned into misses).
     """
 
-    num_store_jobs: int
-    num_load_jobs: int
-    num_store_failed: int
-    num_load_failed: int
-    num_blocks_stored: int
-    num_blocks_skipped: int
-    num_blocks_loaded: int
-    num_blocks_missed: int
-    num_unexpected_errors: int
-    backend: TierStatistics
-    bridge: BridgeStatistics
+    backend: TierStatistics = attrs.field(kw_only=True)
+    bridge: BridgeStatistics = attrs.field(kw_only=True)
 
 
 @attrs.define
-class Counters:
+class Counters(_JobTotals):
     """The running totals behind `TierJobStatistics` (changed on the scheduler thread)."""
-
-    num_store_jobs: int = 0
-    num_load_jobs: int = 0
-    num_store_failed: int = 0
-    num_load_failed: int = 0
-    num_blocks_stored: int = 0
-    num_blocks_skipped: int = 0
-    num_blocks_loaded: int = 0
-    num_blocks_missed: int = 0
-    num_unexpected_errors: int = 0
 
 
 @attrs.frozen

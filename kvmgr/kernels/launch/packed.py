@@ -131,24 +131,14 @@ class PackedLaunch(TritonLaunch):
         types = packing.types
         if len(types) != len(args):
             raise ValueError(f"expected {len(types)} arguments, got {len(args)}")
-        fixed = [i for i in range(len(args)) if i not in self._varying and types[i] is not None]
         cells = [CELL[ty] if ty and ty[0] != "*" else "Q" if ty else "q" for ty in types]
-        order = [*self._varying, *fixed]
         self._pack_header = struct.Struct(_HEADER[:-3]).pack_into
         self._grid: Any = None  # the grid and stream handle in the buffer's header
         # the stream handle in the header: that of the last launch through the driver, None
         # before one and after a launch through Triton's (the header is rewritten next time)
         self.stream_handle: Any = None
         self._pack_values = struct.Struct("<" + "".join(cells[i] for i in self._varying)).pack_into
-        size = _HEADER_BYTES + 8 * (len(order) + packing.num_hidden)
-        self._buffer = (ctypes.c_uint64 * (size // 8))()
-        base = ctypes.addressof(self._buffer)
-        offset = {index: _HEADER_BYTES + 8 * slot for slot, index in enumerate(order)}
-        for index in order:
-            struct.pack_into("<" + cells[index], self._buffer, offset[index], _value(args[index]))
-        hidden = [base + _HEADER_BYTES + 8 * (len(order) + k) for k in range(packing.num_hidden)]
-        addresses = [base + offset[i] for i, ty in enumerate(types) if ty is not None] + hidden
-        self.params = (ctypes.c_void_p * len(addresses))(*addresses)
+        base, offset = self._pack_buffer(args, cells, packing)
         self._types, self._offset, self._formats = types, offset, cells
         self.device = device
         self._block, self._shared = packing.block, packing.shared
@@ -172,6 +162,24 @@ class PackedLaunch(TritonLaunch):
         self._chains = (enter, leave) if chains else (_NEVER, _NEVER)
         # what every launch reads and nothing changes: one unpack costs less than the reads
         self._hot = (*self._chains, knobs, device, self._get_device, self._get_stream, self._native, self._record_address)  # fmt: skip
+
+    def _pack_buffer(self, args: Sequence[Any], cells: list[str], packing: Packing) -> tuple[int, dict[int, int]]:  # fmt: skip
+        """Allocate the buffer (header, the varying arguments' cells, the other arguments',
+        the hidden pointers), write every argument's value into its cell and point ``params``
+        at the cells; ``(buffer address, argument index -> cell offset)``."""
+        types = packing.types
+        fixed = [i for i in range(len(args)) if i not in self._varying and types[i] is not None]
+        order = [*self._varying, *fixed]
+        size = _HEADER_BYTES + 8 * (len(order) + packing.num_hidden)
+        self._buffer = (ctypes.c_uint64 * (size // 8))()
+        base = ctypes.addressof(self._buffer)
+        offset = {index: _HEADER_BYTES + 8 * slot for slot, index in enumerate(order)}
+        for index in order:
+            struct.pack_into("<" + cells[index], self._buffer, offset[index], _value(args[index]))
+        hidden = [base + _HEADER_BYTES + 8 * (len(order) + k) for k in range(packing.num_hidden)]
+        addresses = [base + offset[i] for i, ty in enumerate(types) if ty is not None] + hidden
+        self.params = (ctypes.c_void_p * len(addresses))(*addresses)
+        return base, offset
 
     def run(self, grid: tuple[int, int, int], stream: Any = None, values: Sequence[Any] | None = None, args: Sequence[Any] | None = None) -> None:  # fmt: skip
         """:meth:`set`, then :meth:`launch`: ``values`` (the varying arguments' packed values,

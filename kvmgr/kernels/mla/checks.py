@@ -128,12 +128,7 @@ def check_step(
         raise _fail("kv_c.dtype for 'auto'", f"the caches' {meta.dtype}", dtype)
     if kv_strides[2] != 1 or pe_strides[2] != 1 or rank == 0 or rope_dim == 0:
         raise _fail("kv_c, k_pe last dims", "contiguous and non-empty", (kv_strides, pe_strides))
-    device = kv_c.get_device()
-    if device < 0 and (not allow_cpu or any_meta(kv_c, k_pe, slot_mapping, kv_scales)):
-        got = "meta" if any_meta(kv_c, k_pe, slot_mapping, kv_scales) else kv_c.device
-        raise _fail("kv_c, k_pe, slot_mapping, kv_scales device", "cuda (cpu needs TRITON_INTERPRET=1)", got)  # fmt: skip
-    if k_pe.get_device() != device or meta.device != device or slot_mapping.get_device() != device:
-        raise _fail("k_pe, caches, slot_mapping device indices", device, (k_pe.get_device(), meta.device, slot_mapping.get_device()))  # fmt: skip
+    device = _step_device(kv_c, k_pe, slot_mapping, kv_scales, meta, allow_cpu)
     if meta.num_layers != num_layers or meta.width != rank + rope_dim:
         found = f"{meta.num_layers} of width {meta.width}"
         raise _fail("caches", f"{num_layers} of width R + P = {rank + rope_dim}", found)
@@ -141,18 +136,41 @@ def check_step(
     if slot_mapping.dtype != torch.int64 or (slot_shape != (num_tokens,) and slot_shape != (num_layers, num_tokens)):  # fmt: skip
         want = f"int64 [{num_tokens}] or [{num_layers}, {num_tokens}]"
         raise _fail("slot_mapping", want, f"{slot_mapping.dtype} {list(slot_shape)}")
-    scale_stride = 0
-    if kv_scales is not None:
-        scales_meta = (kv_scales.dtype, kv_scales.shape, kv_scales.get_device())
-        if scales_meta != (torch.float32, (num_layers,), device):
-            raise _fail("kv_scales (dtype, shape, device index)", (torch.float32, (num_layers,), device), scales_meta)  # fmt: skip
-        scale_stride = kv_scales.stride()[0]
+    scale_stride = 0 if kv_scales is None else _scale_stride(kv_scales, num_layers, device)
     fp8_max = FP8_FORMATS[kv_cache_dtype][1] if kv_cache_dtype != "auto" else 0.0
     return Step(
         num_layers, num_tokens, rank, rope_dim, slot_mapping,
         (0, slot_strides[0]) if len(slot_strides) == 1 else slot_strides,
         kv_strides, pe_strides, scale_stride, fp8_max,
     )  # fmt: skip
+
+
+def _step_device(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    meta: CacheMeta,
+    allow_cpu: bool,
+) -> int:
+    """``check_step``'s device index: the step's tensors and the caches on one CUDA device (a
+    CPU one only with ``allow_cpu``, never meta); raises ``GeometryError`` else."""
+    device = kv_c.get_device()
+    if device < 0 and (not allow_cpu or any_meta(kv_c, k_pe, slot_mapping, kv_scales)):
+        got = "meta" if any_meta(kv_c, k_pe, slot_mapping, kv_scales) else kv_c.device
+        raise _fail("kv_c, k_pe, slot_mapping, kv_scales device", "cuda (cpu needs TRITON_INTERPRET=1)", got)  # fmt: skip
+    if k_pe.get_device() != device or meta.device != device or slot_mapping.get_device() != device:
+        raise _fail("k_pe, caches, slot_mapping device indices", device, (k_pe.get_device(), meta.device, slot_mapping.get_device()))  # fmt: skip
+    return device
+
+
+def _scale_stride(kv_scales: torch.Tensor, num_layers: int, device: int) -> int:
+    """The stride of ``kv_scales``, float32 ``[num_layers]`` on ``device``; raises
+    ``GeometryError`` else."""
+    scales_meta = (kv_scales.dtype, kv_scales.shape, kv_scales.get_device())
+    if scales_meta != (torch.float32, (num_layers,), device):
+        raise _fail("kv_scales (dtype, shape, device index)", (torch.float32, (num_layers,), device), scales_meta)  # fmt: skip
+    return kv_scales.stride()[0]
 
 
 def unchecked_step(

@@ -78,14 +78,8 @@ class GroupedMLAInsertHook:
         caches = tuple(caches)
         checks.check_dtype_and_scales(kv_cache_dtype, kv_scales)
         meta = checks.check_caches(caches, kv_cache_dtype)
-        if kv_scales is not None and (
-            kv_scales.dtype != torch.float32
-            or kv_scales.shape != (len(caches),)
-            or kv_scales.device != caches[0].device
-        ):
-            got = (kv_scales.dtype, tuple(kv_scales.shape), kv_scales.device)
-            want = (torch.float32, (len(caches),), caches[0].device)
-            raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
+        if kv_scales is not None:
+            _check_scales(kv_scales, caches)
         self.name = name
         self._checks: Any = checks  # modules held, so that importing this one imports no Triton
         self._allow_cpu = plan.IS_INTERPRETED
@@ -158,3 +152,15 @@ class GroupedMLAInsertHook:
         launches = 0 if step.num_tokens == 0 else len(caches)
         return HookReport.of(self.name, launches, 0, _now() - start_s,
                              {"num_tokens": step.num_tokens, "grouped": False})  # fmt: skip
+
+
+def _check_scales(kv_scales: torch.Tensor, caches: Sequence[torch.Tensor]) -> None:
+    """``kv_scales`` must be float32 ``[L]`` on the caches' device.
+
+    Raises:
+        GeometryError: another dtype, shape or device.
+    """
+    got = (kv_scales.dtype, tuple(kv_scales.shape), kv_scales.device)
+    want = (torch.float32, (len(caches),), caches[0].device)
+    if got != want:
+        raise GeometryError(f"kv_scales (dtype, shape, device): expected {want}, got {got}")
