@@ -370,7 +370,10 @@ def test_interpreter_and_opt_out_always_take_tritons_launch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not Launcher(JITFunction(_body), direct=False).direct
     assert not Launcher(object()).direct  # a test double
-    # and the interpreted kernel really runs through a bound launch, arguments set per run
+    # and the interpreted kernel really runs through a bound launch, arguments set per run (under
+    # TRITON_INTERPRET=1 as in use: the interpreter's first run imports triton's gluon package,
+    # which asserts the variable is set once the interpreter has patched triton.language)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(3)
     bound = Launcher(interpreted).bind((3,), torch.empty(1), torch.empty(1), 1, 0.5, 16,
                                        num_warps=1, varying=(0, 1, 2))  # fmt: skip
