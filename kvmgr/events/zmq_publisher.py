@@ -113,6 +113,14 @@ class ZmqEventPublisher:
                             ("max_queue_size", max_queue_size)):  # fmt: skip
             if type(value) is not int or value < 1:
                 raise ConfigError(f"expected {name} to be an int >= 1, got {value!r}")
+        if not isinstance(topic, str):
+            raise ConfigError(f"expected topic to be a str, got {topic!r}")
+        if type(data_parallel_rank) is not int:  # bools refused; offset_endpoint checks >= 0
+            raise ConfigError(
+                f"expected data_parallel_rank to be an int, got {data_parallel_rank!r}"
+            )
+        if event_format is not None and not isinstance(event_format, VllmEventFormat):
+            raise ConfigError(f"expected a VllmEventFormat or None, got {event_format!r:.80}")
         self._format = event_format or VllmEventFormat()
         self._rank = data_parallel_rank
         self._topic = topic.encode("utf-8")
