@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvmgr._futures import quiet
+from kvmgr._futures import all_ended, quiet
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     GeometryError,
@@ -134,6 +134,9 @@ class DeepSeekV4Offload:
     manager), or build it from managers the caller entered. Ids are GPU block ids of each
     group's tensors; the caller owns them (``manage_gpu_blocks=False``) and must not overwrite a
     stored block before the store's future resolved, nor read a loaded one before the load's.
+    Those futures resolve only once every group's copy ended (with the first group's error, if
+    any); a *cancelled* one is done at once while the copies run: reuse a block then only once
+    its group manager's ``snapshot().gpu_busy`` no longer names it.
 
     Attributes:
         layout: the model's cache layout.
@@ -235,7 +238,7 @@ class DeepSeekV4Offload:
         for n in keys:  # every group's ids checked before any group queues its store
             self.managers[n].check_gpu_blocks(ids[n], "store")
         futures = [self.managers[n].swap_out(ids[n], keys[n]) for n in keys if keys[n]]
-        return quiet(asyncio.gather(*futures))
+        return quiet(asyncio.ensure_future(all_ended(futures)))
 
     def is_restorable(self, num_tokens: int, block_keys: Sequence[bytes], boundary_key: bytes) -> bool:  # fmt: skip
         """Whether every group holds all its blocks of this restore point READY (touches them)."""
@@ -280,7 +283,7 @@ class DeepSeekV4Offload:
         futures = [
             self.managers[n].swap_in(k, list(gpu_block_ids[n])) for n, k in keys.items() if k
         ]
-        return quiet(asyncio.gather(*futures))
+        return quiet(asyncio.ensure_future(all_ended(futures)))
 
     async def step(self, ctx: StepContext | None = None) -> list[StepReport]:
         """``step(ctx)`` of every manager (hooks run where registered; one flush per group)."""
