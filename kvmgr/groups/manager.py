@@ -181,7 +181,9 @@ class GroupedManager:
 
         Returns:
             A future resolving to ``GroupedStore`` once every group's copy completed, or
-            failing with the first group's ``TransferError``.
+            failing with the first group's ``TransferError`` (also only once every group's
+            copy ended). Cancelled, it is done at once while the copies run: reuse a block
+            only once its group manager's ``snapshot().gpu_busy`` no longer names it.
 
         Raises:
             GroupKeyError: bad hashes (or hashes contradicting a stored chain), an unknown
