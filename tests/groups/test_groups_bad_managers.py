@@ -15,13 +15,9 @@ from kvmgr import ManagerConfig, OffloadManager
 from kvmgr.groups import GroupedLayout, GroupedManager, GroupSpec, GroupSpecError
 
 BS = 16
+NAMES = ("full", "other")  # two full-attention groups with one page each
 LAYOUT = GroupedLayout(
-    [
-        GroupSpec(name="full", kind="full", block_size=BS, page_bytes=(BS * 8,)),
-        GroupSpec(
-            name="swa", kind="sliding_window", block_size=BS, page_bytes=(BS * 8,), window=40
-        ),
-    ],
+    [GroupSpec(name=n, kind="full", block_size=BS, page_bytes=(BS * 8,)) for n in NAMES],
     hash_block_size=BS,
 )
 
@@ -35,8 +31,8 @@ def _managers() -> list[OffloadManager]:
 def test_managers_that_are_not_managers_are_a_group_spec_error(shape: str) -> None:
     managers = _managers()
     given = {
-        "dict": dict(zip(("full", "swa"), managers)),
-        "strings": ["full", "swa"],
+        "dict": dict(zip(NAMES, managers)),
+        "strings": list(NAMES),
         "nones": [None, None],
         "one_bad": [managers[0], object()],
     }[shape]
