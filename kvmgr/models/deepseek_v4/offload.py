@@ -130,13 +130,10 @@ def boundary_keys(
 class DeepSeekV4Offload:
     """One DeepSeek-V4 request's live blocks through the CPU tier, one manager per cache group.
 
-    Use it as ``async with DeepSeekV4Offload.create(...) as offload:`` (that enters every
-    manager), or build it from managers the caller entered. Ids are GPU block ids of each
-    group's tensors; the caller owns them (``manage_gpu_blocks=False``) and must not overwrite a
-    stored block before the store's future resolved, nor read a loaded one before the load's.
-    Those futures resolve only once every group's copy ended (with the first group's error, if
-    any); a *cancelled* one is done at once while the copies run: reuse a block then only once
-    its group manager's ``snapshot().gpu_busy`` no longer names it.
+    Use it as ``async with DeepSeekV4Offload.create(...) as offload:`` (enters every manager), or
+    build it from entered managers. Ids are GPU block ids of each group's tensors, the caller's
+    (``manage_gpu_blocks=False``): reuse one once its swap's future resolved (every group's copy
+    ended), or if cancelled once its group manager's ``snapshot().gpu_busy`` no longer names it.
 
     Attributes:
         layout: the model's cache layout.
