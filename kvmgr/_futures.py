@@ -1,17 +1,23 @@
-"""Futures kvmgr hands out whose failure nobody may await (newuser12).
+"""Futures kvmgr hands out whose failure nobody may await (newuser12), and one future over
+several swaps that ends only with all of them (newuser14).
 
 ``quiet(future)`` marks a future's exception retrieved once it is set, so asyncio does not log
 "exception was never retrieved" for a swap the caller fired and forgot: the manager's own
 swaps do the same in the flush (an unawaited failure is counted by ``statistics()``). A caller
 that awaits the future still gets the exception.
+
+``all_ended(futures)`` is what a call spanning several managers awaits: unlike
+``asyncio.gather``, it neither fails at the first error while other copies still run nor
+cancels the swaps' futures when it is cancelled, so its end means that no copy touches a block.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
-__all__ = ["quiet"]
+__all__ = ["all_ended", "quiet"]
 
 F = TypeVar("F", bound="asyncio.Future[Any]")
 
@@ -25,3 +31,13 @@ def quiet(future: F) -> F:
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+async def all_ended(futures: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """The results of ``futures`` in order, once every one of them is done; then raises the
+    first one's error, if any. Cancelling the caller leaves ``futures`` alone (shielded)."""
+    done = await asyncio.gather(*(asyncio.shield(f) for f in futures), return_exceptions=True)
+    for result in done:
+        if isinstance(result, BaseException):
+            raise result
+    return done

@@ -40,6 +40,14 @@ def _tensors(instance: Any, attribute: Any, value: Any) -> None:
         raise InvalidArgumentError(f"StepContext.tensors: expected a mapping, got {value!r}")
 
 
+def _stream(instance: Any, attribute: Any, value: Any) -> None:
+    # the rule of ``OffloadManager.stream_wait_loads``: a stream has ``wait_event``
+    if value is not None and not callable(getattr(value, "wait_event", None)):
+        raise InvalidArgumentError(
+            f"StepContext.stream: expected None or a CUDA stream (torch.cuda.Stream), got {value!r:.60}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class StepContext:
     """What one scheduler step knows, passed to every hook.
@@ -60,14 +68,15 @@ class StepContext:
 
     Raises:
         InvalidArgumentError: ``step`` is not an int >= 0 or ``None``, ``tensors`` is not a
-            mapping, or ``is_capturing`` is not a bool.
+            mapping, ``stream`` is neither ``None`` nor a stream (an object with
+            ``wait_event``), or ``is_capturing`` is not a bool.
     """
 
     step: int | None = attrs.field(default=None, validator=_step_number)
     num_computed_tokens: np.ndarray | None = None
     query_start_loc: np.ndarray | None = None
     tensors: Mapping[str, Any] = attrs.field(factory=dict, validator=_tensors)
-    stream: Any = None
+    stream: Any = attrs.field(default=None, validator=_stream)
     is_capturing: bool = attrs.field(default=False, validator=_flag)
 
 

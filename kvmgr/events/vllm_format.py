@@ -114,11 +114,28 @@ class TierMedium:
         medium: vLLM's medium string: ``"CPU"``, ``"STORAGE"`` (or ``"GPU"``).
         locality: ``"LOCAL"`` / ``"REMOTE"`` relative to this instance, or ``None``.
         ownership: the secondary tier's identifier, or ``None`` for the primary CPU tier.
+
+    Raises:
+        ConfigError: a field that is not a string (``locality``, ``ownership``: or ``None``).
     """
 
     medium: str
     locality: str | None = None
     ownership: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _check_str("medium", self.medium, optional=False)
+        _check_str("locality", self.locality)
+        _check_str("ownership", self.ownership)
+
+
+def _check_str(name: str, value: object, *, optional: bool = True) -> None:
+    """Raises ConfigError: ``value`` is not a ``str`` (nor ``None`` where ``optional``); vLLM's
+    decoder refuses a batch with such a field."""
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise ConfigError(
+            f"expected {name} to be a str{' or None' if optional else ''}, got {value!r}"
+        )
 
 
 def _default_media() -> dict[str, TierMedium]:
@@ -148,7 +165,9 @@ class VllmEventFormat:
             TierMedium(medium="STORAGE", ownership="disk")``) only where that is acceptable.
 
     Raises:
-        ConfigError: an unknown ``hash_format`` or a negative size or index.
+        ConfigError: an unknown ``hash_format``, a negative size or index, a
+            ``kv_cache_spec_kind`` that is not a str or ``None``, or ``media`` not a mapping of
+            tier names (str) to ``TierMedium``.
     """
 
     hash_format: str = attrs.field(default="int")
@@ -165,6 +184,14 @@ class VllmEventFormat:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 0):
                 raise ConfigError(f"expected {name} to be an int >= 0, got {value!r}")
+        _check_str("kv_cache_spec_kind", self.kv_cache_spec_kind)
+        media = self.media
+        if not isinstance(media, Mapping) or not all(
+            isinstance(tier, str) and isinstance(where, TierMedium) for tier, where in media.items()
+        ):
+            raise ConfigError(
+                f"expected media to map tier names (str) to TierMedium, got {media!r:.80}"
+            )
 
     def block_hash(self, key: bytes) -> BlockHash:
         """The ``ExternalBlockHash`` of a kvmgr key."""

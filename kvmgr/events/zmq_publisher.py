@@ -69,6 +69,22 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
         raise ConfigError(f"expected a numeric port in {endpoint!r}") from None
 
 
+def _check_arguments(
+    buffer_steps: int, hwm: int, max_queue_size: int, topic: str, rank: int, event_format: object
+) -> None:
+    """``ZmqEventPublisher``'s argument checks. Raises ConfigError: a bad one."""
+    for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm),
+                        ("max_queue_size", max_queue_size)):  # fmt: skip
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"expected {name} to be an int >= 1, got {value!r}")
+    if not isinstance(topic, str):
+        raise ConfigError(f"expected topic to be a str, got {topic!r}")
+    if type(rank) is not int:  # bools refused; offset_endpoint checks >= 0
+        raise ConfigError(f"expected data_parallel_rank to be an int, got {rank!r}")
+    if event_format is not None and not isinstance(event_format, VllmEventFormat):
+        raise ConfigError(f"expected a VllmEventFormat or None, got {event_format!r:.80}")
+
+
 def _is_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -109,10 +125,7 @@ class ZmqEventPublisher:
         event_format: VllmEventFormat | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm),
-                            ("max_queue_size", max_queue_size)):  # fmt: skip
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"expected {name} to be an int >= 1, got {value!r}")
+        _check_arguments(buffer_steps, hwm, max_queue_size, topic, data_parallel_rank, event_format)
         self._format = event_format or VllmEventFormat()
         self._rank = data_parallel_rank
         self._topic = topic.encode("utf-8")

@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from kvmgr._futures import all_ended
 from kvmgr.reports import SwapResult
 
 __all__ = ["GroupedStore", "gather_store", "group_results"]
@@ -35,12 +36,7 @@ class GroupedStore:
 async def group_results(futures: list[asyncio.Future[SwapResult] | None]) -> list[Any]:
     """Every group's result, in group order (``None`` where none), once all completed;
     raises the first group's error. Cancelling the caller leaves the copies running."""
-    live = [f for f in futures if f is not None]
-    done = await asyncio.gather(*(asyncio.shield(f) for f in live), return_exceptions=True)
-    for result in done:
-        if isinstance(result, BaseException):
-            raise result
-    it = iter(done)
+    it = iter(await all_ended([f for f in futures if f is not None]))
     return [None if f is None else next(it) for f in futures]
 
 

@@ -53,14 +53,17 @@ class GroupedManager:
             ``take_events``) and closes them on ``aclose``.
 
     Raises:
-        GroupSpecError: a count or page size differs from the layout, or a manager's config
-            does not suit (events off, a store threshold).
+        GroupSpecError: ``managers`` is not a sequence of ``OffloadManager`` (a mapping by
+            group name is refused too), a count or page size differs from the layout, or a
+            manager's config does not suit (events off, a store threshold).
     """
 
     def __init__(self, layout: GroupedLayout, managers: Sequence[OffloadManager]) -> None:
         if not isinstance(layout, GroupedLayout):
             raise GroupSpecError(f"expected a GroupedLayout, got {type(layout).__name__}")
-        managers = list(managers)
+        managers = [] if isinstance(managers, Mapping) else list(managers)  # not by name
+        if not managers or not all(isinstance(m, OffloadManager) for m in managers):
+            raise GroupSpecError("expected a sequence of OffloadManager in layout group order")
         if len(managers) != len(layout.groups):
             raise GroupSpecError(f"expected {len(layout.groups)} managers, got {len(managers)}")
         for spec, mgr in zip(layout.groups, managers, strict=True):
@@ -181,7 +184,9 @@ class GroupedManager:
 
         Returns:
             A future resolving to ``GroupedStore`` once every group's copy completed, or
-            failing with the first group's ``TransferError``.
+            failing with the first group's ``TransferError`` (also only once every group's
+            copy ended). Cancelled, it is done at once while the copies run: reuse a block
+            only once its group manager's ``snapshot().gpu_busy`` no longer names it.
 
         Raises:
             GroupKeyError: bad hashes (or hashes contradicting a stored chain), an unknown

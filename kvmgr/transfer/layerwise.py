@@ -206,8 +206,8 @@ class LayerwiseStore:
         """Layer ``layer`` wrote its KV: copy it out, after the work queued so far on the compute
         stream (a fence recorded there now). Layers are saved once each, in order; the group's
         batch is submitted when its last layer is saved. Once the store failed (a group was
-        refused) or was aborted, this does nothing: the forward goes on, the store's future
-        fails.
+        refused, or a submitted group's copy failed) or was aborted, this submits nothing: the
+        forward goes on, and the store's future fails once the groups submitted ended.
 
         Raises:
             LayerOrderError: ``layer`` is not an int layer of the store, is not the next layer
@@ -222,6 +222,7 @@ class LayerwiseStore:
                 layer, self.groups.num_layers, "is not a layer of the store, which covers"
             )
         if self._aborted or self.batches.error is not None:
+            self.batches.close()  # a group failed: none follows; fails once those ended
             return
         if layer != self._next:
             expected = (

@@ -23,11 +23,11 @@ loaded block are overwritten by the next steps before anything reads them.
 
 Until one manager serves several cache groups (issue 28, section 1), each group has its own
 manager, CPU pool and policy. Consequences the caller must know: a step submits one batch per
-group and direction; a store's reservation is all-or-nothing per group only (a group that runs
-out of room raises ``PoolExhaustedError`` after the groups before it queued their stores); and
-each policy evicts on its own, so a restore point can lose one group while others keep theirs.
-:meth:`DeepSeekV4Offload.is_restorable` therefore asks every group, and a restore point whose
-groups are not all READY is worth nothing.
+group and direction; a store's room is counted in every group before any queues, but should a
+group's policy still refuse, the earlier groups' stores stay queued and read the caller's blocks
+(busy in their ``snapshot().gpu_busy``); each policy evicts on its own, so a restore point can
+lose one group while others keep theirs: :meth:`DeepSeekV4Offload.is_restorable` asks every
+group, and a restore point whose groups are not all READY is worth nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvmgr._futures import quiet
+from kvmgr._futures import all_ended, quiet
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     GeometryError,
@@ -51,6 +51,7 @@ from kvmgr.errors import (
 )
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager import OffloadManager
+from kvmgr.models.deepseek_v4._room import check_stores
 from kvmgr.models.deepseek_v4.layout import DeepSeekV4Layout
 from kvmgr.reports import StepReport
 
@@ -130,10 +131,10 @@ def boundary_keys(
 class DeepSeekV4Offload:
     """One DeepSeek-V4 request's live blocks through the CPU tier, one manager per cache group.
 
-    Use it as ``async with DeepSeekV4Offload.create(...) as offload:`` (that enters every
-    manager), or build it from managers the caller entered. Ids are GPU block ids of each
-    group's tensors; the caller owns them (``manage_gpu_blocks=False``) and must not overwrite a
-    stored block before the store's future resolved, nor read a loaded one before the load's.
+    Use it as ``async with DeepSeekV4Offload.create(...) as offload:`` (enters every manager), or
+    build it from entered managers. Ids are GPU block ids of each group's tensors, the caller's
+    (``manage_gpu_blocks=False``): reuse one once its swap's future resolved (every group's copy
+    ended), or if cancelled once its group manager's ``snapshot().gpu_busy`` no longer names it.
 
     Attributes:
         layout: the model's cache layout.
@@ -226,16 +227,15 @@ class DeepSeekV4Offload:
             A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`).
 
         Raises:
-            InvalidBlockError: a live block is missing from a table, or a group's ids are bad
-                (as ``OffloadManager.swap_out``; checked in every group: nothing queued).
+            InvalidBlockError, PoolExhaustedError: a live block is missing from a table, a
+                group's ids are bad, or a group lacks room (checked in every group first).
             KVMgrError: as ``OffloadManager.swap_out``.
         """
         keys = self.keys(num_tokens, block_keys, boundary_key)
         ids = {name: self._live_ids(name, num_tokens, block_tables) for name in keys}
-        for n in keys:  # every group's ids checked before any group queues its store
-            self.managers[n].check_gpu_blocks(ids[n], "store")
+        check_stores(self.managers, ids, keys)  # every group's ids and room, before any queues
         futures = [self.managers[n].swap_out(ids[n], keys[n]) for n in keys if keys[n]]
-        return quiet(asyncio.gather(*futures))
+        return quiet(asyncio.ensure_future(all_ended(futures)))
 
     def is_restorable(self, num_tokens: int, block_keys: Sequence[bytes], boundary_key: bytes) -> bool:  # fmt: skip
         """Whether every group holds all its blocks of this restore point READY (touches them)."""
@@ -280,7 +280,7 @@ class DeepSeekV4Offload:
         futures = [
             self.managers[n].swap_in(k, list(gpu_block_ids[n])) for n, k in keys.items() if k
         ]
-        return quiet(asyncio.gather(*futures))
+        return quiet(asyncio.ensure_future(all_ended(futures)))
 
     async def step(self, ctx: StepContext | None = None) -> list[StepReport]:
         """``step(ctx)`` of every manager (hooks run where registered; one flush per group)."""
