@@ -8,8 +8,9 @@ Flow of ``run``: with a cluster, refresh the slot map if it is stale (at most ev
 group the keys by the primary of their slot; a single server gets all of them. Each group whose
 server's breaker admits the call becomes a job in the worker pool; the others fail fast. The
 event loop waits for every job (``join_worker``: a cancelled call returns only after its jobs
-let go of their buffers). ``MOVED`` items go to the named node (the slot map learns it), ``ASK``
-items once more with ``ASKING``; at most two rounds of redirection. A job's error trips its
+let go of their buffers; a job that raises ends the call only once the others have ended too).
+``MOVED`` items go to the named node (the slot map learns it), ``ASK`` items once more with
+``ASKING``; at most two rounds of redirection. A job's error trips its
 server's breaker (as ``Breaker.failed`` decides), is counted and becomes the call's error if no
 key got an outcome; otherwise the failed keys are plain misses (a cluster node down costs only
 its keys).
@@ -95,7 +96,14 @@ class Dispatcher:
             launched = self._launch(groups, keys, job, deadline, errors, what)
             if not launched:
                 break
-            results = await join_worker(asyncio.gather(*(f for _p, _q, f in launched)))
+            # every job ends before the call does, also when one raises (a bare gather fails at
+            # the first error while the other jobs still read or write their rows)
+            results = await join_worker(
+                asyncio.gather(*(f for _p, _q, f in launched), return_exceptions=True)
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
             groups = {}
             for (pool, positions, _future), result in zip(launched, results):
                 self._account(pool, result, errors, what)
