@@ -72,6 +72,15 @@ def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) ->
 
 #: Largest CPU tier accepted (2**40 blocks): beyond it the sizes overflow int64 byte counts.
 MAX_CPU_BLOCKS = 1 << 40
+#: Most KV events kept (2**32): the event deque's length is a C ``Py_ssize_t``, and a larger
+#: count would only hold memory a router never reads.
+MAX_EVENTS = 1 << 32
+
+
+def _event_count(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _non_negative(instance, attribute, value)
+    if value > MAX_EVENTS:
+        raise ConfigError(f"{attribute.name}: expected at most {MAX_EVENTS}, got {value}")
 
 
 def _cpu_blocks(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -115,7 +124,7 @@ class ManagerConfig:
         tier_write_through: every completed store is also written to every lower tier, so other
             instances sharing the tier can use it at once.
         max_events: KV events kept for ``take_events()``/``events()`` before the oldest are
-            dropped; 0 records none.
+            dropped; 0 records none; at most ``MAX_EVENTS`` (2**32).
         policy_options: keyword arguments for the policy's constructor
             (``make_policy(policy, num_cpu_blocks, **policy_options)``), e.g. ``clock``.
     """
@@ -132,7 +141,7 @@ class ManagerConfig:
     allow_pageable: bool = attrs.field(default=False, validator=_bool)
     pin_host: str = attrs.field(default="background", validator=_one_of(PIN_MODES))
     store_threshold: int = attrs.field(default=1, validator=_positive)
-    max_events: int = attrs.field(default=4096, validator=_non_negative)
+    max_events: int = attrs.field(default=4096, validator=_event_count)
     tier_write_back: bool = attrs.field(default=True, validator=_bool)
     tier_write_through: bool = attrs.field(default=False, validator=_bool)
     policy_options: Mapping[str, Any] = attrs.field(factory=dict, validator=_mapping, hash=False)

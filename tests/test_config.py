@@ -43,6 +43,7 @@ def test_every_registered_name_is_accepted(policy: str, engine: str) -> None:
         ({"num_cpu_blocks": 4, "store_threshold": True}, "store_threshold"),
         ({"num_cpu_blocks": 4, "max_events": -1}, "max_events"),
         ({"num_cpu_blocks": 4, "max_events": 1.5}, "max_events"),
+        ({"num_cpu_blocks": 4, "max_events": 2**70}, "max_events"),  # was OverflowError later
         ({"num_cpu_blocks": True}, "num_cpu_blocks"),
         ({"num_cpu_blocks": 4, "max_descriptors": 0}, "max_descriptors"),
         ({"num_cpu_blocks": 4, "flush": "never"}, "flush"),
