@@ -201,7 +201,11 @@ class OffloadManager(KeyedCalls, LookupCalls, RequestCalls, StagedCalls, Observi
         Raises:
             ClosedError: the manager is closed.
             InvalidArgumentError: ``ctx`` is not a StepContext, or a hook returned no HookReport.
-            Exception: whatever a hook raises (the queue is left untouched then).
+            Exception: whatever a hook raises (the queue is left untouched then); or what an
+                engine's ``submit`` raised that is no ``KVMgrError`` (a bug: an engine refuses a
+                copy with ``TransferError``, which fails only its swaps): that batch's swaps are
+                rolled back and fail with it, the other lanes are still submitted, then it is
+                raised here.
         """
         self._check_open()
         if ctx is not None and not isinstance(ctx, StepContext):
