@@ -145,7 +145,10 @@ class RankTransport:
                 frame = decode(conn.recv_bytes())
                 if isinstance(frame, DoneFrame):
                     self._answer(frame)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # a closed pipe stays readable: stop watching it
+            if self._loop is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._loop.remove_reader(conn.fileno())
             code = self.group.processes[rank].exitcode
             self._go_down(RankError(f"rank {rank} died (pipe closed, exit code {code})", rank=rank))
 
