@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the rank processes import 
 
 from ranks_support import make_rank
 
-from kvmgr import ManagerConfig, OffloadManager, RankError
+from kvmgr import ManagerConfig, OffloadManager, RankError, RankTimeoutError
 from kvmgr.testing import check_invariants
 from kvmgr.transport import RankGroup, rank_transport
 
@@ -70,4 +70,41 @@ def test_a_dead_ranks_pipe_is_no_longer_read_by_the_loop(
 
         asyncio.run(main())
     finally:
+        group.close()
+
+
+def test_a_stuck_rank_whose_pipe_is_full_still_meets_the_deadline(tmp_path: Path) -> None:
+    """Rank 1 is stuck inside the first job (it reads no more frames); the scheduler goes on
+    storing one block a step. Its pipe's buffer fills after a few hundred frames: a blocking
+    write then held the event loop until the rank came back, so the 0.3 s deadline never
+    fired (with a rank hung for good: a hang). Now the frames wait in the scheduler and the
+    deadline takes the group down while the rank is still stuck."""
+    gate = tmp_path / "gate"
+    fault = {"rank": 1, "kind": "gate", "path": str(gate), "delay_s": 20.0, "from_batch": 0}
+    group = RankGroup(2, make_rank, (_spec(num_gpu_blocks=1024, fault=fault),), deadline_s=0.3)
+    config = ManagerConfig(num_cpu_blocks=1000, engine="host")
+    try:
+
+        async def main() -> None:
+            mgr = OffloadManager.over_ranks(group, config)
+            try:
+                first = mgr.swap_out(mgr.allocate("r0", 1), [b"k-0"])
+                swaps = [first]
+                for i in range(1, 1000):  # more frames than the pipe holds
+                    swaps.append(mgr.swap_out(mgr.allocate(f"r{i}", 1), [b"k-%d" % i]))
+                    await mgr.step()
+                with pytest.raises(RankTimeoutError):
+                    await mgr.wait(first, timeout_s=30)
+                assert not (tmp_path / "gate.gave_up").exists()  # met while rank 1 was stuck
+                gate.touch()
+                for swap in swaps:
+                    with pytest.raises(RankError):
+                        await mgr.wait(swap, timeout_s=30)
+                check_invariants(mgr)
+            finally:
+                await mgr.aclose(timeout_s=10)
+
+        asyncio.run(main())
+    finally:
+        gate.touch()
         group.close()
