@@ -47,7 +47,6 @@ import numpy as np
 from kvmgr.errors import (
     ConfigError,
     InvalidArgumentError,
-    InvalidKeyError,
     TierError,
     TierTimeoutError,
     TierUnavailableError,
@@ -69,6 +68,7 @@ from kvmgr.tiers.base import (
     PutResult,
     TierCounters,
     TierStatistics,
+    blob_views,
     check_keys,
     with_deadline,
 )
@@ -157,12 +157,12 @@ class DiskTier:
         that find no slot (every slot pinned by reads) are not stored and count as ``num_full``.
 
         Raises:
-            InvalidArgumentError: a blob is larger than ``slot_bytes``.
+            InvalidKeyError: keys not distinct bytes, or one blob per key missing.
+            InvalidArgumentError: a blob is not a C-contiguous buffer, or larger than
+                ``slot_bytes``.
         """
         keys = check_keys(keys, distinct=True)
-        if len(blobs) != len(keys):
-            raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {len(keys)}")
-        views = [memoryview(b).cast("B") for b in blobs]
+        views = blob_views(blobs, len(keys))
         too_big = [v.nbytes for v in views if v.nbytes > self.slot_bytes]
         if too_big:
             raise InvalidArgumentError(f"blob of {too_big[0]} B > slot_bytes {self.slot_bytes}")
