@@ -57,3 +57,24 @@ async def test_shared_tier_refuses_bad_blobs_typed(tier_server) -> None:
         await _check(tier)
     finally:
         await tier.aclose()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"num_slots": 2**60}, "bytes per file"),  # was OverflowError from posix_fallocate
+        ({"num_slots": 2**52, "num_files": 2}, "bytes per file"),
+        ({"direct": "no"}, "direct"),  # a string was taken as True
+        ({"direct": 0}, "direct"),
+        ({"persist_index": "false"}, "persist_index"),
+        ({"num_slots": 4, "num_files": 5}, "num_files"),  # a file without a slot
+    ],
+)
+def test_disk_tier_options_refused_before_any_file(
+    tmp_path: Path, options: dict[str, Any], match: str
+) -> None:
+    from kvmgr.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        DiskTier(tmp_path / "slots", **{"slot_bytes": 4096, "num_slots": 8, **options})
+    assert list(tmp_path.iterdir()) == []
