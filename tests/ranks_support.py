@@ -9,6 +9,8 @@ directory is on their ``sys.path``). ``spec`` is a plain dict:
 - ``heads``: heads per rank (``"heads"``); ``bad_rank``: that rank gets one more head;
 - ``fault``: ``{"rank": r, "kind": "fail" | "slow" | "die", "delay_s": s}``: rank ``r``'s
   engine fails every batch it is given / sleeps before each submit / exits mid-job;
+  ``"gate"``: each submit waits (at most ``delay_s``) for the file ``path`` to exist, and
+  creates ``path + ".gave_up"`` when it stopped waiting (a rank stuck until the test lets go);
   ``faults``: a list of those, for several ranks.
 """
 
@@ -39,7 +41,7 @@ def rank_kv(spec: dict[str, Any], rank: int) -> list[torch.Tensor]:
     return [torch.randint(1, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(2)]
 
 
-def _faulty_host(kind: str, delay_s: float, from_batch: int = 0) -> ScriptedEngine:
+def _faulty_host(kind: str, delay_s: float, from_batch: int = 0, path: str = "") -> ScriptedEngine:
     """The host engine under the testing kit's scripted engine, doing ``kind`` at each submit
     from batch ``from_batch`` on: ``"fail"`` raise ``TransferError``, ``"die"`` end the
     process, ``"slow"`` sleep first."""
@@ -51,6 +53,14 @@ def _faulty_host(kind: str, delay_s: float, from_batch: int = 0) -> ScriptedEngi
             raise TransferError("injected: this rank's engine refuses the batch")
         if kind == "die":
             os._exit(3)  # the process dies in the middle of a job
+        if kind == "gate":
+            end = time.monotonic() + delay_s
+            while not os.path.exists(path):
+                if time.monotonic() > end:
+                    open(path + ".gave_up", "w").close()
+                    return
+                time.sleep(0.01)
+            return
         time.sleep(delay_s)
 
     return ScriptedEngine(HostEngine(), on_submit=on_submit)
@@ -65,7 +75,10 @@ def make_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> TransferWorker
     kv = rank_kv(spec, rank)
     if fault.get("rank") == rank:
         engine: TransferEngine = _faulty_host(
-            fault["kind"], fault.get("delay_s", 0.0), fault.get("from_batch", 0)
+            fault["kind"],
+            fault.get("delay_s", 0.0),
+            fault.get("from_batch", 0),
+            fault.get("path", ""),
         )
     else:
         engine = HostEngine()

@@ -8,6 +8,7 @@ Offers:
     TierStatistics   frozen counters of one backend (totals since construction)
     TierCounters     the mutable counters a backend keeps and snapshots
     check_keys       the block-key rule (``kvmgr._keys``), re-exported for the backends
+    blob_views       the blobs of a ``put_many`` as byte views, one per key, checked
     with_deadline    run one awaitable under a deadline, raising ``TierTimeoutError``
     join_worker      await a worker thread; a cancellation waits for the worker to end first
 
@@ -44,7 +45,7 @@ import attrs
 import numpy as np
 
 from kvmgr._keys import check_keys
-from kvmgr.errors import TierTimeoutError
+from kvmgr.errors import InvalidArgumentError, InvalidKeyError, TierTimeoutError
 
 __all__ = [
     "Buffer",
@@ -52,6 +53,7 @@ __all__ = [
     "TierBackend",
     "TierCounters",
     "TierStatistics",
+    "blob_views",
     "check_keys",
     "join_worker",
     "with_deadline",
@@ -176,6 +178,7 @@ class TierBackend(Protocol):
 
         Raises:
             InvalidKeyError: keys not bytes, repeated, or ``len(keys) != len(blobs)``.
+            InvalidArgumentError: a blob is not a C-contiguous buffer (``blob_views``).
             TierTimeoutError, TierUnavailableError, TierFullError, TierError: the write failed
                 (some blobs may have landed; none is readable half-written).
         """
@@ -213,6 +216,31 @@ class TierBackend(Protocol):
     def statistics(self) -> TierStatistics:
         """Totals since construction."""
         ...
+
+
+def blob_views(blobs: object, num_keys: int) -> list[memoryview]:
+    """The blobs of a ``put_many`` of ``num_keys`` keys as flat byte views (no copy).
+
+    Raises:
+        InvalidKeyError: ``blobs`` is not a sequence of ``num_keys`` items.
+        InvalidArgumentError: a blob is not a C-contiguous buffer (``bytes``, ``bytearray``,
+            ``memoryview``, a contiguous numpy array).
+    """
+    if not hasattr(blobs, "__len__") or not hasattr(blobs, "__iter__"):
+        raise InvalidKeyError(
+            f"expected one blob per key, got {type(blobs).__name__} for {num_keys} keys"
+        )
+    if len(blobs) != num_keys:  # type: ignore[arg-type]
+        raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {num_keys}")  # type: ignore[arg-type]
+    views = []
+    for i, blob in enumerate(blobs):  # type: ignore[attr-defined]
+        try:
+            views.append(memoryview(blob).cast("B"))
+        except TypeError as exc:  # no buffer, or a strided one
+            raise InvalidArgumentError(
+                f"blob {i}: expected a C-contiguous buffer, got {type(blob).__name__} ({exc})"
+            ) from None
+    return views
 
 
 async def with_deadline(awaitable: Awaitable[T], deadline_s: float, what: str) -> T:

@@ -35,7 +35,6 @@ files and threads before raising ``TierFullError``.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -45,13 +44,12 @@ from pathlib import Path
 import numpy as np
 
 from kvmgr.errors import (
-    ConfigError,
     InvalidArgumentError,
-    InvalidKeyError,
     TierError,
     TierTimeoutError,
     TierUnavailableError,
 )
+from kvmgr.tiers._disk_config import check_config, check_sizes
 from kvmgr.tiers._disk_index import load_index
 from kvmgr.tiers._disk_io import (
     DiskIO,
@@ -69,6 +67,7 @@ from kvmgr.tiers.base import (
     PutResult,
     TierCounters,
     TierStatistics,
+    blob_views,
     check_keys,
     with_deadline,
 )
@@ -92,7 +91,9 @@ class DiskTier:
         persist_index: save the index on ``aclose`` and load it on open.
 
     Raises:
-        ConfigError: sizes that are not ints >= 1, a deadline that is not a finite number > 0.
+        ConfigError: sizes that are not ints >= 1, more files than slots, a file over 2**62
+            bytes, ``direct`` / ``persist_index`` not a bool, a deadline that is not a finite
+            number > 0.
         TierFullError: the filesystem has no room for the preallocated files.
         TierUnavailableError: a file cannot be created, or another open ``DiskTier`` (in this
             or another process) holds it.
@@ -118,7 +119,8 @@ class DiskTier:
         deadline_s: float = 5.0,
         persist_index: bool = True,
     ) -> None:
-        _check_config(path, slot_bytes, num_slots, num_files, io_threads, deadline_s)
+        check_config(path, slot_bytes, num_slots, num_files, io_threads, deadline_s)
+        check_sizes(slot_bytes, num_slots, num_files, direct, persist_index)  # type: ignore[arg-type]
         self.slot_bytes = -(-slot_bytes // ALIGN_BYTES) * ALIGN_BYTES
         self.num_slots = num_slots
         self._paths = [Path(path)] + [Path(f"{path}.{i}") for i in range(1, num_files)]
@@ -157,12 +159,12 @@ class DiskTier:
         that find no slot (every slot pinned by reads) are not stored and count as ``num_full``.
 
         Raises:
-            InvalidArgumentError: a blob is larger than ``slot_bytes``.
+            InvalidKeyError: keys not distinct bytes, or one blob per key missing.
+            InvalidArgumentError: a blob is not a C-contiguous buffer, or larger than
+                ``slot_bytes``.
         """
         keys = check_keys(keys, distinct=True)
-        if len(blobs) != len(keys):
-            raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {len(keys)}")
-        views = [memoryview(b).cast("B") for b in blobs]
+        views = blob_views(blobs, len(keys))
         too_big = [v.nbytes for v in views if v.nbytes > self.slot_bytes]
         if too_big:
             raise InvalidArgumentError(f"blob of {too_big[0]} B > slot_bytes {self.slot_bytes}")
@@ -278,23 +280,3 @@ class DiskTier:
 
     def _geometry(self) -> list[int]:
         return [self.slot_bytes, self.num_slots, len(self._paths)]
-
-
-def _check_config(
-    path: object,
-    slot_bytes: object,
-    num_slots: object,
-    num_files: object,
-    io_threads: object,
-    deadline_s: object,
-) -> None:
-    """Raise ``ConfigError`` for a bad ``DiskTier`` argument (before anything is opened)."""
-    if not isinstance(path, str | os.PathLike):
-        raise ConfigError(f"DiskTier: expected path a str or PathLike, got {type(path).__name__}")
-    for name, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots),
-                        ("num_files", num_files), ("io_threads", io_threads)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"DiskTier: expected {name} an int >= 1, got {value!r}")
-    ok = isinstance(deadline_s, int | float) and not isinstance(deadline_s, bool)
-    if not ok or not math.isfinite(deadline_s) or deadline_s <= 0:  # type: ignore[arg-type]
-        raise ConfigError(f"DiskTier: expected deadline_s a finite number > 0, got {deadline_s!r}")

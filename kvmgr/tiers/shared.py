@@ -42,7 +42,7 @@ from kvmgr.tiers._connection import check_limits
 from kvmgr.tiers._resp import nbytes
 from kvmgr.tiers._shared_client import PutsInFlight, open_calls, warn_default_user
 from kvmgr.tiers._shared_io import FAILED, get_part, keys_part, put_part
-from kvmgr.tiers.base import Buffer, PutResult, TierStatistics, check_keys
+from kvmgr.tiers.base import Buffer, PutResult, TierStatistics, blob_views, check_keys
 
 __all__ = ["SharedTier"]
 
@@ -146,13 +146,12 @@ class SharedTier:
 
         Raises:
             InvalidKeyError: keys not distinct bytes, or one blob per key missing.
+            InvalidArgumentError: a blob is not a C-contiguous buffer.
             TierTimeoutError, TierUnavailableError, TierFullError, TierError: no blob could
                 be stored (with a cluster: on any node; otherwise ``stored`` says which).
         """
         keys = check_keys(keys, distinct=True)
-        if len(blobs) != len(keys):
-            raise InvalidKeyError(f"expected one blob per key, got {len(blobs)} for {len(keys)}")
-        views = [memoryview(b).cast("B") for b in blobs]
+        views = blob_views(blobs, len(keys))
         start = time.perf_counter()
         stored = np.zeros(len(keys), dtype=bool)
         num_bytes = 0

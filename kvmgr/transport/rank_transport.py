@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from kvmgr.errors import RankError, RankTimeoutError
 from kvmgr.scheduler.jobs import Direction, JobOutcome, KVGeometry, TransferJob
+from kvmgr.transport._outbox import Outbox
 from kvmgr.transport.frames import DoneFrame, decode, encode, job_frame
 
 
@@ -83,6 +84,7 @@ class RankTransport:
         self._num_tensors = len(geometry.page_bytes)
         self._block_bytes = geometry.block_bytes
         self._replicated = geometry.layout == "replicated"
+        self._boxes = [Outbox(conn) for conn in group.jobs]  # never a blocking write
 
     def moved(self) -> str | None:
         """Always ``None``: each rank checks its own tensors when it submits."""
@@ -95,6 +97,9 @@ class RankTransport:
         for rank, conn in enumerate(self.group.jobs):
             loop.add_reader(conn.fileno(), self._readable, rank)
         self._loop = loop
+        for rank, box in enumerate(self._boxes):
+            if box.frames:
+                loop.add_writer(box.fd, self._drain, rank)
 
     def _unbind(self) -> None:
         loop, self._loop = self._loop, None
@@ -103,6 +108,7 @@ class RankTransport:
         for conn in self.group.jobs:
             with contextlib.suppress(OSError, ValueError):  # closed already
                 loop.remove_reader(conn.fileno())
+                loop.remove_writer(conn.fileno())
 
     def submit(
         self, job: TransferJob, loop: asyncio.AbstractEventLoop, *, checked: bool = False
@@ -119,9 +125,10 @@ class RankTransport:
         data = encode(job_frame(job))
         pending = _Pending(job, self.num_ranks)
         self._pending[job.job_id] = pending
-        for rank, conn in enumerate(self.group.jobs):
+        for rank, box in enumerate(self._boxes):
             try:
-                conn.send_bytes(data)
+                if not box.put(job.job_id, data):  # the pipe is full: the loop sends the rest
+                    loop.add_writer(box.fd, self._drain, rank)
             except OSError:
                 error = RankError(f"rank {rank} is gone (its pipe is closed)", rank=rank)
                 loop.call_soon(self._go_down, error)
@@ -136,6 +143,17 @@ class RankTransport:
             job, self.num_ranks, self._num_tensors, self._block_bytes, self._replicated
         )
 
+    def _drain(self, rank: int) -> None:
+        box = self._boxes[rank]
+        try:
+            done = box.drain()
+        except OSError:
+            done = True
+            self._go_down(RankError(f"rank {rank} is gone (its pipe is closed)", rank=rank))
+        if done and self._loop is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._loop.remove_writer(box.fd)
+
     # ------------------------------------------------------------------ answers
 
     def _readable(self, rank: int) -> None:
@@ -145,7 +163,10 @@ class RankTransport:
                 frame = decode(conn.recv_bytes())
                 if isinstance(frame, DoneFrame):
                     self._answer(frame)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # a closed pipe stays readable: stop watching it
+            if self._loop is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._loop.remove_reader(conn.fileno())
             code = self.group.processes[rank].exitcode
             self._go_down(RankError(f"rank {rank} died (pipe closed, exit code {code})", rank=rank))
 
@@ -196,6 +217,11 @@ class RankTransport:
         if self.down is None:
             self.down = error
         timeout = isinstance(error, RankTimeoutError)
+        for rank, box in enumerate(self._boxes):  # jobs not sent yet are never sent
+            for job_id in box.drop_unstarted():
+                pending = self._pending.get(job_id)
+                if pending is not None:
+                    pending.left.discard(rank)  # that rank never saw the job
         for pending in list(self._pending.values()):
             if timeout or pending.error is None:
                 pending.error = error
@@ -239,6 +265,8 @@ class RankTransport:
     def close(self, timeout_s: float | None) -> None:
         """Stop reading the ranks; the group itself is closed by its owner."""
         self._unbind()
+        for box in self._boxes:
+            box.close()
 
 
 class _Counts:

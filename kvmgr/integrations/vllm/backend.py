@@ -25,6 +25,9 @@ every rank keeps its own pages of each chunk in its own host allocation (pinned 
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -64,8 +67,9 @@ class KvmgrOffloadingSpec(OffloadingSpec):
             (required), ``kvmgr_policy``, ``kvmgr_engine``, ``kvmgr_fault_dir``.
 
     Raises:
-        ConfigError: ``cpu_bytes_to_use`` missing or not positive, an unknown policy, or a tier
-            too small for one chunk.
+        ConfigError: ``cpu_bytes_to_use`` missing, not an integer or not positive, an unknown
+            policy, a tier too small for one chunk, or a ``kvmgr_fault_dir`` that is not a
+            directory (the fault table cannot be created there: at ``get_manager``/``get_worker``).
     """
 
     @classmethod
@@ -82,7 +86,7 @@ class KvmgrOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         extra = self.extra_config
-        cpu_bytes = int(extra.get("cpu_bytes_to_use") or 0)
+        cpu_bytes = _cpu_bytes(extra.get("cpu_bytes_to_use"))
         if cpu_bytes <= 0:
             raise ConfigError(
                 "KvmgrOffloadingSpec: kv_connector_extra_config needs cpu_bytes_to_use > 0, "
@@ -100,7 +104,14 @@ class KvmgrOffloadingSpec(OffloadingSpec):
         chunk_bytes = config.worker_kv_bytes_per_block * self.world_size * self.blocks_per_chunk
         self.num_chunks = cpu_bytes // chunk_bytes if chunk_bytes > 0 else 0
         self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, chunk_bytes)
-        self._fault_path = fault_table_path(config.engine_id, extra.get("kvmgr_fault_dir"))
+        fault_dir = extra.get("kvmgr_fault_dir")
+        if fault_dir is not None and (
+            not isinstance(fault_dir, str | os.PathLike) or not os.path.isdir(fault_dir)
+        ):
+            raise ConfigError(
+                f"KvmgrOffloadingSpec: kvmgr_fault_dir {fault_dir!r} is not a directory"
+            )
+        self._fault_path = fault_table_path(config.engine_id, fault_dir)
         self._manager: KvmgrOffloadingManager | None = None
         self._worker: KvmgrOffloadingWorker | None = None
 
@@ -110,7 +121,13 @@ class KvmgrOffloadingSpec(OffloadingSpec):
                 f"KvmgrOffloadingSpec: cpu_bytes_to_use={self.extra_config['cpu_bytes_to_use']} "
                 "is too small for one chunk"
             )
-        return FaultTable(self._fault_path, self.world_size, self.num_chunks)
+        try:
+            return FaultTable(self._fault_path, self.world_size, self.num_chunks)
+        except OSError as exc:  # not writable, no room
+            raise ConfigError(
+                f"KvmgrOffloadingSpec: cannot create the fault table {self._fault_path}: {exc} "
+                "(kvmgr_fault_dir)"
+            ) from exc
 
     def get_manager(self) -> OffloadingManager:
         """The scheduler side's manager (built once)."""
@@ -161,3 +178,16 @@ class KvmgrOffloadingConnector(OffloadingConnector):
         side = self.connector_worker
         worker = side.worker if side is not None else None
         return worker if isinstance(worker, KvmgrOffloadingWorker) else None
+
+
+def _cpu_bytes(value: object) -> int:
+    """``cpu_bytes_to_use`` as an int (0 when missing); ``ConfigError`` for no number."""
+    if value is None:
+        return 0
+    if isinstance(value, bool | str | bytes) or not isinstance(value, numbers.Real):
+        raise ConfigError(
+            f"KvmgrOffloadingSpec: expected cpu_bytes_to_use a number of bytes, got {value!r}"
+        )
+    if not math.isfinite(value):
+        raise ConfigError(f"KvmgrOffloadingSpec: cpu_bytes_to_use {value!r} is not finite")
+    return int(value)
