@@ -96,14 +96,7 @@ class Dispatcher:
             launched = self._launch(groups, keys, job, deadline, errors, what)
             if not launched:
                 break
-            # every job ends before the call does, also when one raises (a bare gather fails at
-            # the first error while the other jobs still read or write their rows)
-            results = await join_worker(
-                asyncio.gather(*(f for _p, _q, f in launched), return_exceptions=True)
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            results = await _join(launched)
             groups = {}
             for (pool, positions, _future), result in zip(launched, results):
                 self._account(pool, result, errors, what)
@@ -187,6 +180,19 @@ class Dispatcher:
             self._counters.num_errors += 1
         self._counters.last_error = str(error)
         errors.append(error)
+
+
+async def _join(launched: list[tuple[NodePool, list[int], asyncio.Future[JobResult]]]) -> list[JobResult]:  # fmt: skip
+    """Every launched job's result once all have ended, also when one raised (a bare gather
+    fails at the first error while the other jobs still read or write their rows); then the
+    first error, if any."""
+    results = await join_worker(
+        asyncio.gather(*(f for _p, _q, f in launched), return_exceptions=True)
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _refusal(reply: ReplyError, where: str) -> TierError:
