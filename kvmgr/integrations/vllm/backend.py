@@ -181,10 +181,18 @@ class KvmgrOffloadingConnector(OffloadingConnector):
 
 
 def _cpu_bytes(value: object) -> int:
-    """``cpu_bytes_to_use`` as an int (0 when missing); ``ConfigError`` for no number."""
+    """``cpu_bytes_to_use`` as an int (0 when missing); a string of digits is read as vLLM's
+    ``CPUOffloadingSpec`` reads it (``int()``); ``ConfigError`` for no number ("32GB")."""
     if value is None:
         return 0
-    if isinstance(value, bool | str | bytes) or not isinstance(value, numbers.Real):
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(
+                f"KvmgrOffloadingSpec: expected cpu_bytes_to_use a number of bytes, got {value!r}"
+            ) from None
+    if isinstance(value, bool | bytes) or not isinstance(value, numbers.Real):
         raise ConfigError(
             f"KvmgrOffloadingSpec: expected cpu_bytes_to_use a number of bytes, got {value!r}"
         )

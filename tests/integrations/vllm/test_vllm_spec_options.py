@@ -43,6 +43,14 @@ def test_bad_spec_options_are_config_errors(
         rig.close()
 
 
+def test_cpu_bytes_as_a_string_of_digits_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
+    from kvmgr.integrations.vllm import backend
+
+    assert backend._cpu_bytes(str(1 << 20)) == 1 << 20  # vLLM's CPUOffloadingSpec: int()
+    rig = VllmRig(tmp_path, _config(cpu_bytes_to_use=str(1 << 20)), model_dir=tmp_path / "model")
+    rig.close()  # (built: the tier has its chunks)
+
+
 def test_a_fault_dir_that_exists_is_used(tmp_path: Path) -> None:
     faults = tmp_path / "faults"
     faults.mkdir()
