@@ -44,7 +44,8 @@ def _stream(instance: Any, attribute: Any, value: Any) -> None:
     # the rule of ``OffloadManager.stream_wait_loads``: a stream has ``wait_event``
     if value is not None and not callable(getattr(value, "wait_event", None)):
         raise InvalidArgumentError(
-            f"StepContext.stream: expected None or a CUDA stream (torch.cuda.Stream), got {value!r:.60}"
+            "StepContext.stream: expected None or a CUDA stream (torch.cuda.Stream), "
+            f"got {value!r:.60}"
         )
 
 

@@ -71,9 +71,10 @@ class ARCPolicy:
         was added. ``evict``: O(n + keys skipped), plus O(len(protected)) when ``protected``
         is not a set; when the first ``n`` keys of the list it starts from are one chain (leaf
         first) or roots, all evictable (the usual full tier), ``_arc_lists.leaf_run`` takes
-        them without a `VictimSet` (else ``_arc_lists.collect`` offers them one at a time). ``__contains__``, ``__len__``: O(1). The lists are changed
-        in plain loops: ``OrderedDict.update(zip(...))`` and ``map(od.__delitem__, ...)`` cost
-        more per key than a loop's item assignment, for a few keys as for hundreds.
+        them without a `VictimSet` (else ``_arc_lists.collect`` offers them one at a time).
+        ``__contains__``, ``__len__``: O(1). The lists are changed in plain loops:
+        ``OrderedDict.update(zip(...))`` and ``map(od.__delitem__, ...)`` cost more per key
+        than a loop's item assignment, for a few keys as for hundreds.
 
     Args:
         capacity: Number of CPU blocks: the cap on ``target`` and the ghost bound.

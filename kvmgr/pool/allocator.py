@@ -32,9 +32,10 @@ class BlockAllocator:
 
     Data: a cursor over fresh ids, a stack of freed ids (an ``array`` of ``num_blocks`` slots
     with a numpy view and a top index: a batch is pushed and popped as one slice), and a state
-    byte per id (fresh, allocated, freed: ``kvmgr.pool.block_ids``) that catches double frees and ids this pool never
-    handed out, in a ``bytearray`` viewed as a numpy array: ``take``/``give`` take and return
-    int64 arrays; ``allocate``/``free`` are list-based twins, ``take_few``/``give_few`` loops.
+    byte per id (fresh, allocated, freed: ``kvmgr.pool.block_ids``) that catches double frees
+    and ids this pool never handed out, in a ``bytearray`` viewed as a numpy array:
+    ``take``/``give`` take and return int64 arrays; ``allocate``/``free`` are list-based twins,
+    ``take_few``/``give_few`` loops.
 
     Progressive availability: with ``num_ready < num_blocks`` only the ids below ``num_ready``
     are handed out (the CPU tier's memory beyond them is still being pinned); ``make_ready``

@@ -161,6 +161,7 @@ def test_a_swapped_tensor_impl_is_seen(shape: tuple[int, int]) -> None:
 
 def test_the_shim_check_needs_the_impl_word(monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.zeros(3)
-    assert _guard_c._impl_offset([t, torch.nn.Parameter(torch.ones(2))]) == 16  # torch 2.13
+    offset = _guard_c._impl_offset([t, torch.nn.Parameter(torch.ones(2))])
+    assert offset is not None and offset >= 16  # found (16 on torch 2.11 and 2.13)
     monkeypatch.setattr(_guard_c, "_impl_offset", lambda tensors: None)
     assert _guard_c.same_check([t]) is None
