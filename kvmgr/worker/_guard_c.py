@@ -13,7 +13,11 @@ reads each tensor's metadata through AOTInductor's C shim (``aoti_torch_get_data
 ``_get_device_index`` in ``libtorch_cpu``: torch's stable C ABI for compiled models; each
 returns an error code rather than throwing) and compares it with a snapshot taken at build time,
 without a Python call: 0.75 us for 48 tensors hot (H200 host; 1.3 us on the 2-core VM, the
-same with the impl word as without).
+same with the impl word as without). Cold, as a step finds them after the calls, each tensor's
+reads (its Python object, handle, ``TensorImpl``, ``StorageImpl``) are a chain of dependent
+cache misses, so ``same`` first prefetches all of them for every tensor (the ``StorageImpl``
+addresses sit at the end of the snapshot): 9.1 -> 3.9 us median for 48 tensors after a 16 MiB
+write on the VM (BENCHMARKS.md, round 4 session 14).
 
 The shim reads through an ``AtenTensorHandle`` (an ``at::Tensor`` on the heap sharing the
 tensor's ``TensorImpl``: ``torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors``), freed when the
