@@ -13,7 +13,11 @@ reads each tensor's metadata through AOTInductor's C shim (``aoti_torch_get_data
 ``_get_device_index`` in ``libtorch_cpu``: torch's stable C ABI for compiled models; each
 returns an error code rather than throwing) and compares it with a snapshot taken at build time,
 without a Python call: 0.75 us for 48 tensors hot (H200 host; 1.3 us on the 2-core VM, the
-same with the impl word as without).
+same with the impl word as without). Cold, as a step finds them after the calls, each tensor's
+reads (its Python object, handle, ``TensorImpl``, ``StorageImpl``) are a chain of dependent
+cache misses, so ``same`` first prefetches all of them for every tensor (the ``StorageImpl``
+addresses sit at the end of the snapshot): 9.1 -> 3.9 us median for 48 tensors after a 16 MiB
+write on the VM (BENCHMARKS.md, round 4 session 14).
 
 The shim reads through an ``AtenTensorHandle`` (an ``at::Tensor`` on the heap sharing the
 tensor's ``TensorImpl``: ``torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors``), freed when the
@@ -118,9 +122,14 @@ static PyObject *read_record(PyObject *self, PyObject *arg) {
 }
 
 /* same(spec): spec at an address, int64 {n, impl offset, then per tensor: the Python object's
-   address, its TensorImpl, handle, record}: True where every Python object still holds its
-   TensorImpl (the word at the offset; ``torch._C._swap_tensor_impl`` swaps it) and every
-   handle's record equals its snapshot, False otherwise (or where a shim call failed) */
+   address, its TensorImpl, handle, record; then per tensor its StorageImpl as at build}: True
+   where every Python object still holds its TensorImpl (the word at the offset;
+   ``torch._C._swap_tensor_impl`` swaps it) and every handle's record equals its snapshot, False
+   otherwise (or where a shim call failed). A first pass only prefetches what the compare reads
+   (the object's word, the handle, the TensorImpl's first 256 bytes, the StorageImpl's first
+   128): in a step these are cold, and the compare's reads of one tensor depend on each other,
+   so without it the misses come one after another. A prefetch never faults and changes
+   nothing (a StorageImpl since freed is only an address). */
 static PyObject *same(PyObject *self, PyObject *arg) {
     const int64_t *spec = (const int64_t *)PyLong_AsVoidPtr(arg);
     int64_t rec[5 + 2 * 64];
@@ -134,6 +143,19 @@ static PyObject *same(PyObject *self, PyObject *arg) {
     }
     const int64_t off = spec[1];
     const int64_t *p = spec + 2;
+    for (int64_t i = 0; i < spec[0]; i++) {
+        const char *impl = (const char *)(uintptr_t)p[1];
+        __builtin_prefetch((const char *)(uintptr_t)p[0] + off);
+        __builtin_prefetch((const void *)(uintptr_t)p[2]);
+        for (int k = 0; k < 256; k += 64) __builtin_prefetch(impl + k);
+        p += 8 + 2 * p[7];
+    }
+    for (int64_t i = 0; i < spec[0]; i++) {
+        const char *storage = (const char *)(uintptr_t)p[i];
+        __builtin_prefetch(storage);
+        __builtin_prefetch(storage + 64);
+    }
+    p = spec + 2;
     for (int64_t i = 0; i < spec[0]; i++) {
         if (*(const int64_t *)((const char *)(uintptr_t)p[0] + off) != p[1]) Py_RETURN_FALSE;
         int64_t n = read_one((void *)(uintptr_t)p[2], rec, 64);
@@ -212,6 +234,7 @@ class _Snapshot:
                 return
             words.extend((id(tensor), tensor._cdata, address))
             words.extend(record)
+        words.extend(t.untyped_storage()._cdata for t in tensors)  # (prefetched only)
         self.spec = np.array(words, dtype=np.int64)
         self.address = int(self.spec.ctypes.data)
 

@@ -165,3 +165,15 @@ def test_the_shim_check_needs_the_impl_word(monkeypatch: pytest.MonkeyPatch) -> 
     assert offset is not None and offset >= 16  # found (16 on torch 2.11 and 2.13)
     monkeypatch.setattr(_guard_c, "_impl_offset", lambda tensors: None)
     assert _guard_c.same_check([t]) is None
+
+
+def test_the_snapshot_ends_with_each_tensors_storage() -> None:
+    """``same``'s prefetch pass walks the records, then reads one ``StorageImpl`` address per
+    tensor: they are the spec's last words (it never reads past the spec), in tensor order."""
+    kv = [torch.zeros(4, 8), torch.ones(2, 3, 5).transpose(0, 2), torch.zeros(7)[2:]]
+    check = _guard_c.same_check(kv)
+    assert check is not None and check() is True
+    spec = check.snapshot.spec  # type: ignore[attr-defined]
+    records = 2 + sum(3 + 5 + 2 * t.dim() for t in kv)
+    assert len(spec) == records + len(kv)
+    assert spec[records:].tolist() == [t.untyped_storage()._cdata for t in kv]
