@@ -20,9 +20,16 @@ def check_stores(
 ) -> None:
     """Check every group's GPU ids, then that every group has room for its new keys: free
     blocks plus READY blocks without loads in flight, less the store's own READY keys (never
-    evicted for it), as ``GroupedManager.store`` counts. A key still PENDING counts as new. A
-    manager with ``backpressure="wait"`` is only refused a store larger than its tier (its
-    ``swap_out`` waits for room otherwise).
+    evicted for it), as ``GroupedManager.store`` counts. Only keys the tier does not hold
+    take new blocks: a key still PENDING (a store of it in flight) is skipped by ``swap_out``
+    and counts as present (``OffloadManager.held``), not as new. A manager with
+    ``backpressure="wait"`` is only refused a store larger than its tier (its ``swap_out``
+    waits for room otherwise). A key not admitted yet (``store_threshold`` above 1) still
+    counts as new: the check may then refuse a store its managers would have taken in part,
+    never the other way round. Not exact either (open): a READY key counted as evictable may be
+    the parent of a key that cannot go (PENDING, being read, or this store's own READY key),
+    and the policies evict leaves only; such a group's ``swap_out`` still refuses after the
+    check passed (``GroupedManager``'s ``check_room`` counts the same way).
 
     Raises:
         InvalidBlockError: a group's ids are bad (as ``OffloadManager.swap_out``).
@@ -32,13 +39,13 @@ def check_stores(
         managers[name].check_gpu_blocks(ids[name], "store")
     for name, group_keys in keys.items():
         mgr = managers[name]
-        ready = sum(mgr.peek([key]) for key in group_keys)  # touches nothing
-        new = len(group_keys) - ready
+        new = len(group_keys) - mgr.held(group_keys)  # PENDING or READY: no new block
         if not new:
             continue
         if mgr.config.backpressure == "wait":
             room = mgr.config.num_cpu_blocks
         else:
+            ready = sum(mgr.peek([key]) for key in group_keys)  # touches nothing
             stats = mgr.statistics()
             evictable = max(0, stats.cpu_keys_ready - stats.cpu_keys_loading - ready)
             room = max(0, stats.cpu_blocks_ready - stats.cpu_blocks_used) + evictable
