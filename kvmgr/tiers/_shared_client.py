@@ -21,7 +21,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-from kvmgr.errors import TierSecurityWarning
+from kvmgr.errors import ConfigError, TierSecurityWarning
 from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
 from kvmgr.tiers._nodes import Breaker, SlotMap
 from kvmgr.tiers._shared_calls import Dispatcher
@@ -36,7 +36,9 @@ Credentials = tuple[str | None, str | os.PathLike[str] | None, str | None]
 #: ``(ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_check_hostname, connect_timeout_s)``
 Reach = tuple[str | None, str | None, str | None, bool, float]
 #: ``(reconnect_backoff_s, max_backoff_s, trip_after_timeouts)``: each server's ``Breaker``
-Backoff = tuple[float, float, int]
+#: (``max_backoff_s`` ``None``: ``DEFAULT_MAX_BACKOFF_S``, or the first backoff if longer)
+Backoff = tuple[float, float | None, int]
+DEFAULT_MAX_BACKOFF_S = 5.0
 
 
 def open_calls(
@@ -47,18 +49,27 @@ def open_calls(
     the ``Dispatcher`` (one breaker per server; a slot map for a cluster). Connects to nothing.
 
     Raises:
-        ConfigError: a non-positive limit, a bad URL, TLS arguments with a plain URL or
-            unreadable TLS or password files; nothing was built then.
+        ConfigError: a non-positive limit, ``max_backoff_s`` below ``reconnect_backoff_s``,
+            a bad URL, TLS arguments with a plain URL or unreadable TLS or password files;
+            nothing was built then.
     """
     ca_certs, certfile, keyfile, check_hostname, connect_timeout_s = reach
     first_backoff, max_backoff, trips = backoff
     check_limits(
         connect_timeout_s=connect_timeout_s,
         reconnect_backoff_s=(first_backoff, True),
-        max_backoff_s=(max_backoff, True),
+        max_backoff_s=(DEFAULT_MAX_BACKOFF_S if max_backoff is None else max_backoff, True),
         max_connections=(max_connections, int),
         trip_after_timeouts=(trips, int),
     )
+    if max_backoff is None:
+        max_backoff = max(DEFAULT_MAX_BACKOFF_S, first_backoff)
+    elif max_backoff < first_backoff:
+        raise ConfigError(
+            f"SharedTier: max_backoff_s={max_backoff!r} is below reconnect_backoff_s="
+            f"{first_backoff!r}: the cap of the breaker's backoff must be at least its first "
+            "period (raise max_backoff_s, or leave it None)"
+        )
     username, password_file, password_env = credentials
     address = parse_address(
         url, username=username, password_file=password_file, password_env=password_env
