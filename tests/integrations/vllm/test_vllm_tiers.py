@@ -58,7 +58,33 @@ def rig_factory(tmp_path: Path):
     yield make
     for rig in rigs:
         rig.close()
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("vllm_offload_")]
+    assert not _regions_left([rig.vllm_config.kv_transfer_config.engine_id for rig in rigs])
+
+
+def _regions_left(engine_ids: list[str], shm: Path = Path("/dev/shm")) -> list[str]:
+    """The files of these engines' offload regions still in ``shm`` (vLLM names them
+    ``vllm_offload_{engine_id}.mmap``, then ``.mmap.1``... per segment). Only this test's
+    engines: other vLLM test runs on the machine (helpers run the suite at the same time) have
+    regions of their own there while they run."""
+    mine = tuple(f"vllm_offload_{engine_id}.mmap" for engine_id in engine_ids)
+    return sorted(
+        name for name in os.listdir(shm) if any(name == m or name.startswith(f"{m}.") for m in mine)
+    )
+
+
+def test_the_region_check_sees_only_this_tests_engines(tmp_path: Path) -> None:
+    """Another run's region does not count (the teardown failed on one before, leftovers14);
+    this engine's does, and so do its segments."""
+    (tmp_path / "vllm_offload_other-run.mmap").touch()
+    (tmp_path / "vllm_offload_mine-2.mmap").touch()  # another engine whose id extends mine
+    assert _regions_left(["mine"], tmp_path) == []
+    (tmp_path / "vllm_offload_mine.mmap.1").touch()
+    assert _regions_left(["mine"], tmp_path) == ["vllm_offload_mine.mmap.1"]
+    (tmp_path / "vllm_offload_mine.mmap").touch()
+    assert _regions_left(["mine"], tmp_path) == [
+        "vllm_offload_mine.mmap",
+        "vllm_offload_mine.mmap.1",
+    ]
 
 
 @pytest.mark.parametrize("policy", ["KvmgrLRUPolicy", "KvmgrARCPolicy"])
