@@ -62,14 +62,7 @@ def open_calls(
         max_connections=(max_connections, int),
         trip_after_timeouts=(trips, int),
     )
-    if max_backoff is None:
-        max_backoff = max(DEFAULT_MAX_BACKOFF_S, first_backoff)
-    elif max_backoff < first_backoff:
-        raise ConfigError(
-            f"SharedTier: max_backoff_s={max_backoff!r} is below reconnect_backoff_s="
-            f"{first_backoff!r}: the cap of the breaker's backoff must be at least its first "
-            "period (raise max_backoff_s, or leave it None)"
-        )
+    max_backoff = _backoff_cap(first_backoff, max_backoff)
     username, password_file, password_env = credentials
     address = parse_address(
         url, username=username, password_file=password_file, password_env=password_env
@@ -82,6 +75,24 @@ def open_calls(
     slots = SlotMap(list(address.servers)) if address.is_cluster else None
     calls = Dispatcher(endpoint, breaker, max_connections, slots, executor, counters, address.url)
     return address, executor, counters, calls
+
+
+def _backoff_cap(first_s: float, cap_s: float | None) -> float:
+    """The breaker's backoff cap: ``cap_s``, or (``None``) ``DEFAULT_MAX_BACKOFF_S`` or
+    ``first_s`` if that is longer.
+
+    Raises:
+        ConfigError: ``cap_s`` below ``first_s`` (the first period would win silently).
+    """
+    if cap_s is None:
+        return max(DEFAULT_MAX_BACKOFF_S, first_s)
+    if cap_s < first_s:
+        raise ConfigError(
+            f"SharedTier: max_backoff_s={cap_s!r} is below reconnect_backoff_s={first_s!r}: the "
+            "cap of the breaker's backoff must be at least its first period (raise "
+            "max_backoff_s, or leave it None)"
+        )
+    return cap_s
 
 
 class PutsInFlight:

@@ -18,18 +18,15 @@ __all__ = ["check_stores"]
 def check_stores(
     managers: Mapping[str, Any], ids: Mapping[str, Sequence[int]], keys: Mapping[str, list[bytes]]
 ) -> None:
-    """Check every group's GPU ids, then that every group has room for its new keys: free
-    blocks plus READY blocks without loads in flight, less the store's own READY keys (never
-    evicted for it), as ``GroupedManager.store`` counts. Only keys the tier does not hold
-    take new blocks: a key still PENDING (a store of it in flight) is skipped by ``swap_out``
-    and counts as present (``OffloadManager.held``), not as new. A manager with
-    ``backpressure="wait"`` is only refused a store larger than its tier (its ``swap_out``
-    waits for room otherwise). A key not admitted yet (``store_threshold`` above 1) still
-    counts as new: the check may then refuse a store its managers would have taken in part,
-    never the other way round. Not exact either (open): a READY key counted as evictable may be
-    the parent of a key that cannot go (PENDING, being read, or this store's own READY key),
-    and the policies evict leaves only; such a group's ``swap_out`` still refuses after the
-    check passed (``GroupedManager``'s ``check_room`` counts the same way).
+    """Check every group's GPU ids, then that every group has room for its new keys (those
+    the tier does not hold: ``swap_out`` skips a PENDING key too, ``OffloadManager.held``):
+    free blocks plus READY blocks without loads in flight, less the store's own READY keys
+    (never evicted for it), as ``GroupedManager.store`` counts. With ``backpressure="wait"``
+    only a store larger than the tier is refused (``swap_out`` waits for room). Not exact:
+    a key not admitted yet (``store_threshold`` > 1) counts as new (a refusal too many); and
+    (open) a READY key counted as evictable may be the parent of one that cannot go (PENDING,
+    read, or this store's), which leaf-first policies never evict: that group's ``swap_out``
+    still refuses after the check (``GroupedManager``'s ``check_room`` counts the same way).
 
     Raises:
         InvalidBlockError: a group's ids are bad (as ``OffloadManager.swap_out``).

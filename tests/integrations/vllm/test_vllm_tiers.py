@@ -271,3 +271,47 @@ def test_tier_options_are_checked_before_anything_starts() -> None:
         KvmgrSharedTier(**vllm_args)
     with pytest.raises(TypeError, match="path"):
         KvmgrDiskTier(**vllm_args, num_slots=4)
+
+
+def _job(job_id: int, names: list[str], chunk_ids: list[int], *, load: bool = False) -> Any:
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    keys = [make_offload_key(n.encode(), 0) for n in names]
+    ids = np.array(chunk_ids, dtype=np.int32)  # as vLLM's tiering manager builds them
+    return TransferJob(job_id, keys, ids, load, ReqContext(req_id=f"r{job_id}"))
+
+
+def test_a_job_breaking_vllms_chunk_contract_is_refused_at_submit(rig_factory, tmp_path) -> None:
+    """vLLM promises valid, pinned primary-tier slots (``SecondaryTierManager.submit_store``).
+    A store with a chunk id out of range ran as a job and came back ``success=False`` (a
+    "failed store", counted, its error logged as a crash); now ``submit_store`` /
+    ``submit_load`` raise a typed error before anything is counted or runs (leftovers14)."""
+    from kvmgr.errors import InvalidBlockError, InvalidKeyError
+
+    rig = rig_factory(tiering_config(disk_tier(tmp_path)))
+    tier = rig.manager.secondary_tiers[0]
+    num_chunks = np.asarray(rig.manager.primary_tier.get_kv_memoryview()).shape[0]
+    before = tier.statistics()
+    bad = {
+        "store-past": (InvalidBlockError, "out of range", _job(901, ["a"], [num_chunks + 3])),
+        "store-negative": (InvalidBlockError, "out of range", _job(902, ["a", "b"], [0, -1])),
+        "store-lengths": (InvalidBlockError, "2 chunk ids for 1 keys", _job(903, ["a"], [0, 1])),
+        "store-twice": (InvalidBlockError, "twice", _job(904, ["a", "b"], [2, 2])),
+        "store-keys": (InvalidKeyError, "distinct", _job(905, ["a", "a"], [2, 3])),
+        "load-past": (InvalidBlockError, "out of range", _job(906, ["a"], [num_chunks], load=True)),
+        "load-twice": (InvalidBlockError, "twice", _job(907, ["a", "b"], [1, 1], load=True)),
+    }
+    for name, (error, match, job) in bad.items():
+        submit = tier.submit_load if job.is_promotion else tier.submit_store
+        with pytest.raises(error, match=match):
+            submit(job)
+        assert not tier.has_pending_work(), name  # nothing runs, nothing to report
+    assert tier.statistics() == before  # nothing counted
+    # the tier goes on: a good job of the same keys runs
+    tier.submit_store(_job(908, ["a", "b"], [0, 1]))
+    deadline = time.monotonic() + 10
+    results: list[Any] = []
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.01)
+        results = list(tier.get_finished_jobs())
+    assert [(r.job_id, r.success) for r in results] == [(908, True)]
