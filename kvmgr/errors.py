@@ -22,6 +22,8 @@ __all__ = [
     "KVMgrError",
     "LayerLoadError",
     "LayerOrderError",
+    "LayerStoreError",
+    "LayerwiseError",
     "LayoutMismatchError",
     "PoolExhaustedError",
     "RankError",
@@ -187,9 +189,26 @@ class LayerOrderError(InvalidArgumentError):
     a CUDA graph capture (``kvmgr.transfer.layerwise``)."""
 
 
-class LayerLoadError(TransferError):
+class LayerwiseError(TransferError):
+    """A layerwise load or store failed as a whole (a group was refused, failed on the device,
+    or was never submitted): the base of ``LayerLoadError`` and ``LayerStoreError``; catch it
+    for either."""
+
+
+class LayerLoadError(LayerwiseError):
     """A layer of a layerwise load failed (or an earlier one did): the load is failed as a
     whole and no layer of it may be read; recompute instead."""
+
+
+class LayerStoreError(LayerLoadError):
+    """A layer group of a layerwise store was refused or failed, or the store was aborted
+    before every layer was saved: the store is failed as a whole and its keys are dropped
+    (never READY); the forward's KV in the GPU blocks is untouched.
+
+    A subclass of ``LayerLoadError`` only for backward compatibility (stores raised that before
+    round 4, session 14): an ``except LayerLoadError`` around a store still catches it. Catch
+    ``LayerStoreError`` for a store, ``LayerwiseError`` for either.
+    """
 
 
 class ClosedBeforeCopyError(ClosedError, TransferError):

@@ -109,7 +109,12 @@ class KeyedCalls(ManagerCore):
                 in the call (two requests that filled the same prefix block in one step) is
                 stored once, from its first occurrence; the others count as present.
             parents: ``n`` entries: the key ``keys[i]`` extends, or ``None`` for a root.
-                Default: one chain (``keys[i]`` extends ``keys[i - 1]``).
+                Default: one chain (``keys[i]`` extends ``keys[i - 1]``). As with ``swap_out``,
+                a key given as its own parent is an ``InvalidKeyError`` (new, already stored
+                or repeated: nothing changed), a parent may come later in the call, and a
+                cycle is refused. A repeated key's later entries count as present: their
+                parents are not used, so the default chain's ``keys[i - 1]`` of an adjacent
+                repeat (the key itself) is no error.
             token_ids: optional int ``[n, block_size]``: the tokens of each block, for the
                 ``stored`` KV event (as ``swap_out``).
             hints: ``None``, one ``kvmgr.policy.StoreHint`` for all keys, or ``n`` entries

@@ -1,4 +1,4 @@
-"""The keyed lookups of ``OffloadManager``: lookup, peek, touch, invalidation, clear.
+"""The keyed lookups of ``OffloadManager``: lookup, peek, held, touch, invalidation, clear.
 
 Private to ``kvmgr.manager``. They read or drop READY keys of the CPU tier through the
 bookkeeper at once (nothing is queued); a drop wakes the stores waiting for room.
@@ -36,6 +36,18 @@ class LookupCalls(ManagerCore):
         """
         self._check_not_closed()
         return self._books.lookup(keys, touch=False)
+
+    def held(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` the CPU tier holds in any state: READY, or PENDING (a store or a
+        ``fetch`` in flight). A store skips those keys, so they need no new CPU block: a room
+        check before a store counts ``len(keys) - held(keys)`` (``peek`` counts PENDING keys
+        as missing). Touches nothing; a key repeated in ``keys`` counts each time.
+
+        Raises:
+            InvalidKeyError, ClosedError: as ``lookup``.
+        """
+        self._check_not_closed()
+        return self._books.held(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark READY keys as used (the first key becomes the most recent); keys not READY in

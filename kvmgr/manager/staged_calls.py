@@ -79,7 +79,9 @@ class StagedCalls(ManagerCore):
         Reserves like ``store_many`` (the keys become PENDING now); ``store.save_layer(i)``
         after layer ``i`` wrote its KV submits that layer's group, fenced on the compute stream
         at that point. ``await store`` (``StoreResult``) resolves after the last layer.
-        ``store.abort()`` (or closing the manager) fails the layers not saved yet.
+        ``store.abort()`` (or closing the manager) fails the layers not saved yet. A refused or
+        failed group does not raise here: ``await store`` raises ``LayerStoreError`` and the
+        keys are dropped.
 
         Args:
             gpu_block_ids, keys, parents: as ``store_many``.

@@ -131,6 +131,15 @@ class Bookkeeper:
             counters.peeks += 1
         return hits
 
+    def held(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` the CPU tier holds, PENDING or READY (touches nothing).
+
+        Raises:
+            InvalidKeyError: not a sequence of bytes.
+        """
+        index = self.cpu.index
+        return sum(key in index for key in check_keys(keys, distinct=False))
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Touch the READY keys among ``keys`` (first = most recent); others are ignored."""
         keys = check_keys(keys, distinct=False)

@@ -20,6 +20,7 @@ from itertools import repeat
 import numpy as np
 
 from kvmgr._index_c import index_c
+from kvmgr.errors import InvalidArgumentError
 
 __all__ = ["add_absent", "drop_last", "int_list", "set_items"]
 
@@ -46,10 +47,21 @@ def int_list(ids: np.ndarray | slice, num_blocks: int) -> list[int]:
 def add_absent(index: dict[bytes, int], keys: Sequence[bytes], values: list[int] | int) -> bool:
     """Index ``keys[i] -> values[i]`` when every key is absent from ``index`` and the keys are
     distinct (``True``); otherwise leave ``index`` as it was, the same entries in the same
-    order, and return ``False``. ``values``: one per key, or one int for every key.
+    order, and return ``False``. ``values``: a ``list`` of one per key, or one int for every key.
 
     One C loop where kvmgr's C modules build (:mod:`kvmgr._index_c`: it stops at the first key
-    not new, and prefetches the index's table ahead), else ``setdefault`` through ``map``."""
+    not new, and prefetches the index's table ahead), else ``setdefault`` through ``map``.
+
+    Raises:
+        InvalidArgumentError: ``values`` neither an int nor a list of ``len(keys)`` (the C loop
+            took a tuple or an array as one value for every key, the Python path zipped it;
+            a short list gave ``ValueError`` in C, ``False`` in Python); nothing indexed.
+    """
+    if type(values) is not list:
+        if not isinstance(values, int):
+            raise InvalidArgumentError(f"add_absent: expected a list or an int of values, got {type(values).__name__}")  # fmt: skip
+    elif len(values) != len(keys):
+        raise InvalidArgumentError(f"add_absent: {len(values)} values for {len(keys)} keys")
     module = index_c()
     if module is not None and type(index) is dict and type(keys) is list:
         added = module.add_absent(index, keys, values)

@@ -21,7 +21,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-from kvmgr.errors import TierSecurityWarning
+from kvmgr.errors import ConfigError, TierSecurityWarning
 from kvmgr.tiers._connection import ServerAddress, check_limits, endpoint_for, parse_address
 from kvmgr.tiers._nodes import Breaker, SlotMap
 from kvmgr.tiers._shared_calls import Dispatcher
@@ -36,7 +36,9 @@ Credentials = tuple[str | None, str | os.PathLike[str] | None, str | None]
 #: ``(ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_check_hostname, connect_timeout_s)``
 Reach = tuple[str | None, str | None, str | None, bool, float]
 #: ``(reconnect_backoff_s, max_backoff_s, trip_after_timeouts)``: each server's ``Breaker``
-Backoff = tuple[float, float, int]
+#: (``max_backoff_s`` ``None``: ``DEFAULT_MAX_BACKOFF_S``, or the first backoff if longer)
+Backoff = tuple[float, float | None, int]
+DEFAULT_MAX_BACKOFF_S = 5.0
 
 
 def open_calls(
@@ -47,18 +49,20 @@ def open_calls(
     the ``Dispatcher`` (one breaker per server; a slot map for a cluster). Connects to nothing.
 
     Raises:
-        ConfigError: a non-positive limit, a bad URL, TLS arguments with a plain URL or
-            unreadable TLS or password files; nothing was built then.
+        ConfigError: a non-positive limit, ``max_backoff_s`` below ``reconnect_backoff_s``,
+            a bad URL, TLS arguments with a plain URL or unreadable TLS or password files;
+            nothing was built then.
     """
     ca_certs, certfile, keyfile, check_hostname, connect_timeout_s = reach
     first_backoff, max_backoff, trips = backoff
     check_limits(
         connect_timeout_s=connect_timeout_s,
         reconnect_backoff_s=(first_backoff, True),
-        max_backoff_s=(max_backoff, True),
+        max_backoff_s=(DEFAULT_MAX_BACKOFF_S if max_backoff is None else max_backoff, True),
         max_connections=(max_connections, int),
         trip_after_timeouts=(trips, int),
     )
+    max_backoff = _backoff_cap(first_backoff, max_backoff)
     username, password_file, password_env = credentials
     address = parse_address(
         url, username=username, password_file=password_file, password_env=password_env
@@ -71,6 +75,24 @@ def open_calls(
     slots = SlotMap(list(address.servers)) if address.is_cluster else None
     calls = Dispatcher(endpoint, breaker, max_connections, slots, executor, counters, address.url)
     return address, executor, counters, calls
+
+
+def _backoff_cap(first_s: float, cap_s: float | None) -> float:
+    """The breaker's backoff cap: ``cap_s``, or (``None``) ``DEFAULT_MAX_BACKOFF_S`` or
+    ``first_s`` if that is longer.
+
+    Raises:
+        ConfigError: ``cap_s`` below ``first_s`` (the first period would win silently).
+    """
+    if cap_s is None:
+        return max(DEFAULT_MAX_BACKOFF_S, first_s)
+    if cap_s < first_s:
+        raise ConfigError(
+            f"SharedTier: max_backoff_s={cap_s!r} is below reconnect_backoff_s={first_s!r}: the "
+            "cap of the breaker's backoff must be at least its first period (raise "
+            "max_backoff_s, or leave it None)"
+        )
+    return cap_s
 
 
 class PutsInFlight:

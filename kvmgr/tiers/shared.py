@@ -64,7 +64,9 @@ class SharedTier:
             worth less than a miss).
         connect_timeout_s: TCP/TLS connect timeout (seconds).
         max_connections: connections per server, and worker threads of this tier.
-        reconnect_backoff_s: a breaker's first fail-fast period; ``max_backoff_s`` its cap.
+        reconnect_backoff_s: a breaker's first fail-fast period (seconds, may be 0).
+        max_backoff_s: its cap (seconds), at least ``reconnect_backoff_s``; ``None``: 5 s, or
+            ``reconnect_backoff_s`` if that is longer.
         trip_after_timeouts: consecutive timeouts that trip a server's breaker.
         ssl_ca_certs: CA bundle for TLS URLs (``None`` = the system store).
         ssl_certfile, ssl_keyfile: client certificate and key (mutual TLS).
@@ -74,8 +76,9 @@ class SharedTier:
         skip_present: ``EXISTS`` before ``SET``: blobs the server holds are not sent again.
 
     Raises:
-        ConfigError: a bad URL, TLS arguments with a plain URL or unreadable TLS files, or
-            non-positive limits.
+        ConfigError: a bad URL, TLS arguments with a plain URL or unreadable TLS files,
+            non-positive limits, or ``max_backoff_s`` below ``reconnect_backoff_s``; nothing
+            was built then.
 
     Warns:
         TierSecurityWarning: connecting as the server's ``default`` user (no ``username``)
@@ -100,7 +103,7 @@ class SharedTier:
         connect_timeout_s: float = 1.0,
         max_connections: int = 16,
         reconnect_backoff_s: float = 0.25,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float | None = None,
         trip_after_timeouts: int = 2,
         ssl_ca_certs: str | None = None,
         ssl_certfile: str | None = None,

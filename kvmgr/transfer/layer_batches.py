@@ -3,7 +3,8 @@
 
 All or nothing: the joined handle resolves only once every submitted group has ended, with
 the summed result when all groups were submitted and succeeded, else with the first failure
-(``LayerLoadError``); a refused group closes the operation (no later group is submitted).
+(``LayerLoadError`` for a load, ``LayerStoreError`` for a store); a refused group closes the
+operation (no later group is submitted).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 
-from kvmgr.errors import LayerLoadError
+from kvmgr.errors import LayerLoadError, LayerStoreError, LayerwiseError
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.plan import Direction
 
@@ -26,8 +27,9 @@ class LayerBatches:
     ``handle`` resolves once every group that was submitted has ended (never earlier, so no
     block is released while a group may still copy it): with the summed ``BatchResult`` if all
     ``num_groups`` groups were submitted and succeeded, else with the first failure
-    (``LayerLoadError``). Its ``end_event`` is the last group's, set when that group is
-    submitted (one FIFO stream: the last group's end means every group ended). A group's
+    (``LayerLoadError`` for a load, ``LayerStoreError`` for a store). Its ``end_event`` is the
+    last group's, set when that group is submitted (one FIFO stream: the last group's end means
+    every group ended). A group's
     ``end_event`` marks that group only until its future resolved: the CUDA engines pool their
     events, and a later batch (a later group of the same load, too) may re-record it
     (``kvmgr.transfer.streams``); ``wait_layer`` waits only on groups still in flight.
@@ -40,6 +42,9 @@ class LayerBatches:
     def __init__(self, direction: Direction, num_groups: int) -> None:
         self.direction = direction
         self.num_groups = num_groups
+        self._error: type[LayerwiseError] = (
+            LayerLoadError if direction is Direction.H2D else LayerStoreError
+        )
         self.handles: list[BatchHandle] = []
         self.error: BaseException | None = None
         self.handle = BatchHandle(
@@ -62,7 +67,7 @@ class LayerBatches:
         try:
             handle = submit()
         except Exception as exc:
-            self._fail(LayerLoadError(f"layer group {group}: could not submit: {exc}"))
+            self._fail(self._error(f"layer group {group}: could not submit: {exc}"))
             self.close()
             return None
         if self.handle.batch_id < 0:
@@ -75,7 +80,7 @@ class LayerBatches:
             self.handle.end_event = handle.end_event
         refused = getattr(handle, "refused", None)
         if refused is not None:
-            self._fail(LayerLoadError(f"layer group {group}: {refused}"))
+            self._fail(self._error(f"layer group {group}: {refused}"))
         handle.future.add_done_callback(lambda f, g=group: self._ended_one(g, f))
         if len(self.handles) == self.num_groups or refused is not None:
             self.close()
@@ -89,7 +94,7 @@ class LayerBatches:
             self._closed = True
             self.handle.submitting = False
             if len(self.handles) < self.num_groups and self.error is None:
-                self.error = LayerLoadError(
+                self.error = self._error(
                     f"only {len(self.handles)} of {self.num_groups} layer groups were submitted"
                 )
             finish = self._ended == len(self.handles)
@@ -105,7 +110,7 @@ class LayerBatches:
         error = future.exception()
         with self._lock:
             if error is not None and self.error is None:
-                self.error = LayerLoadError(f"layer group {group} failed: {error}")
+                self.error = self._error(f"layer group {group} failed: {error}")
             self._ended += 1
             finish = self._closed and self._ended == len(self.handles)
         if finish:

@@ -19,8 +19,10 @@ wrote its KV: the group's batch is submitted there, fenced on the compute stream
 All or nothing: a load whose any group failed (refused at submit, or failed on the device) fails
 as a whole. Every group is submitted before ``load_layerwise`` returns, so a refused submit is
 known before the first ``wait_layer``, which then raises ``LayerLoadError``: the forward never
-reads a layer of a failed load. A device-side copy fault is a sticky CUDA error: the context
-is lost and nothing reads anything afterwards.
+reads a layer of a failed load. A store fails the same way, with ``LayerStoreError`` (a
+subclass of ``LayerLoadError``, so older ``except LayerLoadError`` still catch it;
+``LayerwiseError`` is the base of both). A device-side copy fault is a sticky CUDA error: the
+context is lost and nothing reads anything afterwards.
 
 CUDA graphs: neither call is capturable (``wait_layer`` waits on an event recorded outside the
 graph; ``save_layer`` submits host-side work); inside a capture both raise ``LayerOrderError``.
@@ -165,7 +167,8 @@ class LayerwiseStore:
         groups: the layer groups.
         batches: the per-group batches.
         future: the manager's ``asyncio`` future of the store (``StoreResult``); it resolves
-            after the last layer was saved and every group ended.
+            after the last layer was saved and every group ended; fails with
+            ``LayerStoreError`` if a group was refused or failed, or the store was aborted.
     """
 
     def __init__(
@@ -238,7 +241,7 @@ class LayerwiseStore:
             self.batches.submit(group, lambda: self._submit_group(group))
 
     def abort(self) -> None:
-        """Give up the layers not saved yet: the store fails (``LayerLoadError``) once the groups
+        """Give up the layers not saved yet: the store fails (``LayerStoreError``) once the groups
         already submitted ended, and its keys are dropped. Idempotent; a no-op once complete."""
         if self._next < self.num_layers and not self._aborted:
             self._aborted = True

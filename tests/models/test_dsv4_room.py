@@ -73,3 +73,26 @@ async def test_backpressure_wait_still_waits_for_room() -> None:
         await offload.step()
         await asyncio.wait_for(second, 5)
         assert offload.is_restorable(N, [b"block-1"], b"other@301")
+
+
+@pytest.mark.asyncio
+async def test_keys_already_in_flight_take_no_room() -> None:
+    """A store of a restore point whose keys are still PENDING (its first store not landed
+    yet) needs no new block: ``swap_out`` skips them. The room check counted them as new and
+    refused the store on a tier exactly one restore point large (leftovers14)."""
+    offload, tables = _offload(dict(NEED))
+    async with offload:
+        first = offload.store(N, tables, *KEYS)
+        assert all(m.statistics().cpu_keys_pending for m in offload.managers.values())
+        again = offload.store(N, tables, *KEYS)  # refused before the fix: "need k, 0 free"
+        await offload.step()
+        await first
+        await again
+        assert offload.is_restorable(N, *KEYS)
+        pending = offload.store(N, tables, [b"block-1"], b"other@301")  # evicts the first
+        with pytest.raises(PoolExhaustedError, match="no group's store was queued"):
+            offload.store(N, tables, [b"block-2"], b"third@301")  # PENDING keys: no victims
+        await offload.step()
+        await pending
+        assert offload.is_restorable(N, [b"block-1"], b"other@301")
+        assert not offload.is_restorable(N, [b"block-2"], b"third@301")

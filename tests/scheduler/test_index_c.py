@@ -208,3 +208,30 @@ def test_set_items_updates_and_deletes_as_the_python_loops(
     assert any(error for _, error in with_c) and not all(error for _, error in with_c)
     _no_c(monkeypatch)
     assert with_c == run()
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+@pytest.mark.parametrize(
+    "values",
+    [(7, 8), np.array([7, 8]), [7], [7, 8, 9], np.int64(7), None],
+    ids=["tuple", "array", "short", "long", "numpy-int", "none"],
+)
+def test_add_absent_values_not_a_list_or_int_are_refused_on_both_paths(
+    path: str, values: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C loop took a tuple or an array as ONE value for every key, where the Python path
+    zipped it (newuser13's leftover, leftovers14): both now refuse it, and a list of another
+    length, with ``InvalidArgumentError`` before anything is indexed."""
+    from kvmgr.errors import InvalidArgumentError
+
+    if path == "python":
+        _no_c(monkeypatch)
+    elif module is None:
+        pytest.skip("kvmgr's C modules do not build here")
+    index = {b"a": 1}
+    with pytest.raises(InvalidArgumentError, match="add_absent"):
+        index_module.add_absent(index, [b"x", b"y"], values)
+    assert index == {b"a": 1}
+    assert index_module.add_absent(index, [b"x", b"y"], [7, 8]) is True
+    assert index_module.add_absent(index, [b"z"], 5) is True
+    assert list(index.items()) == [(b"a", 1), (b"x", 7), (b"y", 8), (b"z", 5)]

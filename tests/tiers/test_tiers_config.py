@@ -95,3 +95,36 @@ def test_shared_tier_bad_urls_raise_config_error(url: object) -> None:
 def test_shared_tier_bad_limits_raise_config_error(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         SharedTier("redis://127.0.0.1:6379/0", single_tenant=True, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"reconnect_backoff_s": 2, "max_backoff_s": 1},
+        {"reconnect_backoff_s": 0.5, "max_backoff_s": 0},
+        {"max_backoff_s": 0.1},  # below the default first period (0.25 s)
+        {"max_backoff_s": -1},
+        {"max_backoff_s": math.inf},
+    ],
+)
+def test_shared_tier_inconsistent_backoff_raises_config_error(bad: dict[str, object]) -> None:
+    """The breaker's cap below its first period was accepted, the first period winning
+    silently (leftovers14): now a ``ConfigError`` before the tier is built."""
+    with pytest.raises(ConfigError, match="max_backoff_s"):
+        SharedTier("redis://127.0.0.1:6379/0", single_tenant=True, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "cap_s"),
+    [
+        ({}, 5.0),
+        ({"reconnect_backoff_s": 30.0}, 30.0),  # no cap given: the first period is the cap
+        ({"reconnect_backoff_s": 1.0, "max_backoff_s": 1.0}, 1.0),
+        ({"reconnect_backoff_s": 0.0, "max_backoff_s": 0.0}, 0.0),
+    ],
+)
+def test_shared_tier_consistent_backoff_is_accepted(
+    options: dict[str, float], cap_s: float
+) -> None:
+    tier = SharedTier("redis://127.0.0.1:6379/0", single_tenant=True, **options)  # type: ignore[arg-type]
+    assert tier._calls._make_breaker()._max_s == cap_s  # the breaker a server gets

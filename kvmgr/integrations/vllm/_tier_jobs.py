@@ -7,6 +7,8 @@ Offers:
     Counters            the running totals behind it
     Outcome             what a job's coroutine hands back to the scheduler thread
     remember            add keys at the recent end of a bounded LRU set
+    job_chunks          a submitted job's keys and chunk ids, checked before it runs
+    Lookups             vLLM's async lookup front end over the tier's backend
     namespace_of        a vLLM instance's model, parallel layout and chunk geometry as a
                         kvmgr ``TierNamespace``
 """
@@ -14,16 +16,26 @@ Offers:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import attrs
 import numpy as np
-from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 
+from kvmgr.errors import InvalidBlockError, InvalidKeyError
 from kvmgr.tiers import BridgeStatistics, TierNamespace, TierStatistics
 
-__all__ = ["Counters", "Outcome", "TierJobStatistics", "namespace_of", "remember"]
+__all__ = [
+    "Counters",
+    "Lookups",
+    "Outcome",
+    "TierJobStatistics",
+    "job_chunks",
+    "namespace_of",
+    "remember",
+]
 
 
 @attrs.define
@@ -81,6 +93,21 @@ class Outcome:
     crashed: bool = False
 
 
+class Lookups(AsyncLookupManager):
+    """vLLM's async lookup front end of a ``KvmgrTierManager``; the batch runs on the tier's
+    loop (``contains_many``)."""
+
+    def __init__(self, tier: Any) -> None:
+        self._tier = tier
+        super().__init__(tier.tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        tier = self._tier
+        stored = tier.namespace.stored_keys(keys)
+        found = tier.loop.run(tier.backend.contains_many(stored))
+        return [bool(x) for x in found]
+
+
 def remember(
     keys_seen: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey], limit: int
 ) -> None:
@@ -90,6 +117,33 @@ def remember(
         keys_seen.move_to_end(key)
     while len(keys_seen) > limit:
         keys_seen.popitem(last=False)
+
+
+def job_chunks(job: Any, num_chunks: int, *, store: bool) -> tuple[list[OffloadKey], np.ndarray]:
+    """A vLLM ``TransferJob``'s keys and chunk ids (int64 ``[n]``), checked as vLLM's tiering
+    manager promises them (``SecondaryTierManager.submit_store``: "valid primary-tier slots"):
+    one distinct chunk id per key, each in ``[0, num_chunks)``, and a store's keys distinct.
+    A job that breaks this comes from a broken caller; it is refused before it counts or runs.
+
+    Raises:
+        InvalidBlockError: chunk ids not integers, not one per key, out of range or repeated.
+        InvalidKeyError: a store's keys are not distinct ``bytes``.
+    """
+    keys = list(job.keys)
+    ids = np.asarray(job.chunk_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise InvalidBlockError(f"job {job.job_id}: chunk_ids must be a 1-D integer array")
+    if len(ids) != len(keys):
+        raise InvalidBlockError(f"job {job.job_id}: {len(ids)} chunk ids for {len(keys)} keys")
+    ids = ids.astype(np.int64, copy=False)
+    bad = ids[(ids < 0) | (ids >= num_chunks)]
+    if bad.size:
+        raise InvalidBlockError(f"job {job.job_id}: chunk id {int(bad[0])} out of range [0, {num_chunks})")  # fmt: skip
+    if len(np.unique(ids)) != len(ids):
+        raise InvalidBlockError(f"job {job.job_id}: a chunk id twice in one job")
+    if store and (len(set(keys)) != len(keys) or not all(type(k) is bytes for k in keys)):
+        raise InvalidKeyError(f"job {job.job_id}: a store's keys must be distinct bytes")
+    return keys, ids
 
 
 def namespace_of(spec: Any, row_bytes: int, tenant_salt: str, key_prefix: str) -> TierNamespace:

@@ -7,7 +7,8 @@ scatters them into the chunks (load). The loop thread touches only the job's chu
 keeps pinned until the job's result is taken; every other piece of state (the known-present keys,
 the results, the counters) is changed on the scheduler thread only, when results are drained.
 
-Failure mapping (never an exception into vLLM's scheduler, never a wrong block):
+Failure mapping (never a wrong block; an exception into vLLM's scheduler only for a job that breaks
+vLLM's own contract, last row):
 
 ==================================  ==========================================================
 kvmgr outcome                       vLLM ``JobResult``
@@ -21,6 +22,9 @@ load: some blobs missing, corrupt   ``success=False, successful_keys=<verified k
 (checksum), of another layout, or   keeps those chunks and frees the others; the others are
 a ``TierError``                     marked absent so the next lookup says MISS (recompute)
 an unexpected exception             ``success=False``, logged with its traceback
+a job breaking vLLM's contract      ``submit_*`` raises ``InvalidBlockError`` (chunk ids out of
+(chunk ids: one per key, distinct,  range, repeated, not one per key) or ``InvalidKeyError`` (a
+in range)                           store's keys repeated); nothing counted, nothing runs
 ==================================  ==========================================================
 
 A job is never cancelled mid-copy: each backend call ends by its own deadline (``deadline_s``),
@@ -50,14 +54,15 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvmgr.integrations.vllm._loop import LoopThread
 from kvmgr.integrations.vllm._tier_jobs import (
     Counters,
+    Lookups,
     Outcome,
     TierJobStatistics,
+    job_chunks,
     namespace_of,
     remember,
 )
@@ -66,20 +71,6 @@ from kvmgr.tiers import BridgeStatistics, TierBackend, TierBridge
 __all__ = ["KvmgrTierManager"]
 
 _log = logging.getLogger(__name__)
-
-
-class _Lookups(AsyncLookupManager):
-    """vLLM's async lookup front end; the batch runs on the tier's loop (``contains_many``)."""
-
-    def __init__(self, tier: KvmgrTierManager) -> None:
-        self._tier = tier
-        super().__init__(tier.tier_type)
-
-    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        tier = self._tier
-        stored = tier.namespace.stored_keys(keys)
-        found = tier.loop.run(tier.backend.contains_many(stored))
-        return [bool(x) for x in found]
 
 
 class KvmgrTierManager(SecondaryTierManager):
@@ -119,6 +110,7 @@ class KvmgrTierManager(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = self._locality(locality)
         rows = torch.from_numpy(np.asarray(primary_kv_view).view(np.uint8))  # no copy
+        self._num_chunks = int(rows.shape[0])
         self.namespace = namespace_of(offloading_spec, int(rows.shape[1]), tenant_salt, key_prefix)
         self._payload_bytes = self.namespace.payload_bytes
         self.loop = LoopThread(f"kvmgr-tier-{tier_type}")
@@ -128,7 +120,7 @@ class KvmgrTierManager(SecondaryTierManager):
         except BaseException:
             self.loop.close()
             raise
-        self._lookups = _Lookups(self)
+        self._lookups = Lookups(self)
         self._known: OrderedDict[OffloadKey, None] = OrderedDict()
         self._absent: OrderedDict[OffloadKey, None] = OrderedDict()  # a load of it failed
         self._max_known = max_known_keys
@@ -171,16 +163,16 @@ class KvmgrTierManager(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        keys, ids = job_chunks(job_metadata, self._num_chunks, store=True)  # InvalidBlockError
         self._counters.num_store_jobs += 1
-        keys, ids = list(job_metadata.keys), np.asarray(job_metadata.chunk_ids, dtype=np.int64)
         fresh = np.fromiter((k not in self._known for k in keys), dtype=bool, count=len(keys))
         self._counters.num_blocks_skipped += int((~fresh).sum())
         coro = self._store(job_metadata.job_id, keys, ids, fresh)
         self._futures[job_metadata.job_id] = self.loop.submit(coro)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        keys, ids = job_chunks(job_metadata, self._num_chunks, store=False)  # InvalidBlockError
         self._counters.num_load_jobs += 1
-        keys, ids = list(job_metadata.keys), np.asarray(job_metadata.chunk_ids, dtype=np.int64)
         self._futures[job_metadata.job_id] = self.loop.submit(
             self._load(job_metadata.job_id, keys, ids)
         )

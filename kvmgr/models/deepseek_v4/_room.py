@@ -18,11 +18,15 @@ __all__ = ["check_stores"]
 def check_stores(
     managers: Mapping[str, Any], ids: Mapping[str, Sequence[int]], keys: Mapping[str, list[bytes]]
 ) -> None:
-    """Check every group's GPU ids, then that every group has room for its new keys: free
-    blocks plus READY blocks without loads in flight, less the store's own READY keys (never
-    evicted for it), as ``GroupedManager.store`` counts. A key still PENDING counts as new. A
-    manager with ``backpressure="wait"`` is only refused a store larger than its tier (its
-    ``swap_out`` waits for room otherwise).
+    """Check every group's GPU ids, then that every group has room for its new keys (those
+    the tier does not hold: ``swap_out`` skips a PENDING key too, ``OffloadManager.held``):
+    free blocks plus READY blocks without loads in flight, less the store's own READY keys
+    (never evicted for it), as ``GroupedManager.store`` counts. With ``backpressure="wait"``
+    only a store larger than the tier is refused (``swap_out`` waits for room). Not exact:
+    a key not admitted yet (``store_threshold`` > 1) counts as new (a refusal too many); and
+    (open) a READY key counted as evictable may be the parent of one that cannot go (PENDING,
+    read, or this store's), which leaf-first policies never evict: that group's ``swap_out``
+    still refuses after the check (``GroupedManager``'s ``check_room`` counts the same way).
 
     Raises:
         InvalidBlockError: a group's ids are bad (as ``OffloadManager.swap_out``).
@@ -32,13 +36,13 @@ def check_stores(
         managers[name].check_gpu_blocks(ids[name], "store")
     for name, group_keys in keys.items():
         mgr = managers[name]
-        ready = sum(mgr.peek([key]) for key in group_keys)  # touches nothing
-        new = len(group_keys) - ready
+        new = len(group_keys) - mgr.held(group_keys)  # PENDING or READY: no new block
         if not new:
             continue
         if mgr.config.backpressure == "wait":
             room = mgr.config.num_cpu_blocks
         else:
+            ready = sum(mgr.peek([key]) for key in group_keys)  # touches nothing
             stats = mgr.statistics()
             evictable = max(0, stats.cpu_keys_ready - stats.cpu_keys_loading - ready)
             room = max(0, stats.cpu_blocks_ready - stats.cpu_blocks_used) + evictable

@@ -58,7 +58,33 @@ def rig_factory(tmp_path: Path):
     yield make
     for rig in rigs:
         rig.close()
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("vllm_offload_")]
+    assert not _regions_left([rig.vllm_config.kv_transfer_config.engine_id for rig in rigs])
+
+
+def _regions_left(engine_ids: list[str], shm: Path = Path("/dev/shm")) -> list[str]:
+    """The files of these engines' offload regions still in ``shm`` (vLLM names them
+    ``vllm_offload_{engine_id}.mmap``, then ``.mmap.1``... per segment). Only this test's
+    engines: other vLLM test runs on the machine (helpers run the suite at the same time) have
+    regions of their own there while they run."""
+    mine = tuple(f"vllm_offload_{engine_id}.mmap" for engine_id in engine_ids)
+    return sorted(
+        name for name in os.listdir(shm) if any(name == m or name.startswith(f"{m}.") for m in mine)
+    )
+
+
+def test_the_region_check_sees_only_this_tests_engines(tmp_path: Path) -> None:
+    """Another run's region does not count (the teardown failed on one before, leftovers14);
+    this engine's does, and so do its segments."""
+    (tmp_path / "vllm_offload_other-run.mmap").touch()
+    (tmp_path / "vllm_offload_mine-2.mmap").touch()  # another engine whose id extends mine
+    assert _regions_left(["mine"], tmp_path) == []
+    (tmp_path / "vllm_offload_mine.mmap.1").touch()
+    assert _regions_left(["mine"], tmp_path) == ["vllm_offload_mine.mmap.1"]
+    (tmp_path / "vllm_offload_mine.mmap").touch()
+    assert _regions_left(["mine"], tmp_path) == [
+        "vllm_offload_mine.mmap",
+        "vllm_offload_mine.mmap.1",
+    ]
 
 
 @pytest.mark.parametrize("policy", ["KvmgrLRUPolicy", "KvmgrARCPolicy"])
@@ -245,3 +271,47 @@ def test_tier_options_are_checked_before_anything_starts() -> None:
         KvmgrSharedTier(**vllm_args)
     with pytest.raises(TypeError, match="path"):
         KvmgrDiskTier(**vllm_args, num_slots=4)
+
+
+def _job(job_id: int, names: list[str], chunk_ids: list[int], *, load: bool = False) -> Any:
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    keys = [make_offload_key(n.encode(), 0) for n in names]
+    ids = np.array(chunk_ids, dtype=np.int32)  # as vLLM's tiering manager builds them
+    return TransferJob(job_id, keys, ids, load, ReqContext(req_id=f"r{job_id}"))
+
+
+def test_a_job_breaking_vllms_chunk_contract_is_refused_at_submit(rig_factory, tmp_path) -> None:
+    """vLLM promises valid, pinned primary-tier slots (``SecondaryTierManager.submit_store``).
+    A store with a chunk id out of range ran as a job and came back ``success=False`` (a
+    "failed store", counted, its error logged as a crash); now ``submit_store`` /
+    ``submit_load`` raise a typed error before anything is counted or runs (leftovers14)."""
+    from kvmgr.errors import InvalidBlockError, InvalidKeyError
+
+    rig = rig_factory(tiering_config(disk_tier(tmp_path)))
+    tier = rig.manager.secondary_tiers[0]
+    num_chunks = np.asarray(rig.manager.primary_tier.get_kv_memoryview()).shape[0]
+    before = tier.statistics()
+    bad = {
+        "store-past": (InvalidBlockError, "out of range", _job(901, ["a"], [num_chunks + 3])),
+        "store-negative": (InvalidBlockError, "out of range", _job(902, ["a", "b"], [0, -1])),
+        "store-lengths": (InvalidBlockError, "2 chunk ids for 1 keys", _job(903, ["a"], [0, 1])),
+        "store-twice": (InvalidBlockError, "twice", _job(904, ["a", "b"], [2, 2])),
+        "store-keys": (InvalidKeyError, "distinct", _job(905, ["a", "a"], [2, 3])),
+        "load-past": (InvalidBlockError, "out of range", _job(906, ["a"], [num_chunks], load=True)),
+        "load-twice": (InvalidBlockError, "twice", _job(907, ["a", "b"], [1, 1], load=True)),
+    }
+    for name, (error, match, job) in bad.items():
+        submit = tier.submit_load if job.is_promotion else tier.submit_store
+        with pytest.raises(error, match=match):
+            submit(job)
+        assert not tier.has_pending_work(), name  # nothing runs, nothing to report
+    assert tier.statistics() == before  # nothing counted
+    # the tier goes on: a good job of the same keys runs
+    tier.submit_store(_job(908, ["a", "b"], [0, 1]))
+    deadline = time.monotonic() + 10
+    results: list[Any] = []
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.01)
+        results = list(tier.get_finished_jobs())
+    assert [(r.job_id, r.success) for r in results] == [(908, True)]
