@@ -9,6 +9,10 @@ that awaits the future still gets the exception.
 ``all_ended(futures)`` is what a call spanning several managers awaits: unlike
 ``asyncio.gather``, it neither fails at the first error while other copies still run nor
 cancels the swaps' futures when it is cancelled, so its end means that no copy touches a block.
+``fail_after(futures, error)`` is what such a call returns when a later swap refused after
+earlier ones were queued (session 14): a future that fails with the refusal only once the
+queued copies ended, so a caller that reuses its blocks after the future is done never has
+them read by a copy it was told had failed.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-__all__ = ["all_ended", "quiet"]
+__all__ = ["all_ended", "fail_after", "quiet"]
 
 F = TypeVar("F", bound="asyncio.Future[Any]")
 
@@ -41,3 +45,10 @@ async def all_ended(futures: Sequence[asyncio.Future[Any]]) -> list[Any]:
         if isinstance(result, BaseException):
             raise result
     return done
+
+
+async def fail_after(futures: Sequence[asyncio.Future[Any]], error: BaseException) -> Any:
+    """Raise ``error`` once every one of ``futures`` is done (their results and errors are
+    dropped: the call they belong to failed). Cancelling the caller leaves ``futures`` alone."""
+    await asyncio.gather(*(asyncio.shield(f) for f in futures), return_exceptions=True)
+    raise error

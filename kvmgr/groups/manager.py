@@ -26,9 +26,9 @@ from typing import Any
 
 import attrs
 
-from kvmgr._futures import quiet
+from kvmgr._futures import fail_after, quiet
 from kvmgr.config import ManagerConfig
-from kvmgr.errors import ClosedError, PoolExhaustedError, UnknownKeyError
+from kvmgr.errors import ClosedError, KVMgrError, UnknownKeyError
 from kvmgr.groups._results import GroupedStore, gather_store, group_results
 from kvmgr.groups._tables import check_blocks, check_room, load_work, store_work
 from kvmgr.groups._tracker import IndexTracker
@@ -183,18 +183,16 @@ class GroupedManager:
                 missing from the mapping store nothing.
 
         Returns:
-            A future resolving to ``GroupedStore`` once every group's copy completed, or
-            failing with the first group's ``TransferError`` (also only once every group's
-            copy ended). Cancelled, it is done at once while the copies run: reuse a block
+            A future of the ``GroupedStore`` or the first group's error, once every group's
+            copy ended. Cancelled, it is done at once while the copies run: reuse a block
             only once its group manager's ``snapshot().gpu_busy`` no longer names it.
 
         Raises:
             GroupKeyError: bad hashes (or hashes contradicting a stored chain), an unknown
                 group, or a table entry that is not an int or ``None``; nothing changed.
             PoolExhaustedError: a group has no room (free plus evictable blocks, checked for
-                every group before any store is queued: nothing changed). Should a group's
-                manager still refuse, the earlier groups' stores stay queued and their blocks
-                are dropped when they land, unless a restorable boundary needs them.
+                every group before any store is queued: nothing changed). The check is not
+                exact: a group refusing after others queued fails the future (above).
             InvalidBlockError, ClosedError: a group's GPU ids are bad (as
                 ``OffloadManager.swap_out``), or its manager is closed; checked for every group
                 before any store is queued.
@@ -206,27 +204,31 @@ class GroupedManager:
         work = store_work(self.layout, hashes, block_tables)
         check_blocks([(g, ids) for g, ids, _, _ in work], self.layout, self.managers, "store")
         check_room(work, self.layout, self.index, self.managers)
-        futures = self._queue_stores(hashes, work)
+        future = self._queue_stores(hashes, work)
         self.sync()  # the stores' evictions
-        return quiet(asyncio.ensure_future(gather_store(futures)))
+        return future
 
     def _queue_stores(
         self, hashes: list[bytes], work: list[tuple[int, list[int], list[bytes], Any]]
-    ) -> list[asyncio.Future[SwapResult] | None]:
-        """Each group's ``swap_out`` (its keys PENDING in the index); the future per group."""
+    ) -> asyncio.Future[GroupedStore]:
+        """Each group's ``swap_out`` (its keys PENDING in the index); the store's future. A
+        group refusing after others queued fails it once their copies ended (else raises)."""
         futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
         queued: list[bytes] = []
         for g, ids, keys, parents in work:
             try:
                 future = self.managers[g].swap_out(ids, keys, parents)
-            except PoolExhaustedError:
+            except KVMgrError as error:
+                if all(f is None for f in futures):
+                    raise  # nothing queued: nothing changed
                 self.index.recheck(queued)  # landed alone, they restore nothing
-                raise
+                done = [f for f in futures if f is not None]
+                return quiet(asyncio.ensure_future(fail_after(done, error)))
             self.index.add_pending(hashes, g, keys)
             queued.extend(keys)
             future.add_done_callback(self._store_done(keys))
             futures[g] = future
-        return futures
+        return quiet(asyncio.ensure_future(gather_store(futures)))
 
     def _store_done(self, keys: list[bytes]) -> Any:
         """A failed store's PENDING keys leave the index; the orphans that leaves behind are

@@ -23,9 +23,9 @@ loaded block are overwritten by the next steps before anything reads them.
 
 Until one manager serves several cache groups (issue 28, section 1), each group has its own
 manager, CPU pool and policy. Consequences the caller must know: a step submits one batch per
-group and direction; a store's room is counted in every group before any queues, but should a
-group's policy still refuse, the earlier groups' stores stay queued and read the caller's blocks
-(busy in their ``snapshot().gpu_busy``); each policy evicts on its own, so a restore point can
+group and direction; a store's room is counted in every group before any queues (should a
+group still refuse, the store's future fails once the queued groups' copies ended); each
+policy evicts on its own, so a restore point can
 lose one group while others keep theirs: :meth:`DeepSeekV4Offload.is_restorable` asks every
 group, and a restore point whose groups are not all READY is worth nothing.
 """
@@ -51,7 +51,7 @@ from kvmgr.errors import (
 )
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager import OffloadManager
-from kvmgr.models.deepseek_v4._room import check_stores
+from kvmgr.models.deepseek_v4._room import queue_stores
 from kvmgr.models.deepseek_v4.layout import DeepSeekV4Layout
 from kvmgr.reports import StepReport
 
@@ -224,7 +224,8 @@ class DeepSeekV4Offload:
             block_keys, boundary_key: as :func:`boundary_keys`.
 
         Returns:
-            A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`).
+            A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`);
+            a group refusing after others queued fails it once their copies ended.
 
         Raises:
             InvalidBlockError, PoolExhaustedError: a live block is missing from a table, a
@@ -233,9 +234,7 @@ class DeepSeekV4Offload:
         """
         keys = self.keys(num_tokens, block_keys, boundary_key)
         ids = {name: self._live_ids(name, num_tokens, block_tables) for name in keys}
-        check_stores(self.managers, ids, keys)  # every group's ids and room, before any queues
-        futures = [self.managers[n].swap_out(ids[n], keys[n]) for n in keys if keys[n]]
-        return quiet(asyncio.ensure_future(all_ended(futures)))
+        return queue_stores(self.managers, ids, keys)
 
     def is_restorable(self, num_tokens: int, block_keys: Sequence[bytes], boundary_key: bytes) -> bool:  # fmt: skip
         """Whether every group holds all its blocks of this restore point READY (touches them)."""
@@ -258,7 +257,8 @@ class DeepSeekV4Offload:
             block_keys, boundary_key: as :func:`boundary_keys`.
 
         Returns:
-            A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`).
+            A future of the per-group ``SwapResult`` list (flushed by the next :meth:`step`);
+            a group refusing after others queued fails it once their copies ended.
 
         Raises:
             InvalidBlockError: wrong number of ids, or bad ids, for a group (nothing queued).
