@@ -8,7 +8,8 @@ the oldest events are dropped and counted (``ManagerStatistics.events_dropped``)
 Order is the promise a router relies on (vllm #57159: never advertise a block the tier cannot
 serve): ``stored`` only once the copy has landed, ``removed`` before the block is reused (the
 eviction is recorded when the store that needs the room is prepared, before its copy is
-submitted), ``cleared`` last, when the manager closes. ``kvmgr.events`` turns the stream into
+submitted), ``cleared`` last, when the manager closes (nothing is recorded after it, not even a lower-tier
+write that ends after the close). ``kvmgr.events`` turns the stream into
 vLLM's wire format and publishes it over ZMQ.
 """
 
@@ -50,9 +51,12 @@ class EventStream:
         parents: Sequence[bytes | None] | None = None,
         token_ids: np.ndarray | None = None,
     ) -> None:
-        """Append one event (no-op when disabled or ``keys`` is empty). ``parents`` and
-        ``token_ids`` (aligned with ``keys``) are the router detail of a ``stored`` event."""
-        if not self.enabled or not keys:
+        """Append one event (no-op when disabled, once closed, or when ``keys`` is empty).
+        ``parents`` and ``token_ids`` (aligned with ``keys``) are the router detail of a
+        ``stored`` event. After ``close`` nothing is recorded: ``cleared`` stays the last event
+        (a lower-tier write that outlived ``aclose``'s wait ends later and would otherwise
+        advertise blocks of a closed instance)."""
+        if not self.enabled or not keys or self._closed:
             return
         self._append(
             KVEvent(kind, tuple(keys), tier, None if parents is None else tuple(parents), token_ids)

@@ -6,6 +6,7 @@ Private to ``kvmgr.sim``: ``cli`` registers them and runs the checks before load
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -181,9 +182,16 @@ def config_from_flags(args: argparse.Namespace) -> SimConfig:
         block_size=bs,
         gpu_tokens=gpu,
         cpu_tokens=cpu,
-        max_memory_bytes=int(args.max_memory_gib * 2**30),
+        max_memory_bytes=_memory_bytes(args.max_memory_gib),
         **{name: getattr(args, name) for name in same},
     )
+
+
+def _memory_bytes(gib: float) -> int:
+    """``--max-memory-gib`` in bytes; ``ValueError`` unless a finite number >= 0."""
+    if not (math.isfinite(gib) and gib >= 0):
+        raise ValueError(f"--max-memory-gib: expected a finite number >= 0, got {gib}")
+    return int(gib * 2**30)
 
 
 def check_output_path(path: Path | None, flag: str, *, image: bool = False) -> None:

@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         check_multi_arguments(args)  # --instances, --disk, --shared: before loading the trace
         if args.sweep is not None:
             check_output_path(args.plot or _DEFAULT_PLOT, "--plot", image=True)
+            if not any(p.strip() for p in args.sweep_policies.split(",")):
+                raise ValueError(
+                    f"--sweep-policies: expected one policy or more, got {args.sweep_policies!r}"
+                )
         config = config_from_flags(args)
         trace = args.trace if args.trace is not None else default_trace_path()
         requests = slice_trace(load_trace(trace), args.offset, args.limit)

@@ -9,6 +9,7 @@ Offers:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -139,15 +140,22 @@ class SimConfig:
             f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}",
         )
         check(self.engine in _ENGINES, f"engine: expected one of {_ENGINES}, got {self.engine!r}")
-        check(self.time_scale > 0, f"time_scale: expected > 0, got {self.time_scale}")
+        check(
+            math.isfinite(self.time_scale) and self.time_scale > 0,
+            f"time_scale: expected a finite number > 0, got {self.time_scale}",
+        )
         check(
             self.max_batched_tokens >= 1 and self.max_seqs >= 1,
             "max_batched_tokens and max_seqs: expected >= 1",
         )
         check(0 <= self.watermark < 0.5, f"watermark: expected [0, 0.5), got {self.watermark}")
         check(
-            self.step_ms >= 0 and self.tokens_per_s > 0 and self.h2d_gbps > 0,
-            "cost model: expected step_ms >= 0, tokens_per_s > 0, h2d_gbps > 0",
+            math.isfinite(self.step_ms)
+            and self.step_ms >= 0
+            and self.tokens_per_s > 0
+            and self.h2d_gbps > 0,
+            "cost model: expected a finite step_ms >= 0, tokens_per_s > 0, h2d_gbps > 0 "
+            f"(inf: free), got {self.step_ms}, {self.tokens_per_s}, {self.h2d_gbps}",
         )
         check(self.tp >= 1, f"tp: expected >= 1 ranks, got {self.tp}")
 
