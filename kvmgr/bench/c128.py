@@ -50,7 +50,7 @@ import torch
 
 from kvmgr.bench._c128_case import Case, D, check_boundary_step, decode_case
 from kvmgr.bench._c128_print import TARGET_BATCH, print_tables
-from kvmgr.bench._options import add_output
+from kvmgr.bench._options import add_output, positive_int
 from kvmgr.kernels.c128.api import c128_boundary, c128_entry_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="+", type=int, default=[1, 16, 64, 128, 256, 512, 1024])
     parser.add_argument("--graph-steps", type=int, default=32, help="steps captured per graph")
     parser.add_argument("--steps", type=int, default=200, help="steps (replays) per timed run")
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs (median)")
+    parser.add_argument("--repeats", type=positive_int, default=15, help="timed runs (median)")
     parser.add_argument("--warmup", type=int, default=3)
     add_output(parser)
 

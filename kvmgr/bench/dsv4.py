@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvmgr.bench._options import positive_int
 from kvmgr.kernels.c128.reference import c128_state_write_ref, rope_cos_sin_cache
 from kvmgr.kernels.c128.v4_reference import compressor_state_write_ref, swa_insert_ref
 from kvmgr.models.deepseek_v4 import DeepSeekV4Layout, DeepSeekV4Offload, allocate_caches
@@ -55,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny: 4 layers of head dim 128, a smoke test")  # fmt: skip
     parser.add_argument("--boundaries", type=int, nargs="+", default=[1001, 4163, 32701],
                         help="restore points N (tokens computed)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (after one warm-up)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=9, help="timed rounds (after one warm-up)"
+    )
     parser.add_argument("--hidden-size", type=int, default=4096, help="4096 Flash, 7168 Pro")
     parser.add_argument("--active-params", type=float, default=13e9, help="13e9 Flash, 49e9 Pro")
     parser.add_argument("--tflops", type=float, default=989.0,

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmgr.bench._duplex_rig import Rig, check, device_parts, engines, overlap, through, timed
+from kvmgr.bench._options import positive_int
 from kvmgr.bench.common import GEOMETRIES, CasePool
 from kvmgr.transfer.cost_model import Calibration
 from kvmgr.transfer.driver import CopyDriver
@@ -70,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV geometries (tensors x page bytes) to measure",
     )
     parser.add_argument("--blocks", type=int, default=512, help="scattered blocks per direction")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed runs per variant (median)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant first")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument(

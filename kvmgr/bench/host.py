@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kvmgr.bench._keys import FreshKeys
+from kvmgr.bench._options import positive_int
 from kvmgr.config import ManagerConfig
 from kvmgr.manager import OffloadManager
 from kvmgr.testing import NullEngine
@@ -44,7 +45,7 @@ SCENARIOS = ((512, 1), (512, 4), (64, 8))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=300, help="timed rounds per variant")
+    parser.add_argument("--rounds", type=positive_int, default=300, help="timed rounds per variant")
     parser.add_argument(
         "--steps",
         type=int,

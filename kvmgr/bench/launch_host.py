@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.bench._options import int_list
+from kvmgr.bench._options import int_list, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["auto", "fp8_e4m3"],
                         help="the MLA caches' kv_cache_dtype")  # fmt: skip
     parser.add_argument("--calls", type=int, default=256, help="calls per timed sample")
-    parser.add_argument("--rounds", type=int, default=60, help="timed samples (min and median)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=60, help="timed samples (min and median)"
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write results as JSON")
 
 

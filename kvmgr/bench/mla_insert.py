@@ -43,7 +43,7 @@ import torch
 
 from kvmgr.bench._mla_insert_report import meta, print_tables, target_rows
 from kvmgr.bench._mla_insert_sets import TIMED, bound_calls, make_sets, variant_calls
-from kvmgr.bench._options import add_output, int_list
+from kvmgr.bench._options import add_output, int_list, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=5, help="layers L (default 5)")
     parser.add_argument("--rank", type=int, default=512, help="kv_lora_rank R (default 512)")
     parser.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim P (default 64)")
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    parser.add_argument(
+        "--block-size", type=positive_int, default=64, help="tokens per cache block"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--kv-cache-dtypes", default="fp8_e4m3,auto", help="comma-separated")
     parser.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph")

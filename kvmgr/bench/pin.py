@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvmgr.bench._options import positive_float
 from kvmgr.transfer.pinned import PinnedHostBuffer, torch_registrar
 from kvmgr.transfer.pinning import PinOptions, allocate_pages, first_touch
 
@@ -49,7 +50,7 @@ GIB = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gib", type=float, default=16.0, help="size of the tier, GiB")
+    parser.add_argument("--gib", type=positive_float, default=16.0, help="size of the tier, GiB")
     parser.add_argument("--threads", type=int, default=8, help="first-touch threads")
     parser.add_argument("--variants", default="all", help="comma-separated variant names, or 'all'")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")

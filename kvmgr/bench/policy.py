@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmgr.bench._options import positive_int
 from kvmgr.policy import make_policy
 from kvmgr.sim.keys import BlockKeyer
 from kvmgr.sim.trace import default_trace_path, load_trace
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvmgr bench policy``."""
     parser.add_argument("--requests", type=int, default=3000, help="trace requests replayed")
     parser.add_argument("--cpu-tokens", type=int, default=3_000_000, help="CPU tier tokens")
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per block")
+    parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per block")
     parser.add_argument("--policies", default=",".join(_POLICIES), help="policies to time")
     parser.add_argument("--json", default=None, help="also write the results to this file")
 

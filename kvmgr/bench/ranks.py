@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmgr.bench._options import int_list
+from kvmgr.bench._options import int_list, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,10 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heads", type=int, default=8, help="KV heads, split across ranks")
     parser.add_argument("--layers", type=int, default=8, help="KV tensors (K and V per layer)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     parser.add_argument("--head-dim", type=int, default=128, help="elements per head (fp16)")
     parser.add_argument("--blocks", type=int, default=64, help="blocks per store and per load")
-    parser.add_argument("--rounds", type=int, default=50, help="timed rounds per variant")
+    parser.add_argument("--rounds", type=positive_int, default=50, help="timed rounds per variant")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     parser.add_argument(
         "--device",

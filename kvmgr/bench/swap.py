@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmgr.bench._options import add_cases, add_output
+from kvmgr.bench._options import add_cases, add_output, positive_int
 from kvmgr.bench._swap_print import print_swap
 from kvmgr.bench.common import (
     GEOMETRIES,
@@ -63,7 +63,9 @@ _STEP_TARGET_US = {"consecutive": 150.0, "scattered": 300.0}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmgr bench swap``."""
     add_cases(parser, GEOMETRIES)
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per variant (median)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=10, help="timed runs per variant (median)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--variants",

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kvmgr.bench._interference import interference_rows
-from kvmgr.bench._options import add_cases, add_output
+from kvmgr.bench._options import add_cases, add_output, positive_int
 from kvmgr.bench._swap_print import print_swap_kernel
 from kvmgr.bench.common import (
     GEOMETRIES,
@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[8, 16, 32],
         help="program caps to sweep as kernel@N columns (the kernel column: D2H 8, H2D 32)",
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per column (median)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=10, help="timed runs per column (median)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--matmul", type=int, default=8192, help="N of the bf16 N x N matmul; 0 skips"

@@ -31,12 +31,13 @@ import argparse
 import asyncio
 import json
 import platform
+import sys
 import tempfile
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from kvmgr.bench._options import add_output
+from kvmgr.bench._options import add_output, positive_int
 from kvmgr.tiers import TierNamespace
 
 __all__ = ["CASES", "add_arguments", "run", "run_tiers_bench"]
@@ -57,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks per call")  # fmt: skip
     parser.add_argument("--max-batch-mib", type=float, default=256.0,
                         help="skip batch sizes above this many MiB")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=5, help="timed rounds (median reported)"
+    )
     parser.add_argument("--url", default=None, help="server URL (default: start one on loopback)")
     parser.add_argument("--cluster-url", default=None,
                         help="redis+cluster:// URL (default: start one on loopback)")  # fmt: skip
@@ -77,6 +80,11 @@ def run_tiers_bench(args: argparse.Namespace) -> int:
     """``kvmgr bench tiers`` (see the module docstring); returns the exit status."""
     from kvmgr.testing.servers import LocalCluster, LocalServer, server_binary
 
+    if args.disk_dir is not None and not Path(args.disk_dir).is_dir():
+        print(
+            f"kvmgr bench tiers: --disk-dir {args.disk_dir!r} is not a directory", file=sys.stderr
+        )
+        return 2
     started: list[Any] = []
     url, cluster_url = args.url, args.cluster_url
     if server_binary() is None and (url is None or cluster_url is None):

@@ -8,9 +8,9 @@ the oldest events are dropped and counted (``ManagerStatistics.events_dropped``)
 Order is the promise a router relies on (vllm #57159: never advertise a block the tier cannot
 serve): ``stored`` only once the copy has landed, ``removed`` before the block is reused (the
 eviction is recorded when the store that needs the room is prepared, before its copy is
-submitted), ``cleared`` last, when the manager closes (nothing is recorded after it, not even a lower-tier
-write that ends after the close). ``kvmgr.events`` turns the stream into
-vLLM's wire format and publishes it over ZMQ.
+submitted), ``cleared`` last, when the manager closes (nothing is recorded after it, not even
+a lower-tier write that ends after the close). ``kvmgr.events`` turns the stream into vLLM's
+wire format and publishes it over ZMQ.
 """
 
 from __future__ import annotations

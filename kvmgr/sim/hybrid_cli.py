@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         budgets = [float(x) for x in args.cpu_gib.split(",") if x.strip()]
+        if not budgets or not all(math.isfinite(g) and g > 0 for g in budgets):
+            raise ValueError(f"--cpu-gib: expected finite budgets > 0, got {args.cpu_gib!r}")
+        if args.json is not None and not args.json.parent.is_dir():
+            raise ValueError(f"--json: no directory {str(args.json.parent)!r}")
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
         base = HybridSimConfig(
             preset=args.preset, block_size=args.block_size, variants=variants, policy=args.policy

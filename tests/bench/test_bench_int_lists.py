@@ -7,6 +7,7 @@ traceback from inside the run (``kvmgr bench ranks --ranks x`` crashed; ``--rank
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,39 @@ def test_int_list_parses_counts() -> None:
     for bad in ("", "a", "1,0", "2.5", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             int_list(bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["policy", "--block-size", "0"], "expected an int >= 1"),
+        (["dsv4", "--repeats", "0"], "expected an int >= 1"),
+        (["tiers", "--rounds", "0"], "expected an int >= 1"),
+        (["host", "--rounds", "-1"], "expected an int >= 1"),
+        (["swap", "--repeats", "x"], "expected an int >= 1"),
+        (["pin", "--gib", "nan"], "expected a finite number > 0"),
+        (["pin", "--gib", "inf"], "expected a finite number > 0"),
+    ],
+)
+def test_bad_counts_and_sizes_are_usage_errors(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Session 14 (newuser16): ``bench policy --block-size 0``, ``bench pin --gib nan``,
+    ``bench dsv4 --repeats 0`` and ``bench tiers --rounds 0`` crashed with a traceback (or
+    inside fio) instead of a usage error."""
+    code = None
+    try:
+        code = cli.main(["bench", *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[1]}: {expected}" in err, err
+    assert "Traceback" not in err
+
+
+def test_tiers_disk_dir_must_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing"
+    assert cli.main(["bench", "tiers", "--sections", "disk", "--disk-dir", str(missing)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert not missing.exists()

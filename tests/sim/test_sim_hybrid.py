@@ -74,3 +74,23 @@ def test_cli_writes_the_figures(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert [r["variant"] for r in data["budgets"][0]["runs"]] == ["full", "all", "tail"]
     assert main(["simulate-hybrid", "--variants", "half"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cpu-gib", "inf"], "--cpu-gib: expected finite budgets > 0"),
+        (["--cpu-gib", "nan"], "--cpu-gib: expected finite budgets > 0"),
+        (["--cpu-gib", ","], "--cpu-gib: expected finite budgets > 0"),
+        (["--cpu-gib", "0"], "--cpu-gib: expected finite budgets > 0"),
+        (["--json", "/nonexistent-kvmgr-dir/x.json"], "--json: no directory"),
+    ],
+)
+def test_cli_refuses_bad_budgets_and_outputs_before_running(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Session 14 (newuser16): ``--cpu-gib inf`` / ``nan`` crashed with a traceback, ``,`` ran
+    nothing and exited 0, and a ``--json`` path in a missing folder crashed after the run."""
+    assert main(["simulate-hybrid", "--limit", "5", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
