@@ -12,16 +12,19 @@ cancels the swaps' futures when it is cancelled, so its end means that no copy t
 ``fail_after(futures, error)`` is what such a call returns when a later swap refused after
 earlier ones were queued (session 14): a future that fails with the refusal only once the
 queued copies ended, so a caller that reuses its blocks after the future is done never has
-them read by a copy it was told had failed.
+them read or written by a copy it was told had failed. ``queue_all(calls)`` queues the swaps
+of such a call in turn and returns the one future, either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["all_ended", "fail_after", "quiet"]
+from kvmgr.errors import KVMgrError
+
+__all__ = ["all_ended", "fail_after", "queue_all", "quiet"]
 
 F = TypeVar("F", bound="asyncio.Future[Any]")
 
@@ -52,3 +55,19 @@ async def fail_after(futures: Sequence[asyncio.Future[Any]], error: BaseExceptio
     dropped: the call they belong to failed). Cancelling the caller leaves ``futures`` alone."""
     await asyncio.gather(*(asyncio.shield(f) for f in futures), return_exceptions=True)
     raise error
+
+
+def queue_all(calls: Iterable[Callable[[], asyncio.Future[Any]]]) -> asyncio.Future[list[Any]]:
+    """Make each call in turn (each queues one swap and returns its future): a ``quiet``
+    future of their results that ends with every swap (``all_ended``). A call raising a
+    ``KVMgrError`` after earlier ones queued makes it a future that fails with that error once
+    the queued swaps ended (``fail_after``); one raising with nothing queued raises here."""
+    futures: list[asyncio.Future[Any]] = []
+    for call in calls:
+        try:
+            futures.append(call())
+        except KVMgrError as error:
+            if not futures:
+                raise  # nothing queued: nothing changed
+            return quiet(asyncio.ensure_future(fail_after(futures, error)))
+    return quiet(asyncio.ensure_future(all_ended(futures)))

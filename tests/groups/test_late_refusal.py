@@ -1,4 +1,4 @@
-"""A group that refuses its store after earlier groups queued theirs (session 14).
+"""A group that refuses its store (or a DeepSeek-V4 load) after earlier groups queued theirs.
 
 The room checks of ``GroupedManager.store`` and ``DeepSeekV4Offload.store`` are not exact: a
 READY key counted as evictable may be the parent of a key that cannot go, which leaf-first
@@ -81,3 +81,28 @@ async def test_dsv4_store_fails_after_the_queued_copies() -> None:
             await future
         assert all(m.snapshot().gpu_busy == {} for m in managers)
         assert not offload.is_restorable(N, *keys)
+
+
+@pytest.mark.asyncio
+async def test_dsv4_load_fails_after_the_queued_copies() -> None:
+    """The same for a load: a group refusing after others queued theirs raised while those
+    H2D copies still had to write the caller's fresh blocks (handed to another request once
+    the caller was told the load failed)."""
+    need = {g.name: len(LAYOUT.blocks_at(g.name, N)) for g in LAYOUT.groups}
+    kv = allocate_caches(LAYOUT, {g: 2 * k for g, k in need.items()})
+    offload = DeepSeekV4Offload.create(LAYOUT, kv, {g: 8 for g in need}, engine="host")
+    tables_ = {g: [-1] * LAYOUT.blocks_at(g, N).start + list(range(k)) for g, k in need.items()}
+    fresh = {g: list(range(k, 2 * k)) for g, k in need.items()}
+    keys = ([b"block-0"], b"request@301")
+    async with offload:
+        stored = offload.store(N, tables_, *keys)
+        await offload.step()
+        await stored
+        names = [n for n in need if LAYOUT.blocks_at(n, N)]
+        managers = [offload.managers[n] for n in names]
+        managers[-1].swap_in = _refuse  # type: ignore[method-assign]
+        future = await _check_late_refusal(managers, lambda: offload.load(N, fresh, *keys))
+        await offload.step()
+        with pytest.raises(PoolExhaustedError, match="injected"):
+            await future
+        assert all(m.snapshot().gpu_busy == {} for m in managers)

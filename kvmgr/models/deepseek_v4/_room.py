@@ -3,20 +3,18 @@
 Private to ``kvmgr.models.deepseek_v4``. A group's ``swap_out`` that refuses (bad ids, no room)
 after earlier groups queued theirs would leave those stores running on blocks the caller, told
 the store failed, reuses (newuser14: their keys became READY with another request's bytes).
-The checks are not exact, so ``queue_stores`` also turns such a late refusal into a future that
-fails only once the queued copies ended (session 14).
+The checks are not exact, so the store queues through ``kvmgr._futures.queue_all``, which turns
+such a late refusal into a future that fails only once the queued copies ended (session 14).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvmgr._futures import all_ended, fail_after, quiet
-from kvmgr.errors import KVMgrError, PoolExhaustedError
+from kvmgr.errors import PoolExhaustedError
 
-__all__ = ["check_stores", "queue_stores"]
+__all__ = ["check_stores"]
 
 
 def check_stores(
@@ -58,24 +56,3 @@ def check_stores(
                 available=room,
                 reason="cpu_full",
             )
-
-
-def queue_stores(
-    managers: Mapping[str, Any], ids: Mapping[str, Sequence[int]], keys: Mapping[str, list[bytes]]
-) -> asyncio.Future[list[Any]]:
-    """``check_stores``, then every group's ``swap_out``: a future of the per-group
-    ``SwapResult`` list that ends with every group's copy. A group that still refuses after
-    earlier groups queued (the room check's blind spot) makes it a future that fails with that
-    refusal once the queued copies ended; a refusal with nothing queued is raised."""
-    check_stores(managers, ids, keys)
-    futures: list[asyncio.Future[Any]] = []
-    for name, group_keys in keys.items():
-        if not group_keys:
-            continue
-        try:
-            futures.append(managers[name].swap_out(ids[name], group_keys))
-        except KVMgrError as error:
-            if not futures:
-                raise  # nothing queued: nothing changed
-            return quiet(asyncio.ensure_future(fail_after(futures, error)))
-    return quiet(asyncio.ensure_future(all_ended(futures)))

@@ -36,11 +36,12 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from kvmgr._futures import all_ended, quiet
+from kvmgr._futures import queue_all
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import (
     GeometryError,
@@ -51,7 +52,7 @@ from kvmgr.errors import (
 )
 from kvmgr.hooks import StepContext, StepHook
 from kvmgr.manager import OffloadManager
-from kvmgr.models.deepseek_v4._room import queue_stores
+from kvmgr.models.deepseek_v4._room import check_stores
 from kvmgr.models.deepseek_v4.layout import DeepSeekV4Layout
 from kvmgr.reports import StepReport
 
@@ -234,7 +235,8 @@ class DeepSeekV4Offload:
         """
         keys = self.keys(num_tokens, block_keys, boundary_key)
         ids = {name: self._live_ids(name, num_tokens, block_tables) for name in keys}
-        return queue_stores(self.managers, ids, keys)
+        check_stores(self.managers, ids, keys)  # every group's ids and room, before any queues
+        return queue_all(partial(self.managers[n].swap_out, ids[n], k) for n, k in keys.items() if k)  # fmt: skip
 
     def is_restorable(self, num_tokens: int, block_keys: Sequence[bytes], boundary_key: bytes) -> bool:  # fmt: skip
         """Whether every group holds all its blocks of this restore point READY (touches them)."""
@@ -277,10 +279,8 @@ class DeepSeekV4Offload:
                 raise UnknownKeyError(
                     f"group {name!r}: the restore point at {num_tokens} is not READY"
                 )
-        futures = [
-            self.managers[n].swap_in(k, list(gpu_block_ids[n])) for n, k in keys.items() if k
-        ]
-        return quiet(asyncio.ensure_future(all_ended(futures)))
+        ids = {name: list(gpu_block_ids[name]) for name in keys}
+        return queue_all(partial(self.managers[n].swap_in, k, ids[n]) for n, k in keys.items() if k)  # fmt: skip
 
     async def step(self, ctx: StepContext | None = None) -> list[StepReport]:
         """``step(ctx)`` of every manager (hooks run where registered; one flush per group)."""
