@@ -42,7 +42,7 @@ class LayerBatches:
     def __init__(self, direction: Direction, num_groups: int) -> None:
         self.direction = direction
         self.num_groups = num_groups
-        self._error: type[LayerwiseError] = (
+        self._error_type: type[LayerwiseError] = (
             LayerLoadError if direction is Direction.H2D else LayerStoreError
         )
         self.handles: list[BatchHandle] = []
@@ -67,7 +67,7 @@ class LayerBatches:
         try:
             handle = submit()
         except Exception as exc:
-            self._fail(self._error(f"layer group {group}: could not submit: {exc}"))
+            self._fail(self._error_type(f"layer group {group}: could not submit: {exc}"))
             self.close()
             return None
         if self.handle.batch_id < 0:
@@ -80,7 +80,7 @@ class LayerBatches:
             self.handle.end_event = handle.end_event
         refused = getattr(handle, "refused", None)
         if refused is not None:
-            self._fail(self._error(f"layer group {group}: {refused}"))
+            self._fail(self._error_type(f"layer group {group}: {refused}"))
         handle.future.add_done_callback(lambda f, g=group: self._ended_one(g, f))
         if len(self.handles) == self.num_groups or refused is not None:
             self.close()
@@ -94,7 +94,7 @@ class LayerBatches:
             self._closed = True
             self.handle.submitting = False
             if len(self.handles) < self.num_groups and self.error is None:
-                self.error = self._error(
+                self.error = self._error_type(
                     f"only {len(self.handles)} of {self.num_groups} layer groups were submitted"
                 )
             finish = self._ended == len(self.handles)
@@ -110,7 +110,7 @@ class LayerBatches:
         error = future.exception()
         with self._lock:
             if error is not None and self.error is None:
-                self.error = self._error(f"layer group {group} failed: {error}")
+                self.error = self._error_type(f"layer group {group} failed: {error}")
             self._ended += 1
             finish = self._closed and self._ended == len(self.handles)
         if finish:
