@@ -3,7 +3,8 @@
 Package-private: ``GroupedManager`` validates every group's table with these before it queues
 anything, so a bad entry in the last group leaves nothing queued in the first: ``check_blocks``
 asks every group's manager about its GPU ids (range, repeats, held blocks), ``check_room``
-refuses a store that some group has no room for, before any group's store is queued.
+(``OffloadManager.check_store_room``, exact) refuses a store that some group has no room for,
+before any group's store is queued.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 from kvmgr.errors import InvalidBlockError, PoolExhaustedError
 from kvmgr.groups.errors import GroupKeyError
-from kvmgr.groups.index import GroupIndex
 from kvmgr.groups.restore import RestorePlan
 from kvmgr.groups.spec import GroupedLayout
 
@@ -132,26 +132,24 @@ def check_blocks(
             raise type(exc)(f"group {name!r}: {exc}; no group's {what} was queued") from exc
 
 
-def check_room(
-    work: StoreWork, layout: GroupedLayout, index: GroupIndex, managers: Sequence[Any]
-) -> None:
-    """All or nothing: raise ``PoolExhaustedError`` before queueing any group's store if a
-    group cannot find room for its new blocks (free blocks plus READY blocks without loads
-    in flight, less this store's own READY keys, which are never evicted for it)."""
-    for g, _, keys, _ in work:
-        new = sum(not index.is_held(k) for k in keys)
-        if not new:
-            continue
-        stats = managers[g].statistics()
-        protected = sum(index.is_ready(k) for k in keys)
-        evictable = max(0, stats.cpu_keys_ready - stats.cpu_keys_loading - protected)
-        room = max(0, stats.cpu_blocks_ready - stats.cpu_blocks_used) + evictable
-        if room < new:
+def check_room(work: StoreWork, layout: GroupedLayout, managers: Sequence[Any]) -> None:
+    """All or nothing: raise before queueing any group's store if a group's ``swap_out``
+    would refuse its keys or lack room (``OffloadManager.check_store_room``: free blocks plus
+    what the policy could really evict, a READY key above one that cannot go left out), so a
+    store that passed is refused by no group for room.
+
+    Raises:
+        PoolExhaustedError: a group lacks room (reason ``"cpu_full"``); the error names it.
+        InvalidKeyError: a group's keys or parents are refused (as ``swap_out``).
+    """
+    for g, _, keys, parents in work:
+        try:
+            managers[g].check_store_room(keys, parents)
+        except PoolExhaustedError as exc:
             name = layout.groups[g].name
             raise PoolExhaustedError(
-                f"group {name!r}: need {new} CPU blocks, {room} free or evictable; "
-                "no group's store was queued",
-                needed=new,
-                available=room,
-                reason="cpu_full",
-            )
+                f"group {name!r}: {exc}; no group's store was queued",
+                needed=exc.needed,
+                available=exc.available,
+                reason=exc.reason,
+            ) from exc

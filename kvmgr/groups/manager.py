@@ -6,9 +6,9 @@ Offers:
 
 Composition, not inheritance: each group keeps its own ``OffloadManager`` (its tensors, block
 ids, CPU pool and policy); the grouped manager holds the ``GroupIndex`` and needs only the
-managers' public calls (``swap_out``, ``swap_in``, ``peek``, ``touch``, ``invalidate``,
-``take_events``, ``step``). Keys are vLLM ``OffloadKey`` bytes (``block_hash + group id``), so
-the managers' KV events name ``(block hash, group)`` as vLLM's do.
+managers' public calls (``swap_out``, ``swap_in``, ``check_store_room``, ``peek``, ``touch``,
+``invalidate``, ``take_events``, ``step``). Keys are ``OffloadKey`` bytes (block hash + group
+id), so the managers' KV events name ``(block hash, group)`` as vLLM's do.
 
 Lookups hit only at a boundary every group can restore (``find_restorable``); loads move only
 the blocks that boundary needs (the window for a sliding-window group, one state for a
@@ -190,9 +190,9 @@ class GroupedManager:
         Raises:
             GroupKeyError: bad hashes (or hashes contradicting a stored chain), an unknown
                 group, or a table entry that is not an int or ``None``; nothing changed.
-            PoolExhaustedError: a group has no room (free plus evictable blocks, checked for
-                every group before any store is queued: nothing changed). The check is not
-                exact: a group refusing after others queued fails the future (above).
+            PoolExhaustedError: a group has no room (``OffloadManager.check_store_room``,
+                exact, for every group before any store is queued: nothing changed; should a
+                group refuse after others queued all the same, the future fails, above).
             InvalidBlockError, ClosedError: a group's GPU ids are bad (as
                 ``OffloadManager.swap_out``), or its manager is closed; checked for every group
                 before any store is queued.
@@ -203,7 +203,7 @@ class GroupedManager:
         self.index.check_chain(hashes)
         work = store_work(self.layout, hashes, block_tables)
         check_blocks([(g, ids) for g, ids, _, _ in work], self.layout, self.managers, "store")
-        check_room(work, self.layout, self.index, self.managers)
+        check_room(work, self.layout, self.managers)
         future = self._queue_stores(hashes, work)
         self.sync()  # the stores' evictions
         return future

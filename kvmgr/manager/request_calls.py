@@ -17,6 +17,7 @@ from kvmgr.pool.block_table import Tier
 from kvmgr.reports import (
     SwapResult,
 )
+from kvmgr.scheduler.room import check_store_room
 
 __all__ = ["RequestCalls"]
 
@@ -70,6 +71,32 @@ class RequestCalls(ManagerCore):
         """
         self._check_not_closed()
         self._books.gpu_ids(gpu_block_ids, what)
+
+    def check_store_room(
+        self, keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None
+    ) -> int:
+        """Check that ``swap_out(ids, keys, parents)`` would find room now, queueing and
+        changing nothing: for a caller whose one store spans several managers and must know
+        that every part finds room before it queues any (``kvmgr.groups.GroupedManager``).
+
+        Exact for the eviction policies' rule (a key goes only with every indexed key below
+        it: a READY key above a PENDING, read or protected one is no victim), so a store that
+        passed is not refused for room by a ``swap_out`` right after (nothing else between).
+        Keys the store threshold has not admitted yet need no block; a policy's ``admit`` is
+        not asked (it may learn from the call), so with such a policy every new key counts.
+
+        Returns:
+            The blocks the store would take (its new keys).
+
+        Raises:
+            InvalidKeyError: bad or repeated keys, bad parents, a key cycle (as ``swap_out``).
+            PoolExhaustedError: too few free and evictable CPU blocks (with
+                ``backpressure="wait"``: more new keys than the tier has blocks).
+            ClosedError: the manager is closed.
+        """
+        self._check_not_closed()
+        wait = self.config.backpressure == "wait"
+        return check_store_room(self._books.stores, keys, parents, wait=wait)[1]
 
     def block_table(self, req_id: Hashable) -> list[tuple[Tier, int]]:
         """The request's blocks as ``[(tier, block_id), ...]`` in logical order.

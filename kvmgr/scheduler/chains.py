@@ -64,6 +64,12 @@ class KeyChains:
         self.num_parents = 0
 
     @property
+    def up_block(self) -> array.array[int]:
+        """The parent's block of every block's key, ``-1`` where the parent is not indexed
+        (read it; do not change it)."""
+        return self._up_block
+
+    @property
     def parent(self) -> dict[bytes, bytes | None]:
         """``key -> parent`` of every indexed key (a new dict; for snapshots)."""
         key_of = {block: key for key, block in self._index.items()}

@@ -139,6 +139,11 @@ class CpuTier(ReaderCounts):
             self._blocks_ready = None  # all pinned: never ask again
         return True
 
+    def blocks_to_grow(self) -> int:
+        """Blocks pinned since the allocator last grew (``grow`` would add them); no change."""
+        ready = self._blocks_ready
+        return 0 if ready is None else max(0, ready() - self.pool.num_ready)
+
     def evict_for(self, n: int, protected: Collection[bytes]) -> None:
         """Make ``n`` CPU blocks free, evicting READY blocks without readers if needed.
 

@@ -1,12 +1,12 @@
 """A group that refuses its store (or a DeepSeek-V4 load) after earlier groups queued theirs.
 
-The room checks of ``GroupedManager.store`` and ``DeepSeekV4Offload.store`` are not exact: a
+The room checks of ``GroupedManager.store`` and ``DeepSeekV4Offload.store`` were not exact: a
 READY key counted as evictable may be the parent of a key that cannot go, which leaf-first
-policies never evict (leftovers14). A later group's ``swap_out`` then refused while the earlier
+policies never evict (leftovers14; exact since session 15, ``test_exact_room.py``). A later group's ``swap_out`` then refused while the earlier
 groups' stores stayed queued, and the call raised: the caller, told the store failed, reused its
 blocks, and the queued copies read them at the next step. Now the call returns a future that
 fails with the refusal only once those copies ended. The refusal is injected (the group's
-``swap_out`` raises) because the check's blind spot needs a particular chain to reach.
+``swap_out`` raises): the safety net stays for a refusal the check cannot foresee.
 """
 
 from __future__ import annotations
