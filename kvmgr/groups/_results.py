@@ -1,4 +1,4 @@
-"""What the groups' copies give back: one future per group, folded into one result.
+"""What the groups' copies give back: one ``queue_all`` future, folded into per-group results.
 
 Private to ``kvmgr.groups`` (``GroupedStore`` is public through ``kvmgr.groups``).
 """
@@ -10,10 +10,9 @@ from typing import Any
 
 import attrs
 
-from kvmgr._futures import all_ended
 from kvmgr.reports import SwapResult
 
-__all__ = ["GroupedStore", "gather_store", "group_results"]
+__all__ = ["GroupedStore", "by_group", "grouped_store"]
 
 
 @attrs.frozen
@@ -33,13 +32,19 @@ class GroupedStore:
         return sum(r.num_bytes for r in self.results if r is not None)
 
 
-async def group_results(futures: list[asyncio.Future[SwapResult] | None]) -> list[Any]:
-    """Every group's result, in group order (``None`` where none), once all completed;
-    raises the first group's error. Cancelling the caller leaves the copies running."""
-    it = iter(await all_ended([f for f in futures if f is not None]))
-    return [None if f is None else next(it) for f in futures]
+async def by_group(
+    every: asyncio.Future[list[Any]], groups: list[int], num_groups: int
+) -> list[SwapResult | None]:
+    """The results of ``every`` (a ``queue_all`` future of the swaps of ``groups``, in that
+    order) in layout order, ``None`` where a group had none; raises as ``every``."""
+    results: list[SwapResult | None] = [None] * num_groups
+    for g, result in zip(groups, await every, strict=True):
+        results[g] = result
+    return results
 
 
-async def gather_store(futures: list[asyncio.Future[SwapResult] | None]) -> GroupedStore:
-    """``group_results`` as a ``GroupedStore``."""
-    return GroupedStore(tuple(await group_results(futures)))
+async def grouped_store(
+    every: asyncio.Future[list[Any]], groups: list[int], num_groups: int
+) -> GroupedStore:
+    """``by_group`` as a ``GroupedStore``."""
+    return GroupedStore(tuple(await by_group(every, groups, num_groups)))

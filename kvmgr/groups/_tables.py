@@ -13,7 +13,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvmgr.errors import InvalidBlockError, PoolExhaustedError
+from kvmgr.errors import InvalidBlockError, InvalidKeyError, PoolExhaustedError
 from kvmgr.groups.errors import GroupKeyError
 from kvmgr.groups.restore import RestorePlan
 from kvmgr.groups.spec import GroupedLayout
@@ -140,11 +140,14 @@ def check_room(work: StoreWork, layout: GroupedLayout, managers: Sequence[Any]) 
 
     Raises:
         PoolExhaustedError: a group lacks room (reason ``"cpu_full"``); the error names it.
-        InvalidKeyError: a group's keys or parents are refused (as ``swap_out``).
+        GroupKeyError: a group's keys are refused (as ``swap_out``: a block hash repeated).
     """
     for g, _, keys, parents in work:
         try:
             managers[g].check_store_room(keys, parents)
+        except InvalidKeyError as exc:  # a hash repeated: one key twice in a group's store
+            name = layout.groups[g].name
+            raise GroupKeyError(f"group {name!r}: {exc}; no group's store was queued") from exc
         except PoolExhaustedError as exc:
             name = layout.groups[g].name
             raise PoolExhaustedError(

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
 
-from kvmgr._futures import fail_after, quiet
+from kvmgr._futures import queue_all, quiet
 from kvmgr.config import ManagerConfig
 from kvmgr.errors import ClosedError, KVMgrError, UnknownKeyError
-from kvmgr.groups._results import GroupedStore, gather_store, group_results
+from kvmgr.groups._results import GroupedStore, by_group, grouped_store
 from kvmgr.groups._tables import check_blocks, check_room, load_work, store_work
 from kvmgr.groups._tracker import IndexTracker
 from kvmgr.groups.errors import GroupSpecError
@@ -54,8 +55,9 @@ class GroupedManager:
 
     Raises:
         GroupSpecError: ``managers`` is not a sequence of ``OffloadManager`` (a mapping by
-            group name is refused too), a count or page size differs from the layout, or a
-            manager's config does not suit (events off, a store threshold).
+            group name is refused too), one manager serves several groups, a count or page
+            size differs from the layout, or a manager's config does not suit (events off, a
+            store threshold).
     """
 
     def __init__(self, layout: GroupedLayout, managers: Sequence[OffloadManager]) -> None:
@@ -66,6 +68,8 @@ class GroupedManager:
             raise GroupSpecError("expected a sequence of OffloadManager in layout group order")
         if len(managers) != len(layout.groups):
             raise GroupSpecError(f"expected {len(layout.groups)} managers, got {len(managers)}")
+        if len(set(map(id, managers))) < len(managers):  # one tier's room checked per group
+            raise GroupSpecError("expected one manager per group, got one for several groups")
         for spec, mgr in zip(layout.groups, managers, strict=True):
             layout_of = getattr(mgr, "gpu_layout", None)  # None: the tensors live on ranks
             pages = spec.page_bytes if layout_of is None else tuple(map(int, layout_of.page_bytes))
@@ -188,8 +192,8 @@ class GroupedManager:
             only once its group manager's ``snapshot().gpu_busy`` no longer names it.
 
         Raises:
-            GroupKeyError: bad hashes (or hashes contradicting a stored chain), an unknown
-                group, or a table entry that is not an int or ``None``; nothing changed.
+            GroupKeyError: bad or repeated hashes (or hashes contradicting a stored chain), an
+                unknown group, or a table entry that is not an int or ``None``; nothing changed.
             PoolExhaustedError: a group has no room (``OffloadManager.check_store_room``,
                 exact, for every group before any store is queued: nothing changed; should a
                 group refuse after others queued all the same, the future fails, above).
@@ -204,35 +208,31 @@ class GroupedManager:
         work = store_work(self.layout, hashes, block_tables)
         check_blocks([(g, ids) for g, ids, _, _ in work], self.layout, self.managers, "store")
         check_room(work, self.layout, self.managers)
-        future = self._queue_stores(hashes, work)
+        queued: list[bytes] = []  # the keys of the groups queued so far, in turn (queue_all:
+        every = queue_all(partial(self._queue_store, hashes, w, queued) for w in work)  # a late
+        # refusal fails the future once the queued copies ended)
+        store = grouped_store(every, [w[0] for w in work], len(self.managers))
+        future = quiet(asyncio.ensure_future(store))
         self.sync()  # the stores' evictions
         return future
 
-    def _queue_stores(
-        self, hashes: list[bytes], work: list[tuple[int, list[int], list[bytes], Any]]
-    ) -> asyncio.Future[GroupedStore]:
-        """Each group's ``swap_out`` (its keys PENDING in the index); the store's future. A
-        group refusing after others queued fails it once their copies ended (else raises)."""
-        futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
-        queued: list[bytes] = []
-        for g, ids, keys, parents in work:
-            try:
-                future = self.managers[g].swap_out(ids, keys, parents)
-            except KVMgrError as error:
-                if all(f is None for f in futures):
-                    raise  # nothing queued: nothing changed
-                self.index.recheck(queued)  # landed alone, they restore nothing
-                done = [f for f in futures if f is not None]
-                return quiet(asyncio.ensure_future(fail_after(done, error)))
-            self.index.add_pending(hashes, g, keys)
-            queued.extend(keys)
-            future.add_done_callback(self._store_done(keys))
-            futures[g] = future
-        return quiet(asyncio.ensure_future(gather_store(futures)))
+    def _queue_store(self, hashes: list[bytes], work: Any, queued: list[bytes]) -> Any:
+        """One group's ``swap_out``, its keys PENDING in the index; its future. Refused, the
+        groups queued before are rechecked (landed alone, they restore nothing)."""
+        g, ids, keys, parents = work
+        try:
+            future = self.managers[g].swap_out(ids, keys, parents)
+        except KVMgrError:
+            self.index.recheck(queued)
+            raise
+        self.index.add_pending(hashes, g, keys)
+        queued.extend(keys)
+        future.add_done_callback(self._store_done(keys))
+        return future
 
     def _store_done(self, keys: list[bytes]) -> Any:
         """A failed store's PENDING keys leave the index; the orphans that leaves behind are
-        dropped at the next sync. (The futures are never cancelled: ``gather_store`` shields them.)"""
+        dropped at the next sync. (The futures are never cancelled: ``all_ended`` shields them.)"""
 
         def done(future: asyncio.Future[SwapResult]) -> None:
             if not future.cancelled() and future.exception() is not None:
@@ -264,10 +264,9 @@ class GroupedManager:
             if self.managers[g].peek(keys) != len(keys):
                 name = self.layout.groups[g].name
                 raise UnknownKeyError(f"group {name!r}: a planned block left the tier")
-        futures: list[asyncio.Future[SwapResult] | None] = [None] * len(self.managers)
-        for g, group_keys, ids in work:
-            futures[g] = self.managers[g].swap_in(group_keys, ids)
-        return quiet(asyncio.ensure_future(group_results(futures)))
+        every = queue_all(partial(self.managers[g].swap_in, keys, ids) for g, keys, ids in work)
+        groups = [w[0] for w in work]
+        return quiet(asyncio.ensure_future(by_group(every, groups, len(self.managers))))
 
     async def step(self, ctx: Any = None) -> list[Any]:
         """One scheduler step of every group's manager (hooks, then one flush each); then the

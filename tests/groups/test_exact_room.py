@@ -13,11 +13,20 @@ from __future__ import annotations
 
 import asyncio
 
+import attrs
 import pytest
 import torch
 from test_groups_manager import caches, hashes, make, store_now, tables
 
-from kvmgr.errors import PoolExhaustedError
+from kvmgr import ManagerConfig, OffloadManager
+from kvmgr.errors import GeometryError, PoolExhaustedError
+from kvmgr.groups import (
+    GroupedLayout,
+    GroupedManager,
+    GroupKeyError,
+    GroupSpec,
+    GroupSpecError,
+)
 from kvmgr.models.deepseek_v4 import DeepSeekV4Layout, DeepSeekV4Offload, allocate_caches
 
 
@@ -74,3 +83,59 @@ async def test_dsv4_store_above_a_pending_key_is_refused_at_the_call() -> None:
         await offload.step()
         await again
         assert offload.is_restorable(N, [b"block-1"], b"other@301")
+
+
+@pytest.mark.asyncio
+async def test_dsv4_keys_the_threshold_turns_away_need_no_room() -> None:
+    """``store_threshold=2``: a restore point seen once stores nothing, so it needs no block;
+    the old check counted its keys as new and refused it on tiers one block short."""
+    need = {g.name: len(LAYOUT.blocks_at(g.name, N)) for g in LAYOUT.groups}
+    kv = allocate_caches(LAYOUT, {g: 2 * k for g, k in need.items()})
+    cpu = {g: max(1, k - 1) for g, k in need.items()}
+    offload = DeepSeekV4Offload.create(LAYOUT, kv, cpu, engine="host", store_threshold=2)
+    tables_ = {g: [-1] * LAYOUT.blocks_at(g, N).start + list(range(k)) for g, k in need.items()}
+    async with offload:
+        first = offload.store(N, tables_, [b"block-0"], b"request@301")  # seen once: admitted
+        await offload.step()  # by no group
+        assert all(len(r.cpu_block_ids) == 0 for r in await first)
+        with pytest.raises(PoolExhaustedError, match="no group's store"):
+            offload.store(N, tables_, [b"block-0"], b"request@301")  # seen twice: too large
+        assert all(m.statistics().queued_swaps == 0 for m in offload.managers.values())
+
+
+@pytest.mark.asyncio
+async def test_one_manager_for_two_dsv4_groups_is_refused() -> None:
+    """Each group's room is checked on its own: one tier under two groups would pass both
+    checks and refuse the second group's store after the first queued."""
+    layout = DeepSeekV4Layout(compress_ratios=(4, 128, 128), head_dim=128)
+    kv = allocate_caches(layout, {g.name: 8 for g in layout.groups})
+    offload = DeepSeekV4Offload.create(layout, kv, {g.name: 8 for g in layout.groups})
+    managers = dict(offload.managers, c128_state=offload.managers["c4_state"])  # equal pages
+    with pytest.raises(GeometryError, match="one manager per group"):
+        DeepSeekV4Offload(layout, managers)
+    for mgr in offload.managers.values():
+        mgr.close()
+
+
+def test_one_manager_for_two_groups_is_refused() -> None:
+    """Two groups of equal pages: before, one manager served both (and a store whose groups
+    each fit alone refused the second group's part after the first queued)."""
+    a = GroupSpec(name="a", kind="full", block_size=16, page_bytes=(128,))
+    layout = GroupedLayout([a, attrs.evolve(a, name="b")], hash_block_size=16)
+    cfg = ManagerConfig(num_cpu_blocks=4, engine="host", manage_gpu_blocks=False)
+    mgr = OffloadManager([torch.zeros((8, 128), dtype=torch.uint8)], cfg)
+    try:
+        with pytest.raises(GroupSpecError, match="one manager per group"):
+            GroupedManager(layout, [mgr, mgr])
+    finally:
+        mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_repeated_block_hash_is_a_group_key_error_before_any_queue() -> None:
+    kv = caches(torch.Generator().manual_seed(33))
+    hs = hashes(4)
+    async with make(kv) as mgr:
+        with pytest.raises(GroupKeyError, match=r"group 'full'.*no group's store"):
+            mgr.store([hs[0], hs[0], *hs[2:]], tables(4))
+        assert all(m.statistics().queued_swaps == 0 for m in mgr.managers)

@@ -146,12 +146,14 @@ class DeepSeekV4Offload:
         """Check that each manager manages its group's tensors.
 
         Raises:
-            GeometryError: the groups and managers differ, or a manager's pages do not match
-                its group's tensors.
+            GeometryError: the groups and managers differ, one manager serves several groups,
+                or a manager's pages do not match its group's tensors.
         """
         names = [g.name for g in layout.groups]
         if sorted(managers) != sorted(names):
             raise GeometryError(f"managers: expected one per group {names}, got {sorted(managers)}")
+        if len(set(map(id, managers.values()))) < len(managers):  # room is checked per group
+            raise GeometryError("managers: expected one manager per group, got one for several")
         for group in layout.groups:
             got = [int(b) for b in managers[group.name].gpu_layout.page_bytes]
             want = [t.page_bytes for t in group.tensors]
