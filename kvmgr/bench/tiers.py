@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import platform
+import re
 import sys
 import tempfile
 import urllib.parse
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_tiers_bench(args: argparse.Namespace) -> int:
-    """``kvmgr bench tiers`` (see the module docstring); returns the exit status."""
+    """``kvmgr bench tiers`` (see the module docstring); returns the exit status: 0, 1 if
+    loaded bytes differed, 2 (one line on stderr, nothing run) if ``--disk-dir`` is not a
+    directory or a ``--url`` / ``--cluster-url`` server accepts no connection."""
     from kvmgr.testing.servers import LocalCluster, LocalServer, server_binary
 
     if args.disk_dir is not None and not Path(args.disk_dir).is_dir():
@@ -85,6 +88,13 @@ def run_tiers_bench(args: argparse.Namespace) -> int:
             f"kvmgr bench tiers: --disk-dir {args.disk_dir!r} is not a directory", file=sys.stderr
         )
         return 2
+    for flag, given, wanted in (("--url", args.url, {"shared", "cluster"}),
+                                ("--cluster-url", args.cluster_url, {"cluster"})):  # fmt: skip
+        problem = None if given is None or not wanted & set(args.sections) else _unreachable(given)
+        if problem is not None:
+            shown = re.sub(r"//[^/]*@", "//***@", given)  # never the URL's password
+            print(f"kvmgr bench tiers: {flag} {shown!r}: {problem}", file=sys.stderr)
+            return 2
     started: list[Any] = []
     url, cluster_url = args.url, args.cluster_url
     if server_binary() is None and (url is None or cluster_url is None):
@@ -142,6 +152,34 @@ async def _bench(
                 rows.extend(new_rows)
                 ok &= verified
     return rows, ok
+
+
+def _unreachable(url: str) -> str | None:
+    """Why no TCP connection (5 s) opens to any of ``url``'s hosts (``host:port``, 6379 by
+    default; a cluster's seed nodes comma-separated) or to its ``unix://`` socket; ``None``
+    when one does (closed at once). The URL's other parts are the tier's to check."""
+    import socket
+
+    scheme, _, rest = url.partition("://")
+    location = rest.rpartition("@")[2].partition("?")[0]
+    errors = []
+    try:
+        if scheme == "unix":
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(5.0)
+                sock.connect(location)
+            return None
+        for host in location.partition("/")[0].split(","):
+            parts = urllib.parse.urlsplit(f"//{host}")
+            address = (parts.hostname or "127.0.0.1", parts.port or 6379)
+            try:
+                socket.create_connection(address, timeout=5.0).close()
+                return None
+            except OSError as exc:
+                errors.append(f"{address[0]}:{address[1]} ({exc.strerror or exc})")
+    except (OSError, ValueError) as exc:  # a bad port, a socket path that is no socket
+        return f"no server accepts connections there ({exc})"
+    return "no server accepts connections at " + ", ".join(errors)
 
 
 def _machine() -> dict[str, Any]:
