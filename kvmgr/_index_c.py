@@ -16,16 +16,12 @@ Inserts ``keys[i] -> values[i]`` in order and stops at the first key that is not
 already, repeated in ``keys``, or not exactly ``bytes``): returns how many were inserted (the
 index's last entries, in order; the caller takes them back). An exception (memory) takes back
 what was inserted before it propagates. Before each chunk of 64 keys it prefetches, probe by
-probe, the index slots their insertions will read and the entries those slots name: a store's
-keys land in random slots of an index of up to millions of keys, two dependent cache misses a
-probe, which a plain loop meets one at a time (512 keys into 200k: 24-30 us quiet, 50-90 us
-after a step has run through the caches). Session 14 prefetched the first probe only; a key
-whose first slot is taken (most, at the index's load of up to 2/3, with the dummies deleted
-keys leave) missed again on every further probe, so now each pass reads the slots prefetched by
-the one before and prefetches the next (up to 8 probes a key; 512 fresh keys into 100k-1M,
-16 MiB written before each call: 0.40-0.61x the time; BENCHMARKS.md, round 4 session 15).
-The prefetch reads CPython's dict layout (3.11-3.13, not free-threaded; none elsewhere) and
-changes no result.
+probe (up to 8 a key), the index slots the insertions will read and the entries they name: a
+store's keys land in random slots of an index of up to millions of keys, two dependent cache
+misses a probe, which a plain loop meets one at a time (512 keys into 200k: 24-30 us quiet,
+50-90 us after a step has run through the caches; the first probe alone was session 14's, all
+of them 0.40-0.61x of that; BENCHMARKS.md, round 4 session 15). The prefetch reads CPython's
+dict layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
 
 ``increasing_ok(ids, state, held, num_blocks)``: ``ids`` a 1-D C-contiguous int64 buffer,
 ``state`` a uint8 buffer (or None): True when ``ids`` are strictly increasing, inside
@@ -108,13 +104,10 @@ typedef struct {
 #define PREFETCH 0
 #endif
 
-/* The probes of each key's insertion, ahead of it (keys[lo:hi], exact bytes only: their
-   hashes, cached in them): a pass prefetches every key's next index slot, the next pass reads
-   it and prefetches the entry it names (the insertion reads its hash) and, the slot taken, the
-   slot the probe goes on to (CPython's open addressing: i = (5 * i + perturb + 1) & mask,
-   perturb = hash >> 5 each step): up to PROBES slots a key, the dependent cache misses of
-   probes into a large index overlapped across a chunk of keys instead of met one at a time.
-   Nothing here changes a result. */
+/* The probes of each key's insertion (keys[lo:hi], exact bytes: their cached hashes), ahead
+   of it: each pass reads the slots the one before prefetched, prefetches the entry a taken
+   slot names and the slot the probe goes on to (CPython's i = (5 * i + perturb + 1) & mask,
+   perturb >>= 5), up to PROBES a key. Nothing here changes a result. */
 #define CHUNK 64
 #define PROBES 8
 static void prefetch(PyObject *index, PyObject *keys, Py_ssize_t lo, Py_ssize_t hi) {
