@@ -15,12 +15,13 @@ of exact ``bytes``, ``values`` a ``list`` of ``len(keys)`` items or one object f
 Inserts ``keys[i] -> values[i]`` in order and stops at the first key that is not new (indexed
 already, repeated in ``keys``, or not exactly ``bytes``): returns how many were inserted (the
 index's last entries, in order; the caller takes them back). An exception (memory) takes back
-what was inserted before it propagates. Before each chunk of 64 keys it prefetches the index
-slots of their first probes, then the entries those slots name: a store's keys land in
-random slots of an index of up to millions of keys, two dependent cache misses each, which a
-plain loop meets one at a time (512 keys into 200k: 24-30 us quiet, 50-90 us after a step has
-run through the caches; the prefetches halve the latter). The prefetch reads CPython's dict
-layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
+what was inserted before it propagates. Before each chunk of 64 keys it prefetches, probe by
+probe (up to 8 a key), the index slots the insertions will read and the entries they name: a
+store's keys land in random slots of an index of up to millions of keys, two dependent cache
+misses a probe, which a plain loop meets one at a time (512 keys into 200k: 24-30 us quiet,
+50-90 us after a step has run through the caches; the first probe alone was session 14's, all
+of them 0.40-0.61x of that; BENCHMARKS.md, round 4 session 15). The prefetch reads CPython's
+dict layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
 
 ``increasing_ok(ids, state, held, num_blocks)``: ``ids`` a 1-D C-contiguous int64 buffer,
 ``state`` a uint8 buffer (or None): True when ``ids`` are strictly increasing, inside
@@ -103,36 +104,51 @@ typedef struct {
 #define PREFETCH 0
 #endif
 
-/* The first probe of each key's insertion, ahead of it: the index slot (keys[lo:hi], exact
-   bytes only: their hashes, cached in them), then, those slots read, the entries they name:
-   the two dependent cache misses of a probe into a large index, overlapped across a chunk of
-   keys instead of met one key at a time. Nothing here changes a result. */
+/* The probes of each key's insertion (keys[lo:hi], exact bytes: their cached hashes), ahead
+   of it: each pass reads the slots the one before prefetched, prefetches the entry a taken
+   slot names and the slot the probe goes on to (CPython's i = (5 * i + perturb + 1) & mask,
+   perturb >>= 5), up to PROBES a key. Nothing here changes a result. */
 #define CHUNK 64
+#define PROBES 8
 static void prefetch(PyObject *index, PyObject *keys, Py_ssize_t lo, Py_ssize_t hi) {
 #if PREFETCH
     table_t *t = ((dict_t *)index)->table;
     int shift = t->log2_index_bytes - t->log2_size;
-    if (shift < 0 || shift > 3) return;
+    if (shift < 0 || shift > 3 || hi - lo > CHUNK) return;
     size_t mask = ((size_t)1 << t->log2_size) - 1;
     const char *entries = t->indices + ((size_t)1 << t->log2_index_bytes);
     size_t entry = t->kind == 0 ? 3 * sizeof(void *) : 2 * sizeof(void *);
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        if (PyBytes_CheckExact(key))
-            __builtin_prefetch(t->indices + (((size_t)PyObject_Hash(key) & mask) << shift));
-    }
+    size_t slot[CHUNK], perturb[CHUNK];
+    Py_ssize_t m = 0;
     for (Py_ssize_t i = lo; i < hi; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
         if (!PyBytes_CheckExact(key)) continue;
-        size_t slot = (size_t)PyObject_Hash(key) & mask;
-        int64_t ix;
-        switch (shift) {
-        case 0: ix = ((int8_t *)t->indices)[slot]; break;
-        case 1: ix = ((int16_t *)t->indices)[slot]; break;
-        case 2: ix = ((int32_t *)t->indices)[slot]; break;
-        default: ix = ((int64_t *)t->indices)[slot]; break;
+        size_t hash = (size_t)PyObject_Hash(key);
+        slot[m] = hash & mask;
+        perturb[m] = hash;
+        __builtin_prefetch(t->indices + (slot[m] << shift));
+        m++;
+    }
+    for (int probe = 1; probe <= PROBES && m > 0; probe++) {
+        Py_ssize_t still = 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            size_t s = slot[j];
+            int64_t ix;
+            switch (shift) {
+            case 0: ix = ((int8_t *)t->indices)[s]; break;
+            case 1: ix = ((int16_t *)t->indices)[s]; break;
+            case 2: ix = ((int32_t *)t->indices)[s]; break;
+            default: ix = ((int64_t *)t->indices)[s]; break;
+            }
+            if (ix >= 0) __builtin_prefetch(entries + entry * (size_t)ix);
+            if (ix == -1 || probe == PROBES) continue; /* an empty slot: the probe ends there */
+            size_t p = perturb[j] >> 5;
+            slot[still] = mask & (s * 5 + p + 1);
+            perturb[still] = p;
+            __builtin_prefetch(t->indices + (slot[still] << shift));
+            still++;
         }
-        if (ix >= 0) __builtin_prefetch(entries + entry * (size_t)ix);
+        m = still;
     }
 #endif
 }

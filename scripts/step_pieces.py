@@ -115,6 +115,8 @@ def wrap_event_calls(mgr: Any) -> None:
     for name in ("_record", "_wait"):
         if streams is not None and hasattr(streams, name):
             setattr(streams, name, _timed(f"CopyStreams.{name} (event)", getattr(streams, name)))
+    if streams is not None and hasattr(streams, "_is_current"):  # hostpath15's device check
+        streams._is_current = _timed("CopyStreams._is_current", streams._is_current)
 
 
 async def run_case(engine: str, swaps: int, repeats: int, fake: bool) -> dict[str, Any]:

@@ -5,6 +5,8 @@ Offers:
     CurrentStream   the device's current stream as a ``torch.cuda.Stream``, rebuilt only when
                     the raw current-stream handle changes
     device_is_current   whether a device is the current one (torch's C reader)
+    device_check    ``check() -> bool`` for one device: the driver's current context against the
+                    device's primary one, one C call (``device_is_current`` where it cannot be)
     on_device       ``torch.cuda.device(device)`` unless it is already current
     real_cuda_events    whether ``torch.cuda.Event`` is torch's own class
     event_calls     ``(record, wait)`` of an event on a stream: the driver's entry points from
@@ -16,16 +18,19 @@ Offers:
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvmgr.transfer.driver_abi import _error_name, cuda_python_resolver
-from kvmgr.transfer.driver_call import native_call
+from kvmgr.transfer.driver_call import native_call, native_context
 
 __all__ = [
     "CurrentStream",
     "DriverEvents",
+    "device_check",
     "device_is_current",
     "event_calls",
     "on_device",
@@ -77,6 +82,49 @@ def device_is_current(device: torch.device) -> bool:
     if _get_device is not None and torch.cuda.current_device is _TORCH_CURRENT_DEVICE:
         return _get_device() == index
     return torch.cuda.current_device() == index
+
+
+def device_check(device: torch.device, real_events: bool) -> Callable[[], bool]:
+    """``check()``: whether ``device`` is the current CUDA device, as ``device_is_current``.
+
+    Where ``real_events`` (torch's own CUDA classes), kvmgr's C call module builds and the
+    driver grants ``cuCtxGetCurrent``: the thread's current driver context read from C (one
+    thread-local read, the GIL kept) and compared with the device's primary context, read once
+    here with the device made current (``torch.cuda.device``, then ``cudaMemGetInfo``, which
+    makes the runtime bind its context). torch keeps the runtime on primary contexts and the
+    runtime's current device is the current context's device, so equal handles mean the device
+    is current; another handle, or 0 (a thread no runtime call has bound a context on yet), is
+    "not current": the caller switches with ``torch.cuda.device``, as it does for another
+    device. Where the driver refuses the read, in a forked child (torch's flag: the driver's
+    answer there is not to be trusted) or where ``current_device`` is a test's stand-in,
+    ``device_is_current``, which raises what torch raises. Everywhere else
+    ``device_is_current`` throughout: torch's ``_cuda_getDevice`` runs the runtime's code,
+    cold on every submit (9 us median on the H100 host in session 13's step).
+    """
+    fallback = functools.partial(device_is_current, device)
+    context = native_context() if real_events and device.index is not None else None
+    if context is None:
+        return fallback
+    try:
+        entry = cuda_python_resolver("cuCtxGetCurrent", 4000)  # PFN_cuCtxGetCurrent_v4000
+    except Exception:  # no cuda-python, no driver
+        entry = None
+    if not entry:
+        return fallback
+    with torch.cuda.device(device):
+        torch.cuda.mem_get_info(device)
+        primary = context(entry)
+    if not primary:  # refused, or still none current
+        return fallback
+    bad_fork = getattr(torch._C, "_cuda_isInBadFork", None) or (lambda: False)
+
+    def check() -> bool:
+        if bad_fork() or torch.cuda.current_device is not _TORCH_CURRENT_DEVICE:
+            return device_is_current(device)  # (a forked child: not the driver's word)
+        handle = context(entry)
+        return device_is_current(device) if handle is None else handle == primary
+
+    return check
 
 
 def on_device(device: torch.device) -> Any:

@@ -4,6 +4,8 @@ Offers:
     native_call     ``call(entry, *args) -> CUresult``: the C function at address ``entry`` called
                     with its 2, 3, 4, 8 or 9 pointer-sized integer arguments, the GIL released;
                     None where the module cannot be built
+    native_context  ``context(entry) -> handle | None``: ``cuCtxGetCurrent`` at ``entry`` from C
+                    (``cuda_current.device_check``: the current device in one read)
 
 Why: a ctypes call of ``cuMemcpyBatchAsync`` (8 or 9 arguments, each converted by its
 ``argtypes``, then libffi) is 4-5 us hot on the 2-core CPU machine but 40-47 us with the caches
@@ -27,7 +29,7 @@ import functools
 import os
 from typing import Any
 
-__all__ = ["native_call"]
+__all__ = ["native_call", "native_context"]
 
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -68,8 +70,24 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromLong(result);
 }
 
+/* context(entry): entry(&handle) for cuCtxGetCurrent (a read of the thread's current context,
+   the GIL kept): the handle as an int (0: none current), or None where the driver refused */
+typedef int (*get1_t)(void **);
+static PyObject *context(PyObject *self, PyObject *entry) {
+    u64 at = PyLong_AsUnsignedLongLongMask(entry);
+    if (at == (u64)-1 && PyErr_Occurred()) return NULL;
+    if (at == 0) {
+        PyErr_SetString(PyExc_ValueError, "context: a NULL entry point");
+        return NULL;
+    }
+    void *handle = NULL;
+    if (((get1_t)(uintptr_t)at)(&handle) != 0) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong((u64)(uintptr_t)handle);
+}
+
 static PyMethodDef methods[] = {
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(entry, *args) -> the entry point's result"},
+    {"context", context, METH_O, "context(entry) -> the current context's handle, or None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -80,14 +98,28 @@ PyMODINIT_FUNC PyInit_kvmgr_driver_call(void) { return PyModule_Create(&module);
 
 
 @functools.cache
-def native_call() -> Any:
-    """The C ``call`` function (module docstring), built once per process; None where it
-    cannot be (or ``KVMGR_NATIVE_LAUNCH=0``)."""
+def _module() -> Any:
     if os.environ.get("KVMGR_NATIVE_LAUNCH", "1") == "0":
         return None
     try:
         from triton.runtime.build import compile_module_from_src
 
-        return compile_module_from_src(_SOURCE, "kvmgr_driver_call").call
+        return compile_module_from_src(_SOURCE, "kvmgr_driver_call")
     except Exception:  # no Triton, no C compiler, no Python headers: the ctypes calls
         return None
+
+
+def native_call() -> Any:
+    """The C ``call`` function (module docstring), built once per process; None where it
+    cannot be (or ``KVMGR_NATIVE_LAUNCH=0``)."""
+    module = _module()
+    return None if module is None else module.call
+
+
+def native_context() -> Any:
+    """The C ``context(entry)`` function: ``cuCtxGetCurrent`` at ``entry`` called from C with
+    the GIL kept (a read of the calling thread's current context): the handle as an int (0:
+    none current), or None where the driver refused the call. None where the module cannot
+    be built (as ``native_call``)."""
+    module = _module()
+    return None if module is None else module.context

@@ -53,7 +53,7 @@ from kvmgr.errors import TransferError, TransferTimeoutError
 from kvmgr.transfer._settle import Held as _Held
 from kvmgr.transfer._settle import InFlight as _InFlight
 from kvmgr.transfer._settle import settle
-from kvmgr.transfer.cuda_current import CurrentStream, device_is_current, event_calls
+from kvmgr.transfer.cuda_current import CurrentStream, device_check, event_calls
 from kvmgr.transfer.cuda_current import real_cuda_events as _real_cuda_events  # tests patch it
 from kvmgr.transfer.engine import BatchHandle, BatchResult
 from kvmgr.transfer.issued import CopyCounters, CopyIssuer, Issued, StreamTotals
@@ -100,6 +100,7 @@ class CopyStreams:
         # Real CUDA events are pooled (a fake torch.cuda in CPU tests gets a fresh pair per batch)
         self._pooled = _real_cuda_events()
         self._record, self._wait = event_calls(self._pooled)  # on its own streams, events
+        self._is_current = device_check(device, self._pooled)  # no switch needed?
         self._pools: dict[Direction, list[tuple[Any, Any]]] = {d: [] for d in Direction}
         self.counters = CopyCounters()
         self._spare_futures: list[concurrent.futures.Future[BatchResult]] = []
@@ -131,7 +132,7 @@ class CopyStreams:
         ``submit_s``). Returns at once; the handle's future resolves on the completion thread.
         On another current device it runs again under ``torch.cuda.device`` (``_guarded``).
         """
-        if not _guarded and not device_is_current(self._device):
+        if not _guarded and not self._is_current():
             with torch.cuda.device(self._device):
                 return self.submit(plan, issuer, wait_for, entered, True)
         direction = plan.direction

@@ -115,6 +115,45 @@ def test_add_absent_in_c_stops_at_a_key_that_is_not_bytes() -> None:
     assert list(big.items())[-600:] == list(zip(keys, range(600)))
 
 
+@needs_c
+@pytest.mark.parametrize("size", [90, 20_000, 300_000])  # int8, int16, int32 index slots
+def test_add_absent_through_long_probe_chains_as_the_python_path(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetch follows each key's probes (up to 8) through taken slots and the dummies of
+    deleted keys: the index and verdicts stay the Python path's, a present key met deep in a
+    chain included."""
+    rng = np.random.default_rng(size)
+    base = {b"%d" % i: i for i in range(size)}
+    for key in [b"%d" % i for i in rng.choice(size, size // 3, replace=False)]:
+        del base[key]  # dummies in the index
+    present = list(base)
+    cases = []
+    for _ in range(6):
+        n = int(rng.integers(65, 300))  # more than one chunk of 64
+        keys: list[Any] = [b"f%d-%d" % (size, int(k)) for k in rng.integers(0, 1 << 40, n)]
+        if rng.random() < 0.5:  # a present key late in the call
+            keys[int(rng.integers(64, n))] = present[int(rng.integers(0, len(present)))]
+        cases.append((keys, list(range(n))))
+
+    def run() -> list[Any]:
+        out = []
+        for keys, values in cases:
+            index = dict(base)
+            out.append(
+                (
+                    index_module.add_absent(index, keys, values),
+                    list(index.items())[-400:],
+                    len(index),
+                )
+            )
+        return out
+
+    with_c = run()
+    _no_c(monkeypatch)
+    assert with_c == run()
+
+
 def _verdict(gpu: GpuBlocks, ids: np.ndarray) -> object:
     try:
         gpu.check_array(ids, "store")

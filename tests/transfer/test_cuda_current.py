@@ -5,6 +5,7 @@ context, go through torch."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -239,10 +240,12 @@ def outcome(fn):
 dev = torch.device("cuda", 0)
 if sys.argv[1] == "fork":  # CUDA initialized, then a forked child asks
     import os
+    from kvmgr.transfer.cuda_current import device_check
     torch.cuda.current_device()
+    check = device_check(dev, True)
     r, w = os.pipe()
     if os.fork() == 0:
-        os.write(w, (outcome(torch.cuda.current_device) + "|" + outcome(lambda: device_is_current(dev))).encode())
+        os.write(w, (outcome(torch.cuda.current_device) + "|" + outcome(lambda: device_is_current(dev)) + "|" + outcome(check)).encode())
         os._exit(0)
     os.wait()
     print(os.read(r, 4096).decode())
@@ -263,6 +266,100 @@ def test_gpu_device_is_current_reads_as_current_device_in_a_forked_child_and_bef
                              timeout=120, check=True)  # fmt: skip
         return out.stdout.strip().splitlines()[-1].split("|")
 
-    torch_says, ours = run("fork")
-    assert "forked subprocess" in torch_says and ours == torch_says  # torch's own error
+    torch_says, ours, checked = run("fork")
+    assert "forked subprocess" in torch_says and ours == torch_says == checked  # torch's error
     assert run("fresh") == ["True", "True", "0"]
+
+
+def _driver_context(state: dict[str, int]) -> tuple[object, int]:
+    """A stand-in ``cuCtxGetCurrent`` (a C function pointer): writes ``state["handle"]`` and
+    returns ``state["code"]``."""
+    import ctypes
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+    def get(out: object) -> int:
+        out[0] = state["handle"]  # type: ignore[index]
+        return state["code"]
+
+    return get, ctypes.cast(get, ctypes.c_void_p).value or 0
+
+
+def test_native_context_returns_the_handle_or_none_where_refused() -> None:
+    context = cuda_current.native_context()
+    if context is None:
+        pytest.skip("kvmgr's C call module does not build here")
+    state = {"handle": 0x7F00AB, "code": 0}
+    keep, entry = _driver_context(state)
+    assert context(entry) == 0x7F00AB
+    state["handle"] = 0  # no context current on the thread
+    assert context(entry) == 0
+    state["code"] = 3  # CUDA_ERROR_NOT_INITIALIZED (a forked child)
+    assert context(entry) is None
+    with pytest.raises(ValueError, match="NULL entry"):
+        context(0)
+    del keep
+
+
+def test_device_check_compares_the_current_context_with_the_devices_primary_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if cuda_current.native_context() is None:
+        pytest.skip("kvmgr's C call module does not build here")
+    state = {"handle": 0xC0, "code": 0}  # the primary context, current while it is read
+    keep, entry = _driver_context(state)
+    entered: list[object] = []
+    readers: list[object] = []
+    monkeypatch.setattr(cuda_current, "cuda_python_resolver", lambda name, version: entry)
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext()
+    )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1, 1))
+    monkeypatch.setattr(
+        cuda_current, "device_is_current", lambda d: readers.append(d) or d.index == 1
+    )
+    dev = torch.device("cuda", 0)
+    check = cuda_current.device_check(dev, True)
+    assert entered == [dev]  # the primary context read with the device made current
+    assert check() and not readers
+    state["handle"] = 0xD0  # another device's context current (torch.cuda.set_device(1))
+    assert not check()
+    state["handle"] = 0  # a thread with no context yet: switch, as for another device
+    assert not check() and not readers
+    state["code"] = 3  # the driver refuses: torch's reader decides (and raises as torch does)
+    assert not check() and readers == [dev]
+    state["code"], state["handle"] = 0, 0xC0
+    monkeypatch.setattr(torch._C, "_cuda_isInBadFork", lambda: True, raising=False)
+    check = cuda_current.device_check(dev, True)  # (the flag's reader is looked up once)
+    assert not check() and readers == [dev, dev]  # a forked child: torch's reader raises
+    monkeypatch.setattr(torch._C, "_cuda_isInBadFork", lambda: False, raising=False)
+    check = cuda_current.device_check(dev, True)
+    assert check() and len(readers) == 2
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # a test's stand-in
+    assert not check() and readers == [dev, dev, dev]
+    # without torch's own classes, or with no context current at the start: torch's reader
+    assert cuda_current.device_check(dev, False)() is False
+    state["handle"] = 0
+    assert cuda_current.device_check(dev, True)() is False and len(readers) == 5
+    del keep
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_device_check_agrees_with_torchs_reader() -> None:
+    dev = torch.device("cuda", 0)
+    check = cuda_current.device_check(dev, True)
+    with torch.cuda.device(dev):
+        assert check() and cuda_current.device_is_current(dev)
+    seen: list[bool] = []
+    thread = threading.Thread(target=lambda: seen.append(check()))  # no context bound yet
+    thread.start()
+    thread.join()
+    assert seen in ([False], [True])  # False: the caller switches (a guard), never wrong
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(1):
+            assert not check() and not cuda_current.device_is_current(dev)
+        other = cuda_current.device_check(torch.device("cuda", 1), True)
+        with torch.cuda.device(1):
+            assert other()
+        with torch.cuda.device(dev):
+            assert not other()

@@ -44,14 +44,14 @@ def test_call_refuses_other_arities_and_a_null_entry_before_calling() -> None:
 
 def test_the_kill_switch_keeps_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVMGR_NATIVE_LAUNCH", "0")
-    driver_call.native_call.cache_clear()
+    driver_call._module.cache_clear()
     try:
-        assert driver_call.native_call() is None
+        assert driver_call.native_call() is None and driver_call.native_context() is None
         lib = FakeDriverLib()
         assert CopyDriver(lib.resolver(), driver_version=13000)._call is None
     finally:
         monkeypatch.delenv("KVMGR_NATIVE_LAUNCH")
-        driver_call.native_call.cache_clear()
+        driver_call._module.cache_clear()
 
 
 FROM_C = [pytest.param(True, id="from C", marks=needs_c), pytest.param(False, id="ctypes")]
