@@ -388,7 +388,9 @@ class VllmRig:
     def drop_gpu_prefix_cache(self, *, reset_connector: bool = False, poison: float = -7.0) -> None:
         """Evict every cached GPU block (``reset_prefix_cache``; with ``reset_connector`` also
         the connector's cache, e.g. the CPU tier above a secondary tier) and fill the free
-        blocks with ``poison``, so a later hit must come from the connector."""
+        blocks with ``poison``, so a later hit must come from the connector. Blocks a store job
+        may still read (in flight, or not yet built for a finished request) are not poisoned:
+        vLLM never writes a free block, it flushes such a job before handing the block out."""
         reset = self.scheduler.reset_prefix_cache(reset_connector=reset_connector)
         assert reset, "prefix cache reset refused"
         held = {b for r in self.scheduler.running for b in self.block_ids(r.request_id)}
