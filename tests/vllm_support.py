@@ -388,10 +388,19 @@ class VllmRig:
     def drop_gpu_prefix_cache(self, *, reset_connector: bool = False, poison: float = -7.0) -> None:
         """Evict every cached GPU block (``reset_prefix_cache``; with ``reset_connector`` also
         the connector's cache, e.g. the CPU tier above a secondary tier) and fill the free
-        blocks with ``poison``, so a later hit must come from the connector."""
+        blocks with ``poison``, so a later hit must come from the connector. Blocks a store job
+        may still read (in flight, or not yet built for a finished request) are not poisoned:
+        vLLM never writes a free block, it flushes such a job before handing the block out."""
         reset = self.scheduler.reset_prefix_cache(reset_connector=reset_connector)
         assert reset, "prefix cache reset refused"
         held = {b for r in self.scheduler.running for b in self.block_ids(r.request_id)}
+        # vLLM frees a finished request's blocks while its store may still read them (the
+        # connector flushes that job before the block is handed out again): not poisoned
+        side = getattr(self.scheduler.connector, "connector_scheduler", None)
+        held.update(getattr(side, "_block_id_to_pending_jobs", ()))
+        for status in getattr(side, "_req_status", {}).values():  # stores not yet built
+            for group in status.group_states:
+                held.update(group.block_ids)
         free = [b for b in range(self.kv_cache_config.num_blocks) if b not in held]
         for tensor in self.kv_caches.values():
             tensor[free] = poison
@@ -412,8 +421,7 @@ class VllmRig:
         self._check_loads(starts)
         for req_id, start in starts.items():
             self._model_writes(req_id, start, start + out.num_scheduled_tokens[req_id])
-        if out.total_num_scheduled_tokens > 0:
-            wc.wait_for_save()
+        wc.wait_for_save()  # vLLM's runner calls it with no tokens scheduled too
         sending, recving = wc.get_finished(out.finished_req_ids)
         connector_output = KVConnectorOutput(
             finished_sending=sending or None,

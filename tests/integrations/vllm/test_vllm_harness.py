@@ -78,3 +78,72 @@ def test_vllm_asserts_on_a_failed_transfer(rig: VllmRig) -> None:
     rig.add_request(PROMPT)
     with pytest.raises(AssertionError):
         rig.run_until_finished()
+
+
+def _kvmgr_rig(tmp_path: Path) -> VllmRig:
+    from vllm_support import offload_config
+
+    extra = offload_config(
+        "KvmgrOffloadingSpec", "kvmgr.integrations.vllm.backend", kvmgr_engine="host"
+    )
+    return VllmRig(tmp_path, extra)
+
+
+def test_a_store_prepared_in_a_step_without_tokens_is_submitted(tmp_path: Path) -> None:
+    # A's first prepare_store finds no room (as with a full tier), A finishes in that step; the
+    # connector retries at the next schedule, which schedules no token: vLLM's runner still calls
+    # wait_for_save, where the connector hands the store to the worker (the rig skipped it: the
+    # job stayed in flight for good and run_until_finished never returned)
+    rig = _kvmgr_rig(tmp_path)
+    try:
+        manager, refusals = rig.manager, []
+        prepare = manager.prepare_store
+
+        def full_once(keys, req_context):  # type: ignore[no-untyped-def]
+            if not refusals:
+                refusals.append(list(keys))
+                return None
+            return prepare(keys, req_context)
+
+        manager.prepare_store = full_once
+        rig.add_request(PROMPT)
+        rig.run_until_finished(max_steps=50)
+        assert refusals and len(manager.tier.index) == 4  # stored at the retry
+        rig.drop_gpu_prefix_cache()
+        b = rig.add_request([*PROMPT, 7, 8])
+        rig.run_until_finished(max_steps=50)
+        assert rig.loaded_tokens[b] == 64 and rig.mismatched_blocks == []
+    finally:
+        rig.close()
+
+
+def test_blocks_a_store_may_still_read_are_not_poisoned(tmp_path: Path) -> None:
+    # vLLM frees a finished request's blocks while its store job is in flight (the connector
+    # flushes the job before a block is handed out again); the rig's poison is no allocation,
+    # so it must leave those blocks alone, as it leaves blocks of stores not yet built
+    rig = _kvmgr_rig(tmp_path)
+    try:
+        worker = rig.worker
+        held: list[object] = []
+        finished = worker.get_finished
+        worker.get_finished = lambda: held.extend(finished()) or []  # reports held back
+        rig.add_request(PROMPT)
+        for _ in range(3):
+            rig.step()
+        side = rig.scheduler.connector.connector_scheduler
+        in_flight = sorted(side._block_id_to_pending_jobs)
+        assert in_flight and not rig.scheduler.running
+        want = [rig.gpu_block(b).copy() for b in in_flight]
+        rig.drop_gpu_prefix_cache()
+        assert all((rig.gpu_block(b) == w).all() for b, w in zip(in_flight, want, strict=True))
+        worker.get_finished = lambda: _drain(held, finished)  # the held reports, then on
+        rig.run_until_finished(max_steps=50)
+        assert rig.manager.tier.num_pending == 0 and len(rig.manager.tier.index) == 4
+    finally:
+        rig.close()
+
+
+def _drain(held: list[object], finished) -> list[object]:  # type: ignore[no-untyped-def]
+    out = [*held, *finished()]
+    held.clear()
+    return out
