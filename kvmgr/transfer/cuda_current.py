@@ -96,13 +96,14 @@ def device_check(device: torch.device, real_events: bool) -> Callable[[], bool]:
     is current; another handle, or 0 (a thread no runtime call has bound a context on yet), is
     "not current": the caller switches with ``torch.cuda.device``, as it does for another
     device. Where the driver refuses the read, in a forked child (torch's flag: the driver's
-    answer there is not to be trusted) or where ``current_device`` is a test's stand-in,
-    ``device_is_current``, which raises what torch raises. Everywhere else
+    answer there is not to be trusted) or where ``current_device`` is a test's stand-in (at
+    construction or at a check), ``device_is_current``, which raises what torch raises. Everywhere else
     ``device_is_current`` throughout: torch's ``_cuda_getDevice`` runs the runtime's code,
     cold on every submit (9 us median on the H100 host in session 13's step).
     """
     fallback = functools.partial(device_is_current, device)
-    context = native_context() if real_events and device.index is not None else None
+    stand_in = torch.cuda.current_device is not _TORCH_CURRENT_DEVICE  # a test's fake CUDA
+    context = None if stand_in or not real_events or device.index is None else native_context()
     if context is None:
         return fallback
     try:

@@ -363,3 +363,29 @@ def test_gpu_device_check_agrees_with_torchs_reader() -> None:
             assert other()
         with torch.cuda.device(dev):
             assert not other()
+
+
+def test_device_check_under_a_fake_cuda_never_reads_the_primary_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A test's fake CUDA (``current_device`` replaced) on a host with a driver: no device
+    switch, no ``mem_get_info`` (torch's real one refuses the fake's device objects: the GPU
+    suite's fake-CUDA stream tests failed so), torch's reader decides at each check."""
+    if cuda_current.native_context() is None:
+        pytest.skip("kvmgr's C call module does not build here")
+    state = {"handle": 0xC0, "code": 0}
+    keep, entry = _driver_context(state)
+    monkeypatch.setattr(cuda_current, "cuda_python_resolver", lambda name, version: entry)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("read the primary context under a fake CUDA")
+
+    monkeypatch.setattr(torch.cuda, "device", refuse)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", refuse)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    readers: list[object] = []
+    monkeypatch.setattr(cuda_current, "device_is_current", lambda d: readers.append(d) or True)
+    dev = torch.device("cuda", 0)
+    check = cuda_current.device_check(dev, True)
+    assert check() and readers == [dev]
+    del keep
