@@ -1,27 +1,22 @@
-"""A batched store's per-key passes in single C calls (private to :mod:`kvmgr._keys` and
-:mod:`kvmgr.scheduler`; issue 27).
+"""A batched store's per-key passes in single C calls (private to kvmgr._keys, kvmgr.scheduler).
 
-Offers ``index_c``: the compiled module (below), built once; None where kvmgr's C modules do
-not build (no Triton, no compiler, ``KVMGR_NATIVE_LAUNCH=0``): every caller then takes its
-Python path, which computes the same. Each function is one plain C loop over a store's keys or
-ids where Python made a call (or numpy a conversion) per item.
+Offers ``index_c``: the compiled module, or None where kvmgr's C modules do not build (no
+Triton, no compiler, ``KVMGR_NATIVE_LAUNCH=0``; callers then take their Python paths, which
+compute the same). Each function is one C loop where Python made a call per key or id.
 
 ``bytes_list(keys)``: a new list of the items of ``keys`` (an exact ``list`` or ``tuple``) when
-every one is exactly ``bytes`` and non-empty; else None (the caller's Python path decides and
-words the error).
+every one is exactly ``bytes`` and non-empty; else None (the Python path words the error).
 
 ``add_absent(index, keys, values)``: ``index`` an exact ``dict``, ``keys`` an exact ``list``
 of exact ``bytes``, ``values`` a ``list`` of ``len(keys)`` items or one object for every key.
 Inserts ``keys[i] -> values[i]`` in order and stops at the first key that is not new (indexed
 already, repeated in ``keys``, or not exactly ``bytes``): returns how many were inserted (the
 index's last entries, in order; the caller takes them back). An exception (memory) takes back
-what was inserted before it propagates. Before each chunk of 64 keys it prefetches, probe by
-probe (up to 8 a key), the index slots the insertions will read and the entries they name: a
-store's keys land in random slots of an index of up to millions of keys, two dependent cache
-misses a probe, which a plain loop meets one at a time (512 keys into 200k: 24-30 us quiet,
-50-90 us after a step has run through the caches; the first probe alone was session 14's, all
-of them 0.40-0.61x of that; BENCHMARKS.md, round 4 session 15). The prefetch reads CPython's
-dict layout (3.11-3.13, not free-threaded; none elsewhere) and changes no result.
+what was inserted before it propagates. Before each chunk of 64 keys it prefetches the index
+slots (up to 8 probes a key) and entries the insertions will read: two dependent cache misses a
+probe in an index of up to millions of keys (all probes 0.40-0.61x of the first one alone;
+BENCHMARKS.md, round 4 session 15). It reads CPython's dict layout (3.11-3.13, not
+free-threaded; none elsewhere) and changes no result.
 
 ``increasing_ok(ids, state, held, num_blocks)``: ``ids`` a 1-D C-contiguous int64 buffer,
 ``state`` a uint8 buffer (or None): True when ``ids`` are strictly increasing, inside
@@ -33,12 +28,10 @@ or with ``values`` None ``del index[key]`` for each key in order (a missing key:
 the keys before it deleted, as the Python loops).
 
 ``put_objects(array, at, items)``: ``array[at] = items`` for a numpy object array (``at`` an
-int: the run from it, or int64 positions); False, nothing written, for other arrays or
-positions outside it.
+int: the run from it, or int64 positions); False, nothing written, for others or outside it.
 
 ``tests/scheduler/test_index_c.py`` runs each against its Python path. ``Stores`` builds the
-module when it is made (:func:`index_c`), not at a first store; only where torch is loaded
-already (the manager's process; :mod:`kvmgr._native`, the builder, imports torch).
+module when it is made (:func:`index_c`), not at a first store.
 """
 
 from __future__ import annotations
@@ -135,10 +128,8 @@ static void prefetch(PyObject *index, PyObject *keys, Py_ssize_t lo, Py_ssize_t 
             size_t s = slot[j];
             int64_t ix;
             switch (shift) {
-            case 0: ix = ((int8_t *)t->indices)[s]; break;
-            case 1: ix = ((int16_t *)t->indices)[s]; break;
-            case 2: ix = ((int32_t *)t->indices)[s]; break;
-            default: ix = ((int64_t *)t->indices)[s]; break;
+            case 0: ix = ((int8_t *)t->indices)[s]; break;  case 1: ix = ((int16_t *)t->indices)[s]; break;
+            case 2: ix = ((int32_t *)t->indices)[s]; break; default: ix = ((int64_t *)t->indices)[s];
             }
             if (ix >= 0) __builtin_prefetch(entries + entry * (size_t)ix);
             if (ix == -1 || probe == PROBES) continue; /* an empty slot: the probe ends there */
@@ -303,7 +294,7 @@ _built: list[Any] = []  #: the module (or None) once built or found missing
 
 
 def index_c() -> Any:
-    """The module (module docstring), built once torch is loaded; None where it cannot be
-    built, and (without building) while torch is not loaded: :mod:`kvmgr._native`, the
-    builder, imports torch, which the scheduler side never imports itself."""
+    """The module (module docstring), built once; None where it cannot be built, and
+    (without building) while torch is not loaded (the builder, :mod:`kvmgr._native`, imports
+    torch, which the scheduler side never imports itself)."""
     return built_once(_built, _SOURCE, "kvmgr_index")

@@ -83,18 +83,10 @@ def run_tiers_bench(args: argparse.Namespace) -> int:
     directory or a ``--url`` / ``--cluster-url`` server accepts no connection."""
     from kvmgr.testing.servers import LocalCluster, LocalServer, server_binary
 
-    if args.disk_dir is not None and not Path(args.disk_dir).is_dir():
-        print(
-            f"kvmgr bench tiers: --disk-dir {args.disk_dir!r} is not a directory", file=sys.stderr
-        )
+    problem = _refusal(args)
+    if problem is not None:
+        print(f"kvmgr bench tiers: {problem}", file=sys.stderr)
         return 2
-    for flag, given, wanted in (("--url", args.url, {"shared", "cluster"}),
-                                ("--cluster-url", args.cluster_url, {"cluster"})):  # fmt: skip
-        problem = None if given is None or not wanted & set(args.sections) else _unreachable(given)
-        if problem is not None:
-            shown = re.sub(r"//[^/]*@", "//***@", given)  # never the URL's password
-            print(f"kvmgr bench tiers: {flag} {shown!r}: {problem}", file=sys.stderr)
-            return 2
     started: list[Any] = []
     url, cluster_url = args.url, args.cluster_url
     if server_binary() is None and (url is None or cluster_url is None):
@@ -121,6 +113,20 @@ def run_tiers_bench(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": _machine(), "rows": rows}, indent=2))
     return 0 if ok else 1
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why the run cannot start (a ``--disk-dir`` that is no directory, a ``--url`` /
+    ``--cluster-url`` server a section needs that accepts no connection), or None."""
+    if args.disk_dir is not None and not Path(args.disk_dir).is_dir():
+        return f"--disk-dir {args.disk_dir!r} is not a directory"
+    for flag, given, wanted in (("--url", args.url, {"shared", "cluster"}),
+                                ("--cluster-url", args.cluster_url, {"cluster"})):  # fmt: skip
+        problem = None if given is None or not wanted & set(args.sections) else _unreachable(given)
+        if problem is not None:
+            shown = re.sub(r"//[^/]*@", "//***@", given)  # never the URL's password
+            return f"{flag} {shown!r}: {problem}"
+    return None
 
 
 async def _bench(

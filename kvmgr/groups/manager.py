@@ -181,10 +181,10 @@ class GroupedManager:
 
         Args:
             block_hashes: the request's chained block hashes (hash blocks).
-            block_tables: group name -> GPU block id of each logical block of that group (a
-                list of ints, numpy ints or ``None``, or a 1-D integer array) (``None`` where the GPU no longer holds it, such as a sliding-window block
-                that left the window); entries past the hashed prefix are ignored, groups
-                missing from the mapping store nothing.
+            block_tables: group name -> GPU block id of each logical block of that group
+                (ints, numpy ints or ``None`` where the GPU no longer holds it, such as a
+                sliding-window block that left the window; or a 1-D integer array); entries
+                past the hashed prefix are ignored, groups not in the mapping store nothing.
 
         Returns:
             A future of the ``GroupedStore`` or the first group's error, once every group's
@@ -208,9 +208,8 @@ class GroupedManager:
         work = store_work(self.layout, hashes, block_tables)
         check_blocks([(g, ids) for g, ids, _, _ in work], self.layout, self.managers, "store")
         check_room(work, self.layout, self.managers)
-        queued: list[bytes] = []  # the keys of the groups queued so far, in turn (queue_all:
-        every = queue_all(partial(self._queue_store, hashes, w, queued) for w in work)  # a late
-        # refusal fails the future once the queued copies ended)
+        queued: list[bytes] = []  # the queued groups' keys (a late refusal: queue_all)
+        every = queue_all(partial(self._queue_store, hashes, w, queued) for w in work)
         store = grouped_store(every, [w[0] for w in work], len(self.managers))
         future = quiet(asyncio.ensure_future(store))
         self.sync()  # the stores' evictions

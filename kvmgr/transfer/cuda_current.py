@@ -84,6 +84,14 @@ def device_is_current(device: torch.device) -> bool:
     return torch.cuda.current_device() == index
 
 
+def _resolve(name: str, version: int) -> Any:
+    """The driver entry point, or None without cuda-python or a driver."""
+    try:
+        return cuda_python_resolver(name, version)
+    except Exception:
+        return None
+
+
 def device_check(device: torch.device, real_events: bool) -> Callable[[], bool]:
     """``check()``: whether ``device`` is the current CUDA device, as ``device_is_current``.
 
@@ -97,19 +105,16 @@ def device_check(device: torch.device, real_events: bool) -> Callable[[], bool]:
     "not current": the caller switches with ``torch.cuda.device``, as it does for another
     device. Where the driver refuses the read, in a forked child (torch's flag: the driver's
     answer there is not to be trusted) or where ``current_device`` is a test's stand-in (at
-    construction or at a check), ``device_is_current``, which raises what torch raises. Everywhere else
-    ``device_is_current`` throughout: torch's ``_cuda_getDevice`` runs the runtime's code,
-    cold on every submit (9 us median on the H100 host in session 13's step).
+    construction or at a check), ``device_is_current`` decides (and raises what torch raises);
+    elsewhere throughout. (torch's ``_cuda_getDevice`` runs the runtime's code, cold on every
+    submit: 9 us median in the H100 step, session 13; this check 6.1, session 15.)
     """
     fallback = functools.partial(device_is_current, device)
     stand_in = torch.cuda.current_device is not _TORCH_CURRENT_DEVICE  # a test's fake CUDA
     context = None if stand_in or not real_events or device.index is None else native_context()
     if context is None:
         return fallback
-    try:
-        entry = cuda_python_resolver("cuCtxGetCurrent", 4000)  # PFN_cuCtxGetCurrent_v4000
-    except Exception:  # no cuda-python, no driver
-        entry = None
+    entry = _resolve("cuCtxGetCurrent", 4000)  # PFN_cuCtxGetCurrent_v4000
     if not entry:
         return fallback
     with torch.cuda.device(device):

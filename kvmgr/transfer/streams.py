@@ -79,14 +79,7 @@ class CopyStreams:
         counters: the engine's totals.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        compute_stream: Any = None,
-        *,
-        h2d_priority: str = "high",
-        name: str = "cuda",
-    ) -> None:
+    def __init__(self, device: torch.device, compute_stream: Any = None, *, h2d_priority: str = "high", name: str = "cuda") -> None:  # fmt: skip
         self._device = device
         self._current = CurrentStream(device)
         self._compute_stream = compute_stream
@@ -108,15 +101,8 @@ class CopyStreams:
         self._queues: dict[Direction, queue.SimpleQueue[_InFlight | None]] = {
             d: queue.SimpleQueue() for d in Direction
         }
-        self._threads = [
-            threading.Thread(
-                target=self._complete_in_order,
-                args=(self._queues[d],),
-                name=f"kvmgr-{name}-{d.value}-done",
-                daemon=True,
-            )
-            for d in Direction
-        ]
+        done = self._complete_in_order
+        self._threads = [threading.Thread(target=done, args=(self._queues[d],), name=f"kvmgr-{name}-{d.value}-done", daemon=True) for d in Direction]  # fmt: skip
         for thread in self._threads:
             thread.start()
         self._stopped = False

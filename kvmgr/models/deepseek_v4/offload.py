@@ -1,8 +1,7 @@
 """Offload and restore a DeepSeek-V4 request at any token boundary, bit for bit.
 
 Offers:
-    DeepSeekV4Offload   stores / loads one request's live blocks of every cache group, through one
-                        ``OffloadManager`` per group (today's manager has one block geometry)
+    DeepSeekV4Offload   stores / loads one request's live blocks of every group, one manager each
     allocate_caches     the GPU (or CPU) tensors of every group, ``[num_blocks, *block_shape]``
     boundary_keys       the CPU-tier keys of every group at a boundary
 
@@ -18,16 +17,15 @@ A restore point is a boundary ``N`` (tokens computed) of one request. What it ho
   is the *sidecar* of the boundary: the compressor's partial-window state is copied, not
   recomputed (docs/hybrid-models.md says why).
 
-Pages are copied whole, so a restore reproduces the GPU's bytes exactly; positions past ``N`` in a
-loaded block are overwritten by the next steps before anything reads them.
+Pages are copied whole, so a restore reproduces the GPU's bytes exactly (positions past ``N`` in
+a loaded block are overwritten by the next steps before anything reads them).
 
 Until one manager serves several cache groups (issue 28, section 1), each group has its own
-manager, CPU pool and policy. Consequences the caller must know: a step submits one batch per
-group and direction; a store's room is counted in every group before any queues (should a
-group still refuse, the store's future fails once the queued groups' copies ended); each
-policy evicts on its own, so a restore point can
-lose one group while others keep theirs: :meth:`DeepSeekV4Offload.is_restorable` asks every
-group, and a restore point whose groups are not all READY is worth nothing.
+manager, CPU pool and policy. So: a step submits one batch per group and direction; a store's
+room is checked in every group before any queues (should a group still refuse, the future fails
+once the queued copies ended); each policy evicts on its own, so a restore point can lose one
+group while others keep theirs (:meth:`DeepSeekV4Offload.is_restorable` asks every group; a
+restore point whose groups are not all READY is worth nothing).
 """
 
 from __future__ import annotations
