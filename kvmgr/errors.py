@@ -102,6 +102,13 @@ class PoolExhaustedError(KVMgrError, RuntimeError):
         self.available = available
         self.reason = reason
 
+    def reworded(self, message: str) -> PoolExhaustedError:
+        """The same refusal (``needed``, ``available``, ``reason``) with another message: for
+        a caller naming where it happened (a cache group)."""
+        return PoolExhaustedError(
+            message, needed=self.needed, available=self.available, reason=self.reason
+        )
+
 
 class HazardError(KVMgrError, RuntimeError):
     """A transfer batch would read and write one block, or write one destination twice."""

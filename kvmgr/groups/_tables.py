@@ -150,9 +150,4 @@ def check_room(work: StoreWork, layout: GroupedLayout, managers: Sequence[Any]) 
             raise GroupKeyError(f"group {name!r}: {exc}; no group's store was queued") from exc
         except PoolExhaustedError as exc:
             name = layout.groups[g].name
-            raise PoolExhaustedError(
-                f"group {name!r}: {exc}; no group's store was queued",
-                needed=exc.needed,
-                available=exc.available,
-                reason=exc.reason,
-            ) from exc
+            raise exc.reworded(f"group {name!r}: {exc}; no group's store was queued") from exc

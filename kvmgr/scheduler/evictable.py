@@ -43,14 +43,17 @@ def evictable(
     return can_evict
 
 
-def no_room(n: int, num_free: int, num_ready: int, num_blocks: int) -> PoolExhaustedError:
+def no_room(n: int, num_free: int, num_ready: int, num_blocks: int, evictable: int | None = None) -> PoolExhaustedError:  # fmt: skip
     """The error of a CPU tier that cannot make ``n`` blocks free (``num_free`` free,
-    ``num_ready`` of ``num_blocks`` pinned so far): reason ``"cpu_pinning"`` while the region
-    is still being pinned, else ``"cpu_full"``."""
+    ``evictable`` evictable where counted, ``num_ready`` of ``num_blocks`` pinned so far):
+    reason ``"cpu_pinning"`` while the region is still being pinned, else ``"cpu_full"``."""
     pinning = num_ready < num_blocks
+    if evictable is None:
+        victims = "too few evictable (READY without loads in flight)"
+    else:
+        victims = f"{evictable} evictable (READY, no loads in flight, no key below them that cannot go)"  # fmt: skip
     return PoolExhaustedError(
-        f"cpu tier: need {n} blocks, {num_free} free and too few evictable (READY without"
-        " loads in flight)"
+        f"cpu tier: need {n} blocks, {num_free} free and {victims}"
         + (f"; {num_ready} of {num_blocks} pinned so far" * pinning)
         + "; nothing changed. Room appears when stores and loads in flight complete"
         " (step(), then await them), when requests are freed or resumed (free(),"
@@ -58,6 +61,6 @@ def no_room(n: int, num_free: int, num_ready: int, num_blocks: int) -> PoolExhau
         ' blocks per call, raise num_cpu_blocks, or set backpressure="wait" to let'
         " the store wait up to store_wait_s seconds for room",
         needed=n,
-        available=num_free,
+        available=num_free + (evictable or 0),
         reason="cpu_pinning" if pinning else "cpu_full",
     )

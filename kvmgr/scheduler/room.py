@@ -18,7 +18,6 @@ from collections.abc import Collection
 
 import numpy as np
 
-from kvmgr.errors import PoolExhaustedError
 from kvmgr.scheduler.cpu_tier import CpuState, CpuTier
 from kvmgr.scheduler.evictable import no_room
 from kvmgr.scheduler.keys import check_keys, check_parents
@@ -83,17 +82,5 @@ def check_store_room(
     if n > free:
         victims = num_victims(cpu, checked if present else ())
         if n > free + victims:
-            raise _short(n, max(0, free), victims, cpu)
+            raise no_room(n, max(0, free), cpu.pool.num_ready, cpu.num_blocks, victims)
     return checked, n
-
-
-def _short(n: int, free: int, victims: int, cpu: CpuTier) -> PoolExhaustedError:
-    """``no_room``'s error (its reason and advice) with the evictable blocks counted."""
-    base = no_room(n, free, cpu.pool.num_ready, cpu.num_blocks)
-    return PoolExhaustedError(
-        f"cpu tier: need {n} blocks, {free} free and {victims} evictable (READY, no loads in "
-        f"flight, no key below them that cannot go); {str(base).split('; ', 1)[1]}",
-        needed=n,
-        available=free + victims,
-        reason=base.reason,
-    )

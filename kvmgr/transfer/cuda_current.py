@@ -209,11 +209,8 @@ def event_calls(real_events: bool) -> tuple[Any, Any]:
     ):  # fmt: skip
         return _record_by_method, _wait_by_method
     call = native_call()
-    try:
-        entries = [cuda_python_resolver(name, version) for name, version in _EVENT_ENTRIES]
-    except Exception:  # no cuda-python, no driver: torch's methods
-        entries = []
-    if call is None or len(entries) != 2 or not all(entries):
+    entries = [_resolve(name, version) for name, version in _EVENT_ENTRIES]
+    if call is None or not all(entries):  # no cuda-python, no driver: torch's methods
         return record, wait
     driver = DriverEvents(call, int(entries[0]), int(entries[1]), record, wait)  # type: ignore[arg-type]
     return driver.record, driver.wait

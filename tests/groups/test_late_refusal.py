@@ -2,9 +2,10 @@
 
 The room checks of ``GroupedManager.store`` and ``DeepSeekV4Offload.store`` were not exact: a
 READY key counted as evictable may be the parent of a key that cannot go, which leaf-first
-policies never evict (leftovers14; exact since session 15, ``test_exact_room.py``). A later group's ``swap_out`` then refused while the earlier
-groups' stores stayed queued, and the call raised: the caller, told the store failed, reused its
-blocks, and the queued copies read them at the next step. Now the call returns a future that
+policies never evict (leftovers14; exact since session 15, ``test_exact_room.py``). A later
+group's ``swap_out`` then refused while the earlier groups' stores stayed queued, and the call
+raised: the caller, told the store failed, reused its blocks, and the queued copies read them
+at the next step. Now the call returns a future that
 fails with the refusal only once those copies ended. The refusal is injected (the group's
 ``swap_out`` raises): the safety net stays for a refusal the check cannot foresee.
 """
@@ -26,7 +27,7 @@ def _refuse(*args: Any, **kwargs: Any) -> Any:
     raise PoolExhaustedError("injected: no room", needed=1, available=0, reason="cpu_full")
 
 
-async def _check_late_refusal(managers: list[Any], store: Any) -> None:
+async def _check_late_refusal(managers: list[Any], store: Any) -> asyncio.Future[Any]:
     """``store()`` gives a future (no raise), busy blocks until the step, then the refusal."""
     future = store()
     assert isinstance(future, asyncio.Future)

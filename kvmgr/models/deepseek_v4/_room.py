@@ -39,9 +39,4 @@ def check_stores(
         try:
             managers[name].check_store_room(group_keys)
         except PoolExhaustedError as exc:
-            raise PoolExhaustedError(
-                f"group {name!r}: {exc}; no group's store was queued",
-                needed=exc.needed,
-                available=exc.available,
-                reason=exc.reason,
-            ) from exc
+            raise exc.reworded(f"group {name!r}: {exc}; no group's store was queued") from exc
