@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvmgr import cli
+from kvmgr.errors import ConfigError
 from kvmgr.sim import cli as sim_cli
 from kvmgr.sim import trace as sim_trace
+from kvmgr.sim.config import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 #: subcommands whose flags must all carry help text (the bench modules belong to their owners)
@@ -414,3 +416,41 @@ def test_demo_prints_short_lines_for_many_blocks(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "300 blocks verified: True" in out and "(292 more)" in out
     assert max(map(len, out.splitlines())) < 200  # 100000 blocks used to print a 2.8 MB line
+
+
+# ---------------------------------------------------------------- simulate: non-finite flags (newuser16)
+
+# --time-scale inf hung (every arrival at inf: the loop never reached one); --step-ms inf
+# reported "virtual time inf s; TTFT nan" with exit 0; --max-memory-gib inf was a traceback
+# (OverflowError from int()), nan "cannot convert float NaN to integer"; --sweep-policies ','
+# ran no run and drew an empty plot.
+_BAD_FLAGS = [
+    (["--time-scale", "inf"], "time_scale: expected a finite number > 0"),
+    (["--step-ms", "inf"], "step_ms"),
+    (["--max-memory-gib", "inf"], "--max-memory-gib: expected a finite number >= 0"),
+    (["--max-memory-gib", "nan"], "--max-memory-gib: expected a finite number >= 0"),
+    (["--max-memory-gib", "-1"], "--max-memory-gib: expected a finite number >= 0"),
+    (["--sweep", "1M", "--sweep-policies", ","], "--sweep-policies: expected one policy"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), _BAD_FLAGS)
+def test_non_finite_and_empty_flags_are_one_line_and_exit_2(
+    extra: list[str], message: str, no_run: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["simulate", "--quiet", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmgr simulate: error:") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("field", ["time_scale", "step_ms"])
+def test_sim_config_refuses_infinite_times(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SimConfig(**{field: float("inf")})
+
+
+def test_finite_extremes_still_run(tmp_path: Path) -> None:
+    """Infinite throughput and bandwidth are meaningful (free compute, free loads): they run."""
+    argv = ["simulate", "--quiet", "--limit", "3", "--tokens-per-s", "inf", "--h2d-gbps", "inf"]
+    assert cli.main([*argv, "--json", str(tmp_path / "r.json")]) == 0
